@@ -1,0 +1,632 @@
+"""The SNIP plan solver: an integer linear program (python-mip / CBC) and the baselines (SNIP.md section 5).
+
+Decision units are layers (per-layer plans) or (layer, GEMM) pairs (per-GEMM plans; each GEMM carries one
+third of its layer's FLOPs). With two allowed precisions a unit has one binary x (1 = fp4); with more, a
+one-hot x_p. The program is
+
+    minimise   Σ_u Σ_p C_u(p)·x_u,p  +  flip_penalty · Σ_u (F_u/ΣF)·[p_u ≠ previous_u]
+    subject to Σ_u F_u·x_u,fp4 ≥ target·ΣF          (FP4 share, the efficiency target ρ)
+               Σ_u F_u·x_u,fp4 ≤ max_share·ΣF      (optional: every method lands on the same share)
+               Σ_u F_u·gemm_cost[p]·x_u,p ≤ compute_budget·ΣF   (optional; relative to all-BF16)
+               x_u,p fixed for pinned units.
+
+It is a knapsack; a 560-layer (Llama-2-70B) instance solves in milliseconds. If CBC stops at its time limit
+the best feasible solution is used (status ``"time_limit_feasible"``); if it finds none, a greedy knapsack
+plan is (``"greedy_fallback"``).
+
+Cost key scheme: per-layer ``costs[fqn][precision] = float``; per-GEMM (``per_gemm=True``)
+``costs[fqn][precision] = {"fprop": float, "dgrad": float, "wgrad": float}``.
+
+This module is pure data: no torch, no torch.distributed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import time
+import warnings
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import mip
+
+from snip_ds.plan import GEMMS, PRECISIONS, Plan, fp4_share, _listed
+
+# Relative cost of one GEMM FLOP per precision (BF16 = 1): tensor-core throughput doubles per halving of
+# the operand width. Used only for the optional compute-budget constraint.
+GEMM_COST = {"bf16": 1.0, "fp8": 0.5, "fp4": 0.25}
+
+DEFAULT_ALLOWED = ("fp8", "fp4")
+METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
+STATS_FORMAT = "snip_ds.stats/1"
+
+# Per-layer fields of a stats file that map precision -> number.
+_PRECISION_FIELDS = ("fld", "bwd", "bwd_propagated", "first_order", "quant_err", "rel_quant_err")
+_REQUIRED_LAYER_FIELDS = ("flops", "fld", "bwd")
+_SHARE_TOL = 1e-9  # share constraints are checked to this absolute tolerance
+
+Unit = Any  # fqn (per-layer) or (fqn, gemm) (per-GEMM)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------------
+def block_index(fqn: str) -> int:
+    """Decoder-block index of a layer: the first all-digit component of its fqn.
+
+    >>> block_index("model.layers.3.self_attn.q_proj")
+    3
+    """
+    for part in fqn.split("."):
+        if part.isdigit():
+            return int(part)
+    raise ValueError(f"layer {fqn!r} has no block index (no all-digit component in its name)")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_allowed(allowed: Sequence[str] | None) -> tuple[str, ...]:
+    allowed = DEFAULT_ALLOWED if allowed is None else tuple(allowed)
+    if not allowed:
+        raise ValueError(f"'allowed' is empty; choose from {', '.join(PRECISIONS)}")
+    bad = [p for p in allowed if p not in PRECISIONS]
+    if bad:
+        raise ValueError(f"'allowed' has unknown precision(s) {bad}; valid precisions are {', '.join(PRECISIONS)}")
+    return tuple(p for p in PRECISIONS if p in allowed)  # canonical order, no duplicates
+
+
+def _check_share(value: Any, name: str) -> float:
+    if not _is_number(value) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"'{name}' must be a number in [0, 1] (an FP4 share of FLOPs), got {value!r}")
+    return float(value)
+
+
+def _gemm_map(value: Any, where: str) -> dict[str, str]:
+    """A pinned / previous entry as {gemm: precision}."""
+    if isinstance(value, str):
+        value = {g: value for g in GEMMS}
+    if not isinstance(value, Mapping) or set(value) != set(GEMMS):
+        raise ValueError(f"{where} must be a precision or {{gemm: precision}} naming {', '.join(GEMMS)}, "
+                         f"got {value!r}")
+    for g, p in value.items():
+        if p not in PRECISIONS:
+            raise ValueError(f"{where} GEMM {g!r} has precision {p!r}; valid precisions are {', '.join(PRECISIONS)}")
+    return dict(value)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Problem set-up (validated, normalised to decision units)
+# --------------------------------------------------------------------------------------------------------
+class _Problem(NamedTuple):
+    units: list            # decision units, in a fixed order
+    fqn_of: dict           # unit -> fqn
+    weight: dict           # unit -> F_u / ΣF (share of all linear FLOPs)
+    choices: dict          # unit -> tuple of precisions it may take (one when pinned)
+    cost: dict             # (unit, precision) -> cost incl. flip penalty
+    raw_cost: dict         # (unit, precision) -> cost excl. flip penalty
+    prev: dict             # unit -> previous precision (units the previous plan names)
+
+
+def _setup(costs, flops, target, allowed, pinned, previous, flip_penalty, per_gemm) -> _Problem:
+    if not isinstance(costs, Mapping) or not costs:
+        raise ValueError("cost table is empty: need costs {fqn: {precision: cost}} for at least one layer")
+    if not isinstance(flops, Mapping):
+        raise ValueError(f"'flops' must be a mapping fqn -> FLOPs, got {type(flops).__name__}")
+    missing, extra = set(costs) - set(flops), set(flops) - set(costs)
+    if missing or extra:
+        raise ValueError(f"costs and flops name different layers: no FLOPs for {len(missing)} [{_listed(missing)}], "
+                         f"no costs for {len(extra)} [{_listed(extra)}]")
+    for fqn, f in flops.items():
+        if not _is_number(f) or not math.isfinite(f) or f <= 0:
+            raise ValueError(f"flops of layer {fqn!r} must be a positive finite number, got {f!r}")
+    if not _is_number(flip_penalty) or not math.isfinite(flip_penalty) or flip_penalty < 0:
+        raise ValueError(f"'flip_penalty' must be a finite number >= 0, got {flip_penalty!r}")
+
+    pinned = dict(pinned or {})
+    unknown = set(pinned) - set(costs)
+    if unknown:
+        raise ValueError(f"'pinned' names {len(unknown)} layer(s) not in the cost table: {_listed(unknown)}")
+    pinned = {fqn: _gemm_map(v, f"pinned layer {fqn!r}") for fqn, v in pinned.items()}
+    if not per_gemm:
+        for fqn, g in pinned.items():
+            if len(set(g.values())) != 1:
+                raise ValueError(f"pinned layer {fqn!r} gives different GEMMs different precisions; "
+                                 f"that needs per_gemm=True")
+
+    if previous is None:
+        prev_map = {}
+    elif isinstance(previous, Plan):
+        prev_map = previous.gemm_assignment()
+    elif isinstance(previous, Mapping):
+        prev_map = {fqn: _gemm_map(v, f"previous plan layer {fqn!r}") for fqn, v in previous.items()}
+    else:
+        raise ValueError(f"'previous' must be a Plan or a mapping fqn -> precision, got {type(previous).__name__}")
+
+    total = float(sum(flops.values()))
+    units, fqn_of, weight, choices, cost, raw_cost, prev = [], {}, {}, {}, {}, {}, {}
+    for fqn in sorted(costs):
+        table = costs[fqn]
+        if not isinstance(table, Mapping):
+            raise ValueError(f"costs of layer {fqn!r} must map precision -> cost, got {type(table).__name__}")
+        gemms = GEMMS if per_gemm else (None,)
+        for g in gemms:
+            u = (fqn, g) if per_gemm else fqn
+            units.append(u)
+            fqn_of[u] = fqn
+            weight[u] = float(flops[fqn]) / total / len(gemms)
+            if fqn in pinned:
+                choices[u] = (pinned[fqn][g or "fprop"],)
+            else:
+                choices[u] = allowed
+            for p in choices[u]:
+                c = table.get(p)
+                if per_gemm:
+                    if isinstance(c, Mapping):
+                        c = c.get(g)
+                    elif c is not None:
+                        raise ValueError(f"costs of layer {fqn!r} precision {p!r} must be {{gemm: cost}} "
+                                         f"with per_gemm=True, got {c!r}")
+                if c is None and fqn in pinned:
+                    c = 0.0  # a pinned layer's cost is a constant; it may be absent (e.g. bf16)
+                if not _is_number(c) or not math.isfinite(c):
+                    where = f"layer {fqn!r} precision {p!r}" + (f" GEMM {g!r}" if per_gemm else "")
+                    raise ValueError(f"costs of {where} must be a finite number, got {c!r} "
+                                     f"(allowed precisions: {', '.join(allowed)})")
+                raw_cost[u, p] = float(c)
+            if fqn in prev_map:
+                prev[u] = prev_map[fqn][g] if per_gemm else prev_map[fqn]
+            for p in choices[u]:
+                cost[u, p] = raw_cost[u, p] + flip_penalty * _flip_fraction(prev.get(u), p) * weight[u]
+    return _Problem(units, fqn_of, weight, choices, cost, raw_cost, prev)
+
+
+def _flip_fraction(previous: Any, p: str) -> float:
+    """Fraction of the unit's GEMMs whose precision differs from ``previous`` when the unit takes ``p``.
+
+    ``previous`` is None (no previous: no flip), a precision (per-GEMM unit), or {gemm: precision}
+    (a per-layer unit; a per-GEMM previous plan counts each differing GEMM as a third of a flip).
+    """
+    if previous is None:
+        return 0.0
+    if isinstance(previous, str):
+        return float(previous != p)
+    return sum(q != p for q in previous.values()) / len(GEMMS)
+
+
+def _check_reachable(prob: _Problem, target: float, max_share: float | None) -> None:
+    hi = sum(w for u, w in prob.weight.items() if "fp4" in prob.choices[u])
+    lo = sum(w for u, w in prob.weight.items() if prob.choices[u] == ("fp4",))
+    if hi < target - _SHARE_TOL:
+        raise ValueError(f"target FP4 share {target:.4f} is unreachable: with the allowed precisions and pinned "
+                         f"layers at most {hi:.4f} of the FLOPs can run in fp4")
+    if max_share is not None and lo > max_share + _SHARE_TOL:
+        raise ValueError(f"max_share {max_share:.4f} is unreachable: pinned fp4 layers already hold "
+                         f"{lo:.4f} of the FLOPs")
+
+
+# --------------------------------------------------------------------------------------------------------
+# ILP
+# --------------------------------------------------------------------------------------------------------
+def _optimize(model: mip.Model, time_limit: float) -> mip.OptimizationStatus:
+    """Runs CBC (a seam so tests can force solver failures)."""
+    return model.optimize(max_seconds=time_limit)
+
+
+def _solve_ilp(prob: _Problem, target, max_share, gemm_cost, compute_budget, time_limit):
+    """Returns (choice per unit or None, mip status)."""
+    model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+    model.verbose = 0
+    model.threads = 1
+    model.max_mip_gap = 1e-9
+    model.max_mip_gap_abs = 1e-12
+    model.infeas_tol = 1e-9
+    # Scale costs to O(1) so CBC's absolute tolerances do not swamp tiny costs (FLD values are ~1e-6).
+    scale = max((abs(c) for c in prob.cost.values()), default=1.0) or 1.0
+
+    sel: dict = {}  # (unit, precision) -> LinExpr or constant
+    binaries: dict = {}
+    for u in prob.units:
+        ch = prob.choices[u]
+        if len(ch) == 1:
+            sel[u, ch[0]] = 1.0
+        elif len(ch) == 2:
+            x = model.add_var(var_type=mip.BINARY)
+            binaries[u] = (x, ch)
+            sel[u, ch[1]] = x          # ch is in PRECISIONS order: ch[1] is the narrower one
+            sel[u, ch[0]] = 1 - x
+        else:
+            xs = [model.add_var(var_type=mip.BINARY) for _ in ch]
+            binaries[u] = (xs, ch)
+            model += mip.xsum(xs) == 1
+            for x, p in zip(xs, ch):
+                sel[u, p] = x
+
+    model.objective = mip.minimize(mip.xsum((prob.cost[k] / scale) * v for k, v in sel.items()
+                                            if not isinstance(v, float)))
+    fp4 = [prob.weight[u] * sel[u, "fp4"] for u in prob.units if (u, "fp4") in sel
+           and not isinstance(sel[u, "fp4"], float)]
+    fixed_fp4 = sum(prob.weight[u] for u in prob.units if prob.choices[u] == ("fp4",))
+    if fp4:
+        model += mip.xsum(fp4) >= target - fixed_fp4
+        if max_share is not None:
+            model += mip.xsum(fp4) <= max_share - fixed_fp4
+    if compute_budget is not None:
+        model += mip.xsum(prob.weight[u] * gemm_cost[p] * v for (u, p), v in sel.items()) <= compute_budget
+
+    status = _optimize(model, time_limit)
+    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) or model.num_solutions == 0:
+        return None, status
+    choice = {}
+    for u in prob.units:
+        if u not in binaries:
+            choice[u] = prob.choices[u][0]
+            continue
+        xs, ch = binaries[u]
+        if len(ch) == 2:
+            choice[u] = ch[1] if xs.x >= 0.5 else ch[0]
+        else:
+            choice[u] = ch[max(range(len(ch)), key=lambda i: xs[i].x)]
+    return choice, status
+
+
+# --------------------------------------------------------------------------------------------------------
+# Greedy knapsack fallback
+# --------------------------------------------------------------------------------------------------------
+def _greedy(prob: _Problem, target, max_share, gemm_cost, compute_budget) -> dict | None:
+    """Greedy knapsack: cheapest precision per unit, then cheapest moves (cost delta per FLOP) to fp4 until
+    the target share holds, then back out of fp4 / into cheaper GEMMs for the upper bounds. Returns None
+    when the constraints cannot be met this way."""
+    choice = {u: min(prob.choices[u], key=lambda p: prob.cost[u, p]) for u in prob.units}
+    w = prob.weight
+    share = sum(w[u] for u in prob.units if choice[u] == "fp4")
+
+    if share < target - _SHARE_TOL:
+        moves = sorted((u for u in prob.units if choice[u] != "fp4" and "fp4" in prob.choices[u]),
+                       key=lambda u: (prob.cost[u, "fp4"] - prob.cost[u, choice[u]]) / w[u])
+        for u in moves:
+            if share >= target - _SHARE_TOL:
+                break
+            choice[u] = "fp4"
+            share += w[u]
+
+    if max_share is not None and share > max_share + _SHARE_TOL:
+        def back_cost(u):
+            alts = [p for p in prob.choices[u] if p != "fp4"]
+            return min(alts, key=lambda p: prob.cost[u, p]) if alts else None
+        moves = sorted((u for u in prob.units if choice[u] == "fp4" and back_cost(u)),
+                       key=lambda u: (prob.cost[u, back_cost(u)] - prob.cost[u, "fp4"]) / w[u])
+        for u in moves:
+            if share <= max_share + _SHARE_TOL:
+                break
+            if share - w[u] >= target - _SHARE_TOL:
+                choice[u] = back_cost(u)
+                share -= w[u]
+
+    if compute_budget is not None:
+        def compute():
+            return sum(w[u] * gemm_cost[choice[u]] for u in prob.units)
+        cand = []
+        for u in prob.units:
+            for p in prob.choices[u]:
+                saved = w[u] * (gemm_cost[choice[u]] - gemm_cost[p])
+                if saved > 0:
+                    cand.append(((prob.cost[u, p] - prob.cost[u, choice[u]]) / saved, u, p))
+        for _, u, p in sorted(cand, key=lambda t: t[0]):
+            if compute() <= compute_budget + _SHARE_TOL:
+                break
+            if gemm_cost[p] >= gemm_cost[choice[u]]:
+                continue
+            new_share = share + w[u] * ((p == "fp4") - (choice[u] == "fp4"))
+            if max_share is None or new_share <= max_share + _SHARE_TOL:
+                choice[u], share = p, new_share
+        if compute() > compute_budget + _SHARE_TOL:
+            return None
+
+    if share < target - _SHARE_TOL or (max_share is not None and share > max_share + _SHARE_TOL):
+        return None
+    return choice
+
+
+# --------------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------------
+def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float], target: float, *,
+               allowed: Sequence[str] | None = None, pinned: Mapping[str, Any] | None = None,
+               previous: Plan | Mapping[str, Any] | None = None, flip_penalty: float = 0.0,
+               time_limit: float = 10.0, max_share: float | None = None, per_gemm: bool = False,
+               gemm_cost: Mapping[str, float] | None = None, compute_budget: float | None = None,
+               method: str = "best", meta: Mapping[str, Any] | None = None) -> Plan:
+    """Solves the SNIP plan ILP (SNIP.md section 5).
+
+    Args:
+        costs: Per-layer costs ``{fqn: {precision: C}}``; with ``per_gemm=True``
+            ``{fqn: {precision: {"fprop": C, "dgrad": C, "wgrad": C}}}``. Every allowed precision must have a
+            finite cost for every unpinned layer.
+        flops: ``{fqn: F}``, FLOPs per step of the layer's three GEMMs; same keys as ``costs``.
+        target: Minimum FP4 share of the FLOPs, in [0, 1] (ρ).
+        allowed: Precisions a layer may take (default ``("fp8", "fp4")``: one binary per unit; with three, a
+            one-hot per unit).
+        pinned: ``{fqn: precision}`` (or ``{fqn: {gemm: precision}}`` with per_gemm) fixed layers; a pinned
+            precision need not be in ``allowed`` and its cost may be absent (then 0).
+        previous: The previous plan (Plan or mapping); each unit whose precision differs costs
+            ``flip_penalty · F_u/ΣF`` (a per-layer plan against a per-GEMM previous counts a third per GEMM).
+            Layers the previous plan lacks cost nothing.
+        flip_penalty: Penalty for flipping all FLOPs, in cost units (>= 0).
+        time_limit: CBC time limit in seconds.
+        max_share: Optional upper bound on the FP4 share (so every method lands on the same share).
+        per_gemm: Decide each GEMM (fprop, dgrad, wgrad) separately.
+        gemm_cost: Relative cost of a GEMM FLOP per precision for ``compute_budget`` (default
+            :data:`GEMM_COST`).
+        compute_budget: Optional bound ``Σ_u (F_u/ΣF)·gemm_cost[p_u] <= compute_budget`` (all-BF16 = 1.0).
+        method: Recorded in the plan.
+        meta: Extra JSON scalars recorded in ``plan.meta``.
+
+    Returns:
+        A frozen :class:`Plan`; ``objective`` is Σ cost + flip penalty of the chosen plan (unscaled);
+        ``status`` is ``"optimal"``, ``"time_limit_feasible"`` or ``"greedy_fallback"``.
+
+    Raises:
+        ValueError: empty or inconsistent inputs, a target outside [0, 1], an unreachable share or budget.
+    """
+    start = time.perf_counter()
+    allowed = _check_allowed(allowed)
+    target = _check_share(target, "target")
+    if max_share is not None:
+        max_share = _check_share(max_share, "max_share")
+        if max_share < target:
+            raise ValueError(f"'max_share' ({max_share}) is below 'target' ({target})")
+    gemm_cost = dict(GEMM_COST if gemm_cost is None else gemm_cost)
+    if compute_budget is not None:
+        if not _is_number(compute_budget) or compute_budget <= 0:
+            raise ValueError(f"'compute_budget' must be a positive number (all-BF16 = 1.0), got {compute_budget!r}")
+        missing = [p for p in PRECISIONS if not _is_number(gemm_cost.get(p))]
+        if missing:
+            raise ValueError(f"'gemm_cost' lacks relative cost(s) for {', '.join(missing)}")
+    if not _is_number(time_limit) or time_limit <= 0:
+        raise ValueError(f"'time_limit' must be a positive number of seconds, got {time_limit!r}")
+
+    prob = _setup(costs, flops, target, allowed, pinned, previous, flip_penalty, per_gemm)
+    _check_reachable(prob, target, max_share)
+
+    choice, mip_status = _solve_ilp(prob, target, max_share, gemm_cost, compute_budget, time_limit)
+    if choice is not None:
+        status = "optimal" if mip_status == mip.OptimizationStatus.OPTIMAL else "time_limit_feasible"
+    elif mip_status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
+        raise ValueError(f"no plan meets the constraints (target {target}, max_share {max_share}, "
+                         f"compute_budget {compute_budget}): the ILP is infeasible")
+    else:
+        choice = _greedy(prob, target, max_share, gemm_cost, compute_budget)
+        if choice is None:
+            raise ValueError(f"the solver found no plan ({mip_status.name}) and the greedy fallback cannot meet "
+                             f"target {target}, max_share {max_share}, compute_budget {compute_budget}")
+        status = "greedy_fallback"
+
+    return _make_plan(prob, choice, flops, per_gemm, status, method, start, meta,
+                      target=target, max_share=max_share, flip_penalty=float(flip_penalty),
+                      time_limit=float(time_limit), solver_status=mip_status.name)
+
+
+def _make_plan(prob: _Problem, choice: dict, flops, per_gemm, status, method, start, meta, **solver_meta) -> Plan:
+    if per_gemm:
+        assignment: dict = {}
+        for (fqn, g), p in choice.items():
+            assignment.setdefault(fqn, {})[g] = p
+    else:
+        assignment = dict(choice)
+    objective = sum(prob.cost[u, choice[u]] for u in prob.units)
+    flips = sum(_flip_fraction(prob.prev.get(u), choice[u]) * (1 if per_gemm else len(GEMMS))
+                for u in prob.units) if prob.prev else 0
+    info = {"solve_time_s": time.perf_counter() - start, "num_layers": len(flops),
+            "flipped_gemms": int(round(flips)), **solver_meta, **dict(meta or {})}
+    return Plan(assignment=assignment, fp4_share=fp4_share(assignment, flops), objective=objective,
+                status=status, method=method, meta=info)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Statistics files and baselines
+# --------------------------------------------------------------------------------------------------------
+class StatsCosts(NamedTuple):
+    """Costs for :func:`solve_plan` derived from a statistics artifact."""
+
+    costs: dict    # {fqn: {precision: C}} or per-GEMM {fqn: {precision: {gemm: C}}}
+    flops: dict    # {fqn: F}
+    pinned: dict   # {fqn: "fp8"} for layers whose statistics are not finite
+
+
+def validate_stats(stats: Any, source: str = "<stats>") -> dict:
+    """Checks a decoded statistics artifact; returns it. Messages name ``source`` and the field."""
+    if not isinstance(stats, Mapping):
+        raise ValueError(f"{source}: statistics must be a JSON object, got {type(stats).__name__}")
+    if stats.get("format") != STATS_FORMAT:
+        raise ValueError(f"{source}: field 'format' is {stats.get('format')!r}; expected {STATS_FORMAT!r}")
+    for field, types in (("step", (int,)), ("world_size", (int,)), ("lr", (int, float)),
+                         ("lambda", (int, float)), ("estimator", (str,))):
+        if field in stats and (not isinstance(stats[field], types) or isinstance(stats[field], bool)):
+            raise ValueError(f"{source}: field '{field}' must be {' or '.join(t.__name__ for t in types)}, "
+                             f"got {stats[field]!r}")
+    layers = stats.get("layers")
+    if not isinstance(layers, Mapping) or not layers:
+        raise ValueError(f"{source}: field 'layers' must be a non-empty object {{fqn: {{...}}}}")
+    for fqn, rec in layers.items():
+        where = f"{source}: layers[{fqn!r}]"
+        if not isinstance(rec, Mapping):
+            raise ValueError(f"{where} must be an object, got {type(rec).__name__}")
+        for field in _REQUIRED_LAYER_FIELDS:
+            if field not in rec:
+                raise ValueError(f"{where} lacks field '{field}'")
+        f = rec["flops"]
+        if not _is_number(f) or not math.isfinite(f) or f <= 0:
+            raise ValueError(f"{where}.flops must be a positive finite number, got {f!r}")
+        for field in _PRECISION_FIELDS:
+            if field not in rec:
+                continue
+            table = rec[field]
+            if not isinstance(table, Mapping):
+                raise ValueError(f"{where}.{field} must be an object {{precision: number}}, got {table!r}")
+            for p, v in table.items():
+                if p not in PRECISIONS:
+                    raise ValueError(f"{where}.{field} has unknown precision {p!r}; valid: {', '.join(PRECISIONS)}")
+                if v is not None and not _is_number(v):
+                    raise ValueError(f"{where}.{field}.{p} must be a number, got {v!r}")
+            if field in ("fld", "bwd"):
+                lacking = [p for p in ("fp8", "fp4") if p not in table]
+                if lacking:
+                    raise ValueError(f"{where}.{field} lacks precision(s) {', '.join(lacking)}")
+        if "nonfinite" in rec and not isinstance(rec["nonfinite"], bool):
+            raise ValueError(f"{where}.nonfinite must be true or false, got {rec['nonfinite']!r}")
+    return dict(stats)
+
+
+def load_stats(path: str) -> dict:
+    """Reads and validates a statistics artifact (``snip_ds.stats/1`` JSON).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not JSON or a bad field; the message names the file and the field.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"statistics file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return validate_stats(data, source=path)
+
+
+def _finite(x: Any) -> bool:
+    return _is_number(x) and math.isfinite(x)
+
+
+def _metric_costs(stats: Mapping, fields: Mapping[str, float], per_gemm: bool,
+                  gemm_split: Mapping[str, Mapping[str, float]] | None = None) -> StatsCosts:
+    """Costs C(p) = Σ_field weight·layers[fqn][field][p]; bf16 costs 0 (no quantization).
+
+    ``gemm_split[field][gemm]`` says which fraction of a field's cost each GEMM carries (per-GEMM plans).
+    Layers flagged ``nonfinite`` or with non-finite values are pinned to fp8 (with one warning).
+    """
+    costs, flops, pinned = {}, {}, {}
+    for fqn, rec in stats["layers"].items():
+        flops[fqn] = float(rec["flops"])
+        for field in fields:
+            if field not in rec:
+                raise ValueError(f"statistics layers[{fqn!r}] lack field '{field}' needed for these costs")
+        bad = rec.get("nonfinite", False) or not all(
+            _finite(rec[field].get(p)) for field in fields for p in ("fp8", "fp4"))
+        table: dict = {}
+        for p in PRECISIONS:
+            if p == "bf16":
+                per_field = {field: 0.0 for field in fields}
+            elif bad:
+                per_field = {field: 0.0 for field in fields}
+            else:
+                per_field = {field: w * float(rec[field][p]) for field, w in fields.items()}
+            if per_gemm:
+                split = gemm_split or {field: {g: 1.0 / len(GEMMS) for g in GEMMS} for field in fields}
+                table[p] = {g: sum(per_field[fl] * split[fl][g] for fl in fields) for g in GEMMS}
+            else:
+                table[p] = sum(per_field.values())
+        costs[fqn] = table
+        if bad:
+            pinned[fqn] = "fp8"
+    if pinned:
+        warnings.warn(f"{len(pinned)} layer(s) have non-finite statistics and are pinned to fp8: "
+                      f"{_listed(pinned)}", RuntimeWarning, stacklevel=3)
+    return StatsCosts(costs, flops, pinned)
+
+
+def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool = False,
+                     bwd_key: str = "bwd") -> StatsCosts:
+    """SNIP costs C(p) = FLD(p) + λ·BWD(p) from a statistics artifact (SNIP.md sections 3-5).
+
+    Args:
+        stats: A validated statistics dict (:func:`load_stats` / :func:`validate_stats`).
+        lam: λ, the BWD weight; default the artifact's ``"lambda"``.
+        per_gemm: Per-GEMM costs: fprop carries FLD, dgrad and wgrad each carry half of λ·BWD (our split:
+            the artifact has no per-GEMM breakdown of BWD).
+        bwd_key: Which backward estimate to use: ``"bwd"`` (direct, default) or ``"bwd_propagated"``.
+
+    Returns:
+        :class:`StatsCosts` ``(costs, flops, pinned)``; layers with non-finite statistics are pinned to fp8
+        (a RuntimeWarning names them), their costs are 0 placeholders. bf16 costs 0.
+    """
+    if lam is None:
+        if "lambda" not in stats:
+            raise ValueError("statistics have no field 'lambda' and no λ was given")
+        lam = stats["lambda"]
+    if not _finite(lam) or lam < 0:
+        raise ValueError(f"λ must be a finite number >= 0, got {lam!r}")
+    if bwd_key not in ("bwd", "bwd_propagated"):
+        raise ValueError(f"bwd_key must be 'bwd' or 'bwd_propagated', got {bwd_key!r}")
+    split = {"fld": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0},
+             bwd_key: {"fprop": 0.0, "dgrad": 0.5, "wgrad": 0.5}}
+    return _metric_costs(stats, {"fld": 1.0, bwd_key: float(lam)}, per_gemm, split)
+
+
+def _random_costs(fqns: Sequence[str], seed: int, per_gemm: bool) -> dict:
+    rng = random.Random(seed)
+    costs = {}
+    for fqn in sorted(fqns):
+        if per_gemm:
+            costs[fqn] = {p: {g: rng.random() for g in GEMMS} for p in PRECISIONS}
+        else:
+            costs[fqn] = {p: rng.random() for p in PRECISIONS}
+    return costs
+
+
+def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | None = None, seed: int = 0,
+                   num_random: int = 1, allowed: Sequence[str] | None = None,
+                   pinned: Mapping[str, Any] | None = None, previous: Plan | Mapping | None = None,
+                   flip_penalty: float = 0.0, max_share: float | None = None, per_gemm: bool = False,
+                   time_limit: float = 10.0) -> list[Plan]:
+    """Solves one of :data:`METHODS` from a statistics artifact with the same ILP and share constraint.
+
+    Methods:
+        best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`).
+        random: seeded uniform random costs; ``num_random`` plans for seeds ``seed, seed+1, ...``.
+        quant_err / rel_quant_err: costs from the artifact's per-layer ``quant_err`` / ``rel_quant_err``.
+        uniform_fp8 / uniform_fp4: every layer at that precision (``target`` is not enforced; recorded).
+        first_last_fp8: first and last decoder blocks pinned to fp8; the rest solved with the SNIP costs
+            (so it differs from ``best`` only by the pin rule).
+
+    Returns:
+        A list of plans (one, or ``num_random`` for ``random``). Layers with non-finite statistics are
+        pinned to fp8 in every method except the uniform ones.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
+    if not isinstance(num_random, int) or num_random < 1:
+        raise ValueError(f"'num_random' must be a positive integer, got {num_random!r}")
+    fqns = sorted(stats["layers"])
+    flops = {fqn: float(stats["layers"][fqn]["flops"]) for fqn in fqns}
+    meta = {"rho": float(target), "step": stats.get("step")}
+
+    if method in ("uniform_fp8", "uniform_fp4"):
+        precision = method.split("_")[1]
+        plan = Plan.uniform(fqns, precision, flops)
+        return [Plan(assignment=plan.assignment, fp4_share=plan.fp4_share, objective=None, status="fixed",
+                     method=method, meta=meta)]
+
+    if method in ("best", "first_last_fp8"):
+        sc = costs_from_stats(stats, lam, per_gemm=per_gemm)
+        meta["lambda"] = float(stats["lambda"] if lam is None else lam)
+    elif method in ("quant_err", "rel_quant_err"):
+        sc = _metric_costs(stats, {method: 1.0}, per_gemm)
+    else:
+        sc = _metric_costs(stats, {"fld": 0.0}, per_gemm)  # only for the flops and non-finite pins
+    pins = {**sc.pinned, **dict(pinned or {})}
+    if method == "first_last_fp8":
+        blocks = {fqn: block_index(fqn) for fqn in fqns}
+        ends = {min(blocks.values()), max(blocks.values())}
+        pins = {**{fqn: "fp8" for fqn, b in blocks.items() if b in ends}, **pins}
+
+    common = dict(allowed=allowed, pinned=pins, previous=previous, flip_penalty=flip_penalty,
+                  time_limit=time_limit, max_share=max_share, per_gemm=per_gemm, method=method)
+    if method != "random":
+        return [solve_plan(sc.costs, sc.flops, target, meta=meta, **common)]
+    return [solve_plan(_random_costs(fqns, s, per_gemm), sc.flops, target, meta={**meta, "seed": s}, **common)
+            for s in range(seed, seed + num_random)]
