@@ -1,0 +1,422 @@
+"""Tests for snip_ds.planner against brute-force enumeration, plus fallbacks, baselines and stats files."""
+import itertools
+import json
+import math
+import random
+import time
+
+import mip
+import pytest
+
+import snip_ds.planner as planner
+from snip_ds.plan import GEMMS, Plan, fp4_share
+from snip_ds.planner import (GEMM_COST, METHODS, block_index, costs_from_stats, load_stats, solve_baseline,
+                             solve_plan, validate_stats)
+
+TOL = 1e-9
+NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _fqns(n):
+    return [f"model.layers.{i // 7}.{NAMES[i % 7]}" for i in range(n)]
+
+
+def _instance(n, seed, precisions=("bf16", "fp8", "fp4"), per_gemm=False):
+    rng = random.Random(seed)
+    fqns = _fqns(n)
+    flops = {f: rng.uniform(1.0, 10.0) for f in fqns}
+    if per_gemm:
+        costs = {f: {p: {g: rng.random() for g in GEMMS} for p in precisions} for f in fqns}
+    else:
+        costs = {f: {p: rng.random() for p in precisions} for f in fqns}
+    return costs, flops
+
+
+# ------------------------------------------------------------------------------------------------------
+# Independent reference: enumerate every assignment.
+# ------------------------------------------------------------------------------------------------------
+def _brute_force(costs, flops, target, allowed, pinned=None, previous=None, flip_penalty=0.0,
+                 max_share=None, per_gemm=False, compute_budget=None):
+    pinned = pinned or {}
+    total = sum(flops.values())
+    units = [(f, g) for f in sorted(costs) for g in (GEMMS if per_gemm else (None,))]
+    options = [(pinned[f],) if f in pinned else allowed for f, _ in units]
+    best = (math.inf, None)
+    for combo in itertools.product(*options):
+        share = compute = obj = 0.0
+        for (f, g), p in zip(units, combo):
+            w = flops[f] / total / (3 if per_gemm else 1)
+            share += w * (p == "fp4")
+            compute += w * GEMM_COST[p]
+            c = costs[f].get(p, 0.0)
+            obj += c[g] if per_gemm else c
+            if previous and f in previous:
+                obj += flip_penalty * w * (previous[f] != p)
+        if share < target - TOL or (max_share is not None and share > max_share + TOL):
+            continue
+        if compute_budget is not None and compute > compute_budget + TOL:
+            continue
+        if obj < best[0]:
+            best = (obj, combo)
+    return best
+
+
+def _assert_valid(plan, flops, target, max_share=None):
+    share = fp4_share(plan.assignment, flops)
+    assert share == pytest.approx(plan.fp4_share)
+    assert share >= target - TOL
+    if max_share is not None:
+        assert share <= max_share + TOL
+
+
+def _objective(plan, costs, per_gemm=False):
+    if per_gemm:
+        return sum(costs[f][plan.assignment[f][g]][g] for f in costs for g in GEMMS)
+    return sum(costs[f][plan.assignment[f]] for f in costs)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Optimality against brute force
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("target", [0.0, 0.3, 0.75, 1.0])
+def test_two_precisions_matches_brute_force(seed, target):
+    costs, flops = _instance(12, seed)
+    plan = solve_plan(costs, flops, target)
+    ref, _ = _brute_force(costs, flops, target, ("fp8", "fp4"))
+    assert plan.status == "optimal" and plan.method == "best"
+    assert set(plan.assignment.values()) <= {"fp8", "fp4"}
+    _assert_valid(plan, flops, target)
+    assert plan.objective == pytest.approx(ref, abs=1e-9)
+    assert _objective(plan, costs) == pytest.approx(plan.objective)
+    assert plan.meta["solve_time_s"] > 0
+
+
+def test_tiny_costs_are_not_lost_to_solver_tolerances():
+    costs, flops = _instance(10, 7)
+    tiny = {f: {p: c * 1e-9 for p, c in t.items()} for f, t in costs.items()}
+    plan = solve_plan(tiny, flops, 0.6)
+    ref, _ = _brute_force(tiny, flops, 0.6, ("fp8", "fp4"))
+    assert plan.objective == pytest.approx(ref, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_three_precisions_one_hot_matches_brute_force(seed):
+    costs, flops = _instance(7, seed)
+    allowed = ("bf16", "fp8", "fp4")
+    for target, budget in [(0.4, None), (0.2, 0.45), (0.0, 0.3)]:
+        plan = solve_plan(costs, flops, target, allowed=allowed, compute_budget=budget)
+        ref, _ = _brute_force(costs, flops, target, allowed, compute_budget=budget)
+        assert plan.objective == pytest.approx(ref, abs=1e-9)
+        _assert_valid(plan, flops, target)
+        if budget is not None:
+            compute = sum(flops[f] * GEMM_COST[p] for f, p in plan.assignment.items()) / sum(flops.values())
+            assert compute <= budget + TOL
+
+
+def test_three_precisions_uses_bf16_when_cheapest():
+    fqns = _fqns(4)
+    flops = {f: 1.0 for f in fqns}
+    costs = {f: {"bf16": 0.0, "fp8": 1.0, "fp4": 5.0} for f in fqns}
+    plan = solve_plan(costs, flops, 0.5, allowed=("bf16", "fp8", "fp4"))
+    assert sorted(plan.assignment.values()) == ["bf16", "bf16", "fp4", "fp4"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_per_gemm_matches_brute_force(seed):
+    costs, flops = _instance(4, seed, per_gemm=True)  # 12 binary units
+    for target in (0.25, 0.6):
+        plan = solve_plan(costs, flops, target, per_gemm=True)
+        ref, _ = _brute_force(costs, flops, target, ("fp8", "fp4"), per_gemm=True)
+        assert plan.per_gemm
+        assert plan.objective == pytest.approx(ref, abs=1e-9)
+        assert _objective(plan, costs, per_gemm=True) == pytest.approx(plan.objective)
+        _assert_valid(plan, flops, target)
+
+
+def test_per_gemm_splits_a_layer_when_that_is_cheaper():
+    fqns = _fqns(2)
+    flops = {fqns[0]: 1.0, fqns[1]: 100.0}
+    costs = {fqns[0]: {"fp8": {g: 0.0 for g in GEMMS}, "fp4": {g: 10.0 for g in GEMMS}},
+             fqns[1]: {"fp8": {g: 0.0 for g in GEMMS}, "fp4": {"fprop": 9.0, "dgrad": 1.0, "wgrad": 2.0}}}
+    # 1/3 of the big layer is ~33% of the FLOPs: its cheapest GEMM in fp4 meets a 30% target.
+    plan = solve_plan(costs, flops, 0.30, per_gemm=True)
+    assert dict(plan.assignment[fqns[1]]) == {"fprop": "fp8", "dgrad": "fp4", "wgrad": "fp8"}
+    assert plan.fp4_share == pytest.approx(100 / 3 / 101)
+
+
+def test_max_share_pins_the_share():
+    costs, flops = _instance(10, 3)
+    # Costs that make fp4 cheaper everywhere: without an upper bound every layer goes fp4.
+    cheap4 = {f: {"fp8": 1.0, "fp4": 0.0} for f in costs}
+    assert solve_plan(cheap4, flops, 0.5).fp4_share == pytest.approx(1.0)
+    plan = solve_plan(cheap4, flops, 0.5, max_share=0.6)
+    _assert_valid(plan, flops, 0.5, max_share=0.6)
+    ref, _ = _brute_force(cheap4, flops, 0.5, ("fp8", "fp4"), max_share=0.6)
+    assert plan.objective == pytest.approx(ref)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Pins and flip penalty
+# ------------------------------------------------------------------------------------------------------
+def test_pinned_layers_are_respected_and_optimal():
+    costs, flops = _instance(10, 4)
+    fqns = sorted(costs)
+    pinned = {fqns[0]: "fp4", fqns[3]: "fp8", fqns[5]: "bf16"}  # bf16 is outside allowed: still fine
+    plan = solve_plan(costs, flops, 0.5, pinned=pinned)
+    for f, p in pinned.items():
+        assert plan.assignment[f] == p
+    ref, _ = _brute_force(costs, flops, 0.5, ("fp8", "fp4"), pinned=pinned)
+    assert plan.objective == pytest.approx(ref)
+    _assert_valid(plan, flops, 0.5)
+
+
+def test_flip_penalty_matches_brute_force_and_reduces_flips():
+    costs, flops = _instance(12, 5)
+    fqns = sorted(costs)
+    rng = random.Random(11)
+    previous = {f: rng.choice(["fp8", "fp4"]) for f in fqns}
+    flips = []
+    for penalty in (0.0, 0.5, 2.0, 1000.0):
+        plan = solve_plan(costs, flops, 0.5, previous=previous, flip_penalty=penalty)
+        ref, _ = _brute_force(costs, flops, 0.5, ("fp8", "fp4"), previous=previous, flip_penalty=penalty)
+        assert plan.objective == pytest.approx(ref, abs=1e-9)
+        n = sum(plan.assignment[f] != previous[f] for f in fqns)
+        assert plan.meta["flipped_gemms"] == 3 * n
+        flips.append(n)
+    assert flips == sorted(flips, reverse=True) and flips[0] > flips[-1]
+
+
+def test_huge_flip_penalty_keeps_a_feasible_previous_plan():
+    costs, flops = _instance(12, 6)
+    previous = solve_plan(costs, flops, 0.7)
+    new_costs, _ = _instance(12, 60)
+    assert solve_plan(new_costs, flops, 0.7).digest() != previous.digest()
+    kept = solve_plan(new_costs, flops, 0.7, previous=previous, flip_penalty=1e6)
+    assert kept.digest() == previous.digest()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Greedy fallback and time limits
+# ------------------------------------------------------------------------------------------------------
+def test_greedy_fallback_when_solver_finds_nothing(monkeypatch):
+    costs, flops = _instance(12, 8)
+    optimal = solve_plan(costs, flops, 0.6)
+    monkeypatch.setattr(planner, "_optimize", lambda model, t: mip.OptimizationStatus.NO_SOLUTION_FOUND)
+    plan = solve_plan(costs, flops, 0.6, max_share=0.8)
+    assert plan.status == "greedy_fallback"
+    _assert_valid(plan, flops, 0.6, max_share=0.8)
+    assert plan.objective >= optimal.objective - 1e-12
+    assert _objective(plan, costs) == pytest.approx(plan.objective)
+
+
+def test_greedy_is_optimal_for_equal_flops(monkeypatch):
+    # With equal FLOPs the knapsack is a sort: greedy (cost delta per FLOP) is exact.
+    rng = random.Random(9)
+    fqns = _fqns(12)
+    flops = {f: 2.0 for f in fqns}
+    costs = {f: {"fp8": rng.random(), "fp4": rng.random()} for f in fqns}
+    optimal = solve_plan(costs, flops, 0.5)
+    monkeypatch.setattr(planner, "_optimize", lambda model, t: mip.OptimizationStatus.ERROR)
+    greedy = solve_plan(costs, flops, 0.5)
+    assert greedy.status == "greedy_fallback"
+    assert greedy.objective == pytest.approx(optimal.objective)
+    assert greedy.digest() == optimal.digest()
+
+
+def test_greedy_respects_compute_budget(monkeypatch):
+    costs, flops = _instance(7, 2)
+    monkeypatch.setattr(planner, "_optimize", lambda model, t: mip.OptimizationStatus.NO_SOLUTION_FOUND)
+    plan = solve_plan(costs, flops, 0.2, allowed=("bf16", "fp8", "fp4"), compute_budget=0.4)
+    compute = sum(flops[f] * GEMM_COST[p] for f, p in plan.assignment.items()) / sum(flops.values())
+    assert plan.status == "greedy_fallback" and compute <= 0.4 + TOL
+    _assert_valid(plan, flops, 0.2)
+
+
+def test_time_limit_keeps_feasible_solution(monkeypatch):
+    costs, flops = _instance(12, 10)
+
+    def stopped(model, t):
+        model.optimize(max_seconds=t)
+        return mip.OptimizationStatus.FEASIBLE  # what CBC reports when it stops with an incumbent
+
+    monkeypatch.setattr(planner, "_optimize", stopped)
+    plan = solve_plan(costs, flops, 0.5)
+    assert plan.status == "time_limit_feasible"
+    _assert_valid(plan, flops, 0.5)
+
+
+def test_real_tiny_time_limit_still_returns_a_valid_plan():
+    costs, flops = _instance(560, 12, per_gemm=True)
+    plan = solve_plan(costs, flops, 0.75, per_gemm=True, allowed=("bf16", "fp8", "fp4"), time_limit=1e-4)
+    assert plan.status in ("optimal", "time_limit_feasible", "greedy_fallback")
+    _assert_valid(plan, flops, 0.75)
+
+
+def test_70b_sized_instance_solves_well_under_a_second():
+    costs, flops = _instance(560, 13)
+    solve_plan(costs, flops, 0.75)  # warm-up (loads CBC)
+    start = time.perf_counter()
+    plan = solve_plan(costs, flops, 0.75)
+    assert time.perf_counter() - start < 1.0
+    assert plan.status == "optimal"
+    _assert_valid(plan, flops, 0.75)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------------
+def test_bad_inputs():
+    costs, flops = _instance(7, 0)
+    fqns = sorted(costs)
+    with pytest.raises(ValueError, match="'target' must be a number in"):
+        solve_plan(costs, flops, 1.5)
+    with pytest.raises(ValueError, match="'target' must be a number in"):
+        solve_plan(costs, flops, -0.1)
+    with pytest.raises(ValueError, match="cost table is empty"):
+        solve_plan({}, {}, 0.5)
+    with pytest.raises(ValueError, match="different layers"):
+        solve_plan(costs, {f: 1.0 for f in fqns[:-1]}, 0.5)
+    with pytest.raises(ValueError, match="unreachable"):
+        solve_plan(costs, flops, 0.9, pinned={fqns[0]: "fp8", fqns[1]: "fp8", fqns[2]: "fp8"})
+    with pytest.raises(ValueError, match="unreachable"):
+        solve_plan(costs, flops, 0.5, allowed=("bf16", "fp8"))
+    with pytest.raises(ValueError, match="valid precisions are bf16, fp8, fp4"):
+        solve_plan(costs, flops, 0.5, allowed=("fp8", "int4"))
+    with pytest.raises(ValueError, match="not in the cost table"):
+        solve_plan(costs, flops, 0.5, pinned={"model.layers.9.q_proj": "fp8"})
+    with pytest.raises(ValueError, match="'max_share'"):
+        solve_plan(costs, flops, 0.5, max_share=0.4)
+    with pytest.raises(ValueError, match="positive finite"):
+        solve_plan(costs, {**flops, fqns[0]: 0.0}, 0.5)
+    no_fp4 = {**costs, fqns[0]: {"fp8": 1.0}}
+    with pytest.raises(ValueError, match=f"layer '{fqns[0]}' precision 'fp4' must be a finite number"):
+        solve_plan(no_fp4, flops, 0.5)
+    with pytest.raises(ValueError, match="infeasible"):
+        solve_plan(costs, flops, 0.9, allowed=("bf16", "fp8", "fp4"), compute_budget=0.2)
+    with pytest.raises(ValueError, match="per_gemm=True"):
+        solve_plan(costs, flops, 0.5, per_gemm=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Stats artifacts and baselines
+# ------------------------------------------------------------------------------------------------------
+def make_stats(n_blocks=3, seed=0, lam=10.0):
+    rng = random.Random(seed)
+    layers = {}
+    for b in range(n_blocks):
+        for name in NAMES:
+            rec = {"flops": rng.uniform(1e9, 5e9), "nonfinite": False}
+            for field in ("fld", "bwd", "quant_err", "rel_quant_err"):
+                rec[field] = {"fp8": rng.random() * 1e-3, "fp4": rng.random()}
+            part = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            layers[f"model.layers.{b}.{part}.{name}"] = rec
+    return {"format": "snip_ds.stats/1", "step": 100, "lr": 3e-4, "world_size": 2, "estimator": "mc_fisher",
+            "lambda": lam, "layers": layers}
+
+
+def test_block_index():
+    assert block_index("model.layers.3.self_attn.q_proj") == 3
+    assert block_index("transformer.h.17.mlp.c_fc") == 17
+    with pytest.raises(ValueError, match="no block index"):
+        block_index("lm_head")
+
+
+def test_costs_from_stats_formula_and_lambda_default():
+    stats = make_stats()
+    sc = costs_from_stats(stats, 100.0)
+    fqn = sorted(stats["layers"])[0]
+    rec = stats["layers"][fqn]
+    assert sc.costs[fqn]["fp4"] == pytest.approx(rec["fld"]["fp4"] + 100.0 * rec["bwd"]["fp4"])
+    assert sc.costs[fqn]["bf16"] == 0.0
+    assert sc.flops[fqn] == rec["flops"] and sc.pinned == {}
+    default = costs_from_stats(stats)
+    assert default.costs[fqn]["fp8"] == pytest.approx(rec["fld"]["fp8"] + 10.0 * rec["bwd"]["fp8"])
+    g = costs_from_stats(stats, 100.0, per_gemm=True).costs[fqn]["fp4"]
+    assert g["fprop"] == pytest.approx(rec["fld"]["fp4"])
+    assert g["dgrad"] == pytest.approx(50.0 * rec["bwd"]["fp4"]) == pytest.approx(g["wgrad"])
+
+
+def test_nonfinite_layers_are_pinned_to_fp8_with_warning():
+    stats = make_stats()
+    fqns = sorted(stats["layers"])
+    stats["layers"][fqns[0]]["nonfinite"] = True
+    stats["layers"][fqns[1]]["bwd"]["fp4"] = float("nan")
+    with pytest.warns(RuntimeWarning, match="2 layer"):
+        sc = costs_from_stats(stats)
+    assert sc.pinned == {fqns[0]: "fp8", fqns[1]: "fp8"}
+    with pytest.warns(RuntimeWarning):
+        (plan,) = solve_baseline("best", stats, 0.5)
+    assert plan.assignment[fqns[0]] == plan.assignment[fqns[1]] == "fp8"
+
+
+def test_baselines():
+    stats = make_stats(n_blocks=4)
+    fqns = sorted(stats["layers"])
+    flops = {f: stats["layers"][f]["flops"] for f in fqns}
+    target = 0.45  # first_last_fp8 pins 2 of 4 blocks: at most ~0.5 is reachable
+    plans = {m: solve_baseline(m, stats, target, seed=3, num_random=3) for m in METHODS}
+    assert [len(v) for v in plans.values()] == [1, 3, 1, 1, 1, 1, 1]
+    for m, ps in plans.items():
+        for p in ps:
+            assert p.method == m and p.meta["rho"] == target
+            if not m.startswith("uniform"):
+                _assert_valid(p, flops, target)
+    assert plans["uniform_fp8"][0].fp4_share == 0.0 and plans["uniform_fp4"][0].fp4_share == 1.0
+    # best == the ILP on FLD + λ BWD; quant_err == the ILP on the quant_err table.
+    sc = costs_from_stats(stats)
+    assert plans["best"][0].digest() == solve_plan(sc.costs, sc.flops, target).digest()
+    qe = {f: {p: stats["layers"][f]["quant_err"].get(p, 0.0) for p in ("fp8", "fp4")} for f in fqns}
+    assert plans["quant_err"][0].digest() == solve_plan(qe, flops, target).digest()
+    # random: seeds 3, 4, 5, reproducible and different from each other.
+    assert [p.meta["seed"] for p in plans["random"]] == [3, 4, 5]
+    assert len({p.digest() for p in plans["random"]}) == 3
+    assert solve_baseline("random", stats, target, seed=4)[0].digest() == plans["random"][1].digest()
+    # first_last_fp8: blocks 0 and 3 in fp8, the rest as solved.
+    for f, p in plans["first_last_fp8"][0].assignment.items():
+        if block_index(f) in (0, 3):
+            assert p == "fp8"
+    with pytest.raises(ValueError, match="unknown method 'snip'.*valid methods are best, random"):
+        solve_baseline("snip", stats, target)
+
+
+def test_first_last_unreachable_target_is_an_error():
+    stats = make_stats(n_blocks=3)
+    with pytest.raises(ValueError, match="unreachable"):
+        solve_baseline("first_last_fp8", stats, 0.5)  # 2 of 3 blocks pinned: ~1/3 reachable at most
+
+
+def test_baselines_same_share_with_max_share():
+    stats = make_stats(n_blocks=4)
+    shares = [solve_baseline(m, stats, 0.5, max_share=0.52)[0].fp4_share
+              for m in ("best", "quant_err", "rel_quant_err", "random")]
+    assert all(0.5 - TOL <= s <= 0.52 + TOL for s in shares)
+
+
+def test_load_stats_round_trip_and_errors(tmp_path):
+    stats = make_stats()
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(stats))
+    assert load_stats(str(path)) == stats
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        load_stats(str(tmp_path / "missing.json"))
+    path.write_text("{oops")
+    with pytest.raises(ValueError, match=f"{path}: not valid JSON"):
+        load_stats(str(path))
+    fqn = sorted(stats["layers"])[0]
+    cases = [
+        (lambda s: s.update(format="other"), "field 'format'"),
+        (lambda s: s.update(step="ten"), "field 'step' must be int"),
+        (lambda s: s.update(layers={}), "field 'layers'"),
+        (lambda s: s["layers"][fqn].pop("fld"), f"layers\\['{fqn}'\\] lacks field 'fld'"),
+        (lambda s: s["layers"][fqn].update(flops=-1), "flops must be a positive"),
+        (lambda s: s["layers"][fqn]["bwd"].update(fp6=1.0), "unknown precision 'fp6'"),
+        (lambda s: s["layers"][fqn]["bwd"].pop("fp4"), "bwd lacks precision"),
+        (lambda s: s["layers"][fqn]["fld"].update(fp4="big"), "fld.fp4 must be a number"),
+        (lambda s: s["layers"][fqn].update(nonfinite="no"), "nonfinite must be true or false"),
+    ]
+    for mutate, match in cases:
+        bad = json.loads(json.dumps(stats))
+        mutate(bad)
+        with pytest.raises(ValueError, match=match):
+            validate_stats(bad, source="s.json")
