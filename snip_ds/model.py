@@ -1,0 +1,245 @@
+"""Model construction: the embedded default Llama, user models, and the decoder-linear inventory.
+
+The default is a ~10M-parameter Llama (6 blocks, hidden 384, GQA with 2 KV heads) built from a
+``LlamaConfig`` in code, so training works on a fresh machine with nothing to download. Every GEMM
+contraction width (384, 128, 1024) is a multiple of 32, the largest block size any SNIP format uses.
+
+Users may instead pass a local Hugging Face model directory or a JSON config file. Any causal LM whose
+decoder blocks expose ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj`` as ``nn.Linear``
+(Llama, Mistral, Qwen2, ...) is accepted; everything else is refused with the names that are missing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
+
+__all__ = [
+    "ATTN_PROJ_NAMES",
+    "MLP_PROJ_NAMES",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_VOCAB_SIZE",
+    "build_model",
+    "count_parameters",
+    "decoder_blocks",
+    "decoder_linear_names",
+    "default_model_config",
+    "pad_vocab_size",
+]
+
+ATTN_PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")  # children of block.self_attn
+MLP_PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")  # children of block.mlp
+DEFAULT_VOCAB_SIZE = 257  # ByteTokenizer: 256 bytes + EOS
+DEFAULT_BLOCK_SIZE = 256
+_VOCAB_MULTIPLE = 8  # pad the embedding rows so GEMM widths stay aligned
+
+
+def pad_vocab_size(vocab_size: int, multiple: int = _VOCAB_MULTIPLE) -> int:
+    """Round ``vocab_size`` up to a multiple of ``multiple`` (the extra rows are never targets)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    return -(-vocab_size // multiple) * multiple
+
+
+def default_model_config(
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    eos_token_id: int | None = DEFAULT_VOCAB_SIZE - 1,
+) -> LlamaConfig:
+    """The embedded default: a ~10M-parameter Llama sized for CPU training in minutes.
+
+    Args:
+        vocab_size: The tokenizer's vocabulary size; the model's is padded up to a multiple of 8.
+        block_size: Training sequence length; ``max_position_embeddings`` is at least this.
+        eos_token_id: Recorded in the config for generation (the ByteTokenizer's EOS by default).
+
+    Returns:
+        A ``LlamaConfig`` with 6 blocks, hidden 384, 6 query heads of width 64, 2 KV heads (GQA),
+        SwiGLU width 1024, RoPE, untied embeddings.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return LlamaConfig(
+        vocab_size=pad_vocab_size(vocab_size),
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=max(block_size, DEFAULT_BLOCK_SIZE),
+        initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=False,
+        mlp_bias=False,
+    )
+
+
+def build_model(
+    model_name_or_path: str | Path | None = None,
+    model_config: str | Path | Mapping[str, Any] | PretrainedConfig | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> PreTrainedModel:
+    """Build the causal LM to train.
+
+    Exactly one source is used: a local pretrained directory, a config (JSON file, dict or
+    ``PretrainedConfig``, initialised from scratch), or, with neither, :func:`default_model_config`.
+    Initialisation from scratch is deterministic in ``seed`` and leaves the global RNG untouched.
+
+    Args:
+        model_name_or_path: Local Hugging Face model directory (``config.json`` + weights). Never downloads.
+        model_config: Config for a model trained from scratch.
+        vocab_size: The tokenizer's vocabulary size; the model's must be at least this.
+        seed: Seed for the from-scratch initialisation.
+        dtype: Parameter dtype of the returned model.
+        block_size: Sequence length, only used to size the default config.
+
+    Returns:
+        The model, in train mode, on CPU.
+
+    Raises:
+        FileNotFoundError: A path does not exist or lacks ``config.json``.
+        ValueError: Both sources given, malformed config, not a Llama-family model, vocab too small.
+    """
+    if model_name_or_path is not None and model_config is not None:
+        raise ValueError("pass model_name_or_path or model_config, not both")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if model_name_or_path is not None:
+            model = _load_pretrained(Path(model_name_or_path), dtype)
+            source = f"model directory {model_name_or_path}"
+        else:
+            if model_config is None:
+                config = default_model_config(vocab_size or DEFAULT_VOCAB_SIZE, block_size)
+                source = "default model config"
+            else:
+                config, source = _resolve_config(model_config)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    model = model.to(dtype)
+    decoder_linear_names(model)  # raises, naming what is missing, if not Llama-family
+    model_vocab = model.get_input_embeddings().weight.shape[0]
+    if vocab_size is not None and model_vocab < vocab_size:
+        raise ValueError(
+            f"{source}: model vocab_size {model_vocab} is smaller than the tokenizer's {vocab_size}"
+        )
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def _load_pretrained(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    if not path.exists():
+        raise FileNotFoundError(f"model_name_or_path {str(path)!r} does not exist (only local directories load)")
+    if not path.is_dir():
+        raise ValueError(
+            f"model_name_or_path {str(path)!r} is not a directory; pass a config file as model_config instead"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model_name_or_path {str(path)!r} has no config.json")
+    _read_json(path / "config.json")  # a clear error for malformed JSON before transformers sees it
+    return AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, trust_remote_code=False, dtype=dtype
+    )
+
+
+def _resolve_config(model_config: str | Path | Mapping[str, Any] | PretrainedConfig) -> tuple[PretrainedConfig, str]:
+    if isinstance(model_config, PretrainedConfig):
+        return model_config, f"{type(model_config).__name__}"
+    if isinstance(model_config, Mapping):
+        return _config_from_dict(dict(model_config), "model_config dict"), "model_config dict"
+    path = Path(model_config)
+    if not path.exists():
+        raise FileNotFoundError(f"model_config {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"model_config {str(path)!r} is not a file; pass a model directory as model_name_or_path")
+    source = f"model_config {str(path)!r}"
+    return _config_from_dict(_read_json(path), source), source
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: malformed JSON config: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a model config must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _config_from_dict(data: dict[str, Any], source: str) -> PretrainedConfig:
+    """A dict with ``model_type`` goes through ``AutoConfig``; without one it is a ``LlamaConfig``."""
+    model_type = data.pop("model_type", None)
+    try:
+        if model_type is None:
+            return LlamaConfig(**data)
+        return AutoConfig.for_model(model_type, **data)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"{source}: invalid config ({err}); expected LlamaConfig fields or a 'model_type' of a "
+            "Llama-family causal LM such as 'llama', 'mistral', 'qwen2'"
+        ) from None
+
+
+# ------------------------------------------------------------------ decoder inventory
+
+
+def decoder_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The decoder blocks as ``(fqn, module)``: the elements of the model's first non-empty ``ModuleList``.
+
+    Raises:
+        ValueError: The model has no ``nn.ModuleList`` of blocks.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            return [(f"{name}.{i}" if name else str(i), block) for i, block in enumerate(module)]
+    raise ValueError(
+        f"{type(model).__name__} is not a Llama-family causal LM: no nn.ModuleList of decoder blocks found"
+    )
+
+
+def decoder_linear_names(model: nn.Module) -> list[str]:
+    """Fully qualified names of the 7 linears of every decoder block, lm_head excluded.
+
+    Order: block by block, and within a block q, k, v, o, gate, up, down. Pure: only reads the model.
+    ``nn.Linear`` subclasses (e.g. quantized swaps) count as linears.
+
+    Raises:
+        ValueError: Some block lacks one of the projections, named with what the block has instead.
+    """
+    names = []
+    for block_name, block in decoder_blocks(model):
+        missing = []
+        for parent, children in (("self_attn", ATTN_PROJ_NAMES), ("mlp", MLP_PROJ_NAMES)):
+            parent_module = getattr(block, parent, None)
+            for child in children:
+                layer = getattr(parent_module, child, None) if isinstance(parent_module, nn.Module) else None
+                if isinstance(layer, nn.Linear):
+                    names.append(f"{block_name}.{parent}.{child}")
+                else:
+                    missing.append(f"{parent}.{child}")
+        if missing:
+            found = sorted(n for n, m in block.named_modules() if isinstance(m, nn.Linear))
+            raise ValueError(
+                f"{type(model).__name__} is not a Llama-family causal LM: decoder block {block_name!r} lacks "
+                f"nn.Linear {', '.join(missing)}; its linears are: {', '.join(found) or 'none'}"
+            )
+    return names
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameter elements (each shared Parameter counted once)."""
+    return sum(p.numel() for p in model.parameters())
