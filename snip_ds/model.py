@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 __all__ = [
     "ATTN_PROJ_NAMES",
@@ -128,7 +128,7 @@ def build_model(
                 source = "default model config"
             else:
                 config, source = _resolve_config(model_config)
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+            model = _from_config(config, source)
     model = model.to(dtype)
     decoder_linear_names(model)  # raises, naming what is missing, if not Llama-family
     model_vocab = model.get_input_embeddings().weight.shape[0]
@@ -170,6 +170,14 @@ def _resolve_config(model_config: str | Path | Mapping[str, Any] | PretrainedCon
     return _config_from_dict(_read_json(path), source), source
 
 
+def _from_config(config: PretrainedConfig, source: str) -> PreTrainedModel:
+    try:
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except ValueError:  # transformers lists every known class; keep the message to one line
+        raise ValueError(f"{source}: model_type {config.model_type!r} has no causal-LM class; expected a "
+                         "Llama-family causal LM such as 'llama', 'mistral', 'qwen2'") from None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -183,6 +191,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _config_from_dict(data: dict[str, Any], source: str) -> PretrainedConfig:
     """A dict with ``model_type`` goes through ``AutoConfig``; without one it is a ``LlamaConfig``."""
     model_type = data.pop("model_type", None)
+    if model_type is not None and model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{source}: unknown model_type {model_type!r}; expected a Llama-family causal LM "
+                         "such as 'llama', 'mistral', 'qwen2'")
     try:
         if model_type is None:
             return LlamaConfig(**data)
