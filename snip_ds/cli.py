@@ -1,0 +1,214 @@
+"""The ``snip-ds`` command line: solve, show and compare precision plans.
+
+    snip-ds plan STATS.json --efficiency-saving 0.75 --method best -o plan.json
+    snip-ds plan STATS.json --efficiency-saving 0.75 --method random --num-random 5 -o random.json
+    snip-ds show plan.json
+    snip-ds diff a.json b.json
+
+User errors (missing file, bad JSON, bad field, impossible target) print one line to stderr and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Sequence
+
+from snip_ds.plan import GEMMS, PRECISIONS, Plan
+from snip_ds.planner import METHODS, block_index, load_stats, solve_baseline
+
+# Column order and headers for the Llama decoder block; other layer names get their own columns after these.
+_LLAMA_COLUMNS = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o"),
+                  ("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
+_CHAR = {"bf16": "B", "fp8": "8", "fp4": "4"}
+_MISSING = "."
+
+
+class UserError(Exception):
+    """A problem with the user's input: reported as one line, exit code 2."""
+
+
+def _parse_pin(text: str) -> tuple[str, str]:
+    fqn, sep, precision = text.partition("=")
+    if not sep or not fqn:
+        raise UserError(f"--pin {text!r}: expected FQN=PRECISION, e.g. model.layers.0.mlp.down_proj=fp8")
+    if precision not in PRECISIONS:
+        raise UserError(f"--pin {text!r}: unknown precision {precision!r}; valid precisions are "
+                        f"{', '.join(PRECISIONS)}")
+    return fqn, precision
+
+
+def _output_paths(output: str, seeds: Sequence[int]) -> list[str]:
+    if len(seeds) == 1:
+        return [output]
+    stem, ext = os.path.splitext(output)
+    return [f"{stem}.seed{s}{ext or '.json'}" for s in seeds]
+
+
+def _describe(plan: Plan) -> str:
+    share = "unknown" if plan.fp4_share is None else f"{plan.fp4_share:.4f}"
+    return (f"method {plan.method}, status {plan.status}, {len(plan.assignment)} layers, FP4 share {share}"
+            + ("" if plan.objective is None else f", objective {plan.objective:.6g}"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# plan
+# --------------------------------------------------------------------------------------------------------
+def _cmd_plan(args: argparse.Namespace) -> int:
+    stats = load_stats(args.stats)
+    pinned = dict(_parse_pin(p) for p in args.pin or [])
+    allowed = tuple(a for a in args.allowed.split(",") if a)
+    previous = Plan.load(args.previous) if args.previous else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plans = solve_baseline(
+            args.method, stats, args.efficiency_saving, lam=args.lam, seed=args.seed, num_random=args.num_random,
+            allowed=allowed, pinned=pinned, previous=previous, flip_penalty=args.flip_penalty,
+            max_share=args.max_share, per_gemm=args.per_gemm, time_limit=args.time_limit)
+    for w in caught:
+        print(f"snip-ds: warning: {w.message}", file=sys.stderr)
+    seeds = [p.meta.get("seed", args.seed) for p in plans]
+    for plan, path in zip(plans, _output_paths(args.output, seeds)):
+        plan.save(path)
+        print(f"{path}: {_describe(plan)}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# show
+# --------------------------------------------------------------------------------------------------------
+def _cell(value) -> str:
+    if isinstance(value, str):
+        return _CHAR[value]
+    return "".join(_CHAR[value[g]] for g in GEMMS)
+
+
+def render_plan(plan: Plan, title: str = "plan") -> str:
+    """Per-block precision map: rows are decoder blocks, columns the block's linears, one char a precision
+    (three for a per-GEMM plan: fprop, dgrad, wgrad)."""
+    rows: dict = {}
+    leaves: list[str] = []
+    for fqn, value in plan.assignment.items():
+        try:
+            block = block_index(fqn)
+        except ValueError:
+            block = "-"
+        leaf = fqn.rsplit(".", 1)[-1]
+        if leaf not in leaves:
+            leaves.append(leaf)
+        rows.setdefault(block, {})[leaf] = _cell(value)
+    known = [name for name, _ in _LLAMA_COLUMNS if name in leaves]
+    columns = known + sorted(set(leaves) - set(known))
+    header = {name: short for name, short in _LLAMA_COLUMNS}
+    width = 3 if plan.per_gemm else 1
+    widths = [max(len(header.get(c, c)), width) for c in columns]
+    order = sorted((b for b in rows if b != "-")) + (["-"] if "-" in rows else [])
+    lines = [f"{title}: {_describe(plan)}",
+             "block  " + "  ".join(header.get(c, c).ljust(w) for c, w in zip(columns, widths))]
+    for b in order:
+        cells = [rows[b].get(c, _MISSING * width).ljust(w) for c, w in zip(columns, widths)]
+        lines.append(f"{str(b):>5}  " + "  ".join(cells))
+    legend = ", ".join(f"{ch} = {p}" for p, ch in _CHAR.items()) + f", {_MISSING} = not in plan"
+    if plan.per_gemm:
+        legend += f"; per-GEMM cells read {'/'.join(GEMMS)}"
+    counts = {}
+    for v in plan.gemm_assignment().values():
+        for p in v.values():
+            counts[p] = counts.get(p, 0) + 1
+    total = sum(counts.values())
+    lines.append("legend: " + legend)
+    lines.append("GEMMs: " + ", ".join(f"{p} {counts.get(p, 0)}/{total}" for p in PRECISIONS))
+    return "\n".join(lines)
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    print(render_plan(Plan.load(args.plan), title=args.plan))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# diff
+# --------------------------------------------------------------------------------------------------------
+def _label(value) -> str:
+    return value if isinstance(value, str) else "/".join(value[g] for g in GEMMS)
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    a, b = Plan.load(args.a), Plan.load(args.b)
+    print(f"A {args.a}: {_describe(a)}")
+    print(f"B {args.b}: {_describe(b)}")
+    only_a = sorted(set(a.assignment) - set(b.assignment))
+    only_b = sorted(set(b.assignment) - set(a.assignment))
+    ga, gb = a.gemm_assignment(), b.gemm_assignment()
+    common = sorted(set(ga) & set(gb))
+    differ = [f for f in common if ga[f] != gb[f]]
+    transitions: dict = {}
+    for f in differ:
+        key = f"{_label(a.assignment[f])} -> {_label(b.assignment[f])}"
+        transitions[key] = transitions.get(key, 0) + 1
+    print(f"{len(differ)} of {len(common)} common layers differ"
+          + (": " + ", ".join(f"{k}: {n}" for k, n in sorted(transitions.items())) if differ else ""))
+    if only_a or only_b:
+        print(f"{len(only_a)} layer(s) only in A, {len(only_b)} only in B")
+    width = max((len(f) for f in differ + only_a + only_b), default=0)
+    for f in differ:
+        print(f"  {f.ljust(width)}  {_label(a.assignment[f])} -> {_label(b.assignment[f])}")
+    for f in only_a:
+        print(f"  {f.ljust(width)}  {_label(a.assignment[f])} -> (absent)")
+    for f in only_b:
+        print(f"  {f.ljust(width)}  (absent) -> {_label(b.assignment[f])}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests)."""
+    parser = argparse.ArgumentParser(prog="snip-ds", description="SNIP FP8/FP4 precision plans.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="solve a plan from a statistics file")
+    p.add_argument("stats", help="statistics JSON (format snip_ds.stats/1)")
+    p.add_argument("--efficiency-saving", "--rho", dest="efficiency_saving", type=float, required=True,
+                   help="minimum FP4 share of the linear-GEMM FLOPs, in [0, 1]")
+    p.add_argument("--method", choices=METHODS, default="best")
+    p.add_argument("--lambda", dest="lam", type=float, default=None,
+                   help="BWD weight λ (default: the statistics file's 'lambda')")
+    p.add_argument("--seed", type=int, default=0, help="first seed for --method random")
+    p.add_argument("--num-random", type=int, default=1,
+                   help="number of random plans (seeds seed..seed+N-1; files OUT.seedS.json when N > 1)")
+    p.add_argument("--pin", action="append", metavar="FQN=PRECISION", help="fix a layer (repeatable)")
+    p.add_argument("--allowed", default="fp8,fp4", help="comma-separated precisions a layer may take")
+    p.add_argument("--max-share", type=float, default=None, help="upper bound on the FP4 share")
+    p.add_argument("--per-gemm", action="store_true", help="decide fprop, dgrad, wgrad separately")
+    p.add_argument("--previous", default=None, help="previous plan JSON (for --flip-penalty)")
+    p.add_argument("--flip-penalty", type=float, default=0.0, help="cost of flipping all FLOPs vs --previous")
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
+    p.add_argument("-o", "--output", required=True, help="plan JSON to write")
+    p.set_defaults(func=_cmd_plan)
+
+    s = sub.add_parser("show", help="print a plan as a per-block precision map")
+    s.add_argument("plan")
+    s.set_defaults(func=_cmd_show)
+
+    d = sub.add_parser("diff", help="compare two plans")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.set_defaults(func=_cmd_diff)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``snip-ds``; returns the exit code (2 for user errors)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UserError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"snip-ds: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

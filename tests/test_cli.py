@@ -1,0 +1,178 @@
+"""Tests for the snip-ds command line (called through main([...]))."""
+import json
+import random
+
+import pytest
+
+from snip_ds.cli import main, render_plan
+from snip_ds.plan import Plan, fp4_share
+from snip_ds.planner import block_index, costs_from_stats, solve_plan
+
+NAMES = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+         ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def _stats(n_blocks=4, seed=0):
+    rng = random.Random(seed)
+    layers = {}
+    for b in range(n_blocks):
+        for part, name in NAMES:
+            layers[f"model.layers.{b}.{part}.{name}"] = {
+                "flops": rng.uniform(1e9, 4e9), "nonfinite": False,
+                **{k: {"fp8": rng.random() * 1e-3, "fp4": rng.random()}
+                   for k in ("fld", "bwd", "quant_err", "rel_quant_err")}}
+    return {"format": "snip_ds.stats/1", "step": 200, "lr": 1e-3, "world_size": 1, "estimator": "mc_fisher",
+            "lambda": 100.0, "layers": layers}
+
+
+@pytest.fixture
+def stats_file(tmp_path):
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(_stats()))
+    return path
+
+
+def test_plan_best_writes_the_ilp_plan(stats_file, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(stats_file), "--efficiency-saving", "0.4", "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    stats = _stats()
+    sc = costs_from_stats(stats, 100.0)
+    assert plan.digest() == solve_plan(sc.costs, sc.flops, 0.4).digest()
+    assert plan.fp4_share >= 0.4 and plan.meta["rho"] == 0.4 and plan.meta["step"] == 200
+    assert str(out) in capsys.readouterr().out
+
+
+def test_plan_lambda_pin_and_methods(stats_file, tmp_path):
+    out = tmp_path / "p.json"
+    pin = "model.layers.1.mlp.down_proj"
+    assert main(["plan", str(stats_file), "--efficiency-saving", "0.3", "--lambda", "0", "--pin", f"{pin}=fp4",
+                 "--method", "best", "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.assignment[pin] == "fp4" and plan.meta["lambda"] == 0.0
+    stats = _stats()
+    sc = costs_from_stats(stats, 0.0)
+    assert plan.digest() == solve_plan(sc.costs, sc.flops, 0.3, pinned={pin: "fp4"}).digest()
+    assert main(["plan", str(stats_file), "--efficiency-saving", "0.3", "--method", "first_last_fp8",
+                 "-o", str(out)]) == 0
+    fl = Plan.load(out)
+    assert all(p == "fp8" for f, p in fl.assignment.items() if block_index(f) in (0, 3))
+
+
+def test_plan_random_writes_one_file_per_seed(stats_file, tmp_path):
+    out = tmp_path / "rand.json"
+    assert main(["plan", str(stats_file), "--efficiency-saving", "0.5", "--method", "random", "--seed", "7",
+                 "--num-random", "3", "-o", str(out)]) == 0
+    plans = [Plan.load(tmp_path / f"rand.seed{s}.json") for s in (7, 8, 9)]
+    assert [p.meta["seed"] for p in plans] == [7, 8, 9]
+    assert len({p.digest() for p in plans}) == 3
+
+
+def test_plan_per_gemm_and_three_precisions(stats_file, tmp_path):
+    out = tmp_path / "g.json"
+    assert main(["plan", str(stats_file), "--efficiency-saving", "0.5", "--per-gemm", "--allowed",
+                 "bf16,fp8,fp4", "--max-share", "0.55", "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.per_gemm and 0.5 - 1e-9 <= plan.fp4_share <= 0.55 + 1e-9
+
+
+@pytest.mark.parametrize("argv_tail, match", [
+    (["--efficiency-saving", "1.5"], "'target' must be a number in"),
+    (["--efficiency-saving", "0.5", "--pin", "nofield"], "expected FQN=PRECISION"),
+    (["--efficiency-saving", "0.5", "--pin", "model.layers.0.mlp.up_proj=fp16"], "unknown precision 'fp16'"),
+    (["--efficiency-saving", "0.5", "--pin", "model.layers.99.mlp.up_proj=fp8"], "not in the cost table"),
+    (["--efficiency-saving", "0.9", "--method", "first_last_fp8"], "unreachable"),
+    (["--efficiency-saving", "0.5", "--allowed", "fp8,int4"], "valid precisions are"),
+])
+def test_plan_user_errors_exit_2_with_one_line(stats_file, tmp_path, capsys, argv_tail, match):
+    out = tmp_path / "never.json"
+    assert main(["plan", str(stats_file), *argv_tail, "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("snip-ds: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert pytest.importorskip("re").search(match, err)
+    assert not out.exists()
+
+
+def test_bad_stats_files_exit_2(tmp_path, capsys):
+    missing = tmp_path / "missing.json"
+    assert main(["plan", str(missing), "--efficiency-saving", "0.5", "-o", str(tmp_path / "o.json")]) == 2
+    assert str(missing) in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    assert main(["plan", str(bad), "--efficiency-saving", "0.5", "-o", str(tmp_path / "o.json")]) == 2
+    assert f"{bad}: not valid JSON" in capsys.readouterr().err
+    stats = _stats()
+    del stats["layers"]["model.layers.0.mlp.up_proj"]["bwd"]
+    bad.write_text(json.dumps(stats))
+    assert main(["plan", str(bad), "--efficiency-saving", "0.5", "-o", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "lacks field 'bwd'" in err and err.count("\n") == 1
+
+
+def test_nonfinite_warning_goes_to_stderr(tmp_path, capsys):
+    stats = _stats()
+    stats["layers"]["model.layers.2.mlp.up_proj"]["nonfinite"] = True
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(stats))
+    out = tmp_path / "p.json"
+    assert main(["plan", str(path), "--efficiency-saving", "0.3", "-o", str(out)]) == 0
+    assert "warning: 1 layer(s) have non-finite statistics" in capsys.readouterr().err
+    assert Plan.load(out).assignment["model.layers.2.mlp.up_proj"] == "fp8"
+
+
+def test_show_renders_block_map(tmp_path, capsys):
+    fqns = [f"model.layers.{b}.{part}.{name}" for b in range(2) for part, name in NAMES]
+    assignment = {f: ("fp4" if "mlp" in f else "fp8") for f in fqns}
+    assignment["model.layers.1.self_attn.q_proj"] = "bf16"
+    flops = {f: 1.0 for f in fqns}
+    path = tmp_path / "p.json"
+    Plan.fixed(assignment, flops).save(path)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["block", "q", "k", "v", "o", "gate", "up", "down"]
+    assert out[2].split() == ["0", "8", "8", "8", "8", "4", "4", "4"]
+    assert out[3].split() == ["1", "B", "8", "8", "8", "4", "4", "4"]
+    assert "FP4 share 0.4286" in out[0]  # 6 of 14 equal-FLOP layers
+    assert any(line.startswith("legend: ") and "4 = fp4" in line and "B = bf16" in line for line in out)
+
+
+def test_show_per_gemm_and_bare_file(tmp_path, capsys):
+    path = tmp_path / "user.json"
+    path.write_text(json.dumps({"model.layers.0.self_attn.q_proj": {"fprop": "fp4", "dgrad": "fp8",
+                                                                      "wgrad": "fp8"},
+                                "model.layers.0.mlp.down_proj": "fp8"}))
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "FP4 share unknown" in out
+    lines = out.splitlines()
+    assert lines[1].split() == ["block", "q", "down"]  # only the columns the plan has
+    assert lines[2].split() == ["0", "488", "888"]      # fprop/dgrad/wgrad per cell
+    text = render_plan(Plan.load(path), "x")
+    assert "fprop/dgrad/wgrad" in text
+
+
+def test_show_errors(tmp_path, capsys):
+    assert main(["show", str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+    bad = tmp_path / "b.json"
+    bad.write_text(json.dumps({"model.layers.0.mlp.up_proj": "fp5"}))
+    assert main(["show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "'fp5'" in err and "valid precisions are bf16, fp8, fp4" in err
+
+
+def test_diff(tmp_path, capsys):
+    fqns = [f"model.layers.0.{part}.{name}" for part, name in NAMES]
+    flops = {f: 1.0 for f in fqns}
+    a = {f: "fp8" for f in fqns}
+    b = dict(a)
+    b[fqns[0]] = b[fqns[1]] = "fp4"
+    b[fqns[2]] = "bf16"
+    Plan.fixed(a, flops).save(tmp_path / "a.json")
+    Plan.fixed(b, flops).save(tmp_path / "b.json")
+    assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "3 of 7 common layers differ: fp8 -> bf16: 1, fp8 -> fp4: 2" in out
+    assert f"FP4 share {fp4_share(b, flops):.4f}" in out and "FP4 share 0.0000" in out
+    assert f"{fqns[0]}  fp8 -> fp4" in out and f"{fqns[2]}  fp8 -> bf16" in out
+    assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "zzz.json")]) == 2
