@@ -1,0 +1,78 @@
+"""Small collective helpers on compact statistics. Each does nothing when torch.distributed is not initialised."""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group: Any = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def _device(group: Any = None) -> torch.device:
+    """The device collectives must use: CUDA for NCCL, CPU otherwise."""
+    if is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def dist_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum of ``t`` over ranks (a new tensor on ``t``'s device; ``t`` itself is not modified)."""
+    if not is_initialized():
+        return t.clone()
+    buf = t.detach().to(_device(group), dtype=torch.float64 if t.is_floating_point() else t.dtype, copy=True)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    return buf.to(t.device, t.dtype)
+
+
+def dist_mean(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Mean of ``t`` over ranks."""
+    return dist_sum(t, group) / world_size(group)
+
+
+def dist_max_flag(flag: bool, group: Any = None) -> bool:
+    """True on every rank if ``flag`` is true on any rank."""
+    if not is_initialized():
+        return flag
+    buf = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_device(group))
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    return bool(buf.item())
+
+
+def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src``'s JSON-able ``obj`` on every rank (sent as UTF-8 JSON bytes, never pickled)."""
+    if not is_initialized():
+        return obj
+    device = _device(group)
+    payload = json.dumps(obj, sort_keys=True).encode() if rank(group) == src else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if rank(group) == src:
+        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(buf, src=src, group=group)
+    return json.loads(bytes(buf.cpu().tolist()).decode())
+
+
+def agree(text: str, group: Any = None) -> bool:
+    """Whether every rank holds the same ``text`` (compared by a 63-bit hash: min == max)."""
+    if not is_initialized():
+        return True
+    h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+    lo = torch.tensor([h], dtype=torch.int64, device=_device(group))
+    hi = lo.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    return bool(lo.item() == hi.item() == h)

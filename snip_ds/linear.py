@@ -1,0 +1,119 @@
+"""The quantized linear layer: an ``nn.Linear`` whose three GEMMs run at a per-layer, per-GEMM precision.
+
+:class:`SnipLinear` is built from an existing ``nn.Linear`` by :meth:`SnipLinear.from_linear`, which reuses
+the original Parameter objects (ZeRO-3 partitions parameters in place and keeps its bookkeeping on them, so
+the swap must not copy them). At ``bf16`` the layer runs ``F.linear`` itself and is bit-identical to
+``nn.Linear``, forward and backward. Otherwise one ``autograd.Function`` quantizes each operand right before
+each GEMM through :mod:`snip_ds.backend`, saving only what ``nn.Linear`` saves (input and weight in high
+precision) and re-quantizing them along the right axis in backward.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from snip_ds.backend import get_backend
+from snip_ds.config import QuantConfig
+from snip_ds.precision import GemmPrecision, LayerPrecision
+
+
+class _QuantizedLinearFn(torch.autograd.Function):
+    """``Y = X W^T + b`` with fprop, dgrad and wgrad each at its own precision (FP32 accumulation)."""
+
+    @staticmethod
+    def forward(ctx, x_hp: torch.Tensor, w_hp: torch.Tensor, bias: Optional[torch.Tensor],
+                prec: GemmPrecision, cfg: QuantConfig, generator: Optional[torch.Generator]) -> torch.Tensor:
+        backend = get_backend()
+        x_2d = x_hp.reshape(-1, x_hp.shape[-1])  # [T, k]
+        y_2d = backend.fprop(x_2d, w_hp, prec.fprop, cfg)  # [T, n], fp32
+        if bias is not None:
+            y_2d += bias.float()
+        ctx.save_for_backward(x_hp, w_hp)
+        ctx.has_bias = bias is not None
+        ctx.prec, ctx.cfg, ctx.generator = prec, cfg, generator
+        return y_2d.to(x_hp.dtype).reshape(*x_hp.shape[:-1], w_hp.shape[0])
+
+    @staticmethod
+    def backward(ctx, g_y: torch.Tensor):
+        x_hp, w_hp = ctx.saved_tensors
+        backend = get_backend()
+        g_2d = g_y.reshape(-1, g_y.shape[-1])  # [T, n]
+
+        # ---------------- grad_input (dgrad): G_X = G_Y W, contraction over n ----------------
+        g_x = None
+        if ctx.needs_input_grad[0]:
+            g_x = backend.dgrad(g_2d, w_hp, ctx.prec.dgrad, ctx.cfg, ctx.generator)
+            g_x = g_x.to(x_hp.dtype).reshape(x_hp.shape)
+
+        # ---------------- grad_weight (wgrad): G_W = G_Y^T X, contraction over T ----------------
+        g_w = None
+        if ctx.needs_input_grad[1]:
+            x_2d = x_hp.reshape(-1, x_hp.shape[-1])
+            g_w = backend.wgrad(g_2d, x_2d, ctx.prec.wgrad, ctx.cfg, ctx.generator).to(w_hp.dtype)
+
+        g_b = g_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return g_x, g_w, g_b, None, None, None
+
+
+class SnipLinear(nn.Linear):
+    """A drop-in ``nn.Linear`` whose precision (``bf16``, ``fp8``, ``fp4``) can change between steps.
+
+    Attributes:
+        precision: the layer's precision; reading it gives a name when all three GEMMs agree, else a
+            ``{gemm: precision}`` dict. Assign either form.
+        quant_config: the :class:`~snip_ds.config.QuantConfig` used for quantized GEMMs.
+        generator: the ``torch.Generator`` driving stochastic rounding of FP4 gradients (and the random
+            Hadamard signs), or None for torch's default generator.
+        fqn: the layer's fully qualified name in its model, when it was swapped in by :func:`swap_linears`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 precision: LayerPrecision = "fp8", quant_config: Optional[QuantConfig] = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_snip(precision, quant_config)
+
+    def _init_snip(self, precision: LayerPrecision, quant_config: Optional[QuantConfig]) -> None:
+        self.precision = precision
+        self.quant_config = quant_config or QuantConfig()
+        self.generator: Optional[torch.Generator] = None
+        self.fqn: str = ""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, precision: LayerPrecision = "fp8",
+                    quant_config: Optional[QuantConfig] = None) -> "SnipLinear":
+        """Wraps ``linear`` without copying: the new layer holds the very same weight and bias Parameters."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        new._init_snip(precision, quant_config)
+        return new
+
+    @property
+    def precision(self) -> LayerPrecision:
+        return self._gemm_precision.to_json()
+
+    @precision.setter
+    def precision(self, value: LayerPrecision) -> None:
+        self._gemm_precision = GemmPrecision.of(value)
+
+    @property
+    def gemm_precision(self) -> GemmPrecision:
+        """The precision of each GEMM as a triple."""
+        return self._gemm_precision
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prec = self._gemm_precision
+        if prec.uniform == "bf16":
+            return F.linear(x, self.weight, self.bias)
+        return _QuantizedLinearFn.apply(x, self.weight, self.bias, prec, self.quant_config, self.generator)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, precision={self.precision!r}"

@@ -1,0 +1,246 @@
+"""The ``"snip"`` section of a DeepSpeed JSON: our settings, validated in one place.
+
+DeepSpeed ignores unknown top-level keys, so this module rejects unknown keys *inside* ``"snip"`` and names
+every bad field by its dotted path (``snip.train.max_steps``)::
+
+    "snip": {
+      "plan": "adaptive",                 # bf16 | fp8 | fp4 (uniform) | adaptive (SNIP) | path/to/plan.json
+      "quant": {"fp8_recipe": "fp8_hybrid", "fp4_recipe": "nvfp4", "stochastic_rounding": true,
+                "hadamard": false, "weight_2d": true},
+      "efficiency_saving": 0.75, "method": "best", "replan_every": 50, ...   # the adaptive planner
+      "train": {"max_steps": 120, "eval_steps": 40, "save_steps": 60, "output_dir": "runs/default", ...}
+    }
+"""
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+from snip_ds.config import QuantConfig
+from snip_ds.precision import PRECISIONS
+
+PLAN_KINDS = PRECISIONS + ("adaptive",)
+METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
+ESTIMATORS = ("mc_fisher", "empirical_fisher", "isotropic")
+
+
+class ConfigError(ValueError):
+    """A user's configuration is wrong; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What to train and for how long. Command-line flags of the same name override these."""
+
+    model_name_or_path: Optional[str] = None
+    """A local Hugging Face model directory (any Llama-family causal LM)."""
+    model_config: Optional[str] = None
+    """A JSON model config, trained from scratch. Neither set: the embedded default model."""
+    dataset: Optional[str] = None
+    """Text / JSON-lines file(s) or a prepare_dataset.py directory. None: Python's stdlib sources."""
+    tokenizer_name_or_path: Optional[str] = None
+    """A local Hugging Face tokenizer for raw text; None: the byte-level tokenizer."""
+    block_size: int = 256
+    """Tokens per training sequence."""
+    max_steps: int = 120
+    """Optimizer steps to train."""
+    eval_steps: int = 40
+    """Validate every this many steps (and at the end)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation (per rank)."""
+    save_steps: int = 0
+    """Checkpoint every this many steps; 0 saves only at the end and on SIGTERM/SIGINT."""
+    logging_steps: int = 1
+    """Log training scalars every this many steps."""
+    seed: int = 0
+    """Seeds the model init, the data order and the stochastic-rounding generators."""
+    output_dir: str = "runs/default"
+    """Checkpoints under ``<output_dir>/checkpoints``, TensorBoard under ``<output_dir>/tensorboard``."""
+    max_corpus_bytes: int = 4_000_000
+    """Cap on the embedded stdlib corpus (train + validation), to keep the default run short."""
+
+
+@dataclass(frozen=True)
+class SnipSettings:
+    """Everything in the ``"snip"`` section."""
+
+    plan: str = "fp8"
+    """``bf16``/``fp8``/``fp4`` (uniform), ``adaptive`` (SNIP re-planning) or a plan JSON file."""
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    efficiency_saving: float = 0.75
+    """Minimum share of linear-GEMM FLOPs in FP4 (SNIP's rho)."""
+    method: str = "best"
+    """How the adaptive plan is chosen: ``best`` (SNIP) or one of the baselines."""
+    replan_every: int = 50
+    """Collect statistics and re-solve every this many optimizer steps."""
+    collect_batches: int = 2
+    """Micro-batches averaged per collection."""
+    estimator: str = "mc_fisher"
+    """FLD estimator: ``mc_fisher`` (default), ``empirical_fisher`` or ``isotropic`` (ablations)."""
+    num_probes: int = 1
+    """Monte-Carlo Fisher probes per collection batch."""
+    bwd_lambda: float = 100.0
+    """Weight of the backward divergence in the plan's cost (an effective horizon in steps)."""
+    additional_bf16_fwd_every_n_steps: int = 10
+    """Every n steps, one extra no-grad bf16 forward measures the plan's forward divergence (0: never)."""
+    pinned: Mapping[str, str] = field(default_factory=dict)
+    """Layers held at a fixed precision: ``{fqn: precision}``."""
+    per_gemm: bool = False
+    """Decide fprop, dgrad and wgrad separately."""
+    flip_penalty: float = 0.0
+    """Cost added per layer that changes precision between consecutive plans."""
+    solver_time_limit: float = 10.0
+    """Seconds python-mip may spend per solve before the best feasible plan is taken."""
+    plan_seed: int = 0
+    """Seed of the ``random`` baseline."""
+    train: TrainSettings = field(default_factory=TrainSettings)
+
+    def __post_init__(self) -> None:
+        if self.plan not in PLAN_KINDS and not self.plan.endswith(".json"):
+            raise ConfigError(f"snip.plan: {self.plan!r} is neither one of {', '.join(PLAN_KINDS)} "
+                              f"nor a path to a plan .json file")
+        _check_choice("snip.method", self.method, METHODS)
+        _check_choice("snip.estimator", self.estimator, ESTIMATORS)
+        if not 0.0 <= self.efficiency_saving <= 1.0:
+            raise ConfigError(f"snip.efficiency_saving: must lie in [0, 1], got {self.efficiency_saving}")
+        for name in ("replan_every", "collect_batches", "num_probes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"snip.{name}: must be at least 1, got {getattr(self, name)}")
+        for name in ("bwd_lambda", "flip_penalty", "additional_bf16_fwd_every_n_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"snip.{name}: must not be negative, got {getattr(self, name)}")
+        if self.solver_time_limit <= 0:
+            raise ConfigError(f"snip.solver_time_limit: must be positive, got {self.solver_time_limit}")
+        for fqn, prec in self.pinned.items():
+            _check_choice(f"snip.pinned[{fqn!r}]", prec, PRECISIONS)
+        t = self.train
+        for name in ("block_size", "max_steps", "eval_steps", "eval_batches", "logging_steps",
+                     "max_corpus_bytes"):
+            if getattr(t, name) < 1:
+                raise ConfigError(f"snip.train.{name}: must be at least 1, got {getattr(t, name)}")
+        if t.save_steps < 0:
+            raise ConfigError(f"snip.train.save_steps: must not be negative, got {t.save_steps}")
+        if t.model_name_or_path and t.model_config:
+            raise ConfigError("snip.train: give model_name_or_path or model_config, not both")
+
+    @property
+    def is_adaptive(self) -> bool:
+        return self.plan == "adaptive"
+
+    @property
+    def plan_file(self) -> Optional[str]:
+        return self.plan if self.plan.endswith(".json") else None
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-able form (as written into checkpoints and TensorBoard's text summary)."""
+        return dataclasses.asdict(self)
+
+
+def _check_choice(name: str, value: object, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{name}: unknown value {value!r}; valid: {', '.join(valid)}")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is typing.Union:
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (dict, collections.abc.Mapping):
+        return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in value.items())
+    raise TypeError(f"unsupported annotation {hint!r}")
+
+
+def _build(cls, data: Any, path: str):
+    """Builds dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types by dotted path."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(repr(k) for k in unknown)}; "
+                          f"valid keys: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{path}.{name}")
+            continue
+        if not _type_ok(value, hint):
+            raise ConfigError(f"{path}.{name}: expected {_hint_name(hint)}, got {value!r}")
+        kwargs[name] = float(value) if hint is float else value
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as err:  # QuantConfig's own checks name the field without the path
+        raise ConfigError(f"{path}.{err}") from None
+
+
+def _hint_name(hint: Any) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    name = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(base, "a mapping")
+    return name + (" or null" if type(None) in typing.get_args(hint) else "")
+
+
+def parse_snip_section(section: Any, source: str = "config") -> SnipSettings:
+    """Validates a ``"snip"`` section (a dict) into :class:`SnipSettings`.
+
+    Raises:
+        ConfigError: naming ``source`` and the dotted field.
+    """
+    try:
+        return _build(SnipSettings, {} if section is None else section, "snip")
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def load_ds_config(path: str | Path) -> tuple[Dict[str, Any], SnipSettings]:
+    """Reads a DeepSpeed JSON; returns DeepSpeed's part (without ``"snip"``) and our validated settings.
+
+    Raises:
+        ConfigError: the file is missing, not JSON, not an object, or its ``"snip"`` section is invalid.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: DeepSpeed config file not found")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object at the top level")
+    section = data.pop("snip", None)
+    return data, parse_snip_section(section, str(path))
+
+
+def with_overrides(settings: SnipSettings, **overrides: Any) -> SnipSettings:
+    """Returns ``settings`` with top-level or ``train``-level fields replaced (None values are skipped)."""
+    top = {f.name for f in dataclasses.fields(SnipSettings)}
+    train_over = {k: v for k, v in overrides.items() if v is not None and k not in top}
+    top_over = {k: v for k, v in overrides.items() if v is not None and k in top}
+    unknown = sorted(set(train_over) - {f.name for f in dataclasses.fields(TrainSettings)})
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+    merged = dataclasses.asdict(settings)
+    merged["train"].update(train_over)
+    merged.update(top_over)
+    merged["quant"] = dataclasses.asdict(settings.quant) if "quant" not in top_over else top_over["quant"]
+    return parse_snip_section(merged, "command line")

@@ -1,0 +1,114 @@
+"""Swapping a Llama-family model's decoder linears for :class:`~snip_ds.linear.SnipLinear`.
+
+The 7 linears of every decoder block (q, k, v, o, gate, up, down) are swapped; ``lm_head``, embeddings,
+norms and attention's own matmuls stay as they are (SNIP.md section 1).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from snip_ds.config import QuantConfig
+from snip_ds.linear import SnipLinear
+from snip_ds.precision import LayerPrecision
+
+LAYER_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the planner needs to know about one swapped layer."""
+
+    fqn: str
+    block: int
+    kind: str
+    in_features: int
+    out_features: int
+
+    def flops(self, tokens_per_step: int) -> float:
+        """FLOPs per step of fprop + dgrad + wgrad: ``6 * T * k * n``."""
+        return 6.0 * tokens_per_step * self.in_features * self.out_features
+
+
+def block_index(fqn: str) -> int:
+    """The decoder block number in a name like ``model.layers.3.self_attn.q_proj``."""
+    match = _BLOCK_RE.search(fqn)
+    if match is None:
+        raise ValueError(f"layer {fqn!r}: no decoder block index ('layers.<i>.') in its name")
+    return int(match.group(1))
+
+
+def find_decoder_linears(model: nn.Module) -> List[str]:
+    """Fully qualified names of the decoder linears, in block order and q, k, v, o, gate, up, down order.
+
+    Raises:
+        ValueError: if the model has no decoder blocks, or a block lacks one of the 7 projections.
+    """
+    modules = dict(model.named_modules())
+    blocks = sorted({m.group(0).strip(".") for name in modules for m in [_BLOCK_RE.search(name + ".")] if m},
+                    key=lambda prefix: int(prefix.rsplit(".", 1)[-1]))
+    blocks = [b for b in blocks if b in modules]
+    if not blocks:
+        raise ValueError("model: no decoder blocks found (expected modules named '...layers.<i>' as in "
+                         "Hugging Face Llama-family models)")
+    names = []
+    for prefix in blocks:
+        for kind in LAYER_KINDS:
+            fqn = f"{prefix}.{_PARENT[kind]}.{kind}"
+            if not isinstance(modules.get(fqn), nn.Linear):
+                raise ValueError(f"model: decoder block {prefix!r} has no nn.Linear {fqn!r}; snip_ds swaps the "
+                                 f"7 linears {', '.join(LAYER_KINDS)} of Llama-family blocks")
+            names.append(fqn)
+    return names
+
+
+def _layer_seed(seed: int, fqn: str, rank: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{rank}:{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def swap_linears(model: nn.Module, precision: LayerPrecision = "fp8",
+                 quant_config: Optional[QuantConfig] = None, *, seed: int = 0,
+                 rank: int = 0) -> Dict[str, LayerInfo]:
+    """Replaces the 7 linears of every decoder block by :class:`SnipLinear`, in place.
+
+    The Parameters are reused, so this works before ``deepspeed.initialize`` on ordinary and on
+    ``zero.Init``-partitioned models. Each layer gets its own stochastic-rounding generator seeded from
+    ``(seed, rank, fqn)``.
+
+    Args:
+        model: a Hugging Face Llama-family causal LM (any model whose blocks expose those projections).
+        precision: initial precision of every swapped layer.
+        quant_config: recipes shared by all layers.
+        seed: seed of the per-layer stochastic-rounding generators.
+        rank: data-parallel rank, mixed into the seed so ranks draw independent rounding noise.
+
+    Returns:
+        ``{fqn: LayerInfo}`` in model order; ``LayerInfo.flops(T)`` gives ``6*T*k*n``.
+    """
+    quant_config = quant_config or QuantConfig()
+    infos: Dict[str, LayerInfo] = {}
+    for fqn in find_decoder_linears(model):
+        parent_name, child = fqn.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        new = old if isinstance(old, SnipLinear) else SnipLinear.from_linear(old, precision, quant_config)
+        new.precision, new.quant_config, new.fqn = precision, quant_config, fqn
+        device = old.weight.device if old.weight.device.type != "meta" else torch.device("cpu")
+        new.generator = torch.Generator(device=device).manual_seed(_layer_seed(seed, fqn, rank))
+        setattr(parent, child, new)
+        infos[fqn] = LayerInfo(fqn, block_index(fqn), child, old.in_features, old.out_features)
+    return infos
+
+
+def snip_layers(model: nn.Module) -> Dict[str, SnipLinear]:
+    """The model's :class:`SnipLinear` layers by fully qualified name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, SnipLinear)}
