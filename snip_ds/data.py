@@ -348,7 +348,8 @@ class BlockDataset(Dataset):
     """
 
     def __init__(self, blocks: np.ndarray | torch.Tensor):
-        blocks = torch.as_tensor(np.asarray(blocks) if isinstance(blocks, np.ndarray) else blocks)
+        if isinstance(blocks, np.ndarray):  # copy read-only (e.g. memory-mapped Arrow) or non-int32 arrays
+            blocks = torch.from_numpy(np.require(blocks, requirements=["C", "W"]))
         if blocks.dim() != 2 or blocks.is_floating_point():
             raise ValueError(f"blocks must be a 2-D integer array [n_blocks, block_size], got "
                              f"{tuple(blocks.shape)} {blocks.dtype}")
