@@ -1,0 +1,301 @@
+"""Fake quantization recipes against the slow references in tests/reference_quant.py and SNIP.md's table."""
+import math
+
+import pytest
+import torch
+
+from snip_ds.formats import E2M1, E4M3, E5M2
+from snip_ds.quant import (RECIPES, Recipe, cast_to_format, fake_quantize, get_recipe, hadamard_matrix,
+                           hadamard_transform, mx_scale, random_signs)
+from tests.reference_quant import (assert_bitwise_equal, block_diagonal_hadamard, floor_log2, ref_mx_rows,
+                                   ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor, round_rne)
+
+BLOCK_RECIPES = ["mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4"]
+ALL_RECIPES = list(RECIPES)
+
+
+def sample(shape, seed=0, spread=True):
+    """Gaussian data; with ``spread`` each row gets its own magnitude so blocks see different scales."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    if spread:
+        x = x * torch.exp2(torch.randint(-6, 7, shape[:-1] + (1,), generator=gen).float())
+    return x
+
+
+def rel_sq_err(q, x):
+    return ((q.double() - x.double()).pow(2).sum() / x.double().pow(2).sum()).item()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# recipes and argument checks
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, element, block, scale, block_2d", [
+    ("fp8_e4m3", E4M3, 0, "fp32", False), ("fp8_e5m2", E5M2, 0, "fp32", False),
+    ("mxfp8", E4M3, 32, "e8m0", False), ("mxfp8_e5m2", E5M2, 32, "e8m0", False),
+    ("mxfp4", E2M1, 32, "e8m0", False), ("nvfp4", E2M1, 16, "nvfp4", False),
+    ("nvfp4_2d", E2M1, 16, "nvfp4", True),
+])
+def test_presets(name, element, block, scale, block_2d):
+    r = get_recipe(name)
+    assert (r.name, r.element, r.block_size, r.scale, r.block_2d) == (name, element, block, scale, block_2d)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(name="", element=E4M3), "name"),
+    (dict(name="r", element="e4m3"), "element"),
+    (dict(name="r", element=E4M3, block_size=-1), "block_size"),
+    (dict(name="r", element=E4M3, block_size=32), "block_size"),  # fp32 scale is per-tensor only
+    (dict(name="r", element=E4M3, block_size=0, scale="e8m0"), "block_size"),
+    (dict(name="r", element=E4M3, block_size=32, scale="e9m0"), "scale"),
+    (dict(name="r", element=E2M1, block_size=16, scale="nvfp4", block_2d=1), "block_2d"),
+])
+def test_recipe_validation_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        Recipe(**kwargs)
+
+
+def test_unknown_names_list_valid_choices():
+    with pytest.raises(ValueError, match="recipe: unknown recipe 'fp6'.*mxfp8.*nvfp4_2d"):
+        fake_quantize(torch.ones(4), "fp6")
+    with pytest.raises(ValueError, match="format: unknown element format 'e3m2'.*e2m1"):
+        cast_to_format(torch.ones(4), "e3m2")
+
+
+@pytest.mark.parametrize("recipe", ["fp8_e4m3", "mxfp4", "nvfp4_2d"])
+@pytest.mark.parametrize("axis", [2, -3, 1.0])
+def test_bad_axis(recipe, axis):
+    with pytest.raises(ValueError, match="axis"):
+        fake_quantize(torch.ones(4, 32), recipe, axis=axis)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_non_float_dtype(recipe, dtype):
+    with pytest.raises(TypeError, match="floating-point"):
+        fake_quantize(torch.ones(4, 32, dtype=dtype), recipe)
+
+
+def test_2d_recipe_needs_2d_tensor():
+    with pytest.raises(ValueError, match="nvfp4_2d.*2-D tensor.*\\(2, 16, 16\\)"):
+        fake_quantize(torch.ones(2, 16, 16), "nvfp4_2d")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bit-exact against the references
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+def test_per_tensor_matches_reference(name):
+    x = sample((6, 40), seed=1)
+    assert_bitwise_equal(fake_quantize(x, f"fp8_{name}"), ref_per_tensor(x, name))
+
+
+@pytest.mark.parametrize("recipe, fmt, emax", [("mxfp8", "e4m3", 8), ("mxfp8_e5m2", "e5m2", 15),
+                                                ("mxfp4", "e2m1", 2)])
+@pytest.mark.parametrize("cols", [64, 45, 7])  # whole blocks, a partial last block, one short block
+def test_mx_matches_reference(recipe, fmt, emax, cols):
+    x = sample((5, cols), seed=cols)
+    assert_bitwise_equal(fake_quantize(x, recipe), ref_mx_rows(x, fmt, emax))
+
+
+@pytest.mark.parametrize("cols", [48, 40, 9])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nvfp4_matches_reference(cols, seed):
+    x = sample((6, cols), seed=seed)
+    assert_bitwise_equal(fake_quantize(x, "nvfp4"), ref_nvfp4_rows(x))
+
+
+@pytest.mark.parametrize("shape", [(32, 48), (20, 40), (7, 16)])
+@pytest.mark.parametrize("axis", [0, -1])
+def test_nvfp4_2d_matches_reference(shape, axis):
+    x = sample(shape, seed=shape[0])
+    assert_bitwise_equal(fake_quantize(x, "nvfp4_2d", axis=axis), ref_nvfp4_2d(x))
+
+
+@pytest.mark.parametrize("amax, emax", [
+    (1.0, 8), (2.0 ** 5, 8), (2.0 ** 5 * (1 - 2.0 ** -24), 8), (3.0, 2), (0.75, 2), (6.0, 2),
+    (57344.0, 15), (2.0 ** -20, 8), (1.5 * 2.0 ** -100, 2), (2.0 ** -126, 2),
+])
+def test_mx_scale_exponent(amax, emax):
+    scale, _ = mx_scale(torch.tensor([amax]), emax)
+    exp = max(floor_log2(amax) - emax, -127)  # E8M0 holds 2**-127 .. 2**127
+    assert scale.item() == 2.0 ** exp
+
+
+def test_mx_scale_clamps_to_e8m0_range():
+    # amax = 2**-140 (an FP32 subnormal) wants 2**-148; E8M0 stops at 2**-127
+    scale, _ = mx_scale(torch.tensor([2.0 ** -140]), 8)
+    assert scale.item() == 2.0 ** -127
+
+
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+def test_block_axis_is_respected(recipe):
+    x = sample((48, 24), seed=3).t().contiguous()  # [24, 48]: blocks along dim 0 of x.t()
+    assert_bitwise_equal(fake_quantize(x.t(), recipe, axis=0), fake_quantize(x, recipe, axis=-1).t())
+    x3 = sample((3, 40, 5), seed=4)
+    expected = fake_quantize(x3.transpose(1, 2), recipe, axis=-1).transpose(1, 2)
+    assert_bitwise_equal(fake_quantize(x3, recipe, axis=1), expected)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4"])
+def test_partial_block_equals_zero_padding(recipe):
+    x = sample((4, 37), seed=5)
+    padded = torch.cat([x, torch.zeros(4, 27)], dim=1)  # 64 columns
+    assert_bitwise_equal(fake_quantize(x, recipe), fake_quantize(padded, recipe)[:, :37])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# error levels (SNIP.md section 2 table, +-40 %)
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe, stochastic, expected", [
+    ("fp8_e4m3", False, 7e-4), ("fp8_e5m2", False, 2.8e-3), ("mxfp8", False, 9e-4),
+    ("mxfp4", False, 1.3e-2), ("nvfp4", False, 9e-3), ("nvfp4", True, 1.9e-2),
+])
+def test_gaussian_relative_error(recipe, stochastic, expected):
+    x = sample((128, 1024), seed=11, spread=False)
+    q = fake_quantize(x, recipe, stochastic=stochastic, generator=torch.Generator().manual_seed(0))
+    assert 0.6 * expected < rel_sq_err(q, x) < 1.4 * expected
+
+
+# ----------------------------------------------------------------------------------------------------------
+# stochastic rounding through the scaled recipes
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe, top_spacing", [  # widest grid spacing once scaled: amax 1 per block
+    ("nvfp4", 2 / 6), ("mxfp4", 2 * 2.0 ** -2), ("fp8_e4m3", 32 / 448),
+])
+def test_stochastic_fake_quantize_unbiased(recipe, top_spacing):
+    # every block's amax is 1 (column 0 of each block), so all draws share the scales and nothing saturates
+    row = torch.rand(64, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    row[::16] = 1.0
+    draws = 4000
+    q = fake_quantize(row.expand(draws, 64).contiguous(), recipe, stochastic=True,
+                      generator=torch.Generator().manual_seed(5))
+    err = (q.double() - row.double()).mean(0)
+    # SR error per draw is within one spacing with variance <= spacing^2 / 4: allow 5 standard errors
+    assert err.abs().max() < 5 * top_spacing / (2 * math.sqrt(draws))
+    # round-to-nearest is visibly biased per element, so the check above can tell the two apart
+    rne_err = (fake_quantize(row[None], recipe)[0].double() - row.double()).abs()
+    assert rne_err.max() > 10 * err.abs().max()
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp8", "nvfp4_2d"])
+def test_stochastic_reproducible_with_seed(recipe):
+    x = sample((32, 64), seed=6)
+    run = lambda seed: fake_quantize(x, recipe, stochastic=True, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# zeros, non-finite values, dtypes
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_all_zero_and_zero_blocks(recipe, stochastic):
+    zeros = torch.zeros(16, 64)
+    zeros[3, 5] = -0.0
+    assert_bitwise_equal(fake_quantize(zeros, recipe, stochastic=stochastic), zeros)
+    x = sample((16, 64), seed=7)
+    x[:, :32] = 0.0  # zero blocks next to non-zero ones (also whole 16x16 tiles)
+    assert torch.equal(fake_quantize(x, recipe, stochastic=stochastic)[:, :32], torch.zeros(16, 32))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+def test_non_finite_poisons_its_mx_block_only(bad, recipe):
+    x = sample((2, 64), seed=8)
+    y = x.clone()
+    y[0, 40] = bad
+    out = fake_quantize(y, recipe)
+    assert out[0, 32:].isnan().all()
+    assert_bitwise_equal(out[0, :32], fake_quantize(x, recipe)[0, :32])
+    assert_bitwise_equal(out[1], fake_quantize(x, recipe)[1])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("recipe", ["fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_2d"])
+def test_non_finite_poisons_tensor_scaled_recipes(bad, recipe):
+    x = sample((16, 32), seed=9)
+    x[2, 3] = bad
+    assert fake_quantize(x, recipe).isnan().all()
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dtype_and_shape_preserved(recipe, dtype):
+    x = sample((16, 48), seed=10).to(dtype)
+    out = fake_quantize(x, recipe)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_bitwise_equal(out, fake_quantize(x.float(), recipe).to(dtype))
+
+
+def test_input_not_modified():
+    x = sample((16, 48), seed=12)
+    before = x.clone()
+    for recipe in ALL_RECIPES:
+        fake_quantize(x, recipe, stochastic=True)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cast_to_format(fmt, dtype):
+    x = (sample((8, 32), seed=13) * 4).to(dtype)
+    x[0, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+    out = cast_to_format(x, fmt)
+    expected = torch.tensor([round_rne(v, fmt) for v in x.float().flatten().tolist()]).view(x.shape).to(dtype)
+    assert_bitwise_equal(out, expected)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hadamard transform
+# ----------------------------------------------------------------------------------------------------------
+
+def test_hadamard_matrix_orthonormal():
+    h = hadamard_matrix(16)
+    assert torch.equal(h @ h.t(), torch.eye(16)) and torch.equal(h, h.t())
+    assert set(h.abs().unique().tolist()) == {0.25}
+
+
+@pytest.mark.parametrize("n_tokens", [48, 40, 7])  # whole blocks, a tail of 8, tail only
+@pytest.mark.parametrize("axis", [0, -1])
+def test_hadamard_matches_block_diagonal_reference(n_tokens, axis):
+    gen = torch.Generator().manual_seed(n_tokens)
+    signs = random_signs(n_tokens, gen)
+    a = torch.randn(n_tokens, 24, generator=gen)
+    x = a if axis == 0 else a.t().contiguous()
+    out = hadamard_transform(x, axis=axis, signs=signs)
+    out = out if axis == 0 else out.t()
+    expected = block_diagonal_hadamard(signs.tolist()) @ a.double()
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_tokens", [64, 50])
+def test_hadamard_preserves_wgrad_product(n_tokens):
+    gen = torch.Generator().manual_seed(0)
+    g, x = torch.randn(n_tokens, 24, generator=gen), torch.randn(n_tokens, 40, generator=gen)
+    signs = random_signs(n_tokens, gen)
+    hg, hx = hadamard_transform(g, 0, signs), hadamard_transform(x, 0, signs)
+    assert not torch.allclose(hg, g)  # it does mix
+    torch.testing.assert_close(hg.t() @ hx, g.t() @ x, rtol=1e-5, atol=1e-4)
+
+
+def test_hadamard_dtype_and_argument_checks():
+    x = torch.randn(32, 8, dtype=torch.bfloat16)
+    assert hadamard_transform(x, 0, random_signs(32)).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="signs"):
+        hadamard_transform(x, 0, random_signs(31))
+    with pytest.raises(ValueError, match="axis"):
+        hadamard_transform(x, 2, random_signs(32))
+
+
+def test_random_signs():
+    s = random_signs(1000, torch.Generator().manual_seed(4))
+    assert s.dtype == torch.float32 and set(s.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(s, random_signs(1000, torch.Generator().manual_seed(4)))
+    with pytest.raises(ValueError, match="n:"):
+        random_signs(-1)
