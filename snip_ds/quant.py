@@ -22,8 +22,9 @@ Conventions of :func:`fake_quantize` (all recipes):
   the block for MX recipes, the whole tensor for per-tensor FP8 and for NVFP4 (whose FP32 tensor scale comes
   from the tensor amax). An overflowed operand thus stays visibly non-finite for overflow checks instead of
   being silently saturated. (Element-wise :func:`cast_to_format` has no scale and saturates Inf instead.)
-* Computation is in FP32; the result has ``x``'s shape and dtype. The straight-through gradient of
-  SNIP.md ("the backward of a quantizer is identity") is the caller's business: this is a plain function.
+* Computation is in FP32; the result has ``x``'s shape and dtype and records no autograd history. The
+  straight-through gradient of SNIP.md ("the backward of a quantizer is identity") is the caller's
+  business (the quantized linear's autograd function).
 
 Also here: the 16x16 random Hadamard transform applied to both wgrad operands along the token axis.
 """
@@ -101,6 +102,7 @@ def get_recipe(name: str) -> Recipe:
         raise ValueError(f"recipe: unknown recipe {name!r}; valid: {', '.join(RECIPES)}") from None
 
 
+@torch.no_grad()
 def cast_to_format(x: torch.Tensor, fmt: Union[str, ElementFormat]) -> torch.Tensor:
     """Round every element of ``x`` to ``fmt``'s grid (RNE, saturating at +-max), with no scaling.
 
@@ -116,6 +118,7 @@ def cast_to_format(x: torch.Tensor, fmt: Union[str, ElementFormat]) -> torch.Ten
     return round_to_format(x.float(), fmt).to(x.dtype)
 
 
+@torch.no_grad()
 def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, stochastic: bool = False,
                   generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Quantize ``x`` with ``recipe`` and dequantize it again (see the module docstring for conventions).

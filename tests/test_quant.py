@@ -233,6 +233,11 @@ def test_dtype_and_shape_preserved(recipe, dtype):
     assert_bitwise_equal(out, fake_quantize(x.float(), recipe).to(dtype))
 
 
+def test_no_autograd_history():
+    x = sample((4, 32), seed=14).requires_grad_()
+    assert not fake_quantize(x * 2, "nvfp4").requires_grad and not cast_to_format(x, "e4m3").requires_grad
+
+
 def test_input_not_modified():
     x = sample((16, 48), seed=12)
     before = x.clone()
