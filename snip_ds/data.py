@@ -461,6 +461,8 @@ def load_dataset_blocks(
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if isinstance(dataset, (list, tuple)) and len(dataset) == 1:
+        dataset = dataset[0]
     single = dataset is not None and isinstance(dataset, (str, Path))
     if single and (Path(dataset) / "dataset_dict.json").is_file():
         tok = load_tokenizer(tokenizer) if tokenizer is not None else None

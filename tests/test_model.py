@@ -91,6 +91,12 @@ def test_json_config_file(tmp_path):
     assert _state_equal(model, again)
 
 
+def test_default_config_json_round_trip(tmp_path):
+    path = tmp_path / "default.json"
+    path.write_text(default_model_config().to_json_string())
+    assert _state_equal(build_model(seed=2), build_model(model_config=path, seed=2))
+
+
 def test_local_pretrained_directory_round_trip(tmp_path):
     src = build_model(model_config=TINY, seed=7)
     src.save_pretrained(tmp_path / "m")

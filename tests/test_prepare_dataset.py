@@ -73,7 +73,7 @@ def test_prepare_then_load_round_trip(tokenizer_dir, inputs, tmp_path, capsys):
     assert meta["tokens"] == len(stream) and meta["train_blocks"] + meta["validation_blocks"] == n_blocks
     assert meta["validation_blocks"] == round(0.2 * n_blocks)
 
-    train, val, vocab, info = load_dataset_blocks(out, block_size=8, tokenizer=tokenizer_dir)
+    train, val, vocab, info = load_dataset_blocks([out], block_size=8, tokenizer=tokenizer_dir)
     assert vocab == len(tok) and (len(train), len(val)) == (meta["train_blocks"], meta["validation_blocks"])
     want = sorted(tuple(stream[i * 8:(i + 1) * 8]) for i in range(n_blocks))
     got = sorted(map(tuple, train.blocks.tolist() + val.blocks.tolist()))
