@@ -216,60 +216,110 @@ def _optimize(model: mip.Model, time_limit: float) -> mip.OptimizationStatus:
     return model.optimize(max_seconds=time_limit)
 
 
+def _reduced_choices(prob: _Problem, u: Unit, compute_budget: float | None) -> tuple[str, ...]:
+    """The choices the ILP needs for unit ``u``.
+
+    Without a compute budget only the fp4 share couples the units, so among the non-fp4 precisions a unit
+    can only ever want its cheapest: the one-hot collapses exactly to one binary (cheapest non-fp4 vs fp4).
+    That keeps 3-precision instances as easy as 2-precision ones.
+    """
+    ch = prob.choices[u]
+    if compute_budget is not None or len(ch) <= 2 or "fp4" not in ch:
+        return ch
+    other = min((p for p in ch if p != "fp4"), key=lambda p: prob.cost[u, p])
+    return (other, "fp4")
+
+
+def _binary_classes(prob: _Problem, compute_budget) -> tuple[dict, list]:
+    """Splits the free units into classes of interchangeable binaries and a list of one-hot units.
+
+    Units with the same FLOPs and the same two choices differ only in cost (the share and budget
+    constraints see weight and precision only; the flip penalty is already in the cost). Such a class needs
+    one integer count n_c: its cheapest n_c switches are taken (exchange argument). Without this CBC can
+    spend its whole time limit permuting equal-weight units (q/k/v/o of an MHA model, a layer's three
+    GEMMs) without closing the gap.
+    """
+    classes: dict = {}
+    onehot = []
+    for u in prob.units:
+        ch = _reduced_choices(prob, u, compute_budget)
+        if len(ch) == 2:
+            classes.setdefault((prob.weight[u], ch), []).append(u)
+        elif len(ch) > 2:
+            onehot.append(u)
+    for (_, ch), units in classes.items():
+        units.sort(key=lambda u: prob.cost[u, ch[1]] - prob.cost[u, ch[0]])
+    return classes, onehot
+
+
 def _solve_ilp(prob: _Problem, target, max_share, gemm_cost, compute_budget, time_limit):
-    """Returns (choice per unit or None, mip status)."""
+    """Returns (choice per unit or None, mip status).
+
+    Each class of interchangeable binary units (:func:`_binary_classes`) becomes one integer count n_c and
+    continuous switches x_i in [0, 1] with Σ x_i = n_c: sorted by switch cost, the LP fills the cheapest
+    first, so for every integer n_c the optimum is integral and equals the 0/1 model's. Other units with
+    several choices get a one-hot of binaries.
+    """
     model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     model.verbose = 0
     model.threads = 1
     model.max_mip_gap = 1e-9
     model.max_mip_gap_abs = 1e-12
     model.infeas_tol = 1e-9
-    # Scale costs to O(1) so CBC's absolute tolerances do not swamp tiny costs (FLD values are ~1e-6).
-    scale = max((abs(c) for c in prob.cost.values()), default=1.0) or 1.0
+    # Optimise the regret over each unit's cheapest choice (a constant shift), scaled to O(1): CBC's gap and
+    # tolerances then act on the part of the objective the decision changes, even when costs are ~1e-9.
+    base = {u: min(prob.cost[u, p] for p in prob.choices[u]) for u in prob.units}
+    regret = {(u, p): prob.cost[u, p] - base[u] for u, p in prob.cost}
+    scale = max(regret.values(), default=1.0) or 1.0
 
-    sel: dict = {}  # (unit, precision) -> LinExpr or constant
-    binaries: dict = {}
-    for u in prob.units:
-        ch = prob.choices[u]
-        if len(ch) == 1:
-            sel[u, ch[0]] = 1.0
-        elif len(ch) == 2:
-            x = model.add_var(var_type=mip.BINARY)
-            binaries[u] = (x, ch)
-            sel[u, ch[1]] = x          # ch is in PRECISIONS order: ch[1] is the narrower one
-            sel[u, ch[0]] = 1 - x
+    classes, onehot = _binary_classes(prob, compute_budget)
+    sel: dict = {}  # (unit, precision) -> LinExpr or variable
+    counts = {}
+    for key, units in classes.items():
+        ch = key[1]  # in PRECISIONS order: ch[1] is the narrower precision
+        if len(units) == 1:
+            xs = [model.add_var(var_type=mip.BINARY)]
+            counts[key] = xs[0]
         else:
-            xs = [model.add_var(var_type=mip.BINARY) for _ in ch]
-            binaries[u] = (xs, ch)
-            model += mip.xsum(xs) == 1
-            for x, p in zip(xs, ch):
-                sel[u, p] = x
+            counts[key] = model.add_var(var_type=mip.INTEGER, lb=0, ub=len(units))
+            xs = [model.add_var(lb=0.0, ub=1.0) for _ in units]
+            model += mip.xsum(xs) == counts[key]
+        for u, x in zip(units, xs):
+            sel[u, ch[1]] = x
+            sel[u, ch[0]] = 1 - x
+    onehot_vars = {}
+    for u in onehot:
+        ch = prob.choices[u]
+        xs = [model.add_var(var_type=mip.BINARY) for _ in ch]
+        onehot_vars[u] = xs
+        model += mip.xsum(xs) == 1
+        for x, p in zip(xs, ch):
+            sel[u, p] = x
 
-    model.objective = mip.minimize(mip.xsum((prob.cost[k] / scale) * v for k, v in sel.items()
-                                            if not isinstance(v, float)))
-    fp4 = [prob.weight[u] * sel[u, "fp4"] for u in prob.units if (u, "fp4") in sel
-           and not isinstance(sel[u, "fp4"], float)]
-    fixed_fp4 = sum(prob.weight[u] for u in prob.units if prob.choices[u] == ("fp4",))
+    model.objective = mip.minimize(mip.xsum((regret[k] / scale) * v for k, v in sel.items()))
+    fp4 = [prob.weight[u] * v for (u, p), v in sel.items() if p == "fp4"]
+    fixed_fp4 = sum(prob.weight[u] for u in prob.units if (u, "fp4") not in sel
+                    and _reduced_choices(prob, u, compute_budget) == ("fp4",))
     if fp4:
         model += mip.xsum(fp4) >= target - fixed_fp4
         if max_share is not None:
             model += mip.xsum(fp4) <= max_share - fixed_fp4
     if compute_budget is not None:
-        model += mip.xsum(prob.weight[u] * gemm_cost[p] * v for (u, p), v in sel.items()) <= compute_budget
+        fixed = sum(prob.weight[u] * gemm_cost[prob.choices[u][0]] for u in prob.units
+                    if len(prob.choices[u]) == 1)
+        model += mip.xsum(prob.weight[u] * gemm_cost[p] * v for (u, p), v in sel.items()) <= compute_budget - fixed
 
     status = _optimize(model, time_limit)
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) or model.num_solutions == 0:
         return None, status
-    choice = {}
-    for u in prob.units:
-        if u not in binaries:
-            choice[u] = prob.choices[u][0]
-            continue
-        xs, ch = binaries[u]
-        if len(ch) == 2:
-            choice[u] = ch[1] if xs.x >= 0.5 else ch[0]
-        else:
-            choice[u] = ch[max(range(len(ch)), key=lambda i: xs[i].x)]
+    choice = {u: prob.choices[u][0] for u in prob.units if len(prob.choices[u]) == 1}
+    for key, units in classes.items():
+        ch = key[1]
+        n = int(round(counts[key].x))
+        for i, u in enumerate(units):
+            choice[u] = ch[1] if i < n else ch[0]
+    for u, xs in onehot_vars.items():
+        choice[u] = prob.choices[u][max(range(len(xs)), key=lambda i: xs[i].x)]
     return choice, status
 
 
