@@ -20,7 +20,8 @@ from snip_ds.precision import LayerPrecision
 LAYER_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_BLOCK_NAME_RE = re.compile(r"^(?:.*\.)?layers\.\d+$")
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,7 @@ def find_decoder_linears(model: nn.Module) -> List[str]:
         ValueError: if the model has no decoder blocks, or a block lacks one of the 7 projections.
     """
     modules = dict(model.named_modules())
-    blocks = sorted({m.group(0).strip(".") for name in modules for m in [_BLOCK_RE.search(name + ".")] if m},
-                    key=lambda prefix: int(prefix.rsplit(".", 1)[-1]))
-    blocks = [b for b in blocks if b in modules]
+    blocks = sorted((name for name in modules if _BLOCK_NAME_RE.match(name)), key=block_index)
     if not blocks:
         raise ValueError("model: no decoder blocks found (expected modules named '...layers.<i>' as in "
                          "Hugging Face Llama-family models)")

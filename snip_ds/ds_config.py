@@ -1,0 +1,78 @@
+"""Resolving a DeepSpeed JSON for one run: command-line overrides and ``"auto"`` values.
+
+Command-line flags win over the JSON. ``"auto"`` values are filled in as Hugging Face's DeepSpeed
+integration does: ``bf16.enabled`` is true on a GPU and false on a CPU (where FP32 is ~3x faster), the
+scheduler's ``total_num_steps`` is ``max_steps`` and ``warmup_num_steps`` a tenth of it.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Mapping, Optional
+
+from snip_ds.snip_config import ConfigError
+
+
+def _set_auto(d: Dict[str, Any], key: str, value: Any) -> None:
+    if d.get(key) == "auto":
+        d[key] = value
+
+
+def resolve_ds_config(config: Mapping[str, Any], *, max_steps: int, on_gpu: bool, source: str,
+                      micro_batch_size: Optional[int] = None, gradient_accumulation_steps: Optional[int] = None,
+                      learning_rate: Optional[float] = None, world_size: int = 1) -> Dict[str, Any]:
+    """A copy of ``config`` with overrides applied and every ``"auto"`` resolved.
+
+    Raises:
+        ConfigError: naming ``source`` and the field, for values DeepSpeed would reject later and less clearly.
+    """
+    cfg = copy.deepcopy(dict(config))
+    if micro_batch_size is not None:
+        cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if gradient_accumulation_steps is not None:
+        cfg["gradient_accumulation_steps"] = gradient_accumulation_steps
+    cfg.setdefault("gradient_accumulation_steps", 1)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = cfg.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    if (micro_batch_size is not None or gradient_accumulation_steps is not None) and "train_batch_size" in cfg:
+        cfg.pop("train_batch_size")  # recomputed by DeepSpeed from the two overridden values
+    expected = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world_size
+    if cfg.get("train_batch_size", expected) != expected:
+        raise ConfigError(f"{source}: train_batch_size {cfg['train_batch_size']} != micro batch "
+                          f"{cfg['train_micro_batch_size_per_gpu']} x gradient_accumulation_steps "
+                          f"{cfg['gradient_accumulation_steps']} x world size {world_size}")
+    opt = cfg.get("optimizer")
+    if opt is not None:
+        if not isinstance(opt, dict) or not isinstance(opt.get("params", {}), dict):
+            raise ConfigError(f"{source}: optimizer must be an object with a 'params' object")
+        params = opt.setdefault("params", {})
+        if learning_rate is not None:
+            params["lr"] = learning_rate
+        if not isinstance(params.get("lr"), (int, float)) or params["lr"] <= 0:
+            raise ConfigError(f"{source}: optimizer.params.lr must be a positive number, got {params.get('lr')!r}")
+    elif learning_rate is not None:
+        raise ConfigError(f"{source}: --learning_rate given but the config has no 'optimizer' section")
+    sched = cfg.get("scheduler")
+    if isinstance(sched, dict) and isinstance(sched.get("params"), dict):
+        _set_auto(sched["params"], "total_num_steps", max_steps)
+        _set_auto(sched["params"], "warmup_num_steps", max(1, max_steps // 10))
+        _set_auto(sched["params"], "warmup_max_lr", (opt or {}).get("params", {}).get("lr"))
+    for section in ("bf16", "fp16"):
+        if isinstance(cfg.get(section), dict):
+            _set_auto(cfg[section], "enabled", on_gpu and section == "bf16")
+    leftover = _find_auto(cfg)
+    if leftover:
+        raise ConfigError(f"{source}: cannot resolve \"auto\" for {leftover}")
+    return cfg
+
+
+def _find_auto(obj: Any, path: str = "") -> Optional[str]:
+    if obj == "auto":
+        return path or "<root>"
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            found = _find_auto(value, f"{path}.{key}" if path else key)
+            if found:
+                return found
+    return None

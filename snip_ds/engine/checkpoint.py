@@ -1,0 +1,176 @@
+"""Checkpoints: DeepSpeed's own files plus our plan, settings, data position and RNG states.
+
+Layout, under ``save_dir``::
+
+    latest                          # tag of the newest *complete* checkpoint (written last)
+    step_120/                       # DeepSpeed's files for that tag, and ours:
+        snip_rank00000.safetensors  # per rank: stochastic-rounding generator states, torch RNG state
+        snip_meta.json              # rank 0, written after every rank has finished: marks completion
+
+A checkpoint without ``snip_meta.json`` is incomplete and is never resumed from. Our files are JSON and
+safetensors; DeepSpeed's files are read with ``torch.load(weights_only=True)`` through
+:class:`SafeTorchCheckpointEngine`, never unpickled.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Mapping
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from safetensors.torch import load_file, save_file
+
+META_FILE = "snip_meta.json"
+LATEST_FILE = "latest"
+FORMAT = "snip_ds.checkpoint/1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed from; the message names the file."""
+
+
+def _safe_globals() -> list:
+    """Classes DeepSpeed pickles into its checkpoints that ``weights_only`` loading must accept."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    import argparse
+    import collections
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, argparse.Namespace,
+            collections.OrderedDict, set]
+
+
+class SafeTorchCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True`` (no arbitrary unpickling)."""
+
+    def load(self, path: str, map_location=None):
+        with torch.serialization.safe_globals(_safe_globals()):
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True)
+            except Exception as err:  # a corrupt or foreign file: name it
+                raise CheckpointError(f"{path}: cannot be read as a DeepSpeed checkpoint file with "
+                                      f"weights_only=True ({err})") from None
+
+
+def install_safe_loader(ds_engine) -> None:
+    """Makes ``ds_engine`` (and its optimizer) read checkpoints through :class:`SafeTorchCheckpointEngine`."""
+    if type(ds_engine.checkpoint_engine) is TorchCheckpointEngine:
+        ds_engine.checkpoint_engine = SafeTorchCheckpointEngine(ds_engine._config)
+        opt = getattr(ds_engine, "optimizer", None)
+        if opt is not None and hasattr(opt, "checkpoint_engine"):
+            opt.checkpoint_engine = ds_engine.checkpoint_engine
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 of every parameter's name and full shape (``ds_shape`` under ZeRO-3)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        h.update(f"{name}:{shape};".encode())
+    return h.hexdigest()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _rank_file(tag_dir: Path, rank: int) -> Path:
+    return tag_dir / f"snip_rank{rank:05d}.safetensors"
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_state: Mapping[str, Any],
+         fingerprint: str, world_size: int) -> Path:
+    """Writes one complete checkpoint; returns its directory. ``latest`` is updated last."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tag_dir = save_dir / tag
+    if rank == 0 and (tag_dir / META_FILE).exists():  # re-saving a tag: un-mark it first
+        (tag_dir / META_FILE).unlink()
+    _barrier()
+    ds_engine.save_checkpoint(str(save_dir), tag=tag, save_latest=False)
+    tensors = {"torch_rng": rank_state["torch_rng"].clone()}
+    for fqn, state in rank_state["generators"].items():
+        tensors[f"generator/{fqn}"] = state.clone()
+    tmp = _rank_file(tag_dir, rank).with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, _rank_file(tag_dir, rank))
+    _barrier()
+    if rank == 0:
+        full = {"format": FORMAT, "tag": tag, "world_size": world_size, "model_fingerprint": fingerprint,
+                **meta}
+        _atomic_write_text(tag_dir / META_FILE, json.dumps(full, indent=2, sort_keys=True))
+        _atomic_write_text(save_dir / LATEST_FILE, tag)
+    _barrier()
+    return tag_dir
+
+
+def resolve(path: Path) -> Path:
+    """The checkpoint directory ``path`` names: a tag directory, or a save directory with ``latest``."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: checkpoint path does not exist")
+    if (path / META_FILE).is_file():
+        return path
+    latest = path / LATEST_FILE
+    if latest.is_file():
+        tag_dir = path / latest.read_text().strip()
+        if (tag_dir / META_FILE).is_file():
+            return tag_dir
+        raise CheckpointError(f"{latest}: points to {tag_dir}, which is not a complete snip_ds checkpoint")
+    raise CheckpointError(f"{path}: not a snip_ds checkpoint (no {META_FILE}, and no '{LATEST_FILE}' file); "
+                          f"a checkpoint without {META_FILE} was interrupted while saving")
+
+
+def read_meta(tag_dir: Path) -> Dict[str, Any]:
+    path = tag_dir / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: unreadable ({err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} metadata file")
+    return meta
+
+
+def validate(tag_dir: Path, fingerprint: str, world_size: int) -> Dict[str, Any]:
+    """Checks, before anything is loaded, that the checkpoint fits this model and world size."""
+    meta = read_meta(tag_dir)
+    path = tag_dir / META_FILE
+    if meta.get("model_fingerprint") != fingerprint:
+        raise CheckpointError(f"{path}: model_fingerprint differs: the checkpoint was saved from a different "
+                              f"model (parameter names or shapes differ)")
+    if meta.get("world_size") != world_size:
+        raise CheckpointError(f"{path}: world_size is {meta.get('world_size')}, but this run has "
+                              f"{world_size} ranks; resume with the same number of ranks")
+    for r in range(world_size):
+        if not _rank_file(tag_dir, r).is_file():
+            raise CheckpointError(f"{_rank_file(tag_dir, r)}: missing; the checkpoint is incomplete")
+    return meta
+
+
+def load(ds_engine, tag_dir: Path, rank: int) -> Dict[str, Any]:
+    """Loads DeepSpeed's state (model, optimizer, scheduler) and this rank's RNG states."""
+    load_path, _ = ds_engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
+                                             load_optimizer_states=True, load_lr_scheduler_states=True)
+    if load_path is None:
+        raise CheckpointError(f"{tag_dir}: DeepSpeed found no checkpoint files there")
+    tensors = load_file(str(_rank_file(tag_dir, rank)))
+    return {"torch_rng": tensors.pop("torch_rng"),
+            "generators": {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("generator/")}}

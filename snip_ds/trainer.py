@@ -1,0 +1,236 @@
+"""The training loop behind ``launch/train.py``: data, model, plan, DeepSpeed engine, logging, checkpoints.
+
+Everything a user can get wrong (config, plan, dataset, model, checkpoint) is checked before the first
+step and reported as one ``error: ...`` line naming the file or field (exit code 2).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from snip_ds import distributed as sdist
+from snip_ds.data import DataStream, load_dataset_blocks
+from snip_ds.ds_config import resolve_ds_config
+from snip_ds.metrics import config_text, make_logger
+from snip_ds.model import build_model
+from snip_ds.plan import Plan
+from snip_ds.snip_config import ConfigError, SnipSettings, load_ds_config, with_overrides
+
+TRAIN_FLAGS = ("model_name_or_path", "model_config", "dataset", "tokenizer_name_or_path", "block_size",
+               "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps", "seed", "output_dir")
+
+
+class UserError(Exception):
+    """A mistake in the user's input; reported as one line, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train a Llama-family model with SNIP FP8/FP4 mixed precision on DeepSpeed.",
+        epilog="Example: deepspeed launch/train.py --deepspeed ds_configs/zero3.json")
+    p.add_argument("--deepspeed", required=True, metavar="PATH", help="DeepSpeed JSON with a 'snip' section")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    g = p.add_argument_group("model and data (override snip.train in the JSON)")
+    g.add_argument("--model_name_or_path", help="local Hugging Face model directory (Llama family)")
+    g.add_argument("--model_config", help="JSON model config, trained from scratch")
+    g.add_argument("--dataset", help="text/JSON-lines file or a launch/prepare_dataset.py directory")
+    g.add_argument("--tokenizer_name_or_path", help="local Hugging Face tokenizer for raw text")
+    g.add_argument("--block_size", type=int)
+    g = p.add_argument_group("training (Hugging Face Trainer names; override the JSON)")
+    g.add_argument("--output_dir")
+    g.add_argument("--max_steps", type=int)
+    g.add_argument("--eval_steps", type=int)
+    g.add_argument("--eval_batches", type=int)
+    g.add_argument("--save_steps", type=int)
+    g.add_argument("--logging_steps", type=int)
+    g.add_argument("--learning_rate", type=float)
+    g.add_argument("--per_device_train_batch_size", type=int)
+    g.add_argument("--gradient_accumulation_steps", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--resume_from_checkpoint", metavar="DIR",
+                   help="a checkpoint directory (step_N) or the checkpoints directory (its 'latest')")
+    g = p.add_argument_group("precision plan (override snip.plan)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--precision", choices=("bf16", "fp8", "fp4", "adaptive"), help="uniform plan, or adaptive SNIP")
+    x.add_argument("--plan", metavar="PLAN.json", help="a fixed plan: {fqn: precision} or a snip-ds plan file")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    return p
+
+
+@dataclass
+class Run:
+    """What one training run was built from."""
+
+    settings: SnipSettings
+    ds_config: Dict[str, Any]
+    out_dir: Path
+    rank: int
+    world_size: int
+
+
+def _settings_from_args(args: argparse.Namespace) -> tuple[Dict[str, Any], SnipSettings]:
+    ds_cfg, settings = load_ds_config(args.deepspeed)
+    overrides = {k: getattr(args, k) for k in TRAIN_FLAGS}
+    if args.precision or args.plan:
+        overrides["plan"] = args.precision or args.plan
+    return ds_cfg, with_overrides(settings, **overrides)
+
+
+def _initial_plan(engine, settings: SnipSettings) -> Plan:
+    fqns = list(engine.infos)
+    if settings.plan_file:
+        path = Path(settings.plan_file)
+        if not path.is_file():
+            raise UserError(f"{path}: plan file not found")
+        try:
+            plan = Plan.load(path, flops=engine.flops)
+            plan.check_layers(fqns, source=str(path))
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        return plan
+    if settings.is_adaptive:
+        raise UserError("snip.plan: 'adaptive' needs the adaptive planner, which this build does not have yet; "
+                        "use bf16, fp8, fp4 or a plan file")
+    return Plan.uniform(fqns, settings.plan, engine.flops)
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the loop saves a checkpoint at the next step boundary and exits."""
+
+    def __init__(self) -> None:
+        self.signal: Optional[int] = None
+
+    def __call__(self, signum, frame) -> None:
+        self.signal = signum
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+
+def _eval_batches(val_ds, micro_bs: int, n_batches: int, rank: int, world: int) -> List[dict]:
+    stream = DataStream(val_ds, micro_bs, seed=0, rank=rank, world_size=world, shuffle=False)
+    return [stream.next_batch() for _ in range(min(n_batches, stream.steps_per_epoch))]
+
+
+def train(args: argparse.Namespace) -> int:
+    """Runs the whole job; returns the process exit code."""
+    from snip_ds.engine import CheckpointError, init_distributed, initialize  # imports DeepSpeed
+
+    ds_cfg, settings = _settings_from_args(args)
+    t = settings.train
+    init_distributed()
+    rank, world = sdist.rank(), sdist.world_size()
+    on_gpu = torch.cuda.is_available()
+    ds_cfg = resolve_ds_config(ds_cfg, max_steps=t.max_steps, on_gpu=on_gpu, source=args.deepspeed,
+                               micro_batch_size=args.per_device_train_batch_size,
+                               gradient_accumulation_steps=args.gradient_accumulation_steps,
+                               learning_rate=args.learning_rate, world_size=world)
+    micro_bs, ga = ds_cfg["train_micro_batch_size_per_gpu"], ds_cfg["gradient_accumulation_steps"]
+    dtype = torch.bfloat16 if ds_cfg.get("bf16", {}).get("enabled") else torch.float32
+
+    # ---------------- data and model: every user error surfaces here, before training ----------------
+    try:
+        train_ds, val_ds, vocab, data_info = load_dataset_blocks(
+            t.dataset, t.block_size, t.tokenizer_name_or_path, seed=t.seed,
+            max_bytes=t.max_corpus_bytes, max_validation_bytes=max(t.max_corpus_bytes // 16, t.block_size * 64))
+        stream = DataStream(train_ds, micro_bs, seed=t.seed, rank=rank, world_size=world)
+        eval_batches = _eval_batches(val_ds, micro_bs, t.eval_batches, rank, world)
+        if not eval_batches:
+            raise ValueError(f"dataset {t.dataset or 'stdlib'}: validation split has fewer blocks than one "
+                             f"evaluation batch ({micro_bs} per rank x {world} ranks)")
+        model = build_model(t.model_name_or_path, t.model_config, vocab_size=vocab, seed=t.seed, dtype=dtype,
+                            block_size=t.block_size)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        raise UserError(str(err)) from None
+
+    out_dir = Path(t.output_dir)
+    logger = make_logger(out_dir / "tensorboard", rank)
+    tokens_per_step = micro_bs * ga * t.block_size
+    engine = initialize(model, ds_cfg, settings, tokens_per_step=tokens_per_step, logger=logger, seed=t.seed)
+    engine.set_plan(_initial_plan(engine, settings), "initial plan")
+    logger.text("run/config", config_text({"snip": settings.to_dict(), "deepspeed": ds_cfg, "data": data_info,
+                                           "world_size": world}), 0)
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"snip_ds: {n_params / 1e6:.1f}M parameters, {len(engine.infos)} quantizable linears, "
+              f"{world} rank(s), plan {settings.plan!r} (fp4 share {engine.plan_fp4_share():.2f}), "
+              f"{data_info.get('train_blocks', len(train_ds))} train blocks of {t.block_size} tokens", flush=True)
+
+    if args.resume_from_checkpoint:
+        try:
+            meta = engine.load_checkpoint(args.resume_from_checkpoint)
+        except CheckpointError as err:
+            raise UserError(str(err)) from None
+        stream.load_state_dict(meta["data"])
+        if rank == 0:
+            print(f"snip_ds: resumed from {args.resume_from_checkpoint} at step {engine.step}", flush=True)
+
+    stop = _StopFlag()
+    stop.install()
+    ckpt_dir = out_dir / "checkpoints"
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=t.max_steps, initial=engine.step, desc="train", unit="step", dynamic_ncols=True)
+
+    def save() -> None:
+        path = engine.save_checkpoint(ckpt_dir, {"data": stream.state_dict()})
+        if rank == 0:
+            print(f"snip_ds: checkpoint saved to {path}", flush=True)
+
+    last_loss = math.nan
+    while engine.step < t.max_steps:
+        start = time.perf_counter()
+        last_loss = engine.train_step([stream.next_batch() for _ in range(ga)])
+        elapsed = time.perf_counter() - start
+        step = engine.step
+        if step % t.logging_steps == 0:
+            logger.scalars({"train/loss": last_loss, "train/lr": engine.lr(), "perf/step_time_s": elapsed,
+                            "perf/tokens_per_s": tokens_per_step * world / elapsed,
+                            "plan/fp4_share": engine.plan_fp4_share()}, step)
+        if step % t.eval_steps == 0 or step == t.max_steps:
+            val = engine.evaluate(eval_batches)
+            logger.scalars({"eval/loss": val, "eval/perplexity": math.exp(min(val, 50.0))}, step)
+            if rank == 0:
+                print(f"snip_ds: step {step} train loss {last_loss:.4f} validation loss {val:.4f}", flush=True)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{last_loss:.3f}")
+        if (t.save_steps and step % t.save_steps == 0) or step == t.max_steps:
+            save()
+        if sdist.dist_max_flag(stop.signal is not None):
+            if not (t.save_steps and step % t.save_steps == 0) and step != t.max_steps:
+                save()
+            if rank == 0:
+                print(f"snip_ds: stopped by signal at step {step}; resume with --resume_from_checkpoint "
+                      f"{ckpt_dir}", flush=True)
+            break
+    if bar is not None:
+        bar.close()
+    logger.close()
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code = train(args)
+    except (UserError, ConfigError) as err:
+        if sdist.rank() == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        code = 2
+    if dist.is_initialized():
+        if code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    return code

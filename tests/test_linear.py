@@ -1,0 +1,200 @@
+"""SnipLinear against nn.Linear (exact at bf16) and against the slow reference quantizers (quantized GEMMs)."""
+import pytest
+import torch
+from torch import nn
+
+from reference_quant import ref_mx_rows, ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor
+from snip_ds.config import QuantConfig
+from snip_ds.linear import SnipLinear
+
+T, K, N = 48, 32, 64  # tokens, in, out: multiples of 16 but not of 32 along T, so MX blocks are partial
+
+
+def sqnr_db(ref: torch.Tensor, actual: torch.Tensor) -> float:
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - actual).pow(2).sum()))
+
+
+def _run(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    y = layer(x)
+    y.backward(g)
+    return y.detach(), x.grad, layer.weight.grad, (layer.bias.grad if layer.bias is not None else None)
+
+
+@pytest.fixture
+def data():
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(K, N)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, generator=gen) * 0.1)
+        lin.bias.copy_(torch.randn(N, generator=gen))
+    x = torch.randn(T, K, generator=gen)
+    g = torch.randn(T, N, generator=gen)
+    return lin, x, g
+
+
+def test_from_linear_reuses_parameters(data):
+    lin, _, _ = data
+    snip = SnipLinear.from_linear(lin, "fp4")
+    assert snip.weight is lin.weight and snip.bias is lin.bias
+    assert isinstance(snip, nn.Linear) and snip.precision == "fp4"
+    assert (snip.in_features, snip.out_features) == (K, N)
+
+
+@pytest.mark.parametrize("shape", [(T, K), (3, 16, K)])
+def test_bf16_is_bit_identical_to_nn_linear(data, shape):
+    lin, _, _ = data
+    x = torch.randn(*shape)
+    g = torch.randn(*shape[:-1], N)
+    ref = _run(lin, x, g)
+    lin.weight.grad = lin.bias.grad = None
+    got = _run(SnipLinear.from_linear(lin, "bf16"), x, g)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def _reference_gemms(x, w, b, g, q_x_k, q_w_k, q_g_n, q_w_n, q_g_t, q_x_t):
+    """Y, G_X, G_W, G_b from reference quantizers (each quantizes along the rows it is given)."""
+    y = q_x_k(x) @ q_w_k(w).t() + b
+    g_x = q_g_n(g) @ q_w_n(w.t().contiguous()).t()
+    g_w = q_g_t(g.t().contiguous()) @ q_x_t(x.t().contiguous()).t()
+    return y, g_x, g_w, g.sum(0)
+
+
+RECIPE_REFS = {
+    # name: (QuantConfig, precision, row quantizers for X, W, G)
+    "fp8_hybrid": (QuantConfig(fp8_recipe="fp8_hybrid"), "fp8",
+                   lambda t: ref_per_tensor(t, "e4m3"), lambda t: ref_per_tensor(t, "e4m3"),
+                   lambda t: ref_per_tensor(t, "e5m2"), False),
+    "mxfp8": (QuantConfig(fp8_recipe="mxfp8"), "fp8",
+              lambda t: ref_mx_rows(t, "e4m3", 8), lambda t: ref_mx_rows(t, "e4m3", 8),
+              lambda t: ref_mx_rows(t, "e4m3", 8), False),
+    "nvfp4_1d": (QuantConfig(fp4_recipe="nvfp4", weight_2d=False, stochastic_rounding=False), "fp4",
+                 ref_nvfp4_rows, ref_nvfp4_rows, ref_nvfp4_rows, False),
+    "nvfp4_2d": (QuantConfig(fp4_recipe="nvfp4", weight_2d=True, stochastic_rounding=False), "fp4",
+                 ref_nvfp4_rows, ref_nvfp4_2d, ref_nvfp4_rows, True),
+    "mxfp4": (QuantConfig(fp4_recipe="mxfp4", stochastic_rounding=False), "fp4",
+              lambda t: ref_mx_rows(t, "e2m1", 2), lambda t: ref_mx_rows(t, "e2m1", 2),
+              lambda t: ref_mx_rows(t, "e2m1", 2), False),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_REFS))
+def test_quantized_gemms_match_reference(data, recipe):
+    """Each GEMM quantizes the right operands along the right axis (SNIP.md section 2's table)."""
+    lin, x, g = data
+    cfg, precision, q_x, q_w, q_g, w_2d = RECIPE_REFS[recipe]
+    w = lin.weight.detach()
+    # 2-D weight blocks serve both fprop and dgrad: the same quantized W, transposed.
+    q_w_n = (lambda wt: ref_nvfp4_2d(wt.t().contiguous()).t()) if w_2d else q_w
+    expected = _reference_gemms(x, w, lin.bias.detach(), g, q_x, q_w, q_g, q_w_n, q_g, q_x)
+    got = _run(SnipLinear.from_linear(lin, precision, cfg), x, g)
+    for name, a, b in zip(("y", "grad_x", "grad_w", "grad_b"), expected, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"{recipe}: {name}")
+
+
+# fp8: E4M3 (~31 dB) for X and W, E5M2 (~25 dB) for G_Y; fp4: NVFP4 (~20 dB RNE, ~17 dB SR) per operand.
+@pytest.mark.parametrize("precision,floor_db", [("fp8", 22.0), ("fp4", 13.0)])
+def test_sqnr_floors(data, precision, floor_db):
+    lin, x, g = data
+    ref = _run(lin, x, g)
+    lin.weight.grad = lin.bias.grad = None
+    snip = SnipLinear.from_linear(lin, precision)
+    snip.generator = torch.Generator().manual_seed(1)
+    got = _run(snip, x, g)
+    for name, a, b in zip(("y", "grad_x", "grad_w"), ref[:3], got[:3]):
+        assert sqnr_db(a, b) > floor_db, name
+
+
+def test_per_gemm_precision(data):
+    lin, x, g = data
+    ref_bf16 = _run(lin, x, g)
+    lin.weight.grad = lin.bias.grad = None
+    cfg = QuantConfig(stochastic_rounding=False)
+    snip = SnipLinear.from_linear(lin, {"fprop": "fp4", "dgrad": "bf16", "wgrad": "bf16"}, cfg)
+    assert snip.precision == {"fprop": "fp4", "dgrad": "bf16", "wgrad": "bf16"}
+    y, gx, gw, _ = _run(snip, x, g)
+    fp4_y = _run(SnipLinear.from_linear(nn.Linear(K, N), "fp4", cfg), x, g)  # shape only
+    assert fp4_y[0].shape == y.shape
+    torch.testing.assert_close(y, ref_nvfp4_rows(x) @ ref_nvfp4_2d(lin.weight.detach()).t() + lin.bias.detach(),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, ref_bf16[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, ref_bf16[2], rtol=1e-5, atol=1e-6)
+    snip.precision = "fp8"
+    assert snip.precision == "fp8"
+
+
+def test_saves_only_what_nn_linear_saves(data):
+    lin, x, g = data
+
+    def saved(layer):
+        packed = []
+
+        def pack(t):
+            packed.append((t.data_ptr(), t.numel(), t.dtype))
+            return t
+        xx = x.clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(xx)
+        return sorted(packed), xx
+
+    reference, x_ref = saved(lin)
+    # nn.Linear saves the input and (a view of) the weight: the same storages, no copies.
+    assert sorted(p[0] for p in reference) == sorted([x_ref.data_ptr(), lin.weight.data_ptr()])
+    for precision in ("fp8", "fp4"):
+        got, x_got = saved(SnipLinear.from_linear(lin, precision))
+        assert sorted(p[0] for p in got) == sorted([x_got.data_ptr(), lin.weight.data_ptr()])
+        assert sorted(p[1:] for p in got) == sorted(p[1:] for p in reference)
+
+
+def test_stochastic_rounding_of_fp4_gradients(data):
+    lin, x, g = data
+    snip = SnipLinear.from_linear(lin, "fp4")
+    assert snip.quant_config.stochastic_rounding  # on by default
+
+    def grads(seed):
+        snip.generator = torch.Generator().manual_seed(seed)
+        lin.weight.grad = lin.bias.grad = None
+        return _run(snip, x, g)[1:3]
+
+    a, b, c = grads(0), grads(0), grads(1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # reproducible from the generator
+    assert not torch.equal(a[0], c[0])  # and actually random
+    # Unbiased: averaging many stochastic dgrads approaches the exact-G_Y product better than one draw.
+    exact = g @ ref_nvfp4_2d(lin.weight.detach())
+    draws = torch.stack([grads(s)[0] for s in range(32)])
+    assert sqnr_db(exact, draws.mean(0)) > sqnr_db(exact, draws[0]) + 6.0
+
+
+def test_hadamard_on_wgrad_keeps_the_product(data):
+    lin, x, g = data
+    ref_gw = g.t() @ x
+    plain = SnipLinear.from_linear(lin, "fp4", QuantConfig(stochastic_rounding=False))
+    rht = SnipLinear.from_linear(lin, "fp4", QuantConfig(stochastic_rounding=False, hadamard=True))
+    rht.generator = torch.Generator().manual_seed(3)
+    gw_plain = _run(plain, x, g)[2].clone()
+    lin.weight.grad = lin.bias.grad = None
+    gw_rht = _run(rht, x, g)[2]
+    assert not torch.equal(gw_plain, gw_rht)
+    assert sqnr_db(ref_gw, gw_rht) > 10.0
+
+
+@pytest.mark.parametrize("bad", ["fp16", "int4", {"fprop": "fp8"}, {"fprop": "fp8", "dgrad": "fp8", "wgrad": "x"}])
+def test_bad_precision_is_a_clear_error(data, bad):
+    lin, _, _ = data
+    with pytest.raises(ValueError, match="bf16, fp8, fp4|fprop, dgrad, wgrad"):
+        SnipLinear.from_linear(lin, bad)
+
+
+def test_bad_recipe_is_a_clear_error():
+    with pytest.raises(ValueError, match="fp4_recipe.*nvfp4, mxfp4"):
+        QuantConfig(fp4_recipe="fp3")
+
+
+def test_bf16_model_dtype_round_trips(data):
+    lin, x, g = data
+    snip = SnipLinear.from_linear(nn.Linear(K, N).to(torch.bfloat16), "fp4")
+    xb = x.to(torch.bfloat16).requires_grad_(True)
+    y = snip(xb)
+    y.backward(g.to(torch.bfloat16))
+    assert y.dtype == xb.grad.dtype == snip.weight.grad.dtype == torch.bfloat16

@@ -1,0 +1,60 @@
+"""swap_linears on a real (tiny) Hugging Face Llama."""
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from snip_ds.linear import SnipLinear
+from snip_ds.swap import LAYER_KINDS, block_index, find_decoder_linears, snip_layers, swap_linears
+
+
+def tiny_llama(layers=3, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_swaps_the_seven_linears_of_every_block():
+    model = tiny_llama()
+    params_before = {n: p for n, p in model.named_parameters()}
+    ids = torch.randint(0, 64, (2, 16))
+    ref = model(ids).logits
+    infos = swap_linears(model, "bf16")
+    expected = [f"model.layers.{b}.{'self_attn' if k in LAYER_KINDS[:4] else 'mlp'}.{k}"
+                for b in range(3) for k in LAYER_KINDS]
+    assert list(infos) == expected
+    assert list(snip_layers(model)) == expected
+    assert not isinstance(model.lm_head, SnipLinear)
+    for n, p in model.named_parameters():  # the very same Parameter objects
+        assert p is params_before[n]
+    assert torch.equal(model(ids).logits, ref)  # bf16 plan: bit-identical model
+    q, k, down = infos[expected[0]], infos[expected[1]], infos[expected[6]]
+    assert (q.in_features, q.out_features, k.out_features, down.in_features) == (32, 32, 16, 48)
+    assert q.flops(1000) == 6 * 1000 * 32 * 32
+    assert q.block == 0 and infos[expected[-1]].block == 2
+
+
+def test_precision_applies_and_generators_differ_per_layer_and_rank():
+    model = tiny_llama()
+    infos = swap_linears(model, "fp4", seed=1, rank=0)
+    layers = snip_layers(model)
+    assert all(l.precision == "fp4" for l in layers.values())
+    states = [l.generator.get_state() for l in layers.values()]
+    assert not torch.equal(states[0], states[1])
+    other = tiny_llama()
+    swap_linears(other, "fp4", seed=1, rank=1)
+    assert not torch.equal(next(iter(snip_layers(other).values())).generator.get_state(), states[0])
+    assert len(infos) == 21
+
+
+def test_block_index_and_errors():
+    assert block_index("model.layers.12.mlp.up_proj") == 12
+    with pytest.raises(ValueError, match="no decoder block index"):
+        block_index("lm_head")
+    with pytest.raises(ValueError, match="no decoder blocks"):
+        find_decoder_linears(nn.Sequential(nn.Linear(2, 2)))
+    model = tiny_llama(layers=1)
+    model.model.layers[0].mlp.up_proj = nn.Identity()
+    with pytest.raises(ValueError, match="up_proj"):
+        swap_linears(model)
