@@ -108,7 +108,7 @@ def render_plan(plan: Plan, title: str = "plan") -> str:
              "block  " + "  ".join(header.get(c, c).ljust(w) for c, w in zip(columns, widths))]
     for b in order:
         cells = [rows[b].get(c, _MISSING * width).ljust(w) for c, w in zip(columns, widths)]
-        lines.append(f"{str(b):>5}  " + "  ".join(cells))
+        lines.append((f"{str(b):>5}  " + "  ".join(cells)).rstrip())
     legend = ", ".join(f"{ch} = {p}" for p, ch in _CHAR.items()) + f", {_MISSING} = not in plan"
     if plan.per_gemm:
         legend += f"; per-GEMM cells read {'/'.join(GEMMS)}"

@@ -9,7 +9,7 @@ import mip
 import pytest
 
 import snip_ds.planner as planner
-from snip_ds.plan import GEMMS, Plan, fp4_share
+from snip_ds.plan import GEMMS, fp4_share
 from snip_ds.planner import (GEMM_COST, METHODS, block_index, costs_from_stats, load_stats, solve_baseline,
                              solve_plan, validate_stats)
 
