@@ -233,6 +233,12 @@ def test_dtype_and_shape_preserved(recipe, dtype):
     assert_bitwise_equal(out, fake_quantize(x.float(), recipe).to(dtype))
 
 
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+def test_empty_tensor(recipe):
+    out = fake_quantize(torch.empty(0, 32, dtype=torch.bfloat16), recipe)
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16
+
+
 def test_no_autograd_history():
     x = sample((4, 32), seed=14).requires_grad_()
     assert not fake_quantize(x * 2, "nvfp4").requires_grad and not cast_to_format(x, "e4m3").requires_grad
