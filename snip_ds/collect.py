@@ -1,0 +1,612 @@
+"""One SNIP statistics collection: hooks on every :class:`~snip_ds.linear.SnipLinear` (SNIP.md sections 3, 4, 6).
+
+For each batch the model runs one BF16 (unquantized) forward with a graph, one backward of the training loss
+and, for the Monte-Carlo Fisher estimator, one backward per probe of ``Σ_t CE(logits_t, ŷ_t)`` with labels
+``ŷ`` sampled from the model's own softmax. Every backward is ``torch.autograd.grad`` with respect to the
+embedding output only (made a fresh leaf by a hook), so no parameter ``.grad`` is touched and no
+gradient-accumulation hook (DeepSpeed's included) fires. Hooks on each layer's output see ``G_Y`` (training)
+and ``g`` (probe) and reduce everything at once to per-channel vectors or scalars:
+
+* forward hook: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` and the operand errors of X and W;
+* training-gradient hook: ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` (RNE, deterministic), ``‖ΔG_W ⊙ P‖²``,
+  the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units, ``⟨G_Y, E⟩``, the G_Y
+  operand error and (``bwd_propagated``) the dgrad error and upstream terms;
+* probe hook: ``Σ_t g_tj²``.
+
+The statistics of all batches are packed into one flat tensor and summed across data-parallel ranks with a
+single call of ``reduce``; then :mod:`snip_ds.divergence` turns them into the artifact that
+:func:`snip_ds.planner.load_stats` reads.
+
+Distributed conventions (exact for one rank; for several, rank-local quantization errors are taken as
+independent, so the error of the averaged gradient has ``1/W`` of a rank's squared norm):
+
+* ``precond={fqn: P}`` (full weight shape, e.g. from :func:`adam_precond`): every rank computes the full
+  ``‖ΔG_W,r ⊙ P‖²``; after the sum over ranks it is divided by ``W²``.
+* ``precond=callable`` (partitioned optimizer states, ZeRO 1-3): the engine passes
+  ``precond(fqn, t) -> 0-dim tensor`` = ``Σ (t ⊙ P)²`` over the elements of the flattened weight whose
+  optimizer state **this rank owns**, with ``P = 1/(sqrt(exp_avg_sq/(1-β₂ᵗ)) + eps)`` of that partition
+  (``t`` is a full ``[n, k]`` FP32 tensor, rank-local). The sum over ranks then covers every element once;
+  it is divided by ``W``. The loss-unit price then assumes P constant within the layer (scaled by
+  ``‖ΔG⊙P‖²/‖ΔG‖²``). A mapping may also hold such callables per fqn.
+
+Limits: gradient checkpointing must be off during a collection (recomputation would re-run the forward hooks),
+and under ZeRO-3 the caller must gather the layers' weights around the call.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from snip_ds import divergence as dv
+from snip_ds.backend import get_backend
+from snip_ds.linear import SnipLinear
+from snip_ds.swap import snip_layers
+
+STATS_FORMAT = "snip_ds.stats/1"
+ESTIMATORS = ("mc_fisher", "empirical", "isotropic")
+QUANTIZED = ("fp8", "fp4")
+ISO_DELTA = 0.02  # δ of the isotropic ablation's forward-noise passes, relative to rms(z)
+IGNORE_INDEX = -100
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+PrecondFn = Callable[[str, torch.Tensor], torch.Tensor]
+Precond = Union[None, Mapping[str, Union[torch.Tensor, PrecondFn]], PrecondFn]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Optimizer state -> preconditioner
+# --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AdamPrecond:
+    """Adam preconditioners read from a torch optimizer.
+
+    Attributes:
+        precond: ``{fqn: P}`` with ``P = 1/(sqrt(v̂) + eps)``; empty when the optimizer has no state yet.
+        step: optimizer steps taken (0 before the first).
+        step_scale: ``(1-β₁)/(1-β₁^(step+1))``, the share of a gradient change in the next update.
+        lr: the learning rate of the layers' param group.
+    """
+
+    precond: Dict[str, torch.Tensor]
+    step: int
+    step_scale: float
+    lr: float
+
+
+def adam_precond(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 layers: Optional[Iterable[str]] = None) -> AdamPrecond:
+    """Reads ``exp_avg_sq`` and ``step`` of the layers' weights from a torch Adam/AdamW optimizer."""
+    mods = _select_layers(model, layers)
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    precond, steps, lrs, beta1 = {}, set(), set(), None
+    for fqn, mod in mods.items():
+        group = group_of.get(id(mod.weight))
+        if group is None:
+            raise ValueError(f"optimizer: layer {fqn!r}'s weight is in no param group")
+        if "betas" not in group or "eps" not in group:
+            raise ValueError(f"optimizer: param group of {fqn!r} has no 'betas'/'eps'; expected Adam or AdamW")
+        beta1, beta2 = group["betas"]
+        lrs.add(float(group["lr"]))
+        state = optimizer.state.get(mod.weight, {})
+        if "exp_avg_sq" not in state:
+            continue
+        step = int(state["step"])
+        steps.add(step)
+        precond[fqn] = dv.adam_preconditioner(state["exp_avg_sq"], step, beta2, group["eps"])
+    step = max(steps) if steps else 0
+    if precond and len(precond) != len(mods):
+        raise ValueError(f"optimizer: only {len(precond)} of {len(mods)} layers have Adam state")
+    return AdamPrecond(precond, step, dv.adam_step_scale(step, beta1 if beta1 is not None else 0.9),
+                       max(lrs) if lrs else 0.0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------------
+def _select_layers(model: nn.Module, layers: Optional[Iterable[str]]) -> Dict[str, SnipLinear]:
+    found = snip_layers(model)
+    if not found:
+        raise ValueError("model has no SnipLinear layers; call snip_ds.swap.swap_linears(model) first")
+    if layers is None:
+        return found
+    names = list(layers)
+    unknown = [n for n in names if n not in found]
+    if unknown:
+        raise ValueError(f"layers: {unknown[:5]} are not SnipLinear layers of the model; valid names look like "
+                         f"{next(iter(found))!r} ({len(found)} in all)")
+    return {n: found[n] for n in names}
+
+
+def _unpack(batch: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(input_ids, attention_mask, labels)`` from a LongTensor ``[B, L]`` or a mapping with ``input_ids``."""
+    if isinstance(batch, torch.Tensor):
+        ids, mask, labels = batch, None, None
+    elif isinstance(batch, Mapping) and "input_ids" in batch:
+        ids, mask, labels = batch["input_ids"], batch.get("attention_mask"), batch.get("labels")
+    else:
+        raise ValueError("batches: each batch must be a LongTensor [B, L] of token ids or a mapping with "
+                         f"'input_ids' (optional 'attention_mask', 'labels'); got {type(batch).__name__}")
+    if ids.dim() != 2:
+        raise ValueError(f"batches: input_ids must be [B, L], got shape {tuple(ids.shape)}")
+    if labels is None:
+        labels = ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
+    return ids, mask, labels
+
+
+def _targets(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Shifted next-token logits ``[N, V]`` and targets ``[N]`` of the valid positions."""
+    lg = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    tg = labels[:, 1:].reshape(-1).to(logits.device)
+    keep = tg != IGNORE_INDEX
+    return lg[keep], tg[keep]
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _as_json_number(x: float) -> Optional[float]:
+    return float(x) if math.isfinite(x) else None
+
+
+class _Stats:
+    """Named per-layer accumulators, packed into one flat vector for a single reduction."""
+
+    def __init__(self) -> None:
+        self.data: Dict[Tuple[str, str], torch.Tensor] = {}
+
+    def add(self, fqn: str, key: str, value: torch.Tensor) -> None:
+        value = value.detach().float().reshape(-1)
+        k = (fqn, key)
+        self.data[k] = self.data[k] + value if k in self.data else value.clone()
+
+    def get(self, fqn: str, key: str, default: float = 0.0) -> torch.Tensor:
+        t = self.data.get((fqn, key))
+        return torch.tensor([default]) if t is None else t
+
+    def reduce(self, reduce: Optional[Reduce], device: torch.device) -> None:
+        keys = sorted(self.data)  # the same order on every rank
+        flat = torch.cat([self.data[k].to(device) for k in keys]) if keys else torch.zeros(0, device=device)
+        if reduce is not None:
+            flat = reduce(flat)
+        sizes = [self.data[k].numel() for k in keys]
+        for k, part in zip(keys, torch.split(flat.detach().float().cpu(), sizes)):
+            self.data[k] = part
+
+
+# --------------------------------------------------------------------------------------------------------
+# The collector: hooks and passes
+# --------------------------------------------------------------------------------------------------------
+class _Collector:
+    GLOBAL = "<global>"
+
+    def __init__(self, model: nn.Module, layers: Dict[str, SnipLinear], precisions: Sequence[str],
+                 precond: Precond, fallback: str, estimator: str, propagated: bool, seed: int) -> None:
+        self.model, self.layers, self.precisions = model, layers, tuple(precisions)
+        self.precond, self.fallback, self.estimator, self.propagated = precond, fallback, estimator, propagated
+        self.backend = get_backend()
+        self.stats = _Stats()
+        self.phase = "off"
+        self.n_local = 1.0
+        self.x: Dict[str, torch.Tensor] = {}
+        self.order: Dict[str, int] = {}
+        self.group: Dict[str, int] = {}
+        self._group_ids: Dict[int, int] = {}
+        self.emb: Optional[torch.Tensor] = None
+        self.z: Optional[torch.Tensor] = None
+        self.z_shift: Optional[torch.Tensor] = None
+        self.sources: set = set()
+        device = _device_of(model)
+        self.gen = torch.Generator(device=device).manual_seed(seed)  # probe labels / isotropic noise
+        self.had_gen = torch.Generator(device=device).manual_seed(seed + 1)  # Hadamard signs (if enabled)
+
+    # ---------------- hooks ----------------
+    @contextmanager
+    def hooks(self) -> Iterator[None]:
+        handles = [self.model.get_input_embeddings().register_forward_hook(self._on_embedding)]
+        for fqn, mod in self.layers.items():
+            handles.append(mod.register_forward_hook(self._forward_hook(fqn)))
+        if self.estimator == "isotropic":
+            handles.append(self._last_block().register_forward_hook(self._on_last_block))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _last_block(self) -> nn.Module:
+        from snip_ds.swap import block_index
+        last = max(self.layers, key=block_index)
+        prefix = last[: last.index(f"layers.{block_index(last)}") + len(f"layers.{block_index(last)}")]
+        return self.model.get_submodule(prefix)
+
+    def _on_embedding(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        if self.phase != "forward":
+            return output
+        self.emb = output.detach().requires_grad_(True)  # our own leaf: no gradient reaches parameters
+        return self.emb
+
+    def _on_last_block(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        z = output[0] if isinstance(output, tuple) else output
+        if self.phase == "forward":
+            self.z = z
+        elif self.phase == "alpha" and self.z_shift is not None:
+            z = z + self.z_shift
+            return (z, *output[1:]) if isinstance(output, tuple) else z
+        return output
+
+    def _forward_hook(self, fqn: str):
+        def hook(module: SnipLinear, inputs: Any, output: torch.Tensor) -> None:
+            if self.phase != "forward":
+                return
+            self._on_forward(fqn, module, inputs[0], output)
+        return hook
+
+    def _quant_cfg(self, module: SnipLinear):
+        return replace(module.quant_config, stochastic_rounding=False)  # RNE: deterministic, no RNG
+
+    def _on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor) -> None:
+        st, cfg = self.stats, self._quant_cfg(module)
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, k]
+        w = module.weight.detach().float()  # [n, k]
+        y_ref = x2 @ w.t()  # [T, n]
+        for p in self.precisions:
+            x_lp = self.backend.quantize(x2, p, "x", -1, cfg)
+            w_lp = self.backend.quantize(w, p, "w", -1, cfg)
+            st.add(fqn, f"err_sq.{p}", dv.channel_sq_sum(x_lp @ w_lp.t() - y_ref))
+            st.add(fqn, f"qerr_x.{p}", ((x_lp - x2) ** 2).sum())
+            st.add(fqn, f"qerr_w.{p}", ((w_lp - w) ** 2).sum())
+        st.add(fqn, "qnorm_x", (x2 * x2).sum())
+        st.add(fqn, "qnorm_w", (w * w).sum())
+        self.x[fqn] = x2
+        if fqn not in self.order:
+            self.order[fqn] = len(self.order)
+        if self.propagated and x.requires_grad:
+            key = id(x)
+            if key not in self._group_ids:
+                self._group_ids[key] = len(self._group_ids)
+                gid = self._group_ids[key]
+                x.register_hook(lambda g, gid=gid: self._on_input_grad(gid, g))
+            self.group[fqn] = self._group_ids[key]
+        if y.requires_grad:
+            y.register_hook(lambda g: self._on_output_grad(fqn, module, g))
+
+    def _on_input_grad(self, gid: int, g: torch.Tensor) -> None:
+        if self.phase == "train":
+            self.stats.add(self.GLOBAL, f"gx_sq.{gid}", (g.float() ** 2).sum())
+
+    def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
+        g2 = g.detach().reshape(-1, g.shape[-1]).float()  # [T, n]
+        if self.phase in ("probe", "iso"):
+            self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2))
+        elif self.phase == "train":
+            self._on_train_grad(fqn, module, g2)
+
+    def _precond_of(self, fqn: str, gw: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[PrecondFn]]:
+        pc = self.precond
+        if pc is None:
+            p, source = dv.fallback_preconditioner(gw, gw.shape, self.fallback)
+            self.sources.add(source)
+            return p.to(gw.device), None
+        entry = pc if callable(pc) and not isinstance(pc, Mapping) else pc[fqn]
+        if isinstance(entry, torch.Tensor):
+            self.sources.add("tensor")
+            return entry.to(gw.device, torch.float32), None
+        self.sources.add("callable")
+        return None, entry
+
+    def _on_train_grad(self, fqn: str, module: SnipLinear, g2: torch.Tensor) -> None:
+        st, cfg, be = self.stats, self._quant_cfg(module), self.backend
+        x2 = self.x.pop(fqn)
+        w = module.weight.detach().float()
+        gw = g2.t() @ x2  # [n, k], BF16-pass weight gradient (mean loss)
+        pmat, pfn = self._precond_of(fqn, gw)
+        for p in self.precisions:
+            dgw = be.wgrad(g2, x2, p, cfg, self.had_gen) - gw
+            if pfn is None:
+                drift = dgw * pmat
+                st.add(fqn, f"drift_sq.{p}", (drift * drift).sum())
+            else:
+                drift = dgw
+                st.add(fqn, f"drift_sq.{p}", torch.as_tensor(pfn(fqn, dgw), dtype=torch.float32))
+                st.add(fqn, f"dg_sq.{p}", (dgw * dgw).sum())
+            st.add(fqn, f"drift_ch.{p}", dv.channel_sq_sum(x2 @ drift.t()))
+            del drift, dgw
+            x_lp = be.quantize(x2, p, "x", -1, cfg)
+            w_lp = be.quantize(w, p, "w", -1, cfg)
+            first = ((g2.t() @ x_lp) * w_lp).sum() - (gw * w).sum()  # <G_Y, Q(X)Q(W)^T - X W^T>
+            st.add(fqn, f"first.{p}", first * self.n_local)
+            g_lp = be.quantize(g2, p, "g", -1, cfg)
+            st.add(fqn, f"qerr_g.{p}", ((g_lp - g2) ** 2).sum())
+            if self.propagated:
+                e = be.dgrad(g2, w, p, cfg, self.had_gen) - g2 @ w
+                st.add(fqn, f"dgrad_sq.{p}", (e * e).sum())
+        st.add(fqn, "qnorm_g", (g2 * g2).sum())
+        if self.estimator == "empirical":
+            st.add(fqn, "probe_sq", dv.channel_sq_sum(g2 * self.n_local))
+        if self.propagated:
+            if pfn is None:
+                up = gw * pmat
+                st.add(fqn, "up_sq", (up * up).sum())
+            else:
+                up = gw
+                st.add(fqn, "up_sq", torch.as_tensor(pfn(fqn, gw), dtype=torch.float32))
+                st.add(fqn, "gw_sq", (gw * gw).sum())
+            st.add(fqn, "up_ch", dv.channel_sq_sum(x2 @ up.t()))
+
+    # ---------------- one batch ----------------
+    def run_batch(self, batch: Any, num_probes: int) -> int:
+        ids, mask, labels = _unpack(batch)
+        device = _device_of(self.model)
+        ids = ids.to(device)
+        mask = mask.to(device) if mask is not None else None
+        with torch.enable_grad():
+            self.phase = "forward"
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            self.phase = "off"
+            lg, tg = _targets(logits, labels)
+            n = int(tg.numel())
+            if n == 0:
+                raise ValueError("batches: a batch has no target tokens (all labels are -100)")
+            self.n_local = float(n)
+            loss = F.cross_entropy(lg, tg)
+            st = self.stats
+            st.add(self.GLOBAL, "n_tokens", torch.tensor(float(n)))
+            st.add(self.GLOBAL, "n_rows", torch.tensor(float(ids.numel())))
+            st.add(self.GLOBAL, "loss_sum", loss.detach() * n)
+            extra = self.estimator == "mc_fisher" or self.estimator == "isotropic"
+            self.phase = "train"
+            torch.autograd.grad(loss, self.emb, retain_graph=extra)
+            self.x.clear()
+            if self.estimator == "mc_fisher":
+                self.phase = "probe"
+                probs = torch.softmax(lg.detach(), dim=-1)
+                for r in range(num_probes):
+                    y_hat = torch.multinomial(probs, 1, generator=self.gen).squeeze(1)
+                    torch.autograd.grad(F.cross_entropy(lg, y_hat, reduction="sum"), self.emb,
+                                        retain_graph=r < num_probes - 1)
+            elif self.estimator == "isotropic":
+                self.phase = "iso"
+                for r in range(num_probes):
+                    u = torch.randn(self.z.shape, generator=self.gen, device=self.z.device, dtype=self.z.dtype)
+                    torch.autograd.grad((u * self.z).sum(), self.emb, retain_graph=r < num_probes - 1)
+            self.phase = "off"
+        if self.estimator == "isotropic":
+            self._alpha(ids, mask, labels, float(loss.detach()))
+        self.emb = self.z = None
+        return int(ids.numel())
+
+    @torch.no_grad()
+    def _alpha(self, ids, mask, labels, loss_0: float) -> None:
+        z = self.z.detach()
+        delta = ISO_DELTA * float(z.float().pow(2).mean().sqrt())
+        v = torch.randn(z.shape, generator=self.gen, device=z.device, dtype=z.dtype)
+        losses = {}
+        self.phase = "alpha"
+        try:
+            for name, s in (("0", 0.0), ("+", 1.0), ("-", -1.0), ("2+", 2.0)):
+                self.z_shift = (s * delta) * v
+                lg, tg = _targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)
+                losses[name] = float(F.cross_entropy(lg, tg))
+        finally:
+            self.phase, self.z_shift = "off", None
+        alpha = dv.isotropic_alpha(losses["0"], losses["+"], losses["-"], delta, float((v.float() ** 2).sum()))
+        st = self.stats
+        st.add(self.GLOBAL, "alpha_tok", torch.tensor(alpha * self.n_local))  # per-token-scale curvature
+        st.add(self.GLOBAL, "quad_ratio", torch.tensor(dv.quadratic_ratio(losses["0"], losses["+"], losses["2+"],
+                                                                           losses["-"])))
+        st.add(self.GLOBAL, "alpha_count", torch.tensor(1.0))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------------
+@contextmanager
+def _preserved(model: nn.Module, layers: Dict[str, SnipLinear]) -> Iterator[None]:
+    """Restores the layers' precision, the model's mode and the global RNG states (CPU and CUDA)."""
+    saved_precision = {fqn: m.gemm_precision for fqn, m in layers.items()}
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            for m in layers.values():
+                m.precision = "bf16"
+            yield
+        finally:
+            for fqn, m in layers.items():
+                m.precision = saved_precision[fqn]
+
+
+def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Optional[Iterable[str]] = None,
+                       lr: float, precond: Precond = None, estimator: str = "mc_fisher", num_probes: int = 1,
+                       precisions: Sequence[str] = QUANTIZED, bwd_propagated: bool = False, seed: int = 0,
+                       reduce: Optional[Reduce] = None, step: int = 0, world_size: int = 1,
+                       step_scale: float = 1.0, precond_fallback: str = "grad_sq",
+                       lam: Optional[float] = None) -> Dict[str, Any]:
+    """One SNIP statistics collection on the given batches; leaves no trace on the model.
+
+    Args:
+        model: a Hugging Face causal LM whose decoder linears are :class:`SnipLinear`.
+        batches: LongTensor ``[B, L]`` token ids, or mappings with ``input_ids`` (optional ``attention_mask``,
+            ``labels``; ``-100`` ignored). Each batch plays one step's rank-local batch.
+        layers: fqns to measure; default every SnipLinear.
+        lr: learning rate η of the next steps.
+        precond: ``{fqn: P}`` (weight-shaped tensors, e.g. :func:`adam_precond`), or a callable
+            ``(fqn, t) -> Σ_owned (t⊙P)²`` for partitioned states (module docstring), or a mapping of such
+            callables; None uses ``precond_fallback`` (``"grad_sq"``: Adam's first-step ``v̂ = G_W²``;
+            ``"ones"``). The artifact's ``"precond"`` says which was used.
+        estimator: ``"mc_fisher"`` (default; MC Fisher probes), ``"empirical"`` (the training G_Y, no extra
+            pass) or ``"isotropic"`` (ablation: ``N(0, I)`` probes at the last block's output times α).
+        num_probes: probes per batch (mc_fisher, isotropic).
+        precisions: quantized precisions to measure (``fp8``, ``fp4``).
+        bwd_propagated: also compute the propagated-BWD ablation (adds ``bwd_propagated``,
+            ``bwd_drift_propagated`` and ``dgrad_err``).
+        seed: seed of the private generators (probe labels, isotropic noise, Hadamard signs).
+        reduce: ``reduce(t) -> t`` summing over data-parallel ranks (called exactly once); None = identity.
+        step: the training step, recorded.
+        world_size: data-parallel ranks ``W`` behind ``reduce``.
+        step_scale: ``c`` in the drift ``lr·c·ΔG⊙P``: 1 = eventual drift (the planner's λ is a horizon in
+            steps); :func:`snip_ds.divergence.adam_step_scale` = one step's drift.
+        precond_fallback: see ``precond``.
+        lam: λ to record in the artifact (the BWD weight the planner uses by default).
+
+    Returns:
+        The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
+        the planner's costs), ``bwd_drift`` (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units), ``first_order``,
+        ``quant_err``, ``rel_quant_err`` (each ``{precision: number}``), ``nonfinite``. Non-finite numbers
+        are written as null and flag the layer.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator: unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
+    bad = [p for p in precisions if p not in QUANTIZED]
+    if bad or not precisions:
+        raise ValueError(f"precisions: {list(precisions)!r}; choose from {', '.join(QUANTIZED)}")
+    if not isinstance(num_probes, int) or num_probes < 1:
+        raise ValueError(f"num_probes must be a positive integer, got {num_probes!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    if precond_fallback not in dv.FALLBACKS:
+        raise ValueError(f"precond_fallback: unknown {precond_fallback!r}; valid: {', '.join(dv.FALLBACKS)}")
+    mods = _select_layers(model, layers)
+    if isinstance(precond, Mapping):
+        missing = [f for f in mods if f not in precond]
+        if missing:
+            raise ValueError(f"precond: no preconditioner for {len(missing)} layer(s), e.g. {missing[:3]}")
+        for fqn in mods:
+            e = precond[fqn]
+            if isinstance(e, torch.Tensor) and tuple(e.shape) != tuple(mods[fqn].weight.shape):
+                raise ValueError(f"precond[{fqn!r}] has shape {tuple(e.shape)}, the weight "
+                                 f"{tuple(mods[fqn].weight.shape)}")
+    elif precond is not None and not callable(precond):
+        raise ValueError(f"precond must be None, a mapping fqn -> tensor/callable, or a callable; "
+                         f"got {type(precond).__name__}")
+
+    col = _Collector(model, mods, precisions, precond, precond_fallback, estimator, bwd_propagated, seed)
+    rows_per_batch, n_batches = None, 0
+    with _preserved(model, mods), col.hooks():
+        for batch in batches:
+            rows = col.run_batch(batch, num_probes)
+            rows_per_batch = rows_per_batch or rows
+            n_batches += 1
+    if n_batches == 0:
+        raise ValueError("batches is empty: need at least one batch")
+    col.stats.reduce(reduce, _device_of(model))
+    return _finalize(col, mods, n_batches, rows_per_batch * world_size, lr=float(lr), step=int(step),
+                     world_size=world_size, step_scale=float(step_scale), num_probes=num_probes, seed=seed,
+                     lam=lam)
+
+
+def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, tokens_per_step: int, *,
+              lr: float, step: int, world_size: int, step_scale: float, num_probes: int, seed: int,
+              lam: Optional[float]) -> Dict[str, Any]:
+    st, G, W, B = col.stats, _Collector.GLOBAL, float(world_size), float(n_batches)
+    n_tot = float(st.get(G, "n_tokens")[0])
+    rows_tot = float(st.get(G, "n_rows")[0])
+    callable_mode = "callable" in col.sources
+    cover = 1.0 if callable_mode else W  # how many times the reduced P-weighted norms cover each element
+    eta2 = (lr * step_scale) ** 2
+    out: Dict[str, Any] = {"format": STATS_FORMAT, "step": step, "lr": lr, "world_size": world_size,
+                           "estimator": col.estimator, "num_probes": num_probes, "step_scale": step_scale,
+                           "precond": ",".join(sorted(col.sources)) or "none", "batches": n_batches,
+                           "tokens": int(n_tot), "loss": st.get(G, "loss_sum")[0].item() / n_tot, "seed": seed}
+    if lam is not None:
+        out["lambda"] = float(lam)
+    curvature = 1.0
+    if col.estimator == "isotropic":
+        count = float(st.get(G, "alpha_count")[0])
+        curvature = float(st.get(G, "alpha_tok")[0]) / count
+        out["alpha"] = curvature / (n_tot / (B * W))  # α of one rank-local batch's mean loss
+        out["quadratic_ratio"] = float(st.get(G, "quad_ratio")[0]) / count
+    probe_div = rows_tot * (num_probes if col.estimator != "empirical" else 1)
+
+    # upstream sums for the propagated ablation: layers run before the first layer sharing ℓ's input
+    upstream: Dict[str, List[str]] = {}
+    if col.propagated:
+        first_of_group: Dict[int, int] = {}
+        for fqn, gid in col.group.items():
+            first_of_group[gid] = min(first_of_group.get(gid, 10 ** 9), col.order[fqn])
+        for fqn in mods:
+            start = first_of_group.get(col.group.get(fqn, -1), col.order.get(fqn, 0))
+            upstream[fqn] = [m for m in mods if col.order.get(m, 10 ** 9) < start]
+
+    def iso_factor(fqn: str, num: str, den: str) -> float:
+        """‖ΔG⊙P‖²/‖ΔG‖² (callable mode: the loss price assumes P constant within the layer)."""
+        d = float(st.get(fqn, den)[0]) / W
+        return float(st.get(fqn, num)[0]) / cover / d if d > 0 else 0.0
+
+    layers_out: Dict[str, Any] = {}
+    for fqn, mod in mods.items():
+        m = st.get(fqn, "probe_sq") / probe_div * curvature  # mean_t g² (per-token scale) [n]
+        rec: Dict[str, Any] = {"flops": 6.0 * tokens_per_step * mod.in_features * mod.out_features}
+        fld, bwd, drift, first, qe, rqe = {}, {}, {}, {}, {}, {}
+        for p in col.precisions:
+            fld[p] = float(dv.fld_estimate(st.get(fqn, f"err_sq.{p}"), m, n_tot))
+            drift[p] = eta2 * float(st.get(fqn, f"drift_sq.{p}")[0]) / cover / B / W
+            price = float(dv.fld_estimate(st.get(fqn, f"drift_ch.{p}"), m, n_tot)) / W
+            scale = iso_factor(fqn, f"drift_sq.{p}", f"dg_sq.{p}") if callable_mode else 1.0
+            bwd[p] = eta2 * price * scale
+            first[p] = float(st.get(fqn, f"first.{p}")[0]) / n_tot
+            parts = [(float(st.get(fqn, f"qerr_{r}.{p}")[0]), float(st.get(fqn, f"qnorm_{r}")[0]))
+                     for r in ("x", "w", "g")]
+            qe[p] = sum(e for e, _ in parts) / (B * W)
+            rqe[p] = sum(e / nrm if nrm > 0 else 0.0 for e, nrm in parts)
+        rec.update(fld=fld, bwd=bwd, bwd_drift=drift, first_order=first, quant_err=qe, rel_quant_err=rqe)
+        if col.propagated:
+            gx = float(st.get(G, f"gx_sq.{col.group.get(fqn, -1)}")[0])
+            up_sq = sum(float(st.get(u, "up_sq")[0]) for u in upstream[fqn]) * W / cover
+            up_price = 0.0
+            for u in upstream[fqn]:
+                pr = float(dv.fld_estimate(st.get(u, "up_ch"), st.get(u, "probe_sq") / probe_div * curvature,
+                                           n_tot)) * B * W  # Σ over batches and ranks of local prices
+                up_price += pr * (iso_factor(u, "up_sq", "gw_sq") if callable_mode else 1.0)
+            prop, prop_drift, derr = {}, {}, {}
+            for p in col.precisions:
+                e_sq = float(st.get(fqn, f"dgrad_sq.{p}")[0])
+                derr[p] = e_sq / (B * W)
+                e_glob = eta2 * derr[p] / W
+                prop_drift[p] = e_glob * up_sq / gx if gx > 0 else 0.0
+                prop[p] = bwd[p] + (e_glob * up_price / gx if gx > 0 else 0.0)
+            rec.update(bwd_propagated=prop, bwd_drift_propagated=prop_drift, dgrad_err=derr)
+        layers_out[fqn] = _clean(rec)
+    out["layers"] = layers_out
+    return out
+
+
+def _clean(rec: Dict[str, Any]) -> Dict[str, Any]:
+    """Non-finite numbers -> None, and the ``nonfinite`` flag."""
+    nonfinite = False
+    for key, val in rec.items():
+        if isinstance(val, dict):
+            for p, v in val.items():
+                if not math.isfinite(v):
+                    nonfinite = True
+                    val[p] = None
+    rec["nonfinite"] = nonfinite
+    return rec
+
+
+def save_stats(stats: Mapping[str, Any], path: str) -> None:
+    """Writes the artifact as JSON atomically (temporary file in the same directory, then rename)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".stats-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(stats, f, indent=1, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
