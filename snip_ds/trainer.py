@@ -23,6 +23,7 @@ from snip_ds.ds_config import resolve_ds_config
 from snip_ds.metrics import config_text, make_logger
 from snip_ds.model import build_model
 from snip_ds.plan import Plan
+from snip_ds.swap import find_decoder_linears
 from snip_ds.snip_config import ConfigError, SnipSettings, load_ds_config, with_overrides
 
 TRAIN_FLAGS = ("model_name_or_path", "model_config", "dataset", "tokenizer_name_or_path", "block_size",
@@ -85,14 +86,13 @@ def _settings_from_args(args: argparse.Namespace) -> tuple[Dict[str, Any], SnipS
     return ds_cfg, with_overrides(settings, **overrides)
 
 
-def _initial_plan(engine, settings: SnipSettings) -> Plan:
-    fqns = list(engine.infos)
+def _initial_plan(fqns: List[str], flops: Dict[str, float], settings: SnipSettings) -> Plan:
     if settings.plan_file:
         path = Path(settings.plan_file)
         if not path.is_file():
             raise UserError(f"{path}: plan file not found")
         try:
-            plan = Plan.load(path, flops=engine.flops)
+            plan = Plan.load(path, flops=flops)
             plan.check_layers(fqns, source=str(path))
         except ValueError as err:
             raise UserError(str(err)) from None
@@ -100,7 +100,7 @@ def _initial_plan(engine, settings: SnipSettings) -> Plan:
     if settings.is_adaptive:
         raise UserError("snip.plan: 'adaptive' needs the adaptive planner, which this build does not have yet; "
                         "use bf16, fp8, fp4 or a plan file")
-    return Plan.uniform(fqns, settings.plan, engine.flops)
+    return Plan.uniform(fqns, settings.plan, flops)
 
 
 class _StopFlag:
@@ -125,6 +125,7 @@ def _eval_batches(val_ds, micro_bs: int, n_batches: int, rank: int, world: int) 
 def train(args: argparse.Namespace) -> int:
     """Runs the whole job; returns the process exit code."""
     from snip_ds.engine import CheckpointError, init_distributed, initialize  # imports DeepSpeed
+    from snip_ds.engine import checkpoint as ckpt
 
     ds_cfg, settings = _settings_from_args(args)
     t = settings.train
@@ -153,11 +154,21 @@ def train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as err:
         raise UserError(str(err)) from None
 
+    # ---------------- plan and checkpoint: checked against the model before DeepSpeed starts ----------------
+    tokens_per_step = micro_bs * ga * t.block_size
+    infos = {fqn: model.get_submodule(fqn) for fqn in find_decoder_linears(model)}
+    flops = {fqn: 6.0 * tokens_per_step * m.in_features * m.out_features for fqn, m in infos.items()}
+    plan = _initial_plan(list(infos), flops, settings)
+    if args.resume_from_checkpoint:
+        try:
+            ckpt.validate(ckpt.resolve(Path(args.resume_from_checkpoint)), ckpt.model_fingerprint(model), world)
+        except CheckpointError as err:
+            raise UserError(str(err)) from None
+
     out_dir = Path(t.output_dir)
     logger = make_logger(out_dir / "tensorboard", rank)
-    tokens_per_step = micro_bs * ga * t.block_size
     engine = initialize(model, ds_cfg, settings, tokens_per_step=tokens_per_step, logger=logger, seed=t.seed)
-    engine.set_plan(_initial_plan(engine, settings), "initial plan")
+    engine.set_plan(plan, "initial plan")
     logger.text("run/config", config_text({"snip": settings.to_dict(), "deepspeed": ds_cfg, "data": data_info,
                                            "world_size": world}), 0)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
@@ -167,10 +178,7 @@ def train(args: argparse.Namespace) -> int:
               f"{data_info.get('train_blocks', len(train_ds))} train blocks of {t.block_size} tokens", flush=True)
 
     if args.resume_from_checkpoint:
-        try:
-            meta = engine.load_checkpoint(args.resume_from_checkpoint)
-        except CheckpointError as err:
-            raise UserError(str(err)) from None
+        meta = engine.load_checkpoint(args.resume_from_checkpoint)
         stream.load_state_dict(meta["data"])
         if rank == 0:
             print(f"snip_ds: resumed from {args.resume_from_checkpoint} at step {engine.step}", flush=True)

@@ -33,9 +33,10 @@ def init_distributed() -> None:
     """
     if dist.is_initialized():
         return
-    if "WORLD_SIZE" not in os.environ:  # a plain `python launch/train.py`: one rank
+    if "WORLD_SIZE" not in os.environ or os.environ.get("SNIP_DS_SINGLE_PROCESS") == "1":
+        # A plain `python launch/train.py` (or a test calling it in-process): one rank on a fresh port.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+                          MASTER_PORT=str(_free_port()), SNIP_DS_SINGLE_PROCESS="1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -1,0 +1,67 @@
+"""Helpers for tests that run launch/train.py: tiny configs, the deepspeed launcher, TensorBoard read-back."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "launch" / "train.py"
+
+TINY_MODEL = {"model_type": "llama", "vocab_size": 264, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "tie_word_embeddings": False}
+
+
+def write_configs(tmp: Path, stage: int = 3, plan: str = "fp8", **train) -> Path:
+    """A DeepSpeed JSON for a tiny, fast run (fp32, small corpus); returns its path."""
+    (tmp / "model.json").write_text(json.dumps(TINY_MODEL))
+    base = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    base["zero_optimization"] = {"stage": stage} if stage < 3 else dict(base["zero_optimization"])
+    base["train_micro_batch_size_per_gpu"] = 2
+    base["snip"]["plan"] = plan
+    base["snip"]["train"] = {"model_config": str(tmp / "model.json"), "block_size": 64, "max_steps": 6,
+                             "eval_steps": 3, "eval_batches": 2, "save_steps": 3, "seed": 0,
+                             "max_corpus_bytes": 200_000, "output_dir": str(tmp / "out"), **train}
+    path = tmp / f"ds_stage{stage}_{plan.replace('/', '_')}.json"
+    path.write_text(json.dumps(base, indent=1))
+    return path
+
+
+def env() -> Dict[str, str]:
+    e = dict(os.environ)
+    e.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    e.pop("SNIP_DS_SINGLE_PROCESS", None)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(key, None)
+    return e
+
+
+def launch(args: List[str], num_ranks: int = 1, timeout: int = 600, port: Optional[int] = None,
+           cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Runs ``deepspeed --num_gpus N launch/train.py ARGS`` and returns the finished process."""
+    from snip_ds.engine.core import _free_port
+
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
+           "--master_port", str(port or _free_port()), str(TRAIN), *args, "--no_progress"]
+    return subprocess.run(cmd, cwd=cwd or REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def scalars(log_dir: Path) -> Dict[str, Dict[int, float]]:
+    """Every scalar series in a TensorBoard directory, read back with tensorboard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def images(log_dir: Path) -> List[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    acc.Reload()
+    return acc.Tags()["images"]
