@@ -1,0 +1,233 @@
+"""snip_ds.collect on a tiny Llama: no trace left, independent per-layer references, reduction, artifact."""
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from snip_ds import divergence as dv
+from snip_ds.backend import get_backend
+from snip_ds.collect import adam_precond, collect_statistics, save_stats
+from snip_ds.planner import costs_from_stats, load_stats
+from snip_ds.swap import snip_layers, swap_linears
+
+LAYER = "model.layers.1.mlp.down_proj"
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    m = LlamaForCausalLM(cfg)
+    swap_linears(m, "fp8", seed=3)
+    return m
+
+
+def _batches(n=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 257, (2, 32), generator=g) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+def _reference(model, batch, fqn, precision, precond):
+    """G_Y, X, E, ΔG_W of one layer from a plain BF16 forward/backward with retain_grad (no collector)."""
+    mod = model.get_submodule(fqn)
+    saved = {}
+
+    def hook(m, inp, out):
+        saved["x"] = inp[0].detach().reshape(-1, inp[0].shape[-1]).float()
+        out.retain_grad()
+        saved["y"] = out
+
+    prec = {f: m.precision for f, m in snip_layers(model).items()}
+    for m in snip_layers(model).values():
+        m.precision = "bf16"
+    h = mod.register_forward_hook(hook)
+    try:
+        logits = model(input_ids=batch).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+    finally:
+        h.remove()
+        for f, m in snip_layers(model).items():
+            m.precision = prec[f]
+        model.zero_grad(set_to_none=True)
+    gy = saved["y"].grad.reshape(-1, mod.out_features).float()
+    x, w = saved["x"], mod.weight.detach().float()
+    cfg = replace(mod.quant_config, stochastic_rounding=False)
+    be = get_backend()
+    e = be.fprop(x, w, precision, cfg) - x @ w.t()
+    dgw = be.wgrad(gy, x, precision, cfg) - gy.t() @ x
+    n = batch[:, 1:].numel()
+    return dict(gy=gy, x=x, e=e, dgw=dgw, n=n, loss=loss.item())
+
+
+def test_leaves_no_trace(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = _batches(1)[0]
+    logits = model(input_ids=batch).logits
+    F.cross_entropy(logits[:, :-1].reshape(-1, 257), batch[:, 1:].reshape(-1)).backward()
+    opt.step()  # optimizer state exists, and .grad stays populated
+    layers = snip_layers(model)
+    layers[LAYER].precision = {"fprop": "fp4", "dgrad": "fp8", "wgrad": "bf16"}
+    layers["model.layers.0.self_attn.q_proj"].precision = "fp4"
+    model.eval()
+    before = dict(
+        params={k: v.detach().clone() for k, v in model.named_parameters()},
+        grads={k: v.grad.clone() for k, v in model.named_parameters()},
+        opt=json.dumps({k: v for k, v in opt.state_dict().items() if k != "state"}),
+        opt_state={(i, k): t.clone() for i, s in opt.state_dict()["state"].items() for k, t in s.items()},
+        prec={k: m.precision for k, m in layers.items()},
+        gens={k: m.generator.get_state() for k, m in layers.items()},
+        rng=torch.get_rng_state())
+    pc = adam_precond(model, opt)
+    for est in ("mc_fisher", "isotropic"):
+        collect_statistics(model, _batches(2), lr=1e-3, precond=pc.precond, estimator=est, bwd_propagated=True)
+    for k, v in model.named_parameters():
+        assert torch.equal(v, before["params"][k]), k
+        assert torch.equal(v.grad, before["grads"][k]), k
+    assert json.dumps({k: v for k, v in opt.state_dict().items() if k != "state"}) == before["opt"]
+    for (i, k), t in before["opt_state"].items():
+        assert torch.equal(opt.state_dict()["state"][i][k], t)
+    assert {k: m.precision for k, m in layers.items()} == before["prec"]
+    assert all(torch.equal(m.generator.get_state(), before["gens"][k]) for k, m in layers.items())
+    assert torch.equal(torch.get_rng_state(), before["rng"])
+    assert not model.training
+    model.train()
+    for m in layers.values():
+        m.precision = "fp8"
+    model.zero_grad(set_to_none=True)
+
+
+def test_layer_statistics_match_independent_reference(model):
+    batch = _batches(1)[0]
+    pre = {f: torch.rand(m.weight.shape, generator=torch.Generator().manual_seed(5)) + 0.5
+           for f, m in snip_layers(model).items()}
+    lr = 3e-3
+    stats = collect_statistics(model, [batch], lr=lr, precond=pre, estimator="empirical")
+    rec = stats["layers"][LAYER]
+    for p in ("fp8", "fp4"):
+        ref = _reference(model, batch, LAYER, p, pre[LAYER])
+        assert stats["tokens"] == ref["n"] and stats["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert rec["first_order"][p] == pytest.approx((ref["gy"] * ref["e"]).sum().item(), rel=1e-3, abs=1e-9)
+        assert rec["bwd_drift"][p] == pytest.approx(dv.bwd_direct(ref["dgw"], pre[LAYER], lr).item(), rel=1e-4)
+        fld = dv.fld_from_tensors(ref["e"], ref["gy"] * ref["n"], ref["n"])
+        assert rec["fld"][p] == pytest.approx(fld.item(), rel=1e-4)
+        bwd = dv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[LAYER], dv.channel_sq_mean(ref["gy"] * ref["n"]),
+                             ref["n"])
+        assert rec["bwd"][p] == pytest.approx(bwd.item(), rel=1e-4)
+    assert rec["fld"]["fp4"] > rec["fld"]["fp8"] > 0
+    assert rec["rel_quant_err"]["fp4"] > rec["rel_quant_err"]["fp8"] > 0
+    assert 1e-3 < rec["rel_quant_err"]["fp4"] / 3 < 0.1  # three operands at NVFP4 RNE (~1e-2 each)
+
+
+def test_mc_fisher_is_seeded_and_close_to_empirical(model):
+    b = _batches(2)
+    s1 = collect_statistics(model, b, lr=1e-3, seed=0)
+    s2 = collect_statistics(model, b, lr=1e-3, seed=0)
+    s3 = collect_statistics(model, b, lr=1e-3, seed=1)
+    emp = collect_statistics(model, b, lr=1e-3, estimator="empirical")
+    assert s1 == s2 and s1["layers"][LAYER]["fld"] != s3["layers"][LAYER]["fld"]
+    # at initialisation the model's labels are as uncertain as the data: both Fisher forms agree within 3x
+    for fqn, rec in s1["layers"].items():
+        ratio = rec["fld"]["fp4"] / emp["layers"][fqn]["fld"]["fp4"]
+        assert 1 / 3 < ratio < 3, fqn
+
+
+def test_reduce_over_simulated_ranks_matches_pooled_single_rank(model):
+    b0, b1 = _batches(2)
+    captured = {}
+
+    def capture(t):
+        captured["rank1"] = t.clone()
+        return t
+
+    collect_statistics(model, [b1], lr=1e-3, estimator="empirical", precond_fallback="ones", reduce=capture)
+    calls = []
+
+    def reduce(t):
+        calls.append(1)
+        return t + captured["rank1"]
+
+    two = collect_statistics(model, [b0], lr=1e-3, estimator="empirical", precond_fallback="ones", reduce=reduce,
+                             world_size=2)
+    one = collect_statistics(model, [b0, b1], lr=1e-3, estimator="empirical", precond_fallback="ones")
+    assert calls == [1] and two["tokens"] == one["tokens"]
+    for fqn in one["layers"]:
+        r2, r1 = two["layers"][fqn], one["layers"][fqn]
+        assert r2["flops"] == pytest.approx(2 * r1["flops"])  # tokens per step double with two ranks
+        for p in ("fp8", "fp4"):
+            assert r2["fld"][p] == pytest.approx(r1["fld"][p], rel=1e-5)
+            assert r2["first_order"][p] == pytest.approx(r1["first_order"][p], rel=1e-4, abs=1e-12)
+            # the averaged gradient's (independent) error has 1/W of one rank's squared norm
+            assert r2["bwd_drift"][p] == pytest.approx(r1["bwd_drift"][p] / 2, rel=1e-5)
+            assert r2["bwd"][p] == pytest.approx(r1["bwd"][p] / 2, rel=1e-5)
+
+
+def test_callable_precond_matches_tensor(model):
+    b = _batches(1)
+    pre = {f: torch.full(m.weight.shape, 2.0) for f, m in snip_layers(model).items()}
+    calls = []
+
+    def partial_sum(fqn, t):
+        calls.append(fqn)
+        return ((t * pre[fqn]) ** 2).sum()
+
+    a = collect_statistics(model, b, lr=1e-3, precond=pre, estimator="empirical")
+    c = collect_statistics(model, b, lr=1e-3, precond=partial_sum, estimator="empirical")
+    assert c["precond"] == "callable" and a["precond"] == "tensor" and len(calls) == 2 * len(pre)
+    for fqn in a["layers"]:
+        for key in ("bwd_drift", "bwd"):
+            for p in ("fp8", "fp4"):
+                assert c["layers"][fqn][key][p] == pytest.approx(a["layers"][fqn][key][p], rel=1e-5)
+
+
+def test_artifact_loads_in_planner_and_flags_nonfinite(model, tmp_path):
+    pre = {f: torch.ones(m.weight.shape) for f, m in snip_layers(model).items()}
+    pre[LAYER] = torch.full_like(pre[LAYER], float("inf"))
+    stats = collect_statistics(model, _batches(1), lr=1e-3, precond=pre, lam=100.0, bwd_propagated=True, step=7)
+    path = tmp_path / "stats.json"
+    save_stats(stats, str(path))
+    loaded = load_stats(str(path))
+    assert loaded["step"] == 7 and loaded["lambda"] == 100.0 and loaded["format"] == "snip_ds.stats/1"
+    assert loaded["layers"][LAYER]["nonfinite"] is True and loaded["layers"][LAYER]["bwd"]["fp4"] is None
+    others = [r for f, r in loaded["layers"].items() if f != LAYER]
+    assert all(not r["nonfinite"] for r in others)
+    with pytest.warns(RuntimeWarning, match="pinned"):
+        sc = costs_from_stats(loaded)
+    assert sc.pinned == {LAYER: "fp8"} and set(sc.costs) == set(stats["layers"])
+    # the propagated ablation: the first layer has nothing upstream, later ones add to the direct term
+    first = loaded["layers"]["model.layers.0.self_attn.q_proj"]
+    assert first["bwd_drift_propagated"]["fp4"] == 0.0
+    down = loaded["layers"]["model.layers.1.mlp.up_proj"]
+    assert down["bwd_propagated"]["fp4"] > down["bwd"]["fp4"] and down["dgrad_err"]["fp4"] > 0
+
+
+def test_isotropic_records_alpha(model):
+    s = collect_statistics(model, _batches(1), lr=1e-3, estimator="isotropic")
+    assert s["alpha"] > 0 and 2.0 < s["quadratic_ratio"] < 6.0
+    assert all(r["fld"]["fp4"] > 0 for r in s["layers"].values())
+
+
+def test_bad_arguments(model):
+    b = _batches(1)
+    with pytest.raises(ValueError, match="valid: mc_fisher, empirical, isotropic"):
+        collect_statistics(model, b, lr=1e-3, estimator="hessian")
+    with pytest.raises(ValueError, match="not SnipLinear"):
+        collect_statistics(model, b, lr=1e-3, layers=["model.lm_head"])
+    with pytest.raises(ValueError, match="shape"):
+        collect_statistics(model, b, lr=1e-3, precond={f: torch.ones(3) for f in snip_layers(model)})
+    with pytest.raises(ValueError, match="empty"):
+        collect_statistics(model, [], lr=1e-3)
+    with pytest.raises(ValueError, match="precisions"):
+        collect_statistics(model, b, lr=1e-3, precisions=("bf16",))
+    with pytest.raises(ValueError, match="input_ids"):
+        collect_statistics(model, [[1, 2, 3]], lr=1e-3)
+    with pytest.raises(ValueError, match="SnipLinear"):
+        collect_statistics(torch.nn.Linear(2, 2), b, lr=1e-3)

@@ -1,0 +1,215 @@
+"""snip_ds.divergence against closed-form truths (quadratic losses, linear maps, a softmax head, Adam)."""
+import math
+
+import pytest
+import torch
+
+from snip_ds import divergence as dv
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _symmetrised(loss_fn, y, e):
+    return (loss_fn(y + e) + loss_fn(y - e) - 2 * loss_fn(y)) / 2
+
+
+def test_channel_reductions_shapes_and_values():
+    t = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)  # [B, L, n] -> rows 6
+    assert torch.equal(dv.channel_sq_sum(t), (t.reshape(6, 4) ** 2).sum(0))
+    assert torch.allclose(dv.channel_sq_mean(t), (t.reshape(6, 4) ** 2).mean(0))
+
+
+def test_fld_exact_on_diagonal_quadratic():
+    """ℒ(Y) = (1/N)Σ_t ½ (Y_t - c_t)ᵀ diag(a) (Y_t - c_t): FLD = (1/2N) Σ_t E_tᵀ diag(a) E_t exactly."""
+    T, n = 50, 8
+    g = _gen(1)
+    a = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
+    c = torch.randn(T, n, generator=g, dtype=torch.float64)
+    y = torch.randn(T, n, generator=g, dtype=torch.float64)
+    e = 0.3 * torch.randn(T, n, generator=g, dtype=torch.float64)
+
+    def loss(yy):
+        return 0.5 * (((yy - c) ** 2) * a).sum() / T
+
+    truth = _symmetrised(loss, y, e)
+    # Fisher probes of a Gaussian per-token loss: g_t = a^½ ξ_t with Rademacher ξ -> mean_t g² = a exactly
+    xi = torch.randint(0, 2, (T, n), generator=g).double() * 2 - 1
+    probe = a.sqrt() * xi
+    est = dv.fld_from_tensors(e, probe, T)
+    assert est.item() == pytest.approx(truth.item(), rel=1e-5)
+
+
+def test_fld_linear_map_known_jacobian_mc_probes():
+    """Y -> z = Y M, ℒ = (1/2N)Σ_t‖z_t‖²; M Mᵀ diagonal so the per-channel form is exact in expectation."""
+    T, n, d = 40, 6, 10
+    g = _gen(2)
+    r = torch.linalg.qr(torch.randn(d, n, generator=g, dtype=torch.float64))[0].t()  # [n, d], orthonormal rows
+    s = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    m = s[:, None] * r
+    y = torch.randn(T, n, generator=g, dtype=torch.float64)
+    e = 0.1 * torch.randn(T, n, generator=g, dtype=torch.float64)
+    truth = _symmetrised(lambda yy: 0.5 * ((yy @ m) ** 2).sum() / T, y, e)
+
+    probes = 2000
+    yv = y.clone().requires_grad_(True)
+    z = yv @ m
+    v = torch.randn(probes, T, d, generator=g, dtype=torch.float64)  # v ~ N(0, I) at z (Hessian there is I)
+    (gy,) = torch.autograd.grad(z, yv, grad_outputs=v, is_grads_batched=True)  # [R, T, n]
+    acc = (gy ** 2).mean((0, 1))
+    est = dv.fld_estimate(dv.channel_sq_sum(e).double(), acc, T)
+    assert est.item() == pytest.approx(truth.item(), rel=0.05)
+
+
+def test_mc_fisher_probes_match_exact_softmax_fisher():
+    """Softmax head logits = Y Wₕ: the MC Fisher E[g gᵀ] equals Wₕ (diag p - p pᵀ) Wₕᵀ per token."""
+    n, V, T = 5, 7, 3
+    g = _gen(3)
+    wh = torch.randn(n, V, generator=g, dtype=torch.float64)
+    y = torch.randn(T, n, generator=g, dtype=torch.float64)
+    p = torch.softmax(y @ wh, -1)  # [T, V]
+    exact = torch.stack([wh @ (torch.diag(p[t]) - torch.outer(p[t], p[t])) @ wh.t() for t in range(T)])
+    probes = 20000
+    yv = y.clone().requires_grad_(True)
+    logits = yv @ wh
+    labels = torch.multinomial(p, probes, replacement=True, generator=g)  # [T, R]
+    # per-token-scale gradients of Σ_t CE: g_t = Wₕ (p_t - onehot(ŷ_t)); autograd agrees (checked below)
+    onehot = torch.nn.functional.one_hot(labels, V).double()  # [T, R, V]
+    grads = torch.einsum("iv,trv->tri", wh, p[:, None, :] - onehot)  # [T, R, n]
+    (g0,) = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, labels[:, 0], reduction="sum"), yv)
+    assert torch.allclose(g0, grads[:, 0], atol=1e-12)
+    mc = torch.einsum("tri,trj->tij", grads, grads) / probes
+    rel = (mc - exact).norm() / exact.norm()
+    assert rel < 0.05
+    # and the per-channel probe statistic converges to the Fisher diagonal
+    e = 0.05 * torch.randn(T, n, generator=g, dtype=torch.float64)
+    est = dv.fld_estimate(dv.channel_sq_sum(e).double(), (grads ** 2).mean((0, 1)), T)
+    diag_ref = dv.fld_estimate(dv.channel_sq_sum(e).double(), torch.diagonal(exact, dim1=1, dim2=2).mean(0), T)
+    assert est.item() == pytest.approx(diag_ref.item(), rel=0.05)
+
+
+def test_fld_estimate_validates():
+    with pytest.raises(ValueError, match="n_tokens"):
+        dv.fld_estimate(torch.ones(3), torch.ones(3), 0)
+    with pytest.raises(ValueError, match="same shape"):
+        dv.fld_estimate(torch.ones(3), torch.ones(4), 1)
+
+
+def test_first_order():
+    gy, e = torch.randn(4, 3, generator=_gen(4)), torch.randn(4, 3, generator=_gen(5))
+    assert dv.first_order(gy, e).item() == pytest.approx((gy * e).sum().item())
+
+
+def test_isotropic_alpha_quadratic_ratio_and_fld():
+    alpha_true, d = 0.37, 12
+    g = _gen(6)
+    z = torch.randn(d, generator=g, dtype=torch.float64)
+    b = torch.randn(d, generator=g, dtype=torch.float64)
+    v = torch.randn(d, generator=g, dtype=torch.float64)
+
+    def loss(zz):
+        return float(0.5 * alpha_true * (zz ** 2).sum() + (b * zz).sum())
+
+    delta = 0.01
+    l0, lp, lm, l2 = loss(z), loss(z + delta * v), loss(z - delta * v), loss(z + 2 * delta * v)
+    assert dv.isotropic_alpha(l0, lp, lm, delta, float((v ** 2).sum())) == pytest.approx(alpha_true, rel=1e-6)
+    assert dv.quadratic_ratio(l0, lp, l2, lm) == pytest.approx(4.0, rel=1e-6)
+    # the layer output is z itself (J = I): probes u = v back-propagated -> mean u² = 1
+    e = 0.2 * torch.randn(3, d, generator=g, dtype=torch.float64)
+    est = dv.fld_isotropic(dv.channel_sq_sum(e).double(), torch.ones(d, dtype=torch.float64), alpha_true)
+    truth = sum(_symmetrised(lambda zz: loss(zz), z, e[t]) for t in range(3))
+    assert est.item() == pytest.approx(truth, rel=1e-6)
+    with pytest.raises(ValueError):
+        dv.isotropic_alpha(l0, lp, lm, 0.0, 1.0)
+
+
+def test_adam_preconditioner_and_step_scale():
+    v = torch.tensor([4.0, 0.25, 0.0])
+    p = dv.adam_preconditioner(v, step=1, beta2=0.5, eps=1e-3)
+    v_hat = v / 0.5
+    assert torch.allclose(p, 1 / (v_hat.sqrt() + 1e-3))
+    assert dv.adam_step_scale(0, 0.9) == pytest.approx(1.0)
+    assert dv.adam_step_scale(1000, 0.9) == pytest.approx(0.1)
+    assert dv.adam_step_scale(1, 0.9) == pytest.approx(0.1 / 0.19)
+    with pytest.raises(ValueError, match="step"):
+        dv.adam_preconditioner(v, 0, 0.999)
+
+
+def test_fallback_preconditioner():
+    gw = torch.tensor([[2.0, -0.5]])
+    p, src = dv.fallback_preconditioner(gw, gw.shape)
+    assert src == "grad_sq" and torch.allclose(p, 1 / (gw.abs() + dv.DEFAULT_ADAM_EPS))
+    p, src = dv.fallback_preconditioner(None, (2, 3), "ones")
+    assert src == "ones" and torch.equal(p, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="valid: grad_sq, ones"):
+        dv.fallback_preconditioner(gw, gw.shape, "identity")
+
+
+def test_bwd_direct_matches_one_adam_step():
+    """η·c·ΔG⊙P is the first-order change of one torch Adam update (v ≫ g² and t ≫ 1, so v̂ barely moves)."""
+    g = _gen(7)
+    w0 = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    lr, betas, eps = 1e-2, (0.9, 0.999), 1e-8
+    state_grads = [torch.randn(6, 5, generator=g, dtype=torch.float64) for _ in range(100)]
+    grad = 0.05 * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    delta = 1e-4 * torch.randn(6, 5, generator=g, dtype=torch.float64)
+
+    def step_with(gr):
+        w = torch.nn.Parameter(w0.clone())
+        opt = torch.optim.Adam([w], lr=lr, betas=betas, eps=eps)
+        for sg in state_grads:
+            w.grad = sg.clone()
+            opt.step()
+        st = opt.state[w]
+        pre = dv.adam_preconditioner(st["exp_avg_sq"], int(st["step"]), betas[1], eps).double()
+        c = dv.adam_step_scale(int(st["step"]), betas[0])
+        w.grad = gr.clone()
+        before = w.detach().clone()
+        opt.step()
+        return w.detach() - before, pre, c
+
+    d_ref, pre, c = step_with(grad)
+    d_q, _, _ = step_with(grad + delta)
+    truth = ((d_q - d_ref) ** 2).sum().item()
+    assert dv.bwd_direct(delta, pre, lr, c).item() == pytest.approx(truth, rel=0.03)
+    assert dv.bwd_direct(delta, pre, lr).item() == pytest.approx(truth / c ** 2, rel=0.03)
+
+
+def test_bwd_fisher_single_probe_exact_and_mc_expectation():
+    g = _gen(8)
+    dgw, pre = torch.randn(4, 3, generator=g), torch.rand(4, 3, generator=g) + 0.5
+    pg = torch.randn(4, 3, generator=g)
+    lr, n = 0.1, 10
+    want = ((pg * lr * dgw * pre).sum() ** 2) / (2 * n)
+    assert dv.bwd_fisher([pg], dgw, pre, lr, n).item() == pytest.approx(want.item(), rel=1e-5)
+    # probes with independent entries of variance s²: E⟨G, d⟩² = Σ s² d²
+    s = torch.rand(4, 3, generator=g) + 0.2
+    probes = [s * torch.randn(4, 3, generator=g) for _ in range(20000)]
+    d = lr * dgw * pre
+    expect = (s ** 2 * d ** 2).sum() / (2 * n)
+    assert dv.bwd_fisher(probes, dgw, pre, lr, n).item() == pytest.approx(expect.item(), rel=0.05)
+    with pytest.raises(ValueError, match="probe"):
+        dv.bwd_fisher([], dgw, pre, lr, n)
+
+
+def test_bwd_channel_exact_on_diagonal_quadratic():
+    """Y = X Wᵀ, ℒ = (1/2N)Σ_t Σ_j a_j Y_tj²: perturbing W by D costs (1/2N)Σ_t Σ_j a_j (x_t·D_j)² (even part)."""
+    T, k, n = 30, 5, 4
+    g = _gen(9)
+    x = torch.randn(T, k, generator=g, dtype=torch.float64)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64)
+    a = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
+    dmat = 0.01 * torch.randn(n, k, generator=g, dtype=torch.float64)
+
+    def loss(ww):
+        return 0.5 * ((x @ ww.t()) ** 2 * a).sum() / T
+
+    truth = (loss(w + dmat) + loss(w - dmat) - 2 * loss(w)) / 2
+    assert dv.bwd_channel(x, dmat, a, T).item() == pytest.approx(truth.item(), rel=1e-6)
+
+
+def test_bwd_propagated_formula():
+    assert dv.bwd_propagated(2.0, 3.0, 4.0, lr=0.1, step_scale=0.5) == pytest.approx(0.05 ** 2 * 2 * 3 / 4)
+    assert dv.bwd_propagated(2.0, 3.0, 0.0, lr=0.1) == 0.0
+    assert math.isfinite(dv.bwd_propagated(0.0, 0.0, 1.0, lr=1.0))
