@@ -54,49 +54,102 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+# Quantization works on slices of about this many elements, so its temporaries stay small next to the GEMM
+# operands (peak memory); slices along the token axis are whole multiples of every block size.
+CHUNK_ELEMENTS = 1 << 18
+_ALIGN = 32
+
+
+def _chunks(length: int, width: int):
+    """Slices of ``range(length)`` covering about CHUNK_ELEMENTS / width rows each, multiples of 32."""
+    rows = max(_ALIGN, (CHUNK_ELEMENTS // max(width, 1)) // _ALIGN * _ALIGN)
+    return [slice(start, min(start + rows, length)) for start in range(0, length, rows)]
+
+
+def tensor_amax(t: torch.Tensor) -> torch.Tensor:
+    """max |t| without a full-size temporary (NaN propagates)."""
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(-lo, hi).float()
+
+
 class EmulatedBackend:
     """Quantize->dequantize every operand in FP32 and run the GEMM in FP32 (FP32 accumulation).
 
-    At ``bf16`` an operand is used as it is (cast to FP32 for the product). Temporaries are released as soon
-    as each product is formed, so no quantized copy outlives the call.
+    At ``bf16`` an operand is used as it is (cast to FP32 for the product). The streamed operand of each GEMM
+    (X or G_Y along rows; both wgrad operands along tokens) is quantized slice by slice with the whole
+    tensor's amax, which gives exactly the whole-tensor result while keeping temporaries small; only the
+    quantized weight exists at full size, and only during its GEMM. No quantized copy outlives the call.
     """
 
     name = "emulated"
 
     def quantize(self, t: torch.Tensor, precision: str, role: str, axis: int, cfg: QuantConfig,
-                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """One operand at one precision, as FP32. ``role`` is ``"x"``, ``"w"`` or ``"g"``."""
+                 generator: Optional[torch.Generator] = None,
+                 amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One operand (or a slice of it, with the whole operand's ``amax``) at one precision, as FP32.
+
+        ``role`` is ``"x"``, ``"w"`` or ``"g"``; stochastic rounding applies to FP4 gradients only.
+        """
         if precision == "bf16":
             return _fp32(t)
         recipes = operand_recipes(precision, cfg)
         stochastic = role == "g" and recipes.stochastic_g
-        out = fake_quantize(_fp32(t), getattr(recipes, role), axis=axis, stochastic=stochastic,
-                            generator=generator if stochastic else None)
+        return fake_quantize(_fp32(t), getattr(recipes, role), axis=axis, stochastic=stochastic,
+                             generator=generator if stochastic else None, tensor_amax=amax)
+
+    def quantize_whole(self, t: torch.Tensor, precision: str, role: str, axis: int,
+                       cfg: QuantConfig) -> torch.Tensor:
+        """A whole 2-D operand quantized along ``axis`` (0 or -1), built slice by slice into one buffer."""
+        if precision == "bf16":
+            return _fp32(t)
+        out = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+        amax = tensor_amax(t)
+        if axis in (-1, 1):  # blocks along rows: slices of rows (2-D blocks: multiples of 32 rows)
+            for rows in _chunks(t.shape[0], t.shape[1]):
+                out[rows] = self.quantize(t[rows], precision, role, -1, cfg, None, amax)
+        else:  # blocks along columns: slices of columns
+            for cols in _chunks(t.shape[1], t.shape[0]):
+                out[:, cols] = self.quantize(t[:, cols], precision, role, 0, cfg, None, amax)
+        return out
+
+    def _rows_times(self, a: torch.Tensor, b_lp: torch.Tensor, precision: str, role: str, cfg: QuantConfig,
+                    generator: Optional[torch.Generator]) -> torch.Tensor:
+        """``Q(a) @ b_lp`` with ``a`` quantized along its rows' last axis, one slice of rows at a time."""
+        if precision == "bf16":
+            return _fp32(a) @ b_lp
+        out = torch.empty(a.shape[0], b_lp.shape[1], dtype=torch.float32, device=a.device)
+        amax = tensor_amax(a)
+        for rows in _chunks(a.shape[0], a.shape[1]):
+            torch.mm(self.quantize(a[rows], precision, role, -1, cfg, generator, amax), b_lp, out=out[rows])
         return out
 
     def fprop(self, x: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig) -> torch.Tensor:
         """``Y = Q(X) Q(W)^T`` in FP32. x: [T, k], w: [n, k] -> [T, n]."""
-        x_lp = self.quantize(x, precision, "x", -1, cfg)
-        w_lp = self.quantize(w, precision, "w", -1, cfg)
-        return x_lp @ w_lp.t()
+        w_lp = self.quantize_whole(w, precision, "w", -1, cfg)
+        return self._rows_times(x, w_lp.t(), precision, "x", cfg, None)
 
     def dgrad(self, g: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig,
               generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """``G_X = Q(G_Y) Q(W)`` in FP32. g: [T, n], w: [n, k] -> [T, k]."""
-        g_lp = self.quantize(g, precision, "g", -1, cfg, generator)
-        w_lp = self.quantize(w, precision, "w", 0, cfg)
-        return g_lp @ w_lp
+        w_lp = self.quantize_whole(w, precision, "w", 0, cfg)
+        return self._rows_times(g, w_lp, precision, "g", cfg, generator)
 
     def wgrad(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
               generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """``G_W = Q(G_Y)^T Q(X)`` in FP32, both along the token axis. g: [T, n], x: [T, k] -> [n, k]."""
+        if precision == "bf16":
+            return _fp32(g).t() @ _fp32(x)
         if precision == "fp4" and cfg.hadamard:
             signs = random_signs(g.shape[0], generator=generator, device=g.device)
             g = hadamard_transform(_fp32(g), axis=0, signs=signs)
             x = hadamard_transform(_fp32(x), axis=0, signs=signs)
-        g_lp = self.quantize(g, precision, "g", 0, cfg, generator)
-        x_lp = self.quantize(x, precision, "x", 0, cfg)
-        return g_lp.t() @ x_lp
+        g_w = torch.zeros(g.shape[1], x.shape[1], dtype=torch.float32, device=g.device)
+        amax_g, amax_x = tensor_amax(g), tensor_amax(x)
+        for tokens in _chunks(g.shape[0], g.shape[1] + x.shape[1]):
+            g_lp = self.quantize(g[tokens], precision, "g", 0, cfg, generator, amax_g)
+            x_lp = self.quantize(x[tokens], precision, "x", 0, cfg, None, amax_x)
+            g_w.addmm_(g_lp.t(), x_lp)
+        return g_w
 
 
 _BACKENDS = {"emulated": EmulatedBackend()}

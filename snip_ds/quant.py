@@ -120,7 +120,8 @@ def cast_to_format(x: torch.Tensor, fmt: Union[str, ElementFormat]) -> torch.Ten
 
 @torch.no_grad()
 def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, stochastic: bool = False,
-                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                  generator: Optional[torch.Generator] = None,
+                  tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Quantize ``x`` with ``recipe`` and dequantize it again (see the module docstring for conventions).
 
     Args:
@@ -130,6 +131,10 @@ def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, s
             per-tensor recipes; for 2-D-block recipes ``x`` must be 2-D and either axis gives the same tiles.
         stochastic: round elements stochastically (scales are always RNE).
         generator: random source for stochastic rounding.
+        tensor_amax: the amax of the *whole* tensor ``x`` is a slice of, for the recipes with a tensor-level
+            scale (per-tensor FP8, NVFP4's FP32 scale). Quantizing a tensor slice by slice with the whole
+            tensor's amax gives exactly the result of quantizing it at once, along the non-block axis; MX
+            recipes have no tensor-level scale and ignore it. None: the amax of ``x``.
 
     Returns:
         The dequantized tensor, with ``x``'s shape and dtype.
@@ -145,14 +150,14 @@ def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, s
     if x.numel() == 0:
         return x.clone()
     if recipe.block_size == 0:
-        out = _fake_quantize_per_tensor(x32, recipe, stochastic, generator)
+        out = _fake_quantize_per_tensor(x32, recipe, stochastic, generator, tensor_amax)
     elif recipe.block_2d:
         if x.ndim != 2:
             raise ValueError(f"x: recipe {recipe.name!r} uses {recipe.block_size}x{recipe.block_size} blocks "
                              f"and needs a 2-D tensor, got shape {tuple(x.shape)}")
-        out = _fake_quantize_2d(x32, recipe, stochastic, generator)
+        out = _fake_quantize_2d(x32, recipe, stochastic, generator, tensor_amax)
     else:
-        out = _fake_quantize_blocks(x32, recipe, axis, stochastic, generator)
+        out = _fake_quantize_blocks(x32, recipe, axis, stochastic, generator, tensor_amax)
     return out.to(x.dtype)
 
 
@@ -161,28 +166,34 @@ def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, s
 # --------------------------------------------------------------------------------------------------------
 
 def _fake_quantize_per_tensor(x32: torch.Tensor, recipe: Recipe, stochastic: bool,
-                              generator: Optional[torch.Generator]) -> torch.Tensor:
+                              generator: Optional[torch.Generator],
+                              tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     mag = x32.abs()
-    amax = mag.amax() if mag.numel() else mag.new_zeros(())
+    if tensor_amax is not None:
+        amax = tensor_amax.float()
+    else:
+        amax = mag.amax() if mag.numel() else mag.new_zeros(())
     scale = torch.where(amax > 0, amax / recipe.element.max_normal, 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
     scale = _poison_non_finite(scale, amax)
     return _round_scaled_(mag, x32, scale, scale, recipe, stochastic, generator)
 
 
 def _fake_quantize_blocks(x32: torch.Tensor, recipe: Recipe, axis: int, stochastic: bool,
-                          generator: Optional[torch.Generator]) -> torch.Tensor:
+                          generator: Optional[torch.Generator],
+                          tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     length = x32.shape[axis]
     padded = _pad_axis(x32, axis, recipe.block_size)
     xb = padded.unflatten(axis, (-1, recipe.block_size))  # [..., n_blocks, block, ...]
     mag = xb.abs()
     amax = _block_amax(mag, axis + 1)  # [..., n_blocks, 1, ...]
-    div, mul = _block_scales(amax, recipe)
+    div, mul = _block_scales(amax, recipe, tensor_amax)
     out = _round_scaled_(mag, xb, div, mul, recipe, stochastic, generator).flatten(axis, axis + 1)
     return out if out.shape[axis] == length else out.narrow(axis, 0, length).contiguous()
 
 
 def _fake_quantize_2d(x32: torch.Tensor, recipe: Recipe, stochastic: bool,
-                      generator: Optional[torch.Generator]) -> torch.Tensor:
+                      generator: Optional[torch.Generator],
+                      tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     rows, cols = x32.shape
     bs = recipe.block_size
     padded = _pad_axis(_pad_axis(x32, 0, bs), 1, bs)
@@ -190,7 +201,7 @@ def _fake_quantize_2d(x32: torch.Tensor, recipe: Recipe, stochastic: bool,
     mag = xb.abs()
     # two cheap passes instead of one slow reduction over dims (1, 3)
     amax = _block_amax(mag.amax(dim=1, keepdim=True), 3)  # [row_blocks, 1, col_blocks, 1]
-    div, mul = _block_scales(amax, recipe)
+    div, mul = _block_scales(amax, recipe, tensor_amax)
     out = _round_scaled_(mag, xb, div, mul, recipe, stochastic, generator).reshape(padded.shape)
     return out if out.shape == x32.shape else out[:rows, :cols].contiguous()
 
@@ -207,11 +218,12 @@ def _round_scaled_(mag: torch.Tensor, signed: torch.Tensor, div: torch.Tensor, m
 # scales
 # --------------------------------------------------------------------------------------------------------
 
-def _block_scales(amax: torch.Tensor, recipe: Recipe) -> Tuple[torch.Tensor, torch.Tensor]:
+def _block_scales(amax: torch.Tensor, recipe: Recipe,
+                  tensor_amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(divisor, multiplier) per block from the block amaxes, for the recipe's scale kind."""
     if recipe.scale == "e8m0":
         return mx_scale(amax, recipe.element.emax)
-    return nvfp4_scales(amax, recipe.element)
+    return nvfp4_scales(amax, recipe.element, tensor_amax)
 
 
 def mx_scale(amax: torch.Tensor, emax: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -229,13 +241,15 @@ def mx_scale(amax: torch.Tensor, emax: int) -> Tuple[torch.Tensor, torch.Tensor]
     return scale, scale
 
 
-def nvfp4_scales(amax: torch.Tensor, element: ElementFormat = E2M1) -> Tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_scales(amax: torch.Tensor, element: ElementFormat = E2M1,
+                 tensor_amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 per-block ``d = s_b * S`` as (divisor, multiplier), from the block amaxes.
 
     ``S = amax_tensor / (448 * 6)``, ``s_b = E4M3_RNE(amax_block / (6 * S))``. A block with ``s_b = 0``
     (all zero, or negligible next to the tensor amax) divides by +Inf and multiplies by 0, giving zeros.
+    ``tensor_amax`` overrides ``amax_tensor`` when the blocks are a slice of a larger tensor.
     """
-    amax_t = amax.amax()
+    amax_t = amax.amax() if tensor_amax is None else tensor_amax.float()
     six = element.max_normal
     tensor_scale = torch.where(amax_t > 0, amax_t / (E4M3.max_normal * six), 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
     tensor_scale = _poison_non_finite(tensor_scale, amax_t)

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from reference_quant import ref_mx_rows, ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor
+from snip_ds import backend
 from snip_ds.config import QuantConfig
 from snip_ds.linear import SnipLinear
 
@@ -79,9 +80,14 @@ RECIPE_REFS = {
 }
 
 
+@pytest.mark.parametrize("chunk_elements", [None, 16 * 64])
 @pytest.mark.parametrize("recipe", sorted(RECIPE_REFS))
-def test_quantized_gemms_match_reference(data, recipe):
-    """Each GEMM quantizes the right operands along the right axis (SNIP.md section 2's table)."""
+def test_quantized_gemms_match_reference(data, recipe, chunk_elements, monkeypatch):
+    """Each GEMM quantizes the right operands along the right axis (SNIP.md section 2's table), also when
+    the backend streams operands in 32-row slices (chunk_elements small enough to split T=48 in two)."""
+    if chunk_elements:
+        monkeypatch.setattr(backend, "CHUNK_ELEMENTS", chunk_elements)
+        assert len(backend._chunks(T, N)) == 2
     lin, x, g = data
     cfg, precision, q_x, q_w, q_g, w_2d = RECIPE_REFS[recipe]
     w = lin.weight.detach()

@@ -310,3 +310,19 @@ def test_random_signs():
     assert torch.equal(s, random_signs(1000, torch.Generator().manual_seed(4)))
     with pytest.raises(ValueError, match="n:"):
         random_signs(-1)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4", "mxfp8"])
+def test_slices_with_the_tensor_amax_equal_the_whole_tensor(recipe):
+    """Row slices quantized along the last axis with the whole tensor's amax give the whole-tensor result."""
+    from snip_ds.backend import tensor_amax
+
+    x = torch.randn(96, 80, generator=torch.Generator().manual_seed(5)) * 3
+    whole = fake_quantize(x, recipe, axis=-1)
+    amax = tensor_amax(x)
+    assert amax == x.abs().max()
+    parts = torch.cat([fake_quantize(x[i:i + 32], recipe, axis=-1, tensor_amax=amax) for i in (0, 32, 64)])
+    assert torch.equal(parts, whole)
+    if recipe in ("fp8_e4m3", "nvfp4"):  # a slice's own amax would give another scale
+        assert not torch.equal(fake_quantize(x[:32] * 0.1, recipe), fake_quantize(x[:32] * 0.1, recipe,
+                                                                                   tensor_amax=amax))
