@@ -1,0 +1,332 @@
+"""Validate SNIP's statistics against measured truths on fixed batches (SNIP.md section 7, metric validity).
+
+Warms a model up (plain torch AdamW, unquantized, FP32), then for every decoder linear measures
+
+* (a) the symmetrised FLD truth ``[ℒ(Y+E) + ℒ(Y-E) - 2ℒ(Y)]/2`` with only that layer's output perturbed by
+  its FP4 (RNE) fprop error E, and the one-shot ``ℒ(layer at fp4) - ℒ(bf16)`` for information;
+* (b) the true one-step parameter drift ``Σ‖θ' - θ'_ref‖²`` after one AdamW step from the warmed-up state
+  with only that layer's backward (dgrad + wgrad) at FP4 (RNE), against the unquantized step;
+* (c) each truth's split-half reproducibility (Spearman between the means over two disjoint halves of the
+  batches),
+
+and rank-correlates the predictions of :func:`snip_ds.collect.collect_statistics` (every estimator variant
+and the quantization-error baselines) with them. Prints a per-layer table, then one JSON line (last).
+
+Examples::
+
+    python launch/validate_metrics.py                       # embedded default model and stdlib corpus
+    python launch/validate_metrics.py --seed 1 --checkpoint /tmp/warm   # reuse a warm-up
+    python launch/validate_metrics.py --quick               # tiny model, seconds (used by the tests)
+
+Needs scipy (``scipy.stats.spearmanr``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import torch
+import torch.nn.functional as F
+from scipy.stats import spearmanr
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from snip_ds.backend import get_backend  # noqa: E402
+from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
+from snip_ds.swap import snip_layers, swap_linears  # noqa: E402
+
+QUICK = dict(warmup_steps=40, batches=4, batch_size=2, block_size=64, lr=3e-3)
+DEFAULTS = dict(warmup_steps=200, batches=4, batch_size=2, block_size=256, lr=2e-3)
+CKPT_MODEL, CKPT_OPT, CKPT_META = "model.safetensors", "optimizer.pt", "validate_meta.json"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Model, data, warm-up
+# --------------------------------------------------------------------------------------------------------
+def _tiny_config():
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
+                       tie_word_embeddings=False)
+
+
+def build(args) -> tuple:
+    from snip_ds.data import load_dataset_blocks
+    from snip_ds.model import build_model
+    caps = dict(max_bytes=2 ** 18, max_validation_bytes=2 ** 16) if args.quick and args.dataset is None else {}
+    train_ds, val_ds, vocab, _ = load_dataset_blocks(args.dataset, args.block_size, **caps)
+    config = args.model_config if args.model_config else (_tiny_config() if args.quick else None)
+    model = build_model(model_config=config, vocab_size=vocab, seed=args.seed, block_size=args.block_size)
+    swap_linears(model, "bf16", seed=args.seed)
+    return model, train_ds, val_ds
+
+
+def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def warm_up(model, opt, train_ds, args) -> float:
+    g = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    for step in range(args.warmup_steps):
+        idx = torch.randint(0, len(train_ds), (args.batch_size,), generator=g).tolist()
+        loss = lm_loss(model, train_ds.get_batch(idx)["input_ids"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if args.verbose and (step % 50 == 0 or step == args.warmup_steps - 1):
+            print(f"warm-up step {step}: loss {loss.item():.4f}", file=sys.stderr)
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def load_or_warm(model, opt, train_ds, args) -> Dict[str, Any]:
+    from safetensors.torch import load_file, save_file
+    ckpt = Path(args.checkpoint) if args.checkpoint else None
+    if ckpt is not None and (ckpt / CKPT_MODEL).is_file():
+        model.load_state_dict(load_file(str(ckpt / CKPT_MODEL)))
+        opt.load_state_dict(torch.load(ckpt / CKPT_OPT, weights_only=True))
+        return {"warmup_s": 0.0, "checkpoint": "loaded"}
+    seconds = warm_up(model, opt, train_ds, args)
+    if ckpt is not None:
+        ckpt.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / CKPT_MODEL))
+        torch.save(opt.state_dict(), ckpt / CKPT_OPT)
+        (ckpt / CKPT_META).write_text(json.dumps({"warmup_steps": args.warmup_steps, "seed": args.seed}))
+    return {"warmup_s": seconds, "checkpoint": "saved" if ckpt is not None else "none"}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Truths
+# --------------------------------------------------------------------------------------------------------
+def _rne(cfg):
+    return replace(cfg, stochastic_rounding=False)
+
+
+@torch.no_grad()
+def fld_truth(model, batches: Sequence[torch.Tensor]) -> tuple:
+    """Per layer, per batch: symmetrised FLD and one-shot loss change with that layer's fprop at fp4."""
+    layers, be = snip_layers(model), get_backend()
+    sym = {f: [] for f in layers}
+    one = {f: [] for f in layers}
+    for ids in batches:
+        base = lm_loss(model, ids).item()
+        for fqn, mod in layers.items():
+            out = {}
+            for sign in (1.0, -1.0):
+                def hook(m, inp, y, sign=sign):
+                    x2 = inp[0].reshape(-1, inp[0].shape[-1]).float()
+                    w = m.weight.float()
+                    e = be.fprop(x2, w, "fp4", _rne(m.quant_config)) - x2 @ w.t()
+                    return y + sign * e.reshape(y.shape).to(y.dtype)
+                h = mod.register_forward_hook(hook)
+                try:
+                    out[sign] = lm_loss(model, ids).item()
+                finally:
+                    h.remove()
+            sym[fqn].append((out[1.0] + out[-1.0] - 2 * base) / 2)
+            one[fqn].append(out[1.0] - base)
+    return sym, one
+
+
+def _adamw_step(params: List[torch.Tensor], opt_state: Dict, hyper: Dict, grads: List[torch.Tensor]):
+    """One torch AdamW step on copies of the parameters from a copy of the optimizer state."""
+    ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = torch.optim.AdamW(ps, **hyper)
+    opt.load_state_dict(copy.deepcopy(opt_state))  # load_state_dict keeps same-device tensors: copy first
+    for p, g in zip(ps, grads):
+        p.grad = g
+    opt.step()
+    return [p.detach() for p in ps]
+
+
+def bwd_truth(model, opt, batches: Sequence[torch.Tensor]) -> Dict[str, List[float]]:
+    """Per layer, per batch: Σ‖θ' - θ'_ref‖² after one AdamW step with only that layer's backward at fp4."""
+    layers = snip_layers(model)
+    params = [p for p in model.parameters()]
+    state = opt.state_dict()
+    group = opt.param_groups[0]
+    hyper = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+
+    def grads() -> List[torch.Tensor]:
+        out = torch.autograd.grad(lm_loss(model, ids), params, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, out)]
+
+    drift = {f: [] for f in layers}
+    for ids in batches:
+        ref = _adamw_step(params, state, hyper, grads())
+        for fqn, mod in layers.items():
+            saved_prec, saved_cfg = mod.precision, mod.quant_config
+            mod.precision = {"fprop": "bf16", "dgrad": "fp4", "wgrad": "fp4"}
+            mod.quant_config = _rne(saved_cfg)
+            try:
+                new = _adamw_step(params, state, hyper, grads())
+            finally:
+                mod.precision, mod.quant_config = saved_prec, saved_cfg
+            drift[fqn].append(float(sum(((a - b) ** 2).sum() for a, b in zip(new, ref))))
+    return drift
+
+
+# --------------------------------------------------------------------------------------------------------
+# Comparison
+# --------------------------------------------------------------------------------------------------------
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    rho = spearmanr(a, b).statistic
+    return float(rho) if rho == rho else 0.0  # constant input -> NaN -> 0
+
+
+def split_half(per_batch: Dict[str, List[float]]) -> float:
+    fqns = list(per_batch)
+    half = len(next(iter(per_batch.values()))) // 2
+    if half == 0:
+        return float("nan")
+    a = [_mean(per_batch[f][:half]) for f in fqns]
+    b = [_mean(per_batch[f][half:2 * half]) for f in fqns]
+    return spearman(a, b)
+
+
+def _median(xs: List[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def run(args) -> Dict[str, Any]:
+    torch.manual_seed(args.seed)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    model, train_ds, val_ds = build(args)
+    need = args.batches * args.batch_size
+    if len(val_ds) < need:
+        raise ValueError(f"validation split has {len(val_ds)} blocks; --batches x --batch_size needs {need}")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    info = load_or_warm(model, opt, train_ds, args)
+    g = torch.Generator().manual_seed(args.seed + 12345)
+    order = torch.randperm(len(val_ds), generator=g).tolist()[:need]
+    batches = [val_ds.get_batch(order[i * args.batch_size:(i + 1) * args.batch_size])["input_ids"]
+               for i in range(args.batches)]
+    fqns = list(snip_layers(model))
+
+    t0 = time.perf_counter()
+    for _ in range(2):  # one training-step equivalent (fwd + bwd), warm then timed, for the cost figure
+        t_step = time.perf_counter()
+        loss = lm_loss(model, batches[0])
+        torch.autograd.grad(loss, [p for p in model.parameters()])
+        t_step = time.perf_counter() - t_step
+    pc = adam_precond(model, opt)
+    preds, timing = {}, {}
+    for est in ("mc_fisher", "empirical", "isotropic"):
+        t = time.perf_counter()
+        preds[est] = collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, estimator=est,
+                                        step_scale=pc.step_scale, bwd_propagated=(est == "mc_fisher"),
+                                        seed=args.seed, step=pc.step)
+        timing[est] = time.perf_counter() - t
+    t = time.perf_counter()
+    sym, one = fld_truth(model, batches)
+    t_fld = time.perf_counter() - t
+    t = time.perf_counter()
+    drift = bwd_truth(model, opt, batches)
+    t_bwd = time.perf_counter() - t
+
+    truth_fld = [_mean(sym[f]) for f in fqns]
+    truth_one = [_mean(one[f]) for f in fqns]
+    truth_bwd = [_mean(drift[f]) for f in fqns]
+
+    def pred(est: str, key: str) -> List[float]:
+        return [preds[est]["layers"][f][key]["fp4"] for f in fqns]
+
+    main = preds["mc_fisher"]
+    prop_total = [a + b for a, b in zip(pred("mc_fisher", "bwd_drift"), pred("mc_fisher", "bwd_drift_propagated"))]
+    fld_variants = {
+        "mc_fisher": pred("mc_fisher", "fld"), "empirical": pred("empirical", "fld"),
+        "isotropic": pred("isotropic", "fld"), "quant_err": pred("mc_fisher", "quant_err"),
+        "rel_quant_err": pred("mc_fisher", "rel_quant_err"), "first_order": pred("mc_fisher", "first_order"),
+        "one_shot_truth": truth_one}
+    bwd_variants = {
+        "direct": pred("mc_fisher", "bwd_drift"), "loss_units_mc_fisher": pred("mc_fisher", "bwd"),
+        "loss_units_empirical": pred("empirical", "bwd"), "direct_plus_propagated": prop_total,
+        "propagated_only": pred("mc_fisher", "bwd_drift_propagated"),
+        "quant_err": pred("mc_fisher", "quant_err"), "rel_quant_err": pred("mc_fisher", "rel_quant_err")}
+
+    # table
+    print(f"{'layer':<34} {'FLD truth':>10} {'FLD mcF':>10} {'one-shot':>10} {'BWD truth':>10} {'BWD pred':>10}")
+    for i, f in enumerate(fqns):
+        print(f"{f:<34} {truth_fld[i]:10.3e} {fld_variants['mc_fisher'][i]:10.3e} {truth_one[i]:10.3e} "
+              f"{truth_bwd[i]:10.3e} {bwd_variants['direct'][i]:10.3e}")
+
+    result = {
+        "spearman_fld": spearman(fld_variants["mc_fisher"], truth_fld),
+        "spearman_bwd": spearman(bwd_variants["direct"], truth_bwd),
+        "repro_fld": split_half(sym), "repro_bwd": split_half(drift), "repro_one_shot": split_half(one),
+        "fld_variants": {k: spearman(v, truth_fld) for k, v in fld_variants.items()},
+        "bwd_variants": {k: spearman(v, truth_bwd) for k, v in bwd_variants.items()},
+        "calibration_fld": _median([p / t for p, t in zip(fld_variants["mc_fisher"], truth_fld) if t > 0]),
+        "calibration_bwd": _median([p / t for p, t in zip(bwd_variants["direct"], truth_bwd) if t > 0]),
+        "calibration_fld_isotropic": _median([p / t for p, t in zip(fld_variants["isotropic"], truth_fld) if t > 0]),
+        "bwd_over_fld": _median([b / f for b, f in zip(pred("mc_fisher", "bwd"), fld_variants["mc_fisher"])
+                                 if f > 0]),
+        "layers": len(fqns), "batches": args.batches, "tokens": main["tokens"], "loss": main["loss"],
+        "optimizer_step": pc.step, "step_scale": pc.step_scale, "precond": main["precond"],
+        "alpha": preds["isotropic"].get("alpha"), "quadratic_ratio": preds["isotropic"].get("quadratic_ratio"),
+        "seconds": {"warmup": info["warmup_s"], "collect": timing, "fld_truth": t_fld, "bwd_truth": t_bwd,
+                    "total": time.perf_counter() - t0 + info["warmup_s"]},
+        "collect_step_equivalents": timing["mc_fisher"] / (args.batches * t_step),
+        "checkpoint": info["checkpoint"], "quick": bool(args.quick), "seed": args.seed,
+    }
+    return result
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model_config", default=None, help="JSON config of a model trained from scratch "
+                    "(default: the embedded ~10M Llama; with --quick a 2-block hidden-64 Llama)")
+    ap.add_argument("--dataset", default=None, help="text/JSON-lines file or prepared directory "
+                    "(default: the Python stdlib corpus)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup_steps", type=int, default=None)
+    ap.add_argument("--checkpoint", default=None, help="directory: load the warmed-up model and optimizer "
+                    "from it if present, else save them there after warm-up")
+    ap.add_argument("--batches", type=int, default=None, help="fixed batches measured (>= 2 for split-half)")
+    ap.add_argument("--batch_size", type=int, default=None)
+    ap.add_argument("--block_size", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--quick", action="store_true", help="tiny model and data: a smoke run of seconds")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    for key, val in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    for key in ("warmup_steps",):
+        if getattr(args, key) < 0:
+            ap.error(f"--{key} must be >= 0")
+    for key in ("batches", "batch_size", "block_size"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key} must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"validate_metrics: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

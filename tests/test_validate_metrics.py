@@ -1,0 +1,58 @@
+"""launch/validate_metrics.py --quick: the JSON line's keys and value ranges; argument errors."""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "launch" / "validate_metrics.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("validate_metrics", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def vm():
+    return _load()
+
+
+def _in_unit(x):
+    return isinstance(x, float) and -1.0 <= x <= 1.0
+
+
+def test_quick_run_prints_table_then_json(vm, capsys, tmp_path):
+    ckpt = tmp_path / "warm"
+    assert vm.main(["--quick", "--checkpoint", str(ckpt)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert lines[0].split()[:3] == ["layer", "FLD", "truth"] and len(lines) == out["layers"] + 2
+    for key in ("spearman_fld", "spearman_bwd", "repro_fld", "repro_bwd", "repro_one_shot"):
+        assert _in_unit(out[key]), key
+    assert set(out["fld_variants"]) >= {"mc_fisher", "empirical", "isotropic", "quant_err", "rel_quant_err"}
+    assert set(out["bwd_variants"]) >= {"direct", "loss_units_mc_fisher", "direct_plus_propagated"}
+    assert all(_in_unit(v) for v in [*out["fld_variants"].values(), *out["bwd_variants"].values()])
+    assert out["spearman_fld"] == out["fld_variants"]["mc_fisher"]
+    assert out["spearman_bwd"] == out["bwd_variants"]["direct"]
+    # the BWD truth is reproducible even on a tiny model, and the direct estimate is calibrated within 10x
+    assert out["repro_bwd"] > 0.5 and 0.1 < out["calibration_bwd"] < 10
+    assert out["layers"] == 14 and out["precond"] == "tensor" and out["optimizer_step"] == 40
+    assert all(math.isfinite(v) for v in out["seconds"]["collect"].values())
+    assert (ckpt / vm.CKPT_MODEL).is_file() and (ckpt / vm.CKPT_OPT).is_file()
+    # a second run reuses the checkpoint and measures the same truths
+    assert vm.main(["--quick", "--checkpoint", str(ckpt)]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["checkpoint"] == "loaded"
+    assert again["repro_bwd"] == out["repro_bwd"] and again["spearman_fld"] == out["spearman_fld"]
+
+
+def test_bad_arguments(vm, capsys):
+    with pytest.raises(SystemExit) as e:
+        vm.parse_args(["--batches", "0"])
+    assert e.value.code == 2 and "--batches must be >= 1" in capsys.readouterr().err
+    assert vm.main(["--quick", "--batches", "2000"]) == 2
+    assert "validation split has" in capsys.readouterr().err
