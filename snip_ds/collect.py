@@ -29,8 +29,9 @@ independent, so the error of the averaged gradient has ``1/W`` of a rank's squar
   it is divided by ``W``. The loss-unit price then assumes P constant within the layer (scaled by
   ``‖ΔG⊙P‖²/‖ΔG‖²``). A mapping may also hold such callables per fqn.
 
-Limits: gradient checkpointing must be off during a collection (recomputation would re-run the forward hooks),
-and under ZeRO-3 the caller must gather the layers' weights around the call.
+Limits: gradient checkpointing must be off during a collection (recomputation would re-run the forward hooks).
+Under ZeRO-3 no gathering is needed: the layer hooks run before ZeRO-3 releases a weight after forward and
+after it re-gathers it for backward.
 """
 from __future__ import annotations
 
@@ -214,7 +215,9 @@ class _Collector:
     def hooks(self) -> Iterator[None]:
         handles = [self.model.get_input_embeddings().register_forward_hook(self._on_embedding)]
         for fqn, mod in self.layers.items():
-            handles.append(mod.register_forward_hook(self._forward_hook(fqn)))
+            # prepend: run while ZeRO-3 still holds the gathered weight (its post-forward hook releases it),
+            # and hook the raw output, whose gradient arrives after ZeRO-3's pre-backward re-gather.
+            handles.append(mod.register_forward_hook(self._forward_hook(fqn), prepend=True))
         if self.estimator == "isotropic":
             handles.append(self._last_block().register_forward_hook(self._on_last_block))
         try:
@@ -230,14 +233,14 @@ class _Collector:
         return self.model.get_submodule(prefix)
 
     def _on_embedding(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-        if self.phase != "forward":
+        if self.phase not in ("forward", "probe_forward"):
             return output
         self.emb = output.detach().requires_grad_(True)  # our own leaf: no gradient reaches parameters
         return self.emb
 
     def _on_last_block(self, module: nn.Module, inputs: Any, output: Any) -> Any:
         z = output[0] if isinstance(output, tuple) else output
-        if self.phase == "forward":
+        if self.phase in ("forward", "probe_forward"):
             self.z = z
         elif self.phase == "alpha" and self.z_shift is not None:
             z = z + self.z_shift
@@ -246,6 +249,10 @@ class _Collector:
 
     def _forward_hook(self, fqn: str):
         def hook(module: SnipLinear, inputs: Any, output: torch.Tensor) -> None:
+            if self.phase == "probe_forward":  # a fresh forward for a probe: only its output gradient counts
+                if output.requires_grad:
+                    output.register_hook(lambda g: self._on_output_grad(fqn, module, g))
+                return
             if self.phase != "forward":
                 return
             self._on_forward(fqn, module, inputs[0], output)
@@ -344,7 +351,15 @@ class _Collector:
             st.add(fqn, "up_ch", dv.channel_sq_sum(x2 @ up.t()))
 
     # ---------------- one batch ----------------
-    def run_batch(self, batch: Any, num_probes: int) -> int:
+    def _probe_root(self, ids, mask, labels, retain: bool, last: bool):
+        """The logits to back-propagate a probe from: the retained graph's, or a fresh forward's."""
+        if retain:
+            return self._lg, not last
+        self.phase = "probe_forward"
+        lg = _targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)[0]
+        return lg, False
+
+    def run_batch(self, batch: Any, num_probes: int, retain_graph: bool = True) -> int:
         ids, mask, labels = _unpack(batch)
         device = _device_of(self.model)
         ids = ids.to(device)
@@ -365,20 +380,24 @@ class _Collector:
             st.add(self.GLOBAL, "loss_sum", loss.detach() * n)
             extra = self.estimator == "mc_fisher" or self.estimator == "isotropic"
             self.phase = "train"
-            torch.autograd.grad(loss, self.emb, retain_graph=extra)
+            torch.autograd.grad(loss, self.emb, retain_graph=extra and retain_graph)
             self.x.clear()
+            self._lg = lg
             if self.estimator == "mc_fisher":
-                self.phase = "probe"
                 probs = torch.softmax(lg.detach(), dim=-1)
                 for r in range(num_probes):
                     y_hat = torch.multinomial(probs, 1, generator=self.gen).squeeze(1)
-                    torch.autograd.grad(F.cross_entropy(lg, y_hat, reduction="sum"), self.emb,
-                                        retain_graph=r < num_probes - 1)
+                    root, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
+                    self.phase = "probe"
+                    torch.autograd.grad(F.cross_entropy(root, y_hat, reduction="sum"), self.emb,
+                                        retain_graph=keep)
             elif self.estimator == "isotropic":
-                self.phase = "iso"
                 for r in range(num_probes):
+                    _, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
+                    self.phase = "iso"
                     u = torch.randn(self.z.shape, generator=self.gen, device=self.z.device, dtype=self.z.dtype)
-                    torch.autograd.grad((u * self.z).sum(), self.emb, retain_graph=r < num_probes - 1)
+                    torch.autograd.grad((u * self.z).sum(), self.emb, retain_graph=keep)
+            self._lg = None
             self.phase = "off"
         if self.estimator == "isotropic":
             self._alpha(ids, mask, labels, float(loss.detach()))
@@ -430,7 +449,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
                        precisions: Sequence[str] = QUANTIZED, bwd_propagated: bool = False, seed: int = 0,
                        reduce: Optional[Reduce] = None, step: int = 0, world_size: int = 1,
                        step_scale: float = 1.0, precond_fallback: str = "grad_sq",
-                       lam: Optional[float] = None) -> Dict[str, Any]:
+                       lam: Optional[float] = None, retain_graph: bool = True) -> Dict[str, Any]:
     """One SNIP statistics collection on the given batches; leaves no trace on the model.
 
     Args:
@@ -457,6 +476,9 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
             steps); :func:`snip_ds.divergence.adam_step_scale` = one step's drift.
         precond_fallback: see ``precond``.
         lam: λ to record in the artifact (the BWD weight the planner uses by default).
+        retain_graph: back-propagate every probe through the first forward's retained graph (cheapest).
+            False runs one fresh forward per probe instead, so each backward is an ordinary single one:
+            needed under ZeRO-3, which releases the gathered weights after each backward.
 
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
@@ -495,7 +517,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
     rows_per_batch, n_batches = None, 0
     with _preserved(model, mods), col.hooks():
         for batch in batches:
-            rows = col.run_batch(batch, num_probes)
+            rows = col.run_batch(batch, num_probes, retain_graph)
             rows_per_batch = rows_per_batch or rows
             n_batches += 1
     if n_batches == 0:

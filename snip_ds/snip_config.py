@@ -26,7 +26,7 @@ from snip_ds.precision import PRECISIONS
 
 PLAN_KINDS = PRECISIONS + ("adaptive",)
 METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
-ESTIMATORS = ("mc_fisher", "empirical_fisher", "isotropic")
+ESTIMATORS = ("mc_fisher", "empirical", "isotropic")
 
 
 class ConfigError(ValueError):
@@ -81,7 +81,8 @@ class SnipSettings:
     collect_batches: int = 2
     """Micro-batches averaged per collection."""
     estimator: str = "mc_fisher"
-    """FLD estimator: ``mc_fisher`` (default), ``empirical_fisher`` or ``isotropic`` (ablations)."""
+    """FLD estimator: ``mc_fisher`` (default), ``empirical`` (Fisher from the training G_Y) or ``isotropic``
+    (ablations)."""
     num_probes: int = 1
     """Monte-Carlo Fisher probes per collection batch."""
     bwd_lambda: float = 100.0

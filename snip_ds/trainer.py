@@ -6,7 +6,9 @@ step and reported as one ``error: ...`` line naming the file or field (exit code
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import os
 import signal
 import sys
 import time
@@ -14,17 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import torch
-import torch.distributed as dist
-
-from snip_ds import distributed as sdist
-from snip_ds.data import DataStream, load_dataset_blocks
-from snip_ds.ds_config import resolve_ds_config
+from snip_ds.ds_config import resolve_ds_config, validate_with_deepspeed
 from snip_ds.metrics import config_text, make_logger
-from snip_ds.model import build_model
-from snip_ds.plan import Plan
-from snip_ds.swap import find_decoder_linears
+from snip_ds.plan import Plan, fp4_share
 from snip_ds.snip_config import ConfigError, SnipSettings, load_ds_config, with_overrides
+
+# torch, transformers and DeepSpeed are imported inside train() and main(), so that `--help` answers at once.
 
 TRAIN_FLAGS = ("model_name_or_path", "model_config", "dataset", "tokenizer_name_or_path", "block_size",
                "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps", "seed", "output_dir")
@@ -92,40 +89,95 @@ def _initial_plan(fqns: List[str], flops: Dict[str, float], settings: SnipSettin
         if not path.is_file():
             raise UserError(f"{path}: plan file not found")
         try:
-            plan = Plan.load(path, flops=flops)
-            plan.check_layers(fqns, source=str(path))
+            plan = Plan.load(path)
+            plan.check_layers(fqns, source=str(path))  # before the FLOPs, whose error would not name the file
         except ValueError as err:
             raise UserError(str(err)) from None
-        return plan
-    if settings.is_adaptive:
-        raise UserError("snip.plan: 'adaptive' needs the adaptive planner, which this build does not have yet; "
-                        "use bf16, fp8, fp4 or a plan file")
+        return plan if plan.fp4_share is not None else dataclasses.replace(
+            plan, fp4_share=fp4_share(plan.assignment, flops))
+    if settings.is_adaptive:  # a placeholder until the first statistics are in, before step 1
+        return Plan.uniform(fqns, "fp8", flops)
     return Plan.uniform(fqns, settings.plan, flops)
 
 
+def _launcher_processes() -> list:
+    """The launcher processes this rank outlives only if the job was stopped (psutil handles; [] if none).
+
+    The ``deepspeed`` runner forwards SIGTERM/SIGINT to its ranks only in its multi-node (pdsh) mode; on one
+    node a SIGTERM sent to it alone (as a scheduler signalling the job's main process does) kills it and
+    leaves ``deepspeed.launcher.launch`` and the ranks training on. So each rank watches its parent (the
+    launcher: ``deepspeed.launcher.launch`` or ``torchrun``) and, above ``deepspeed.launcher.launch``, the
+    ``deepspeed`` runner. A plain ``python`` run watches nothing.
+    """
+    if os.environ.get("SNIP_DS_SINGLE_PROCESS") == "1":
+        return []
+    import psutil
+    try:
+        parent = psutil.Process().parent()
+        if parent is None or parent.pid == 1:
+            return []
+        watched = [parent]
+        if any("deepspeed.launcher.launch" in arg for arg in parent.cmdline()):
+            runner = parent.parent()
+            if runner is not None and runner.pid != 1:
+                watched.append(runner)
+        return watched
+    except psutil.Error:
+        return []
+
+
+def _exited(process) -> bool:
+    import psutil
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
 class _StopFlag:
-    """Set by SIGTERM/SIGINT; the loop saves a checkpoint at the next step boundary and exits."""
+    """Set by SIGTERM/SIGINT, or when a launcher process has exited (see :func:`_launcher_processes`); the
+    loop saves a checkpoint at the next step boundary and exits."""
 
     def __init__(self) -> None:
         self.signal: Optional[int] = None
+        self.reason = ""
+        self._watched = _launcher_processes()
 
     def __call__(self, signum, frame) -> None:
         self.signal = signum
+        self.reason = signal.Signals(signum).name
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self)
         signal.signal(signal.SIGINT, self)
 
+    def is_set(self) -> bool:
+        """Whether to stop: a signal arrived, or a watched launcher process has exited."""
+        if self.signal is None:
+            gone = [p for p in self._watched if _exited(p)]
+            if gone:
+                self.signal = signal.SIGTERM
+                self.reason = f"the exit of launcher process {gone[0].pid}"
+        return self.signal is not None
+
 
 def _eval_batches(val_ds, micro_bs: int, n_batches: int, rank: int, world: int) -> List[dict]:
+    from snip_ds.data import DataStream
+
     stream = DataStream(val_ds, micro_bs, seed=0, rank=rank, world_size=world, shuffle=False)
     return [stream.next_batch() for _ in range(min(n_batches, stream.steps_per_epoch))]
 
 
 def train(args: argparse.Namespace) -> int:
     """Runs the whole job; returns the process exit code."""
+    import torch
+
+    from snip_ds import distributed as sdist
+    from snip_ds.data import DataStream, load_dataset_blocks
     from snip_ds.engine import CheckpointError, init_distributed, initialize  # imports DeepSpeed
     from snip_ds.engine import checkpoint as ckpt
+    from snip_ds.model import build_model
+    from snip_ds.swap import find_decoder_linears
 
     ds_cfg, settings = _settings_from_args(args)
     t = settings.train
@@ -136,6 +188,7 @@ def train(args: argparse.Namespace) -> int:
                                micro_batch_size=args.per_device_train_batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                learning_rate=args.learning_rate, world_size=world)
+    validate_with_deepspeed(ds_cfg, args.deepspeed)
     micro_bs, ga = ds_cfg["train_micro_batch_size_per_gpu"], ds_cfg["gradient_accumulation_steps"]
     dtype = torch.bfloat16 if ds_cfg.get("bf16", {}).get("enabled") else torch.float32
 
@@ -144,8 +197,14 @@ def train(args: argparse.Namespace) -> int:
         train_ds, val_ds, vocab, data_info = load_dataset_blocks(
             t.dataset, t.block_size, t.tokenizer_name_or_path, seed=t.seed,
             max_bytes=t.max_corpus_bytes, max_validation_bytes=max(t.max_corpus_bytes // 16, t.block_size * 64))
-        stream = DataStream(train_ds, micro_bs, seed=t.seed, rank=rank, world_size=world)
-        eval_batches = _eval_batches(val_ds, micro_bs, t.eval_batches, rank, world)
+        try:  # DataStream's messages do not name the dataset
+            stream = DataStream(train_ds, micro_bs, seed=t.seed, rank=rank, world_size=world)
+        except ValueError as err:
+            raise ValueError(f"dataset {t.dataset or 'stdlib'}: training split: {err}") from None
+        try:
+            eval_batches = _eval_batches(val_ds, micro_bs, t.eval_batches, rank, world)
+        except ValueError as err:
+            raise ValueError(f"dataset {t.dataset or 'stdlib'}: validation split: {err}") from None
         if not eval_batches:
             raise ValueError(f"dataset {t.dataset or 'stdlib'}: validation split has fewer blocks than one "
                              f"evaluation batch ({micro_bs} per rank x {world} ranks)")
@@ -177,9 +236,21 @@ def train(args: argparse.Namespace) -> int:
               f"{world} rank(s), plan {settings.plan!r} (fp4 share {engine.plan_fp4_share():.2f}), "
               f"{data_info.get('train_blocks', len(train_ds))} train blocks of {t.block_size} tokens", flush=True)
 
+    planner = None
+    if settings.is_adaptive:
+        from snip_ds.engine.adaptive import AdaptivePlanner
+        # A private stream (its own seed) feeds the statistics, so collecting never shifts the training data.
+        planner = AdaptivePlanner(engine, DataStream(train_ds, micro_bs, seed=t.seed + 7919, rank=rank,
+                                                     world_size=world))
+
     if args.resume_from_checkpoint:
         meta = engine.load_checkpoint(args.resume_from_checkpoint)
         stream.load_state_dict(meta["data"])
+        if planner is not None:
+            try:
+                planner.load_state_dict(meta.get("planner"))
+            except ValueError as err:
+                raise UserError(f"{args.resume_from_checkpoint}: {err}") from None
         if rank == 0:
             print(f"snip_ds: resumed from {args.resume_from_checkpoint} at step {engine.step}", flush=True)
 
@@ -192,16 +263,24 @@ def train(args: argparse.Namespace) -> int:
         bar = tqdm(total=t.max_steps, initial=engine.step, desc="train", unit="step", dynamic_ncols=True)
 
     def save() -> None:
-        path = engine.save_checkpoint(ckpt_dir, {"data": stream.state_dict()})
+        extra = {"data": stream.state_dict(), "planner": planner.state_dict() if planner else None}
+        path = engine.save_checkpoint(ckpt_dir, extra)
         if rank == 0:
             print(f"snip_ds: checkpoint saved to {path}", flush=True)
 
     last_loss = math.nan
     while engine.step < t.max_steps:
+        if planner is not None and planner.due(engine.step) and planner.planned_at != engine.step:
+            planner.replan()
+        micro_batches = [stream.next_batch() for _ in range(ga)]
+        bf16_loss = planner.bf16_loss(micro_batches[0]) if planner and planner.measure_due(engine.step) else None
         start = time.perf_counter()
-        last_loss = engine.train_step([stream.next_batch() for _ in range(ga)])
+        last_loss = engine.train_step(micro_batches)
         elapsed = time.perf_counter() - start
         step = engine.step
+        if bf16_loss is not None:
+            logger.scalars({"snip/measured_fld": engine.last_first_loss - bf16_loss,
+                            "snip/predicted_fld": planner.predicted_fld()}, step)
         if step % t.logging_steps == 0:
             logger.scalars({"train/loss": last_loss, "train/lr": engine.lr(), "perf/step_time_s": elapsed,
                             "perf/tokens_per_s": tokens_per_step * world / elapsed,
@@ -216,11 +295,11 @@ def train(args: argparse.Namespace) -> int:
             bar.set_postfix(loss=f"{last_loss:.3f}")
         if (t.save_steps and step % t.save_steps == 0) or step == t.max_steps:
             save()
-        if sdist.dist_max_flag(stop.signal is not None):
+        if sdist.dist_max_flag(stop.is_set()):
             if not (t.save_steps and step % t.save_steps == 0) and step != t.max_steps:
                 save()
             if rank == 0:
-                print(f"snip_ds: stopped by signal at step {step}; resume with --resume_from_checkpoint "
+                print(f"snip_ds: stopped by {stop.reason} at step {step}; resume with --resume_from_checkpoint "
                       f"{ckpt_dir}", flush=True)
             break
     if bar is not None:
@@ -231,6 +310,10 @@ def train(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    import torch.distributed as dist
+
+    from snip_ds import distributed as sdist
+
     try:
         code = train(args)
     except (UserError, ConfigError) as err:

@@ -68,6 +68,7 @@ class SnipEngine:
         self.layers = snip_layers(ds_engine.module)
         self.flops = {fqn: info.flops(tokens_per_step) for fqn, info in self.infos.items()}
         self.plan: Optional[Plan] = None
+        self.last_first_loss = float("nan")  # global mean loss of the last step's first micro-batch
 
     # ------------------------------------------------------------------ plan
     @property
@@ -95,6 +96,10 @@ class SnipEngine:
             if reason:
                 self.logger.text("plan/changes", f"step {self.step}: {reason}", self.step)
 
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds.zero_optimization_stage())
+
     def plan_fp4_share(self) -> float:
         """FP4 share of the linear-GEMM FLOPs under the current plan."""
         from snip_ds.plan import fp4_share
@@ -112,13 +117,17 @@ class SnipEngine:
         if len(micro_batches) != ga:
             raise ValueError(f"train_step needs {ga} micro-batches (gradient_accumulation_steps), "
                              f"got {len(micro_batches)}")
-        total = torch.zeros((), dtype=torch.float64)
+        losses = []
         for batch in micro_batches:
             loss = self._forward_loss(batch)
             self.ds.backward(loss)
             self.ds.step()
-            total += loss.detach().double().cpu()
-        return float(sdist.dist_mean(total / ga))
+            losses.append(loss.detach().double().cpu())
+        local = torch.stack(losses)
+        # One collective for both: the step's mean loss and the first micro-batch's (for the measured FLD).
+        mean_first = sdist.dist_mean(torch.stack([local.mean(), local[0]]))
+        self.last_first_loss = float(mean_first[1])
+        return float(mean_first[0])
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> float:

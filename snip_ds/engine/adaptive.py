@@ -1,0 +1,144 @@
+"""Adaptive SNIP re-planning inside training (SNIP.md sections 5 and 6).
+
+Before the first step and every ``replan_every`` steps: collect statistics on ``collect_batches`` batches of
+a private data stream (one BF16 forward+backward with hooks and Monte-Carlo Fisher probes; all-reduced over
+the data-parallel ranks), solve the ILP on rank 0, broadcast the plan as JSON, check that every rank holds
+the same plan, and switch to it before the next optimizer step. Every
+``additional_bf16_fwd_every_n_steps`` steps one extra no-grad BF16 forward on the step's first micro-batch
+measures the forward divergence of the plan in force, logged beside the predicted one.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from snip_ds import distributed as sdist
+from snip_ds.collect import collect_statistics
+from snip_ds.engine.adam_state import layer_preconditioner
+from snip_ds.plan import Plan
+from snip_ds.planner import solve_baseline
+
+
+
+class AdaptivePlanner:
+    """Owns the statistics and the re-planning schedule of one :class:`~snip_ds.engine.core.SnipEngine`.
+
+    Attributes:
+        last_stats: the latest statistics artifact (identical on every rank), or None.
+        history: one record per re-plan (step, seconds spent, fp4 share, layers changed).
+    """
+
+    def __init__(self, engine, collect_stream) -> None:
+        self.engine = engine
+        self.settings = engine.settings
+        self.stream = collect_stream
+        self.last_stats: Optional[Dict[str, Any]] = None
+        self.history: List[Dict[str, Any]] = []
+        self.planned_at: Optional[int] = None  # step of the last re-plan (so a resumed run does not repeat it)
+
+    # ------------------------------------------------------------------ schedule
+    def due(self, step: int) -> bool:
+        """Whether statistics are collected before optimizer step ``step + 1``."""
+        return step % self.settings.replan_every == 0
+
+    def measure_due(self, step: int) -> bool:
+        n = self.settings.additional_bf16_fwd_every_n_steps
+        return bool(n) and (step + 1) % n == 0
+
+    # ------------------------------------------------------------------ collection and solve
+    def collect(self) -> Dict[str, Any]:
+        """One statistics collection on the next ``collect_batches`` batches of the private stream."""
+        eng, s = self.engine, self.settings
+        weights = {fqn: layer.weight for fqn, layer in eng.layers.items()}
+        precond, source = layer_preconditioner(eng.ds.optimizer, weights, eng.step)
+        batches = [self.stream.next_batch() for _ in range(s.collect_batches)]
+        dev = next(iter(eng.layers.values())).weight.device
+        batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
+        stats = collect_statistics(
+            eng.ds.module, batches, layers=list(eng.layers), lr=eng.lr(), precond=precond,
+            estimator=s.estimator, num_probes=s.num_probes, seed=s.train.seed + eng.step,
+            reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size(), lam=s.bwd_lambda,
+            retain_graph=eng.zero_stage < 3)
+        stats["precond_source"] = source
+        return stats
+
+    def solve(self, stats: Mapping[str, Any]) -> Plan:
+        """The plan for ``stats``: solved on rank 0, broadcast as JSON, the same object on every rank."""
+        s = self.settings
+        payload = None
+        if sdist.rank() == 0:
+            plan = solve_baseline(s.method, stats, s.efficiency_saving, lam=s.bwd_lambda, seed=s.plan_seed,
+                                  pinned=dict(s.pinned) or None, previous=self.engine.plan,
+                                  flip_penalty=s.flip_penalty, per_gemm=s.per_gemm,
+                                  time_limit=s.solver_time_limit)[0]
+            payload = plan.to_dict()
+        payload = sdist.broadcast_json(payload)
+        return Plan.from_dict(payload, source="broadcast plan")
+
+    def replan(self) -> Plan:
+        """Collect, solve, broadcast and apply; logs timings, the share and the number of layers changed."""
+        eng = self.engine
+        start = time.perf_counter()
+        stats = self.collect()
+        collected = time.perf_counter()
+        plan = self.solve(stats)
+        solved = time.perf_counter()
+        previous = eng.plan
+        changed = 0 if previous is None else sum(previous.assignment.get(f) != p for f, p in plan.assignment.items())
+        eng.set_plan(plan, f"re-plan: {changed} layer(s) changed" if previous else "first adaptive plan")
+        self.last_stats = stats
+        self.planned_at = eng.step
+        record = {"step": eng.step, "collect_s": collected - start, "solve_s": solved - collected,
+                  "fp4_share": eng.plan_fp4_share(), "changed": changed, "status": plan.status,
+                  "precond": stats["precond_source"]}
+        self.history.append(record)
+        eng.logger.scalars({"snip/collect_time_s": record["collect_s"], "snip/solve_time_s": record["solve_s"],
+                            "snip/layers_changed": changed, "plan/fp4_share": record["fp4_share"],
+                            "snip/predicted_fld": self.predicted_fld()}, eng.step)
+        eng.logger.text("snip/precond", f"step {eng.step}: preconditioner from {stats['precond_source']}",
+                        eng.step)
+        return plan
+
+    def state_dict(self) -> Dict[str, Any]:
+        """JSON-able state for checkpoints: the private stream's position and the latest statistics."""
+        return {"stream": self.stream.state_dict(), "last_stats": self.last_stats, "planned_at": self.planned_at,
+                "history": self.history}
+
+    def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
+        if not state:
+            raise ValueError("checkpoint: no adaptive-planner state (it was saved by a run with a fixed plan)")
+        self.stream.load_state_dict(state["stream"])
+        self.last_stats, self.planned_at = state["last_stats"], state["planned_at"]
+        self.history = list(state["history"])
+
+    def predicted_fld(self) -> float:
+        """Σ over layers of the predicted FLD at the precision the plan gives their fprop."""
+        if self.last_stats is None or self.engine.plan is None:
+            return float("nan")
+        total = 0.0
+        for fqn, rec in self.last_stats["layers"].items():
+            p = self.engine.plan.precision_of(fqn, "fprop")
+            if p != "bf16" and rec["fld"].get(p) is not None:
+                total += rec["fld"][p]
+        return total
+
+    # ------------------------------------------------------------------ measured divergence
+    @torch.no_grad()
+    def bf16_loss(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """The loss of ``batch`` with every layer unquantized (no gradients; the plan is restored after)."""
+        eng = self.engine
+        saved = {fqn: layer.precision for fqn, layer in eng.layers.items()}
+        try:
+            for layer in eng.layers.values():
+                layer.precision = "bf16"
+            was_training = eng.ds.module.training
+            eng.ds.module.eval()
+            dev = next(iter(eng.layers.values())).weight.device
+            loss = eng.ds(input_ids=batch["input_ids"].to(dev), labels=batch["labels"].to(dev)).loss
+            eng.ds.module.train(was_training)
+        finally:
+            for fqn, layer in eng.layers.items():
+                layer.precision = saved[fqn]
+        return float(sdist.dist_mean(loss.detach().double().cpu()))
