@@ -134,6 +134,13 @@ def _exited(process) -> bool:
         return True
 
 
+def _plan_words(settings: SnipSettings, engine) -> str:
+    if settings.is_adaptive:
+        return (f"adaptive (rho {settings.efficiency_saving}, method {settings.method}, "
+                f"re-planned every {settings.replan_every} steps)")
+    return f"{settings.plan!r} (fp4 share {engine.plan_fp4_share():.2f})"
+
+
 class _StopFlag:
     """Set by SIGTERM/SIGINT, or when a launcher process has exited (see :func:`_launcher_processes`); the
     loop saves a checkpoint at the next step boundary and exits."""
@@ -233,7 +240,7 @@ def train(args: argparse.Namespace) -> int:
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     if rank == 0:
         print(f"snip_ds: {n_params / 1e6:.1f}M parameters, {len(engine.infos)} quantizable linears, "
-              f"{world} rank(s), plan {settings.plan!r} (fp4 share {engine.plan_fp4_share():.2f}), "
+              f"{world} rank(s), plan {_plan_words(settings, engine)}, "
               f"{data_info.get('train_blocks', len(train_ds))} train blocks of {t.block_size} tokens", flush=True)
 
     planner = None

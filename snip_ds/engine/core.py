@@ -142,7 +142,8 @@ class SnipEngine:
         return float(sdist.dist_mean(total / max(len(batches), 1)))
 
     def lr(self) -> float:
-        return float(self.ds.get_lr()[0])
+        """The learning rate of the next optimizer step (read from the optimizer, which the scheduler sets)."""
+        return float(self.ds.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str | Path, extra: Mapping[str, Any]) -> Path:
