@@ -76,3 +76,43 @@ def _find_auto(obj: Any, path: str = "") -> Optional[str]:
             if found:
                 return found
     return None
+
+
+# pydantic model behind each DeepSpeed section, so that errors name the JSON field, not the class.
+_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
+             "DeepSpeedFP16Config": "fp16", "DeepSpeedActivationCheckpointingConfig": "activation_checkpointing",
+             "DeepSpeedFlopsProfilerConfig": "flops_profiler", "DeepSpeedCommsConfig": "comms_logger",
+             "DeepSpeedMonitorConfig": "monitor"}
+
+
+def validate_with_deepspeed(config: Mapping[str, Any], source: str) -> None:
+    """Parses a resolved config with DeepSpeed's own ``DeepSpeedConfig`` (torch.distributed must be initialised).
+
+    Run before anything is written, so that a value DeepSpeed rejects (an unknown ZeRO stage, a misspelt key
+    inside ``zero_optimization``, an unknown optimizer or scheduler) stops the run with one line naming the
+    field, instead of a traceback from inside ``deepspeed.initialize``. Imports DeepSpeed.
+
+    Raises:
+        ConfigError: naming ``source`` and the field.
+    """
+    import pydantic
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+
+    try:
+        parsed = DeepSpeedConfig(copy.deepcopy(dict(config)))
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join([_SECTIONS.get(err.title, err.title), *map(str, first["loc"])])
+        raise ConfigError(f"{source}: {field}: {first['msg']} (got {first.get('input')!r})") from None
+    except (AssertionError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{source}: DeepSpeed rejects the config: {' '.join(str(err).split())}") from None
+    opt = parsed.optimizer_name
+    if opt is not None and opt not in DEEPSPEED_OPTIMIZERS and getattr(torch.optim, opt, None) is None:
+        raise ConfigError(f"{source}: optimizer.type: unknown optimizer {opt!r}; valid: "
+                          f"{', '.join(DEEPSPEED_OPTIMIZERS)} or a torch.optim class name")
+    sched = parsed.scheduler_name
+    if sched is not None and not hasattr(lr_schedules, sched) and not hasattr(torch.optim.lr_scheduler, sched):
+        raise ConfigError(f"{source}: scheduler.type: unknown scheduler {sched!r}; valid: "
+                          f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)} or a torch.optim.lr_scheduler class name")

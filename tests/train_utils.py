@@ -40,13 +40,25 @@ def env() -> Dict[str, str]:
     return e
 
 
-def launch(args: List[str], num_ranks: int = 1, timeout: int = 600, port: Optional[int] = None,
-           cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
-    """Runs ``deepspeed --num_gpus N launch/train.py ARGS`` and returns the finished process."""
+def launch_cmd(args: List[str], num_ranks: int = 1, port: Optional[int] = None,
+               launcher: str = "deepspeed") -> List[str]:
+    """The command line ``deepspeed --num_gpus N launch/train.py ARGS`` (or ``torchrun --nproc_per_node N``)."""
     from snip_ds.engine.core import _free_port
 
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
-           "--master_port", str(port or _free_port()), str(TRAIN), *args, "--no_progress"]
+    port = str(port or _free_port())
+    if launcher == "torchrun":
+        head = ["torch.distributed.run", "--nproc_per_node", str(num_ranks), "--master_port", port]
+    elif launcher == "deepspeed":
+        head = ["deepspeed.launcher.runner", "--num_gpus", str(num_ranks), "--master_port", port]
+    else:
+        raise ValueError(f"launcher: unknown value {launcher!r}; valid: deepspeed, torchrun")
+    return [sys.executable, "-m", *head, str(TRAIN), *args, "--no_progress"]
+
+
+def launch(args: List[str], num_ranks: int = 1, timeout: int = 600, port: Optional[int] = None,
+           cwd: Optional[Path] = None, launcher: str = "deepspeed") -> subprocess.CompletedProcess:
+    """Runs ``deepspeed --num_gpus N launch/train.py ARGS`` (or torchrun) and returns the finished process."""
+    cmd = launch_cmd(args, num_ranks, port, launcher)
     return subprocess.run(cmd, cwd=cwd or REPO, env=env(), capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,0 +1,158 @@
+"""launch/train.py on bad input: exit code 2, one ``error: ...`` line naming the file or field, no traceback,
+and an existing output directory (checkpoints, TensorBoard event files) left byte for byte as it was.
+
+One real 2-rank run provides the output directory and the checkpoints; the failing runs are in-process
+``snip_ds.trainer.main`` calls (they stop before DeepSpeed starts), plus one through the deepspeed launcher.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from train_utils import TINY_MODEL, launch, write_configs
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished 2-rank ZeRO-3 run: ``out/`` holds step_1, step_2, latest and TensorBoard event files."""
+    tmp = tmp_path_factory.mktemp("train_errors")
+    cfg = write_configs(tmp, stage=3, plan="fp8", max_steps=2, save_steps=1, eval_steps=2)
+    proc = launch(["--deepspeed", str(cfg)], num_ranks=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp / "out"
+    assert (out / "checkpoints" / "latest").read_text() == "step_2"
+    assert list((out / "tensorboard").iterdir())
+    return {"tmp": tmp, "cfg": cfg, "out": out, "snapshot": _snapshot(out)}
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """main() in-process sets RANK/WORLD_SIZE/MASTER_PORT...; later tests must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _variant(run, name: str, mutate) -> str:
+    data = json.loads(run["cfg"].read_text())
+    mutate(data)
+    path = run["tmp"] / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _write(run, name: str, text: str) -> str:
+    path = run["tmp"] / name
+    path.write_text(text)
+    return str(path)
+
+
+def _interrupted(run) -> str:
+    """A copy of the step_1 checkpoint that lost its completion marker (killed while saving)."""
+    save_dir = run["tmp"] / "interrupted"
+    if not save_dir.exists():
+        shutil.copytree(run["out"] / "checkpoints" / "step_1", save_dir / "step_1")
+        (save_dir / "step_1" / "snip_meta.json").unlink()
+        (save_dir / "latest").write_text("step_1")
+    return str(save_dir)
+
+
+def _zero_layers_plan(run) -> str:
+    fqns = [f"model.layers.{i}.{m}" for i in range(TINY_MODEL["num_hidden_layers"])
+            for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    return _write(run, "plan_missing.json", json.dumps({f: "fp4" for f in fqns[:-1]}))
+
+
+# name -> (argv after --deepspeed CFG, or a full argv; substrings the error line must contain)
+CASES = {
+    "config_missing": (lambda r: ["--deepspeed", str(r["tmp"] / "nope.json")], ["nope.json", "not found"]),
+    "config_not_json": (lambda r: ["--deepspeed", _write(r, "bad.json", '{"snip": {')], ["bad.json", "not valid JSON"]),
+    "config_not_object": (lambda r: ["--deepspeed", _write(r, "list.json", "[1, 2]")], ["list.json", "JSON object"]),
+    "snip_unknown_key": (lambda r: ["--deepspeed", _variant(r, "k1", lambda d: d["snip"].update(lr=1e-3))],
+                         ["k1.json", "snip: unknown key(s) 'lr'", "valid keys"]),
+    "snip_train_unknown_key": (lambda r: ["--deepspeed", _variant(r, "k2", lambda d: d["snip"]["train"].update(
+        max_step=3))], ["k2.json", "snip.train: unknown key(s) 'max_step'"]),
+    "snip_quant_unknown_key": (lambda r: ["--deepspeed", _variant(r, "k3", lambda d: d["snip"]["quant"].update(
+        fp4="nvfp4"))], ["k3.json", "snip.quant", "'fp4'"]),
+    "snip_bad_value": (lambda r: ["--deepspeed", _variant(r, "k4", lambda d: d["snip"].update(plan="fp6"))],
+                       ["k4.json", "snip.plan", "'fp6'"]),
+    "zero_stage": (lambda r: ["--deepspeed", _variant(r, "z1", lambda d: d["zero_optimization"].update(stage=4))],
+                   ["z1.json", "zero_optimization.stage"]),
+    "zero_misspelt_key": (lambda r: ["--deepspeed", _variant(r, "z2", lambda d: d["zero_optimization"].update(
+        contiguous_gradient=True))], ["z2.json", "zero_optimization.contiguous_gradient"]),
+    "optimizer_type": (lambda r: ["--deepspeed", _variant(r, "o1", lambda d: d["optimizer"].update(type="Adamm"))],
+                       ["o1.json", "optimizer.type", "'Adamm'"]),
+    "scheduler_type": (lambda r: ["--deepspeed", _variant(r, "o2", lambda d: d["scheduler"].update(type="Cos"))],
+                       ["o2.json", "scheduler.type", "'Cos'"]),
+    "batch_size": (lambda r: ["--deepspeed", str(r["cfg"]), "--per_device_train_batch_size", "0"],
+                   ["train_micro_batch_size_per_gpu", "positive integer"]),
+    "plan_extra_layer": (lambda r: ["--deepspeed", str(r["cfg"]), "--plan", _write(
+        r, "plan_extra.json", json.dumps({"model.layers.7.mlp.up_proj": "fp8"}))],
+        ["plan_extra.json", "model lacks: model.layers.7.mlp.up_proj", "the plan misses"]),
+    "plan_missing_layer": (lambda r: ["--deepspeed", str(r["cfg"]), "--plan", _zero_layers_plan(r)],
+                           ["plan_missing.json", "1 model layer(s) the plan misses: model.layers.1.mlp.down_proj"]),
+    "plan_file_missing": (lambda r: ["--deepspeed", str(r["cfg"]), "--plan", str(r["tmp"] / "noplan.json")],
+                          ["noplan.json", "not found"]),
+    "dataset_missing": (lambda r: ["--deepspeed", str(r["cfg"]), "--dataset", str(r["tmp"] / "nodata.txt")],
+                        ["nodata.txt", "does not exist"]),
+    "dataset_below_one_block": (lambda r: ["--deepspeed", str(r["cfg"]), "--dataset", _write(
+        r, "tiny.txt", "tiny")], ["tiny.txt", "block_size 64"]),
+    "dataset_below_one_batch": (lambda r: ["--deepspeed", str(r["cfg"]), "--dataset", _write(
+        r, "small.txt", "x" * 300)], ["small.txt", "validation split", "fewer than one global batch"]),
+    "model_config_missing": (lambda r: ["--deepspeed", str(r["cfg"]), "--model_config", str(r["tmp"] / "m.json")],
+                             ["m.json", "does not exist"]),
+    "checkpoint_missing": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
+                                      str(r["tmp"] / "nockpt")], ["nockpt", "does not exist"]),
+    "checkpoint_world_size": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
+                                         str(r["out"] / "checkpoints")],
+                              ["step_2/snip_meta.json", "world_size is 2", "1 ranks"]),
+    "checkpoint_other_model": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
+                                          str(r["out"] / "checkpoints" / "step_1"), "--model_config", _write(
+        r, "wide.json", json.dumps({**TINY_MODEL, "intermediate_size": 192}))],
+        ["step_1/snip_meta.json", "different model"]),
+    "checkpoint_interrupted_tag": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
+                                              _interrupted(r) + "/step_1"],
+                                   ["interrupted/step_1", "not a snip_ds checkpoint", "interrupted while saving"]),
+    "checkpoint_interrupted_latest": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
+                                                 _interrupted(r)],
+                                      ["interrupted/latest", "not a complete snip_ds checkpoint"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_stops_with_one_line_and_writes_nothing(run, case, capsys):
+    from snip_ds.trainer import main
+
+    make_argv, expected = CASES[case]
+    argv = make_argv(run) + ["--output_dir", str(run["out"]), "--no_progress"]
+    code = main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2, err
+    assert len(errors) == 1, err
+    for text in expected:
+        assert text in errors[0], (text, errors[0])
+    assert "Traceback" not in err
+    assert _snapshot(run["out"]) == run["snapshot"]  # nothing added, removed or rewritten
+
+
+def test_launcher_exit_code_and_stderr(run):
+    """Through the deepspeed launcher (1 rank resuming a 2-rank checkpoint): the launcher exits 2, its stderr
+    carries one error line, and neither stream has a traceback."""
+    proc = launch(["--deepspeed", str(run["cfg"]), "--resume_from_checkpoint", str(run["out"] / "checkpoints")],
+                  num_ranks=1)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "world_size is 2" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert _snapshot(run["out"]) == run["snapshot"]
