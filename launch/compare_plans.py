@@ -1,0 +1,730 @@
+"""Compare SNIP's plans with the baselines by training from the same checkpoints (SNIP.md section 7, plan quality).
+
+A model is warmed up unquantized (BF16 plan, FP32 arithmetic, torch AdamW) and checkpointed at each *phase*
+(warm-up step counts, e.g. early = 100 and late = 400). At each checkpoint SNIP's statistics are collected once
+(Monte-Carlo Fisher FLD, BWD with the optimizer's real Adam state) and every method's plan is solved at every
+FP4 share ρ. Then, for every data-order seed, each plan trains ``--steps`` steps from that checkpoint with the
+same batches and the same stochastic-rounding seeds (a *cell* = phase × seed: all its runs are paired), and is
+scored by validation loss with its own quantized forward and with a BF16 forward. Reported: each run's gap to
+uniform FP8 in its cell, and means ± standard errors over cells of the paired differences to uniform FP8 and to
+the random plans.
+
+Methods: ``bf16``, ``uniform_fp8``, ``uniform_fp4`` (ρ-independent), and per ρ ``best`` (SNIP, one run per λ),
+``random`` (``--num_random`` plan seeds), ``quant_err``, ``rel_quant_err``, ``first_last_fp8`` (first and last
+blocks pinned to FP8, the rest by SNIP at ``--lambda_default``; skipped, and listed, where the pins make ρ
+unreachable). Identical plans within a cell are trained once and the record says ``shared_with``.
+
+Examples::
+
+    python launch/compare_plans.py --quick                  # smoke run, tiny model, a minute (CI)
+    python launch/compare_plans.py                          # full grid (~2 h on 2 CPU cores)
+    python launch/compare_plans.py --phases 100 --seeds 0,1,2 --rhos 0.75,0.9   # a reduced grid
+    python launch/compare_plans.py --report_only            # rewrite md/png from compare_plans.json
+
+Outputs under ``--output_dir`` (default ``benchmarks/results``): ``compare_plans.json`` (settings, one record
+per run, skipped plans; rewritten after every run, so a stopped grid leaves its finished runs),
+``compare_plans.md``, ``compare_plans_gap.png``, ``compare_plans_curves.png``, ``compare_plans_maps.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
+from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate,  # noqa: E402
+                             load_checkpoint, make_optimizer, mean_se, paired_differences, save_checkpoint,
+                             train_steps)
+from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
+from snip_ds.model import build_model  # noqa: E402
+from snip_ds.plan import Plan  # noqa: E402
+from snip_ds.planner import solve_baseline  # noqa: E402
+from snip_ds.swap import block_index, snip_layers, swap_linears  # noqa: E402
+
+PREFIX = "compare_plans"
+SOLVED = ("best", "random", "quant_err", "rel_quant_err", "first_last_fp8")
+UNIFORM = ("bf16", "uniform_fp8", "uniform_fp4")
+METHOD_CHOICES = UNIFORM + SOLVED
+# model: "tiny" (--quick) or "small" (default), see _model_config; the rest are argparse defaults
+QUICK = dict(model="tiny", block_size=32, batch_size=4, phases="30", seeds="0", rhos="0.5", lambdas="1,100,1000",
+             num_random=1, steps=4, eval_batches=2, stat_batches=2, lr_warmup_steps=5)
+FULL = dict(model="small", block_size=64, batch_size=8, phases="100,400", seeds="0,1,2", rhos="0.5,0.75,0.9",
+            lambdas="1,100,1000", num_random=3, steps=100, eval_batches=16, stat_batches=4, lr_warmup_steps=20)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Set-up: model, data, warm-up checkpoints
+# --------------------------------------------------------------------------------------------------------
+def _model_config(name: str, block_size: int):
+    from transformers import LlamaConfig
+    sizes = {"tiny": dict(hidden_size=32, intermediate_size=96, num_attention_heads=2),
+             "small": dict(hidden_size=128, intermediate_size=384, num_attention_heads=4)}
+    return LlamaConfig(vocab_size=264, num_hidden_layers=4, num_key_value_heads=2, max_position_embeddings=max(
+        block_size, 256), use_cache=False, tie_word_embeddings=False, **sizes[name])
+
+
+def build(args):
+    caps = dict(max_bytes=2 ** 18, max_validation_bytes=2 ** 15) if args.quick and args.dataset is None else {}
+    train_ds, val_ds, vocab, _ = load_dataset_blocks(args.dataset, args.block_size, **caps)
+    config = args.model_config or _model_config(args.model, args.block_size)
+    model = build_model(model_config=config, vocab_size=vocab, seed=args.seed, block_size=args.block_size)
+    swap_linears(model, "bf16", seed=args.seed)
+    need = args.eval_batches * args.batch_size
+    if len(val_ds) < need:
+        raise ValueError(f"validation split has {len(val_ds)} blocks; --eval_batches x --batch_size needs {need}")
+    g = torch.Generator().manual_seed(12345)
+    order = torch.randperm(len(val_ds), generator=g).tolist()[:need]
+    val_batches = [val_ds.get_batch(order[i * args.batch_size:(i + 1) * args.batch_size])["input_ids"]
+                   for i in range(args.eval_batches)]
+    return model, train_ds, val_batches
+
+
+def parse_phases(text: str) -> Dict[str, int]:
+    """``"100,400"`` -> ``{"early": 100, "late": 400}``; ``"late:400"`` names a phase explicitly."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    default = ["early"] if len(items) == 1 else ["early", "late"] if len(items) == 2 else \
+        [f"phase{i}" for i in range(len(items))]
+    phases = {}
+    for item, name in zip(items, default):
+        if ":" in item:
+            name, item = item.split(":", 1)
+        try:
+            phases[name] = int(item)
+        except ValueError:
+            raise ValueError(f"--phases: {item!r} is not a step count; expected e.g. '100,400' or 'late:400'")
+    steps = list(phases.values())
+    if not steps or len(phases) != len(items) or any(s < 1 for s in steps) or steps != sorted(set(steps)):
+        raise ValueError(f"--phases: warm-up step counts must be positive, increasing and uniquely named, "
+                         f"got {text!r}")
+    return phases
+
+
+def warm_up(model, train_ds, settings: TrainSettings, args, ckpt_dir: Path) -> Dict[str, Path]:
+    """One BF16 warm-up run, checkpointed at every phase's step count; returns ``{phase: path}``."""
+    opt = make_optimizer(model, settings)
+    stream = DataStream(train_ds, settings.batch_size, seed=args.seed)
+    paths, done = {}, 0
+    for name, steps in args.phases.items():
+        path = ckpt_dir / f"{name}_{steps}"
+        losses = train_steps(model, opt, stream.next_batch, steps - done, settings, start_step=done)
+        done = steps
+        save_checkpoint(model, opt, path, meta={"warmup_steps": steps, "seed": args.seed,
+                                                "last_train_loss": losses[-1] if losses else None})
+        _log(args, f"warm-up to step {steps} ({name}): train loss {losses[-1] if losses else float('nan'):.4f}")
+        paths[name] = path
+    return paths
+
+
+# --------------------------------------------------------------------------------------------------------
+# Plans
+# --------------------------------------------------------------------------------------------------------
+def collect_phase_stats(model, ckpt: Path, train_ds, settings: TrainSettings, args) -> Dict[str, Any]:
+    opt = make_optimizer(model, settings)
+    load_checkpoint(model, opt, ckpt)
+    pc = adam_precond(model, opt)
+    stream = DataStream(train_ds, settings.batch_size, seed=args.seed + 777)
+    batches = [stream.next_batch()["input_ids"] for _ in range(args.stat_batches)]
+    return collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, estimator="mc_fisher",
+                              num_probes=1, seed=args.seed, step=pc.step, lam=args.lambda_default)
+
+
+def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """Every (method, ρ, λ / plan seed) plan of one phase, and the plans skipped as unreachable."""
+    fqns = sorted(stats["layers"])
+    flops = {f: float(stats["layers"][f]["flops"]) for f in fqns}
+    plans, skipped = [], []
+    for method in args.methods:
+        if method in UNIFORM:
+            precision = "bf16" if method == "bf16" else method.split("_")[1]
+            plan = Plan.uniform(fqns, precision, flops)
+            plans.append(dict(method=method, label=method, rho=None, plan=plan))
+    for rho in args.rhos:
+        share = attainable_share(flops, rho)  # every method on exactly this share (ρ is rarely exact)
+        for method in (m for m in args.methods if m in SOLVED):
+            variants = ([dict(lam=lam) for lam in args.lambdas] if method == "best" else
+                        [dict(lam=args.lambda_default)] if method == "first_last_fp8" else [dict()])
+            for v in variants:
+                label = method if "lam" not in v or method != "best" else f"best λ={_num(v['lam'])}"
+                try:
+                    solved = solve_baseline(method, stats, share, lam=v.get("lam"), seed=args.seed,
+                                            num_random=args.num_random, max_share=min(share + 1e-9, 1.0))
+                except ValueError as err:
+                    skipped.append(dict(method=method, label=label, rho=rho, reason=str(err)))
+                    continue
+                for i, plan in enumerate(solved):
+                    entry = dict(method=method, label=label, rho=rho, plan=plan)
+                    if "lam" in v:
+                        entry["lambda"] = float(v["lam"])
+                    if method == "random":
+                        entry.update(label=f"random#{i}", plan_seed=int(plan.meta["seed"]))
+                    plans.append(entry)
+    for p in plans:
+        p["predicted_fld"] = sum(stats["layers"][f]["fld"].get(p["plan"].assignment[f], 0.0) or 0.0
+                                 for f in fqns if p["plan"].assignment[f] != "bf16")
+        p["predicted_bwd"] = sum(stats["layers"][f]["bwd"].get(p["plan"].assignment[f], 0.0) or 0.0
+                                 for f in fqns if p["plan"].assignment[f] != "bf16")
+    return plans, skipped
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# One cell: every plan from one checkpoint, one data order, one rounding seed
+# --------------------------------------------------------------------------------------------------------
+def run_plan(model, ckpt: Path, plan: Plan, train_ds, val_batches, settings: TrainSettings, seed: int,
+             warmup_steps: int, steps: int) -> Dict[str, Any]:
+    opt = make_optimizer(model, settings)
+    load_checkpoint(model, opt, ckpt)
+    swap_linears(model, "bf16", seed=seed)  # fresh stochastic-rounding generators, seeded alike for every plan
+    apply_plan(model, plan)
+    stream = DataStream(train_ds, settings.batch_size, seed=10_000 + seed)
+    start = time.perf_counter()
+    losses = train_steps(model, opt, stream.next_batch, steps, settings, start_step=warmup_steps)
+    val = evaluate(model, val_batches)
+    with bf16_forward(model):
+        val_bf16 = evaluate(model, val_batches)
+    swap_linears(model, "bf16", seed=seed)
+    return dict(val_loss=val, val_loss_bf16_forward=val_bf16, train_losses=losses,
+                seconds=time.perf_counter() - start)
+
+
+def checkpoint_fld(model, ckpt: Path, plans: List[Dict[str, Any]], val_batches, settings) -> None:
+    """Measured forward divergence of every distinct plan at the checkpoint (quantized minus BF16 val loss)."""
+    opt = make_optimizer(model, settings)
+    load_checkpoint(model, opt, ckpt)
+    base = evaluate(model, val_batches)
+    cache: Dict[str, float] = {}
+    for p in plans:
+        digest = p["plan"].digest()
+        if digest not in cache:
+            apply_plan(model, p["plan"])
+            cache[digest] = evaluate(model, val_batches) - base
+        p["measured_fld_at_ckpt"] = cache[digest]
+    swap_linears(model, "bf16", seed=0)
+
+
+def run_cell(model, ckpt: Path, phase: str, warmup_steps: int, seed: int, plans, train_ds, val_batches,
+             settings: TrainSettings, args, sink) -> None:
+    done: Dict[str, Dict[str, Any]] = {}
+    fp8 = None
+    order = sorted(plans, key=lambda p: p["method"] != "uniform_fp8")  # fp8 first: every gap refers to it
+    for p in order:
+        plan: Plan = p["plan"]
+        digest = plan.digest()
+        record = dict(method=p["method"], label=p["label"], rho=p["rho"], phase=phase, warmup_steps=warmup_steps,
+                      seed=seed, fp4_share=plan.fp4_share, plan_digest=digest[:16],
+                      predicted_fld=p["predicted_fld"], predicted_bwd=p["predicted_bwd"],
+                      measured_fld_at_ckpt=p.get("measured_fld_at_ckpt"))
+        for key in ("lambda", "plan_seed"):
+            if key in p:
+                record[key] = p[key]
+        if digest in done:
+            shared = done[digest]
+            result = {k: shared[k] for k in ("val_loss", "val_loss_bf16_forward", "train_losses")}
+            result.update(seconds=0.0, shared_with=f"{shared['label']}" + (
+                f" (rho {shared['rho']})" if shared["rho"] is not None else ""))
+        else:
+            result = run_plan(model, ckpt, plan, train_ds, val_batches, settings, seed, warmup_steps, args.steps)
+        record.update(result)
+        if p["method"] == "uniform_fp8":
+            fp8 = record
+        if fp8 is not None:
+            record["gap_to_fp8"] = record["val_loss"] - fp8["val_loss"]
+            record["gap_to_fp8_bf16_forward"] = record["val_loss_bf16_forward"] - fp8["val_loss_bf16_forward"]
+        done.setdefault(digest, record)
+        sink(record)
+        _log(args, f"[{phase} seed {seed}] {record['label']:<14} rho={record['rho']} val {record['val_loss']:.4f} "
+             f"bf16-fwd {record['val_loss_bf16_forward']:.4f} gap {record.get('gap_to_fp8', float('nan')):+.5f} "
+             f"({record['seconds']:.0f}s)")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------------
+def _fmt(ms, scale: float = 1e3) -> str:
+    if ms.n == 0:
+        return "–"
+    se = "n/a" if not math.isfinite(ms.se) else f"{ms.se * scale:.2f}"
+    return f"{ms.mean * scale:+.2f} ± {se}"
+
+
+def _is(label: str):
+    return lambda r: r["label"] == label
+
+
+def _is_random(r) -> bool:
+    return r["method"] == "random"
+
+
+def summarize(records: List[Dict[str, Any]], lambda_default: float) -> Dict[str, Any]:
+    """Paired statistics per (phase, ρ, label), pooled per ρ, the λ sweep and the target checks."""
+    cells = ("phase", "seed")
+    solved = [r for r in records if r["rho"] is not None]
+    phases = sorted({r["phase"] for r in records}, key=lambda p: min(r["warmup_steps"] for r in records
+                                                                      if r["phase"] == p))
+    rhos = sorted({r["rho"] for r in solved})
+    labels = sorted({r["label"] for r in solved if not _is_random(r)}) + ["random"]
+    rows = []
+    for scope in phases + ["all"]:
+        for rho in rhos:
+            sub = [r for r in records if (scope == "all" or r["phase"] == scope) and (r["rho"] in (rho, None))]
+            for label in labels:
+                sel = _is_random if label == "random" else _is(label)
+                if not any(sel(r) and r["rho"] == rho for r in sub):
+                    continue
+                sel_rho = (lambda r, sel=sel: sel(r) and r["rho"] == rho)
+                row = dict(phase=scope, rho=rho, label=label,
+                           fp4_share=mean_se(r["fp4_share"] for r in sub if sel_rho(r)).mean)
+                for key, tag in (("val_loss", "q"), ("val_loss_bf16_forward", "bf16")):
+                    row[f"vs_fp8_{tag}"] = mean_se(paired_differences(sub, key, cells, sel_rho,
+                                                                      _is("uniform_fp8")))
+                    row[f"vs_random_{tag}"] = mean_se(paired_differences(
+                        sub, key, cells, sel_rho, lambda r: _is_random(r) and r["rho"] == rho))
+                rows.append(row)
+    uniform = []
+    for scope in phases + ["all"]:
+        sub = [r for r in records if scope == "all" or r["phase"] == scope]
+        for label in ("bf16", "uniform_fp4"):
+            if any(r["label"] == label for r in sub):
+                uniform.append(dict(phase=scope, label=label, **{
+                    f"vs_fp8_{tag}": mean_se(paired_differences(sub, key, cells, _is(label), _is("uniform_fp8")))
+                    for key, tag in (("val_loss", "q"), ("val_loss_bf16_forward", "bf16"))}))
+    # random-plan spread: SD of the gaps among random plans of one cell, averaged over cells
+    spreads = []
+    for key in {(r["phase"], r["seed"], r["rho"]) for r in records if _is_random(r)}:
+        gaps = [r["val_loss"] for r in records if _is_random(r) and (r["phase"], r["seed"], r["rho"]) == key]
+        if len(gaps) > 1:
+            m = sum(gaps) / len(gaps)
+            spreads.append(math.sqrt(sum((g - m) ** 2 for g in gaps) / (len(gaps) - 1)))
+    lambdas = sorted({r["lambda"] for r in records if r["method"] == "best"})
+    sweep = {lam: mean_se([d for rho in rhos for d in paired_differences(
+        [r for r in records if r["rho"] in (rho, None)], "val_loss", cells,
+        lambda r, lam=lam, rho=rho: r["method"] == "best" and r["lambda"] == lam and r["rho"] == rho,
+        _is("uniform_fp8"))]) for lam in lambdas}
+    best_lambda = min(sweep, key=lambda lam: sweep[lam].mean) if sweep else None
+    return dict(rows=rows, uniform=uniform, random_spread=mean_se(spreads), lambda_sweep=sweep,
+                best_lambda=best_lambda, snip_label=f"best λ={_num(lambda_default)}", phases=phases, rhos=rhos)
+
+
+def target_checks(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """SNIP (at the default λ) against random / quant_err / rel_quant_err, per phase and ρ (quantized forward)."""
+    by = {(r["phase"], r["rho"], r["label"]): r for r in summary["rows"]}
+    out = []
+    for phase in summary["phases"]:
+        for rho in summary["rhos"]:
+            snip = by.get((phase, rho, summary["snip_label"]))
+            if snip is None:
+                continue
+            check = dict(phase=phase, rho=rho)
+            for other in ("random", "quant_err", "rel_quant_err"):
+                o = by.get((phase, rho, other))
+                check[f"below_{other}"] = None if o is None else bool(snip["vs_fp8_q"].mean < o["vs_fp8_q"].mean)
+            d = snip["vs_random_q"]
+            check["diff_vs_random"] = d
+            check["resolved_2se"] = bool(math.isfinite(d.se) and d.mean < -2 * d.se) if d.n else None
+            out.append(check)
+    return out
+
+
+def _yn(x) -> str:
+    return "–" if x is None else ("yes" if x else "**no**")
+
+
+def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) -> None:
+    s = data["settings"]
+    lines = [f"# compare_plans: plan quality from paired training runs (SNIP.md section 7)", ""]
+    if s.get("note"):
+        lines += [f"**{s['note']}**", ""]
+    lines += [f"Command: `{s['command']}`", "",
+              f"Full grid: `{s['full_command']}`", "",
+              f"Model: {s['model']} ({s['parameters']:,} parameters, {s['layers']} planned linears in "
+              f"{s['blocks']} blocks); {s['batch_size']}×{s['block_size']} tokens per step; AdamW lr {s['lr']:g}; "
+              f"phases (warm-up steps) {s['phases']}; {s['steps']} steps per run; seeds {s['seeds']}; "
+              f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {s['num_random']} random "
+              f"plan(s); {s['eval_batches']}×{s['batch_size']} validation sequences. "
+              f"{len(data['records'])} records, {data.get('wall_seconds', 0) / 60:.1f} min.", "",
+              "All numbers are paired differences in **millinats** (1e-3 nats): per cell (phase × seed, same "
+              "checkpoint, data order and rounding seeds) the method's validation loss minus uniform FP8's (or "
+              "minus the mean of the random plans'), then mean ± standard error over cells. *q* = the plan's "
+              "quantized forward, *bf16* = BF16 forward of the same weights. Negative is better.", ""]
+    lines += ["## Targets (SNIP at the default λ, quantized-forward gap)", "",
+              "| phase | ρ | SNIP − random | < random | < quant_err | < rel_quant_err | resolved (> 2 SE) |",
+              "|---|---|---|---|---|---|---|"]
+    for c in target_checks(summary):
+        lines.append(f"| {c['phase']} | {c['rho']:g} | {_fmt(c['diff_vs_random'])} | {_yn(c['below_random'])} | "
+                     f"{_yn(c['below_quant_err'])} | {_yn(c['below_rel_quant_err'])} | {_yn(c['resolved_2se'])} |")
+    lines += ["", "## Gaps per phase and ρ", "",
+              "| phase | ρ | method | FP4 share | vs fp8 (q) | vs fp8 (bf16) | vs random (q) | vs random (bf16) | n |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        lines.append(f"| {r['phase']} | {r['rho']:g} | {r['label']} | {r['fp4_share']:.3f} | {_fmt(r['vs_fp8_q'])} | "
+                     f"{_fmt(r['vs_fp8_bf16'])} | {_fmt(r['vs_random_q'])} | {_fmt(r['vs_random_bf16'])} | "
+                     f"{r['vs_fp8_q'].n} |")
+    lines += ["", "Uniform references (ρ-independent):", "", "| phase | method | vs fp8 (q) | vs fp8 (bf16) | n |",
+              "|---|---|---|---|---|"]
+    for u in summary["uniform"]:
+        lines.append(f"| {u['phase']} | {u['label']} | {_fmt(u['vs_fp8_q'])} | {_fmt(u['vs_fp8_bf16'])} | "
+                     f"{u['vs_fp8_q'].n} |")
+    lines += ["", "## λ sweep (SNIP vs uniform FP8, quantized forward, pooled over phases, seeds and ρ)", "",
+              "| λ | gap (mnats) | n |", "|---|---|---|"]
+    for lam, ms in summary["lambda_sweep"].items():
+        lines.append(f"| {_num(lam)} | {_fmt(ms)} | {ms.n} |")
+    if summary["best_lambda"] is not None:
+        lines += ["", f"Lowest mean gap at λ = {_num(summary['best_lambda'])} (the project default is "
+                      f"{s['lambda_default']:g}; the target rows above use the default)."]
+    sp = summary["random_spread"]
+    lines += ["", f"Spread of random plans within a cell (SD of val loss): {_fmt(sp)} mnats over {sp.n} cell(s).", ""]
+    lines += ["## Predicted vs measured forward divergence at the checkpoint", "",
+              "Per plan: Σ predicted FLD of its layers (MC Fisher, from the statistics) and the measured "
+              "quantized-minus-BF16 validation loss at the checkpoint, before any training (mnats).", "",
+              "| phase | ρ | method | predicted FLD | measured | predicted BWD (loss units) |", "|---|---|---|---|---|---|"]
+    seen = set()
+    for r in data["records"]:
+        key = (r["phase"], r["rho"], r["label"])
+        if key in seen or r.get("measured_fld_at_ckpt") is None:
+            continue
+        seen.add(key)
+        rho = "–" if r["rho"] is None else f"{r['rho']:g}"
+        lines.append(f"| {r['phase']} | {rho} | {r['label']} | {r['predicted_fld'] * 1e3:.3g} | "
+                     f"{r['measured_fld_at_ckpt'] * 1e3:+.3g} | {r['predicted_bwd'] * 1e3:.3g} |")
+    if data.get("skipped"):
+        lines += ["", "## Skipped plans", ""]
+        for sk in data["skipped"]:
+            lines.append(f"- {sk['phase']} ρ={sk['rho']:g} {sk['label']}: {sk['reason']}")
+    lines += ["", "Plots: `compare_plans_gap.png` (gap against FP4 share), `compare_plans_curves.png` (training-"
+              "loss difference to uniform FP8), `compare_plans_maps.png` (plan maps: blue FP8, orange FP4).", ""]
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_gap(summary: Dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    phases = summary["phases"]
+    fig, axes = plt.subplots(2, len(phases), figsize=(5.5 * len(phases), 7), squeeze=False)
+    labels = sorted({r["label"] for r in summary["rows"]})
+    for j, phase in enumerate(phases):
+        for i, tag in enumerate(("q", "bf16")):
+            ax = axes[i][j]
+            for label in labels:
+                pts = [r for r in summary["rows"] if r["phase"] == phase and r["label"] == label]
+                if not pts:
+                    continue
+                x = [r["fp4_share"] for r in pts]
+                y = [r[f"vs_fp8_{tag}"].mean * 1e3 for r in pts]
+                e = [r[f"vs_fp8_{tag}"].se * 1e3 if math.isfinite(r[f"vs_fp8_{tag}"].se) else 0.0 for r in pts]
+                ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=label)
+            for u in summary["uniform"]:
+                if u["phase"] == phase and u["label"] == "uniform_fp4" and u[f"vs_fp8_{tag}"].n:
+                    ax.plot([1.0], [u[f"vs_fp8_{tag}"].mean * 1e3], "k*", markersize=10, label="uniform_fp4")
+            ax.axhline(0.0, color="grey", lw=0.8)
+            ax.set_title(f"{phase}: gap to uniform FP8 ({'quantized' if tag == 'q' else 'BF16'} forward)")
+            ax.set_xlabel("FP4 share of linear FLOPs")
+            ax.set_ylabel("Δ val loss (millinats)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _ema(xs: Sequence[float], alpha: float = 0.1) -> List[float]:
+    out, m = [], None
+    for x in xs:
+        m = x if m is None else (1 - alpha) * m + alpha * x
+        out.append(m)
+    return out
+
+
+def plot_curves(records: List[Dict[str, Any]], summary: Dict[str, Any], path: Path) -> None:
+    """Training-loss difference to uniform FP8 (EMA-smoothed, mean over seeds), one panel per phase × ρ."""
+    plt = _plt()
+    panels = [(p, rho) for p in summary["phases"] for rho in summary["rhos"]]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 4), squeeze=False)
+    for ax, (phase, rho) in zip(axes[0], panels):
+        fp8 = {r["seed"]: r["train_losses"] for r in records if r["phase"] == phase and r["label"] == "uniform_fp8"}
+        labels = sorted({r["label"] for r in records if r["phase"] == phase and r["rho"] in (rho, None)})
+        for label in labels:
+            diffs = [[a - b for a, b in zip(r["train_losses"], fp8[r["seed"]])] for r in records
+                     if r["phase"] == phase and r["label"] == label and r["rho"] in (rho, None) and r["seed"] in fp8]
+            if not diffs or label == "uniform_fp8":
+                continue
+            n = min(len(d) for d in diffs)
+            mean = [sum(d[t] for d in diffs) / len(diffs) for t in range(n)]
+            ax.plot(range(1, n + 1), [v * 1e3 for v in _ema(mean)], label=label,
+                    lw=1.8 if label.startswith("best") else 1.0)
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.set_title(f"{phase}, ρ={rho:g}")
+        ax.set_xlabel("step after checkpoint")
+        ax.set_ylabel("Δ train loss vs FP8 (mnats, EMA)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_maps(plans_by_phase: Dict[str, List[Dict[str, Any]]], path: Path) -> None:
+    from snip_ds.metrics import precision_map_image
+    plt = _plt()
+    tiles = [(phase, p) for phase, ps in plans_by_phase.items() for p in ps if p["rho"] is not None]
+    cols = max(len({p["label"] for _, p in tiles}), 1)
+    keys = sorted({(ph, p["rho"]) for ph, p in tiles})
+    labels = sorted({p["label"] for _, p in tiles})
+    fig, axes = plt.subplots(max(len(keys), 1), cols, figsize=(1.6 * cols, 2.0 * max(len(keys), 1)), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for (phase, p) in tiles:
+        i, j = keys.index((phase, p["rho"])), labels.index(p["label"])
+        img = precision_map_image(dict(p["plan"].assignment), block_index).transpose(1, 2, 0)
+        ax = axes[i][j]
+        ax.imshow(img, interpolation="nearest")
+        ax.set_title(f"{p['label']}\n{phase} ρ={p['rho']:g}", fontsize=7)
+    fig.suptitle("plans: rows = blocks, columns = q k v o gate up down (blue FP8, orange FP4)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(data: Dict[str, Any], out_dir: Path, plans_by_phase=None) -> Dict[str, Any]:
+    records = data["records"]
+    if not records:
+        raise ValueError(f"{out_dir / (PREFIX + '.json')}: no records to report")
+    summary = summarize(records, data["settings"]["lambda_default"])
+    write_markdown(data, summary, out_dir / f"{PREFIX}.md")
+    plot_gap(summary, out_dir / f"{PREFIX}_gap.png")
+    plot_curves(records, summary, out_dir / f"{PREFIX}_curves.png")
+    if plans_by_phase is None:
+        plans_by_phase = {ph: [dict(label=p["label"], rho=p["rho"], plan=Plan(assignment=p["assignment"]))
+                               for p in ps] for ph, ps in data.get("plans", {}).items()}
+    plot_maps(plans_by_phase, out_dir / f"{PREFIX}_maps.png")
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------------
+def _log(args, msg: str) -> None:
+    if not args.silent:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _write_json(data: Dict[str, Any], path: Path) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=lambda o: o.to_dict() if hasattr(o, "to_dict") else str(o)),
+                   encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run(args) -> Dict[str, Any]:
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = TrainSettings(lr=args.lr, batch_size=args.batch_size, lr_warmup_steps=args.lr_warmup_steps)
+    model, train_ds, val_batches = build(args)
+    layers = snip_layers(model)
+    full = "python launch/compare_plans.py" + ("" if args.model_config is None else
+                                               f" --model_config {shlex.quote(str(args.model_config))}")
+    data: Dict[str, Any] = dict(settings=dict(
+        command="python launch/compare_plans.py " + " ".join(shlex.quote(a) for a in args.argv),
+        full_command=full, note=args.note, quick=args.quick,
+        model=str(args.model_config or args.model), parameters=sum(p.numel() for p in model.parameters()),
+        layers=len(layers), blocks=len({block_index(f) for f in layers}), block_size=args.block_size,
+        batch_size=args.batch_size, lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, phases=args.phases,
+        steps=args.steps, seeds=args.seeds, rhos=args.rhos, lambdas=args.lambdas,
+        lambda_default=args.lambda_default, num_random=args.num_random, methods=args.methods,
+        eval_batches=args.eval_batches, stat_batches=args.stat_batches, dataset=args.dataset,
+        threads=torch.get_num_threads()), records=[], skipped=[], plans={})
+    json_path = out_dir / f"{PREFIX}.json"
+
+    def sink(record: Dict[str, Any]) -> None:
+        data["records"].append(record)
+        data["wall_seconds"] = time.perf_counter() - t0
+        _write_json(data, json_path)
+
+    with tempfile.TemporaryDirectory(prefix="compare_plans_") as tmp:
+        ckpt_dir = Path(args.checkpoint_dir or tmp)
+        ckpts = warm_up(model, train_ds, settings, args, ckpt_dir)
+        plans_by_phase = {}
+        for (phase, ckpt), warm in zip(ckpts.items(), args.phases.values()):
+            stats = collect_phase_stats(model, ckpt, train_ds, settings, args)
+            plans, skipped = solve_plans(stats, args)
+            checkpoint_fld(model, ckpt, plans, val_batches, settings)
+            plans_by_phase[phase] = plans
+            data["skipped"] += [dict(phase=phase, **s) for s in skipped]
+            data["plans"][phase] = [dict(label=p["label"], rho=p["rho"], assignment=dict(p["plan"].assignment),
+                                         fp4_share=p["plan"].fp4_share) for p in plans]
+            for sk in skipped:
+                _log(args, f"[{phase}] skipped {sk['label']} at rho {sk['rho']}: {sk['reason']}")
+            for seed in args.seeds:
+                run_cell(model, ckpt, phase, warm, seed, plans, train_ds, val_batches, settings, args, sink)
+    data["wall_seconds"] = time.perf_counter() - t0
+    _write_json(data, json_path)
+    summary = write_report(data, out_dir, plans_by_phase)
+    return dict(records=len(data["records"]), wall_seconds=data["wall_seconds"],
+                targets=[{k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in c.items()}
+                         for c in target_checks(summary)],
+                best_lambda=summary["best_lambda"], output_dir=str(out_dir))
+
+
+def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
+    """Reads ``compare_plans.json`` from each directory and joins them (e.g. one process per phase).
+
+    Raises:
+        FileNotFoundError: A directory has no ``compare_plans.json``.
+        ValueError: The runs disagree on a setting other than phases/seeds/command, or repeat a phase.
+    """
+    parts = []
+    for d in dirs:
+        path = Path(d) / f"{PREFIX}.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+        parts.append(json.loads(path.read_text(encoding="utf-8")))
+    data = parts[0]
+    if len(parts) == 1:
+        if note:
+            data["settings"]["note"] = note
+        return data
+    free = {"phases", "seeds", "command", "note", "threads"}
+    settings = dict(data["settings"], phases={}, seeds=[], command=[], note=note)
+    records, skipped, plans, wall = [], [], {}, 0.0
+    for d, part in zip(dirs, parts):
+        st = part["settings"]
+        diff = [k for k in st if k not in free and st[k] != data["settings"].get(k)]
+        if diff:
+            raise ValueError(f"{d}: settings differ from {dirs[0]} in {', '.join(diff)}; cannot merge")
+        phases = st["phases"] if isinstance(st["phases"], dict) else {}
+        if set(phases) & set(settings["phases"]):
+            raise ValueError(f"{d}: phase(s) {sorted(set(phases) & set(settings['phases']))} appear twice")
+        settings["phases"].update(phases)
+        settings["seeds"] = sorted(set(settings["seeds"]) | set(st["seeds"]))
+        settings["command"].append(st["command"])
+        records += part["records"]
+        skipped += part.get("skipped", [])
+        plans.update(part.get("plans", {}))
+        wall += part.get("wall_seconds", 0.0)
+    settings["command"] = " ; ".join(settings["command"])
+    return dict(settings=settings, records=records, skipped=skipped, plans=plans, wall_seconds=wall)
+
+
+def _list(kind, name: str):
+    def parse(text: str):
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{name}: expected comma-separated {kind.__name__}s, got {text!r}")
+        if not values:
+            raise argparse.ArgumentTypeError(f"--{name}: empty list")
+        return values
+    return parse
+
+
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model_config", default=None, help="JSON config of a model trained from scratch (default: "
+                    "a 4-block hidden-128 Llama; with --quick a 4-block hidden-32 one)")
+    ap.add_argument("--dataset", default=None, help="text/JSON-lines file or prepared directory (default: the "
+                    "Python stdlib corpus)")
+    ap.add_argument("--seed", type=int, default=0, help="model init, warm-up data order, statistics, plan seeds")
+    ap.add_argument("--seeds", default=None, help="comma-separated data-order / rounding seeds (one cell each)")
+    ap.add_argument("--phases", default=None, help="comma-separated warm-up step counts, one checkpoint each")
+    ap.add_argument("--rhos", default=None, help="comma-separated FP4 shares")
+    ap.add_argument("--lambdas", default=None, help="comma-separated λ values for SNIP ('best')")
+    ap.add_argument("--lambda_default", type=float, default=100.0, help="λ of the target checks, first_last_fp8 "
+                    "and the statistics artifact")
+    ap.add_argument("--num_random", type=int, default=None, help="random plans per ρ")
+    ap.add_argument("--methods", default=",".join(METHOD_CHOICES), help="comma-separated subset of "
+                    + ", ".join(METHOD_CHOICES) + " (uniform_fp8 is always run: every gap refers to it)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run after the checkpoint")
+    ap.add_argument("--batch_size", type=int, default=None)
+    ap.add_argument("--block_size", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr_warmup_steps", type=int, default=None)
+    ap.add_argument("--eval_batches", type=int, default=None, help="validation batches (fixed, shared by all runs)")
+    ap.add_argument("--stat_batches", type=int, default=None, help="batches of the statistics collection")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--checkpoint_dir", default=None, help="keep the warm-up checkpoints here (default: a "
+                    "temporary directory)")
+    ap.add_argument("--output_dir", default="benchmarks/results")
+    ap.add_argument("--note", default="", help="a line put at the top of the md (e.g. 'reduced grid')")
+    ap.add_argument("--quick", action="store_true", help="tiny model, few steps, one cell: a smoke run (CI)")
+    ap.add_argument("--report_only", action="store_true", help="rewrite md and plots from the existing json")
+    ap.add_argument("--merge", default=None, help="with --report_only: comma-separated result directories "
+                    "to join (e.g. one process per phase) into --output_dir")
+    ap.add_argument("--silent", action="store_true")
+    args = ap.parse_args(argv)
+    args.argv = argv
+    preset = QUICK if args.quick else FULL
+    for key, val in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, val)
+    try:
+        args.seeds = _list(int, "seeds")(str(args.seeds))
+        args.phases = parse_phases(args.phases)
+        args.rhos = _list(float, "rhos")(str(args.rhos))
+        args.lambdas = _list(float, "lambdas")(str(args.lambdas))
+        methods = _list(str, "methods")(args.methods)
+        args.merge = _list(str, "merge")(args.merge) if args.merge else None
+    except (argparse.ArgumentTypeError, ValueError) as err:
+        ap.error(str(err))
+    bad = [m for m in methods if m not in METHOD_CHOICES]
+    if bad:
+        ap.error(f"--methods: unknown {', '.join(bad)}; valid: {', '.join(METHOD_CHOICES)}")
+    args.methods = tuple(m for m in METHOD_CHOICES if m in methods or m == "uniform_fp8")
+    if any(not 0.0 <= r <= 1.0 for r in args.rhos):
+        ap.error(f"--rhos: every FP4 share must lie in [0, 1], got {args.rhos}")
+    if any(lam < 0 for lam in args.lambdas) or args.lambda_default < 0:
+        ap.error("--lambdas / --lambda_default must be >= 0")
+    for key in ("steps", "batch_size", "block_size", "eval_batches", "stat_batches", "num_random"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key} must be >= 1")
+    if args.lr_warmup_steps < 0:
+        ap.error("--lr_warmup_steps must be >= 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.report_only:
+            data = merge_results(args.merge or [args.output_dir], args.note)
+            if args.merge:
+                Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+                _write_json(data, Path(args.output_dir) / f"{PREFIX}.json")
+            write_report(data, Path(args.output_dir))
+            print(json.dumps({"records": len(data["records"]), "output_dir": args.output_dir}))
+            return 0
+        result = run(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"compare_plans: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

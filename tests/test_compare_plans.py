@@ -1,0 +1,257 @@
+"""launch/compare_plans.py --quick end to end, and the pieces of snip_ds.compare against hand-computed references."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate, load_checkpoint,
+                             make_optimizer, mean_se, paired_differences, save_checkpoint, train_steps)
+from snip_ds.plan import Plan
+from snip_ds.swap import snip_layers, swap_linears
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = ("method", "rho", "phase", "seed", "val_loss", "val_loss_bf16_forward", "gap_to_fp8",
+            "gap_to_fp8_bf16_forward", "fp4_share", "train_losses")
+PNGS = ("compare_plans_gap.png", "compare_plans_curves.png", "compare_plans_maps.png")
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("compare_plans", ROOT / "launch" / "compare_plans.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _png_size(path: Path) -> tuple:
+    """Width and height from a PNG's IHDR chunk, after checking the signature."""
+    raw = path.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
+    assert raw[12:16] == b"IHDR"
+    return struct.unpack(">II", raw[16:24])
+
+
+# --------------------------------------------------------------------------------------------------------
+# End to end
+# --------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    rc = _script().main(["--quick", "--output_dir", str(out), "--silent"])
+    assert rc == 0
+    return out
+
+
+def test_quick_records(quick_run):
+    data = json.loads((quick_run / "compare_plans.json").read_text())
+    records = data["records"]
+    for r in records:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, f"{r['label']} lacks {missing}"
+        assert math.isfinite(r["val_loss"]) and math.isfinite(r["val_loss_bf16_forward"])
+    labels = {r["label"] for r in records}
+    # every method once: uniform ones, SNIP at each λ, the random plan, both quant-error baselines, first/last
+    assert labels == {"bf16", "uniform_fp8", "uniform_fp4", "best λ=1", "best λ=100", "best λ=1000", "random#0",
+                      "quant_err", "rel_quant_err", "first_last_fp8"}
+    assert not data["skipped"]
+    fp8 = next(r for r in records if r["method"] == "uniform_fp8")
+    for r in records:  # the gap is the paired difference to uniform FP8 of the same cell
+        assert r["gap_to_fp8"] == pytest.approx(r["val_loss"] - fp8["val_loss"], abs=1e-12)
+        assert len(r["train_losses"]) == data["settings"]["steps"]
+        if r["rho"] is not None:
+            assert r["fp4_share"] == pytest.approx(0.5)
+            assert r["phase"] == "early" and r["seed"] == 0
+        if r["method"] == "best":
+            assert r["lambda"] in (1.0, 100.0, 1000.0)
+    assert fp8["gap_to_fp8"] == 0.0
+    bf16 = next(r for r in records if r["method"] == "bf16")
+    assert bf16["val_loss"] == bf16["val_loss_bf16_forward"]  # BF16 plan: both forwards are the same one
+    assert bf16["measured_fld_at_ckpt"] == 0.0
+    # first/last pinned: blocks 0 and 3 stay FP8 in the stored plan
+    fl = next(p for p in data["plans"]["early"] if p["label"] == "first_last_fp8")
+    for fqn, prec in fl["assignment"].items():
+        if ".layers.0." in fqn or ".layers.3." in fqn:
+            assert prec == "fp8"
+
+
+def test_quick_markdown(quick_run):
+    md = (quick_run / "compare_plans.md").read_text()
+    for heading in ("## Targets", "## Gaps per phase and ρ", "## λ sweep"):
+        assert heading in md
+    gaps = md.split("## Gaps per phase and ρ")[1].split("Uniform references")[0]
+    rows = [line for line in gaps.splitlines() if line.startswith("| early | 0.5 |")]
+    # one gaps row per non-random label plus the pooled random row, and one target row
+    assert sum("| best λ=100 |" in line for line in rows) == 1
+    assert any("| random |" in line for line in rows)
+    target = [line for line in md.splitlines() if line.startswith("| early | 0.5 | ") and line.count("|") == 8]
+    assert len(target) == 1
+    # with one seed there is no standard error: it must say so instead of inventing one
+    assert "n/a" in target[0]
+
+
+def test_quick_pngs(quick_run):
+    for name in PNGS:
+        w, h = _png_size(quick_run / name)
+        assert w > 100 and h > 100
+    import matplotlib.image as mpimg
+    img = mpimg.imread(str(quick_run / "compare_plans_maps.png"))
+    assert img.ndim == 3 and img.std() > 0  # decodes, and is not blank
+
+
+def test_report_only_rewrites_from_json(quick_run, tmp_path):
+    mod = _script()
+    assert mod.main(["--report_only", "--merge", str(quick_run), "--output_dir", str(tmp_path), "--silent",
+                     "--note", "rerendered"]) == 0
+    assert "**rerendered**" in (tmp_path / "compare_plans.md").read_text()
+    for name in PNGS:
+        _png_size(tmp_path / name)
+
+
+def test_bad_arguments(tmp_path, capsys):
+    mod = _script()
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--methods", "best,nope"])
+    assert "nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--rhos", "1.5"])
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--phases", "400,100"])
+    assert mod.main(["--report_only", "--output_dir", str(tmp_path / "none")]) == 2
+    assert "compare_plans.json" in capsys.readouterr().err
+
+
+def test_parse_phases():
+    mod = _script()
+    assert mod.parse_phases("100,400") == {"early": 100, "late": 400}
+    assert mod.parse_phases("late:400") == {"late": 400}
+    with pytest.raises(ValueError, match="phases"):
+        mod.parse_phases("a:x")
+
+
+# --------------------------------------------------------------------------------------------------------
+# snip_ds.compare
+# --------------------------------------------------------------------------------------------------------
+def test_mean_se_reference():
+    ms = mean_se([1.0, 2.0, 4.0])
+    assert ms.mean == pytest.approx(7 / 3)
+    # sample SD: sqrt(((1-7/3)^2 + (2-7/3)^2 + (4-7/3)^2) / 2) = sqrt(7/3); SE = that / sqrt(3)
+    assert ms.se == pytest.approx(math.sqrt(7 / 3) / math.sqrt(3))
+    assert ms.n == 3
+    assert math.isnan(mean_se([5.0]).se) and mean_se([5.0]).mean == 5.0
+    assert mean_se([]).n == 0
+    assert mean_se([1.0]).to_dict() == {"mean": 1.0, "se": None, "n": 1}
+
+
+def test_paired_differences_per_cell():
+    recs = [dict(cell=0, m="a", v=1.0), dict(cell=0, m="r", v=2.0), dict(cell=0, m="r", v=4.0),
+            dict(cell=1, m="a", v=5.0), dict(cell=1, m="r", v=5.5),
+            dict(cell=2, m="a", v=9.0)]  # cell 2 has no reference: left out
+    d = paired_differences(recs, "v", ("cell",), lambda r: r["m"] == "a", lambda r: r["m"] == "r")
+    assert d == [1.0 - 3.0, 5.0 - 5.5]
+
+
+def test_attainable_share():
+    flops = {"a": 1.0, "b": 1.0, "c": 2.0}  # shares reachable: 0, .25, .5, .75, 1
+    assert attainable_share(flops, 0.5) == 0.5
+    assert attainable_share(flops, 0.6) == 0.75
+    assert attainable_share(flops, 0.76) == 1.0
+    assert attainable_share(flops, 0.0) == 0.0
+    with pytest.raises(ValueError, match="target"):
+        attainable_share(flops, 1.2)
+
+
+def test_train_settings_validation():
+    with pytest.raises(ValueError, match="lr"):
+        TrainSettings(lr=0.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainSettings(batch_size=0)
+    s = TrainSettings(lr=1.0, lr_warmup_steps=4)
+    assert [s.lr_at(i) for i in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+class _TinyLM(nn.Module):
+    """Embedding -> one decoder-named linear -> head; exposes ``.logits`` like a HF causal LM."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 32)
+        self.model = nn.Module()
+        block = nn.Module()
+        block.self_attn = nn.Module()
+        block.mlp = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(block.self_attn, name, nn.Linear(32, 32, bias=False))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(block.mlp, name, nn.Linear(32, 32, bias=False))
+        self.model.layers = nn.ModuleList([block])
+        self.head = nn.Linear(32, 16, bias=False)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        b = self.model.layers[0]
+        for lin in (b.self_attn.q_proj, b.self_attn.o_proj, b.mlp.up_proj, b.mlp.down_proj):
+            h = h + torch.tanh(lin(h))
+        h = h + b.self_attn.k_proj(h) * 0.0 + b.self_attn.v_proj(h) * 0.0 + b.mlp.gate_proj(h) * 0.0
+        return type("Out", (), {"logits": self.head(h)})()
+
+
+def test_checkpoint_round_trip_and_training_is_reproducible(tmp_path):
+    model = _TinyLM()
+    swap_linears(model, "bf16", seed=0)
+    settings = TrainSettings(lr=1e-2, batch_size=2, lr_warmup_steps=0)
+    opt = make_optimizer(model, settings)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 16, (2, 16), generator=g)} for _ in range(6)]
+    it = iter(batches[:3])
+    train_steps(model, opt, lambda: next(it), 3, settings)
+    save_checkpoint(model, opt, tmp_path / "ck", meta={"step": 3})
+
+    def resume(plan):
+        m = _TinyLM()
+        swap_linears(m, "bf16", seed=1)
+        o = make_optimizer(m, settings)
+        assert load_checkpoint(m, o, tmp_path / "ck") == {"step": 3}
+        apply_plan(m, plan)
+        it2 = iter(batches[3:])
+        losses = train_steps(m, o, lambda: next(it2), 3, settings, start_step=3)
+        return m, losses
+
+    fqns = list(snip_layers(model))
+    m1, l1 = resume(Plan.uniform(fqns, "fp8"))
+    m2, l2 = resume(Plan.uniform(fqns, "fp8"))
+    assert l1 == l2  # same checkpoint, data and seeds: bit-identical (what makes runs paired)
+    m3, l3 = resume(Plan.uniform(fqns, "bf16"))
+    # the reference: continuing the original model unquantized gives the same losses as the resumed BF16 run
+    it = iter(batches[3:])
+    assert train_steps(model, opt, lambda: next(it), 3, settings, start_step=3) == l3
+    assert l1 != l3
+    ids = [b["input_ids"] for b in batches]
+    q = evaluate(m1, ids)
+    with bf16_forward(m1):
+        unq = evaluate(m1, ids)
+    assert q != unq
+    assert all(layer.precision == "fp8" for layer in snip_layers(m1).values())  # restored after the block
+    manual = sum(nn.functional.cross_entropy(m1(input_ids=i).logits[:, :-1].reshape(-1, 16),
+                                             i[:, 1:].reshape(-1)).item() for i in ids) / len(ids)
+    assert q == pytest.approx(manual, rel=1e-6)
+
+
+def test_load_checkpoint_missing_file(tmp_path):
+    model = _TinyLM()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_checkpoint(model, make_optimizer(model, TrainSettings()), tmp_path)
+
+
+def test_apply_plan_rejects_other_layers():
+    model = _TinyLM()
+    swap_linears(model, "bf16")
+    with pytest.raises(ValueError, match="plan does not match"):
+        apply_plan(model, Plan.uniform(["model.layers.9.mlp.up_proj"], "fp4"))
