@@ -1,0 +1,186 @@
+"""Training throughput and peak memory of the default model under bf16, fp8 and fp4 plans, side by side.
+
+    python benchmarks/bench_train.py [--steps 3] [--threads 1] [--quick]
+
+One rank, the shipped configs' shapes: the embedded default Llama (~9.6M parameters, FP32 master weights),
+micro-batch 4 x 256 tokens of the stdlib corpus, all decoder linears swapped for SnipLinear at one precision,
+torch AdamW (the configs' hyper-parameters) with gradient clipping at 1.0, on 1 CPU thread by default (on a
+shared 2-core box, 2 threads oversubscribed by other jobs made step times swing 5x). What is measured:
+
+* tokens/s: 1024 tokens / the median time of one optimizer step (forward, backward, clip, AdamW step). The
+  three plans start from the same weights, see the same batches and run round-robin in this process, so
+  machine load hits them alike.
+* peak memory per rank: in a fresh process per plan (glibc's mmap threshold pinned at 128 KiB, so freed
+  tensors leave resident memory and RSS follows the live tensors), after one warm-up step: VmHWM over one
+  more step, i.e. the peak resident set of a rank (Python, torch and transformers included), and what that
+  step adds on top of the resident memory before it (gradients, activations, quantization temporaries,
+  AdamW's update); the parameters plus AdamW moments are counted exactly from the tensors.
+
+On a CPU the FP8/FP4 GEMMs are emulated in FP32 (quantize, dequantize, FP32 matmul), so these numbers show
+the cost of the emulation, not the speed-up or memory saving of FP8/FP4 hardware.
+Results go to benchmarks/results/bench_train.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
+from snip_ds.model import build_model  # noqa: E402
+from snip_ds.swap import swap_linears  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PLANS = ("bf16", "fp8", "fp4")
+MICRO_BATCH, BLOCK = 4, 256  # ds_configs/*.json: train_micro_batch_size_per_gpu, snip.train.block_size
+ADAMW = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # ds_configs/*.json: optimizer.params
+
+
+def build(precision: str, micro_batch: int = MICRO_BATCH):
+    """The default model with every decoder linear at ``precision``, its AdamW, and a batch source."""
+    model = build_model(seed=0, dtype=torch.float32, block_size=BLOCK)
+    swap_linears(model, precision, seed=0)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    train, _, _, _ = load_dataset_blocks(None, BLOCK, seed=0, max_bytes=400_000, max_validation_bytes=BLOCK * 64)
+    return model, opt, DataStream(train, micro_batch, seed=0)
+
+
+def train_step(model, opt, batch) -> float:
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def state_bytes(model, opt) -> int:
+    """Bytes of the parameters and the optimizer's state tensors (AdamW: two moments per parameter)."""
+    tensors = list(model.parameters()) + [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _status_bytes(key: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{key}:\s+(\d+) kB", text).group(1)) * 1024
+
+
+def _memory_child(precision: str, micro_batch: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    model, opt, stream = build(precision, micro_batch)
+    train_step(model, opt, stream.next_batch())  # warm-up: AdamW state and first-touch costs are not the step's
+    batch = stream.next_batch()
+    before = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    train_step(model, opt, batch)
+    peak = _status_bytes("VmHWM")
+    return {"peak_rss_bytes": peak, "step_added_bytes": peak - before, "state_bytes": state_bytes(model, opt)}
+
+
+def peak_memory(precision: str, micro_batch: int, threads: int) -> dict:
+    """:func:`_memory_child` in a fresh process with glibc's mmap threshold pinned (see the module docstring)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    out = subprocess.run([sys.executable, __file__, "--_memory", precision, str(micro_batch), str(threads)], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench(steps: int, micro_batch: int, threads: int) -> dict:
+    runs = {p: build(p, micro_batch) for p in PLANS}
+    times = {p: [] for p in PLANS}
+    losses = {p: [] for p in PLANS}
+    for p, (model, opt, stream) in runs.items():  # warm-up
+        losses[p].append(train_step(model, opt, stream.next_batch()))
+    for _ in range(steps):
+        for p, (model, opt, stream) in runs.items():
+            batch = stream.next_batch()
+            start = time.perf_counter()
+            losses[p].append(train_step(model, opt, batch))
+            times[p].append(time.perf_counter() - start)
+    n_params = sum(t.numel() for t in runs["bf16"][0].parameters())
+    del runs
+    tokens = micro_batch * BLOCK
+    rows = {}
+    for p in PLANS:
+        step_s = statistics.median(times[p])
+        rows[p] = {"step_time_s": step_s, "step_times_s": times[p], "tokens_per_s": tokens / step_s,
+                   "losses": losses[p], **peak_memory(p, micro_batch, threads)}
+    for p in PLANS:
+        rows[p]["time_ratio_vs_bf16"] = rows[p]["step_time_s"] / rows["bf16"]["step_time_s"]
+        rows[p]["tokens_per_s_ratio_vs_bf16"] = rows[p]["tokens_per_s"] / rows["bf16"]["tokens_per_s"]
+        for key in ("peak_rss_bytes", "step_added_bytes"):
+            rows[p][key.replace("_bytes", "_ratio_vs_bf16")] = rows[p][key] / rows["bf16"][key]
+    return {"parameters": n_params, "tokens_per_step": tokens, "rows": rows}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=3, help="timed steps per plan (after one warm-up step)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (here and in the memory probes)")
+    p.add_argument("--quick", action="store_true", help="micro-batch 1, 1 timed step, results not written")
+    p.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._memory:
+        print(json.dumps(_memory_child(args._memory[0], int(args._memory[1]), int(args._memory[2]))))
+        return 0
+    micro_batch, steps = (1, 1) if args.quick else (MICRO_BATCH, args.steps)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    res = bench(steps, micro_batch, args.threads)
+    rows = res["rows"]
+    print(f"default model, {res['parameters'] / 1e6:.2f}M parameters, {res['tokens_per_step']} tokens/step, 1 rank, "
+          f"{args.threads} thread(s)")
+    print(f"{'plan':>5} | {'tokens/s':>9} | {'vs bf16':>7} | {'peak RSS':>9} | {'vs bf16':>7} | "
+          f"{'step adds':>9} | {'vs bf16':>7}")
+    for name, r in rows.items():
+        print(f"{name:>5} | {r['tokens_per_s']:9.1f} | {r['tokens_per_s_ratio_vs_bf16']:6.2f}x | "
+              f"{_mib(r['peak_rss_bytes']):>9} | {r['peak_rss_ratio_vs_bf16']:6.2f}x | "
+              f"{_mib(r['step_added_bytes']):>9} | {r['step_added_ratio_vs_bf16']:6.2f}x")
+    print(f"parameters + AdamW moments: {_mib(rows['bf16']['state_bytes'])} for every plan; "
+          f"{time.perf_counter() - start:.0f} s")
+    if args.quick:
+        return 0
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(), "master_dtype": "float32", "steps": steps,
+            "micro_batch": micro_batch, "block_size": BLOCK, "load_average": os.getloadavg(),
+            "wall_s": time.perf_counter() - start}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bench_train.json").write_text(json.dumps({"meta": meta, **res}, indent=2) + "\n")
+    lines = ["# bench_train: default model, one rank, bf16 / fp8 / fp4 plans (FP32 master weights, CPU)", "",
+             f"{res['parameters'] / 1e6:.2f}M parameters, micro-batch {micro_batch} x {BLOCK} tokens, torch AdamW, "
+             f"clip 1.0. torch {meta['torch']}, {meta['threads']} threads, {meta['cores']} cores, load average "
+             f"{meta['load_average'][0]:.1f} at the end. tokens/s: median of {steps} round-robin steps. Peak RSS: "
+             "VmHWM of a fresh process over one step after a warm-up (glibc mmap threshold pinned so freed tensors "
+             "leave resident memory); step adds: that peak minus the resident memory before the step. FP8/FP4 "
+             "GEMMs are emulated in FP32 on a CPU: these ratios are the emulation's cost, not hardware FP8/FP4.",
+             "", "| plan | step time (s) | tokens/s | vs bf16 | peak RSS | vs bf16 | step adds | vs bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['step_time_s']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['tokens_per_s_ratio_vs_bf16']:.2f}x | {_mib(r['peak_rss_bytes'])} | "
+                     f"{r['peak_rss_ratio_vs_bf16']:.2f}x | {_mib(r['step_added_bytes'])} | "
+                     f"{r['step_added_ratio_vs_bf16']:.2f}x |")
+    lines += ["", f"Parameters + AdamW moments: {_mib(rows['bf16']['state_bytes'])} in every plan (the emulation "
+              "keeps FP32 weights)."]
+    (RESULTS / "bench_train.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / 'bench_train.json'} and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
