@@ -83,7 +83,7 @@ def test_sigterm_to_the_launcher_saves_and_torchrun_resumes(tmp_path):
             lines.append(line)
             if line.startswith("snip_ds:") and "parameters" in line:
                 break
-        time.sleep(2.0)
+        time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=300)  # EOF only once the ranks and deepspeed.launcher.launch exited
     finally:
