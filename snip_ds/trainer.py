@@ -251,8 +251,11 @@ def train(args: argparse.Namespace) -> int:
                                                      world_size=world))
 
     if args.resume_from_checkpoint:
-        meta = engine.load_checkpoint(args.resume_from_checkpoint)
-        stream.load_state_dict(meta["data"])
+        try:
+            meta = engine.load_checkpoint(args.resume_from_checkpoint)
+            stream.load_state_dict(meta["data"])
+        except (CheckpointError, KeyError, ValueError) as err:  # a corrupt file inside a complete checkpoint
+            raise UserError(f"{args.resume_from_checkpoint}: cannot be restored ({err})") from None
         if planner is not None:
             try:
                 planner.load_state_dict(meta.get("planner"))

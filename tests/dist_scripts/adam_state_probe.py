@@ -1,4 +1,5 @@
-"""Trains a tiny Llama for 3 steps under DeepSpeed, then writes Σ_ranks precond(fqn, t) per layer as JSON.
+"""Trains a tiny Llama for 3 steps under DeepSpeed, then writes Σ_ranks precond(fqn, t) per layer and one
+statistics collection as JSON.
 
 Run by tests/test_adam_state.py under the deepspeed launcher: ZeRO stage 0 on one rank with the whole
 global batch is the reference for stages 1-3 on two ranks with half the batch each.
@@ -48,6 +49,14 @@ def main() -> int:
     weights = {fqn: layer.weight for fqn, layer in engine.layers.items()}
     precond, source = layer_preconditioner(engine.ds.optimizer, weights, engine.step)
     out = {"source": source, "layers": {}}
+    # One statistics collection on the same global batch, split over the ranks (retain_graph as the engine).
+    from snip_ds.collect import collect_statistics
+    ids = torch.randint(0, 64, (args.global_batch, 16), generator=gen)
+    mine = ids[rank * micro:(rank + 1) * micro]
+    out["stats"] = collect_statistics(engine.ds.module, [{"input_ids": mine, "labels": mine}],
+                                      layers=list(engine.layers), lr=engine.lr(), precond=precond,
+                                      reduce=sdist.dist_sum, world_size=world, step=engine.step,
+                                      retain_graph=engine.zero_stage < 3)
     tgen = torch.Generator().manual_seed(2)
     for fqn, info in engine.infos.items():
         t = torch.randn(info.out_features, info.in_features, generator=tgen)
