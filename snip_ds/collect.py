@@ -5,7 +5,9 @@ and, for the Monte-Carlo Fisher estimator, one backward per probe of ``Σ_t CE(l
 ``ŷ`` sampled from the model's own softmax. Every backward is ``torch.autograd.grad`` with respect to the
 embedding output only (made a fresh leaf by a hook), so no parameter ``.grad`` is touched and no
 gradient-accumulation hook (DeepSpeed's included) fires. Hooks on each layer's output see ``G_Y`` (training)
-and ``g`` (probe) and reduce everything at once to per-channel vectors or scalars:
+and ``g`` (probe) and reduce everything at once to per-channel vectors or scalars (at the end of each batch the
+per-channel vectors are priced with that batch's probes and folded into per-layer scalars, so only a few
+scalars per layer are all-reduced, whatever the model's width):
 
 * forward hook: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` and the operand errors of X and W;
 * training-gradient hook: ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` (RNE, deterministic), ``‖ΔG_W ⊙ P‖²``,
@@ -39,7 +41,7 @@ import json
 import math
 import os
 import tempfile
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -169,6 +171,9 @@ class _Stats:
         value = value.detach().float().reshape(-1)
         k = (fqn, key)
         self.data[k] = self.data[k] + value if k in self.data else value.clone()
+
+    def pop(self, fqn: str, key: str) -> Optional[torch.Tensor]:
+        return self.data.pop((fqn, key), None)
 
     def get(self, fqn: str, key: str, default: float = 0.0) -> torch.Tensor:
         t = self.data.get((fqn, key))
@@ -398,11 +403,36 @@ class _Collector:
                     u = torch.randn(self.z.shape, generator=self.gen, device=self.z.device, dtype=self.z.dtype)
                     torch.autograd.grad((u * self.z).sum(), self.emb, retain_graph=keep)
             self._lg = None
+            self._fold(int(ids.numel()), num_probes)
             self.phase = "off"
         if self.estimator == "isotropic":
             self._alpha(ids, mask, labels, float(loss.detach()))
         self.emb = self.z = None
         return int(ids.numel())
+
+    def _fold(self, rows: int, num_probes: int) -> None:
+        """Turns this batch's per-channel vectors into per-layer scalars, priced with its own probes.
+
+        ``Σ_j v_j · m_j`` with ``m = Σ_t g²/(rows·probes)`` replaces keeping ``v`` and ``m`` until the end, so
+        only scalars are all-reduced (a few per layer, whatever the model's width). With one batch per rank
+        this is exactly the per-channel formula; across batches and ranks it sums per-batch products, which
+        equals it when every batch sees the same sensitivities.
+        """
+        div = float(rows * (1 if self.estimator == "empirical" else num_probes))
+        st = self.stats
+        for fqn in self.layers:
+            probe = st.pop(fqn, "probe_sq")
+            m = probe / div if probe is not None else None
+            for vec, out in ((f"err_sq.{p}", f"fld_prod.{p}") for p in self.precisions):
+                self._fold_one(fqn, vec, out, m)
+            for vec, out in ((f"drift_ch.{p}", f"drift_prod.{p}") for p in self.precisions):
+                self._fold_one(fqn, vec, out, m)
+            self._fold_one(fqn, "up_ch", "up_prod", m)
+
+    def _fold_one(self, fqn: str, vec: str, out: str, m: Optional[torch.Tensor]) -> None:
+        v = self.stats.pop(fqn, vec)
+        if v is not None:
+            self.stats.add(fqn, out, (v * m).sum() if m is not None else torch.zeros(()))
 
     @torch.no_grad()
     def _alpha(self, ids, mask, labels, loss_0: float) -> None:
@@ -533,7 +563,6 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
               lam: Optional[float]) -> Dict[str, Any]:
     st, G, W, B = col.stats, _Collector.GLOBAL, float(world_size), float(n_batches)
     n_tot = float(st.get(G, "n_tokens")[0])
-    rows_tot = float(st.get(G, "n_rows")[0])
     callable_mode = "callable" in col.sources
     cover = 1.0 if callable_mode else W  # how many times the reduced P-weighted norms cover each element
     eta2 = (lr * step_scale) ** 2
@@ -549,7 +578,6 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
         curvature = float(st.get(G, "alpha_tok")[0]) / count
         out["alpha"] = curvature / (n_tot / (B * W))  # α of one rank-local batch's mean loss
         out["quadratic_ratio"] = float(st.get(G, "quad_ratio")[0]) / count
-    probe_div = rows_tot * (num_probes if col.estimator != "empirical" else 1)
 
     # upstream sums for the propagated ablation: layers run before the first layer sharing ℓ's input
     upstream: Dict[str, List[str]] = {}
@@ -568,13 +596,12 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
 
     layers_out: Dict[str, Any] = {}
     for fqn, mod in mods.items():
-        m = st.get(fqn, "probe_sq") / probe_div * curvature  # mean_t g² (per-token scale) [n]
         rec: Dict[str, Any] = {"flops": 6.0 * tokens_per_step * mod.in_features * mod.out_features}
         fld, bwd, drift, first, qe, rqe = {}, {}, {}, {}, {}, {}
         for p in col.precisions:
-            fld[p] = float(dv.fld_estimate(st.get(fqn, f"err_sq.{p}"), m, n_tot))
+            fld[p] = curvature * float(st.get(fqn, f"fld_prod.{p}")[0]) / (2.0 * n_tot)
             drift[p] = eta2 * float(st.get(fqn, f"drift_sq.{p}")[0]) / cover / B / W
-            price = float(dv.fld_estimate(st.get(fqn, f"drift_ch.{p}"), m, n_tot)) / W
+            price = curvature * float(st.get(fqn, f"drift_prod.{p}")[0]) / (2.0 * n_tot) / W
             scale = iso_factor(fqn, f"drift_sq.{p}", f"dg_sq.{p}") if callable_mode else 1.0
             bwd[p] = eta2 * price * scale
             first[p] = float(st.get(fqn, f"first.{p}")[0]) / n_tot
@@ -588,8 +615,7 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
             up_sq = sum(float(st.get(u, "up_sq")[0]) for u in upstream[fqn]) * W / cover
             up_price = 0.0
             for u in upstream[fqn]:
-                pr = float(dv.fld_estimate(st.get(u, "up_ch"), st.get(u, "probe_sq") / probe_div * curvature,
-                                           n_tot)) * B * W  # Σ over batches and ranks of local prices
+                pr = curvature * float(st.get(u, "up_prod")[0]) / (2.0 * n_tot) * B * W  # Σ of local prices
                 up_price += pr * (iso_factor(u, "up_sq", "gw_sq") if callable_mode else 1.0)
             prop, prop_drift, derr = {}, {}, {}
             for p in col.precisions:
