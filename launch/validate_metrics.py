@@ -3,7 +3,8 @@
 Warms a model up (plain torch AdamW, unquantized, FP32), then for every decoder linear measures
 
 * (a) the symmetrised FLD truth ``[ℒ(Y+E) + ℒ(Y-E) - 2ℒ(Y)]/2`` with only that layer's output perturbed by
-  its FP4 (RNE) fprop error E, and the one-shot ``ℒ(layer at fp4) - ℒ(bf16)`` for information;
+  its FP4 (RNE) fprop error E (in FP64), its Gauss-Newton part ``(1/2N)Σ_t (JE)_tᵀ(diag p - ppᵀ)(JE)_t`` from
+  the same two passes, and the one-shot ``ℒ(layer at fp4) - ℒ(bf16)`` for information;
 * (b) the true one-step parameter drift ``Σ‖θ' - θ'_ref‖²`` after one AdamW step from the warmed-up state
   with only that layer's backward (dgrad + wgrad) at FP4 (RNE), against the unquantized step;
 * (c) each truth's split-half reproducibility (Spearman between the means over two disjoint halves of the
@@ -111,29 +112,54 @@ def _rne(cfg):
 
 
 @torch.no_grad()
+def _loss_and_logits(model, ids: torch.Tensor) -> tuple:
+    """Mean next-token CE and the shifted logits ``[N, V]`` it is computed from."""
+    logits = model(input_ids=ids).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))[:, :-1].reshape(-1, logits.shape[-1])
+    return F.cross_entropy(logits, ids[:, 1:].reshape(-1)), logits
+
+
 def fld_truth(model, batches: Sequence[torch.Tensor]) -> tuple:
-    """Per layer, per batch: symmetrised FLD and one-shot loss change with that layer's fprop at fp4."""
+    """Per layer, per batch: symmetrised FLD, its Gauss-Newton part, and the one-shot loss change (fp4 fprop).
+
+    * symmetrised: ``[ℒ(Y+E) + ℒ(Y-E) - 2ℒ(Y)]/2`` (SNIP.md section 3): ``½ Eᵀ H E`` with the full, indefinite
+      Hessian (plus 4th-order terms).
+    * Gauss-Newton part, from the same two passes: ``d = [z(Y+E) - z(Y-E)]/2 = J E + O(E³)`` (z: logits) and
+      ``(1/2N) Σ_t d_tᵀ (diag p_t - p_t p_tᵀ) d_t``: the PSD part that a Fisher estimator can see.
+
+    Runs on an FP64 copy of the model: the symmetrised difference of three losses is often below FP32's
+    resolution of a loss near 2-3 nats (2.4e-7). E = Q(X)Q(W)ᵀ - XWᵀ uses the quantized operands exactly.
+    """
+    model = copy.deepcopy(model).double()
     layers, be = snip_layers(model), get_backend()
     sym = {f: [] for f in layers}
     one = {f: [] for f in layers}
+    gn = {f: [] for f in layers}
     for ids in batches:
-        base = lm_loss(model, ids).item()
+        base, z0 = _loss_and_logits(model, ids)
+        p0 = torch.softmax(z0, -1)
         for fqn, mod in layers.items():
-            out = {}
+            out, z = {}, {}
             for sign in (1.0, -1.0):
                 def hook(m, inp, y, sign=sign):
-                    x2 = inp[0].reshape(-1, inp[0].shape[-1]).float()
-                    w = m.weight.float()
-                    e = be.fprop(x2, w, "fp4", _rne(m.quant_config)) - x2 @ w.t()
+                    x2 = inp[0].reshape(-1, inp[0].shape[-1])
+                    w, cfg = m.weight, _rne(m.quant_config)
+                    x_lp = be.quantize(x2, "fp4", "x", -1, cfg).to(x2.dtype)
+                    w_lp = be.quantize(w, "fp4", "w", -1, cfg).to(w.dtype)
+                    e = x_lp @ w_lp.t() - x2 @ w.t()
                     return y + sign * e.reshape(y.shape).to(y.dtype)
                 h = mod.register_forward_hook(hook)
                 try:
-                    out[sign] = lm_loss(model, ids).item()
+                    loss, z[sign] = _loss_and_logits(model, ids)
+                    out[sign] = loss.item()
                 finally:
                     h.remove()
-            sym[fqn].append((out[1.0] + out[-1.0] - 2 * base) / 2)
-            one[fqn].append(out[1.0] - base)
-    return sym, one
+            d = (z[1.0] - z[-1.0]) / 2  # [N, V]
+            quad = (p0 * d * d).sum(-1) - (p0 * d).sum(-1) ** 2  # dᵀ(diag p - p pᵀ)d per token
+            gn[fqn].append(quad.mean().item() / 2)
+            sym[fqn].append((out[1.0] + out[-1.0] - 2 * base.item()) / 2)
+            one[fqn].append(out[1.0] - base.item())
+    return sym, one, gn
 
 
 def _adamw_step(params: List[torch.Tensor], opt_state: Dict, hyper: Dict, grads: List[torch.Tensor]):
@@ -203,8 +229,6 @@ def _median(xs: List[float]) -> float:
 
 def run(args) -> Dict[str, Any]:
     torch.manual_seed(args.seed)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     model, train_ds, val_ds = build(args)
     need = args.batches * args.batch_size
     if len(val_ds) < need:
@@ -232,7 +256,7 @@ def run(args) -> Dict[str, Any]:
                                         seed=args.seed, step=pc.step)
         timing[est] = time.perf_counter() - t
     t = time.perf_counter()
-    sym, one = fld_truth(model, batches)
+    sym, one, gn = fld_truth(model, batches)
     t_fld = time.perf_counter() - t
     t = time.perf_counter()
     drift = bwd_truth(model, opt, batches)
@@ -240,6 +264,7 @@ def run(args) -> Dict[str, Any]:
 
     truth_fld = [_mean(sym[f]) for f in fqns]
     truth_one = [_mean(one[f]) for f in fqns]
+    truth_gn = [_mean(gn[f]) for f in fqns]
     truth_bwd = [_mean(drift[f]) for f in fqns]
 
     def pred(est: str, key: str) -> List[float]:
@@ -259,15 +284,20 @@ def run(args) -> Dict[str, Any]:
         "quant_err": pred("mc_fisher", "quant_err"), "rel_quant_err": pred("mc_fisher", "rel_quant_err")}
 
     # table
-    print(f"{'layer':<34} {'FLD truth':>10} {'FLD mcF':>10} {'one-shot':>10} {'BWD truth':>10} {'BWD pred':>10}")
+    print(f"{'layer':<34} {'FLD truth':>10} {'GN part':>10} {'FLD mcF':>10} {'one-shot':>10} {'BWD truth':>10} "
+          f"{'BWD pred':>10}")
     for i, f in enumerate(fqns):
-        print(f"{f:<34} {truth_fld[i]:10.3e} {fld_variants['mc_fisher'][i]:10.3e} {truth_one[i]:10.3e} "
-              f"{truth_bwd[i]:10.3e} {bwd_variants['direct'][i]:10.3e}")
+        print(f"{f:<34} {truth_fld[i]:10.3e} {truth_gn[i]:10.3e} {fld_variants['mc_fisher'][i]:10.3e} "
+              f"{truth_one[i]:10.3e} {truth_bwd[i]:10.3e} {bwd_variants['direct'][i]:10.3e}")
 
     result = {
         "spearman_fld": spearman(fld_variants["mc_fisher"], truth_fld),
         "spearman_bwd": spearman(bwd_variants["direct"], truth_bwd),
         "repro_fld": split_half(sym), "repro_bwd": split_half(drift), "repro_one_shot": split_half(one),
+        "spearman_fld_gn": spearman(fld_variants["mc_fisher"], truth_gn), "repro_fld_gn": split_half(gn),
+        "fld_variants_vs_gn": {k: spearman(v, truth_gn) for k, v in fld_variants.items() if k != "one_shot_truth"},
+        "gn_share_of_fld_truth": _median([a / b for a, b in zip(truth_gn, truth_fld) if b > 0]),
+        "calibration_fld_gn": _median([p / t for p, t in zip(fld_variants["mc_fisher"], truth_gn) if t > 0]),
         "fld_variants": {k: spearman(v, truth_fld) for k, v in fld_variants.items()},
         "bwd_variants": {k: spearman(v, truth_bwd) for k, v in bwd_variants.items()},
         "calibration_fld": _median([p / t for p, t in zip(fld_variants["mc_fisher"], truth_fld) if t > 0]),
@@ -301,10 +331,14 @@ def parse_args(argv=None):
     ap.add_argument("--batch_size", type=int, default=None)
     ap.add_argument("--block_size", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: 1 with --quick, whose tiny GEMMs only lose to threading "
+                         "on a busy machine; else torch's default)")
     ap.add_argument("--quick", action="store_true", help="tiny model and data: a smoke run of seconds")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads is None:
+        args.threads = 1 if args.quick else 0
     for key, val in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, val)
@@ -319,11 +353,16 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     try:
         result = run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"validate_metrics: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)
     print(json.dumps(result))
     return 0
 
