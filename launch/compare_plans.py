@@ -48,6 +48,7 @@ from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_f
                              train_steps)
 from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
+from snip_ds.omp import preserve_torch_threads  # noqa: E402
 from snip_ds.plan import Plan  # noqa: E402
 from snip_ds.planner import solve_baseline  # noqa: E402
 from snip_ds.swap import block_index, snip_layers, swap_linears  # noqa: E402
@@ -157,8 +158,9 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
             for v in variants:
                 label = method if "lam" not in v or method != "best" else f"best λ={_num(v['lam'])}"
                 try:
-                    solved = solve_baseline(method, stats, share, lam=v.get("lam"), seed=args.seed,
-                                            num_random=args.num_random, max_share=min(share + 1e-9, 1.0))
+                    with preserve_torch_threads():  # CBC would leave torch single-threaded
+                        solved = solve_baseline(method, stats, share, lam=v.get("lam"), seed=args.seed,
+                                                num_random=args.num_random, max_share=min(share + 1e-9, 1.0))
                 except ValueError as err:
                     skipped.append(dict(method=method, label=label, rho=rho, reason=str(err)))
                     continue

@@ -10,13 +10,14 @@ measures the forward divergence of the plan in force, logged beside the predicte
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
 from snip_ds import distributed as sdist
 from snip_ds.collect import collect_statistics
 from snip_ds.engine.adam_state import layer_preconditioner
+from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
 from snip_ds.planner import solve_baseline
 
@@ -69,10 +70,11 @@ class AdaptivePlanner:
         s = self.settings
         payload = None
         if sdist.rank() == 0:
-            plan = solve_baseline(s.method, stats, s.efficiency_saving, lam=s.bwd_lambda, seed=s.plan_seed,
-                                  pinned=dict(s.pinned) or None, previous=self.engine.plan,
-                                  flip_penalty=s.flip_penalty, per_gemm=s.per_gemm,
-                                  time_limit=s.solver_time_limit)[0]
+            with preserve_torch_threads():  # CBC would leave torch single-threaded
+                plan = solve_baseline(s.method, stats, s.efficiency_saving, lam=s.bwd_lambda, seed=s.plan_seed,
+                                      pinned=dict(s.pinned) or None, previous=self.engine.plan,
+                                      flip_penalty=s.flip_penalty, per_gemm=s.per_gemm,
+                                      time_limit=s.solver_time_limit)[0]
             payload = plan.to_dict()
         payload = sdist.broadcast_json(payload)
         return Plan.from_dict(payload, source="broadcast plan")

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import deepspeed
 import torch
