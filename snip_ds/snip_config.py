@@ -76,9 +76,9 @@ class SnipSettings:
     """Minimum share of linear-GEMM FLOPs in FP4 (SNIP's rho)."""
     method: str = "best"
     """How the adaptive plan is chosen: ``best`` (SNIP) or one of the baselines."""
-    replan_every: int = 50
+    replan_every: int = 100
     """Collect statistics and re-solve every this many optimizer steps."""
-    collect_batches: int = 2
+    collect_batches: int = 1
     """Micro-batches averaged per collection."""
     estimator: str = "mc_fisher"
     """FLD estimator: ``mc_fisher`` (default), ``empirical`` (Fisher from the training G_Y) or ``isotropic``
