@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -51,6 +50,7 @@ from torch import nn
 
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
+from snip_ds.fileio import atomic_write_text
 from snip_ds.linear import SnipLinear
 from snip_ds.swap import snip_layers
 
@@ -645,16 +645,5 @@ def _clean(rec: Dict[str, Any]) -> Dict[str, Any]:
 
 def save_stats(stats: Mapping[str, Any], path: str) -> None:
     """Writes the artifact as JSON atomically (temporary file in the same directory, then rename)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".stats-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(stats, f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_text(path, json.dumps(stats, indent=1, allow_nan=False))

@@ -18,8 +18,9 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from types import MappingProxyType
+
+from snip_ds.fileio import atomic_write_text
 from typing import Any, Iterable, Mapping
 
 PRECISIONS = ("bf16", "fp8", "fp4")
@@ -328,20 +329,7 @@ class Plan:
 
         A failed save leaves any previous file at ``path`` untouched and no temp file behind.
         """
-        text = json.dumps(self.to_dict(), indent=1, sort_keys=False, allow_nan=False) + "\n"
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".plan.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, sort_keys=False, allow_nan=False) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike, flops: Mapping[str, float] | None = None) -> "Plan":

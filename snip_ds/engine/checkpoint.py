@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Mapping
 
@@ -24,6 +23,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from safetensors.torch import load_file, save_file
+
+from snip_ds.fileio import atomic_write_text
 
 META_FILE = "snip_meta.json"
 LATEST_FILE = "latest"
@@ -75,19 +76,6 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _rank_file(tag_dir: Path, rank: int) -> Path:
     return tag_dir / f"snip_rank{rank:05d}.safetensors"
 
@@ -116,8 +104,8 @@ def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_stat
     if rank == 0:
         full = {"format": FORMAT, "tag": tag, "world_size": world_size, "model_fingerprint": fingerprint,
                 **meta}
-        _atomic_write_text(tag_dir / META_FILE, json.dumps(full, indent=2, sort_keys=True))
-        _atomic_write_text(save_dir / LATEST_FILE, tag)
+        atomic_write_text(tag_dir / META_FILE, json.dumps(full, indent=2, sort_keys=True))
+        atomic_write_text(save_dir / LATEST_FILE, tag)
     _barrier()
     return tag_dir
 

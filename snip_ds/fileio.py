@@ -1,0 +1,26 @@
+"""Atomic file writes: a temporary file in the same directory, fsync'd, then renamed over the target.
+
+A failed or interrupted write leaves any previous file untouched and no temporary file behind, so plans,
+statistics and checkpoint markers are never half-written. Pure (no torch).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` (UTF-8) to ``path`` atomically."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
