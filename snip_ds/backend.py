@@ -56,7 +56,7 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 
 # Quantization works on slices of about this many elements, so its temporaries stay small next to the GEMM
 # operands (peak memory); slices along the token axis are whole multiples of every block size.
-CHUNK_ELEMENTS = 1 << 18
+CHUNK_ELEMENTS = 3 << 18  # 3 MiB in FP32: measured best balance of GEMM speed and temporaries
 _ALIGN = 32
 
 
