@@ -1,0 +1,181 @@
+"""What one SNIP statistics collection costs, against a training step, on the default model.
+
+    python benchmarks/bench_collect.py [--repeats 3] [--quick]
+
+- time: one collection (collect_batches = 1 and 2) in training-step equivalents; the step is forward +
+  backward + AdamW of the same micro-batch under a uniform fp8 plan (measured side by side, round-robin).
+- memory: peak resident memory a collection adds, against what a training step adds (fresh process each,
+  VmHWM with glibc's mmap threshold pinned as in bench_linear).
+- communication: bytes a collection all-reduces (counted at the reduce call), and the same count for the
+  layer shapes of Llama-2-7B (224 linears) and Llama-2-70B (560 linears) computed on paper: after each batch
+  the per-channel vectors are folded into a fixed number of scalars per layer, so the payload is
+  (scalars per layer x layers + global scalars) x 8 bytes, independent of the layers' widths.
+- overhead: the share of training time that collection + solve take at replan_every steps
+  (collection + solve) / (replan_every x step + collection + solve), at the shipped default and wider K.
+Results: benchmarks/results/bench_collect.{json,md}. Targets: <= 4 step equivalents, <= 1.3x memory,
+< 1 MB at 70B; issue 5: <= 2 % overhead at the default replan_every.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
+from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
+from snip_ds.model import build_model  # noqa: E402
+from snip_ds.omp import preserve_torch_threads  # noqa: E402
+from snip_ds.planner import solve_baseline  # noqa: E402
+from snip_ds.swap import swap_linears  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+_GLOBAL_KEYS = ("n_tokens", "n_rows", "loss_sum")  # the collection's model-wide scalars (mc_fisher)
+LLAMA_LINEARS = {"Llama-2-7B": 32 * 7, "Llama-2-70B": 80 * 7}
+SHIPPED_REPLAN_EVERY = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "zero3.json")
+                                  .read_text())["snip"]["replan_every"]
+
+
+def _setup(micro_batch: int, block: int):
+    torch.set_flush_denormal(True)  # as launch/train.py does
+    train, _, vocab, _ = load_dataset_blocks(None, block, max_bytes=1_000_000, max_validation_bytes=64 * block)
+    model = build_model(vocab_size=vocab, block_size=block)
+    swap_linears(model, "fp8")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stream = DataStream(train, micro_batch, seed=0)
+    return model, opt, stream
+
+
+def _train_step(model, opt, batch) -> None:
+    opt.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+    opt.step()
+
+
+def _collect(model, opt, batches, counter=None):
+    pre = adam_precond(model, opt)
+    def counting(t):
+        counter.append(t.numel() * 8)  # all-reduced as float64 (snip_ds.distributed.dist_sum)
+        return t
+    return collect_statistics(model, batches, lr=pre.lr, precond=pre.precond or None,
+                              reduce=counting if counter is not None else None, lam=100.0)
+
+
+def _status_bytes(key: str) -> int:
+    return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def _memory_child(what: str, micro_batch: int, block: int) -> int:
+    model, opt, stream = _setup(micro_batch, block)
+    batches = [stream.next_batch() for _ in range(3)]
+    _train_step(model, opt, batches[0])  # optimizer state exists, as in training
+    _collect(model, opt, [batches[1]]) if what == "collect" else _train_step(model, opt, batches[1])
+    opt.zero_grad(set_to_none=True)
+    start = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    if what == "collect":
+        _collect(model, opt, [batches[2]])
+    else:
+        _train_step(model, opt, batches[2])
+    return _status_bytes("VmHWM") - start
+
+
+def peak_bytes(what: str, micro_batch: int, block: int) -> int:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    out = subprocess.run([sys.executable, __file__, "--_memory", what, str(micro_batch), str(block)],
+                         env=env, capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--micro_batch", type=int, default=4)
+    p.add_argument("--block_size", type=int, default=256)
+    p.add_argument("--quick", action="store_true", help="tiny batch, 1 repeat, results not written")
+    p.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._memory:
+        print(_memory_child(args._memory[0], int(args._memory[1]), int(args._memory[2])))
+        return 0
+    mb, block = (1, 64) if args.quick else (args.micro_batch, args.block_size)
+    repeats = 1 if args.quick else args.repeats
+    model, opt, stream = _setup(mb, block)
+    _train_step(model, opt, stream.next_batch())  # warm-up, and Adam state for the preconditioner
+    times = {"step": [], "collect_1": [], "collect_2": [], "solve": []}
+    payload: list = []
+    stats = None
+    for r in range(repeats):
+        batch = stream.next_batch()
+        start = time.perf_counter()
+        _train_step(model, opt, batch)
+        times["step"].append(time.perf_counter() - start)
+        for n in (1, 2):
+            batches = [stream.next_batch() for _ in range(n)]
+            counter = payload if (r == 0 and n == 1) else None
+            start = time.perf_counter()
+            stats = _collect(model, opt, batches, counter)
+            times[f"collect_{n}"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with preserve_torch_threads():  # CBC would leave torch single-threaded for the next repeat
+            solve_baseline("best", stats, 0.75)
+        times["solve"].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    n_layers = len(stats["layers"])
+    bytes_default = payload[0]
+    # The payload is (per-layer scalars) x layers + global scalars; both counts come from this run's keys.
+    n_global = sum(1 for k in _GLOBAL_KEYS)
+    per_layer = (bytes_default / 8 - n_global) / n_layers
+    on_paper = {name: int(round(per_layer * n + n_global)) * 8 for name, n in LLAMA_LINEARS.items()}
+    mem = {} if args.quick else {w: peak_bytes(w, mb, block) for w in ("step", "collect")}
+    overhead = {}
+    for k in sorted({SHIPPED_REPLAN_EVERY, 100, 500, 1000}):
+        cost = med["collect_1"] + med["solve"]
+        overhead[str(k)] = cost / (k * med["step"] + cost)
+    result = {
+        "model": "default (9.6M params, 42 linears)", "tokens_per_batch": mb * block, "repeats": repeats,
+        "median_s": med,
+        "collect_step_equivalents": {"collect_batches=1": med["collect_1"] / med["step"],
+                                     "collect_batches=2": med["collect_2"] / med["step"]},
+        "peak_bytes": mem,
+        "memory_ratio": (mem["collect"] / mem["step"]) if mem else None,
+        "allreduce_bytes": {"default model (42 linears)": bytes_default, **on_paper},
+        "scalars_per_layer": per_layer,
+        "overhead_share_by_replan_every": overhead, "shipped_replan_every": SHIPPED_REPLAN_EVERY,
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result, indent=2))
+    if args.quick:
+        return 0
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bench_collect.json").write_text(json.dumps(result, indent=2) + "\n")
+    ce = result["collect_step_equivalents"]
+    lines = ["# bench_collect: one SNIP statistics collection vs a training step (default model, CPU, FP32)", "",
+             f"Micro-batch {mb}x{block} tokens, {torch.get_num_threads()} threads, median of {repeats} "
+             "round-robin repeats; training step = fp8 plan forward+backward+AdamW.", "",
+             "| measure | value | target |", "|---|---|---|",
+             f"| collection, collect_batches=1 | {ce['collect_batches=1']:.2f} step equivalents | <= 4 |",
+             f"| collection, collect_batches=2 | {ce['collect_batches=2']:.2f} step equivalents | |",
+             f"| peak memory added, collection / training step | {result['memory_ratio']:.2f}x | <= 1.3x |",
+             f"| all-reduced per collection, default model | {bytes_default / 1024:.1f} KiB | |",
+             f"| ... Llama-2-7B (224 linears, on paper) | {on_paper['Llama-2-7B'] / 1024:.1f} KiB | |",
+             f"| ... Llama-2-70B (560 linears, on paper) | {on_paper['Llama-2-70B'] / 1024:.1f} KiB | < 1 MB |",
+             f"| solve time (42 layers) | {med['solve'] * 1000:.0f} ms | |", "",
+             "Share of training time spent in collection + solve (collect_batches=1) by replan_every:", "",
+             "| replan_every | overhead |", "|---|---|"]
+    lines += [f"| {k}{' (shipped default)' if int(k) == SHIPPED_REPLAN_EVERY else ''} | {v * 100:.1f} % |"
+              for k, v in overhead.items()]
+    (RESULTS / "bench_collect.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
