@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from snip_ds.config import QuantConfig
-from snip_ds.quant import fake_quantize, hadamard_transform, random_signs
+from snip_ds.quant import fake_quantize, get_recipe, hadamard_transform, random_signs
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,9 @@ class EmulatedBackend:
             return _fp32(t)
         out = torch.empty(t.shape, dtype=torch.float32, device=t.device)
         amax = tensor_amax(t)
-        if axis in (-1, 1):  # blocks along rows: slices of rows (2-D blocks: multiples of 32 rows)
+        recipe = get_recipe(getattr(operand_recipes(precision, cfg), role))
+        # Per-tensor scales and 16x16 tiles give the same result along either axis: take contiguous rows.
+        if axis in (-1, 1) or recipe.block_size == 0 or recipe.block_2d:  # (2-D tiles: multiples of 32 rows)
             for rows in _chunks(t.shape[0], t.shape[1]):
                 out[rows] = self.quantize(t[rows], precision, role, -1, cfg, None, amax)
         else:  # blocks along columns: slices of columns
