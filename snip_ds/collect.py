@@ -9,10 +9,10 @@ and ``g`` (probe) and reduce everything at once to per-channel vectors or scalar
 per-channel vectors are priced with that batch's probes and folded into per-layer scalars, so only a few
 scalars per layer are all-reduced, whatever the model's width):
 
-* forward hook: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` and the operand errors of X and W;
-* training-gradient hook: ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` (RNE, deterministic), ``‖ΔG_W ⊙ P‖²``,
-  the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units, ``⟨G_Y, E⟩``, the G_Y
-  operand error and (``bwd_propagated``) the dgrad error and upstream terms;
+* forward hook: keeps the layer's input X for its training-gradient hook;
+* training-gradient hook: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W and
+  ``⟨G_Y, E⟩`` (one E serves both), ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` (RNE, deterministic), ``‖ΔG_W ⊙ P‖²``,
+  the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units, the G_Y operand error and (``bwd_propagated``) the dgrad error and upstream terms;
 * probe hook: ``Σ_t g_tj²``.
 
 The statistics of all batches are packed into one flat tensor and summed across data-parallel ranks with a
@@ -267,18 +267,7 @@ class _Collector:
         return replace(module.quant_config, stochastic_rounding=False)  # RNE: deterministic, no RNG
 
     def _on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor) -> None:
-        st, cfg = self.stats, self._quant_cfg(module)
         x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, k]
-        w = module.weight.detach().float()  # [n, k]
-        y_ref = x2 @ w.t()  # [T, n]
-        for p in self.precisions:
-            x_lp = self.backend.quantize(x2, p, "x", -1, cfg)
-            w_lp = self.backend.quantize(w, p, "w", -1, cfg)
-            st.add(fqn, f"err_sq.{p}", dv.channel_sq_sum(x_lp @ w_lp.t() - y_ref))
-            st.add(fqn, f"qerr_x.{p}", ((x_lp - x2) ** 2).sum())
-            st.add(fqn, f"qerr_w.{p}", ((w_lp - w) ** 2).sum())
-        st.add(fqn, "qnorm_x", (x2 * x2).sum())
-        st.add(fqn, "qnorm_w", (w * w).sum())
         self.x[fqn] = x2
         if fqn not in self.order:
             self.order[fqn] = len(self.order)
@@ -291,6 +280,27 @@ class _Collector:
             self.group[fqn] = self._group_ids[key]
         if y.requires_grad:
             y.register_hook(lambda g: self._on_output_grad(fqn, module, g))
+        else:  # no training gradient will arrive: the fprop statistics now (no first-order term)
+            self._fprop_stats(fqn, module, self.x.pop(fqn), None)
+
+    def _fprop_stats(self, fqn: str, module: SnipLinear, x2: torch.Tensor, g2: Optional[torch.Tensor]) -> None:
+        """Per precision: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W, and
+        (given the training ``G_Y``) the first-order term ``⟨G_Y, E⟩`` from the same E."""
+        st, cfg = self.stats, self._quant_cfg(module)
+        w = module.weight.detach().float()  # [n, k]
+        y_ref = x2 @ w.t()  # [T, n]
+        for p in self.precisions:
+            x_lp = self.backend.quantize(x2, p, "x", -1, cfg)
+            w_lp = self.backend.quantize(w, p, "w", -1, cfg)
+            e = x_lp @ w_lp.t() - y_ref
+            st.add(fqn, f"err_sq.{p}", dv.channel_sq_sum(e))
+            if g2 is not None:
+                st.add(fqn, f"first.{p}", (g2 * e).sum() * self.n_local)
+            st.add(fqn, f"qerr_x.{p}", ((x_lp - x2) ** 2).sum())
+            st.add(fqn, f"qerr_w.{p}", ((w_lp - w) ** 2).sum())
+            del e, x_lp, w_lp
+        st.add(fqn, "qnorm_x", (x2 * x2).sum())
+        st.add(fqn, "qnorm_w", (w * w).sum())
 
     def _on_input_grad(self, gid: int, g: torch.Tensor) -> None:
         if self.phase == "train":
@@ -319,9 +329,12 @@ class _Collector:
     def _on_train_grad(self, fqn: str, module: SnipLinear, g2: torch.Tensor) -> None:
         st, cfg, be = self.stats, self._quant_cfg(module), self.backend
         x2 = self.x.pop(fqn)
-        w = module.weight.detach().float()
+        self._fprop_stats(fqn, module, x2, g2)
+        w = module.weight.detach().float() if self.propagated else None
         gw = g2.t() @ x2  # [n, k], BF16-pass weight gradient (mean loss)
         pmat, pfn = self._precond_of(fqn, gw)
+        uses = len(self.precisions) + int(self.propagated)  # projections of X below
+        gram = x2.t() @ x2 if dv.gram_pays(x2.shape[0], x2.shape[1], gw.shape[0], uses) else None
         for p in self.precisions:
             dgw = be.wgrad(g2, x2, p, cfg, self.had_gen) - gw
             if pfn is None:
@@ -331,12 +344,8 @@ class _Collector:
                 drift = dgw
                 st.add(fqn, f"drift_sq.{p}", torch.as_tensor(pfn(fqn, dgw), dtype=torch.float32))
                 st.add(fqn, f"dg_sq.{p}", (dgw * dgw).sum())
-            st.add(fqn, f"drift_ch.{p}", dv.channel_sq_sum(x2 @ drift.t()))
+            st.add(fqn, f"drift_ch.{p}", dv.projected_sq_sum(x2, drift, gram))
             del drift, dgw
-            x_lp = be.quantize(x2, p, "x", -1, cfg)
-            w_lp = be.quantize(w, p, "w", -1, cfg)
-            first = ((g2.t() @ x_lp) * w_lp).sum() - (gw * w).sum()  # <G_Y, Q(X)Q(W)^T - X W^T>
-            st.add(fqn, f"first.{p}", first * self.n_local)
             g_lp = be.quantize(g2, p, "g", -1, cfg)
             st.add(fqn, f"qerr_g.{p}", ((g_lp - g2) ** 2).sum())
             if self.propagated:
@@ -353,7 +362,7 @@ class _Collector:
                 up = gw
                 st.add(fqn, "up_sq", torch.as_tensor(pfn(fqn, gw), dtype=torch.float32))
                 st.add(fqn, "gw_sq", (gw * gw).sum())
-            st.add(fqn, "up_ch", dv.channel_sq_sum(x2 @ up.t()))
+            st.add(fqn, "up_ch", dv.projected_sq_sum(x2, up, gram))
 
     # ---------------- one batch ----------------
     def _probe_root(self, ids, mask, labels, retain: bool, last: bool):

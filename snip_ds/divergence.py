@@ -41,6 +41,24 @@ def channel_sq_sum(t: torch.Tensor) -> torch.Tensor:
     return (t2 * t2).sum(0)
 
 
+def projected_sq_sum(x: torch.Tensor, d: torch.Tensor, gram: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Σ_t (x_t · d_j)²`` per row ``j`` of ``d``: ``channel_sq_sum(x @ dᵀ)``, ``[T, k], [n, k] -> [n]``.
+
+    With ``gram = xᵀx`` (``[k, k]``) it is ``d_j (xᵀx) d_jᵀ`` instead, the same number in exact arithmetic
+    and cheaper once the Gram matrix is shared (see :func:`gram_pays`).
+    """
+    if gram is None:
+        return channel_sq_sum(x.float() @ d.float().t())
+    d = d.float()
+    return ((d @ gram) * d).sum(1)
+
+
+def gram_pays(tokens: int, k: int, n: int, uses: int) -> bool:
+    """Whether ``uses`` calls of :func:`projected_sq_sum` on ``[tokens, k]`` by ``[n, k]`` cost fewer
+    multiply-adds through one shared Gram matrix (``T·k² + uses·n·k²``) than directly (``uses·T·n·k``)."""
+    return tokens * k + uses * n * k < uses * tokens * n
+
+
 def channel_sq_mean(t: torch.Tensor) -> torch.Tensor:
     """``mean_t t_tj²`` over all leading dims: ``[..., n] -> [n]`` (FP32)."""
     t2 = _as_2d(t)

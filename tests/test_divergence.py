@@ -213,3 +213,23 @@ def test_bwd_propagated_formula():
     assert dv.bwd_propagated(2.0, 3.0, 4.0, lr=0.1, step_scale=0.5) == pytest.approx(0.05 ** 2 * 2 * 3 / 4)
     assert dv.bwd_propagated(2.0, 3.0, 0.0, lr=0.1) == 0.0
     assert math.isfinite(dv.bwd_propagated(0.0, 0.0, 1.0, lr=1.0))
+
+
+def test_projected_sq_sum_gram_equals_direct_product():
+    """Σ_t (x_t·d_j)² through the shared Gram matrix equals the direct product (FP64 reference)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(96, 12, generator=gen) + 2.0  # a shared mean component: an ill-conditioned Gram
+    d = torch.randn(7, 12, generator=gen)
+    ref = ((x.double() @ d.double().t()) ** 2).sum(0)
+    direct = dv.projected_sq_sum(x, d)
+    via_gram = dv.projected_sq_sum(x, d, x.t() @ x)
+    assert direct.shape == via_gram.shape == (7,)
+    assert torch.allclose(direct.double(), ref, rtol=1e-5)
+    assert torch.allclose(via_gram.double(), ref, rtol=1e-4)
+
+
+def test_gram_pays_compares_multiply_adds():
+    # T*k + uses*n*k < uses*T*n
+    assert dv.gram_pays(tokens=1024, k=384, n=1024, uses=2)  # 393k + 786k < 2.1M
+    assert not dv.gram_pays(tokens=1024, k=1024, n=384, uses=2)  # 1.05M + 786k > 786k
+    assert not dv.gram_pays(tokens=16, k=64, n=64, uses=2)  # few tokens: the direct product is cheaper
