@@ -12,6 +12,10 @@
   (scalars per layer x layers + global scalars) x 8 bytes, independent of the layers' widths.
 - overhead: the share of training time that collection + solve take at replan_every steps
   (collection + solve) / (replan_every x step + collection + solve), at the shipped default and wider K.
+- the default run (``--default_run``, on by default): the shipped ``ds_configs/zero3.json`` itself through the
+  deepspeed launcher on 1 rank (ZeRO-3, the adaptive plan's mixed FP8/FP4 steps, the collection's ZeRO-3
+  path), re-planning every DEFAULT_RUN_K steps so that one short run holds several collections; its own
+  TensorBoard gives the collection, solve + broadcast and step times from which the same share follows.
 Results: benchmarks/results/bench_collect.{json,md}. Targets: <= 4 step equivalents, <= 1.3x memory,
 < 1 MB at 70B; issue 5: <= 2 % overhead at the default replan_every.
 """
@@ -24,6 +28,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,8 +45,48 @@ from snip_ds.swap import swap_linears  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 _GLOBAL_KEYS = ("n_tokens", "n_rows", "loss_sum")  # the collection's model-wide scalars (mc_fisher)
 LLAMA_LINEARS = {"Llama-2-7B": 32 * 7, "Llama-2-70B": 80 * 7}
-SHIPPED_REPLAN_EVERY = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "zero3.json")
-                                  .read_text())["snip"]["replan_every"]
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_CONFIG = REPO / "ds_configs" / "zero3.json"
+SHIPPED_REPLAN_EVERY = json.loads(SHIPPED_CONFIG.read_text())["snip"]["replan_every"]
+DEFAULT_RUN_STEPS, DEFAULT_RUN_K = 40, 10  # the measured default run: 4 collections (steps 0, 10, 20, 30)
+
+
+def default_run(max_steps: int = DEFAULT_RUN_STEPS, replan_every: int = DEFAULT_RUN_K) -> dict:
+    """Times of the shipped zero3.json run through the deepspeed launcher (1 rank), read from its TensorBoard.
+
+    Only the run's length, its re-planning cadence, evaluation/saving (once, at the end) and the output
+    directory differ from the shipped file. Returns the medians of ``snip/collect_time_s``,
+    ``snip/solve_time_s`` (solve on rank 0 + broadcast) and ``perf/step_time_s`` (the first step left out:
+    warm-up), and the counts they come from.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = json.loads(SHIPPED_CONFIG.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg["snip"]["replan_every"] = replan_every
+        cfg["snip"]["train"].update(max_steps=max_steps, eval_steps=max_steps, save_steps=0,
+                                    output_dir=str(Path(tmp) / "out"))
+        path = Path(tmp) / "zero3_bench.json"
+        path.write_text(json.dumps(cfg))
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", str(REPO / "launch" / "train.py"),
+               "--deepspeed", str(path), "--no_progress"]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"default run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        acc = EventAccumulator(str(Path(tmp) / "out" / "tensorboard"), size_guidance={"scalars": 0})
+        acc.Reload()
+        series = {tag: [e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step)]
+                  for tag in ("snip/collect_time_s", "snip/solve_time_s", "perf/step_time_s")}
+    steps = series["perf/step_time_s"][1:]
+    return {"max_steps": max_steps, "replan_every": replan_every, "wall_s": wall,
+            "collections": len(series["snip/collect_time_s"]), "steps_timed": len(steps),
+            "median_s": {"collect": statistics.median(series["snip/collect_time_s"]),
+                         "solve_and_broadcast": statistics.median(series["snip/solve_time_s"]),
+                         "step": statistics.median(steps)}}
 
 
 def _setup(micro_batch: int, block: int):
@@ -101,6 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--micro_batch", type=int, default=4)
     p.add_argument("--block_size", type=int, default=256)
     p.add_argument("--quick", action="store_true", help="tiny batch, 1 repeat, results not written")
+    p.add_argument("--no_default_run", action="store_true", help="skip the shipped-config run through deepspeed")
     p.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._memory:
@@ -136,10 +182,17 @@ def main(argv=None) -> int:
     per_layer = (bytes_default / 8 - n_global) / n_layers
     on_paper = {name: int(round(per_layer * n + n_global)) * 8 for name, n in LLAMA_LINEARS.items()}
     mem = {} if args.quick else {w: peak_bytes(w, mb, block) for w in ("step", "collect")}
-    overhead = {}
-    for k in sorted({SHIPPED_REPLAN_EVERY, 100, 500, 1000}):
-        cost = med["collect_1"] + med["solve"]
-        overhead[str(k)] = cost / (k * med["step"] + cost)
+    ks = sorted({SHIPPED_REPLAN_EVERY, 100, 200, 500, 1000})
+
+    def share(cost: float, step: float) -> dict:
+        return {str(k): cost / (k * step + cost) for k in ks}
+
+    overhead = share(med["collect_1"] + med["solve"], med["step"])
+    run = None if (args.quick or args.no_default_run) else default_run()
+    if run is not None:
+        rm = run["median_s"]
+        run["collect_step_equivalents"] = rm["collect"] / rm["step"]
+        run["overhead_share_by_replan_every"] = share(rm["collect"] + rm["solve_and_broadcast"], rm["step"])
     result = {
         "model": "default (9.6M params, 42 linears)", "tokens_per_batch": mb * block, "repeats": repeats,
         "median_s": med,
@@ -150,6 +203,7 @@ def main(argv=None) -> int:
         "allreduce_bytes": {"default model (42 linears)": bytes_default, **on_paper},
         "scalars_per_layer": per_layer,
         "overhead_share_by_replan_every": overhead, "shipped_replan_every": SHIPPED_REPLAN_EVERY,
+        "default_run": run,
         "threads": torch.get_num_threads(),
     }
     print(json.dumps(result, indent=2))
@@ -173,6 +227,17 @@ def main(argv=None) -> int:
              "| replan_every | overhead |", "|---|---|"]
     lines += [f"| {k}{' (shipped default)' if int(k) == SHIPPED_REPLAN_EVERY else ''} | {v * 100:.1f} % |"
               for k, v in overhead.items()]
+    if run is not None:
+        rm = run["median_s"]
+        lines += ["", f"**The default run** (`ds_configs/zero3.json` through the deepspeed launcher, 1 rank, ZeRO-3, "
+                  f"adaptive plan at rho {json.loads(SHIPPED_CONFIG.read_text())['snip']['efficiency_saving']}; "
+                  f"{run['max_steps']} steps re-planning every {run['replan_every']} for "
+                  f"{run['collections']} collections): median collection {rm['collect']:.2f} s, solve + "
+                  f"broadcast {rm['solve_and_broadcast'] * 1000:.0f} ms, training step {rm['step']:.2f} s "
+                  f"({run['collect_step_equivalents']:.2f} step equivalents per collection).", "",
+                  "| replan_every | overhead in the default run |", "|---|---|"]
+        lines += [f"| {k}{' (shipped default)' if int(k) == SHIPPED_REPLAN_EVERY else ''} | {v * 100:.1f} % |"
+                  for k, v in run["overhead_share_by_replan_every"].items()]
     (RESULTS / "bench_collect.md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -470,17 +470,21 @@ class _Collector:
 # --------------------------------------------------------------------------------------------------------
 @contextmanager
 def _preserved(model: nn.Module, layers: Dict[str, SnipLinear]) -> Iterator[None]:
-    """Restores the layers' precision, the model's mode and the global RNG states (CPU and CUDA)."""
+    """bf16 layers that back-propagate to their input only; restores the layers' precision, the model's
+    mode and the global RNG states (CPU and CUDA)."""
     saved_precision = {fqn: m.gemm_precision for fqn, m in layers.items()}
+    saved_grad_only = {fqn: m.input_grad_only for fqn, m in layers.items()}
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         try:
             for m in layers.values():
                 m.precision = "bf16"
+                m.input_grad_only = True  # every pass back-propagates to the embedding output only
             yield
         finally:
             for fqn, m in layers.items():
                 m.precision = saved_precision[fqn]
+                m.input_grad_only = saved_grad_only[fqn]
 
 
 def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Optional[Iterable[str]] = None,

@@ -58,6 +58,26 @@ class _QuantizedLinearFn(torch.autograd.Function):
         return g_x, g_w, g_b, None, None, None
 
 
+class _InputGradOnlyLinearFn(torch.autograd.Function):
+    """``Y = X W^T + b`` (torch's own linear kernel) whose backward returns the input's gradient only.
+
+    For statistics passes, which back-propagate to the input alone. Plain ``F.linear`` already skips the
+    weight gradient there, but under ZeRO-3 DeepSpeed replaces ``F.linear`` with an autograd function that
+    always computes it: one wasted GEMM per layer and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(w)
+        return torch._C._nn.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, g_y: torch.Tensor):
+        (w,) = ctx.saved_tensors
+        g_x = g_y @ w.to(g_y.dtype) if ctx.needs_input_grad[0] else None
+        return g_x, None, None
+
+
 class SnipLinear(nn.Linear):
     """A drop-in ``nn.Linear`` whose precision (``bf16``, ``fp8``, ``fp4``) can change between steps.
 
@@ -68,6 +88,8 @@ class SnipLinear(nn.Linear):
         generator: the ``torch.Generator`` driving stochastic rounding of FP4 gradients (and the random
             Hadamard signs), or None for torch's default generator.
         fqn: the layer's fully qualified name in its model, when it was swapped in by :func:`swap_linears`.
+        input_grad_only: at ``bf16``, back-propagate to the input only (no weight or bias gradient); set
+            by :func:`snip_ds.collect.collect_statistics` for its passes, False otherwise.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
@@ -80,6 +102,7 @@ class SnipLinear(nn.Linear):
         self.quant_config = quant_config or QuantConfig()
         self.generator: Optional[torch.Generator] = None
         self.fqn: str = ""
+        self.input_grad_only = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, precision: LayerPrecision = "fp8",
@@ -112,6 +135,8 @@ class SnipLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         prec = self._gemm_precision
         if prec.uniform == "bf16":
+            if self.input_grad_only:
+                return _InputGradOnlyLinearFn.apply(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         return _QuantizedLinearFn.apply(x, self.weight, self.bias, prec, self.quant_config, self.generator)
 

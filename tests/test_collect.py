@@ -96,6 +96,7 @@ def test_leaves_no_trace(model):
     for (i, k), t in before["opt_state"].items():
         assert torch.equal(opt.state_dict()["state"][i][k], t)
     assert {k: m.precision for k, m in layers.items()} == before["prec"]
+    assert not any(m.input_grad_only for m in layers.values())
     assert all(torch.equal(m.generator.get_state(), before["gens"][k]) for k, m in layers.items())
     assert torch.equal(torch.get_rng_state(), before["rng"])
     assert not model.training

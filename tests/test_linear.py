@@ -54,6 +54,31 @@ def test_bf16_is_bit_identical_to_nn_linear(data, shape):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("shape", [(T, K), (3, 16, K)])
+def test_input_grad_only_gives_nn_linear_output_and_input_grad_and_no_weight_grad(data, shape):
+    """The statistics passes' mode: same Y and G_X as nn.Linear (the same kernels), no weight/bias gradient."""
+    lin, _, _ = data
+    x = torch.randn(*shape)
+    g = torch.randn(*shape[:-1], N)
+    y_ref, gx_ref, _, _ = _run(lin, x, g)
+    lin.weight.grad = lin.bias.grad = None
+    snip = SnipLinear.from_linear(lin, "bf16")
+    snip.input_grad_only = True
+    y, gx, gw, gb = _run(snip, x, g)
+    assert torch.equal(y, y_ref)
+    assert torch.allclose(gx, gx_ref, rtol=1e-6, atol=1e-6)
+    assert gw is None and gb is None
+
+
+def test_input_grad_only_applies_to_bf16_only(data):
+    """A quantized layer keeps its full backward whatever the flag says (training never sets it)."""
+    lin, x, g = data
+    snip = SnipLinear.from_linear(lin, "fp8")
+    snip.input_grad_only = True
+    _, _, gw, gb = _run(snip, x, g)
+    assert gw is not None and gb is not None
+
+
 def _reference_gemms(x, w, b, g, q_x_k, q_w_k, q_g_n, q_w_n, q_g_t, q_x_t):
     """Y, G_X, G_W, G_b from reference quantizers (each quantizes along the rows it is given)."""
     y = q_x_k(x) @ q_w_k(w).t() + b
