@@ -6,7 +6,6 @@ step and reported as one ``error: ...`` line naming the file or field (exit code
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import signal
@@ -18,7 +17,6 @@ from typing import Any, Dict, List, Optional
 
 from snip_ds.ds_config import resolve_ds_config, validate_with_deepspeed
 from snip_ds.metrics import config_text, make_logger
-from snip_ds.plan import Plan, fp4_share
 from snip_ds.snip_config import ConfigError, SnipSettings, load_ds_config, with_overrides
 
 # torch, transformers and DeepSpeed are imported inside train() and main(), so that `--help` answers at once.
@@ -81,23 +79,6 @@ def _settings_from_args(args: argparse.Namespace) -> tuple[Dict[str, Any], SnipS
     if args.precision or args.plan:
         overrides["plan"] = args.precision or args.plan
     return ds_cfg, with_overrides(settings, **overrides)
-
-
-def _initial_plan(fqns: List[str], flops: Dict[str, float], settings: SnipSettings) -> Plan:
-    if settings.plan_file:
-        path = Path(settings.plan_file)
-        if not path.is_file():
-            raise UserError(f"{path}: plan file not found")
-        try:
-            plan = Plan.load(path)
-            plan.check_layers(fqns, source=str(path))  # before the FLOPs, whose error would not name the file
-        except ValueError as err:
-            raise UserError(str(err)) from None
-        return plan if plan.fp4_share is not None else dataclasses.replace(
-            plan, fp4_share=fp4_share(plan.assignment, flops))
-    if settings.is_adaptive:  # a placeholder until the first statistics are in, before step 1
-        return Plan.uniform(fqns, "fp8", flops)
-    return Plan.uniform(fqns, settings.plan, flops)
 
 
 def _launcher_processes() -> list:
@@ -182,6 +163,7 @@ def train(args: argparse.Namespace) -> int:
     from snip_ds import distributed as sdist
     from snip_ds.data import DataStream, load_dataset_blocks
     from snip_ds.engine import CheckpointError, init_distributed, initialize  # imports DeepSpeed
+    from snip_ds.engine.core import initial_plan
     from snip_ds.engine import checkpoint as ckpt
     from snip_ds.model import build_model
     from snip_ds.swap import find_decoder_linears
@@ -227,7 +209,10 @@ def train(args: argparse.Namespace) -> int:
     tokens_per_step = micro_bs * ga * t.block_size
     infos = {fqn: model.get_submodule(fqn) for fqn in find_decoder_linears(model)}
     flops = {fqn: 6.0 * tokens_per_step * m.in_features * m.out_features for fqn, m in infos.items()}
-    plan = _initial_plan(list(infos), flops, settings)
+    try:
+        plan = initial_plan(list(infos), flops, settings)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     if args.resume_from_checkpoint:
         try:
             ckpt.validate(ckpt.resolve(Path(args.resume_from_checkpoint)), ckpt.model_fingerprint(model), world)
@@ -236,8 +221,12 @@ def train(args: argparse.Namespace) -> int:
 
     out_dir = Path(t.output_dir)
     logger = make_logger(out_dir / "tensorboard", rank)
-    engine = initialize(model, ds_cfg, settings, tokens_per_step=tokens_per_step, logger=logger, seed=t.seed)
-    engine.set_plan(plan, "initial plan")
+    # A private stream (its own seed) feeds the statistics of an adaptive run, so collecting never shifts the
+    # training data.
+    collect_stream = (DataStream(train_ds, micro_bs, seed=t.seed + 7919, rank=rank, world_size=world)
+                      if settings.is_adaptive else None)
+    engine = initialize(model, ds_cfg, settings, tokens_per_step=tokens_per_step, logger=logger, seed=t.seed,
+                        plan=plan, statistics_stream=collect_stream)
     logger.text("run/config", config_text({"snip": settings.to_dict(), "deepspeed": ds_cfg, "data": data_info,
                                            "world_size": world}), 0)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
@@ -246,12 +235,7 @@ def train(args: argparse.Namespace) -> int:
               f"{world} rank(s), plan {_plan_words(settings, engine)}, "
               f"{data_info.get('train_blocks', len(train_ds))} train blocks of {t.block_size} tokens", flush=True)
 
-    planner = None
-    if settings.is_adaptive:
-        from snip_ds.engine.adaptive import AdaptivePlanner
-        # A private stream (its own seed) feeds the statistics, so collecting never shifts the training data.
-        planner = AdaptivePlanner(engine, DataStream(train_ds, micro_bs, seed=t.seed + 7919, rank=rank,
-                                                     world_size=world))
+    planner = engine.planner
 
     if args.resume_from_checkpoint:
         try:
@@ -283,17 +267,14 @@ def train(args: argparse.Namespace) -> int:
 
     last_loss = math.nan
     while engine.step < t.max_steps:
-        if planner is not None and planner.due(engine.step) and planner.planned_at != engine.step:
-            planner.replan()
         micro_batches = [stream.next_batch() for _ in range(ga)]
-        bf16_loss = planner.bf16_loss(micro_batches[0]) if planner and planner.measure_due(engine.step) else None
+        history = len(planner.history) if planner is not None else 0
         start = time.perf_counter()
-        last_loss = engine.train_step(micro_batches)
+        last_loss = engine.train_step(micro_batches)  # re-plans first when due (adaptive)
         elapsed = time.perf_counter() - start
+        if planner is not None and len(planner.history) > history:  # step time without the re-plan
+            elapsed -= planner.history[-1]["collect_s"] + planner.history[-1]["solve_s"]
         step = engine.step
-        if bf16_loss is not None:
-            logger.scalars({"snip/measured_fld": engine.last_first_loss - bf16_loss,
-                            "snip/predicted_fld": planner.predicted_fld()}, step)
         if step % t.logging_steps == 0:
             logger.scalars({"train/loss": last_loss, "train/lr": engine.lr(), "perf/step_time_s": elapsed,
                             "perf/tokens_per_s": tokens_per_step * world / elapsed,

@@ -1,16 +1,19 @@
 """Adaptive SNIP re-planning inside training (SNIP.md sections 5 and 6).
 
-Before the first step and every ``replan_every`` steps: collect statistics on ``collect_batches`` batches of
-a private data stream (one BF16 forward+backward with hooks and Monte-Carlo Fisher probes; all-reduced over
+Before the first step and every ``replan_every`` steps (driven by :meth:`SnipEngine.train_step`): collect
+statistics on ``collect_batches`` micro-batches of a private data stream, or of the step about to be taken
+when there is none (one BF16 forward+backward with hooks and Monte-Carlo Fisher probes; all-reduced over
 the data-parallel ranks), solve the ILP on rank 0, broadcast the plan as JSON, check that every rank holds
-the same plan, and switch to it before the next optimizer step. Every
+the same plan, and switch to it before the next optimizer step. If rank 0 cannot solve (for example pinned
+layers leave the FP4 target out of reach), every rank hears it: a re-plan keeps the plan in force and says
+so in the log; the first adaptive plan stops the run with the reason. Every
 ``additional_bf16_fwd_every_n_steps`` steps one extra no-grad BF16 forward on the step's first micro-batch
 measures the forward divergence of the plan in force, logged beside the predicted one.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -20,7 +23,7 @@ from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
 from snip_ds.planner import solve_baseline
-
+from snip_ds.snip_config import ConfigError
 
 
 class AdaptivePlanner:
@@ -31,7 +34,7 @@ class AdaptivePlanner:
         history: one record per re-plan (step, seconds spent, fp4 share, layers changed).
     """
 
-    def __init__(self, engine, collect_stream) -> None:
+    def __init__(self, engine, collect_stream=None) -> None:
         self.engine = engine
         self.settings = engine.settings
         self.stream = collect_stream
@@ -49,12 +52,18 @@ class AdaptivePlanner:
         return bool(n) and (step + 1) % n == 0
 
     # ------------------------------------------------------------------ collection and solve
-    def collect(self) -> Dict[str, Any]:
-        """One statistics collection on the next ``collect_batches`` batches of the private stream."""
+    def collect(self, step_batches: Sequence[Mapping[str, torch.Tensor]] = ()) -> Dict[str, Any]:
+        """One statistics collection on the next ``collect_batches`` batches of the private stream, or, with
+        no stream, on the first ``collect_batches`` of ``step_batches`` (cycled if there are fewer)."""
         eng, s = self.engine, self.settings
         weights = {fqn: layer.weight for fqn, layer in eng.layers.items()}
         precond, source = layer_preconditioner(eng.ds.optimizer, weights, eng.step)
-        batches = [self.stream.next_batch() for _ in range(s.collect_batches)]
+        if self.stream is not None:
+            batches = [self.stream.next_batch() for _ in range(s.collect_batches)]
+        elif step_batches:
+            batches = [step_batches[i % len(step_batches)] for i in range(s.collect_batches)]
+        else:
+            raise ValueError("statistics: no private stream and no micro-batches to collect on")
         dev = next(iter(eng.layers.values())).weight.device
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
         stats = collect_statistics(
@@ -65,33 +74,60 @@ class AdaptivePlanner:
         stats["precond_source"] = source
         return stats
 
-    def solve(self, stats: Mapping[str, Any]) -> Plan:
-        """The plan for ``stats``: solved on rank 0, broadcast as JSON, the same object on every rank."""
+    def solve(self, stats: Mapping[str, Any]) -> Optional[Plan]:
+        """The plan for ``stats``: solved on rank 0, broadcast as JSON, the same object on every rank.
+
+        If rank 0 cannot solve, every rank learns why: a re-plan returns None (the caller keeps the plan in
+        force); the first adaptive plan raises :class:`~snip_ds.snip_config.ConfigError` with the reason.
+        """
         s = self.settings
         payload = None
         if sdist.rank() == 0:
-            with preserve_torch_threads():  # CBC would leave torch single-threaded
-                plan = solve_baseline(s.method, stats, s.efficiency_saving, lam=s.bwd_lambda, seed=s.plan_seed,
-                                      pinned=dict(s.pinned) or None, previous=self.engine.plan,
-                                      flip_penalty=s.flip_penalty, per_gemm=s.per_gemm,
-                                      time_limit=s.solver_time_limit)[0]
-            payload = plan.to_dict()
+            try:
+                with preserve_torch_threads():  # CBC would leave torch single-threaded
+                    plan = solve_baseline(s.method, stats, s.efficiency_saving, lam=s.bwd_lambda,
+                                          seed=s.plan_seed, pinned=dict(s.pinned) or None,
+                                          previous=self.engine.plan, flip_penalty=s.flip_penalty,
+                                          per_gemm=s.per_gemm, time_limit=s.solver_time_limit)[0]
+                payload = {"plan": plan.to_dict()}
+            except (ValueError, RuntimeError) as err:  # no plan reaches the target: tell every rank
+                payload = {"error": str(err)}
         payload = sdist.broadcast_json(payload)
-        return Plan.from_dict(payload, source="broadcast plan")
+        if "error" in payload:
+            if self.planned_at is None:
+                raise ConfigError(f"snip: the first adaptive plan cannot be solved at step {self.engine.step}: "
+                                  f"{payload['error']}")
+            return None
+        return Plan.from_dict(payload["plan"], source="broadcast plan")
 
-    def replan(self) -> Plan:
-        """Collect, solve, broadcast and apply; logs timings, the share and the number of layers changed."""
+    def replan(self, step_batches: Sequence[Mapping[str, torch.Tensor]] = ()) -> Optional[Plan]:
+        """Collect, solve, broadcast and apply; logs timings, the share and the number of layers changed.
+
+        Returns the new plan, or None when rank 0 could not solve a re-plan (the plan in force stays; the
+        failure is logged on TensorBoard as ``snip/replan_failed`` and printed by rank 0).
+        """
         eng = self.engine
         start = time.perf_counter()
-        stats = self.collect()
+        stats = self.collect(step_batches)
         collected = time.perf_counter()
         plan = self.solve(stats)
         solved = time.perf_counter()
+        self.last_stats = stats
+        self.planned_at = eng.step
+        if plan is None:
+            self.history.append({"step": eng.step, "collect_s": collected - start, "solve_s": solved - collected,
+                                 "fp4_share": eng.plan_fp4_share(), "changed": 0, "status": "failed",
+                                 "precond": stats["precond_source"]})
+            eng.logger.scalars({"snip/replan_failed": 1.0}, eng.step)
+            eng.logger.text("plan/changes", f"step {eng.step}: re-plan failed on rank 0; the plan in force "
+                            "stays", eng.step)
+            if sdist.rank() == 0:
+                print(f"snip_ds: warning: re-plan at step {eng.step} could not be solved; keeping the plan in "
+                      "force", flush=True)
+            return None
         previous = eng.plan
         changed = 0 if previous is None else sum(previous.assignment.get(f) != p for f, p in plan.assignment.items())
         eng.set_plan(plan, f"re-plan: {changed} layer(s) changed" if previous else "first adaptive plan")
-        self.last_stats = stats
-        self.planned_at = eng.step
         record = {"step": eng.step, "collect_s": collected - start, "solve_s": solved - collected,
                   "fp4_share": eng.plan_fp4_share(), "changed": changed, "status": plan.status,
                   "precond": stats["precond_source"]}

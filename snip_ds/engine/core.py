@@ -1,6 +1,7 @@
 """``snip_ds.initialize`` and :class:`SnipEngine`: a DeepSpeed engine plus the current precision plan."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -14,8 +15,8 @@ from torch import nn
 from snip_ds import distributed as sdist
 from snip_ds.engine import checkpoint as ckpt
 from snip_ds.metrics import NullLogger, precision_map_image
-from snip_ds.plan import Plan
-from snip_ds.snip_config import SnipSettings
+from snip_ds.plan import Plan, fp4_share
+from snip_ds.snip_config import SnipSettings, parse_snip_section
 from snip_ds.swap import LayerInfo, block_index, snip_layers, swap_linears
 
 
@@ -55,6 +56,8 @@ class SnipEngine:
         infos: ``{fqn: LayerInfo}`` of the swapped layers, in model order.
         plan: the plan in force.
         settings: the validated ``"snip"`` section.
+        planner: the :class:`~snip_ds.engine.adaptive.AdaptivePlanner` of an adaptive run (None otherwise):
+            :meth:`train_step` lets it collect, solve and switch before the steps it is due.
     """
 
     def __init__(self, ds_engine, infos: Mapping[str, LayerInfo], settings: SnipSettings,
@@ -67,6 +70,7 @@ class SnipEngine:
         self.layers = snip_layers(ds_engine.module)
         self.flops = {fqn: info.flops(tokens_per_step) for fqn, info in self.infos.items()}
         self.plan: Optional[Plan] = None
+        self.planner = None
         self.last_first_loss = float("nan")  # global mean loss of the last step's first micro-batch
 
     # ------------------------------------------------------------------ plan
@@ -111,11 +115,24 @@ class SnipEngine:
         return out.loss
 
     def train_step(self, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> float:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the global mean loss."""
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the global mean loss.
+
+        In an adaptive run the planner first re-plans if it is due (before the first step and every
+        ``replan_every`` steps: collect, solve on rank 0, broadcast, switch), and every
+        ``additional_bf16_fwd_every_n_steps`` steps an extra no-grad BF16 forward of the first micro-batch
+        gives the measured forward divergence, logged after the step beside the predicted one.
+        """
         ga = self.ds.gradient_accumulation_steps()
         if len(micro_batches) != ga:
             raise ValueError(f"train_step needs {ga} micro-batches (gradient_accumulation_steps), "
                              f"got {len(micro_batches)}")
+        planner = self.planner
+        bf16_loss = None
+        if planner is not None:
+            if planner.due(self.step) and planner.planned_at != self.step:
+                planner.replan(micro_batches)
+            if planner.measure_due(self.step):
+                bf16_loss = planner.bf16_loss(micro_batches[0])
         losses = []
         for batch in micro_batches:
             loss = self._forward_loss(batch)
@@ -126,6 +143,9 @@ class SnipEngine:
         # One collective for both: the step's mean loss and the first micro-batch's (for the measured FLD).
         mean_first = sdist.dist_mean(torch.stack([local.mean(), local[0]]))
         self.last_first_loss = float(mean_first[1])
+        if bf16_loss is not None:
+            self.logger.scalars({"snip/measured_fld": self.last_first_loss - bf16_loss,
+                                 "snip/predicted_fld": planner.predicted_fld()}, self.step)
         return float(mean_first[0])
 
     @torch.no_grad()
@@ -172,24 +192,70 @@ class SnipEngine:
         return meta
 
 
-def initialize(model: nn.Module, config: Mapping[str, Any], settings: SnipSettings, *,
-               tokens_per_step: int, logger=None, seed: int = 0) -> SnipEngine:
-    """Swaps the decoder linears, builds the DeepSpeed engine and returns a :class:`SnipEngine`.
+def initial_plan(fqns: Sequence[str], flops: Mapping[str, float], settings: SnipSettings) -> Plan:
+    """The plan a run starts from: the plan file's, a uniform precision's, or (adaptive) uniform FP8 as a
+    placeholder until the first statistics are in, before step 1.
+
+    Raises:
+        ValueError: the plan file is missing or invalid, or names other layers than ``fqns`` (the message
+            names the file).
+    """
+    fqns = list(fqns)
+    if settings.plan_file:
+        path = Path(settings.plan_file)
+        if not path.is_file():
+            raise ValueError(f"{path}: plan file not found")
+        plan = Plan.load(path)
+        plan.check_layers(fqns, source=str(path))  # before the FLOPs, whose error would not name the file
+        if plan.fp4_share is None:
+            plan = dataclasses.replace(plan, fp4_share=fp4_share(plan.assignment, flops))
+        return plan
+    if settings.is_adaptive:
+        return Plan.uniform(fqns, "fp8", flops)
+    return Plan.uniform(fqns, settings.plan, flops)
+
+
+def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[SnipSettings] = None, *,
+               tokens_per_step: int, logger=None, seed: int = 0, plan: Optional[Plan] = None,
+               statistics_stream=None) -> SnipEngine:
+    """Swaps the decoder linears, builds the DeepSpeed engine and returns a :class:`SnipEngine` with its plan.
 
     Args:
         model: a Llama-family causal LM (not yet wrapped by DeepSpeed).
-        config: the DeepSpeed config *without* its ``"snip"`` section.
-        settings: the validated ``"snip"`` section.
+        config: the DeepSpeed config. Its ``"snip"`` section never reaches DeepSpeed; it is read (and
+            validated: unknown keys are errors) when ``settings`` is None.
+        settings: the validated ``"snip"`` section; None reads ``config["snip"]`` (defaults if absent).
         tokens_per_step: tokens per optimizer step on one rank (scales FLOPs; shares do not depend on it).
         logger: a TensorBoard logger on the logging rank (see :mod:`snip_ds.metrics`), else None.
         seed: seeds the stochastic-rounding generators.
+        plan: the starting plan; None: :func:`initial_plan` of the settings.
+        statistics_stream: adaptive runs only: an object whose ``next_batch()`` returns a micro-batch (a
+            mapping with ``input_ids``, optional ``labels``) to collect statistics on, ideally a private
+            stream so that collecting never shifts the training data (``launch/train.py`` passes one);
+            None collects on the first ``collect_batches`` micro-batches of the step about to be taken.
 
-    The engine starts with no plan: call :meth:`SnipEngine.set_plan` before the first step.
+    With an adaptive plan, :meth:`SnipEngine.train_step` runs SNIP by itself: statistics before the first
+    step and every ``replan_every`` steps, the ILP on rank 0, the plan broadcast and checked on every rank.
+
+    Raises:
+        ConfigError: an invalid ``"snip"`` section (the message names the field).
+        ValueError: an invalid plan file.
     """
+    config = dict(config)
+    section = config.pop("snip", None)
+    if settings is None:
+        settings = parse_snip_section(section, source="DeepSpeed config")
     if not any(getattr(p, "ds_id", None) is not None for p in model.parameters()):  # not zero.Init-partitioned
         model.to(device())  # so the stochastic-rounding generators live where the activations do
     infos = swap_linears(model, "bf16", settings.quant, seed=seed, rank=sdist.rank())
+    if plan is None:
+        plan = initial_plan(list(infos), {f: info.flops(tokens_per_step) for f, info in infos.items()}, settings)
     params = [p for p in model.parameters() if p.requires_grad]
-    ds_engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config))
+    ds_engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     ckpt.install_safe_loader(ds_engine)
-    return SnipEngine(ds_engine, infos, settings, tokens_per_step, logger)
+    engine = SnipEngine(ds_engine, infos, settings, tokens_per_step, logger)
+    engine.set_plan(plan, "initial plan")
+    if settings.is_adaptive:
+        from snip_ds.engine.adaptive import AdaptivePlanner
+        engine.planner = AdaptivePlanner(engine, statistics_stream)
+    return engine

@@ -1,0 +1,80 @@
+"""A user's own training loop on ``snip_ds.initialize`` alone: the DeepSpeed JSON (with its "snip" section)
+goes in, ``engine.train_step`` is called with the user's batches, and SNIP re-plans by itself.
+
+Run by tests/test_own_loop.py under the deepspeed launcher (2 ranks, ZeRO-3). ``--case``:
+
+* ``replan``: adaptive SNIP every 2 steps for 5 steps; writes each rank's re-plan history and plan digests.
+* ``first_unsolvable``: every layer pinned to fp8, so no plan reaches the FP4 target: every rank must stop
+  with the same ConfigError (none may hang in the broadcast).
+* ``replan_fails``: rank 0's solver raises at the second re-plan: every rank keeps the plan in force and
+  trains on.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import snip_ds  # noqa: E402
+from snip_ds import distributed as sdist  # noqa: E402
+from snip_ds.engine import init_distributed  # noqa: E402
+from snip_ds.snip_config import ConfigError  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--case", required=True, choices=("replan", "first_unsolvable", "replan_fails"))
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    init_distributed()
+    rank = sdist.rank()
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=32))
+    snip = {"plan": "adaptive", "replan_every": 2, "efficiency_saving": 0.5,
+            "additional_bf16_fwd_every_n_steps": 0, "train": {"seed": 0}}
+    if args.case == "first_unsolvable":
+        snip["pinned"] = {f"model.layers.{i}.{m}": "fp8" for i in range(2)
+                          for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    if args.case == "replan_fails":
+        import snip_ds.engine.adaptive as adaptive
+        real, calls = adaptive.solve_baseline, []
+
+        def flaky(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("solver broke (injected by the test)")
+            return real(*a, **k)
+        adaptive.solve_baseline = flaky
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "steps_per_print": 10 ** 9, "snip": snip}
+    out = {"rank": rank}
+    try:
+        engine = snip_ds.initialize(model, config, tokens_per_step=2 * 16)
+        gen = torch.Generator().manual_seed(1 + rank)
+        digests, shares = [], []
+        for _ in range(5):
+            ids = torch.randint(0, 64, (2, 16), generator=gen)
+            engine.train_step([{"input_ids": ids, "labels": ids}])
+            digests.append(engine.plan.digest())
+            shares.append(engine.plan_fp4_share())
+        out.update(history=engine.planner.history, digests=digests, shares=shares, method=engine.plan.method)
+    except ConfigError as err:
+        out["error"] = str(err)
+    Path(f"{args.out}.{rank}").write_text(json.dumps(out))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
