@@ -79,14 +79,22 @@ def default_run(max_steps: int = DEFAULT_RUN_STEPS, replan_every: int = DEFAULT_
             raise RuntimeError(f"default run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         acc = EventAccumulator(str(Path(tmp) / "out" / "tensorboard"), size_guidance={"scalars": 0})
         acc.Reload()
-        series = {tag: [e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step)]
+        series = {tag: {e.step: e.value for e in acc.Scalars(tag)}
                   for tag in ("snip/collect_time_s", "snip/solve_time_s", "perf/step_time_s")}
-    steps = series["perf/step_time_s"][1:]
+    # Steps whose time includes the extra no-grad BF16 forward that measures the plan's divergence (logged
+    # at the step it precedes): step s+1 with (s+1) % n == 0. The first step is left out (warm-up).
+    n = cfg["snip"]["additional_bf16_fwd_every_n_steps"]
+    times = series["perf/step_time_s"]
+    measured = [v for s, v in times.items() if s > 1 and n and s % n == 0]
+    plain = [v for s, v in times.items() if s > 1 and not (n and s % n == 0)]
     return {"max_steps": max_steps, "replan_every": replan_every, "wall_s": wall,
-            "collections": len(series["snip/collect_time_s"]), "steps_timed": len(steps),
-            "median_s": {"collect": statistics.median(series["snip/collect_time_s"]),
-                         "solve_and_broadcast": statistics.median(series["snip/solve_time_s"]),
-                         "step": statistics.median(steps)}}
+            "collections": len(series["snip/collect_time_s"]), "steps_timed": len(plain),
+            "measure_every": n,
+            "median_s": {"collect": statistics.median(series["snip/collect_time_s"].values()),
+                         "solve_and_broadcast": statistics.median(series["snip/solve_time_s"].values()),
+                         "step": statistics.median(plain),
+                         "bf16_measure_forward": (statistics.median(measured) - statistics.median(plain))
+                         if measured else 0.0}}
 
 
 def _setup(micro_batch: int, block: int):
@@ -193,6 +201,8 @@ def main(argv=None) -> int:
         rm = run["median_s"]
         run["collect_step_equivalents"] = rm["collect"] / rm["step"]
         run["overhead_share_by_replan_every"] = share(rm["collect"] + rm["solve_and_broadcast"], rm["step"])
+        n = run["measure_every"]
+        run["bf16_measure_share"] = rm["bf16_measure_forward"] / (n * rm["step"]) if n else 0.0
     result = {
         "model": "default (9.6M params, 42 linears)", "tokens_per_batch": mb * block, "repeats": repeats,
         "median_s": med,
@@ -234,7 +244,10 @@ def main(argv=None) -> int:
                   f"{run['max_steps']} steps re-planning every {run['replan_every']} for "
                   f"{run['collections']} collections): median collection {rm['collect']:.2f} s, solve + "
                   f"broadcast {rm['solve_and_broadcast'] * 1000:.0f} ms, training step {rm['step']:.2f} s "
-                  f"({run['collect_step_equivalents']:.2f} step equivalents per collection).", "",
+                  f"({run['collect_step_equivalents']:.2f} step equivalents per collection). The extra BF16 "
+                  f"forward that measures the plan's divergence every {run['measure_every']} steps costs "
+                  f"{rm['bf16_measure_forward']:.2f} s, {run['bf16_measure_share'] * 100:.1f} % of training "
+                  "time, on top of the table below.", "",
                   "| replan_every | overhead in the default run |", "|---|---|"]
         lines += [f"| {k}{' (shipped default)' if int(k) == SHIPPED_REPLAN_EVERY else ''} | {v * 100:.1f} % |"
                   for k, v in run["overhead_share_by_replan_every"].items()]

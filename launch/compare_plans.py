@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 
@@ -347,7 +347,7 @@ def _yn(x) -> str:
 
 def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) -> None:
     s = data["settings"]
-    lines = [f"# compare_plans: plan quality from paired training runs (SNIP.md section 7)", ""]
+    lines = ["# compare_plans: plan quality from paired training runs (SNIP.md section 7)", ""]
     if s.get("note"):
         lines += [f"**{s['note']}**", ""]
     lines += [f"Command: `{s['command']}`", "",

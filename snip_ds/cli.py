@@ -65,7 +65,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         plans = solve_baseline(
             args.method, stats, args.efficiency_saving, lam=args.lam, seed=args.seed, num_random=args.num_random,
             allowed=allowed, pinned=pinned, previous=previous, flip_penalty=args.flip_penalty,
-            max_share=args.max_share, per_gemm=args.per_gemm, time_limit=args.time_limit)
+            max_share=args.max_share, per_gemm=args.per_gemm, time_limit=args.time_limit,
+            compute_budget=args.compute_budget)
     for w in caught:
         print(f"snip-ds: warning: {w.message}", file=sys.stderr)
     seeds = [p.meta.get("seed", args.seed) for p in plans]
@@ -182,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", action="append", metavar="FQN=PRECISION", help="fix a layer (repeatable)")
     p.add_argument("--allowed", default="fp8,fp4", help="comma-separated precisions a layer may take")
     p.add_argument("--max-share", type=float, default=None, help="upper bound on the FP4 share")
+    p.add_argument("--compute-budget", type=float, default=None,
+                   help="upper bound on the GEMM cost relative to all-BF16 (fp8 1/2, fp4 1/4); with "
+                        "--allowed bf16,fp8,fp4 it decides which layers may stay in bf16")
     p.add_argument("--per-gemm", action="store_true", help="decide fprop, dgrad, wgrad separately")
     p.add_argument("--previous", default=None, help="previous plan JSON (for --flip-penalty)")
     p.add_argument("--flip-penalty", type=float, default=0.0, help="cost of flipping all FLOPs vs --previous")

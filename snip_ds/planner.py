@@ -634,8 +634,12 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
                    num_random: int = 1, allowed: Sequence[str] | None = None,
                    pinned: Mapping[str, Any] | None = None, previous: Plan | Mapping | None = None,
                    flip_penalty: float = 0.0, max_share: float | None = None, per_gemm: bool = False,
-                   time_limit: float = 10.0) -> list[Plan]:
+                   time_limit: float = 10.0, compute_budget: float | None = None) -> list[Plan]:
     """Solves one of :data:`METHODS` from a statistics artifact with the same ILP and share constraint.
+
+    ``allowed``, ``max_share`` and ``compute_budget`` (GEMM cost relative to all-BF16, with
+    :data:`GEMM_COST`; it is what makes fp8 worth choosing when bf16 is allowed too) are passed to
+    :func:`solve_plan` for every method but the uniform ones.
 
     Methods:
         best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`).
@@ -677,7 +681,8 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
         pins = {**{fqn: "fp8" for fqn, b in blocks.items() if b in ends}, **pins}
 
     common = dict(allowed=allowed, pinned=pins, previous=previous, flip_penalty=flip_penalty,
-                  time_limit=time_limit, max_share=max_share, per_gemm=per_gemm, method=method)
+                  time_limit=time_limit, max_share=max_share, per_gemm=per_gemm, method=method,
+                  compute_budget=compute_budget)
     if method != "random":
         return [solve_plan(sc.costs, sc.flops, target, meta=meta, **common)]
     return [solve_plan(_random_costs(fqns, s, per_gemm), sc.flops, target, meta={**meta, "seed": s}, **common)

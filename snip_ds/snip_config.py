@@ -7,7 +7,7 @@ every bad field by its dotted path (``snip.train.max_steps``)::
       "plan": "adaptive",                 # bf16 | fp8 | fp4 (uniform) | adaptive (SNIP) | path/to/plan.json
       "quant": {"fp8_recipe": "fp8_hybrid", "fp4_recipe": "nvfp4", "stochastic_rounding": true,
                 "hadamard": false, "weight_2d": true},
-      "efficiency_saving": 0.75, "method": "best", "replan_every": 50, ...   # the adaptive planner
+      "efficiency_saving": 0.75, "method": "best", "replan_every": 200, ...   # the adaptive planner
       "train": {"max_steps": 120, "eval_steps": 40, "save_steps": 60, "output_dir": "runs/default", ...}
     }
 """
@@ -19,7 +19,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from snip_ds.config import QuantConfig
 from snip_ds.precision import PRECISIONS
@@ -76,7 +76,7 @@ class SnipSettings:
     """Minimum share of linear-GEMM FLOPs in FP4 (SNIP's rho)."""
     method: str = "best"
     """How the adaptive plan is chosen: ``best`` (SNIP) or one of the baselines."""
-    replan_every: int = 100
+    replan_every: int = 200
     """Collect statistics and re-solve every this many optimizer steps."""
     collect_batches: int = 1
     """Micro-batches averaged per collection."""
@@ -99,6 +99,12 @@ class SnipSettings:
     """Seconds python-mip may spend per solve before the best feasible plan is taken."""
     plan_seed: int = 0
     """Seed of the ``random`` baseline."""
+    allowed: Tuple[str, ...] = ("fp8", "fp4")
+    """Precisions the plan may give a layer; with ``bf16`` among them a layer has one-hot choices."""
+    compute_budget: Optional[float] = None
+    """Upper bound on the linears' GEMM cost relative to all-BF16 (fp8 costs 1/2, fp4 1/4 of bf16); None: none."""
+    max_share: Optional[float] = None
+    """Upper bound on the FP4 share (so that every method lands on the same share); None: none."""
     train: TrainSettings = field(default_factory=TrainSettings)
 
     def __post_init__(self) -> None:
@@ -119,6 +125,19 @@ class SnipSettings:
             raise ConfigError(f"snip.solver_time_limit: must be positive, got {self.solver_time_limit}")
         for fqn, prec in self.pinned.items():
             _check_choice(f"snip.pinned[{fqn!r}]", prec, PRECISIONS)
+        if not self.allowed:
+            raise ConfigError(f"snip.allowed: must name at least one of {', '.join(PRECISIONS)}")
+        for prec in self.allowed:
+            _check_choice("snip.allowed", prec, PRECISIONS)
+        if self.efficiency_saving > 0 and "fp4" not in self.allowed:
+            raise ConfigError(f"snip.allowed: {list(self.allowed)} has no fp4, so efficiency_saving "
+                              f"{self.efficiency_saving} cannot be met")
+        if self.compute_budget is not None and not 0.0 < self.compute_budget <= 1.0:
+            raise ConfigError(f"snip.compute_budget: must lie in (0, 1] (GEMM cost relative to all-BF16), "
+                              f"got {self.compute_budget}")
+        if self.max_share is not None and not self.efficiency_saving <= self.max_share <= 1.0:
+            raise ConfigError(f"snip.max_share: must lie in [efficiency_saving, 1] = [{self.efficiency_saving}, 1], "
+                              f"got {self.max_share}")
         t = self.train
         for name in ("block_size", "max_steps", "eval_steps", "eval_batches", "logging_steps",
                      "max_corpus_bytes"):
@@ -161,6 +180,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, str)
+    if origin is tuple:  # Tuple[str, ...]: a JSON list of strings
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
     if origin in (dict, collections.abc.Mapping):
         return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in value.items())
@@ -185,7 +206,9 @@ def _build(cls, data: Any, path: str):
             continue
         if not _type_ok(value, hint):
             raise ConfigError(f"{path}.{name}: expected {_hint_name(hint)}, got {value!r}")
-        kwargs[name] = float(value) if hint is float else value
+        if typing.get_origin(hint) is tuple:
+            value = tuple(value)
+        kwargs[name] = float(value) if hint is float or (value is not None and hint == Optional[float]) else value
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -195,6 +218,8 @@ def _build(cls, data: Any, path: str):
 
 
 def _hint_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return "a list of strings"
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if args else hint
     name = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(base, "a mapping")
@@ -241,6 +266,11 @@ def with_overrides(settings: SnipSettings, **overrides: Any) -> SnipSettings:
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
     merged = dataclasses.asdict(settings)
+    # The model source is one setting spelt two ways: a flag naming one replaces the JSON's other (both on the
+    # command line is still an error).
+    for given, other in (("model_name_or_path", "model_config"), ("model_config", "model_name_or_path")):
+        if given in train_over and other not in train_over:
+            merged["train"][other] = None
     merged["train"].update(train_over)
     merged.update(top_over)
     merged["quant"] = dataclasses.asdict(settings.quant) if "quant" not in top_over else top_over["quant"]

@@ -76,6 +76,26 @@ def test_plan_per_gemm_and_three_precisions(stats_file, tmp_path):
     assert plan.per_gemm and 0.5 - 1e-9 <= plan.fp4_share <= 0.55 + 1e-9
 
 
+def test_plan_three_precisions_under_a_compute_budget(stats_file, tmp_path):
+    """With bf16 allowed, a GEMM-cost budget (relative to all-BF16; fp8 1/2, fp4 1/4) decides which layers
+    stay in bf16; checked against the stats file's own FLOPs."""
+    out = tmp_path / "b.json"
+    assert main(["plan", str(stats_file), "--efficiency-saving", "0.5", "--allowed", "bf16,fp8,fp4",
+                 "--compute-budget", "0.4", "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    flops = {f: rec["flops"] for f, rec in json.loads(stats_file.read_text())["layers"].items()}
+    cost = {"bf16": 1.0, "fp8": 0.5, "fp4": 0.25}
+    relative = sum(flops[f] * cost[p] for f, p in plan.assignment.items()) / sum(flops.values())
+    assert relative <= 0.4 + 1e-9
+    assert fp4_share(plan.assignment, flops) >= 0.5 - 1e-9
+    assert {"bf16", "fp4"} <= set(plan.assignment.values())  # bf16 (zero cost) wherever the budget allows
+    # without a budget nothing is gained by fp8 over bf16 (bf16 has no divergence): no fp8 at all
+    free = tmp_path / "free.json"
+    assert main(["plan", str(stats_file), "--efficiency-saving", "0.5", "--allowed", "bf16,fp8,fp4",
+                 "-o", str(free)]) == 0
+    assert "fp8" not in set(Plan.load(free).assignment.values())
+
+
 @pytest.mark.parametrize("argv_tail, match", [
     (["--efficiency-saving", "1.5"], "'target' must be a number in"),
     (["--efficiency-saving", "0.5", "--pin", "nofield"], "expected FQN=PRECISION"),

@@ -5,7 +5,6 @@ import importlib.util
 import json
 import math
 import struct
-import sys
 from pathlib import Path
 
 import pytest

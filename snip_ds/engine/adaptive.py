@@ -88,7 +88,9 @@ class AdaptivePlanner:
                     plan = solve_baseline(s.method, stats, s.efficiency_saving, lam=s.bwd_lambda,
                                           seed=s.plan_seed, pinned=dict(s.pinned) or None,
                                           previous=self.engine.plan, flip_penalty=s.flip_penalty,
-                                          per_gemm=s.per_gemm, time_limit=s.solver_time_limit)[0]
+                                          per_gemm=s.per_gemm, time_limit=s.solver_time_limit,
+                                          allowed=s.allowed, compute_budget=s.compute_budget,
+                                          max_share=s.max_share)[0]
                 payload = {"plan": plan.to_dict()}
             except (ValueError, RuntimeError) as err:  # no plan reaches the target: tell every rank
                 payload = {"error": str(err)}

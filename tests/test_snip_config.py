@@ -1,0 +1,37 @@
+"""The "snip" section's plan-shape settings: allowed precisions, compute budget, FP4 share cap."""
+import json
+
+import pytest
+
+from snip_ds.snip_config import ConfigError, SnipSettings, parse_snip_section
+
+
+def test_defaults_are_two_precisions_without_budget():
+    s = parse_snip_section({})
+    assert s.allowed == ("fp8", "fp4") and s.compute_budget is None and s.max_share is None
+
+
+def test_three_precisions_budget_and_cap_parse_and_round_trip():
+    s = parse_snip_section({"allowed": ["bf16", "fp8", "fp4"], "compute_budget": 0.4, "max_share": 0.9})
+    assert s.allowed == ("bf16", "fp8", "fp4") and s.compute_budget == 0.4 and s.max_share == 0.9
+    again = parse_snip_section(json.loads(json.dumps(s.to_dict())))  # as a checkpoint stores it
+    assert again == s
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"allowed": "fp8"}, "snip.allowed: expected a list of strings"),
+    ({"allowed": ["fp8", "int4"]}, "snip.allowed: unknown value 'int4'"),
+    ({"allowed": []}, "snip.allowed: must name at least one"),
+    ({"allowed": ["bf16", "fp8"]}, "snip.allowed: .* has no fp4"),
+    ({"compute_budget": 0}, r"snip.compute_budget: must lie in \(0, 1\]"),
+    ({"compute_budget": "half"}, "snip.compute_budget: expected a number"),
+    ({"efficiency_saving": 0.75, "max_share": 0.5}, r"snip.max_share: must lie in \[efficiency_saving, 1\]"),
+])
+def test_bad_values_name_the_field(section, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_snip_section(section)
+
+
+def test_no_fp4_is_fine_when_nothing_must_move_to_fp4():
+    assert parse_snip_section({"allowed": ["bf16", "fp8"], "efficiency_saving": 0.0}).allowed == ("bf16", "fp8")
+    assert isinstance(SnipSettings(), SnipSettings)
