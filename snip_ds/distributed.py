@@ -52,17 +52,21 @@ def dist_max_flag(flag: bool, group: Any = None) -> bool:
 
 
 def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """Rank ``src``'s JSON-able ``obj`` on every rank (sent as UTF-8 JSON bytes, never pickled)."""
+    """Rank ``src``'s JSON-able ``obj`` on every rank (sent as UTF-8 JSON bytes, never pickled).
+
+    ``src`` is a rank within ``group`` (the default group's ranks are the global ranks).
+    """
     if not is_initialized():
         return obj
     device = _device(group)
+    root = src if group is None else dist.get_global_rank(group, src)  # dist.broadcast takes a global rank
     payload = json.dumps(obj, sort_keys=True).encode() if rank(group) == src else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src, group=group)
+    dist.broadcast(size, src=root, group=group)
     buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
     if rank(group) == src:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(buf, src=src, group=group)
+    dist.broadcast(buf, src=root, group=group)
     return json.loads(bytes(buf.cpu().tolist()).decode())
 
 

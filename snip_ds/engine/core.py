@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from snip_ds import distributed as sdist
+from snip_ds.ds_config import resolve_ds_config
 from snip_ds.engine import checkpoint as ckpt
 from snip_ds.metrics import NullLogger, precision_map_image
 from snip_ds.plan import Plan, fp4_share
@@ -237,14 +238,22 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
     With an adaptive plan, :meth:`SnipEngine.train_step` runs SNIP by itself: statistics before the first
     step and every ``replan_every`` steps, the ILP on rank 0, the plan broadcast and checked on every rank.
 
+    torch.distributed is started if it is not yet (gloo on CPU, nccl on GPU; one rank in a plain ``python``
+    process), and ``"auto"`` values are resolved as ``launch/train.py`` does (``snip.train.max_steps`` sizes
+    the scheduler).
+
     Raises:
-        ConfigError: an invalid ``"snip"`` section (the message names the field).
+        ConfigError: an invalid ``"snip"`` section or DeepSpeed value (the message names the field).
         ValueError: an invalid plan file.
     """
     config = dict(config)
     section = config.pop("snip", None)
     if settings is None:
         settings = parse_snip_section(section, source="DeepSpeed config")
+    init_distributed()  # a no-op under a launcher that already did it; one rank in a plain python process
+    # "auto" values as launch/train.py resolves them (a no-op for a config it already resolved)
+    config = resolve_ds_config(config, max_steps=settings.train.max_steps, on_gpu=torch.cuda.is_available(),
+                               source="DeepSpeed config", world_size=sdist.world_size())
     if not any(getattr(p, "ds_id", None) is not None for p in model.parameters()):  # not zero.Init-partitioned
         model.to(device())  # so the stochastic-rounding generators live where the activations do
     infos = swap_linears(model, "bf16", settings.quant, seed=seed, rank=sdist.rank())
