@@ -110,3 +110,36 @@ def test_sigterm_to_the_launcher_saves_and_torchrun_resumes(tmp_path):
     assert f"resumed from {ckpts} at step {step}" in text and "2 rank(s)" in text
     assert sorted(scalars(tmp_path / "resumed" / "tensorboard")["train/loss"]) == [step + 1, step + 2]
     assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text() == f"step_{step + 2}"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_to_the_training_process_saves_and_exits_cleanly(tmp_path, signum):
+    """Ctrl-C (SIGINT) or SIGTERM delivered to a plain ``python launch/train.py`` process: its handler stops the
+    loop at the next step boundary, a complete checkpoint is saved, and the process exits 0 with a line
+    saying where to resume from."""
+    cfg = write_configs(tmp_path, stage=3, plan="fp8", max_steps=100_000, eval_steps=100_000, save_steps=0)
+    proc = subprocess.Popen([sys.executable, str(TRAIN), "--deepspeed", str(cfg), "--no_progress"], cwd=REPO,
+                            env=env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    try:
+        for line in proc.stdout:  # wait until training is under way
+            lines.append(line)
+            if line.startswith("snip_ds:") and "parameters" in line:
+                break
+        time.sleep(1.0)
+        proc.send_signal(signum)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + rest
+    assert proc.returncode == 0, out[-6000:]
+    assert "Traceback" not in out, out[-6000:]
+    ckpts = tmp_path / "out" / "checkpoints"
+    tag = (ckpts / "latest").read_text()
+    step = int(tag.split("_")[1])
+    assert 1 <= step < 100_000
+    assert f"stopped by {signal.Signals(signum).name} at step {step}" in out
+    assert f"--resume_from_checkpoint {ckpts}" in out
+    meta = json.loads((ckpts / tag / "snip_meta.json").read_text())
+    assert meta["step"] == step and meta["plan"]["assignment"]
