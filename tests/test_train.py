@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from train_utils import images, launch, scalars, write_configs
+from train_utils import TINY_MODEL, images, launch, scalars, write_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -31,6 +31,13 @@ def test_two_rank_zero3_run_logs_and_resumes_exactly(tmp_path):
     assert logged["plan/fp4_share"][6] == pytest.approx(1.0)
     assert math.isclose(logged["eval/perplexity"][6], math.exp(logged["eval/loss"][6]), rel_tol=1e-5)
     assert "plan/precision_map" in images(out / "tensorboard")
+    assert sorted(logged["eval/loss"]) == [3, 6]  # every eval_steps (3) and at the end
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 0 writes, rank 1 does not
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    (image,) = acc.Images("plan/precision_map")  # the plan was set once and never changed
+    assert (image.height, image.width) == (TINY_MODEL["num_hidden_layers"] * 12, 7 * 12)  # blocks x 7 cells
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_6"
     meta = json.loads((ckpts / "step_3" / "snip_meta.json").read_text())
