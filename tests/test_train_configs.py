@@ -70,6 +70,18 @@ def test_shipped_zero_configs_run_unchanged_on_one_rank(tmp_path):
             assert losses[name][step] == pytest.approx(value, rel=1e-5), (name, step)
 
 
+def _wait_until_training(proc) -> list:
+    """Reads ``proc``'s output until training is under way (its start-up line), then lets a step or two run;
+    returns the lines read."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("snip_ds:") and "parameters" in line:
+            break
+    time.sleep(1.0)
+    return lines
+
+
 def test_sigterm_to_the_launcher_saves_and_torchrun_resumes(tmp_path):
     """SIGTERM to the ``deepspeed`` runner alone (it forwards nothing on one node; the ranks notice it exited):
     both ranks stop at the same step boundary, save a complete checkpoint and exit 0. torchrun with 2 ranks
@@ -77,13 +89,8 @@ def test_sigterm_to_the_launcher_saves_and_torchrun_resumes(tmp_path):
     cfg = write_configs(tmp_path, stage=3, plan="fp8", max_steps=100_000, eval_steps=100_000, save_steps=0)
     proc = subprocess.Popen(launch_cmd(["--deepspeed", str(cfg)], num_ranks=2), cwd=REPO, env=env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    lines = []
     try:
-        for line in proc.stdout:  # wait until training is under way
-            lines.append(line)
-            if line.startswith("snip_ds:") and "parameters" in line:
-                break
-        time.sleep(1.0)
+        lines = _wait_until_training(proc)
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=300)  # EOF only once the ranks and deepspeed.launcher.launch exited
     finally:
@@ -120,13 +127,8 @@ def test_a_signal_to_the_training_process_saves_and_exits_cleanly(tmp_path, sign
     cfg = write_configs(tmp_path, stage=3, plan="fp8", max_steps=100_000, eval_steps=100_000, save_steps=0)
     proc = subprocess.Popen([sys.executable, str(TRAIN), "--deepspeed", str(cfg), "--no_progress"], cwd=REPO,
                             env=env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines = []
     try:
-        for line in proc.stdout:  # wait until training is under way
-            lines.append(line)
-            if line.startswith("snip_ds:") and "parameters" in line:
-                break
-        time.sleep(1.0)
+        lines = _wait_until_training(proc)
         proc.send_signal(signum)
         rest, _ = proc.communicate(timeout=300)
     finally:
