@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from train_utils import REPO, env
+from train_utils import REPO, env, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = REPO / "tests" / "dist_scripts" / "own_loop.py"
@@ -16,9 +16,8 @@ def _run(case: str, tmp_path) -> list:
     from snip_ds.engine.core import _free_port
 
     out = tmp_path / case
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
-           str(SCRIPT), "--case", case, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                              str(_free_port()), str(SCRIPT), "--case", case, "--out", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads((tmp_path / f"{case}.{r}").read_text()) for r in (0, 1)]
 

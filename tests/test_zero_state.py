@@ -5,14 +5,13 @@ Llama trains 3 steps on a fixed global batch, then reports Σ_ranks precond(fqn,
 statistics collection. ZeRO-0 on one rank (full per-parameter Adam state) is the reference.
 """
 import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from train_utils import REPO, env
+from train_utils import REPO, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = REPO / "tests" / "dist_scripts" / "adam_state_probe.py"
@@ -27,9 +26,9 @@ def run(tmp_path_factory):
             from snip_ds.engine.core import _free_port
 
             out = tmp_path_factory.mktemp("zero") / f"stage{stage}_{ranks}.json"
-            cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
-                   str(_free_port()), str(SCRIPT), "--stage", str(stage), "--out", str(out)]
-            proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+            proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+                                      "--master_port", str(_free_port()), str(SCRIPT), "--stage", str(stage),
+                                      "--out", str(out)], timeout=600)
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
             cache[stage, ranks] = json.loads(out.read_text())
         return cache[stage, ranks]
