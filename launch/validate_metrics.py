@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -203,6 +203,41 @@ def bwd_truth(model, opt, batches: Sequence[torch.Tensor]) -> Dict[str, List[flo
 # --------------------------------------------------------------------------------------------------------
 # Comparison
 # --------------------------------------------------------------------------------------------------------
+TABLE_COLUMNS = {"FLD truth": "sym", "GN part": "gn", "one-shot": "one", "BWD truth": "drift"}
+
+
+def read_truth_table(path: str, fqns: Sequence[str]) -> tuple:
+    """The per-layer truths of an earlier run's printed table, as one-"batch" lists ``(sym, one, gn, drift)``.
+
+    The table holds means only, so split-half figures are not available from it (they come out null).
+
+    Raises:
+        ValueError: the file is not such a table, or its layers are not this model's.
+    """
+    text = Path(path).read_text(encoding="utf-8").splitlines()
+    header = next((i for i, line in enumerate(text) if line.startswith("layer ")), None)
+    if header is None:
+        raise ValueError(f"--truth_table {path}: no table header (a line starting with 'layer') found")
+    names = [c.strip() for c in text[header][len("layer"):].strip().split("  ") if c.strip()]
+    missing = [c for c in TABLE_COLUMNS if c not in names]
+    if missing:
+        raise ValueError(f"--truth_table {path}: the table lacks column(s) {missing}")
+    out = {key: {} for key in TABLE_COLUMNS.values()}
+    for line in text[header + 1:]:
+        cells = line.split()
+        if len(cells) != len(names) + 1 or not cells[0].startswith("model."):
+            continue
+        try:
+            for col, key in TABLE_COLUMNS.items():
+                out[key][cells[0]] = [float(cells[1 + names.index(col)])]
+        except ValueError:
+            raise ValueError(f"--truth_table {path}: unreadable row {line!r}")
+    if set(out["sym"]) != set(fqns):
+        raise ValueError(f"--truth_table {path}: its {len(out['sym'])} layers are not this model's {len(fqns)} "
+                         f"(e.g. {sorted(set(fqns) ^ set(out['sym']))[:2]})")
+    return out["sym"], out["one"], out["gn"], out["drift"]
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
 
@@ -212,11 +247,11 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return float(rho) if rho == rho else 0.0  # constant input -> NaN -> 0
 
 
-def split_half(per_batch: Dict[str, List[float]]) -> float:
+def split_half(per_batch: Dict[str, List[float]]) -> Optional[float]:
     fqns = list(per_batch)
     half = len(next(iter(per_batch.values()))) // 2
     if half == 0:
-        return float("nan")
+        return None
     a = [_mean(per_batch[f][:half]) for f in fqns]
     b = [_mean(per_batch[f][half:2 * half]) for f in fqns]
     return spearman(a, b)
@@ -240,6 +275,7 @@ def run(args) -> Dict[str, Any]:
     batches = [val_ds.get_batch(order[i * args.batch_size:(i + 1) * args.batch_size])["input_ids"]
                for i in range(args.batches)]
     fqns = list(snip_layers(model))
+    table = read_truth_table(args.truth_table, fqns) if args.truth_table else None  # fail before the work
 
     t0 = time.perf_counter()
     for _ in range(2):  # one training-step equivalent (fwd + bwd), warm then timed, for the cost figure
@@ -256,16 +292,20 @@ def run(args) -> Dict[str, Any]:
                                         seed=args.seed, step=pc.step)
         timing[est] = time.perf_counter() - t
     t = time.perf_counter()
-    sym, one, gn = fld_truth(model, batches)
+    if args.truth_table:  # re-score against the truths an earlier run printed (their means only)
+        sym, one, gn, drift = table
+    else:
+        sym, one, gn = fld_truth(model, batches)
     t_fld = time.perf_counter() - t
     t = time.perf_counter()
-    drift = bwd_truth(model, opt, batches)
+    if not args.truth_table:
+        drift = bwd_truth(model, opt, batches) if args.bwd_truth else None
     t_bwd = time.perf_counter() - t
 
     truth_fld = [_mean(sym[f]) for f in fqns]
     truth_one = [_mean(one[f]) for f in fqns]
     truth_gn = [_mean(gn[f]) for f in fqns]
-    truth_bwd = [_mean(drift[f]) for f in fqns]
+    truth_bwd = [_mean(drift[f]) for f in fqns] if drift is not None else [float("nan")] * len(fqns)
 
     def pred(est: str, key: str) -> List[float]:
         return [preds[est]["layers"][f][key]["fp4"] for f in fqns]
@@ -274,7 +314,9 @@ def run(args) -> Dict[str, Any]:
     prop_total = [a + b for a, b in zip(pred("mc_fisher", "bwd_drift"), pred("mc_fisher", "bwd_drift_propagated"))]
     fld_variants = {
         "mc_fisher": pred("mc_fisher", "fld"), "empirical": pred("empirical", "fld"),
-        "isotropic": pred("isotropic", "fld"), "quant_err": pred("mc_fisher", "quant_err"),
+        "isotropic": pred("isotropic", "fld"), "mc_fisher_channel": pred("mc_fisher", "fld_channel"),
+        "empirical_channel": pred("empirical", "fld_channel"), "isotropic_channel": pred("isotropic", "fld_channel"),
+        "quant_err": pred("mc_fisher", "quant_err"),
         "rel_quant_err": pred("mc_fisher", "rel_quant_err"), "first_order": pred("mc_fisher", "first_order"),
         "one_shot_truth": truth_one}
     bwd_variants = {
@@ -284,20 +326,24 @@ def run(args) -> Dict[str, Any]:
         "quant_err": pred("mc_fisher", "quant_err"), "rel_quant_err": pred("mc_fisher", "rel_quant_err")}
 
     # table
-    print(f"{'layer':<34} {'FLD truth':>10} {'GN part':>10} {'FLD mcF':>10} {'one-shot':>10} {'BWD truth':>10} "
-          f"{'BWD pred':>10}")
+    print(f"{'layer':<34} {'FLD truth':>10} {'GN part':>10} {'FLD mcF':>10} {'mcF chan':>10} {'one-shot':>10} "
+          f"{'BWD truth':>10} {'BWD pred':>10}")
     for i, f in enumerate(fqns):
         print(f"{f:<34} {truth_fld[i]:10.3e} {truth_gn[i]:10.3e} {fld_variants['mc_fisher'][i]:10.3e} "
-              f"{truth_one[i]:10.3e} {truth_bwd[i]:10.3e} {bwd_variants['direct'][i]:10.3e}")
+              f"{fld_variants['mc_fisher_channel'][i]:10.3e} {truth_one[i]:10.3e} {truth_bwd[i]:10.3e} "
+              f"{bwd_variants['direct'][i]:10.3e}")
 
     result = {
         "spearman_fld": spearman(fld_variants["mc_fisher"], truth_fld),
         "spearman_bwd": spearman(bwd_variants["direct"], truth_bwd),
-        "repro_fld": split_half(sym), "repro_bwd": split_half(drift), "repro_one_shot": split_half(one),
+        "repro_fld": split_half(sym), "repro_bwd": split_half(drift) if drift is not None else None, "repro_one_shot": split_half(one),
         "spearman_fld_gn": spearman(fld_variants["mc_fisher"], truth_gn), "repro_fld_gn": split_half(gn),
         "fld_variants_vs_gn": {k: spearman(v, truth_gn) for k, v in fld_variants.items() if k != "one_shot_truth"},
         "gn_share_of_fld_truth": _median([a / b for a, b in zip(truth_gn, truth_fld) if b > 0]),
         "calibration_fld_gn": _median([p / t for p, t in zip(fld_variants["mc_fisher"], truth_gn) if t > 0]),
+        "calibration_fld_gn_channel": _median([p / t for p, t in zip(fld_variants["mc_fisher_channel"], truth_gn)
+                                               if t > 0]),
+        "spearman_gn_truth_vs_fld_truth": spearman(truth_gn, truth_fld),
         "fld_variants": {k: spearman(v, truth_fld) for k, v in fld_variants.items()},
         "bwd_variants": {k: spearman(v, truth_bwd) for k, v in bwd_variants.items()},
         "calibration_fld": _median([p / t for p, t in zip(fld_variants["mc_fisher"], truth_fld) if t > 0]),
@@ -313,6 +359,9 @@ def run(args) -> Dict[str, Any]:
         "collect_step_equivalents": timing["mc_fisher"] / (args.batches * t_step),
         "checkpoint": info["checkpoint"], "quick": bool(args.quick), "seed": args.seed,
     }
+    if drift is None:  # --no_bwd_truth: no BWD figure at all rather than ones computed against NaN
+        for key in ("spearman_bwd", "repro_bwd", "bwd_variants", "calibration_bwd"):
+            result[key] = None
     return result
 
 
@@ -334,6 +383,10 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: 1 with --quick, whose tiny GEMMs only lose to threading "
                          "on a busy machine; else torch's default)")
+    ap.add_argument("--truth_table", default=None, help="re-score the estimators against the truths an earlier "
+                    "run printed for the same checkpoint and batches, instead of measuring them again")
+    ap.add_argument("--no_bwd_truth", dest="bwd_truth", action="store_false",
+                    help="measure only the FLD truths (BWD figures are null): halves the time of long FLD runs")
     ap.add_argument("--quick", action="store_true", help="tiny model and data: a smoke run of seconds")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)

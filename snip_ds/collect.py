@@ -50,12 +50,12 @@ from torch import nn
 
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
+from snip_ds.config import ESTIMATORS, FLD_FORMS
 from snip_ds.fileio import atomic_write_text
 from snip_ds.linear import SnipLinear
 from snip_ds.swap import snip_layers
 
 STATS_FORMAT = "snip_ds.stats/1"
-ESTIMATORS = ("mc_fisher", "empirical", "isotropic")
 QUANTIZED = ("fp8", "fp4")
 ISO_DELTA = 0.02  # δ of the isotropic ablation's forward-noise passes, relative to rms(z)
 IGNORE_INDEX = -100
@@ -196,14 +196,17 @@ class _Collector:
     GLOBAL = "<global>"
 
     def __init__(self, model: nn.Module, layers: Dict[str, SnipLinear], precisions: Sequence[str],
-                 precond: Precond, fallback: str, estimator: str, propagated: bool, seed: int) -> None:
+                 precond: Precond, fallback: str, estimator: str, propagated: bool, seed: int,
+                 retain_graph: bool = True) -> None:
         self.model, self.layers, self.precisions = model, layers, tuple(precisions)
+        self.retain_graph = retain_graph
         self.precond, self.fallback, self.estimator, self.propagated = precond, fallback, estimator, propagated
         self.backend = get_backend()
         self.stats = _Stats()
         self.phase = "off"
         self.n_local = 1.0
         self.x: Dict[str, torch.Tensor] = {}
+        self.xp: Dict[str, torch.Tensor] = {}  # layer inputs as autograd saved them, for the probe hooks
         self.order: Dict[str, int] = {}
         self.group: Dict[str, int] = {}
         self._group_ids: Dict[int, int] = {}
@@ -255,6 +258,7 @@ class _Collector:
     def _forward_hook(self, fqn: str):
         def hook(module: SnipLinear, inputs: Any, output: torch.Tensor) -> None:
             if self.phase == "probe_forward":  # a fresh forward for a probe: only its output gradient counts
+                self.xp[fqn] = inputs[0].detach()
                 if output.requires_grad:
                     output.register_hook(lambda g: self._on_output_grad(fqn, module, g))
                 return
@@ -269,6 +273,8 @@ class _Collector:
     def _on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, k]
         self.x[fqn] = x2
+        if self.estimator != "empirical":
+            self.xp[fqn] = x.detach()  # the tensor autograd keeps anyway: no copy
         if fqn not in self.order:
             self.order[fqn] = len(self.order)
         if self.propagated and x.requires_grad:
@@ -283,19 +289,30 @@ class _Collector:
         else:  # no training gradient will arrive: the fprop statistics now (no first-order term)
             self._fprop_stats(fqn, module, self.x.pop(fqn), None)
 
-    def _fprop_stats(self, fqn: str, module: SnipLinear, x2: torch.Tensor, g2: Optional[torch.Tensor]) -> None:
-        """Per precision: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W, and
-        (given the training ``G_Y``) the first-order term ``⟨G_Y, E⟩`` from the same E."""
-        st, cfg = self.stats, self._quant_cfg(module)
+    def _fprop_errors(self, module: SnipLinear, x2: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor,
+                                                                                   torch.Tensor, torch.Tensor]]:
+        """Per precision ``(p, E, Q_p(X), Q_p(W))`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` (RNE), one at a time."""
+        cfg = self._quant_cfg(module)
         w = module.weight.detach().float()  # [n, k]
         y_ref = x2 @ w.t()  # [T, n]
         for p in self.precisions:
             x_lp = self.backend.quantize(x2, p, "x", -1, cfg)
             w_lp = self.backend.quantize(w, p, "w", -1, cfg)
-            e = x_lp @ w_lp.t() - y_ref
+            yield p, x_lp @ w_lp.t() - y_ref, x_lp, w_lp
+
+    def _fprop_stats(self, fqn: str, module: SnipLinear, x2: torch.Tensor, g2: Optional[torch.Tensor],
+                     rows: int = 1) -> None:
+        """Per precision: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W, and
+        (given the training ``G_Y``) the first-order term ``⟨G_Y, E⟩`` from the same E (and, for the empirical
+        estimator, its per-sequence square: the sequence-form FLD with ``G_Y`` as the probe)."""
+        st = self.stats
+        w = module.weight.detach().float()  # [n, k]
+        for p, e, x_lp, w_lp in self._fprop_errors(module, x2):
             st.add(fqn, f"err_sq.{p}", dv.channel_sq_sum(e))
             if g2 is not None:
                 st.add(fqn, f"first.{p}", (g2 * e).sum() * self.n_local)
+                if self.estimator == "empirical":
+                    st.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2 * self.n_local, e, rows))
             st.add(fqn, f"qerr_x.{p}", ((x_lp - x2) ** 2).sum())
             st.add(fqn, f"qerr_w.{p}", ((w_lp - w) ** 2).sum())
             del e, x_lp, w_lp
@@ -308,10 +325,27 @@ class _Collector:
 
     def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
         g2 = g.detach().reshape(-1, g.shape[-1]).float()  # [T, n]
+        rows = g.shape[0] if g.dim() >= 3 else 1  # sequences: [B, L, n]
         if self.phase in ("probe", "iso"):
             self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2))
+            self._probe_fld(fqn, module, g2, rows)
         elif self.phase == "train":
-            self._on_train_grad(fqn, module, g2)
+            self._on_train_grad(fqn, module, g2, rows)
+
+    def _probe_fld(self, fqn: str, module: SnipLinear, g2: torch.Tensor, rows: int) -> None:
+        """Sequence-form FLD: ``Σ_rows (Σ_t g_t·E_t)²`` per precision, E recomputed from the saved input.
+
+        With probe labels drawn from the model's softmax, ``E_ŷ[(g·E)²] = Eᵀ(Σ_s J_sᵀF_sJ_s)E``: the exact
+        Gauss-Newton quadratic form of the perturbation, cross-token and cross-channel terms included
+        (sequences are independent, so their cross terms vanish in expectation and are left out).
+        """
+        x = self.xp.get(fqn)
+        if x is None:
+            return
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        for p, e, _, _ in self._fprop_errors(module, x2):
+            self.stats.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2, e, rows))
+            del e
 
     def _precond_of(self, fqn: str, gw: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[PrecondFn]]:
         pc = self.precond
@@ -326,10 +360,10 @@ class _Collector:
         self.sources.add("callable")
         return None, entry
 
-    def _on_train_grad(self, fqn: str, module: SnipLinear, g2: torch.Tensor) -> None:
+    def _on_train_grad(self, fqn: str, module: SnipLinear, g2: torch.Tensor, rows: int) -> None:
         st, cfg, be = self.stats, self._quant_cfg(module), self.backend
         x2 = self.x.pop(fqn)
-        self._fprop_stats(fqn, module, x2, g2)
+        self._fprop_stats(fqn, module, x2, g2, rows)
         w = module.weight.detach().float() if self.propagated else None
         gw = g2.t() @ x2  # [n, k], BF16-pass weight gradient (mean loss)
         pmat, pfn = self._precond_of(fqn, gw)
@@ -396,6 +430,8 @@ class _Collector:
             self.phase = "train"
             torch.autograd.grad(loss, self.emb, retain_graph=extra and retain_graph)
             self.x.clear()
+            if not retain_graph:
+                self.xp.clear()  # the probes' fresh forwards record their own inputs
             self._lg = lg
             if self.estimator == "mc_fisher":
                 probs = torch.softmax(lg.detach(), dim=-1)
@@ -412,6 +448,7 @@ class _Collector:
                     u = torch.randn(self.z.shape, generator=self.gen, device=self.z.device, dtype=self.z.dtype)
                     torch.autograd.grad((u * self.z).sum(), self.emb, retain_graph=keep)
             self._lg = None
+            self.xp.clear()
             self._fold(int(ids.numel()), num_probes)
             self.phase = "off"
         if self.estimator == "isotropic":
@@ -492,7 +529,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
                        precisions: Sequence[str] = QUANTIZED, bwd_propagated: bool = False, seed: int = 0,
                        reduce: Optional[Reduce] = None, step: int = 0, world_size: int = 1,
                        step_scale: float = 1.0, precond_fallback: str = "grad_sq",
-                       lam: Optional[float] = None, retain_graph: bool = True) -> Dict[str, Any]:
+                       lam: Optional[float] = None, retain_graph: bool = True,
+                       fld_form: str = "sequence") -> Dict[str, Any]:
     """One SNIP statistics collection on the given batches; leaves no trace on the model.
 
     Args:
@@ -503,7 +541,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         lr: learning rate η of the next steps.
         precond: ``{fqn: P}`` (weight-shaped tensors, e.g. :func:`adam_precond`), or a callable
             ``(fqn, t) -> Σ_owned (t⊙P)²`` for partitioned states (module docstring), or a mapping of such
-            callables; None uses ``precond_fallback`` (``"grad_sq"``: Adam's first-step ``v̂ = G_W²``;
+            callables; None (or an empty mapping: no optimizer state yet) uses ``precond_fallback`` (``"grad_sq"``: Adam's first-step ``v̂ = G_W²``;
             ``"ones"``). The artifact's ``"precond"`` says which was used.
         estimator: ``"mc_fisher"`` (default; MC Fisher probes), ``"empirical"`` (the training G_Y, no extra
             pass) or ``"isotropic"`` (ablation: ``N(0, I)`` probes at the last block's output times α).
@@ -522,6 +560,10 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         retain_graph: back-propagate every probe through the first forward's retained graph (cheapest).
             False runs one fresh forward per probe instead, so each backward is an ordinary single one:
             needed under ZeRO-3, which releases the gathered weights after each backward.
+        fld_form: which FLD the planner gets as ``fld``: ``"sequence"`` (default; ``(1/2N)Σ_rows (Σ_t
+            g_t·E_t)²``, the Gauss-Newton form with every token and channel pair of a sequence) or
+            ``"channel"`` (ablation; ``(1/2N)Σ_j (Σ_t E_tj²)·mean_t g_tj²``, diagonal and factorised over
+            tokens). Both are recorded (``fld_sequence``, ``fld_channel``).
 
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
@@ -529,6 +571,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         ``quant_err``, ``rel_quant_err`` (each ``{precision: number}``), ``nonfinite``. Non-finite numbers
         are written as null and flag the layer.
     """
+    if fld_form not in FLD_FORMS:
+        raise ValueError(f"fld_form: unknown form {fld_form!r}; valid: {', '.join(FLD_FORMS)}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator: unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
     bad = [p for p in precisions if p not in QUANTIZED]
@@ -543,6 +587,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
     if precond_fallback not in dv.FALLBACKS:
         raise ValueError(f"precond_fallback: unknown {precond_fallback!r}; valid: {', '.join(dv.FALLBACKS)}")
     mods = _select_layers(model, layers)
+    if isinstance(precond, Mapping) and not precond:
+        precond = None  # no optimizer state yet (adam_precond before the first step): the fallback
     if isinstance(precond, Mapping):
         missing = [f for f in mods if f not in precond]
         if missing:
@@ -556,7 +602,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         raise ValueError(f"precond must be None, a mapping fqn -> tensor/callable, or a callable; "
                          f"got {type(precond).__name__}")
 
-    col = _Collector(model, mods, precisions, precond, precond_fallback, estimator, bwd_propagated, seed)
+    col = _Collector(model, mods, precisions, precond, precond_fallback, estimator, bwd_propagated, seed,
+                     retain_graph)
     rows_per_batch, n_batches = None, 0
     with _preserved(model, mods), col.hooks():
         for batch in batches:
@@ -568,19 +615,20 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
     col.stats.reduce(reduce, _device_of(model))
     return _finalize(col, mods, n_batches, rows_per_batch * world_size, lr=float(lr), step=int(step),
                      world_size=world_size, step_scale=float(step_scale), num_probes=num_probes, seed=seed,
-                     lam=lam)
+                     lam=lam, fld_form=fld_form)
 
 
 def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, tokens_per_step: int, *,
               lr: float, step: int, world_size: int, step_scale: float, num_probes: int, seed: int,
-              lam: Optional[float]) -> Dict[str, Any]:
+              lam: Optional[float], fld_form: str = "sequence") -> Dict[str, Any]:
     st, G, W, B = col.stats, _Collector.GLOBAL, float(world_size), float(n_batches)
     n_tot = float(st.get(G, "n_tokens")[0])
     callable_mode = "callable" in col.sources
     cover = 1.0 if callable_mode else W  # how many times the reduced P-weighted norms cover each element
     eta2 = (lr * step_scale) ** 2
     out: Dict[str, Any] = {"format": STATS_FORMAT, "step": step, "lr": lr, "world_size": world_size,
-                           "estimator": col.estimator, "num_probes": num_probes, "step_scale": step_scale,
+                           "estimator": col.estimator, "num_probes": num_probes, "fld_form": fld_form,
+                           "step_scale": step_scale,
                            "precond": ",".join(sorted(col.sources)) or "none", "batches": n_batches,
                            "tokens": int(n_tot), "loss": st.get(G, "loss_sum")[0].item() / n_tot, "seed": seed}
     if lam is not None:
@@ -610,9 +658,12 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
     layers_out: Dict[str, Any] = {}
     for fqn, mod in mods.items():
         rec: Dict[str, Any] = {"flops": 6.0 * tokens_per_step * mod.in_features * mod.out_features}
-        fld, bwd, drift, first, qe, rqe = {}, {}, {}, {}, {}, {}
+        fld, bwd, drift, first, qe, rqe, fld_ch, fld_sq = {}, {}, {}, {}, {}, {}, {}, {}
+        probes = 1.0 if col.estimator == "empirical" else float(num_probes)
         for p in col.precisions:
-            fld[p] = curvature * float(st.get(fqn, f"fld_prod.{p}")[0]) / (2.0 * n_tot)
+            fld_ch[p] = curvature * float(st.get(fqn, f"fld_prod.{p}")[0]) / (2.0 * n_tot)
+            fld_sq[p] = curvature * float(st.get(fqn, f"fld_seq.{p}")[0]) / probes / (2.0 * n_tot)
+            fld[p] = fld_sq[p] if fld_form == "sequence" else fld_ch[p]
             drift[p] = eta2 * float(st.get(fqn, f"drift_sq.{p}")[0]) / cover / B / W
             price = curvature * float(st.get(fqn, f"drift_prod.{p}")[0]) / (2.0 * n_tot) / W
             scale = iso_factor(fqn, f"drift_sq.{p}", f"dg_sq.{p}") if callable_mode else 1.0
@@ -622,7 +673,8 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
                      for r in ("x", "w", "g")]
             qe[p] = sum(e for e, _ in parts) / (B * W)
             rqe[p] = sum(e / nrm if nrm > 0 else 0.0 for e, nrm in parts)
-        rec.update(fld=fld, bwd=bwd, bwd_drift=drift, first_order=first, quant_err=qe, rel_quant_err=rqe)
+        rec.update(fld=fld, fld_sequence=fld_sq, fld_channel=fld_ch, bwd=bwd, bwd_drift=drift, first_order=first,
+                   quant_err=qe, rel_quant_err=rqe)
         if col.propagated:
             gx = float(st.get(G, f"gx_sq.{col.group.get(fqn, -1)}")[0])
             up_sq = sum(float(st.get(u, "up_sq")[0]) for u in upstream[fqn]) * W / cover

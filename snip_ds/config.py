@@ -1,7 +1,8 @@
-"""Quantization settings of the linear layers.
+"""Quantization settings of the linear layers, and the names of the statistics' estimator choices.
 
 The ``"snip"`` section of a DeepSpeed JSON is parsed by :mod:`snip_ds.snip_config`; this module holds only
-the small frozen dataclass the quantized linear needs, so the numerics do not depend on the trainer.
+the small frozen dataclass the quantized linear needs (and the choice lists that both the parser and
+:mod:`snip_ds.collect` check against), so the numerics do not depend on the trainer.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 FP8_RECIPES = ("fp8_hybrid", "mxfp8")
 FP4_RECIPES = ("nvfp4", "mxfp4")
+ESTIMATORS = ("mc_fisher", "empirical", "isotropic")  # where the FLD's output sensitivities come from
+FLD_FORMS = ("sequence", "channel")  # which quadratic form prices a layer's output error
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,23 @@ def gram_pays(tokens: int, k: int, n: int, uses: int) -> bool:
     return tokens * k + uses * n * k < uses * tokens * n
 
 
+def sequence_sq_sum(g: torch.Tensor, e: torch.Tensor, rows: int) -> torch.Tensor:
+    """``Σ_r (Σ_{t in row r} g_t·e_t)²``: ``[T, n], [T, n] -> []`` with the T tokens split into ``rows`` equal,
+    contiguous sequences (FP32).
+
+    With ``g`` a Monte-Carlo Fisher probe (labels drawn from the model's softmax), its expectation is the
+    Gauss-Newton quadratic form ``eᵀ(Σ_s J_sᵀ F_s J_s)e`` of the perturbation ``e`` summed over rows: exact
+    within a sequence (every token and channel pair), while pairs of different sequences, whose probe
+    gradients are independent, have zero expectation and are dropped.
+    """
+    if g.shape != e.shape:
+        raise ValueError(f"g {tuple(g.shape)} and e {tuple(e.shape)} must have the same shape")
+    if rows < 1 or g.shape[0] % rows:
+        raise ValueError(f"rows={rows} does not divide the {g.shape[0]} tokens")
+    s = (_as_2d(g).float() * _as_2d(e).float()).sum(-1).reshape(rows, -1).sum(1)
+    return (s * s).sum()
+
+
 def channel_sq_mean(t: torch.Tensor) -> torch.Tensor:
     """``mean_t t_tj²`` over all leading dims: ``[..., n] -> [n]`` (FP32)."""
     t2 = _as_2d(t)

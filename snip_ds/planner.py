@@ -45,7 +45,7 @@ METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "unifo
 STATS_FORMAT = "snip_ds.stats/1"
 
 # Per-layer fields of a stats file that map precision -> number.
-_PRECISION_FIELDS = ("fld", "bwd", "bwd_propagated", "first_order", "quant_err", "rel_quant_err")
+_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_propagated", "first_order", "quant_err", "rel_quant_err")
 _REQUIRED_LAYER_FIELDS = ("flops", "fld", "bwd")
 _SHARE_TOL = 1e-9  # share constraints are checked to this absolute tolerance
 

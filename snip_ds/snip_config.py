@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from snip_ds.config import QuantConfig
+from snip_ds.config import ESTIMATORS, FLD_FORMS, QuantConfig
 from snip_ds.precision import PRECISIONS
 
 PLAN_KINDS = PRECISIONS + ("adaptive",)
 METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
-ESTIMATORS = ("mc_fisher", "empirical", "isotropic")
 
 
 class ConfigError(ValueError):
@@ -85,6 +84,9 @@ class SnipSettings:
     (ablations)."""
     num_probes: int = 1
     """Monte-Carlo Fisher probes per collection batch."""
+    fld_form: str = "sequence"
+    """FLD quadratic form: ``sequence`` (default; every token and channel pair of a sequence) or ``channel``
+    (ablation: diagonal, factorised over tokens)."""
     bwd_lambda: float = 100.0
     """Weight of the backward divergence in the plan's cost (an effective horizon in steps)."""
     additional_bf16_fwd_every_n_steps: int = 10
@@ -113,6 +115,7 @@ class SnipSettings:
                               f"nor a path to a plan .json file")
         _check_choice("snip.method", self.method, METHODS)
         _check_choice("snip.estimator", self.estimator, ESTIMATORS)
+        _check_choice("snip.fld_form", self.fld_form, FLD_FORMS)
         if not 0.0 <= self.efficiency_saving <= 1.0:
             raise ConfigError(f"snip.efficiency_saving: must lie in [0, 1], got {self.efficiency_saving}")
         for name in ("replan_every", "collect_batches", "num_probes"):

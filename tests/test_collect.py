@@ -125,13 +125,53 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
         assert rec["bwd_drift"][p] == pytest.approx(dv.bwd_direct(ref["dgw"], pre[LAYER], lr).item(), rel=1e-4,
                                                     abs=0)
         fld = dv.fld_from_tensors(ref["e"], ref["gy"] * ref["n"], ref["n"])
-        assert rec["fld"][p] == pytest.approx(fld.item(), rel=1e-4, abs=0)
+        assert rec["fld_channel"][p] == pytest.approx(fld.item(), rel=1e-4, abs=0)
+        # sequence form (the default): Σ over the batch's rows of (Σ_t g_t·E_t)², g on the per-token scale
+        per_row = ((ref["gy"] * ref["n"]) * ref["e"]).sum(1).reshape(batch.shape[0], -1).sum(1)
+        fld_seq = (per_row ** 2).sum() / (2 * ref["n"])
+        assert rec["fld_sequence"][p] == pytest.approx(fld_seq.item(), rel=1e-4, abs=0)
+        assert rec["fld"][p] == rec["fld_sequence"][p]
         bwd = dv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[LAYER], dv.channel_sq_mean(ref["gy"] * ref["n"]),
                              ref["n"])
         assert rec["bwd"][p] == pytest.approx(bwd.item(), rel=1e-4, abs=0)
-    assert rec["fld"]["fp4"] > rec["fld"]["fp8"] > 0
+    assert rec["fld_channel"]["fp4"] > rec["fld_channel"]["fp8"] > 0
     assert rec["rel_quant_err"]["fp4"] > rec["rel_quant_err"]["fp8"] > 0
     assert 1e-3 < rec["rel_quant_err"]["fp4"] / 3 < 0.1  # three operands at NVFP4 RNE (~1e-2 each)
+
+
+def test_mc_fisher_sequence_form_matches_exact_gauss_newton(model):
+    """Many probes: the sequence-form FLD of the tiny Llama's layers against the exact Gauss-Newton form of
+    the same perturbation E, ``(1/2N)Σ_s d_sᵀ(diag p_s - p_s p_sᵀ)d_s`` with ``d = J E`` the logits' change,
+    from a central difference on an FP64 copy (E from the same FP32 operands as the collector's)."""
+    import copy
+    batch = _batches(1, seed=4)[0]
+    probes = 96
+    stats = collect_statistics(model, [batch], lr=1e-3, num_probes=probes, seed=3)
+    m64 = copy.deepcopy(model).double()
+    for m in snip_layers(m64).values():
+        m.precision = "bf16"
+    be = get_backend()
+    for fqn in ("model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj", "model.layers.0.mlp.up_proj"):
+        mod = model.get_submodule(fqn)
+        cfg = replace(mod.quant_config, stochastic_rounding=False)
+        w = mod.weight.detach().float()
+        zs = {}
+        for sign in (1.0, -1.0):
+            def hook(m, inp, y, sign=sign):
+                x = inp[0].reshape(-1, inp[0].shape[-1]).float()
+                e = (be.fprop(x, w, "fp4", cfg) - x @ w.t()).double()
+                return y + 1e-3 * sign * e.reshape(y.shape)
+            h = m64.get_submodule(fqn).register_forward_hook(hook)
+            with torch.no_grad():
+                zs[sign] = m64(input_ids=batch).logits[:, :-1].reshape(-1, 257)
+            h.remove()
+        with torch.no_grad():
+            p = torch.softmax(m64(input_ids=batch).logits[:, :-1].reshape(-1, 257), -1)
+        d = (zs[1.0] - zs[-1.0]) / 2e-3
+        gn = 0.5 * ((p * d * d).sum(-1) - (p * d).sum(-1) ** 2).mean().item()
+        rec = stats["layers"][fqn]
+        # 96 probes x 2 rows: relative standard error ~ sqrt(2/192) = 0.1
+        assert rec["fld"]["fp4"] == pytest.approx(gn, rel=0.4), fqn
 
 
 def test_mc_fisher_is_seeded_and_close_to_empirical(model):
@@ -142,8 +182,9 @@ def test_mc_fisher_is_seeded_and_close_to_empirical(model):
     emp = collect_statistics(model, b, lr=1e-3, estimator="empirical")
     assert s1 == s2 and s1["layers"][LAYER]["fld"] != s3["layers"][LAYER]["fld"]
     # at initialisation the model's labels are as uncertain as the data: both Fisher forms agree within 3x
+    # (per channel: the sequence form of 4 rows is a sum of 4 squares, too noisy for a 3x band)
     for fqn, rec in s1["layers"].items():
-        ratio = rec["fld"]["fp4"] / emp["layers"][fqn]["fld"]["fp4"]
+        ratio = rec["fld_channel"]["fp4"] / emp["layers"][fqn]["fld_channel"]["fp4"]
         assert 1 / 3 < ratio < 3, fqn
 
 
@@ -216,6 +257,16 @@ def test_artifact_loads_in_planner_and_flags_nonfinite(model, tmp_path):
     assert down["bwd_propagated"]["fp4"] > down["bwd"]["fp4"] and down["dgrad_err"]["fp4"] > 0
 
 
+def test_empty_precond_mapping_means_no_optimizer_state(model):
+    """adam_precond before the first optimizer step gives {}: the fallback is used, and the artifact says so."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pc = adam_precond(model, opt)
+    assert pc.precond == {} and pc.step == 0
+    s = collect_statistics(model, _batches(1), lr=1e-3, precond=pc.precond)
+    assert s["precond"] == "grad_sq"
+    assert s == collect_statistics(model, _batches(1), lr=1e-3, precond=None)
+
+
 def test_isotropic_records_alpha(model):
     s = collect_statistics(model, _batches(1), lr=1e-3, estimator="isotropic")
     assert s["alpha"] > 0 and 2.0 < s["quadratic_ratio"] < 6.0
@@ -226,6 +277,8 @@ def test_bad_arguments(model):
     b = _batches(1)
     with pytest.raises(ValueError, match="valid: mc_fisher, empirical, isotropic"):
         collect_statistics(model, b, lr=1e-3, estimator="hessian")
+    with pytest.raises(ValueError, match="fld_form: unknown form 'token'; valid: sequence, channel"):
+        collect_statistics(model, b, lr=1e-3, fld_form="token")
     with pytest.raises(ValueError, match="not SnipLinear"):
         collect_statistics(model, b, lr=1e-3, layers=["model.lm_head"])
     with pytest.raises(ValueError, match="shape"):

@@ -89,6 +89,46 @@ def test_mc_fisher_probes_match_exact_softmax_fisher():
     assert est.item() == pytest.approx(diag_ref.item(), rel=0.05)
 
 
+def test_sequence_sq_sum_values_and_checks():
+    g = torch.arange(12, dtype=torch.float32).reshape(2, 3, 2)  # [B=2, L=3, n=2]
+    e = torch.ones(2, 3, 2)
+    # per row: Σ over its 3 tokens and 2 channels of g -> 15 and 51
+    assert dv.sequence_sq_sum(g.reshape(6, 2), e.reshape(6, 2), 2).item() == 15.0 ** 2 + 51.0 ** 2
+    assert dv.sequence_sq_sum(g.reshape(6, 2), e.reshape(6, 2), 1).item() == 66.0 ** 2
+    with pytest.raises(ValueError, match="does not divide"):
+        dv.sequence_sq_sum(g.reshape(6, 2), e.reshape(6, 2), 4)
+    with pytest.raises(ValueError, match="same shape"):
+        dv.sequence_sq_sum(torch.ones(6, 2), torch.ones(6, 3), 1)
+
+
+def test_sequence_form_is_the_gauss_newton_form_where_the_channel_form_is_not():
+    """Tokens mixed causally (z_s = Σ_t A_st Y_t M, as attention and later layers do) under a softmax head,
+    a perturbation coherent across tokens and channels (as a weight's rounding error is): the MC-probe
+    sequence form converges to the exact Gauss-Newton form ``(1/2N)Σ_s d_sᵀ(diag p_s - p_s p_sᵀ)d_s``,
+    ``d = A E M``; the per-channel form, which drops every cross-token and cross-channel pair, does not."""
+    B, L, n, V = 3, 6, 4, 9
+    g = _gen(7)
+    a = torch.tril(torch.rand(L, L, generator=g, dtype=torch.float64) + 0.2)
+    a = a / a.sum(1, keepdim=True)  # causal averaging
+    m = torch.randn(n, V, generator=g, dtype=torch.float64)
+    y = torch.randn(B, L, n, generator=g, dtype=torch.float64)
+    e = 0.05 * (torch.randn(n, generator=g, dtype=torch.float64) + 0.05 * torch.randn(B, L, n, generator=g,
+                                                                                       dtype=torch.float64))
+    z = torch.einsum("st,btn,nv->bsv", a, y, m)
+    p = torch.softmax(z, -1)
+    d = torch.einsum("st,btn,nv->bsv", a, e, m)
+    N = B * L
+    gn = 0.5 * ((p * d * d).sum(-1) - (p * d).sum(-1) ** 2).sum() / N
+    probes = 4000
+    labels = torch.multinomial(p.reshape(-1, V), probes, replacement=True, generator=g)  # [B*L, R]
+    r = (p.reshape(-1, 1, V) - torch.nn.functional.one_hot(labels, V).double()).reshape(B, L, probes, V)
+    gy = torch.einsum("st,bsrv,nv->rbtn", a, r, m).reshape(probes, N, n)  # ∂Σ_s CE_s/∂Y_t per probe
+    seq = sum(dv.sequence_sq_sum(gy[i], e.reshape(N, n), B) for i in range(probes)) / probes / (2 * N)
+    chan = dv.fld_estimate(dv.channel_sq_sum(e).double(), (gy ** 2).mean((0, 1)), N)
+    assert seq.item() == pytest.approx(gn.item(), rel=0.1)
+    assert chan.item() < 0.5 * gn.item()  # 0.26-0.39 over four seeds of this set-up
+
+
 def test_fld_estimate_validates():
     with pytest.raises(ValueError, match="n_tokens"):
         dv.fld_estimate(torch.ones(3), torch.ones(3), 0)

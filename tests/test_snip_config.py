@@ -11,6 +11,11 @@ def test_defaults_are_two_precisions_without_budget():
     assert s.allowed == ("fp8", "fp4") and s.compute_budget is None and s.max_share is None
 
 
+def test_fld_form_defaults_to_sequence_and_parses():
+    assert parse_snip_section({}).fld_form == "sequence"
+    assert parse_snip_section({"fld_form": "channel"}).fld_form == "channel"
+
+
 def test_three_precisions_budget_and_cap_parse_and_round_trip():
     s = parse_snip_section({"allowed": ["bf16", "fp8", "fp4"], "compute_budget": 0.4, "max_share": 0.9})
     assert s.allowed == ("bf16", "fp8", "fp4") and s.compute_budget == 0.4 and s.max_share == 0.9
@@ -26,6 +31,8 @@ def test_three_precisions_budget_and_cap_parse_and_round_trip():
     ({"compute_budget": 0}, r"snip.compute_budget: must lie in \(0, 1\]"),
     ({"compute_budget": "half"}, "snip.compute_budget: expected a number"),
     ({"efficiency_saving": 0.75, "max_share": 0.5}, r"snip.max_share: must lie in \[efficiency_saving, 1\]"),
+    ({"fld_form": "token"}, "snip.fld_form: unknown value 'token'"),
+    ({"estimator": "hessian"}, "snip.estimator: unknown value 'hessian'"),
 ])
 def test_bad_values_name_the_field(section, match):
     with pytest.raises(ConfigError, match=match):

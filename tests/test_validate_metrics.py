@@ -48,6 +48,30 @@ def test_quick_run_prints_table_then_json(vm, capsys, tmp_path):
     assert vm.main(["--quick", "--checkpoint", str(ckpt), "--batches", "2", "--warmup_steps", "0"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["checkpoint"] == "loaded" and again["optimizer_step"] == 40 and again["precond"] == "tensor"
+    # the sequence form is the default FLD; both forms are reported; without the BWD truth its figures are null
+    assert out["fld_variants"]["mc_fisher"] != out["fld_variants"]["mc_fisher_channel"]
+    assert vm.main(["--quick", "--checkpoint", str(ckpt), "--batches", "2", "--no_bwd_truth"]) == 0
+    fld_only = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert fld_only["spearman_bwd"] is None and fld_only["bwd_variants"] is None and _in_unit(fld_only["spearman_fld"])
+    # re-scoring against the first run's printed table: the same figures (to the table's 4 digits), no split-half
+    table = tmp_path / "table.txt"
+    table.write_text("\n".join(lines) + "\n")
+    assert vm.main(["--quick", "--checkpoint", str(ckpt), "--truth_table", str(table)]) == 0
+    rescored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("spearman_fld", "spearman_bwd", "spearman_fld_gn"):
+        assert rescored[key] == pytest.approx(out[key], abs=0.02), key
+    assert rescored["repro_fld"] is None and rescored["repro_bwd"] is None
+
+
+def test_bad_truth_table_names_the_file(vm, capsys, tmp_path):
+    bad = tmp_path / "t.txt"
+    bad.write_text("no table here\n")
+    assert vm.main(["--quick", "--batches", "2", "--warmup_steps", "0", "--truth_table", str(bad)]) == 2
+    assert f"--truth_table {bad}: no table header" in capsys.readouterr().err
+    other = tmp_path / "o.txt"
+    other.write_text("layer  FLD truth  GN part  one-shot  BWD truth\nmodel.x.q_proj 1 2 3 4\n")
+    assert vm.main(["--quick", "--batches", "2", "--warmup_steps", "0", "--truth_table", str(other)]) == 2
+    assert "layers are not this model's" in capsys.readouterr().err
 
 
 def test_bad_arguments(vm, capsys):

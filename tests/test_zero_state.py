@@ -67,9 +67,10 @@ def _column(stats, key, p="fp4"):
 
 
 def test_statistics_one_vs_two_ranks_at_the_same_global_batch(run):
-    """Tolerance, written down: with 2 ranks each rank's per-channel sums cover half of the 64 tokens and the
-    rank-local quantization errors are taken as independent, so values agree to sampling error, not bit for
-    bit: the same ranking of layers (Spearman >= 0.85), the layer total within 1.5x, each layer within 4x.
+    """Tolerance, written down: with 2 ranks each rank's sums cover half of the 64 tokens, the rank-local
+    quantization errors are taken as independent and each rank draws its own probe labels (16 probes, so
+    the sequence-form FLD's sampling error is ~18%), so values agree to sampling error, not bit for bit:
+    the same ranking of layers (Spearman >= 0.85), the layer total within 1.5x, each layer within 4x.
     Relative operand errors agree to 5%: the G_Y operand is rank-local (its scale follows the local amax)."""
     ref, two = run(0, 1)["stats"], run(3, 2)["stats"]
     assert ref["world_size"] == 1 and two["world_size"] == 2 and two["precond"] == "callable"

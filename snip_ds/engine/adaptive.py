@@ -68,7 +68,7 @@ class AdaptivePlanner:
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
         stats = collect_statistics(
             eng.ds.module, batches, layers=list(eng.layers), lr=eng.lr(), precond=precond,
-            estimator=s.estimator, num_probes=s.num_probes, seed=s.train.seed + eng.step,
+            estimator=s.estimator, num_probes=s.num_probes, fld_form=s.fld_form, seed=s.train.seed + eng.step,
             reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size(), lam=s.bwd_lambda,
             retain_graph=eng.zero_stage < 3)
         stats["precond_source"] = source

@@ -26,6 +26,9 @@ def main() -> int:
     p.add_argument("--local_rank", type=int, default=-1)
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--global_batch", type=int, default=4)
+    # FLD's probe labels are drawn per rank, so 1 and 2 ranks see different draws: 16 probes x 4 rows keep
+    # the sequence form's sampling error near sqrt(2/64) = 18%
+    p.add_argument("--num_probes", type=int, default=16)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     init_distributed()
@@ -56,7 +59,7 @@ def main() -> int:
     out["stats"] = collect_statistics(engine.ds.module, [{"input_ids": mine, "labels": mine}],
                                       layers=list(engine.layers), lr=engine.lr(), precond=precond,
                                       reduce=sdist.dist_sum, world_size=world, step=engine.step,
-                                      retain_graph=engine.zero_stage < 3)
+                                      retain_graph=engine.zero_stage < 3, num_probes=args.num_probes)
     tgen = torch.Generator().manual_seed(2)
     for fqn, info in engine.infos.items():
         t = torch.randn(info.out_features, info.in_features, generator=tgen)
