@@ -13,7 +13,8 @@ scalars per layer are all-reduced, whatever the model's width):
 * training-gradient hook: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W and
   ``⟨G_Y, E⟩`` (one E serves both), ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` (RNE, deterministic), ``‖ΔG_W ⊙ P‖²``,
   the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units, the G_Y operand error and (``bwd_propagated``) the dgrad error and upstream terms;
-* probe hook: ``Σ_t g_tj²``.
+* probe hook: ``Σ_t g_tj²`` and, with E recomputed from the layer's saved input, ``Σ_rows (Σ_t g_t·E_t)²``
+  (the sequence-form FLD: the Gauss-Newton form of E in expectation over the probe labels).
 
 The statistics of all batches are packed into one flat tensor and summed across data-parallel ranks with a
 single call of ``reduce``; then :mod:`snip_ds.divergence` turns them into the artifact that

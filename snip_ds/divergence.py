@@ -12,8 +12,10 @@ Conventions (``T`` rows of a layer's output, ``n`` output channels, ``k`` input 
 * The loss is the mean over ``N`` tokens. Its Gauss-Newton matrix is then ``N · E[g_mean g_meanᵀ] =
   E[g gᵀ] / N``, which is where the ``1/(2N)`` of every estimate comes from.
 * Per-channel reductions: ``err_sq[j] = Σ_t E_tj²`` (:func:`channel_sq_sum`), ``probe_sq[j] = mean_t g_tj²``
-  (:func:`channel_sq_mean`). Factorising the diagonal ``Σ_t g_tj² E_tj² ≈ (Σ_t E_tj²)·mean_t g_tj²`` is what
-  lets a single probe suffice: the mean runs over all tokens.
+  (:func:`channel_sq_mean`). Factorising the diagonal ``Σ_t g_tj² E_tj² ≈ (Σ_t E_tj²)·mean_t g_tj²`` lets a
+  single probe suffice, but drops every cross-token and cross-channel pair (the ``channel`` ablation).
+* Sequence form (the default): ``Σ_rows (Σ_t g_t·E_t)²`` (:func:`sequence_sq_sum`), whose expectation over
+  the probe labels is the exact Gauss-Newton form ``Eᵀ E[g gᵀ] E`` within each sequence.
 """
 from __future__ import annotations
 
