@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
+from snip_ds.config import FP4_RECIPES, QuantConfig  # noqa: E402
 from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate,  # noqa: E402
                              load_checkpoint, make_optimizer, mean_se, paired_differences, save_checkpoint,
                              train_steps)
@@ -80,7 +81,7 @@ def build(args):
     train_ds, val_ds, vocab, _ = load_dataset_blocks(args.dataset, args.block_size, **caps)
     config = args.model_config or _model_config(args.model, args.block_size)
     model = build_model(model_config=config, vocab_size=vocab, seed=args.seed, block_size=args.block_size)
-    swap_linears(model, "bf16", seed=args.seed)
+    swap_linears(model, "bf16", args.quant, seed=args.seed)
     need = args.eval_batches * args.batch_size
     if len(val_ds) < need:
         raise ValueError(f"validation split has {len(val_ds)} blocks; --eval_batches x --batch_size needs {need}")
@@ -187,10 +188,10 @@ def _num(x: float) -> str:
 # One cell: every plan from one checkpoint, one data order, one rounding seed
 # --------------------------------------------------------------------------------------------------------
 def run_plan(model, ckpt: Path, plan: Plan, train_ds, val_batches, settings: TrainSettings, seed: int,
-             warmup_steps: int, steps: int) -> Dict[str, Any]:
+             warmup_steps: int, steps: int, quant: QuantConfig) -> Dict[str, Any]:
     opt = make_optimizer(model, settings)
     load_checkpoint(model, opt, ckpt)
-    swap_linears(model, "bf16", seed=seed)  # fresh stochastic-rounding generators, seeded alike for every plan
+    swap_linears(model, "bf16", quant, seed=seed)  # fresh stochastic-rounding generators, seeded alike for every plan
     apply_plan(model, plan)
     stream = DataStream(train_ds, settings.batch_size, seed=10_000 + seed)
     start = time.perf_counter()
@@ -198,12 +199,13 @@ def run_plan(model, ckpt: Path, plan: Plan, train_ds, val_batches, settings: Tra
     val = evaluate(model, val_batches)
     with bf16_forward(model):
         val_bf16 = evaluate(model, val_batches)
-    swap_linears(model, "bf16", seed=seed)
+    swap_linears(model, "bf16", quant, seed=seed)
     return dict(val_loss=val, val_loss_bf16_forward=val_bf16, train_losses=losses,
                 seconds=time.perf_counter() - start)
 
 
-def checkpoint_fld(model, ckpt: Path, plans: List[Dict[str, Any]], val_batches, settings) -> None:
+def checkpoint_fld(model, ckpt: Path, plans: List[Dict[str, Any]], val_batches, settings,
+                   quant: QuantConfig) -> None:
     """Measured forward divergence of every distinct plan at the checkpoint (quantized minus BF16 val loss)."""
     opt = make_optimizer(model, settings)
     load_checkpoint(model, opt, ckpt)
@@ -215,7 +217,7 @@ def checkpoint_fld(model, ckpt: Path, plans: List[Dict[str, Any]], val_batches, 
             apply_plan(model, p["plan"])
             cache[digest] = evaluate(model, val_batches) - base
         p["measured_fld_at_ckpt"] = cache[digest]
-    swap_linears(model, "bf16", seed=0)
+    swap_linears(model, "bf16", quant, seed=0)
 
 
 def run_cell(model, ckpt: Path, phase: str, warmup_steps: int, seed: int, plans, train_ds, val_batches,
@@ -239,7 +241,8 @@ def run_cell(model, ckpt: Path, phase: str, warmup_steps: int, seed: int, plans,
             result.update(seconds=0.0, shared_with=f"{shared['label']}" + (
                 f" (rho {shared['rho']})" if shared["rho"] is not None else ""))
         else:
-            result = run_plan(model, ckpt, plan, train_ds, val_batches, settings, seed, warmup_steps, args.steps)
+            result = run_plan(model, ckpt, plan, train_ds, val_batches, settings, seed, warmup_steps, args.steps,
+                              args.quant)
         record.update(result)
         if p["method"] == "uniform_fp8":
             fp8 = record
@@ -356,7 +359,9 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               f"{s['blocks']} blocks); {s['batch_size']}×{s['block_size']} tokens per step; AdamW lr {s['lr']:g}; "
               f"phases (warm-up steps) {s['phases']}; {s['steps']} steps per run; seeds {s['seeds']}; "
               f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {s['num_random']} random "
-              f"plan(s); {s['eval_batches']}×{s['batch_size']} validation sequences. "
+              f"plan(s); {s['eval_batches']}×{s['batch_size']} validation sequences; FP4 "
+              f"{s.get('fp4_recipe', 'nvfp4')}, gradients rounded "
+              f"{'stochastically' if s.get('stochastic_rounding', True) else 'to nearest'}. "
               f"{len(data['records'])} records, {data.get('wall_seconds', 0) / 60:.1f} min.", "",
               "All numbers are paired differences in **millinats** (1e-3 nats): per cell (phase × seed, same "
               "checkpoint, data order and rounding seeds) the method's validation loss minus uniform FP8's (or "
@@ -558,6 +563,7 @@ def run(args) -> Dict[str, Any]:
         steps=args.steps, seeds=args.seeds, rhos=args.rhos, lambdas=args.lambdas,
         lambda_default=args.lambda_default, num_random=args.num_random, methods=args.methods,
         eval_batches=args.eval_batches, stat_batches=args.stat_batches, dataset=args.dataset,
+        fp4_recipe=args.quant.fp4_recipe, stochastic_rounding=args.quant.stochastic_rounding,
         threads=torch.get_num_threads()), records=[], skipped=[], plans={})
     json_path = out_dir / f"{PREFIX}.json"
 
@@ -573,7 +579,7 @@ def run(args) -> Dict[str, Any]:
         for (phase, ckpt), warm in zip(ckpts.items(), args.phases.values()):
             stats = collect_phase_stats(model, ckpt, train_ds, settings, args)
             plans, skipped = solve_plans(stats, args)
-            checkpoint_fld(model, ckpt, plans, val_batches, settings)
+            checkpoint_fld(model, ckpt, plans, val_batches, settings, args.quant)
             plans_by_phase[phase] = plans
             data["skipped"] += [dict(phase=phase, **s) for s in skipped]
             data["plans"][phase] = [dict(label=p["label"], rho=p["rho"], assignment=dict(p["plan"].assignment),
@@ -668,6 +674,9 @@ def parse_args(argv=None):
     ap.add_argument("--lr_warmup_steps", type=int, default=None)
     ap.add_argument("--eval_batches", type=int, default=None, help="validation batches (fixed, shared by all runs)")
     ap.add_argument("--stat_batches", type=int, default=None, help="batches of the statistics collection")
+    ap.add_argument("--fp4_recipe", default="nvfp4", choices=FP4_RECIPES, help="FP4 recipe of every run")
+    ap.add_argument("--no_stochastic_rounding", dest="stochastic_rounding", action="store_false",
+                    help="round FP4 gradients to nearest (default: stochastically, as NVFP4's recipe does)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--checkpoint_dir", default=None, help="keep the warm-up checkpoints here (default: a "
                     "temporary directory)")
@@ -697,6 +706,7 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"--methods: unknown {', '.join(bad)}; valid: {', '.join(METHOD_CHOICES)}")
     args.methods = tuple(m for m in METHOD_CHOICES if m in methods or m == "uniform_fp8")
+    args.quant = QuantConfig(fp4_recipe=args.fp4_recipe, stochastic_rounding=args.stochastic_rounding)
     if any(not 0.0 <= r <= 1.0 for r in args.rhos):
         ap.error(f"--rhos: every FP4 share must lie in [0, 1], got {args.rhos}")
     if any(lam < 0 for lam in args.lambdas) or args.lambda_default < 0:

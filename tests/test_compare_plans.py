@@ -113,6 +113,28 @@ def test_report_only_rewrites_from_json(quick_run, tmp_path):
         _png_size(tmp_path / name)
 
 
+def test_fp4_recipe_flags_reach_the_runs(quick_run, tmp_path):
+    """--fp4_recipe / --no_stochastic_rounding: recorded, reported, and used by the runs (uniform FP4 trains
+    differently from the default recipe's run on the same cell)."""
+    mod = _script()
+    out = tmp_path / "mx"
+    assert mod.main(["--quick", "--methods", "uniform_fp4", "--fp4_recipe", "mxfp4", "--no_stochastic_rounding",
+                     "--output_dir", str(out), "--silent"]) == 0
+    data = json.loads((out / "compare_plans.json").read_text())
+    assert data["settings"]["fp4_recipe"] == "mxfp4" and data["settings"]["stochastic_rounding"] is False
+    assert "FP4 mxfp4, gradients rounded to nearest" in (out / "compare_plans.md").read_text()
+    default = json.loads((quick_run / "compare_plans.json").read_text())
+    assert default["settings"]["fp4_recipe"] == "nvfp4" and default["settings"]["stochastic_rounding"] is True
+
+    def fp4(d, key):
+        return next(r[key] for r in d["records"] if r["method"] == "uniform_fp4")
+    assert fp4(data, "val_loss") != fp4(default, "val_loss")
+    fp8 = [next(r["val_loss"] for r in d["records"] if r["method"] == "uniform_fp8") for d in (data, default)]
+    assert fp8[0] == fp8[1]  # FP8 runs do not depend on the FP4 recipe
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--fp4_recipe", "int4"])
+
+
 def test_bad_arguments(tmp_path, capsys):
     mod = _script()
     with pytest.raises(SystemExit):
