@@ -449,7 +449,8 @@ def plot_gap(summary: Dict[str, Any], path: Path) -> None:
             ax.set_title(f"{phase}: gap to uniform FP8 ({'quantized' if tag == 'q' else 'BF16'} forward)")
             ax.set_xlabel("FP4 share of linear FLOPs")
             ax.set_ylabel("Δ val loss (millinats)")
-    axes[0][0].legend(fontsize=7)
+    if axes[0][0].get_legend_handles_labels()[0]:  # uniform plans only: nothing labelled, no legend
+        axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -484,7 +485,8 @@ def plot_curves(records: List[Dict[str, Any]], summary: Dict[str, Any], path: Pa
         ax.set_title(f"{phase}, ρ={rho:g}")
         ax.set_xlabel("step after checkpoint")
         ax.set_ylabel("Δ train loss vs FP8 (mnats, EMA)")
-    axes[0][0].legend(fontsize=7)
+    if axes[0][0].get_legend_handles_labels()[0]:  # uniform plans only: nothing labelled, no legend
+        axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
