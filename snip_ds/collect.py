@@ -197,10 +197,8 @@ class _Collector:
     GLOBAL = "<global>"
 
     def __init__(self, model: nn.Module, layers: Dict[str, SnipLinear], precisions: Sequence[str],
-                 precond: Precond, fallback: str, estimator: str, propagated: bool, seed: int,
-                 retain_graph: bool = True) -> None:
+                 precond: Precond, fallback: str, estimator: str, propagated: bool, seed: int) -> None:
         self.model, self.layers, self.precisions = model, layers, tuple(precisions)
-        self.retain_graph = retain_graph
         self.precond, self.fallback, self.estimator, self.propagated = precond, fallback, estimator, propagated
         self.backend = get_backend()
         self.stats = _Stats()
@@ -542,8 +540,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         lr: learning rate η of the next steps.
         precond: ``{fqn: P}`` (weight-shaped tensors, e.g. :func:`adam_precond`), or a callable
             ``(fqn, t) -> Σ_owned (t⊙P)²`` for partitioned states (module docstring), or a mapping of such
-            callables; None (or an empty mapping: no optimizer state yet) uses ``precond_fallback`` (``"grad_sq"``: Adam's first-step ``v̂ = G_W²``;
-            ``"ones"``). The artifact's ``"precond"`` says which was used.
+            callables; None (or an empty mapping: no optimizer state yet) uses ``precond_fallback``
+            (``"grad_sq"``: Adam's first-step ``v̂ = G_W²``; ``"ones"``). The artifact's ``"precond"`` says which was used.
         estimator: ``"mc_fisher"`` (default; MC Fisher probes), ``"empirical"`` (the training G_Y, no extra
             pass) or ``"isotropic"`` (ablation: ``N(0, I)`` probes at the last block's output times α).
         num_probes: probes per batch (mc_fisher, isotropic).
@@ -603,8 +601,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         raise ValueError(f"precond must be None, a mapping fqn -> tensor/callable, or a callable; "
                          f"got {type(precond).__name__}")
 
-    col = _Collector(model, mods, precisions, precond, precond_fallback, estimator, bwd_propagated, seed,
-                     retain_graph)
+    col = _Collector(model, mods, precisions, precond, precond_fallback, estimator, bwd_propagated, seed)
     rows_per_batch, n_batches = None, 0
     with _preserved(model, mods), col.hooks():
         for batch in batches:
