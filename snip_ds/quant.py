@@ -173,7 +173,7 @@ def _fake_quantize_per_tensor(x32: torch.Tensor, recipe: Recipe, stochastic: boo
         amax = tensor_amax.float()
     else:
         amax = mag.amax() if mag.numel() else mag.new_zeros(())
-    scale = torch.where(amax > 0, amax / recipe.element.max_normal, 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
+    scale = torch.where(amax > 0, _div(amax, recipe.element.max_normal), 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
     scale = _poison_non_finite(scale, amax)
     return _round_scaled_(mag, x32, scale, scale, recipe, stochastic, generator)
 
@@ -251,12 +251,19 @@ def nvfp4_scales(amax: torch.Tensor, element: ElementFormat = E2M1,
     """
     amax_t = amax.amax() if tensor_amax is None else tensor_amax.float()
     six = element.max_normal
-    tensor_scale = torch.where(amax_t > 0, amax_t / (E4M3.max_normal * six), 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
+    tensor_scale = torch.where(amax_t > 0, _div(amax_t, E4M3.max_normal * six), 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
     tensor_scale = _poison_non_finite(tensor_scale, amax_t)
     block_scale = round_to_format(amax / (tensor_scale * six), E4M3)
     mul = block_scale * tensor_scale
     div = torch.where(mul == 0, float("inf"), mul)
     return div, mul
+
+
+def _div(t: torch.Tensor, constant: float) -> torch.Tensor:
+    """``t / constant`` correctly rounded on every device. (CUDA divides by a Python number as a product with
+    its rounded reciprocal, which is one ulp off for some ``t``: the scales, and so the quantized values,
+    would then differ between a GPU and the CPU.)"""
+    return t / t.new_full((), constant)  # a fill kernel: no host-to-device copy, no synchronization
 
 
 def _poison_non_finite(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -293,7 +300,7 @@ def hadamard_matrix(n: int = HADAMARD_SIZE, device: Optional[torch.device] = Non
     h = torch.ones(1, 1, dtype=torch.float32, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / (n ** 0.5)
+    return _div(h, n ** 0.5)
 
 
 def random_signs(n: int, generator: Optional[torch.Generator] = None,
