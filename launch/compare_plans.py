@@ -4,7 +4,9 @@ A model is warmed up unquantized (BF16 plan, FP32 arithmetic, torch AdamW) and c
 (warm-up step counts, e.g. early = 100 and late = 400). At each checkpoint SNIP's statistics are collected once
 (Monte-Carlo Fisher FLD, BWD with the optimizer's real Adam state) and every method's plan is solved at every
 FP4 share ρ. Then, for every data-order seed, each plan trains ``--steps`` steps from that checkpoint with the
-same batches and the same stochastic-rounding seeds (a *cell* = phase × seed: all its runs are paired), and is
+same batches and the same stochastic-rounding seeds (a *cell* = phase × seed: all its runs are paired), its
+learning rate decaying linearly to zero over those steps (``--lr_decay linear``, the default: the end of a
+constant-rate run is dominated by its last updates' noise, which the decay averages out), and is
 scored by validation loss with its own quantized forward and with a BF16 forward. Reported: each run's gap to
 uniform FP8 in its cell, and means ± standard errors over cells of the paired differences to uniform FP8 and to
 the random plans.
@@ -28,6 +30,7 @@ per run, skipped plans; rewritten after every run, so a stopped grid leaves its 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -62,7 +65,7 @@ METHOD_CHOICES = UNIFORM + SOLVED
 QUICK = dict(model="tiny", block_size=32, batch_size=4, phases="30", seeds="0", rhos="0.5", lambdas="1,100,1000",
              num_random=1, steps=4, eval_batches=2, stat_batches=2, lr_warmup_steps=5)
 FULL = dict(model="small", block_size=64, batch_size=8, phases="100,400", seeds="0,1,2", rhos="0.5,0.75,0.9",
-            lambdas="1,100,1000", num_random=3, steps=100, eval_batches=16, stat_batches=4, lr_warmup_steps=20)
+            lambdas="1,100,1000", num_random=3, steps=100, eval_batches=64, stat_batches=4, lr_warmup_steps=20)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -187,6 +190,13 @@ def _num(x: float) -> str:
 # --------------------------------------------------------------------------------------------------------
 # One cell: every plan from one checkpoint, one data order, one rounding seed
 # --------------------------------------------------------------------------------------------------------
+def run_settings(settings: TrainSettings, warmup_steps: int, steps: int, lr_decay: str) -> TrainSettings:
+    """The schedule of one comparison run: ``settings``, decaying linearly to zero over the run if asked."""
+    if lr_decay == "none":
+        return settings
+    return dataclasses.replace(settings, decay_start=warmup_steps, decay_steps=steps)
+
+
 def run_plan(model, ckpt: Path, plan: Plan, train_ds, val_batches, settings: TrainSettings, seed: int,
              warmup_steps: int, steps: int, quant: QuantConfig) -> Dict[str, Any]:
     opt = make_optimizer(model, settings)
@@ -241,8 +251,9 @@ def run_cell(model, ckpt: Path, phase: str, warmup_steps: int, seed: int, plans,
             result.update(seconds=0.0, shared_with=f"{shared['label']}" + (
                 f" (rho {shared['rho']})" if shared["rho"] is not None else ""))
         else:
-            result = run_plan(model, ckpt, plan, train_ds, val_batches, settings, seed, warmup_steps, args.steps,
-                              args.quant)
+            result = run_plan(model, ckpt, plan, train_ds, val_batches,
+                              run_settings(settings, warmup_steps, args.steps, args.lr_decay), seed, warmup_steps,
+                              args.steps, args.quant)
         record.update(result)
         if p["method"] == "uniform_fp8":
             fp8 = record
@@ -356,7 +367,8 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
     lines += [f"Command: `{s['command']}`", "",
               f"Full grid: `{s['full_command']}`", "",
               f"Model: {s['model']} ({s['parameters']:,} parameters, {s['layers']} planned linears in "
-              f"{s['blocks']} blocks); {s['batch_size']}×{s['block_size']} tokens per step; AdamW lr {s['lr']:g}; "
+              f"{s['blocks']} blocks); {s['batch_size']}×{s['block_size']} tokens per step; AdamW lr {s['lr']:g}"
+              f"{', decaying linearly to 0 over each run' if s.get('lr_decay', 'none') == 'linear' else ''}; "
               f"phases (warm-up steps) {s['phases']}; {s['steps']} steps per run; seeds {s['seeds']}; "
               f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {s['num_random']} random "
               f"plan(s); {s['eval_batches']}×{s['batch_size']} validation sequences; FP4 "
@@ -561,7 +573,8 @@ def run(args) -> Dict[str, Any]:
         full_command=full, note=args.note, quick=args.quick,
         model=str(args.model_config or args.model), parameters=sum(p.numel() for p in model.parameters()),
         layers=len(layers), blocks=len({block_index(f) for f in layers}), block_size=args.block_size,
-        batch_size=args.batch_size, lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, phases=args.phases,
+        batch_size=args.batch_size, lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, lr_decay=args.lr_decay,
+        phases=args.phases,
         steps=args.steps, seeds=args.seeds, rhos=args.rhos, lambdas=args.lambdas,
         lambda_default=args.lambda_default, num_random=args.num_random, methods=args.methods,
         eval_batches=args.eval_batches, stat_batches=args.stat_batches, dataset=args.dataset,
@@ -622,7 +635,8 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
     records, skipped, plans, wall = [], [], {}, 0.0
     for d, part in zip(dirs, parts):
         st = part["settings"]
-        diff = [k for k in st if k not in free and st[k] != data["settings"].get(k)]
+        diff = sorted(k for k in set(st) | set(data["settings"]) if k not in free
+                      and st.get(k) != data["settings"].get(k))
         if diff:
             raise ValueError(f"{d}: settings differ from {dirs[0]} in {', '.join(diff)}; cannot merge")
         phases = st["phases"] if isinstance(st["phases"], dict) else {}
@@ -674,6 +688,9 @@ def parse_args(argv=None):
     ap.add_argument("--block_size", type=int, default=None)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--lr_warmup_steps", type=int, default=None)
+    ap.add_argument("--lr_decay", default="linear", choices=("linear", "none"),
+                    help="learning rate of each comparison run: decaying linearly to 0 over its --steps "
+                    "(default), or held at --lr (the warm-up is never decayed)")
     ap.add_argument("--eval_batches", type=int, default=None, help="validation batches (fixed, shared by all runs)")
     ap.add_argument("--stat_batches", type=int, default=None, help="batches of the statistics collection")
     ap.add_argument("--fp4_recipe", default="nvfp4", choices=FP4_RECIPES, help="FP4 recipe of every run")

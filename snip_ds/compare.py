@@ -41,7 +41,7 @@ class TrainSettings:
     """AdamW hyper-parameters and batch shape of a comparison.
 
     Attributes:
-        lr: Peak learning rate (constant after ``lr_warmup_steps``).
+        lr: Peak learning rate (constant after ``lr_warmup_steps`` until ``decay_start``).
         betas: AdamW (β₁, β₂).
         eps: AdamW ε.
         weight_decay: Decoupled weight decay.
@@ -49,6 +49,9 @@ class TrainSettings:
         batch_size: Sequences per step.
         lr_warmup_steps: Linear learning-rate warm-up from the first step of training (counted over the
             whole run, so a comparison resumed after it runs at the constant rate).
+        decay_start: Global step from which the rate decays linearly (``None``: no decay).
+        decay_steps: Length of that decay: step ``decay_start + i`` runs at ``lr * (1 - i / decay_steps)``,
+            so the last of ``decay_steps`` steps runs at ``lr / decay_steps`` and any later step at 0.
     """
 
     lr: float = 2e-3
@@ -58,6 +61,8 @@ class TrainSettings:
     grad_clip: float = 1.0
     batch_size: int = 8
     lr_warmup_steps: int = 20
+    decay_start: Optional[int] = None
+    decay_steps: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -70,12 +75,16 @@ class TrainSettings:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size!r}")
         if self.lr_warmup_steps < 0:
             raise ValueError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps!r}")
+        if self.decay_start is not None and (self.decay_start < 0 or self.decay_steps < 1):
+            raise ValueError(f"a decay needs decay_start >= 0 and decay_steps >= 1, got decay_start="
+                             f"{self.decay_start!r}, decay_steps={self.decay_steps!r}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of global optimizer step ``step`` (0-based)."""
-        if step < self.lr_warmup_steps:
-            return self.lr * (step + 1) / self.lr_warmup_steps
-        return self.lr
+        lr = self.lr * (step + 1) / self.lr_warmup_steps if step < self.lr_warmup_steps else self.lr
+        if self.decay_start is not None and step >= self.decay_start:
+            lr *= max(0.0, 1.0 - (step - self.decay_start) / self.decay_steps)
+        return lr
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

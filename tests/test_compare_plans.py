@@ -135,6 +135,28 @@ def test_fp4_recipe_flags_reach_the_runs(quick_run, tmp_path):
         mod.parse_args(["--fp4_recipe", "int4"])
 
 
+def test_lr_decay_reaches_the_runs_and_blocks_merging(quick_run, tmp_path):
+    """--lr_decay none: recorded, reported, used (FP8 trains differently), and not mergeable with a decayed run."""
+    mod = _script()
+    out = tmp_path / "const"
+    assert mod.main(["--quick", "--methods", "uniform_fp8", "--lr_decay", "none", "--output_dir", str(out),
+                     "--silent"]) == 0
+    data = json.loads((out / "compare_plans.json").read_text())
+    default = json.loads((quick_run / "compare_plans.json").read_text())
+    assert data["settings"]["lr_decay"] == "none" and default["settings"]["lr_decay"] == "linear"
+    assert "decaying linearly to 0 over each run" in (quick_run / "compare_plans.md").read_text()
+    assert "decaying linearly" not in (out / "compare_plans.md").read_text()
+
+    def fp8(d):
+        return next(r for r in d["records"] if r["method"] == "uniform_fp8")
+    assert fp8(data)["train_losses"][0] == fp8(default)["train_losses"][0]  # same first step (lr not decayed yet)
+    assert fp8(data)["val_loss"] != fp8(default)["val_loss"]
+    with pytest.raises(ValueError, match="lr_decay"):
+        mod.merge_results([str(quick_run), str(out)])
+    with pytest.raises(ValueError, match="lr_decay"):
+        mod.merge_results([str(out), str(quick_run)])
+
+
 def test_bad_arguments(tmp_path, capsys):
     mod = _script()
     with pytest.raises(SystemExit):
@@ -195,6 +217,14 @@ def test_train_settings_validation():
         TrainSettings(batch_size=0)
     s = TrainSettings(lr=1.0, lr_warmup_steps=4)
     assert [s.lr_at(i) for i in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    d = TrainSettings(lr=1.0, lr_warmup_steps=0, decay_start=10, decay_steps=4)
+    assert [d.lr_at(i) for i in (0, 9, 10, 11, 12, 13, 14, 20)] == [1.0, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    for bad in (dict(decay_start=5, decay_steps=0), dict(decay_start=-1, decay_steps=3)):
+        with pytest.raises(ValueError, match="decay"):
+            TrainSettings(**bad)
+    run = _script().run_settings(s, warmup_steps=100, steps=4, lr_decay="linear")
+    assert [run.lr_at(100 + i) for i in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert _script().run_settings(s, warmup_steps=100, steps=4, lr_decay="none") is s
 
 
 class _TinyLM(nn.Module):
