@@ -60,7 +60,18 @@ def launch(args: List[str], num_ranks: int = 1, timeout: int = 600, port: Option
            cwd: Optional[Path] = None, launcher: str = "deepspeed") -> subprocess.CompletedProcess:
     """Runs ``deepspeed --num_gpus N launch/train.py ARGS`` (or torchrun) and returns the finished process."""
     cmd = launch_cmd(args, num_ranks, port, launcher)
-    return subprocess.run(cmd, cwd=cwd or REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd or REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert_no_shm_left(cmd)
+    return proc
+
+
+def assert_no_shm_left(cmd: List[str]) -> None:
+    """Every launched run must leave none of DeepSpeed's shared-memory all-reduce buffers in /dev/shm."""
+    port = cmd[cmd.index("--master_port") + 1]
+    left = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    for path in left:  # do not let one failure fill the machine's RAM for the rest of the suite
+        path.unlink(missing_ok=True)
+    assert not left, f"the run left {[p.name for p in left]} in /dev/shm"
 
 
 _RANK_KILLED = re.compile(r"exits with return code = -\d+")
@@ -75,7 +86,10 @@ def run_ranks(make_cmd: Callable[[], List[str]], timeout: int) -> subprocess.Com
     not reproduce. A second such death, or any other failure, is returned as it is.
     """
     for attempt in range(2):
-        proc = subprocess.run(make_cmd(), cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+        cmd = make_cmd()
+        proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0:
+            assert_no_shm_left(cmd)
         if proc.returncode == 0 or attempt == 1 or not _RANK_KILLED.search(proc.stdout + proc.stderr):
             return proc
     return proc

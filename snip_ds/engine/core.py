@@ -42,6 +42,30 @@ def init_distributed() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend)
+    release_shm_buffer()
+
+
+def shm_buffer_path(rank: int) -> Path:
+    """The file of ``rank``'s buffer of DeepSpeed's CPU shared-memory all-reduce (``deepspeed_shm_comm``),
+    named as its shm.cpp names it from the uid, ``MASTER_ADDR`` and ``MASTER_PORT``."""
+    return Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                               f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def release_shm_buffer() -> None:
+    """Unlinks this rank's shared-memory all-reduce buffer once every rank has mapped every buffer.
+
+    When all ranks run on one machine, DeepSpeed creates one ~66 MB file per rank in /dev/shm and never
+    removes it: every run leaks them, until /dev/shm (RAM) is full. The ranks open each other's buffers inside
+    ``deepspeed.init_distributed``; after a barrier the names are no longer needed, and the mappings stay
+    valid until the processes exit, so the memory is returned then, also when a run crashes.
+    """
+    if sdist.world_size() > 1:
+        dist.barrier()
+    try:
+        shm_buffer_path(sdist.rank()).unlink()
+    except FileNotFoundError:  # ranks on several machines, or torchrun: no shared-memory all-reduce
+        pass
 
 
 def device() -> torch.device:
