@@ -49,7 +49,7 @@ from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
 from snip_ds.config import FP4_RECIPES, QuantConfig  # noqa: E402
 from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate,  # noqa: E402
                              load_checkpoint, make_optimizer, mean_se, paired_differences, save_checkpoint,
-                             train_steps)
+                             spearman, train_steps)
 from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.omp import preserve_torch_threads  # noqa: E402
@@ -332,7 +332,43 @@ def summarize(records: List[Dict[str, Any]], lambda_default: float) -> Dict[str,
         _is("uniform_fp8"))]) for lam in lambdas}
     best_lambda = min(sweep, key=lambda lam: sweep[lam].mean) if sweep else None
     return dict(rows=rows, uniform=uniform, random_spread=mean_se(spreads), lambda_sweep=sweep,
-                best_lambda=best_lambda, snip_label=f"best λ={_num(lambda_default)}", phases=phases, rhos=rhos)
+                best_lambda=best_lambda, snip_label=f"best λ={_num(lambda_default)}", phases=phases, rhos=rhos,
+                ranking=objective_ranking(records, phases, rhos, lambda_default))
+
+
+def objective_ranking(records, phases, rhos, lam: float) -> List[Dict[str, Any]]:
+    """Per phase: does the planner's objective rank the plans by their outcome?
+
+    Every distinct solved plan (by ρ and plan digest) is one point: its predicted FLD, BWD and FLD + λ·BWD
+    (what the planner minimises, at the default λ) against its mean quantized-forward gap to uniform FP8
+    over the phase's cells. Spearman pooled over ρ, and averaged over ρ within each ρ.
+    """
+    out = []
+    for phase in phases:
+        points: Dict[tuple, Dict[str, Any]] = {}
+        for r in records:
+            if r["phase"] != phase or r["rho"] is None or r.get("gap_to_fp8") is None:
+                continue
+            p = points.setdefault((r["rho"], r["plan_digest"], r["seed"]), dict(
+                rho=r["rho"], digest=r["plan_digest"], fld=r["predicted_fld"], bwd=r["predicted_bwd"],
+                gap=r["gap_to_fp8"]))
+            p["gap"] = r["gap_to_fp8"]  # shared runs carry the same result
+        plans: Dict[tuple, Dict[str, Any]] = {}
+        for (rho, digest, _), p in points.items():
+            q = plans.setdefault((rho, digest), dict(rho=rho, fld=p["fld"], bwd=p["bwd"], gaps=[]))
+            q["gaps"].append(p["gap"])
+        pts = [dict(rho=q["rho"], fld=q["fld"], bwd=q["bwd"], obj=q["fld"] + lam * q["bwd"],
+                    gap=sum(q["gaps"]) / len(q["gaps"])) for q in plans.values()]
+        if not pts:
+            continue
+        row = dict(phase=phase, plans=len(pts), **{
+            key: spearman([p[key] for p in pts], [p["gap"] for p in pts]) for key in ("obj", "fld", "bwd")})
+        within = [spearman([p["obj"] for p in pts if p["rho"] == rho], [p["gap"] for p in pts if p["rho"] == rho])
+                  for rho in rhos]
+        within = [w for w in within if math.isfinite(w)]
+        row["obj_within_rho"] = sum(within) / len(within) if within else float("nan")
+        out.append(row)
+    return out
 
 
 def target_checks(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -406,7 +442,17 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
                       f"{s['lambda_default']:g}; the target rows above use the default)."]
     sp = summary["random_spread"]
     lines += ["", f"Spread of random plans within a cell (SD of val loss): {_fmt(sp)} mnats over {sp.n} cell(s).", ""]
-    lines += ["## Predicted vs measured forward divergence at the checkpoint", "",
+    lines += ["## Does the planner's objective rank the plans' outcomes?", "",
+              f"Spearman, over the distinct solved plans of a phase (every method, ρ and λ), between a prediction "
+              f"and the plan's mean quantized-forward gap to uniform FP8 after training. Objective = FLD + λ·BWD at "
+              f"λ = {s['lambda_default']:g}, what the planner minimises; 'within ρ' averages the objective's "
+              f"Spearman over the ρ values (the FP4 share held fixed, as the planner's choice is).", "",
+              "| phase | plans | objective | FLD alone | BWD alone | objective within ρ |", "|---|---|---|---|---|---|"]
+    for r in summary["ranking"]:
+        lines.append(f"| {r['phase']} | {r['plans']} | " + " | ".join(
+            "n/a" if not math.isfinite(r[k]) else f"{r[k]:+.2f}" for k in ("obj", "fld", "bwd", "obj_within_rho"))
+            + " |")
+    lines += ["", "## Predicted vs measured forward divergence at the checkpoint", "",
               "Per plan: Σ predicted FLD of its layers (MC Fisher, from the statistics) and the measured "
               "quantized-minus-BF16 validation loss at the checkpoint, before any training (mnats).", "",
               "| phase | ρ | method | predicted FLD | measured | predicted BWD (loss units) |", "|---|---|---|---|---|---|"]

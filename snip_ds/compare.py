@@ -10,7 +10,8 @@ cancels. This module holds the pieces, in plain torch (one process, FP32 on CPU,
   BF16 (unquantized) forward whatever the plan;
 * :func:`save_checkpoint`, :func:`load_checkpoint` — model as safetensors, optimizer with ``torch.save``,
   read back with ``weights_only=True``;
-* :func:`mean_se`, :func:`paired_differences` — means with standard errors of paired differences.
+* :func:`mean_se`, :func:`paired_differences` — means with standard errors of paired differences;
+  :func:`spearman` — rank correlation (average ranks for ties).
 
 Orchestration (the grid, the report, the plots) lives in ``launch/compare_plans.py``.
 """
@@ -282,3 +283,31 @@ def paired_differences(records: Sequence[Mapping[str, Any]], key: str, cell_keys
         if reference(r):
             ref.append(float(r[key]))
     return [sum(s) / len(s) - sum(f) / len(f) for s, f in cells.values() if s and f]
+
+
+def _ranks(xs: Sequence[float]) -> List[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation of two equally long sequences (NaN for fewer than 3 pairs or a constant)."""
+    if len(a) != len(b):
+        raise ValueError(f"spearman: sequences of different lengths ({len(a)} and {len(b)})")
+    if len(a) < 3:
+        return float("nan")
+    ra, rb = _ranks([float(x) for x in a]), _ranks([float(x) for x in b])
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
+    return cov / math.sqrt(va * vb) if va > 0 and vb > 0 else float("nan")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate, load_checkpoint,
-                             make_optimizer, mean_se, paired_differences, save_checkpoint, train_steps)
+                             make_optimizer, mean_se, paired_differences, save_checkpoint, spearman, train_steps)
 from snip_ds.plan import Plan
 from snip_ds.swap import snip_layers, swap_linears
 
@@ -82,7 +82,7 @@ def test_quick_records(quick_run):
 
 def test_quick_markdown(quick_run):
     md = (quick_run / "compare_plans.md").read_text()
-    for heading in ("## Targets", "## Gaps per phase and ρ", "## λ sweep"):
+    for heading in ("## Targets", "## Gaps per phase and ρ", "## λ sweep", "## Does the planner's objective rank"):
         assert heading in md
     gaps = md.split("## Gaps per phase and ρ")[1].split("Uniform references")[0]
     rows = [line for line in gaps.splitlines() if line.startswith("| early | 0.5 |")]
@@ -198,6 +198,35 @@ def test_paired_differences_per_cell():
             dict(cell=2, m="a", v=9.0)]  # cell 2 has no reference: left out
     d = paired_differences(recs, "v", ("cell",), lambda r: r["m"] == "a", lambda r: r["m"] == "r")
     assert d == [1.0 - 3.0, 5.0 - 5.5]
+
+
+def test_spearman_against_scipy():
+    from scipy.stats import spearmanr
+    gen = torch.Generator().manual_seed(0)
+    for n in (3, 7, 20):
+        a = torch.randint(0, 5, (n,), generator=gen).tolist()  # ties
+        b = torch.randn(n, generator=gen).tolist()
+        if len(set(a)) > 1:
+            assert spearman(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(spearman([1, 2], [2, 1])) and math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+    with pytest.raises(ValueError, match="lengths"):
+        spearman([1, 2, 3], [1, 2])
+
+
+def test_objective_ranking_reads_the_records():
+    mod = _script()
+    recs = []
+    for seed in (0, 1):
+        for i, (fld, bwd) in enumerate([(1e-4, 1e-3), (2e-4, 2e-3), (3e-4, 4e-3), (1e-5, 5e-3)]):
+            gap = [1.0, 2.0, 3.0, 4.0][i] + 0.1 * seed  # the outcome follows BWD, not FLD
+            recs.append(dict(phase="late", rho=0.5, seed=seed, plan_digest=f"p{i}", predicted_fld=fld,
+                             predicted_bwd=bwd, gap_to_fp8=gap))
+    [row] = mod.objective_ranking(recs, ["late"], [0.5], lam=100.0)
+    assert row["plans"] == 4 and row["obj"] == pytest.approx(1.0) and row["bwd"] == pytest.approx(1.0)
+    assert row["fld"] == pytest.approx(spearman([1, 2, 3, 0.1], [1, 2, 3, 4]))
+    assert row["obj_within_rho"] == pytest.approx(1.0)
 
 
 def test_attainable_share():
