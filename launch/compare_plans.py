@@ -1,7 +1,7 @@
 """Compare SNIP's plans with the baselines by training from the same checkpoints (SNIP.md section 7, plan quality).
 
 A model is warmed up unquantized (BF16 plan, FP32 arithmetic, torch AdamW) and checkpointed at each *phase*
-(warm-up step counts, e.g. early = 100 and late = 400). At each checkpoint SNIP's statistics are collected once
+(warm-up step counts, e.g. early = 200 and late = 800). At each checkpoint SNIP's statistics are collected once
 (Monte-Carlo Fisher FLD, BWD with the optimizer's real Adam state) and every method's plan is solved at every
 FP4 share ρ. Then, for every data-order seed, each plan trains ``--steps`` steps from that checkpoint with the
 same batches and the same stochastic-rounding seeds (a *cell* = phase × seed: all its runs are paired), its
@@ -64,8 +64,8 @@ METHOD_CHOICES = UNIFORM + SOLVED
 # model: "tiny" (--quick) or "small" (default), see _model_config; the rest are argparse defaults
 QUICK = dict(model="tiny", block_size=32, batch_size=4, phases="30", seeds="0", rhos="0.5", lambdas="1,100,1000",
              num_random=1, steps=4, eval_batches=2, stat_batches=2, lr_warmup_steps=5)
-FULL = dict(model="small", block_size=64, batch_size=8, phases="100,400", seeds="0,1,2", rhos="0.5,0.75,0.9",
-            lambdas="1,100,1000", num_random=3, steps=100, eval_batches=64, stat_batches=4, lr_warmup_steps=20)
+FULL = dict(model="small", block_size=64, batch_size=8, phases="200,800", seeds="0,1,2", rhos="0.5,0.75,0.9",
+            lambdas="1,100,1000", num_random=3, steps=100, eval_batches=64, stat_batches=64, lr_warmup_steps=20)
 
 
 # --------------------------------------------------------------------------------------------------------
