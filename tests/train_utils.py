@@ -67,6 +67,8 @@ def launch(args: List[str], num_ranks: int = 1, timeout: int = 600, port: Option
 
 def assert_no_shm_left(cmd: List[str]) -> None:
     """Every launched run must leave none of DeepSpeed's shared-memory all-reduce buffers in /dev/shm."""
+    if "--master_port" not in cmd:  # not a launcher command (the runner's own tests use stand-ins)
+        return
     port = cmd[cmd.index("--master_port") + 1]
     left = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
     for path in left:  # do not let one failure fill the machine's RAM for the rest of the suite
