@@ -349,10 +349,9 @@ def objective_ranking(records, phases, rhos, lam: float) -> List[Dict[str, Any]]
         for r in records:
             if r["phase"] != phase or r["rho"] is None or r.get("gap_to_fp8") is None:
                 continue
-            p = points.setdefault((r["rho"], r["plan_digest"], r["seed"]), dict(
-                rho=r["rho"], digest=r["plan_digest"], fld=r["predicted_fld"], bwd=r["predicted_bwd"],
-                gap=r["gap_to_fp8"]))
-            p["gap"] = r["gap_to_fp8"]  # shared runs carry the same result
+            # a plan shared by several labels is one point (its runs are one run, see run_cell)
+            points.setdefault((r["rho"], r["plan_digest"], r["seed"]), dict(
+                rho=r["rho"], fld=r["predicted_fld"], bwd=r["predicted_bwd"], gap=r["gap_to_fp8"]))
         plans: Dict[tuple, Dict[str, Any]] = {}
         for (rho, digest, _), p in points.items():
             q = plans.setdefault((rho, digest), dict(rho=rho, fld=p["fld"], bwd=p["bwd"], gaps=[]))
