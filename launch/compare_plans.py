@@ -446,7 +446,8 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               f"and the plan's mean quantized-forward gap to uniform FP8 after training. Objective = FLD + λ·BWD at "
               f"λ = {s['lambda_default']:g}, what the planner minimises; 'within ρ' averages the objective's "
               f"Spearman over the ρ values (the FP4 share held fixed, as the planner's choice is).", "",
-              "| phase | plans | objective | FLD alone | BWD alone | objective within ρ |", "|---|---|---|---|---|---|"]
+              "| phase | plans | objective | FLD alone | BWD alone | objective within ρ |",
+              "|---|---|---|---|---|---|"]
     for r in summary["ranking"]:
         lines.append(f"| {r['phase']} | {r['plans']} | " + " | ".join(
             "n/a" if not math.isfinite(r[k]) else f"{r[k]:+.2f}" for k in ("obj", "fld", "bwd", "obj_within_rho"))

@@ -11,8 +11,9 @@ scalars per layer are all-reduced, whatever the model's width):
 
 * forward hook: keeps the layer's input X for its training-gradient hook;
 * training-gradient hook: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W and
-  ``⟨G_Y, E⟩`` (one E serves both), ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` (RNE, deterministic), ``‖ΔG_W ⊙ P‖²``,
-  the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units, the G_Y operand error and (``bwd_propagated``) the dgrad error and upstream terms;
+  ``⟨G_Y, E⟩`` (one E serves both), ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` (RNE, deterministic),
+  ``‖ΔG_W ⊙ P‖²``, the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units, the G_Y
+  operand error and (``bwd_propagated``) the dgrad error and upstream terms;
 * probe hook: ``Σ_t g_tj²`` and, with E recomputed from the layer's saved input, ``Σ_rows (Σ_t g_t·E_t)²``
   (the sequence-form FLD: the Gauss-Newton form of E in expectation over the probe labels).
 
@@ -541,7 +542,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         precond: ``{fqn: P}`` (weight-shaped tensors, e.g. :func:`adam_precond`), or a callable
             ``(fqn, t) -> Σ_owned (t⊙P)²`` for partitioned states (module docstring), or a mapping of such
             callables; None (or an empty mapping: no optimizer state yet) uses ``precond_fallback``
-            (``"grad_sq"``: Adam's first-step ``v̂ = G_W²``; ``"ones"``). The artifact's ``"precond"`` says which was used.
+            (``"grad_sq"``: Adam's first-step ``v̂ = G_W²``; ``"ones"``). The artifact's ``"precond"`` says
+            which was used.
         estimator: ``"mc_fisher"`` (default; MC Fisher probes), ``"empirical"`` (the training G_Y, no extra
             pass) or ``"isotropic"`` (ablation: ``N(0, I)`` probes at the last block's output times α).
         num_probes: probes per batch (mc_fisher, isotropic).

@@ -32,7 +32,8 @@ def sqnr_db(ref: torch.Tensor, actual: torch.Tensor) -> float:
 
 
 def to_fp8(a: torch.Tensor, fmt: str):
-    """(FP8 tensor, FP32 scale) with per-tensor current scaling, as Transformer Engine's delayed-free recipe."""
+    """(FP8 tensor, FP32 scale) with per-tensor current scaling, scale = amax / max normal (snip_ds's
+    convention; Transformer Engine multiplies by max / amax instead, which can differ in the last bit)."""
     dtype = DTYPES[fmt]
     # 0-dim CUDA tensors as divisors: CUDA divides by a Python number through its rounded reciprocal
     scale = a.abs().amax().float() / torch.tensor(torch.finfo(dtype).max, device=a.device)
