@@ -55,6 +55,7 @@ from snip_ds.backend import get_backend
 from snip_ds.config import ESTIMATORS, FLD_FORMS
 from snip_ds.fileio import atomic_write_text
 from snip_ds.linear import SnipLinear
+from snip_ds.plan import OPERANDS
 from snip_ds.swap import snip_layers
 
 STATS_FORMAT = "snip_ds.stats/1"
@@ -569,7 +570,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
         the planner's costs), ``bwd_drift`` (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units), ``first_order``,
-        ``quant_err``, ``rel_quant_err`` (each ``{precision: number}``), ``nonfinite``. Non-finite numbers
+        ``quant_err``, ``rel_quant_err`` (each ``{precision: number}``; summed over the operands X, W, G_Y) and
+        the same per operand (``quant_err_x`` ...  ``rel_quant_err_g``), ``nonfinite``. Non-finite numbers
         are written as null and flag the layer.
     """
     if fld_form not in FLD_FORMS:
@@ -659,6 +661,7 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
     for fqn, mod in mods.items():
         rec: Dict[str, Any] = {"flops": 6.0 * tokens_per_step * mod.in_features * mod.out_features}
         fld, bwd, drift, first, qe, rqe, fld_ch, fld_sq = {}, {}, {}, {}, {}, {}, {}, {}
+        qe_op, rqe_op = {r: {} for r in OPERANDS}, {r: {} for r in OPERANDS}
         probes = 1.0 if col.estimator == "empirical" else float(num_probes)
         for p in col.precisions:
             fld_ch[p] = curvature * float(st.get(fqn, f"fld_prod.{p}")[0]) / (2.0 * n_tot)
@@ -669,12 +672,16 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
             scale = iso_factor(fqn, f"drift_sq.{p}", f"dg_sq.{p}") if callable_mode else 1.0
             bwd[p] = eta2 * price * scale
             first[p] = float(st.get(fqn, f"first.{p}")[0]) / n_tot
-            parts = [(float(st.get(fqn, f"qerr_{r}.{p}")[0]), float(st.get(fqn, f"qnorm_{r}")[0]))
-                     for r in ("x", "w", "g")]
-            qe[p] = sum(e for e, _ in parts) / (B * W)
-            rqe[p] = sum(e / nrm if nrm > 0 else 0.0 for e, nrm in parts)
+            for r in OPERANDS:
+                e, nrm = float(st.get(fqn, f"qerr_{r}.{p}")[0]), float(st.get(fqn, f"qnorm_{r}")[0])
+                qe_op[r][p] = e / (B * W)
+                rqe_op[r][p] = e / nrm if nrm > 0 else 0.0
+            qe[p] = sum(qe_op[r][p] for r in OPERANDS)
+            rqe[p] = sum(rqe_op[r][p] for r in OPERANDS)
         rec.update(fld=fld, fld_sequence=fld_sq, fld_channel=fld_ch, bwd=bwd, bwd_drift=drift, first_order=first,
                    quant_err=qe, rel_quant_err=rqe)
+        for r in OPERANDS:  # per operand, for per-GEMM quant_err plans (each GEMM quantizes two of them)
+            rec[f"quant_err_{r}"], rec[f"rel_quant_err_{r}"] = qe_op[r], rqe_op[r]
         if col.propagated:
             gx = float(st.get(G, f"gx_sq.{col.group.get(fqn, -1)}")[0])
             up_sq = sum(float(st.get(u, "up_sq")[0]) for u in upstream[fqn]) * W / cover

@@ -34,7 +34,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import mip
 
-from snip_ds.plan import GEMMS, PRECISIONS, Plan, fp4_share, _listed
+from snip_ds.plan import GEMM_OPERANDS, GEMMS, OPERANDS, PRECISIONS, Plan, fp4_share, _listed
 
 # Relative cost of one GEMM FLOP per precision (BF16 = 1): tensor-core throughput doubles per halving of
 # the operand width. Used only for the optional compute-budget constraint.
@@ -45,7 +45,8 @@ METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "unifo
 STATS_FORMAT = "snip_ds.stats/1"
 
 # Per-layer fields of a stats file that map precision -> number.
-_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_propagated", "first_order", "quant_err", "rel_quant_err")
+_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_propagated", "first_order", "quant_err",
+                     "rel_quant_err") + tuple(f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS)
 _REQUIRED_LAYER_FIELDS = ("flops", "fld", "bwd")
 _SHARE_TOL = 1e-9  # share constraints are checked to this absolute tolerance
 
@@ -619,6 +620,33 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
     return _metric_costs(stats, {"fld": 1.0, bwd_key: float(lam)}, per_gemm, split)
 
 
+def quant_err_costs(stats: Mapping, field: str = "quant_err", *, per_gemm: bool = False) -> StatsCosts:
+    """The quantization-error baselines' costs: ``field`` (``quant_err`` or ``rel_quant_err``) per layer.
+
+    Per-GEMM, each GEMM carries the errors of the two operands it quantizes (fprop X and W, dgrad G_Y and W,
+    wgrad G_Y and X), halved so that a layer's three GEMMs sum to its per-layer cost; this needs the
+    artifact's per-operand fields ``{field}_x``, ``{field}_w``, ``{field}_g``.
+    """
+    if field not in ("quant_err", "rel_quant_err"):
+        raise ValueError(f"field must be 'quant_err' or 'rel_quant_err', got {field!r}")
+    sc = _metric_costs(stats, {field: 1.0}, per_gemm)
+    if not per_gemm:
+        return sc
+    for fqn, rec in stats["layers"].items():
+        if fqn in sc.pinned:
+            continue
+        missing = [f"{field}_{o}" for o in OPERANDS if f"{field}_{o}" not in rec]
+        if missing:
+            raise ValueError(f"statistics layers[{fqn!r}] lack {', '.join(missing)}, needed for per-GEMM {field} "
+                             f"costs (statistics collected by an older snip_ds have only the per-layer sum)")
+        for p in ("fp8", "fp4"):
+            part = {o: rec[f"{field}_{o}"].get(p) for o in OPERANDS}
+            if not all(_finite(v) for v in part.values()):
+                raise ValueError(f"statistics layers[{fqn!r}].{field}_x/_w/_g.{p} must be finite numbers, got {part}")
+            sc.costs[fqn][p] = {g: 0.5 * sum(float(part[o]) for o in GEMM_OPERANDS[g]) for g in GEMMS}
+    return sc
+
+
 def _random_costs(fqns: Sequence[str], seed: int, per_gemm: bool) -> dict:
     rng = random.Random(seed)
     costs = {}
@@ -644,7 +672,8 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
     Methods:
         best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`).
         random: seeded uniform random costs; ``num_random`` plans for seeds ``seed, seed+1, ...``.
-        quant_err / rel_quant_err: costs from the artifact's per-layer ``quant_err`` / ``rel_quant_err``.
+        quant_err / rel_quant_err: costs from the artifact's ``quant_err`` / ``rel_quant_err``
+            (:func:`quant_err_costs`; per-GEMM from the per-operand errors).
         uniform_fp8 / uniform_fp4: every layer at that precision (``target`` is not enforced; recorded).
         first_last_fp8: first and last decoder blocks pinned to fp8; the rest solved with the SNIP costs
             (so it differs from ``best`` only by the pin rule).
@@ -671,7 +700,7 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
         sc = costs_from_stats(stats, lam, per_gemm=per_gemm)
         meta["lambda"] = float(stats["lambda"] if lam is None else lam)
     elif method in ("quant_err", "rel_quant_err"):
-        sc = _metric_costs(stats, {method: 1.0}, per_gemm)
+        sc = quant_err_costs(stats, method, per_gemm=per_gemm)
     else:
         sc = _metric_costs(stats, {"fld": 0.0}, per_gemm)  # only for the flops and non-finite pins
     pins = {**sc.pinned, **dict(pinned or {})}

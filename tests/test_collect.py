@@ -134,6 +134,15 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
         bwd = dv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[LAYER], dv.channel_sq_mean(ref["gy"] * ref["n"]),
                              ref["n"])
         assert rec["bwd"][p] == pytest.approx(bwd.item(), rel=1e-4, abs=0)
+        # per-operand quantization errors (per-GEMM quant_err plans): X and W against the backend's quantizer
+        cfg = replace(snip_layers(model)[LAYER].quant_config, stochastic_rounding=False)
+        for o, t in (("x", ref["x"]), ("w", snip_layers(model)[LAYER].weight.detach().float())):
+            err = ((get_backend().quantize(t, p, o, -1, cfg) - t) ** 2).sum().item()
+            assert rec[f"quant_err_{o}"][p] == pytest.approx(err, rel=1e-5)
+            assert rec[f"rel_quant_err_{o}"][p] == pytest.approx(err / (t * t).sum().item(), rel=1e-5)
+        for field in ("quant_err", "rel_quant_err"):
+            assert rec[f"{field}_g"][p] > 0
+            assert rec[field][p] == pytest.approx(sum(rec[f"{field}_{o}"][p] for o in "xwg"), rel=1e-12)
     assert rec["fld_channel"]["fp4"] > rec["fld_channel"]["fp8"] > 0
     assert rec["rel_quant_err"]["fp4"] > rec["rel_quant_err"]["fp8"] > 0
     assert 1e-3 < rec["rel_quant_err"]["fp4"] / 3 < 0.1  # three operands at NVFP4 RNE (~1e-2 each)

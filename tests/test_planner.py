@@ -10,8 +10,8 @@ import pytest
 
 import snip_ds.planner as planner
 from snip_ds.plan import GEMMS, fp4_share
-from snip_ds.planner import (GEMM_COST, METHODS, block_index, costs_from_stats, load_stats, solve_baseline,
-                             solve_plan, validate_stats)
+from snip_ds.planner import (GEMM_COST, METHODS, block_index, costs_from_stats, load_stats, quant_err_costs,
+                             solve_baseline, solve_plan, validate_stats)
 
 TOL = 1e-9
 NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -422,6 +422,40 @@ def test_baselines():
             assert p == "fp8"
     with pytest.raises(ValueError, match="unknown method 'snip'.*valid methods are best, random"):
         solve_baseline("snip", stats, target)
+
+
+def test_quant_err_per_gemm_prices_each_gemm_by_its_two_operands():
+    """Per-GEMM quant_err: fprop carries X and W, dgrad G_Y and W, wgrad G_Y and X, each halved, so a layer's
+    three GEMMs sum to its per-layer cost; the baseline is the ILP on that table; old artifacts are refused."""
+    stats = make_stats(n_blocks=2)
+    rng = random.Random(7)
+    for rec in stats["layers"].values():
+        for field in ("quant_err", "rel_quant_err"):
+            parts = {o: {"fp8": rng.random() * 1e-3, "fp4": rng.random()} for o in "xwg"}
+            for o, table in parts.items():
+                rec[f"{field}_{o}"] = table
+            rec[field] = {p: sum(parts[o][p] for o in "xwg") for p in ("fp8", "fp4")}
+    validate_stats(stats)
+    fqn = sorted(stats["layers"])[0]
+    rec = stats["layers"][fqn]
+    for field in ("quant_err", "rel_quant_err"):
+        sc = quant_err_costs(stats, field, per_gemm=True)
+        for p in ("fp8", "fp4"):
+            x, w, g = (rec[f"{field}_{o}"][p] for o in "xwg")
+            assert sc.costs[fqn][p] == pytest.approx({"fprop": (x + w) / 2, "dgrad": (g + w) / 2,
+                                                      "wgrad": (g + x) / 2})
+            assert sum(sc.costs[fqn][p].values()) == pytest.approx(rec[field][p])
+        assert quant_err_costs(stats, field).costs[fqn]["fp4"] == rec[field]["fp4"]  # per layer: the sum
+        plan = solve_baseline(field, stats, 0.4, per_gemm=True)[0]
+        assert plan.per_gemm
+        assert plan.digest() == solve_plan(sc.costs, sc.flops, 0.4, per_gemm=True).digest()
+    del stats["layers"][fqn]["quant_err_g"]
+    with pytest.raises(ValueError, match=r"lack quant_err_g, needed for per-GEMM quant_err"):
+        solve_baseline("quant_err", stats, 0.4, per_gemm=True)
+    solve_baseline("quant_err", stats, 0.4)  # per layer needs only the sum
+    stats["layers"][fqn]["rel_quant_err_w"] = {"fp4": "big"}
+    with pytest.raises(ValueError, match=r"rel_quant_err_w.fp4 must be a number"):
+        validate_stats(stats)
 
 
 def test_first_last_unreachable_target_is_an_error():
