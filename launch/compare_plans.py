@@ -48,12 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
 from snip_ds.config import FP4_RECIPES, QuantConfig  # noqa: E402
 from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate,  # noqa: E402
-                             load_checkpoint, make_optimizer, mean_se, paired_differences, save_checkpoint,
-                             spearman, train_steps)
+                             load_checkpoint, make_optimizer, mean_se, paired_differences, predicted_divergence,
+                             save_checkpoint, spearman, train_steps)
 from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.omp import preserve_torch_threads  # noqa: E402
-from snip_ds.plan import Plan  # noqa: E402
+from snip_ds.plan import GEMMS, Plan  # noqa: E402
 from snip_ds.planner import solve_baseline  # noqa: E402
 from snip_ds.swap import block_index, snip_layers, swap_linears  # noqa: E402
 
@@ -148,6 +148,7 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
     """Every (method, ρ, λ / plan seed) plan of one phase, and the plans skipped as unreachable."""
     fqns = sorted(stats["layers"])
     flops = {f: float(stats["layers"][f]["flops"]) for f in fqns}
+    units = ({f"{f}.{g}": flops[f] / len(GEMMS) for f in fqns for g in GEMMS} if args.per_gemm else flops)
     plans, skipped = [], []
     for method in args.methods:
         if method in UNIFORM:
@@ -155,7 +156,7 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
             plan = Plan.uniform(fqns, precision, flops)
             plans.append(dict(method=method, label=method, rho=None, plan=plan))
     for rho in args.rhos:
-        share = attainable_share(flops, rho)  # every method on exactly this share (ρ is rarely exact)
+        share = attainable_share(units, rho)  # every method on exactly this share (ρ is rarely exact)
         for method in (m for m in args.methods if m in SOLVED):
             variants = ([dict(lam=lam) for lam in args.lambdas] if method == "best" else
                         [dict(lam=args.lambda_default)] if method == "first_last_fp8" else [dict()])
@@ -164,7 +165,8 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
                 try:
                     with preserve_torch_threads():  # CBC would leave torch single-threaded
                         solved = solve_baseline(method, stats, share, lam=v.get("lam"), seed=args.seed,
-                                                num_random=args.num_random, max_share=min(share + 1e-9, 1.0))
+                                                num_random=args.num_random, max_share=min(share + 1e-9, 1.0),
+                                                per_gemm=args.per_gemm)
                 except ValueError as err:
                     skipped.append(dict(method=method, label=label, rho=rho, reason=str(err)))
                     continue
@@ -176,10 +178,7 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
                         entry.update(label=f"random#{i}", plan_seed=int(plan.meta["seed"]))
                     plans.append(entry)
     for p in plans:
-        p["predicted_fld"] = sum(stats["layers"][f]["fld"].get(p["plan"].assignment[f], 0.0) or 0.0
-                                 for f in fqns if p["plan"].assignment[f] != "bf16")
-        p["predicted_bwd"] = sum(stats["layers"][f]["bwd"].get(p["plan"].assignment[f], 0.0) or 0.0
-                                 for f in fqns if p["plan"].assignment[f] != "bf16")
+        p["predicted_fld"], p["predicted_bwd"] = predicted_divergence(stats["layers"], p["plan"].assignment)
     return plans, skipped
 
 
@@ -406,7 +405,8 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               f"{', decaying linearly to 0 over each run' if s.get('lr_decay', 'none') == 'linear' else ''}; "
               f"phases (warm-up steps) {s['phases']}; {s['steps']} steps per run; seeds {s['seeds']}; "
               f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {s['num_random']} random "
-              f"plan(s); {s['eval_batches']}×{s['batch_size']} validation sequences; FP4 "
+              f"plan(s); plans solved {'per GEMM' if s.get('per_gemm') else 'per layer'}; "
+              f"{s['eval_batches']}×{s['batch_size']} validation sequences; FP4 "
               f"{s.get('fp4_recipe', 'nvfp4')}, gradients rounded "
               f"{'stochastically' if s.get('stochastic_rounding', True) else 'to nearest'}. "
               f"{len(data['records'])} records, {data.get('wall_seconds', 0) / 60:.1f} min.", "",
@@ -452,6 +452,8 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
         lines.append(f"| {r['phase']} | {r['plans']} | " + " | ".join(
             "n/a" if not math.isfinite(r[k]) else f"{r[k]:+.2f}" for k in ("obj", "fld", "bwd", "obj_within_rho"))
             + " |")
+    if data.get("versus"):
+        lines += versus_markdown(data)
     lines += ["", "## Predicted vs measured forward divergence at the checkpoint", "",
               "Per plan: Σ predicted FLD of its layers (MC Fisher, from the statistics) and the measured "
               "quantized-minus-BF16 validation loss at the checkpoint, before any training (mnats).", "",
@@ -566,7 +568,9 @@ def plot_maps(plans_by_phase: Dict[str, List[Dict[str, Any]]], path: Path) -> No
         ax = axes[i][j]
         ax.imshow(img, interpolation="nearest")
         ax.set_title(f"{p['label']}\n{phase} ρ={p['rho']:g}", fontsize=7)
-    fig.suptitle("plans: rows = blocks, columns = q k v o gate up down (blue FP8, orange FP4)", fontsize=8)
+    per_gemm = any(not isinstance(v, str) for _, p in tiles for v in p["plan"].assignment.values())
+    rows = "blocks, each split into fprop / dgrad / wgrad" if per_gemm else "blocks"
+    fig.suptitle(f"plans: rows = {rows}, columns = q k v o gate up down (blue FP8, orange FP4)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -624,7 +628,7 @@ def run(args) -> Dict[str, Any]:
         steps=args.steps, seeds=args.seeds, rhos=args.rhos, lambdas=args.lambdas,
         lambda_default=args.lambda_default, num_random=args.num_random, methods=args.methods,
         eval_batches=args.eval_batches, stat_batches=args.stat_batches, dataset=args.dataset,
-        fp4_recipe=args.quant.fp4_recipe, stochastic_rounding=args.quant.stochastic_rounding,
+        per_gemm=args.per_gemm, fp4_recipe=args.quant.fp4_recipe, stochastic_rounding=args.quant.stochastic_rounding,
         threads=torch.get_num_threads()), records=[], skipped=[], plans={})
     json_path = out_dir / f"{PREFIX}.json"
 
@@ -643,7 +647,7 @@ def run(args) -> Dict[str, Any]:
             checkpoint_fld(model, ckpt, plans, val_batches, settings, args.quant)
             plans_by_phase[phase] = plans
             data["skipped"] += [dict(phase=phase, **s) for s in skipped]
-            data["plans"][phase] = [dict(label=p["label"], rho=p["rho"], assignment=dict(p["plan"].assignment),
+            data["plans"][phase] = [dict(label=p["label"], rho=p["rho"], assignment=p["plan"].to_dict()["assignment"],
                                          fp4_share=p["plan"].fp4_share) for p in plans]
             for sk in skipped:
                 _log(args, f"[{phase}] skipped {sk['label']} at rho {sk['rho']}: {sk['reason']}")
@@ -699,6 +703,89 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
     return dict(settings=settings, records=records, skipped=skipped, plans=plans, wall_seconds=wall)
 
 
+# settings two grids compared with --versus may differ in (the rest must match, as must their FP8 runs)
+VERSUS_FREE = {"phases", "seeds", "methods", "command", "full_command", "note", "threads", "per_gemm"}
+_VERSUS_KEEP = ("phase", "seed", "rho", "label", "method", "fp4_share", "val_loss", "val_loss_bf16_forward")
+
+
+def versus_data(data: Dict[str, Any], other_dir: str) -> Dict[str, Any]:
+    """The solved-plan records of the grid in ``other_dir`` for a paired comparison with ``data``'s grid.
+
+    The two grids must have run the same cells: the same settings (apart from :data:`VERSUS_FREE`) and,
+    in every (phase, seed) cell they share, bit-identical uniform FP8 runs, i.e. the same checkpoint, data
+    order and rounding seeds. Then a plan's validation loss in one grid minus the same method's in the other
+    is a paired difference, e.g. per-GEMM against per-layer plans.
+
+    Raises:
+        FileNotFoundError: ``other_dir`` has no ``compare_plans.json``.
+        ValueError: the grids differ in a setting, share no cell, or ran a shared cell differently.
+    """
+    other = merge_results([other_dir])
+    mine, theirs = data["settings"], other["settings"]
+    diff = sorted(k for k in set(mine) | set(theirs) if k not in VERSUS_FREE and mine.get(k) != theirs.get(k))
+    if diff:
+        raise ValueError(f"{other_dir}: settings differ in {', '.join(diff)}; --versus compares grids that differ "
+                         f"only in {', '.join(sorted(VERSUS_FREE))}")
+
+    def fp8(d):
+        return {(r["phase"], r["seed"]): r["val_loss"] for r in d["records"] if r["method"] == "uniform_fp8"}
+    a, b = fp8(data), fp8(other)
+    common = sorted(set(a) & set(b))
+    if not common:
+        raise ValueError(f"{other_dir}: no (phase, seed) cell in common with this grid")
+    bad = [c for c in common if a[c] != b[c]]
+    if bad:
+        raise ValueError(f"{other_dir}: uniform FP8 ended differently in cell(s) {bad[:3]}: not the same "
+                         f"checkpoints, data orders and seeds, so nothing can be paired")
+    cells = set(common)
+    return dict(source=str(other_dir), per_gemm=bool(theirs.get("per_gemm", False)), cells=len(common),
+                records=[{k: r.get(k) for k in _VERSUS_KEEP} for r in other["records"]
+                         if r["rho"] is not None and (r["phase"], r["seed"]) in cells])
+
+
+def versus_rows(records: List[Dict[str, Any]], others: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per (phase or "all", ρ, method label): paired differences, this grid's run minus the other grid's run of
+    the same label in the same cell (random plans: the mean of the cell's random plans on each side)."""
+    def key(r):
+        return r["phase"], r["seed"], r["rho"], "random" if r["method"] == "random" else r["label"]
+
+    def means(recs, field):
+        acc: Dict[tuple, List[float]] = {}
+        for r in recs:
+            if r["rho"] is not None and r.get(field) is not None:
+                acc.setdefault(key(r), []).append(float(r[field]))
+        return {k: sum(v) / len(v) for k, v in acc.items()}
+
+    diffs: Dict[tuple, Dict[str, List[float]]] = {}
+    for field in ("val_loss", "val_loss_bf16_forward"):
+        mine, theirs = means(records, field), means(others, field)
+        for k in sorted(mine.keys() & theirs.keys(), key=str):
+            for scope in (k[0], "all"):
+                diffs.setdefault((scope, k[2], k[3]), {}).setdefault(field, []).append(mine[k] - theirs[k])
+    phases = [p for p in dict.fromkeys(r["phase"] for r in records)] + ["all"]
+    rows = []
+    for (scope, rho, label), d in sorted(diffs.items(), key=lambda kv: (phases.index(kv[0][0]), kv[0][1],
+                                                                        kv[0][2])):
+        rows.append(dict(phase=scope, rho=rho, label=label, q=mean_se(d["val_loss"]),
+                         bf16=mean_se(d.get("val_loss_bf16_forward", []))))
+    return rows
+
+
+def versus_markdown(data: Dict[str, Any]) -> List[str]:
+    v = data["versus"]
+    mine = "per GEMM" if data["settings"].get("per_gemm") else "per layer"
+    theirs = "per GEMM" if v["per_gemm"] else "per layer"
+    lines = ["", f"## Against the grid in `{v['source']}` (plans solved {theirs})", "",
+             f"Paired over the {v['cells']} (phase, seed) cells both grids ran (their uniform FP8 runs are "
+             f"bit-identical): this grid's validation loss minus the other's for the same method, ρ and λ "
+             f"(plans solved {mine} here), in millinats; negative: this grid's plan is better.", "",
+             "| phase | ρ | method | Δ (q) | Δ (bf16) | n |", "|---|---|---|---|---|---|"]
+    for r in versus_rows(data["records"], v["records"]):
+        lines.append(f"| {r['phase']} | {r['rho']:g} | {r['label']} | {_fmt(r['q'])} | {_fmt(r['bf16'])} | "
+                     f"{r['q'].n} |")
+    return lines
+
+
 def _list(kind, name: str):
     def parse(text: str):
         try:
@@ -739,6 +826,9 @@ def parse_args(argv=None):
                     "(default), or held at --lr (the warm-up is never decayed)")
     ap.add_argument("--eval_batches", type=int, default=None, help="validation batches (fixed, shared by all runs)")
     ap.add_argument("--stat_batches", type=int, default=None, help="batches of the statistics collection")
+    ap.add_argument("--per_gemm", action="store_true", help="solve every plan per GEMM (fprop, dgrad, wgrad each "
+                    "FP8 or FP4) instead of per layer; SNIP prices fprop with FLD and dgrad/wgrad with half of "
+                    "λ·BWD each, quant_err with the errors of the two operands each GEMM quantizes")
     ap.add_argument("--fp4_recipe", default="nvfp4", choices=FP4_RECIPES, help="FP4 recipe of every run")
     ap.add_argument("--no_stochastic_rounding", dest="stochastic_rounding", action="store_false",
                     help="round FP4 gradients to nearest (default: stochastically, as NVFP4's recipe does)")
@@ -751,6 +841,9 @@ def parse_args(argv=None):
     ap.add_argument("--report_only", action="store_true", help="rewrite md and plots from the existing json")
     ap.add_argument("--merge", default=None, help="with --report_only: comma-separated result directories "
                     "to join (e.g. one process per phase) into --output_dir")
+    ap.add_argument("--versus", default=None, help="with --report_only: a result directory of a grid that ran the "
+                    "same cells with other plans (e.g. per layer against this grid's per-GEMM plans); the report "
+                    "gains their paired differences")
     ap.add_argument("--silent", action="store_true")
     args = ap.parse_args(argv)
     args.argv = argv
@@ -767,6 +860,8 @@ def parse_args(argv=None):
         args.merge = _list(str, "merge")(args.merge) if args.merge else None
     except (argparse.ArgumentTypeError, ValueError) as err:
         ap.error(str(err))
+    if args.versus and not args.report_only:
+        ap.error("--versus needs --report_only (it compares finished grids)")
     bad = [m for m in methods if m not in METHOD_CHOICES]
     if bad:
         ap.error(f"--methods: unknown {', '.join(bad)}; valid: {', '.join(METHOD_CHOICES)}")
@@ -789,7 +884,9 @@ def main(argv=None) -> int:
     try:
         if args.report_only:
             data = merge_results(args.merge or [args.output_dir], args.note)
-            if args.merge:
+            if args.versus:
+                data["versus"] = versus_data(data, args.versus)
+            if args.merge or args.versus:
                 Path(args.output_dir).mkdir(parents=True, exist_ok=True)
                 _write_json(data, Path(args.output_dir) / f"{PREFIX}.json")
             write_report(data, Path(args.output_dir))

@@ -7,7 +7,8 @@ cancels. This module holds the pieces, in plain torch (one process, FP32 on CPU,
 
 * :class:`TrainSettings`, :func:`make_optimizer`, :func:`train_steps`, :func:`evaluate` — the training loop;
 * :func:`apply_plan`, :func:`bf16_forward` — put a :class:`~snip_ds.plan.Plan` on the model, or run a
-  BF16 (unquantized) forward whatever the plan;
+  BF16 (unquantized) forward whatever the plan; :func:`predicted_divergence`, :func:`attainable_share` —
+  what the statistics predict for a plan, and the FP4 share every method is solved at;
 * :func:`save_checkpoint`, :func:`load_checkpoint` — model as safetensors, optimizer with ``torch.save``,
   read back with ``weights_only=True``;
 * :func:`mean_se`, :func:`paired_differences` — means with standard errors of paired differences;
@@ -208,6 +209,34 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: st
     model.load_state_dict(load_file(str(path / CKPT_MODEL)))
     optimizer.load_state_dict(torch.load(path / CKPT_OPTIMIZER, weights_only=True))
     return json.loads((path / CKPT_META).read_text(encoding="utf-8"))
+
+
+def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Mapping[str, Any]
+                         ) -> Tuple[float, float]:
+    """A plan's predicted ``(FLD, BWD)``: the sums over its layers of the statistics at each layer's precision.
+
+    A per-GEMM layer's FLD is its fprop GEMM's, and its BWD is half at the dgrad GEMM's precision and half at
+    the wgrad GEMM's: the split :func:`snip_ds.planner.costs_from_stats` prices per-GEMM plans with. bf16 and
+    missing (non-finite) values count 0.
+
+    Args:
+        layers: the statistics artifact's ``layers`` (``{fqn: {"fld": {precision: x}, "bwd": {...}}}``).
+        assignment: ``{fqn: precision}`` or ``{fqn: {gemm: precision}}``.
+    """
+    def at(table: Mapping[str, Any], precision: str) -> float:
+        value = None if precision == "bf16" else table.get(precision)
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
+
+    fld = bwd = 0.0
+    for fqn, value in assignment.items():
+        rec = layers[fqn]
+        if isinstance(value, str):
+            fld += at(rec["fld"], value)
+            bwd += at(rec["bwd"], value)
+        else:
+            fld += at(rec["fld"], value["fprop"])
+            bwd += 0.5 * (at(rec["bwd"], value["dgrad"]) + at(rec["bwd"], value["wgrad"]))
+    return fld, bwd
 
 
 def attainable_share(flops: Mapping[str, float], target: float, tol: float = 1e-9) -> float:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate, load_checkpoint,
-                             make_optimizer, mean_se, paired_differences, save_checkpoint, spearman, train_steps)
+                             make_optimizer, mean_se, paired_differences, predicted_divergence, save_checkpoint,
+                             spearman, train_steps)
 from snip_ds.plan import Plan
 from snip_ds.swap import snip_layers, swap_linears
 
@@ -155,6 +156,72 @@ def test_lr_decay_reaches_the_runs_and_blocks_merging(quick_run, tmp_path):
         mod.merge_results([str(quick_run), str(out)])
     with pytest.raises(ValueError, match="lr_decay"):
         mod.merge_results([str(out), str(quick_run)])
+
+
+def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
+    """--per_gemm: every solved plan is per GEMM and on one FP4 share, recorded and reported; the uniform runs
+    are those of the per-layer grid, bit for bit; a per-layer grid cannot be merged with it."""
+    mod = _script()
+    out = tmp_path / "pg"
+    assert mod.main(["--quick", "--per_gemm", "--methods", "best,quant_err,rel_quant_err", "--output_dir", str(out),
+                     "--silent"]) == 0
+    data = json.loads((out / "compare_plans.json").read_text())
+    assert data["settings"]["per_gemm"] is True
+    assert "plans solved per GEMM" in (out / "compare_plans.md").read_text()
+    assert "plans solved per layer" in (quick_run / "compare_plans.md").read_text()
+    solved = [p for p in data["plans"]["early"] if p["rho"] is not None]
+    assert {p["label"] for p in solved} == {"best λ=1", "best λ=100", "best λ=1000", "quant_err", "rel_quant_err"}
+    for p in solved:
+        assert all(set(v) == {"fprop", "dgrad", "wgrad"} for v in p["assignment"].values())
+    assert len({round(p["fp4_share"], 12) for p in solved}) == 1
+    assert {p["label"] for p in solved if p["assignment"] != solved[0]["assignment"]}  # not all one plan
+    default = json.loads((quick_run / "compare_plans.json").read_text())
+    fp8 = [next(r["val_loss"] for r in d["records"] if r["method"] == "uniform_fp8") for d in (data, default)]
+    assert fp8[0] == fp8[1]
+    with pytest.raises(ValueError, match="per_gemm"):
+        mod.merge_results([str(quick_run), str(out)])
+
+    # --versus: the per-GEMM grid against the per-layer one, paired by cell
+    assert mod.main(["--report_only", "--output_dir", str(out), "--versus", str(quick_run), "--silent"]) == 0
+    md = (out / "compare_plans.md").read_text()
+    assert f"## Against the grid in `{quick_run}` (plans solved per layer)" in md
+    merged = json.loads((out / "compare_plans.json").read_text())
+    rows = {(r["phase"], r["label"]): r for r in mod.versus_rows(merged["records"], merged["versus"]["records"])}
+
+    def val(d, label, key="val_loss"):
+        return next(r[key] for r in d["records"] if r["label"] == label)
+    for label in ("best λ=100", "quant_err"):
+        assert rows[("early", label)]["q"].mean == pytest.approx(val(data, label) - val(default, label), abs=1e-12)
+        assert rows[("early", label)]["bf16"].mean == pytest.approx(
+            val(data, label, "val_loss_bf16_forward") - val(default, label, "val_loss_bf16_forward"), abs=1e-12)
+        assert rows[("all", label)]["q"].n == 1
+    assert ("early", "random") not in rows  # not run in the per-GEMM grid: nothing to pair
+    assert mod.main(["--report_only", "--output_dir", str(out), "--silent"]) == 0  # kept when re-rendered
+    assert "## Against the grid in" in (out / "compare_plans.md").read_text()
+    other = tmp_path / "other"
+    other.mkdir()
+    changed = json.loads((quick_run / "compare_plans.json").read_text())
+    next(r for r in changed["records"] if r["method"] == "uniform_fp8")["val_loss"] += 1e-6
+    (other / "compare_plans.json").write_text(json.dumps(changed))
+    with pytest.raises(ValueError, match="uniform FP8 ended differently"):
+        mod.versus_data(data, str(other))
+    changed["settings"]["lr"] = 1.0
+    (other / "compare_plans.json").write_text(json.dumps(changed))
+    with pytest.raises(ValueError, match="settings differ in lr"):
+        mod.versus_data(data, str(other))
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--versus", str(quick_run)])  # needs --report_only
+
+
+def test_predicted_divergence_per_layer_and_per_gemm():
+    layers = {"a": {"fld": {"fp8": 1.0, "fp4": 10.0}, "bwd": {"fp8": 2.0, "fp4": 20.0}},
+              "b": {"fld": {"fp8": 0.5, "fp4": None}, "bwd": {"fp8": 0.25, "fp4": 4.0}}}
+    assert predicted_divergence(layers, {"a": "fp4", "b": "bf16"}) == (10.0, 20.0)
+    assert predicted_divergence(layers, {"a": "fp8", "b": "fp4"}) == (1.0, 6.0)  # null FLD counts 0
+    per_gemm = {"a": {"fprop": "fp8", "dgrad": "fp4", "wgrad": "fp8"},
+                "b": {"fprop": "bf16", "dgrad": "fp8", "wgrad": "fp4"}}
+    # fprop carries FLD; dgrad and wgrad each half of BWD
+    assert predicted_divergence(layers, per_gemm) == (1.0, (20.0 + 2.0) / 2 + (0.25 + 4.0) / 2)
 
 
 def test_bad_arguments(tmp_path, capsys):
