@@ -18,8 +18,6 @@ Examples::
     python launch/validate_metrics.py                       # embedded default model and stdlib corpus
     python launch/validate_metrics.py --seed 1 --checkpoint /tmp/warm   # reuse a warm-up
     python launch/validate_metrics.py --quick               # tiny model, seconds (used by the tests)
-
-Needs scipy (``scipy.stats.spearmanr``).
 """
 from __future__ import annotations
 
@@ -34,12 +32,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from snip_ds.backend import get_backend  # noqa: E402
 from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
+from snip_ds.compare import spearman as rank_correlation  # noqa: E402
 from snip_ds.swap import snip_layers, swap_linears  # noqa: E402
 
 QUICK = dict(warmup_steps=40, batches=4, batch_size=2, block_size=64, lr=3e-3)
@@ -243,8 +241,8 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    rho = spearmanr(a, b).statistic
-    return float(rho) if rho == rho else 0.0  # constant input -> NaN -> 0
+    rho = rank_correlation(a, b)
+    return rho if rho == rho else 0.0  # constant input -> NaN -> 0
 
 
 def split_half(per_batch: Dict[str, List[float]]) -> Optional[float]:
