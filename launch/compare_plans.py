@@ -746,28 +746,24 @@ def versus_data(data: Dict[str, Any], other_dir: str) -> Dict[str, Any]:
 def versus_rows(records: List[Dict[str, Any]], others: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per (phase or "all", ρ, method label): paired differences, this grid's run minus the other grid's run of
     the same label in the same cell (random plans: the mean of the cell's random plans on each side)."""
-    def key(r):
-        return r["phase"], r["seed"], r["rho"], "random" if r["method"] == "random" else r["label"]
+    def group(r):
+        return "random" if r["method"] == "random" else r["label"]
 
-    def means(recs, field):
-        acc: Dict[tuple, List[float]] = {}
-        for r in recs:
-            if r["rho"] is not None and r.get(field) is not None:
-                acc.setdefault(key(r), []).append(float(r[field]))
-        return {k: sum(v) / len(v) for k, v in acc.items()}
-
-    diffs: Dict[tuple, Dict[str, List[float]]] = {}
-    for field in ("val_loss", "val_loss_bf16_forward"):
-        mine, theirs = means(records, field), means(others, field)
-        for k in sorted(mine.keys() & theirs.keys(), key=str):
-            for scope in (k[0], "all"):
-                diffs.setdefault((scope, k[2], k[3]), {}).setdefault(field, []).append(mine[k] - theirs[k])
-    phases = [p for p in dict.fromkeys(r["phase"] for r in records)] + ["all"]
+    both = ([dict(r, side=0, group=group(r)) for r in records if r["rho"] is not None]
+            + [dict(r, side=1, group=group(r)) for r in others if r["rho"] is not None])
+    phases = list(dict.fromkeys(r["phase"] for r in records))
     rows = []
-    for (scope, rho, label), d in sorted(diffs.items(), key=lambda kv: (phases.index(kv[0][0]), kv[0][1],
-                                                                        kv[0][2])):
-        rows.append(dict(phase=scope, rho=rho, label=label, q=mean_se(d["val_loss"]),
-                         bf16=mean_se(d.get("val_loss_bf16_forward", []))))
+    for scope in phases + ["all"]:
+        sub = [r for r in both if scope == "all" or r["phase"] == scope]
+        for rho, label in sorted({(r["rho"], r["group"]) for r in sub}):
+            diff = {field: paired_differences(
+                sub, field, ("phase", "seed"),
+                select=lambda r, l=label, q=rho: r["side"] == 0 and r["group"] == l and r["rho"] == q,
+                reference=lambda r, l=label, q=rho: r["side"] == 1 and r["group"] == l and r["rho"] == q)
+                for field in ("val_loss", "val_loss_bf16_forward")}
+            if diff["val_loss"]:
+                rows.append(dict(phase=scope, rho=rho, label=label, q=mean_se(diff["val_loss"]),
+                                 bf16=mean_se(diff["val_loss_bf16_forward"])))
     return rows
 
 
