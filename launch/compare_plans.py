@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -54,7 +54,7 @@ from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.omp import preserve_torch_threads  # noqa: E402
 from snip_ds.plan import GEMMS, Plan  # noqa: E402
-from snip_ds.planner import solve_baseline  # noqa: E402
+from snip_ds.planner import DGRAD_COSTS, solve_baseline  # noqa: E402
 from snip_ds.swap import block_index, snip_layers, swap_linears  # noqa: E402
 
 PREFIX = "compare_plans"
@@ -141,7 +141,8 @@ def collect_phase_stats(model, ckpt: Path, train_ds, settings: TrainSettings, ar
     stream = DataStream(train_ds, settings.batch_size, seed=args.seed + 777)
     batches = [stream.next_batch()["input_ids"] for _ in range(args.stat_batches)]
     return collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, estimator="mc_fisher",
-                              num_probes=1, seed=args.seed, step=pc.step, lam=args.lambda_default)
+                              num_probes=1, seed=args.seed, step=pc.step, lam=args.lambda_default,
+                              bwd_propagated=args.dgrad_cost == "upstream")
 
 
 def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
@@ -166,7 +167,8 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
                     with preserve_torch_threads():  # CBC would leave torch single-threaded
                         solved = solve_baseline(method, stats, share, lam=v.get("lam"), seed=args.seed,
                                                 num_random=args.num_random, max_share=min(share + 1e-9, 1.0),
-                                                per_gemm=args.per_gemm)
+                                                per_gemm=args.per_gemm, dgrad=args.dgrad_cost,
+                                                dgrad_calibration=args.dgrad_calibration)
                 except ValueError as err:
                     skipped.append(dict(method=method, label=label, rho=rho, reason=str(err)))
                     continue
@@ -393,6 +395,13 @@ def _yn(x) -> str:
     return "–" if x is None else ("yes" if x else "**no**")
 
 
+def _dgrad_words(s: Dict[str, Any]) -> str:
+    if s.get("dgrad_cost", "split") != "upstream":
+        return ""
+    return (f" (SNIP prices dgrad by the upstream drift its error causes, bwd_dgrad / "
+            f"{s['dgrad_calibration']:g}, and wgrad by the whole direct BWD)")
+
+
 def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) -> None:
     s = data["settings"]
     lines = ["# compare_plans: plan quality from paired training runs (SNIP.md section 7)", ""]
@@ -405,7 +414,8 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               f"{', decaying linearly to 0 over each run' if s.get('lr_decay', 'none') == 'linear' else ''}; "
               f"phases (warm-up steps) {s['phases']}; {s['steps']} steps per run; seeds {s['seeds']}; "
               f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {s['num_random']} random "
-              f"plan(s); plans solved {'per GEMM' if s.get('per_gemm') else 'per layer'}; "
+              f"plan(s); plans solved {'per GEMM' if s.get('per_gemm') else 'per layer'}"
+              f"{_dgrad_words(s)}; "
               f"{s['eval_batches']}×{s['batch_size']} validation sequences; FP4 "
               f"{s.get('fp4_recipe', 'nvfp4')}, gradients rounded "
               f"{'stochastically' if s.get('stochastic_rounding', True) else 'to nearest'}. "
@@ -628,7 +638,8 @@ def run(args) -> Dict[str, Any]:
         steps=args.steps, seeds=args.seeds, rhos=args.rhos, lambdas=args.lambdas,
         lambda_default=args.lambda_default, num_random=args.num_random, methods=args.methods,
         eval_batches=args.eval_batches, stat_batches=args.stat_batches, dataset=args.dataset,
-        per_gemm=args.per_gemm, fp4_recipe=args.quant.fp4_recipe, stochastic_rounding=args.quant.stochastic_rounding,
+        per_gemm=args.per_gemm, dgrad_cost=args.dgrad_cost, dgrad_calibration=args.dgrad_calibration,
+        fp4_recipe=args.quant.fp4_recipe, stochastic_rounding=args.quant.stochastic_rounding,
         threads=torch.get_num_threads()), records=[], skipped=[], plans={})
     json_path = out_dir / f"{PREFIX}.json"
 
@@ -704,7 +715,8 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
 
 
 # settings two grids compared with --versus may differ in (the rest must match, as must their FP8 runs)
-VERSUS_FREE = {"phases", "seeds", "methods", "command", "full_command", "note", "threads", "per_gemm"}
+VERSUS_FREE = {"phases", "seeds", "methods", "command", "full_command", "note", "threads", "per_gemm", "dgrad_cost",
+               "dgrad_calibration", "rhos", "lambdas", "num_random"}
 _VERSUS_KEEP = ("phase", "seed", "rho", "label", "method", "fp4_share", "val_loss", "val_loss_bf16_forward")
 
 
@@ -743,11 +755,20 @@ def versus_data(data: Dict[str, Any], other_dir: str) -> Dict[str, Any]:
                          if r["rho"] is not None and (r["phase"], r["seed"]) in cells])
 
 
-def versus_rows(records: List[Dict[str, Any]], others: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def versus_rows(records: List[Dict[str, Any]], others: List[Dict[str, Any]],
+                mine_label: Optional[str] = None) -> List[Dict[str, Any]]:
     """Per (phase or "all", ρ, method label): paired differences, this grid's run minus the other grid's run of
-    the same label in the same cell (random plans: the mean of the cell's random plans on each side)."""
+    the same label in the same cell (random plans: the mean of the cell's random plans on each side).
+
+    With ``mine_label`` (e.g. ``"best λ=100"``): that plan of this grid against every plan of the other grid
+    instead (``label`` is then the other grid's), e.g. a re-priced SNIP against the baselines run before.
+    """
     def group(r):
         return "random" if r["method"] == "random" else r["label"]
+
+    if mine_label is not None:
+        records = [r for r in records if r["rho"] is not None and group(r) == mine_label]
+        records = [dict(r, label=o) for r in records for o in {group(x) for x in others if x["rho"] == r["rho"]}]
 
     both = ([dict(r, side=0, group=group(r)) for r in records if r["rho"] is not None]
             + [dict(r, side=1, group=group(r)) for r in others if r["rho"] is not None])
@@ -779,6 +800,16 @@ def versus_markdown(data: Dict[str, Any]) -> List[str]:
     for r in versus_rows(data["records"], v["records"]):
         lines.append(f"| {r['phase']} | {r['rho']:g} | {r['label']} | {_fmt(r['q'])} | {_fmt(r['bf16'])} | "
                      f"{r['q'].n} |")
+    snip = f"best λ={_num(data['settings']['lambda_default'])}"
+    cross = versus_rows(data["records"], v["records"], mine_label=snip)
+    if cross:
+        lines += ["", f"### This grid's SNIP ({snip}) against every plan of the other grid", "",
+                  "Paired in the same cells: this grid's SNIP run minus the other grid's run of the named method "
+                  "(random: the mean of its random plans), in millinats; negative: this grid's SNIP is better.", "",
+                  "| phase | ρ | other grid's method | Δ (q) | Δ (bf16) | n |", "|---|---|---|---|---|---|"]
+        for r in cross:
+            lines.append(f"| {r['phase']} | {r['rho']:g} | {r['label']} | {_fmt(r['q'])} | {_fmt(r['bf16'])} | "
+                         f"{r['q'].n} |")
     return lines
 
 
@@ -825,6 +856,13 @@ def parse_args(argv=None):
     ap.add_argument("--per_gemm", action="store_true", help="solve every plan per GEMM (fprop, dgrad, wgrad each "
                     "FP8 or FP4) instead of per layer; SNIP prices fprop with FLD and dgrad/wgrad with half of "
                     "λ·BWD each, quant_err with the errors of the two operands each GEMM quantizes")
+    ap.add_argument("--dgrad_cost", default="split", choices=DGRAD_COSTS,
+                    help="per GEMM: how SNIP prices dgrad ('split': half of the direct BWD each for dgrad and "
+                         "wgrad; 'upstream': dgrad by the upstream drift its error causes, bwd_dgrad, wgrad by the whole direct "
+                         "BWD)")
+    ap.add_argument("--dgrad_calibration", type=float, default=1.0,
+                    help="with --dgrad_cost upstream: what bwd_dgrad overstates the dgrad-only "
+                         "drift by (launch/validate_metrics.py --bwd_truth_per_gemm measures it)")
     ap.add_argument("--fp4_recipe", default="nvfp4", choices=FP4_RECIPES, help="FP4 recipe of every run")
     ap.add_argument("--no_stochastic_rounding", dest="stochastic_rounding", action="store_false",
                     help="round FP4 gradients to nearest (default: stochastically, as NVFP4's recipe does)")
@@ -872,6 +910,10 @@ def parse_args(argv=None):
             ap.error(f"--{key} must be >= 1")
     if args.lr_warmup_steps < 0:
         ap.error("--lr_warmup_steps must be >= 0")
+    if args.dgrad_cost == "upstream" and not args.per_gemm:
+        ap.error("--dgrad_cost upstream prices the dgrad GEMM on its own: it needs --per_gemm")
+    if not (math.isfinite(args.dgrad_calibration) and args.dgrad_calibration > 0):
+        ap.error(f"--dgrad_calibration must be a finite number > 0, got {args.dgrad_calibration}")
     return args
 
 

@@ -171,10 +171,22 @@ def _adamw_step(params: List[torch.Tensor], opt_state: Dict, hyper: Dict, grads:
     return [p.detach() for p in ps]
 
 
-def bwd_truth(model, opt, batches: Sequence[torch.Tensor]) -> Dict[str, List[float]]:
-    """Per layer, per batch: Σ‖θ' - θ'_ref‖² after one AdamW step with only that layer's backward at fp4."""
+BWD_TRUTHS = {"both": {"fprop": "bf16", "dgrad": "fp4", "wgrad": "fp4"},
+              "wgrad": {"fprop": "bf16", "dgrad": "bf16", "wgrad": "fp4"},
+              "dgrad": {"fprop": "bf16", "dgrad": "fp4", "wgrad": "bf16"}}
+
+
+def bwd_truth(model, opt, batches: Sequence[torch.Tensor], gemms: Sequence[str] = ("both",)) -> Dict[str, Dict]:
+    """Per GEMM set, layer and batch: Σ‖θ' - θ'_ref‖² after one AdamW step with only that layer's backward
+    GEMM(s) at fp4 (:data:`BWD_TRUTHS`: ``both``, ``wgrad`` only, ``dgrad`` only), against the unquantized step.
+
+    Returns ``{gemms: {fqn: [drift per batch]}}``; for ``dgrad`` also ``dgrad_linears``, the drift of the
+    decoder linears' weights alone (what the propagated estimate models: it leaves out the embedding).
+    """
     layers = snip_layers(model)
     params = [p for p in model.parameters()]
+    linear_ids = {id(m.weight) for m in layers.values()}
+    is_linear = [id(p) in linear_ids for p in params]
     state = opt.state_dict()
     group = opt.param_groups[0]
     hyper = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
@@ -183,18 +195,23 @@ def bwd_truth(model, opt, batches: Sequence[torch.Tensor]) -> Dict[str, List[flo
         out = torch.autograd.grad(lm_loss(model, ids), params, allow_unused=True)
         return [torch.zeros_like(p) if g is None else g for p, g in zip(params, out)]
 
-    drift = {f: [] for f in layers}
+    keys = list(gemms) + (["dgrad_linears"] if "dgrad" in gemms else [])
+    drift = {k: {f: [] for f in layers} for k in keys}
     for ids in batches:
         ref = _adamw_step(params, state, hyper, grads())
         for fqn, mod in layers.items():
-            saved_prec, saved_cfg = mod.precision, mod.quant_config
-            mod.precision = {"fprop": "bf16", "dgrad": "fp4", "wgrad": "fp4"}
-            mod.quant_config = _rne(saved_cfg)
-            try:
-                new = _adamw_step(params, state, hyper, grads())
-            finally:
-                mod.precision, mod.quant_config = saved_prec, saved_cfg
-            drift[fqn].append(float(sum(((a - b) ** 2).sum() for a, b in zip(new, ref))))
+            for which in gemms:
+                saved_prec, saved_cfg = mod.precision, mod.quant_config
+                mod.precision = dict(BWD_TRUTHS[which])
+                mod.quant_config = _rne(saved_cfg)
+                try:
+                    new = _adamw_step(params, state, hyper, grads())
+                finally:
+                    mod.precision, mod.quant_config = saved_prec, saved_cfg
+                sq = [float(((a - b) ** 2).sum()) for a, b in zip(new, ref)]
+                drift[which][fqn].append(sum(sq))
+                if which == "dgrad":
+                    drift["dgrad_linears"][fqn].append(sum(v for v, lin in zip(sq, is_linear) if lin))
     return drift
 
 
@@ -297,8 +314,11 @@ def run(args) -> Dict[str, Any]:
     t_fld = time.perf_counter() - t
     t = time.perf_counter()
     if not args.truth_table:
-        drift = bwd_truth(model, opt, batches) if args.bwd_truth else None
+        drift = bwd_truth(model, opt, batches)["both"] if args.bwd_truth else None
     t_bwd = time.perf_counter() - t
+    t = time.perf_counter()
+    split = bwd_truth(model, opt, batches, ("wgrad", "dgrad")) if args.bwd_truth_per_gemm else None
+    t_split = time.perf_counter() - t
 
     truth_fld = [_mean(sym[f]) for f in fqns]
     truth_one = [_mean(one[f]) for f in fqns]
@@ -323,13 +343,18 @@ def run(args) -> Dict[str, Any]:
         "propagated_only": pred("mc_fisher", "bwd_drift_propagated"),
         "quant_err": pred("mc_fisher", "quant_err"), "rel_quant_err": pred("mc_fisher", "rel_quant_err")}
 
+    per_gemm = per_gemm_figures(split, fqns, preds["mc_fisher"]) if split is not None else None
+
     # table
+    extra = f" {'wgrad only':>10} {'dgrad only':>10} {'dgrad lin':>10} {'prop pred':>10}" if split else ""
     print(f"{'layer':<34} {'FLD truth':>10} {'GN part':>10} {'FLD mcF':>10} {'mcF chan':>10} {'one-shot':>10} "
-          f"{'BWD truth':>10} {'BWD pred':>10}")
+          f"{'BWD truth':>10} {'BWD pred':>10}" + extra)
     for i, f in enumerate(fqns):
+        row = "".join(f" {_mean(split[k][f]):10.3e}" for k in ("wgrad", "dgrad", "dgrad_linears")) if split else ""
+        row += f" {bwd_variants['propagated_only'][i]:10.3e}" if split else ""
         print(f"{f:<34} {truth_fld[i]:10.3e} {truth_gn[i]:10.3e} {fld_variants['mc_fisher'][i]:10.3e} "
               f"{fld_variants['mc_fisher_channel'][i]:10.3e} {truth_one[i]:10.3e} {truth_bwd[i]:10.3e} "
-              f"{bwd_variants['direct'][i]:10.3e}")
+              f"{bwd_variants['direct'][i]:10.3e}" + row)
 
     result = {
         "spearman_fld": spearman(fld_variants["mc_fisher"], truth_fld),
@@ -352,7 +377,9 @@ def run(args) -> Dict[str, Any]:
         "layers": len(fqns), "batches": args.batches, "tokens": main["tokens"], "loss": main["loss"],
         "optimizer_step": pc.step, "step_scale": pc.step_scale, "precond": main["precond"],
         "alpha": preds["isotropic"].get("alpha"), "quadratic_ratio": preds["isotropic"].get("quadratic_ratio"),
+        "bwd_per_gemm": per_gemm,
         "seconds": {"warmup": info["warmup_s"], "collect": timing, "fld_truth": t_fld, "bwd_truth": t_bwd,
+                    "bwd_truth_per_gemm": t_split,
                     "total": time.perf_counter() - t0 + info["warmup_s"]},
         "collect_step_equivalents": timing["mc_fisher"] / (args.batches * t_step),
         "checkpoint": info["checkpoint"], "quick": bool(args.quick), "seed": args.seed,
@@ -361,6 +388,45 @@ def run(args) -> Dict[str, Any]:
         for key in ("spearman_bwd", "repro_bwd", "bwd_variants", "calibration_bwd"):
             result[key] = None
     return result
+
+
+def per_gemm_figures(split: Dict[str, Dict], fqns: Sequence[str], stats: Dict[str, Any]) -> Dict[str, Any]:
+    """How well each per-GEMM cost ranks and scales against the wgrad-only and dgrad-only drift truths.
+
+    ``calibration_*`` is the median over layers of prediction / truth (as elsewhere in this script). The
+    per-GEMM baselines price a GEMM by half its two operands' quantization errors (dgrad: G_Y and W; wgrad:
+    G_Y and X), as :func:`snip_ds.planner.quant_err_costs` does; SNIP's default split gives dgrad and wgrad
+    half of the direct BWD each, so its dgrad ranking is the direct estimate's.
+    """
+    def field(key: str) -> List[float]:
+        return [float(stats["layers"][f][key]["fp4"]) for f in fqns]
+
+    def half(field_name: str, a: str, b: str) -> List[float]:
+        return [0.5 * (x + y) for x, y in zip(field(f"{field_name}_{a}"), field(f"{field_name}_{b}"))]
+
+    truth = {k: [_mean(split[k][f]) for f in fqns] for k in split}
+    direct, prop = field("bwd_drift"), field("bwd_drift_propagated")
+    dgrad_preds = {"direct": direct, "propagated": prop, "incoherent": field("bwd_drift_dgrad"),
+                   "quant_err": half("quant_err", "g", "w"), "rel_quant_err": half("rel_quant_err", "g", "w")}
+    wgrad_preds = {"direct": direct,
+                   "quant_err": half("quant_err", "g", "x"), "rel_quant_err": half("rel_quant_err", "g", "x")}
+    ratios = [d / w for d, w in zip(truth["dgrad"], truth["wgrad"]) if w > 0]
+    return {
+        "wgrad_vs": {k: spearman(v, truth["wgrad"]) for k, v in wgrad_preds.items()},
+        "dgrad_vs": {k: spearman(v, truth["dgrad"]) for k, v in dgrad_preds.items()},
+        "dgrad_linears_vs": {k: spearman(v, truth["dgrad_linears"]) for k, v in dgrad_preds.items()},
+        "calibration_direct_wgrad": _median([p / t for p, t in zip(direct, truth["wgrad"]) if t > 0]),
+        "calibration_propagated_dgrad": _median([p / t for p, t in zip(prop, truth["dgrad"]) if t > 0]),
+        "calibration_propagated_dgrad_linears": _median([p / t for p, t in zip(prop, truth["dgrad_linears"])
+                                                         if t > 0]),
+        "calibration_incoherent_dgrad_linears": _median([p / t for p, t in zip(field("bwd_drift_dgrad"),
+                                                                                truth["dgrad_linears"]) if t > 0]),
+        "dgrad_over_wgrad_median": _median(ratios) if ratios else None,
+        "dgrad_over_wgrad_total": sum(truth["dgrad"]) / sum(truth["wgrad"]) if sum(truth["wgrad"]) > 0 else None,
+        "linears_share_of_dgrad_total": (sum(truth["dgrad_linears"]) / sum(truth["dgrad"])
+                                         if sum(truth["dgrad"]) > 0 else None),
+        "repro": {k: split_half(split[k]) for k in split},
+    }
 
 
 def parse_args(argv=None):
@@ -385,6 +451,9 @@ def parse_args(argv=None):
                     "run printed for the same checkpoint and batches, instead of measuring them again")
     ap.add_argument("--no_bwd_truth", dest="bwd_truth", action="store_false",
                     help="measure only the FLD truths (BWD figures are null): halves the time of long FLD runs")
+    ap.add_argument("--bwd_truth_per_gemm", action="store_true",
+                    help="also measure the one-step drift with only the wgrad or only the dgrad GEMM at fp4 (two "
+                         "more backward passes per layer and batch) and score the per-GEMM costs against them")
     ap.add_argument("--quick", action="store_true", help="tiny model and data: a smoke run of seconds")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)

@@ -45,8 +45,8 @@ METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "unifo
 STATS_FORMAT = "snip_ds.stats/1"
 
 # Per-layer fields of a stats file that map precision -> number.
-_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_propagated", "first_order", "quant_err",
-                     "rel_quant_err") + tuple(f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS)
+_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_propagated", "bwd_dgrad", "first_order",
+                     "quant_err", "rel_quant_err") + tuple(f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS)
 _REQUIRED_LAYER_FIELDS = ("flops", "fld", "bwd")
 _SHARE_TOL = 1e-9  # share constraints are checked to this absolute tolerance
 
@@ -592,16 +592,25 @@ def _metric_costs(stats: Mapping, fields: Mapping[str, float], per_gemm: bool,
     return StatsCosts(costs, flops, pinned)
 
 
+DGRAD_COSTS = ("split", "upstream")
+"""How a per-GEMM SNIP plan prices the dgrad GEMM (:func:`costs_from_stats`)."""
+
+
 def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool = False,
-                     bwd_key: str = "bwd") -> StatsCosts:
+                     bwd_key: str = "bwd", dgrad: str = "split", dgrad_calibration: float = 1.0) -> StatsCosts:
     """SNIP costs C(p) = FLD(p) + λ·BWD(p) from a statistics artifact (SNIP.md sections 3-5).
 
     Args:
         stats: A validated statistics dict (:func:`load_stats` / :func:`validate_stats`).
         lam: λ, the BWD weight; default the artifact's ``"lambda"``.
-        per_gemm: Per-GEMM costs: fprop carries FLD, dgrad and wgrad each carry half of λ·BWD (our split:
-            the artifact has no per-GEMM breakdown of BWD).
+        per_gemm: Per-GEMM costs: fprop carries FLD; the backward GEMMs as ``dgrad`` says.
         bwd_key: Which backward estimate to use: ``"bwd"`` (direct, default) or ``"bwd_propagated"``.
+        dgrad: Per GEMM only. ``"split"`` (default): dgrad and wgrad each carry half of λ·BWD (the direct BWD
+            measures the wgrad GEMM; nothing prices dgrad on its own). ``"upstream"``: wgrad carries the
+            direct λ·BWD, dgrad carries λ·``bwd_dgrad`` / ``dgrad_calibration``, the upstream weights' drift
+            that the dgrad error causes (statistics collected with ``bwd_propagated=True``).
+        dgrad_calibration: What ``bwd_dgrad`` overstates the measured dgrad-only drift by
+            (``launch/validate_metrics.py --bwd_truth_per_gemm`` measures it).
 
     Returns:
         :class:`StatsCosts` ``(costs, flops, pinned)``; layers with non-finite statistics are pinned to fp8
@@ -615,9 +624,28 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
         raise ValueError(f"λ must be a finite number >= 0, got {lam!r}")
     if bwd_key not in ("bwd", "bwd_propagated"):
         raise ValueError(f"bwd_key must be 'bwd' or 'bwd_propagated', got {bwd_key!r}")
+    if dgrad not in DGRAD_COSTS:
+        raise ValueError(f"dgrad must be one of {', '.join(DGRAD_COSTS)}, got {dgrad!r}")
+    if dgrad == "split":
+        split = {"fld": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0},
+                 bwd_key: {"fprop": 0.0, "dgrad": 0.5, "wgrad": 0.5}}
+        return _metric_costs(stats, {"fld": 1.0, bwd_key: float(lam)}, per_gemm, split)
+    if not per_gemm:
+        raise ValueError("dgrad='upstream' prices the dgrad GEMM on its own: it needs per_gemm=True")
+    if bwd_key != "bwd":
+        raise ValueError("dgrad='upstream' uses the direct BWD for wgrad: bwd_key must be 'bwd'")
+    if not _finite(dgrad_calibration) or dgrad_calibration <= 0:
+        raise ValueError(f"dgrad_calibration must be a finite number > 0, got {dgrad_calibration!r}")
     split = {"fld": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0},
-             bwd_key: {"fprop": 0.0, "dgrad": 0.5, "wgrad": 0.5}}
-    return _metric_costs(stats, {"fld": 1.0, bwd_key: float(lam)}, per_gemm, split)
+             "bwd": {"fprop": 0.0, "dgrad": 0.0, "wgrad": 1.0},
+             "bwd_dgrad": {"fprop": 0.0, "dgrad": 1.0, "wgrad": 0.0}}
+    weights = {"fld": 1.0, "bwd": float(lam), "bwd_dgrad": float(lam) / float(dgrad_calibration)}
+    try:
+        return _metric_costs(stats, weights, per_gemm, split)
+    except ValueError as err:
+        if "'bwd_dgrad'" in str(err):
+            raise ValueError(f"{err} (dgrad='upstream' needs statistics collected with bwd_propagated=True)") from None
+        raise
 
 
 def quant_err_costs(stats: Mapping, field: str = "quant_err", *, per_gemm: bool = False) -> StatsCosts:
@@ -662,7 +690,8 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
                    num_random: int = 1, allowed: Sequence[str] | None = None,
                    pinned: Mapping[str, Any] | None = None, previous: Plan | Mapping | None = None,
                    flip_penalty: float = 0.0, max_share: float | None = None, per_gemm: bool = False,
-                   time_limit: float = 10.0, compute_budget: float | None = None) -> list[Plan]:
+                   time_limit: float = 10.0, compute_budget: float | None = None, dgrad: str = "split",
+                   dgrad_calibration: float = 1.0) -> list[Plan]:
     """Solves one of :data:`METHODS` from a statistics artifact with the same ILP and share constraint.
 
     ``allowed``, ``max_share`` and ``compute_budget`` (GEMM cost relative to all-BF16, with
@@ -670,7 +699,7 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
     :func:`solve_plan` for every method but the uniform ones.
 
     Methods:
-        best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`).
+        best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`, with ``dgrad`` and ``dgrad_calibration``).
         random: seeded uniform random costs; ``num_random`` plans for seeds ``seed, seed+1, ...``.
         quant_err / rel_quant_err: costs from the artifact's ``quant_err`` / ``rel_quant_err``
             (:func:`quant_err_costs`; per-GEMM from the per-operand errors).
@@ -697,8 +726,10 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
                      method=method, meta=meta)]
 
     if method in ("best", "first_last_fp8"):
-        sc = costs_from_stats(stats, lam, per_gemm=per_gemm)
+        sc = costs_from_stats(stats, lam, per_gemm=per_gemm, dgrad=dgrad, dgrad_calibration=dgrad_calibration)
         meta["lambda"] = float(stats["lambda"] if lam is None else lam)
+        if dgrad != "split":
+            meta.update(dgrad=dgrad, dgrad_calibration=float(dgrad_calibration))
     elif method in ("quant_err", "rel_quant_err"):
         sc = quant_err_costs(stats, method, per_gemm=per_gemm)
     else:

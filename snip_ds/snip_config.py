@@ -25,6 +25,7 @@ from snip_ds.config import ESTIMATORS, FLD_FORMS, QuantConfig
 from snip_ds.precision import PRECISIONS
 
 PLAN_KINDS = PRECISIONS + ("adaptive",)
+DGRAD_COSTS = ("split", "upstream")  # snip_ds.planner.DGRAD_COSTS (this module imports no planner)
 METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
 
 
@@ -95,6 +96,12 @@ class SnipSettings:
     """Layers held at a fixed precision: ``{fqn: precision}``."""
     per_gemm: bool = False
     """Decide fprop, dgrad and wgrad separately."""
+    dgrad_cost: str = "split"
+    """Per GEMM: how SNIP prices dgrad. ``split``: dgrad and wgrad each carry half of λ·BWD; ``upstream``: dgrad
+    carries λ·bwd_dgrad / dgrad_calibration (the upstream drift its error causes; collected with the
+    statistics), wgrad the whole λ·BWD."""
+    dgrad_calibration: float = 1.0
+    """With ``dgrad_cost: upstream``: what bwd_dgrad overstates the measured dgrad-only drift by."""
     flip_penalty: float = 0.0
     """Cost added per layer that changes precision between consecutive plans."""
     solver_time_limit: float = 10.0
@@ -116,6 +123,12 @@ class SnipSettings:
         _check_choice("snip.method", self.method, METHODS)
         _check_choice("snip.estimator", self.estimator, ESTIMATORS)
         _check_choice("snip.fld_form", self.fld_form, FLD_FORMS)
+        _check_choice("snip.dgrad_cost", self.dgrad_cost, DGRAD_COSTS)
+        if self.dgrad_cost == "upstream" and not self.per_gemm:
+            raise ConfigError("snip.dgrad_cost: 'upstream' prices the dgrad GEMM on its own, which needs "
+                              "snip.per_gemm: true")
+        if not (self.dgrad_calibration > 0 and self.dgrad_calibration != float("inf")):
+            raise ConfigError(f"snip.dgrad_calibration: must be a finite number > 0, got {self.dgrad_calibration}")
         if not 0.0 <= self.efficiency_saving <= 1.0:
             raise ConfigError(f"snip.efficiency_saving: must lie in [0, 1], got {self.efficiency_saving}")
         for name in ("replan_every", "collect_batches", "num_probes"):

@@ -196,3 +196,22 @@ def test_diff(tmp_path, capsys):
     assert f"FP4 share {fp4_share(b, flops):.4f}" in out and "FP4 share 0.0000" in out
     assert f"{fqns[0]}  fp8 -> fp4" in out and f"{fqns[2]}  fp8 -> bf16" in out
     assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "zzz.json")]) == 2
+
+
+def test_plan_dgrad_upstream_prices_dgrad_from_the_statistics(tmp_path, capsys):
+    stats = _stats(n_blocks=2)
+    for rec in stats["layers"].values():
+        rec["bwd_dgrad"] = {"fp8": 0.0, "fp4": 1e-9}  # nearly free: at a share of 1/3, dgrad is what moves
+    path, out = tmp_path / "s.json", tmp_path / "p.json"
+    path.write_text(json.dumps(stats))
+    assert main(["plan", str(path), "--rho", "0.3333", "--per-gemm", "--dgrad-cost", "upstream",
+                 "--dgrad-calibration", "10", "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    assert all(a["dgrad"] == "fp4" and a["fprop"] == a["wgrad"] == "fp8" for a in plan.assignment.values())
+    assert plan.meta["dgrad_calibration"] == 10.0
+    assert main(["plan", str(path), "--rho", "0.3", "--dgrad-cost", "upstream", "-o", str(out)]) == 2
+    assert "needs per_gemm=True" in capsys.readouterr().err
+    del stats["layers"]["model.layers.0.mlp.up_proj"]["bwd_dgrad"]
+    path.write_text(json.dumps(stats))
+    assert main(["plan", str(path), "--rho", "0.3", "--per-gemm", "--dgrad-cost", "upstream", "-o", str(out)]) == 2
+    assert "lack field 'bwd_dgrad'" in capsys.readouterr().err

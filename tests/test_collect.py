@@ -300,3 +300,71 @@ def test_bad_arguments(model):
         collect_statistics(model, [[1, 2, 3]], lr=1e-3)
     with pytest.raises(ValueError, match="SnipLinear"):
         collect_statistics(torch.nn.Linear(2, 2), b, lr=1e-3)
+
+
+def test_dgrad_estimate_matches_an_independent_reference(model):
+    """bwd_drift_dgrad of down_proj = (lr)²·Σ_upstream m Σ_t (‖e_t‖²/‖G_X,t‖²)·Σ_ij g_m,ti² P_m,ij² x_m,tj², from a
+    plain BF16 forward/backward with retain_grad, averaged over 3 batches (input groups are per forward: they
+    were once keyed by recycled tensor ids); bwd_dgrad prices each m at its own bwd/bwd_drift rate."""
+    batches = _batches(3, seed=5)
+    layers = snip_layers(model)
+    gen = torch.Generator().manual_seed(11)
+    pre = {f: torch.rand(m.weight.shape, generator=gen) + 0.5 for f, m in layers.items()}
+    stats = collect_statistics(model, batches, lr=1e-3, precond=pre, bwd_propagated=True)
+    drift = loss = 0.0
+    for batch in batches:
+        d, lo = _dgrad_reference(model, layers, batch, pre, stats)
+        drift, loss = drift + d / 3, loss + lo / 3
+    got = stats["layers"][LAYER]
+    assert drift > 0 and got["bwd_drift_dgrad"]["fp4"] == pytest.approx(drift, rel=1e-4)
+    assert got["bwd_dgrad"]["fp4"] == pytest.approx(loss, rel=1e-4)
+    assert stats["layers"]["model.layers.0.self_attn.q_proj"]["bwd_drift_dgrad"]["fp4"] == 0.0  # nothing upstream
+    assert 0 < got["bwd_drift_dgrad"]["fp8"] < got["bwd_drift_dgrad"]["fp4"]
+
+
+def _dgrad_reference(model, layers, batch, pre, stats):
+    saved = {}
+
+    def hook(fqn):
+        def f(m, inp, out):
+            inp[0].retain_grad()
+            out.retain_grad()
+            saved[fqn] = (inp[0], out)
+        return f
+
+    prec = {f: m.precision for f, m in layers.items()}
+    for m in layers.values():
+        m.precision = "bf16"
+    handles = [m.register_forward_hook(hook(f)) for f, m in layers.items()]
+    try:
+        logits = model(input_ids=batch).logits
+        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for f, m in layers.items():
+            m.precision = prec[f]
+        model.zero_grad(set_to_none=True)
+
+    def flat(t):
+        return t.detach().reshape(-1, t.shape[-1]).float()
+
+    mod = layers[LAYER]
+    x_in, y = saved[LAYER]
+    g = flat(y.grad)
+    cfg = replace(mod.quant_config, stochastic_rounding=False)
+    w = mod.weight.detach().float()
+    e = get_backend().dgrad(g, w, "fp4", cfg, torch.Generator()) - g @ w
+    gx = flat(x_in.grad).pow(2).sum(1)
+    r = torch.where(gx > 0, e.pow(2).sum(1) / gx, torch.zeros_like(gx))
+    names = list(layers)
+    upstream = names[:names.index(LAYER)]  # every layer before down_proj (none shares its input)
+    drift = loss = 0.0
+    for m in upstream:
+        xm, ym = saved[m]
+        a = ((flat(ym.grad).pow(2) @ pre[m].pow(2)) * flat(xm).pow(2)).sum(1)
+        d = 1e-6 * float((r * a).sum())
+        drift += d
+        rec = stats["layers"][m]
+        loss += d * rec["bwd"]["fp4"] / rec["bwd_drift"]["fp4"]
+    return drift, loss

@@ -402,3 +402,32 @@ def test_apply_plan_rejects_other_layers():
     swap_linears(model, "bf16")
     with pytest.raises(ValueError, match="plan does not match"):
         apply_plan(model, Plan.uniform(["model.layers.9.mlp.up_proj"], "fp4"))
+
+
+def test_dgrad_upstream_grid_against_a_split_grid(tmp_path):
+    """--dgrad_cost upstream: recorded and reported; its SNIP is paired against the other grid's baselines
+    (--versus), cell by cell; it needs --per_gemm and a positive calibration."""
+    mod = _script()
+    split, up = tmp_path / "split", tmp_path / "up"
+    assert mod.main(["--quick", "--per_gemm", "--methods", "best,quant_err", "--lambdas", "100",
+                     "--output_dir", str(split), "--silent"]) == 0
+    assert mod.main(["--quick", "--per_gemm", "--dgrad_cost", "upstream", "--dgrad_calibration", "8",
+                     "--methods", "best", "--lambdas", "100", "--output_dir", str(up), "--silent"]) == 0
+    data = json.loads((up / "compare_plans.json").read_text())
+    assert data["settings"]["dgrad_cost"] == "upstream" and data["settings"]["dgrad_calibration"] == 8.0
+    assert "bwd_dgrad / 8" in (up / "compare_plans.md").read_text()
+    assert mod.main(["--report_only", "--output_dir", str(up), "--versus", str(split), "--silent"]) == 0
+    md = (up / "compare_plans.md").read_text()
+    assert "### This grid's SNIP (best λ=100) against every plan of the other grid" in md
+    other = json.loads((split / "compare_plans.json").read_text())
+
+    def val(d, label):
+        return next(r["val_loss"] for r in d["records"] if r["label"] == label)
+    cross = {(r["phase"], r["label"]): r for r in mod.versus_rows(data["records"], other["records"], "best λ=100")}
+    for label in ("best λ=100", "quant_err"):
+        assert cross[("early", label)]["q"].mean == pytest.approx(val(data, "best λ=100") - val(other, label),
+                                                                 abs=1e-12)
+    for bad in (["--dgrad_cost", "upstream"], ["--per_gemm", "--dgrad_calibration", "0"],
+                ["--per_gemm", "--dgrad_cost", "both"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)

@@ -67,3 +67,28 @@ print(json.dumps({"loss": loss, "method": engine.plan.method, "share": engine.pl
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["method"] == "best" and out["history"] == [0] and out["share"] >= 0.75 - 1e-9
     assert out["loss"] == out["loss"]  # finite, not NaN
+
+
+def test_per_gemm_upstream_dgrad_plan_under_zero3_in_a_plain_process(tmp_path):
+    """snip.per_gemm with dgrad_cost 'upstream' on ZeRO-3 (partitioned optimizer states, no retained graph): the
+    collection estimates bwd_dgrad and the first plan is per GEMM, priced that way, at the efficiency target."""
+    cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    cfg["snip"].update(per_gemm=True, dgrad_cost="upstream", dgrad_calibration=30.0)
+    path = tmp_path / "z3.json"
+    path.write_text(json.dumps(cfg))
+    code = """
+import json, torch, snip_ds
+from transformers import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+engine = snip_ds.initialize(model, json.load(open(%r)), tokens_per_step=4 * 16)
+ids = torch.randint(0, 64, (4, 16))
+engine.train_step([{"input_ids": ids, "labels": ids}])
+print(json.dumps({"meta": dict(engine.plan.meta), "per_gemm": engine.plan.per_gemm, "share": engine.plan_fp4_share()}))
+""" % str(path)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["per_gemm"] and out["share"] >= cfg["snip"]["efficiency_saving"] - 1e-9
+    assert out["meta"]["dgrad"] == "upstream" and out["meta"]["dgrad_calibration"] == 30.0

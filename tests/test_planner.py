@@ -498,3 +498,30 @@ def test_load_stats_round_trip_and_errors(tmp_path):
         mutate(bad)
         with pytest.raises(ValueError, match=match):
             validate_stats(bad, source="s.json")
+
+
+def test_dgrad_upstream_prices_dgrad_by_its_own_estimate():
+    """dgrad='upstream': fprop FLD, wgrad the whole λ·BWD, dgrad λ·bwd_dgrad / calibration; a cheap dgrad
+    goes to FP4 first; wrong combinations and missing fields are refused with the reason."""
+    stats = make_stats(n_blocks=2)
+    for i, rec in enumerate(sorted(stats["layers"])):
+        stats["layers"][rec]["bwd_dgrad"] = {"fp8": 1e-9, "fp4": 1e-6 * (i + 1)}
+    validate_stats(stats)
+    fqn = sorted(stats["layers"])[1]
+    rec = stats["layers"][fqn]
+    g = costs_from_stats(stats, 100.0, per_gemm=True, dgrad="upstream", dgrad_calibration=4.0).costs[fqn]["fp4"]
+    assert g == pytest.approx({"fprop": rec["fld"]["fp4"], "wgrad": 100.0 * rec["bwd"]["fp4"],
+                               "dgrad": 25.0 * rec["bwd_dgrad"]["fp4"]})
+    # dgrad far cheaper than the rest: at a share of 1/3 every dgrad GEMM and nothing else runs in FP4
+    (plan,) = solve_baseline("best", stats, 1 / 3, lam=100.0, per_gemm=True, dgrad="upstream")
+    assert all(a == {"fprop": "fp8", "dgrad": "fp4", "wgrad": "fp8"} for a in plan.assignment.values())
+    assert plan.meta["dgrad"] == "upstream" and plan.meta["dgrad_calibration"] == 1.0
+    with pytest.raises(ValueError, match="needs per_gemm=True"):
+        costs_from_stats(stats, per_gemm=False, dgrad="upstream")
+    with pytest.raises(ValueError, match="dgrad must be one of split, upstream"):
+        costs_from_stats(stats, per_gemm=True, dgrad="half")
+    with pytest.raises(ValueError, match="dgrad_calibration must be a finite number > 0"):
+        costs_from_stats(stats, per_gemm=True, dgrad="upstream", dgrad_calibration=0.0)
+    del stats["layers"][fqn]["bwd_dgrad"]
+    with pytest.raises(ValueError, match=r"lack field 'bwd_dgrad'.*collected with bwd_propagated=True"):
+        solve_baseline("best", stats, 0.3, per_gemm=True, dgrad="upstream")

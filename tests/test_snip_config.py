@@ -33,6 +33,10 @@ def test_three_precisions_budget_and_cap_parse_and_round_trip():
     ({"efficiency_saving": 0.75, "max_share": 0.5}, r"snip.max_share: must lie in \[efficiency_saving, 1\]"),
     ({"fld_form": "token"}, "snip.fld_form: unknown value 'token'"),
     ({"estimator": "hessian"}, "snip.estimator: unknown value 'hessian'"),
+    ({"dgrad_cost": "half"}, "snip.dgrad_cost: unknown value 'half'"),
+    ({"dgrad_cost": "upstream"}, "snip.dgrad_cost: 'upstream' .* needs snip.per_gemm: true"),
+    ({"per_gemm": True, "dgrad_cost": "upstream", "dgrad_calibration": 0}, "snip.dgrad_calibration: must be"),
+    ({"dgrad_calibration": "x"}, "snip.dgrad_calibration: expected a number"),
 ])
 def test_bad_values_name_the_field(section, match):
     with pytest.raises(ConfigError, match=match):
@@ -42,3 +46,12 @@ def test_bad_values_name_the_field(section, match):
 def test_no_fp4_is_fine_when_nothing_must_move_to_fp4():
     assert parse_snip_section({"allowed": ["bf16", "fp8"], "efficiency_saving": 0.0}).allowed == ("bf16", "fp8")
     assert isinstance(SnipSettings(), SnipSettings)
+
+
+def test_dgrad_cost_parses_and_matches_the_planner():
+    from snip_ds.planner import DGRAD_COSTS
+    from snip_ds.snip_config import DGRAD_COSTS as CONFIG_DGRAD_COSTS
+    assert CONFIG_DGRAD_COSTS == DGRAD_COSTS
+    assert parse_snip_section({}).dgrad_cost == "split"
+    s = parse_snip_section({"per_gemm": True, "dgrad_cost": "upstream", "dgrad_calibration": 30})
+    assert (s.dgrad_cost, s.dgrad_calibration) == ("upstream", 30.0)

@@ -63,6 +63,32 @@ def test_quick_run_prints_table_then_json(vm, capsys, tmp_path):
     assert rescored["repro_fld"] is None and rescored["repro_bwd"] is None
 
 
+def test_per_gemm_truths_land_where_each_gemm_acts(vm, capsys, tmp_path):
+    """wgrad-only moves the layer's own weight; dgrad-only moves only what lies upstream of its input: for the
+    first block's q_proj that is the embedding, no linear. --bwd_truth_per_gemm scores the per-GEMM costs."""
+    import torch
+    args = vm.parse_args(["--quick", "--batches", "2", "--warmup_steps", "5"])
+    torch.manual_seed(0)
+    model, train_ds, val_ds = vm.build(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    vm.warm_up(model, opt, train_ds, args)
+    batches = [val_ds.get_batch([0, 1])["input_ids"]]
+    split = vm.bwd_truth(model, opt, batches, ("wgrad", "dgrad"))
+    first, last = "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"
+    assert split["dgrad_linears"][first] == [0.0] and split["dgrad"][first][0] > 0  # the embedding moved
+    assert split["wgrad"][first][0] > 0 and split["dgrad_linears"][last][0] > 0
+    assert all(lin[0] <= tot[0] for lin, tot in zip(split["dgrad_linears"].values(), split["dgrad"].values()))
+    assert vm.main(["--quick", "--batches", "2", "--warmup_steps", "5", "--bwd_truth_per_gemm"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert "wgrad only" in lines[0] and "dgrad only" in lines[0]
+    per = out["bwd_per_gemm"]
+    assert set(per["dgrad_vs"]) == {"direct", "propagated", "incoherent", "quant_err", "rel_quant_err"}
+    assert all(_in_unit(v) for v in [*per["wgrad_vs"].values(), *per["dgrad_vs"].values()])
+    assert per["dgrad_over_wgrad_total"] > 0 and 0 < per["linears_share_of_dgrad_total"] <= 1
+    assert out["seconds"]["bwd_truth_per_gemm"] > 0
+
+
 def test_bad_truth_table_names_the_file(vm, capsys, tmp_path):
     bad = tmp_path / "t.txt"
     bad.write_text("no table here\n")

@@ -70,7 +70,7 @@ class AdaptivePlanner:
             eng.ds.module, batches, layers=list(eng.layers), lr=eng.lr(), precond=precond,
             estimator=s.estimator, num_probes=s.num_probes, fld_form=s.fld_form, seed=s.train.seed + eng.step,
             reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size(), lam=s.bwd_lambda,
-            retain_graph=eng.zero_stage < 3)
+            retain_graph=eng.zero_stage < 3, bwd_propagated=s.dgrad_cost == "upstream")
         stats["precond_source"] = source
         return stats
 
@@ -89,6 +89,7 @@ class AdaptivePlanner:
                                           seed=s.plan_seed, pinned=dict(s.pinned) or None,
                                           previous=self.engine.plan, flip_penalty=s.flip_penalty,
                                           per_gemm=s.per_gemm, time_limit=s.solver_time_limit,
+                                          dgrad=s.dgrad_cost, dgrad_calibration=s.dgrad_calibration,
                                           allowed=s.allowed, compute_budget=s.compute_budget,
                                           max_share=s.max_share)[0]
                 payload = {"plan": plan.to_dict()}
