@@ -406,7 +406,7 @@ def per_gemm_figures(split: Dict[str, Dict], fqns: Sequence[str], stats: Dict[st
 
     truth = {k: [_mean(split[k][f]) for f in fqns] for k in split}
     direct, prop = field("bwd_drift"), field("bwd_drift_propagated")
-    dgrad_preds = {"direct": direct, "propagated": prop, "incoherent": field("bwd_drift_dgrad"),
+    dgrad_preds = {"direct": direct, "propagated": prop,
                    "quant_err": half("quant_err", "g", "w"), "rel_quant_err": half("rel_quant_err", "g", "w")}
     wgrad_preds = {"direct": direct,
                    "quant_err": half("quant_err", "g", "x"), "rel_quant_err": half("rel_quant_err", "g", "x")}
@@ -419,8 +419,6 @@ def per_gemm_figures(split: Dict[str, Dict], fqns: Sequence[str], stats: Dict[st
         "calibration_propagated_dgrad": _median([p / t for p, t in zip(prop, truth["dgrad"]) if t > 0]),
         "calibration_propagated_dgrad_linears": _median([p / t for p, t in zip(prop, truth["dgrad_linears"])
                                                          if t > 0]),
-        "calibration_incoherent_dgrad_linears": _median([p / t for p, t in zip(field("bwd_drift_dgrad"),
-                                                                                truth["dgrad_linears"]) if t > 0]),
         "dgrad_over_wgrad_median": _median(ratios) if ratios else None,
         "dgrad_over_wgrad_total": sum(truth["dgrad"]) / sum(truth["wgrad"]) if sum(truth["wgrad"]) > 0 else None,
         "linears_share_of_dgrad_total": (sum(truth["dgrad_linears"]) / sum(truth["dgrad"])

@@ -211,12 +211,8 @@ class _Collector:
         self.order: Dict[str, int] = {}
         self.group: Dict[str, str] = {}  # layer -> its input group, named by the group's first layer
         self._group_ids: Dict[int, str] = {}  # id(input tensor) -> group, for the current forward only
+        self._group_inputs: List[torch.Tensor] = []  # keeps those ids unique: no input is freed mid-forward
         self.emb: Optional[torch.Tensor] = None
-        # per-token norms of one batch for the dgrad estimate: ‖e_t‖² per (layer, precision), ‖G_X,t‖² per
-        # input group, and each layer's incoherent preconditioned wgrad weight a_t (see _dgrad_upstream)
-        self.e_tok: Dict[Tuple[str, str], torch.Tensor] = {}
-        self.gx_tok: Dict[str, torch.Tensor] = {}
-        self.a_tok: Dict[str, torch.Tensor] = {}
         self.z: Optional[torch.Tensor] = None
         self.z_shift: Optional[torch.Tensor] = None
         self.sources: set = set()
@@ -287,6 +283,7 @@ class _Collector:
             key = id(x)
             if key not in self._group_ids:  # ids are unique only while the tensors live: reset every forward
                 self._group_ids[key] = fqn
+                self._group_inputs.append(x)
                 gid = self._group_ids[key]
                 x.register_hook(lambda g, gid=gid: self._on_input_grad(gid, g))
             self.group[fqn] = self._group_ids[key]
@@ -327,31 +324,7 @@ class _Collector:
 
     def _on_input_grad(self, gid: str, g: torch.Tensor) -> None:
         if self.phase == "train":
-            g_sq = g.detach().float().pow(2).reshape(-1, g.shape[-1]).sum(1)  # [T]
-            self.stats.add(self.GLOBAL, f"gx_sq.{gid}", g_sq.sum())
-            self.gx_tok[gid] = g_sq
-
-    def _dgrad_upstream(self) -> None:
-        """This batch's ``Σ_t r_ℓ,t · a_m,t`` for every dgrad source ℓ and layer m (one vector per ℓ).
-
-        ``r_ℓ,t = ‖e_ℓ,t‖² / ‖G_X,t‖²`` is token t's dgrad error relative to the total gradient at ℓ's input:
-        the error reaches layer m's output gradient as that share of it (the ratio model, per token). The
-        errors of different tokens are independent, so m's weight gradient collects them incoherently:
-        ``‖Σ_t δg_t x_tᵀ ⊙ P‖² ≈ Σ_t (δg_t²)ᵀ P² (x_t²) = Σ_t r_t a_m,t``. (The old global ratio, the
-        ``bwd_propagated`` ablation, sums tokens coherently and overstates by about the token count.)
-        """
-        names = list(self.layers)
-        for (fqn, p), e_sq in self.e_tok.items():
-            gx = self.gx_tok.get(self.group.get(fqn, ""))
-            if gx is None:
-                continue
-            r = torch.where(gx > 0, e_sq / gx.clamp_min(torch.finfo(gx.dtype).tiny), torch.zeros_like(gx))
-            vec = torch.stack([(r * self.a_tok[m]).sum() if m in self.a_tok else r.new_zeros(())
-                               for m in names])
-            self.stats.add(fqn, f"dgup.{p}", vec)
-        self.e_tok.clear()
-        self.gx_tok.clear()
-        self.a_tok.clear()
+            self.stats.add(self.GLOBAL, f"gx_sq.{gid}", (g.float() ** 2).sum())
 
     def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
         g2 = g.detach().reshape(-1, g.shape[-1]).float()  # [T, n]
@@ -414,9 +387,7 @@ class _Collector:
             st.add(fqn, f"qerr_g.{p}", ((g_lp - g2) ** 2).sum())
             if self.propagated:
                 e = be.dgrad(g2, w, p, cfg, self.had_gen) - g2 @ w
-                e_sq = (e * e).sum(1)  # [T]
-                st.add(fqn, f"dgrad_sq.{p}", e_sq.sum())
-                self.e_tok[(fqn, p)] = e_sq
+                st.add(fqn, f"dgrad_sq.{p}", (e * e).sum())
                 del e
         st.add(fqn, "qnorm_g", (g2 * g2).sum())
         if self.estimator == "empirical":
@@ -430,9 +401,6 @@ class _Collector:
                 st.add(fqn, "up_sq", torch.as_tensor(pfn(fqn, gw), dtype=torch.float32))
                 st.add(fqn, "gw_sq", (gw * gw).sum())
             st.add(fqn, "up_ch", dv.projected_sq_sum(x2, up, gram))
-            g_sq, x_sq = g2 * g2, x2 * x2
-            # a_t = Σ_ij g_ti² P_ij² x_tj²; P spread evenly (‖ΔG⊙P‖²/‖ΔG‖², applied later) where it is sharded
-            self.a_tok[fqn] = ((g_sq @ (pmat * pmat)) * x_sq).sum(1) if pfn is None else g_sq.sum(1) * x_sq.sum(1)
 
     # ---------------- one batch ----------------
     def _probe_root(self, ids, mask, labels, retain: bool, last: bool):
@@ -450,6 +418,7 @@ class _Collector:
         mask = mask.to(device) if mask is not None else None
         with torch.enable_grad():
             self._group_ids.clear()
+            self._group_inputs.clear()
             self.phase = "forward"
             logits = self.model(input_ids=ids, attention_mask=mask).logits
             self.phase = "off"
@@ -467,8 +436,6 @@ class _Collector:
             self.phase = "train"
             torch.autograd.grad(loss, self.emb, retain_graph=extra and retain_graph)
             self.x.clear()
-            if self.propagated:
-                self._dgrad_upstream()
             if not retain_graph:
                 self.xp.clear()  # the probes' fresh forwards record their own inputs
             self._lg = lg
@@ -587,10 +554,10 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
             pass) or ``"isotropic"`` (ablation: ``N(0, I)`` probes at the last block's output times α).
         num_probes: probes per batch (mc_fisher, isotropic).
         precisions: quantized precisions to measure (``fp8``, ``fp4``).
-        bwd_propagated: also estimate what each layer's dgrad error does upstream: ``bwd_dgrad`` /
-            ``bwd_drift_dgrad`` (loss / parameter units; per-token ratio, tokens summed incoherently: what
-            per-GEMM plans price dgrad by) and the global-ratio ablation ``bwd_propagated`` (direct + upstream,
-            loss units), ``bwd_drift_propagated``, ``dgrad_err``.
+        bwd_propagated: also estimate what each layer's dgrad error does to the upstream weights (SNIP.md
+            section 4's ratio estimate): ``bwd_dgrad`` (loss units; what per-GEMM plans with
+            ``dgrad_cost: upstream`` price dgrad by), ``bwd_drift_propagated`` (the same in parameter units),
+            ``bwd_propagated`` (direct + ``bwd_dgrad``, the ablation) and ``dgrad_err``.
         seed: seed of the private generators (probe labels, isotropic noise, Hadamard signs).
         reduce: ``reduce(t) -> t`` summing over data-parallel ranks (called exactly once); None = identity.
         step: the training step, recorded.
@@ -739,42 +706,31 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
             rec.update(bwd_propagated=prop, bwd_drift_propagated=prop_drift, dgrad_err=derr)
         layers_out[fqn] = rec
     if col.propagated:
-        _dgrad_estimates(col, mods, layers_out, upstream, eta2 / (B * W * W), callable_mode)
+        _dgrad_cost(col, layers_out, upstream, eta2, B, W, cover)
     out["layers"] = {fqn: _clean(rec) for fqn, rec in layers_out.items()}
     return out
 
 
-def _dgrad_estimates(col: _Collector, mods: Dict[str, SnipLinear], layers_out: Dict[str, Dict[str, Any]],
-                     upstream: Dict[str, List[str]], scale: float, callable_mode: bool) -> None:
-    """Adds ``bwd_drift_dgrad`` (parameter units) and ``bwd_dgrad`` (loss units): the drift of the upstream
-    layers' weights caused by ℓ's dgrad error, from the per-token sums of :meth:`_Collector._dgrad_upstream`.
-
-    Each upstream layer m's share is priced at m's own exchange rate between its direct BWD in loss units
-    and in parameter units (the price of a noise-like drift of m's weights).
-    """
-    st, names = col.stats, list(mods)
-    iso = {}
-    for m in names:
-        if callable_mode:
-            d = float(st.get(m, "gw_sq")[0])
-            iso[m] = float(st.get(m, "up_sq")[0]) / d if d > 0 else 0.0
-        else:
-            iso[m] = 1.0
-    for fqn in names:
-        rec = layers_out[fqn]
-        drift, loss = {}, {}
+def _dgrad_cost(col: _Collector, layers_out: Dict[str, Dict[str, Any]], upstream: Dict[str, List[str]],
+                eta2: float, B: float, W: float, cover: float) -> None:
+    """``bwd_dgrad``: the upstream drift that ℓ's dgrad error causes (``bwd_drift_propagated``, split over the
+    upstream layers u as the ratio estimate splits it, ∝ ‖G_W,u⊙P_u‖²), each part priced in loss units at
+    u's own rate for a noise-like drift, ``bwd_u / bwd_drift_u``. (``bwd_propagated`` prices the same drift as
+    if it pointed along the gradient, whose Fisher price per unit is far higher: on the 4-block compare model
+    it made dgrad 23× wgrad in loss units where the drifts are 3×.)"""
+    st, G = col.stats, _Collector.GLOBAL
+    for fqn, rec in layers_out.items():
+        gx = float(st.get(G, f"gx_sq.{col.group.get(fqn, '')}")[0])
+        cost = {}
         for p in col.precisions:
-            vec = st.get(fqn, f"dgup.{p}", default=float("nan"))
-            if vec.numel() != len(names):  # no dgrad error reached this layer's input (no gradient there)
-                drift[p] = loss[p] = 0.0
-                continue
-            drift[p], loss[p] = 0.0, 0.0
-            for m in upstream[fqn]:
-                d = scale * float(vec[names.index(m)]) * iso[m]
-                own_loss, own_drift = layers_out[m]["bwd"][p], layers_out[m]["bwd_drift"][p]
-                drift[p] += d
-                loss[p] += d * (own_loss / own_drift) if own_drift > 0 else 0.0
-        rec.update(bwd_drift_dgrad=drift, bwd_dgrad=loss)
+            e_glob = eta2 * float(st.get(fqn, f"dgrad_sq.{p}")[0]) / (B * W * W)  # as in _finalize
+            total = 0.0
+            for u in upstream[fqn]:
+                own_loss, own_drift = layers_out[u]["bwd"][p], layers_out[u]["bwd_drift"][p]
+                if gx > 0 and own_drift > 0 and math.isfinite(own_loss / own_drift):
+                    total += e_glob * float(st.get(u, "up_sq")[0]) * W / cover / gx * (own_loss / own_drift)
+            cost[p] = total
+        rec["bwd_dgrad"] = cost
 
 
 def _clean(rec: Dict[str, Any]) -> Dict[str, Any]:

@@ -247,8 +247,10 @@ def bwd_propagated(dgrad_err_sq: float, upstream_precond_grad_sq: float, input_g
 
     The dgrad error ``e`` at layer ℓ's input flows into upstream weight gradients. Model the map from a
     gradient at the input to the upstream preconditioned weight gradients by the *total* gradient there:
-    ``drift ≈ (lr·c)²·‖e‖²·Σ_upstream ‖G_W ⊙ P‖² / ‖G_X‖²``. Measured to overstate 5-7×; keep it off unless
-    calibrated.
+    ``drift ≈ (lr·c)²·‖e‖²·Σ_upstream ‖G_W ⊙ P‖² / ‖G_X‖²``. Against the measured dgrad-only drift
+    (``launch/validate_metrics.py --bwd_truth_per_gemm``) it ranks layers at 0.6-0.9 (Spearman) and overstates
+    10-50×: per-GEMM plans divide it by ``dgrad_calibration``. (``snip_ds.collect`` computes the same ratio
+    from its accumulated sums.)
 
     Args:
         dgrad_err_sq: ``‖Q(G_Y)Q(W) - G_Y W‖²``.

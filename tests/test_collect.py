@@ -303,26 +303,36 @@ def test_bad_arguments(model):
 
 
 def test_dgrad_estimate_matches_an_independent_reference(model):
-    """bwd_drift_dgrad of down_proj = (lr)²·Σ_upstream m Σ_t (‖e_t‖²/‖G_X,t‖²)·Σ_ij g_m,ti² P_m,ij² x_m,tj², from a
-    plain BF16 forward/backward with retain_grad, averaged over 3 batches (input groups are per forward: they
-    were once keyed by recycled tensor ids); bwd_dgrad prices each m at its own bwd/bwd_drift rate."""
+    """bwd_drift_propagated of down_proj = lr²·mean_b‖e_b‖²·Σ_b Σ_upstream m ‖G_W,m⊙P_m‖² / Σ_b ‖G_X,b‖², with e the
+    fp4 dgrad error and G_X the gradient at down_proj's input, from plain BF16 forward/backward passes with
+    retain_grad over 3 batches (input groups are per forward: they were once keyed by recycled tensor ids,
+    which mixed groups up across batches)."""
     batches = _batches(3, seed=5)
     layers = snip_layers(model)
     gen = torch.Generator().manual_seed(11)
     pre = {f: torch.rand(m.weight.shape, generator=gen) + 0.5 for f, m in layers.items()}
     stats = collect_statistics(model, batches, lr=1e-3, precond=pre, bwd_propagated=True)
-    drift = loss = 0.0
+    names = list(layers)
+    upstream = names[:names.index(LAYER)]  # every layer before down_proj (none shares its input)
+    e_sq, up, gx_sq = 0.0, {m: 0.0 for m in upstream}, 0.0
     for batch in batches:
-        d, lo = _dgrad_reference(model, layers, batch, pre, stats)
-        drift, loss = drift + d / 3, loss + lo / 3
+        e, up_b, gx = _dgrad_reference(model, layers, batch, pre, upstream)
+        e_sq, gx_sq = e_sq + e / 3, gx_sq + gx
+        up = {m: up[m] + up_b[m] for m in upstream}
     got = stats["layers"][LAYER]
-    assert drift > 0 and got["bwd_drift_dgrad"]["fp4"] == pytest.approx(drift, rel=1e-4)
-    assert got["bwd_dgrad"]["fp4"] == pytest.approx(loss, rel=1e-4)
-    assert stats["layers"]["model.layers.0.self_attn.q_proj"]["bwd_drift_dgrad"]["fp4"] == 0.0  # nothing upstream
-    assert 0 < got["bwd_drift_dgrad"]["fp8"] < got["bwd_drift_dgrad"]["fp4"]
+    assert got["bwd_drift_propagated"]["fp4"] == pytest.approx(1e-6 * e_sq * sum(up.values()) / gx_sq, rel=1e-4)
+    # bwd_dgrad: the same drift, each upstream layer's part priced at that layer's own bwd / bwd_drift
+    parts = {m: 1e-6 * e_sq * up[m] / gx_sq for m in upstream}
+    assert sum(parts.values()) == pytest.approx(got["bwd_drift_propagated"]["fp4"], rel=1e-4)
+    price = {m: stats["layers"][m]["bwd"]["fp4"] / stats["layers"][m]["bwd_drift"]["fp4"] for m in upstream}
+    assert got["bwd_dgrad"]["fp4"] == pytest.approx(sum(parts[m] * price[m] for m in upstream), rel=1e-4)
+    assert 0 < got["bwd_dgrad"]["fp8"] < got["bwd_dgrad"]["fp4"]
+    first = stats["layers"]["model.layers.0.self_attn.q_proj"]
+    assert first["bwd_drift_propagated"]["fp4"] == first["bwd_dgrad"]["fp4"] == 0.0  # nothing upstream
 
 
-def _dgrad_reference(model, layers, batch, pre, stats):
+def _dgrad_reference(model, layers, batch, pre, upstream):
+    """(‖e‖², {upstream m: ‖G_W,m⊙P_m‖²}, ‖G_X‖²) of down_proj on one batch."""
     saved = {}
 
     def hook(fqn):
@@ -355,16 +365,32 @@ def _dgrad_reference(model, layers, batch, pre, stats):
     cfg = replace(mod.quant_config, stochastic_rounding=False)
     w = mod.weight.detach().float()
     e = get_backend().dgrad(g, w, "fp4", cfg, torch.Generator()) - g @ w
-    gx = flat(x_in.grad).pow(2).sum(1)
-    r = torch.where(gx > 0, e.pow(2).sum(1) / gx, torch.zeros_like(gx))
-    names = list(layers)
-    upstream = names[:names.index(LAYER)]  # every layer before down_proj (none shares its input)
-    drift = loss = 0.0
-    for m in upstream:
-        xm, ym = saved[m]
-        a = ((flat(ym.grad).pow(2) @ pre[m].pow(2)) * flat(xm).pow(2)).sum(1)
-        d = 1e-6 * float((r * a).sum())
-        drift += d
-        rec = stats["layers"][m]
-        loss += d * rec["bwd"]["fp4"] / rec["bwd_drift"]["fp4"]
-    return drift, loss
+    up = {m: float(((flat(saved[m][1].grad).t() @ flat(saved[m][0])) * pre[m]).pow(2).sum()) for m in upstream}
+    return float(e.pow(2).sum()), up, float(flat(x_in.grad).pow(2).sum())
+
+
+def test_input_groups_are_the_layers_that_share_an_input():
+    """q/k/v share one input, gate/up another; o_proj and down_proj have their own. Groups are found by the
+    input tensor's id within a forward, so no input may be freed (and its id recycled) before the forward ends:
+    on this 4-block model that once merged two blocks' groups."""
+    from snip_ds.collect import QUANTIZED, _Collector, _preserved
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    swap_linears(model, "fp8", seed=3)
+    layers = snip_layers(model)
+    col = _Collector(model, layers, QUANTIZED, None, "grad_sq", "mc_fisher", True, 0)
+    g = torch.Generator().manual_seed(1)
+    with _preserved(model, layers), col.hooks():
+        for _ in range(3):
+            col.run_batch(torch.randint(0, 257, (2, 64), generator=g), 1)
+    groups = {}
+    for fqn, gid in col.group.items():
+        groups.setdefault(gid, []).append(fqn)
+    expected = []
+    for b in range(4):
+        p = f"model.layers.{b}."
+        expected += [[p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"],
+                     [p + "self_attn.o_proj"], [p + "mlp.gate_proj", p + "mlp.up_proj"], [p + "mlp.down_proj"]]
+    assert sorted(sorted(g) for g in groups.values()) == sorted(sorted(g) for g in expected)

@@ -83,7 +83,7 @@ def test_per_gemm_truths_land_where_each_gemm_acts(vm, capsys, tmp_path):
     out = json.loads(lines[-1])
     assert "wgrad only" in lines[0] and "dgrad only" in lines[0]
     per = out["bwd_per_gemm"]
-    assert set(per["dgrad_vs"]) == {"direct", "propagated", "incoherent", "quant_err", "rel_quant_err"}
+    assert set(per["dgrad_vs"]) == {"direct", "propagated", "quant_err", "rel_quant_err"}
     assert all(_in_unit(v) for v in [*per["wgrad_vs"].values(), *per["dgrad_vs"].values()])
     assert per["dgrad_over_wgrad_total"] > 0 and 0 < per["linears_share_of_dgrad_total"] <= 1
     assert out["seconds"]["bwd_truth_per_gemm"] > 0
