@@ -800,7 +800,13 @@ def versus_markdown(data: Dict[str, Any]) -> List[str]:
     for r in versus_rows(data["records"], v["records"]):
         lines.append(f"| {r['phase']} | {r['rho']:g} | {r['label']} | {_fmt(r['q'])} | {_fmt(r['bf16'])} | "
                      f"{r['q'].n} |")
-    snip = f"best λ={_num(data['settings']['lambda_default'])}"
+    for snip in sorted({r["label"] for r in data["records"] if r["method"] == "best"}):
+        lines += _versus_cross(data, v, snip)
+    return lines
+
+
+def _versus_cross(data: Dict[str, Any], v: Dict[str, Any], snip: str) -> List[str]:
+    lines = []
     cross = versus_rows(data["records"], v["records"], mine_label=snip)
     if cross:
         lines += ["", f"### This grid's SNIP ({snip}) against every plan of the other grid", "",
