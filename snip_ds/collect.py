@@ -556,8 +556,9 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         precisions: quantized precisions to measure (``fp8``, ``fp4``).
         bwd_propagated: also estimate what each layer's dgrad error does to the upstream weights (SNIP.md
             section 4's ratio estimate): ``bwd_dgrad`` (loss units; what per-GEMM plans with
-            ``dgrad_cost: upstream`` price dgrad by), ``bwd_drift_propagated`` (the same in parameter units),
-            ``bwd_propagated`` (direct + ``bwd_dgrad``, the ablation) and ``dgrad_err``.
+            ``dgrad_cost: upstream`` price dgrad by), ``bwd_drift_propagated`` (the same drift in parameter units),
+            ``bwd_propagated`` (the ablation: direct BWD + that drift priced like the gradient direction) and
+            ``dgrad_err``.
         seed: seed of the private generators (probe labels, isotropic noise, Hadamard signs).
         reduce: ``reduce(t) -> t`` summing over data-parallel ranks (called exactly once); None = identity.
         step: the training step, recorded.

@@ -46,7 +46,8 @@ STATS_FORMAT = "snip_ds.stats/1"
 
 # Per-layer fields of a stats file that map precision -> number.
 _PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_propagated", "bwd_dgrad", "first_order",
-                     "quant_err", "rel_quant_err") + tuple(f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS)
+                     "quant_err", "rel_quant_err") + tuple(
+                         f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS)
 _REQUIRED_LAYER_FIELDS = ("flops", "fld", "bwd")
 _SHARE_TOL = 1e-9  # share constraints are checked to this absolute tolerance
 
