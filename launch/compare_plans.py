@@ -864,8 +864,8 @@ def parse_args(argv=None):
                     "λ·BWD each, quant_err with the errors of the two operands each GEMM quantizes")
     ap.add_argument("--dgrad_cost", default="split", choices=DGRAD_COSTS,
                     help="per GEMM: how SNIP prices dgrad ('split': half of the direct BWD each for dgrad and "
-                         "wgrad; 'upstream': dgrad by the upstream drift its error causes, bwd_dgrad, wgrad by the whole direct "
-                         "BWD)")
+                         "wgrad; 'upstream': dgrad by the upstream drift its error causes, bwd_dgrad, wgrad by "
+                         "the whole direct BWD)")
     ap.add_argument("--dgrad_calibration", type=float, default=1.0,
                     help="with --dgrad_cost upstream: what bwd_dgrad overstates the dgrad-only "
                          "drift by (launch/validate_metrics.py --bwd_truth_per_gemm measures it)")

@@ -717,8 +717,9 @@ def _dgrad_cost(col: _Collector, layers_out: Dict[str, Dict[str, Any]], upstream
     """``bwd_dgrad``: the upstream drift that ℓ's dgrad error causes (``bwd_drift_propagated``, split over the
     upstream layers u as the ratio estimate splits it, ∝ ‖G_W,u⊙P_u‖²), each part priced in loss units at
     u's own rate for a noise-like drift, ``bwd_u / bwd_drift_u``. (``bwd_propagated`` prices the same drift as
-    if it pointed along the gradient, whose Fisher price per unit is far higher: on the 4-block compare model
-    it made dgrad 23× wgrad in loss units where the drifts are 3×.)"""
+    if it pointed along the gradient, whose Fisher price per unit is far higher: in a one-off check on the
+    4-block compare model, not a committed benchmark, it made dgrad ~23× wgrad in loss units where the drifts
+    are ~3×.)"""
     st, G = col.stats, _Collector.GLOBAL
     for fqn, rec in layers_out.items():
         gx = float(st.get(G, f"gx_sq.{col.group.get(fqn, '')}")[0])

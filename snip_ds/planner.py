@@ -641,12 +641,11 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
              "bwd": {"fprop": 0.0, "dgrad": 0.0, "wgrad": 1.0},
              "bwd_dgrad": {"fprop": 0.0, "dgrad": 1.0, "wgrad": 0.0}}
     weights = {"fld": 1.0, "bwd": float(lam), "bwd_dgrad": float(lam) / float(dgrad_calibration)}
-    try:
-        return _metric_costs(stats, weights, per_gemm, split)
-    except ValueError as err:
-        if "'bwd_dgrad'" in str(err):
-            raise ValueError(f"{err} (dgrad='upstream' needs statistics collected with bwd_propagated=True)") from None
-        raise
+    lacking = sorted(fqn for fqn, rec in stats["layers"].items() if "bwd_dgrad" not in rec)
+    if lacking:
+        raise ValueError(f"statistics layers[{lacking[0]!r}] (and {len(lacking) - 1} more) lack field 'bwd_dgrad': "
+                         f"dgrad='upstream' needs statistics collected with bwd_propagated=True")
+    return _metric_costs(stats, weights, per_gemm, split)
 
 
 def quant_err_costs(stats: Mapping, field: str = "quant_err", *, per_gemm: bool = False) -> StatsCosts:
