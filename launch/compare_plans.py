@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
-from snip_ds.config import FP4_RECIPES, QuantConfig  # noqa: E402
+from snip_ds.config import BWD_ROUNDINGS, FP4_RECIPES, QuantConfig  # noqa: E402
 from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate,  # noqa: E402
                              load_checkpoint, make_optimizer, mean_se, paired_differences, predicted_divergence,
                              save_checkpoint, spearman, train_steps)
@@ -54,7 +54,7 @@ from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.omp import preserve_torch_threads  # noqa: E402
 from snip_ds.plan import GEMMS, Plan  # noqa: E402
-from snip_ds.planner import DGRAD_COSTS, solve_baseline  # noqa: E402
+from snip_ds.planner import BWD_KEYS, DGRAD_COSTS, solve_baseline  # noqa: E402
 from snip_ds.swap import block_index, snip_layers, swap_linears  # noqa: E402
 
 PREFIX = "compare_plans"
@@ -142,7 +142,8 @@ def collect_phase_stats(model, ckpt: Path, train_ds, settings: TrainSettings, ar
     batches = [stream.next_batch()["input_ids"] for _ in range(args.stat_batches)]
     return collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, estimator="mc_fisher",
                               num_probes=1, seed=args.seed, step=pc.step, lam=args.lambda_default,
-                              bwd_propagated=args.dgrad_cost == "upstream")
+                              bwd_propagated=args.dgrad_cost == "upstream" or args.bwd_key == "bwd_propagated",
+                              bwd_rounding=args.bwd_rounding)
 
 
 def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
@@ -168,7 +169,8 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
                         solved = solve_baseline(method, stats, share, lam=v.get("lam"), seed=args.seed,
                                                 num_random=args.num_random, max_share=min(share + 1e-9, 1.0),
                                                 per_gemm=args.per_gemm, dgrad=args.dgrad_cost,
-                                                dgrad_calibration=args.dgrad_calibration)
+                                                dgrad_calibration=args.dgrad_calibration,
+                                                bwd_key=args.bwd_key)
                 except ValueError as err:
                     skipped.append(dict(method=method, label=label, rho=rho, reason=str(err)))
                     continue
@@ -402,6 +404,14 @@ def _dgrad_words(s: Dict[str, Any]) -> str:
             f"{s['dgrad_calibration']:g}, and wgrad by the whole direct BWD)")
 
 
+def _bwd_words(s: Dict[str, Any]) -> str:
+    rounding = s.get("bwd_rounding", "nearest")  # grids from before the setting rounded G_Y to nearest
+    part = {"bwd": "expected", "bwd_bias": "systematic part of the", "bwd_propagated": "propagated"}[
+        s.get("bwd_key", "bwd")]
+    how = ("as training does" if rounding == "recipe" else "to nearest")
+    return f"SNIP's BWD: the {part} drift, with G_Y rounded {how} in the statistics"
+
+
 def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) -> None:
     s = data["settings"]
     lines = ["# compare_plans: plan quality from paired training runs (SNIP.md section 7)", ""]
@@ -415,7 +425,7 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               f"phases (warm-up steps) {s['phases']}; {s['steps']} steps per run; seeds {s['seeds']}; "
               f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {s['num_random']} random "
               f"plan(s); plans solved {'per GEMM' if s.get('per_gemm') else 'per layer'}"
-              f"{_dgrad_words(s)}; "
+              f"{_dgrad_words(s)}; {_bwd_words(s)}; "
               f"{s['eval_batches']}×{s['batch_size']} validation sequences; FP4 "
               f"{s.get('fp4_recipe', 'nvfp4')}, gradients rounded "
               f"{'stochastically' if s.get('stochastic_rounding', True) else 'to nearest'}. "
@@ -639,7 +649,7 @@ def run(args) -> Dict[str, Any]:
         lambda_default=args.lambda_default, num_random=args.num_random, methods=args.methods,
         eval_batches=args.eval_batches, stat_batches=args.stat_batches, dataset=args.dataset,
         per_gemm=args.per_gemm, dgrad_cost=args.dgrad_cost, dgrad_calibration=args.dgrad_calibration,
-        fp4_recipe=args.quant.fp4_recipe, stochastic_rounding=args.quant.stochastic_rounding,
+        bwd_rounding=args.bwd_rounding, bwd_key=args.bwd_key, fp4_recipe=args.quant.fp4_recipe, stochastic_rounding=args.quant.stochastic_rounding,
         threads=torch.get_num_threads()), records=[], skipped=[], plans={})
     json_path = out_dir / f"{PREFIX}.json"
 
@@ -716,7 +726,7 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
 
 # settings two grids compared with --versus may differ in (the rest must match, as must their FP8 runs)
 VERSUS_FREE = {"phases", "seeds", "methods", "command", "full_command", "note", "threads", "per_gemm", "dgrad_cost",
-               "dgrad_calibration", "rhos", "lambdas", "num_random"}
+               "dgrad_calibration", "rhos", "lambdas", "num_random", "bwd_rounding", "bwd_key"}
 _VERSUS_KEEP = ("phase", "seed", "rho", "label", "method", "fp4_share", "val_loss", "val_loss_bf16_forward")
 
 
@@ -869,6 +879,12 @@ def parse_args(argv=None):
     ap.add_argument("--dgrad_calibration", type=float, default=1.0,
                     help="with --dgrad_cost upstream: what bwd_dgrad overstates the dgrad-only "
                          "drift by (launch/validate_metrics.py --bwd_truth_per_gemm measures it)")
+    ap.add_argument("--bwd_rounding", default="recipe", choices=BWD_ROUNDINGS,
+                    help="how the statistics round G_Y for BWD: 'recipe' (as training does: the exact expectation "
+                         "over stochastic rounding where the recipe uses it) or 'nearest' (ablation; before)")
+    ap.add_argument("--bwd_key", default="bwd", choices=BWD_KEYS,
+                    help="which BWD SNIP's costs use: 'bwd' (the expected drift) or 'bwd_bias' (its systematic "
+                         "part only), 'bwd_propagated' (ablation)")
     ap.add_argument("--fp4_recipe", default="nvfp4", choices=FP4_RECIPES, help="FP4 recipe of every run")
     ap.add_argument("--no_stochastic_rounding", dest="stochastic_rounding", action="store_false",
                     help="round FP4 gradients to nearest (default: stochastically, as NVFP4's recipe does)")

@@ -18,12 +18,12 @@ wgrad  ``G_W = G_Y^T X``  T           G_Y and X along T, from the high-precision
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from snip_ds.config import QuantConfig
-from snip_ds.quant import fake_quantize, get_recipe, hadamard_transform, random_signs
+from snip_ds.quant import fake_quantize, get_recipe, hadamard_transform, random_signs, stochastic_moments
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,75 @@ class EmulatedBackend:
             x_lp = self.quantize(x[tokens], precision, "x", 0, cfg, None, amax_x)
             g_w.addmm_(g_lp.t(), x_lp)
         return g_w
+
+    # ---------------- expectations over the stochastic rounding of G_Y (statistics only) ----------------
+    def rounds_g_stochastically(self, precision: str, cfg: QuantConfig) -> bool:
+        """Whether ``precision`` rounds the gradient operand G_Y stochastically under ``cfg``."""
+        return precision != "bf16" and operand_recipes(precision, cfg).stochastic_g
+
+    def _g_moments(self, g: torch.Tensor, precision: str, cfg: QuantConfig, axis: int,
+                   amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return stochastic_moments(_fp32(g), operand_recipes(precision, cfg).g, axis=axis, tensor_amax=amax)
+
+    def wgrad_moments(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
+                      generator: Optional[torch.Generator] = None,
+                      gram: Optional[torch.Tensor] = None) -> "GemmMoments":
+        """Mean and element-wise variance of ``G_W = Q(G_Y)^T Q(X)`` over G_Y's stochastic rounding.
+
+        The elements of G_Y round independently (deterministic scales), so ``E[G_W] = E[Q(G_Y)]^T Q(X)`` and
+        ``Var[G_W]_ji = Σ_t Var[Q(G_Y)]_tj · Q(X)_ti²``, exactly. With ``gram = XᵀX`` (X: the unquantized
+        input), also ``Σ_t Var[Q(G_Y)]_tj · Q(X)_t·gram·Q(X)_tᵀ`` per output channel j: the expected
+        ``Σ_t (x_t · N_j)²`` of the noise ``N = G_W - E[G_W]``, which prices the noise in loss units.
+        The Hadamard transform (``cfg.hadamard``, FP4) is applied to both operands first, with signs drawn
+        from ``generator`` as :meth:`wgrad` draws them. Requires a precision that rounds G_Y stochastically.
+        """
+        if not self.rounds_g_stochastically(precision, cfg):
+            raise ValueError(f"precision {precision!r} does not round G_Y stochastically under this config")
+        if precision == "fp4" and cfg.hadamard:
+            signs = random_signs(g.shape[0], generator=generator, device=g.device)
+            g = hadamard_transform(_fp32(g), axis=0, signs=signs)
+            x = hadamard_transform(_fp32(x), axis=0, signs=signs)
+        n, k = g.shape[1], x.shape[1]
+        mean = torch.zeros(n, k, dtype=torch.float32, device=g.device)
+        var = torch.zeros(n, k, dtype=torch.float32, device=g.device)
+        projected = torch.zeros(n, dtype=torch.float32, device=g.device) if gram is not None else None
+        amax_g, amax_x = tensor_amax(g), tensor_amax(x)
+        for tokens in _chunks(g.shape[0], n + k):
+            g_mean, g_var = self._g_moments(g[tokens], precision, cfg, 0, amax_g)
+            x_lp = self.quantize(x[tokens], precision, "x", 0, cfg, None, amax_x)
+            mean.addmm_(g_mean.t(), x_lp)
+            var.addmm_(g_var.t(), x_lp * x_lp)
+            if projected is not None:
+                h = ((x_lp @ gram) * x_lp).sum(dim=1)  # [t]: Q(X)_t·gram·Q(X)_tᵀ
+                projected.add_(g_var.t() @ h)
+        return GemmMoments(mean, var, projected)
+
+    def dgrad_moments(self, g: torch.Tensor, w: torch.Tensor, precision: str,
+                      cfg: QuantConfig) -> "GemmMoments":
+        """Mean and element-wise variance of ``G_X = Q(G_Y) Q(W)`` over G_Y's stochastic rounding (exact:
+        ``E[Q(G_Y)] Q(W)`` and ``Var[Q(G_Y)] Q(W)²``)."""
+        if not self.rounds_g_stochastically(precision, cfg):
+            raise ValueError(f"precision {precision!r} does not round G_Y stochastically under this config")
+        w_lp = self.quantize_whole(w, precision, "w", 0, cfg)
+        mean = torch.empty(g.shape[0], w.shape[1], dtype=torch.float32, device=g.device)
+        var = torch.empty_like(mean)
+        amax = tensor_amax(g)
+        for rows in _chunks(g.shape[0], g.shape[1]):
+            g_mean, g_var = self._g_moments(g[rows], precision, cfg, -1, amax)
+            torch.mm(g_mean, w_lp, out=mean[rows])
+            torch.mm(g_var, w_lp * w_lp, out=var[rows])
+        return GemmMoments(mean, var, None)
+
+
+@dataclass(frozen=True)
+class GemmMoments:
+    """A GEMM's output over the stochastic rounding of G_Y: ``mean`` and element-wise ``var`` (FP32, the
+    output's shape), and for wgrad optionally ``projected`` (per output channel; see
+    :meth:`EmulatedBackend.wgrad_moments`)."""
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    projected: Optional[torch.Tensor]
 
 
 _BACKENDS = {"emulated": EmulatedBackend()}

@@ -52,7 +52,7 @@ from torch import nn
 
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
-from snip_ds.config import ESTIMATORS, FLD_FORMS
+from snip_ds.config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
 from snip_ds.fileio import atomic_write_text
 from snip_ds.linear import SnipLinear
 from snip_ds.plan import OPERANDS
@@ -199,8 +199,10 @@ class _Collector:
     GLOBAL = "<global>"
 
     def __init__(self, model: nn.Module, layers: Dict[str, SnipLinear], precisions: Sequence[str],
-                 precond: Precond, fallback: str, estimator: str, propagated: bool, seed: int) -> None:
+                 precond: Precond, fallback: str, estimator: str, propagated: bool, seed: int,
+                 bwd_rounding: str = "recipe") -> None:
         self.model, self.layers, self.precisions = model, layers, tuple(precisions)
+        self.bwd_rounding = bwd_rounding
         self.precond, self.fallback, self.estimator, self.propagated = precond, fallback, estimator, propagated
         self.backend = get_backend()
         self.stats = _Stats()
@@ -370,24 +372,28 @@ class _Collector:
         w = module.weight.detach().float() if self.propagated else None
         gw = g2.t() @ x2  # [n, k], BF16-pass weight gradient (mean loss)
         pmat, pfn = self._precond_of(fqn, gw)
+        sr = {p: self._expects_sr(module, p) for p in self.precisions}
         uses = len(self.precisions) + int(self.propagated)  # projections of X below
-        gram = x2.t() @ x2 if dv.gram_pays(x2.shape[0], x2.shape[1], gw.shape[0], uses) else None
+        gram = x2.t() @ x2 if any(sr.values()) or dv.gram_pays(x2.shape[0], x2.shape[1], gw.shape[0],
+                                                                uses) else None
         for p in self.precisions:
-            dgw = be.wgrad(g2, x2, p, cfg, self.had_gen) - gw
-            if pfn is None:
-                drift = dgw * pmat
-                st.add(fqn, f"drift_sq.{p}", (drift * drift).sum())
+            if sr[p]:  # training rounds G_Y stochastically: the exact expectation over that rounding
+                mom = be.wgrad_moments(g2, x2, p, module.quant_config, self.had_gen, gram)
+                dgw, var = mom.mean - gw, mom.var
             else:
-                drift = dgw
-                st.add(fqn, f"drift_sq.{p}", torch.as_tensor(pfn(fqn, dgw), dtype=torch.float32))
-                st.add(fqn, f"dg_sq.{p}", (dgw * dgw).sum())
-            st.add(fqn, f"drift_ch.{p}", dv.projected_sq_sum(x2, drift, gram))
-            del drift, dgw
+                dgw, var = be.wgrad(g2, x2, p, cfg, self.had_gen) - gw, None
+            self._drift_stats(fqn, p, dgw, var, None if var is None else mom.projected, x2, pmat, pfn, gram)
+            del dgw, var
             g_lp = be.quantize(g2, p, "g", -1, cfg)
             st.add(fqn, f"qerr_g.{p}", ((g_lp - g2) ** 2).sum())
             if self.propagated:
-                e = be.dgrad(g2, w, p, cfg, self.had_gen) - g2 @ w
-                st.add(fqn, f"dgrad_sq.{p}", (e * e).sum())
+                if sr[p]:
+                    mom = be.dgrad_moments(g2, w, p, module.quant_config)
+                    e = mom.mean - g2 @ w
+                    st.add(fqn, f"dgrad_sq.{p}", (e * e).sum() + mom.var.sum())
+                else:
+                    e = be.dgrad(g2, w, p, cfg, self.had_gen) - g2 @ w
+                    st.add(fqn, f"dgrad_sq.{p}", (e * e).sum())
                 del e
         st.add(fqn, "qnorm_g", (g2 * g2).sum())
         if self.estimator == "empirical":
@@ -401,6 +407,39 @@ class _Collector:
                 st.add(fqn, "up_sq", torch.as_tensor(pfn(fqn, gw), dtype=torch.float32))
                 st.add(fqn, "gw_sq", (gw * gw).sum())
             st.add(fqn, "up_ch", dv.projected_sq_sum(x2, up, gram))
+
+    def _expects_sr(self, module: SnipLinear, p: str) -> bool:
+        return self.bwd_rounding == "recipe" and self.backend.rounds_g_stochastically(p, module.quant_config)
+
+    def _drift_stats(self, fqn: str, p: str, dgw: torch.Tensor, var: Optional[torch.Tensor],
+                     projected: Optional[torch.Tensor], x2: torch.Tensor, pmat: Optional[torch.Tensor],
+                     pfn: Optional[PrecondFn], gram: Optional[torch.Tensor]) -> None:
+        """The weight-gradient error's drift statistics: its systematic part ``dgw`` (the whole error under
+        round-to-nearest; its expectation under stochastic rounding) under ``*_bias`` keys, and with the
+        rounding noise of element-wise variance ``var`` added (its expectation) under the plain keys.
+
+        The noise's loss-unit price per output channel j is ``projected_j`` times ``P²`` averaged over the
+        row j with weights ``var`` (exact when P is constant within a row)."""
+        st = self.stats
+        if pfn is None:
+            drift = dgw * pmat
+            bias_sq, bias_ch = (drift * drift).sum(), dv.projected_sq_sum(x2, drift, gram)
+            noise_sq = (var * pmat * pmat).sum() if var is not None else None
+            if var is not None:
+                row_var = var.sum(dim=1)
+                p2 = (var * pmat * pmat).sum(dim=1) / torch.where(row_var > 0, row_var, 1.0)
+                noise_ch = p2 * projected
+        else:
+            bias_sq = torch.as_tensor(pfn(fqn, dgw), dtype=torch.float32)
+            bias_ch = dv.projected_sq_sum(x2, dgw, gram)
+            st.add(fqn, f"dg_sq_bias.{p}", (dgw * dgw).sum())
+            st.add(fqn, f"dg_sq.{p}", (dgw * dgw).sum() + (var.sum() if var is not None else 0.0))
+            noise_sq = torch.as_tensor(pfn(fqn, var.sqrt()), dtype=torch.float32) if var is not None else None
+            noise_ch = projected
+        st.add(fqn, f"drift_sq_bias.{p}", bias_sq)
+        st.add(fqn, f"drift_ch_bias.{p}", bias_ch)
+        st.add(fqn, f"drift_sq.{p}", bias_sq + noise_sq if noise_sq is not None else bias_sq)
+        st.add(fqn, f"drift_ch.{p}", bias_ch + noise_ch if noise_sq is not None else bias_ch)
 
     # ---------------- one batch ----------------
     def _probe_root(self, ids, mask, labels, retain: bool, last: bool):
@@ -479,6 +518,8 @@ class _Collector:
                 self._fold_one(fqn, vec, out, m)
             for vec, out in ((f"drift_ch.{p}", f"drift_prod.{p}") for p in self.precisions):
                 self._fold_one(fqn, vec, out, m)
+            for vec, out in ((f"drift_ch_bias.{p}", f"drift_prod_bias.{p}") for p in self.precisions):
+                self._fold_one(fqn, vec, out, m)
             self._fold_one(fqn, "up_ch", "up_prod", m)
 
     def _fold_one(self, fqn: str, vec: str, out: str, m: Optional[torch.Tensor]) -> None:
@@ -536,7 +577,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
                        reduce: Optional[Reduce] = None, step: int = 0, world_size: int = 1,
                        step_scale: float = 1.0, precond_fallback: str = "grad_sq",
                        lam: Optional[float] = None, retain_graph: bool = True,
-                       fld_form: str = "sequence") -> Dict[str, Any]:
+                       fld_form: str = "sequence", bwd_rounding: str = "recipe") -> Dict[str, Any]:
     """One SNIP statistics collection on the given batches; leaves no trace on the model.
 
     Args:
@@ -574,18 +615,26 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
             g_t·E_t)²``, the Gauss-Newton form with every token and channel pair of a sequence) or
             ``"channel"`` (ablation; ``(1/2N)Σ_j (Σ_t E_tj²)·mean_t g_tj²``, diagonal and factorised over
             tokens). Both are recorded (``fld_sequence``, ``fld_channel``).
+        bwd_rounding: how the backward statistics round G_Y. ``"recipe"`` (default): as training does; where
+            the recipe rounds G_Y stochastically (NVFP4/MXFP4 by default) the drift is its exact expectation
+            over that rounding, the systematic part plus the rounding noise. ``"nearest"`` (ablation, the
+            behaviour before): round to nearest, deterministic, whatever the recipe. Either way the
+            systematic part alone is recorded too (``bwd_bias``, ``bwd_drift_bias``).
 
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
         the planner's costs), ``bwd_drift`` (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units), ``first_order``,
         ``quant_err``, ``rel_quant_err`` (each ``{precision: number}``; summed over the operands X, W, G_Y) and
-        the same per operand (``quant_err_x`` ...  ``rel_quant_err_g``), ``nonfinite``. Non-finite numbers
+        the same per operand (``quant_err_x`` ...  ``rel_quant_err_g``), ``bwd_bias`` and ``bwd_drift_bias``
+        (the systematic part of ``bwd`` and ``bwd_drift``: what persists from step to step), ``nonfinite``. Non-finite numbers
         are written as null and flag the layer.
     """
     if fld_form not in FLD_FORMS:
         raise ValueError(f"fld_form: unknown form {fld_form!r}; valid: {', '.join(FLD_FORMS)}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator: unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
+    if bwd_rounding not in BWD_ROUNDINGS:
+        raise ValueError(f"bwd_rounding: unknown {bwd_rounding!r}; valid: {', '.join(BWD_ROUNDINGS)}")
     bad = [p for p in precisions if p not in QUANTIZED]
     if bad or not precisions:
         raise ValueError(f"precisions: {list(precisions)!r}; choose from {', '.join(QUANTIZED)}")
@@ -613,7 +662,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         raise ValueError(f"precond must be None, a mapping fqn -> tensor/callable, or a callable; "
                          f"got {type(precond).__name__}")
 
-    col = _Collector(model, mods, precisions, precond, precond_fallback, estimator, bwd_propagated, seed)
+    col = _Collector(model, mods, precisions, precond, precond_fallback, estimator, bwd_propagated, seed,
+                     bwd_rounding)
     rows_per_batch, n_batches = None, 0
     with _preserved(model, mods), col.hooks():
         for batch in batches:
@@ -625,12 +675,12 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
     col.stats.reduce(reduce, _device_of(model))
     return _finalize(col, mods, n_batches, rows_per_batch * world_size, lr=float(lr), step=int(step),
                      world_size=world_size, step_scale=float(step_scale), num_probes=num_probes, seed=seed,
-                     lam=lam, fld_form=fld_form)
+                     lam=lam, fld_form=fld_form, bwd_rounding=bwd_rounding)
 
 
 def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, tokens_per_step: int, *,
               lr: float, step: int, world_size: int, step_scale: float, num_probes: int, seed: int,
-              lam: Optional[float], fld_form: str = "sequence") -> Dict[str, Any]:
+              lam: Optional[float], fld_form: str = "sequence", bwd_rounding: str = "recipe") -> Dict[str, Any]:
     st, G, W, B = col.stats, _Collector.GLOBAL, float(world_size), float(n_batches)
     n_tot = float(st.get(G, "n_tokens")[0])
     callable_mode = "callable" in col.sources
@@ -638,7 +688,7 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
     eta2 = (lr * step_scale) ** 2
     out: Dict[str, Any] = {"format": STATS_FORMAT, "step": step, "lr": lr, "world_size": world_size,
                            "estimator": col.estimator, "num_probes": num_probes, "fld_form": fld_form,
-                           "step_scale": step_scale,
+                           "step_scale": step_scale, "bwd_rounding": bwd_rounding,
                            "precond": ",".join(sorted(col.sources)) or "none", "batches": n_batches,
                            "tokens": int(n_tot), "loss": st.get(G, "loss_sum")[0].item() / n_tot, "seed": seed}
     if lam is not None:
@@ -669,6 +719,7 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
     for fqn, mod in mods.items():
         rec: Dict[str, Any] = {"flops": 6.0 * tokens_per_step * mod.in_features * mod.out_features}
         fld, bwd, drift, first, qe, rqe, fld_ch, fld_sq = {}, {}, {}, {}, {}, {}, {}, {}
+        bwd_bias, drift_bias = {}, {}
         qe_op, rqe_op = {r: {} for r in OPERANDS}, {r: {} for r in OPERANDS}
         probes = 1.0 if col.estimator == "empirical" else float(num_probes)
         for p in col.precisions:
@@ -679,6 +730,10 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
             price = curvature * float(st.get(fqn, f"drift_prod.{p}")[0]) / (2.0 * n_tot) / W
             scale = iso_factor(fqn, f"drift_sq.{p}", f"dg_sq.{p}") if callable_mode else 1.0
             bwd[p] = eta2 * price * scale
+            drift_bias[p] = eta2 * float(st.get(fqn, f"drift_sq_bias.{p}")[0]) / cover / B / W
+            price = curvature * float(st.get(fqn, f"drift_prod_bias.{p}")[0]) / (2.0 * n_tot) / W
+            scale = iso_factor(fqn, f"drift_sq_bias.{p}", f"dg_sq_bias.{p}") if callable_mode else 1.0
+            bwd_bias[p] = eta2 * price * scale
             first[p] = float(st.get(fqn, f"first.{p}")[0]) / n_tot
             for r in OPERANDS:
                 e, nrm = float(st.get(fqn, f"qerr_{r}.{p}")[0]), float(st.get(fqn, f"qnorm_{r}")[0])
@@ -687,7 +742,7 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
             qe[p] = sum(qe_op[r][p] for r in OPERANDS)
             rqe[p] = sum(rqe_op[r][p] for r in OPERANDS)
         rec.update(fld=fld, fld_sequence=fld_sq, fld_channel=fld_ch, bwd=bwd, bwd_drift=drift, first_order=first,
-                   quant_err=qe, rel_quant_err=rqe)
+                   quant_err=qe, rel_quant_err=rqe, bwd_bias=bwd_bias, bwd_drift_bias=drift_bias)
         for r in OPERANDS:  # per operand, for per-GEMM quant_err plans (each GEMM quantizes two of them)
             rec[f"quant_err_{r}"], rec[f"rel_quant_err_{r}"] = qe_op[r], rqe_op[r]
         if col.propagated:

@@ -12,6 +12,7 @@ FP8_RECIPES = ("fp8_hybrid", "mxfp8")
 FP4_RECIPES = ("nvfp4", "mxfp4")
 ESTIMATORS = ("mc_fisher", "empirical", "isotropic")  # where the FLD's output sensitivities come from
 FLD_FORMS = ("sequence", "channel")  # which quadratic form prices a layer's output error
+BWD_ROUNDINGS = ("recipe", "nearest")  # how the backward statistics round G_Y (snip_ds.collect)
 
 
 @dataclass(frozen=True)

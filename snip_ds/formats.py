@@ -145,3 +145,26 @@ def round_magnitude_(mag: torch.Tensor, fmt: ElementFormat, *, stochastic: bool 
                        device=generator.device if generator is not None else mag.device).to(mag.device)
     quantum = exp_bits.sub_(fmt.mbits << _F32_MANT_BITS).view(torch.float32)
     return mag.div_(quantum).add_(noise).floor_().mul_(quantum)
+
+
+def stochastic_moments_(mag: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """Mean and variance of :func:`round_magnitude_`'s stochastic rounding, exactly, without drawing.
+
+    Stochastic rounding sends a magnitude ``a`` (after saturation at max_normal) to ``l = floor(a/q)·q`` or
+    ``l + q`` with probability ``f = a/q - floor(a/q)`` (``q``: ``a``'s quantum), so its mean is ``a`` itself
+    and its variance ``q²·f·(1 - f)``. Division by the power of two ``q`` and ``floor`` are exact, so both
+    moments are exact up to the FP32 rounding of the final product.
+
+    Args:
+        mag: non-negative FP32 magnitudes, modified in place: on return they are saturated (the mean).
+
+    Returns:
+        The variance, a new tensor of ``mag``'s shape.
+    """
+    mag.clamp_max_(fmt.max_normal)
+    exp_bits = mag.view(torch.int32).bitwise_and(_F32_EXP_MASK)
+    exp_bits.clamp_min_((fmt.emin + _F32_BIAS) << _F32_MANT_BITS)
+    quantum = exp_bits.sub_(fmt.mbits << _F32_MANT_BITS).view(torch.float32)
+    frac = mag / quantum
+    frac.sub_(frac.floor())
+    return frac.mul_(1.0 - frac).mul_(quantum).mul_(quantum)

@@ -45,7 +45,8 @@ METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "unifo
 STATS_FORMAT = "snip_ds.stats/1"
 
 # Per-layer fields of a stats file that map precision -> number.
-_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_propagated", "bwd_dgrad", "first_order",
+_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_bias", "bwd_propagated", "bwd_dgrad",
+                     "first_order",
                      "quant_err", "rel_quant_err") + tuple(
                          f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS)
 _REQUIRED_LAYER_FIELDS = ("flops", "fld", "bwd")
@@ -595,6 +596,8 @@ def _metric_costs(stats: Mapping, fields: Mapping[str, float], per_gemm: bool,
 
 DGRAD_COSTS = ("split", "upstream")
 """How a per-GEMM SNIP plan prices the dgrad GEMM (:func:`costs_from_stats`)."""
+BWD_KEYS = ("bwd", "bwd_bias", "bwd_propagated")
+"""Which backward estimate of a statistics artifact SNIP's costs use (:func:`costs_from_stats`)."""
 
 
 def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool = False,
@@ -605,7 +608,10 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
         stats: A validated statistics dict (:func:`load_stats` / :func:`validate_stats`).
         lam: λ, the BWD weight; default the artifact's ``"lambda"``.
         per_gemm: Per-GEMM costs: fprop carries FLD; the backward GEMMs as ``dgrad`` says.
-        bwd_key: Which backward estimate to use: ``"bwd"`` (direct, default) or ``"bwd_propagated"``.
+        bwd_key: Which backward estimate to use (one of :data:`BWD_KEYS`): ``"bwd"`` (direct, default: the
+            expected drift under the training recipe's rounding), ``"bwd_bias"`` (only its systematic part,
+            which persists from step to step; stochastic rounding's noise left out) or ``"bwd_propagated"``
+            (ablation).
         dgrad: Per GEMM only. ``"split"`` (default): dgrad and wgrad each carry half of λ·BWD (the direct BWD
             measures the wgrad GEMM; nothing prices dgrad on its own). ``"upstream"``: wgrad carries the
             direct λ·BWD, dgrad carries λ·``bwd_dgrad`` / ``dgrad_calibration``, the upstream weights' drift
@@ -623,8 +629,8 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
         lam = stats["lambda"]
     if not _finite(lam) or lam < 0:
         raise ValueError(f"λ must be a finite number >= 0, got {lam!r}")
-    if bwd_key not in ("bwd", "bwd_propagated"):
-        raise ValueError(f"bwd_key must be 'bwd' or 'bwd_propagated', got {bwd_key!r}")
+    if bwd_key not in BWD_KEYS:
+        raise ValueError(f"bwd_key must be one of {', '.join(BWD_KEYS)}, got {bwd_key!r}")
     if dgrad not in DGRAD_COSTS:
         raise ValueError(f"dgrad must be one of {', '.join(DGRAD_COSTS)}, got {dgrad!r}")
     if dgrad == "split":
@@ -633,14 +639,14 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
         return _metric_costs(stats, {"fld": 1.0, bwd_key: float(lam)}, per_gemm, split)
     if not per_gemm:
         raise ValueError("dgrad='upstream' prices the dgrad GEMM on its own: it needs per_gemm=True")
-    if bwd_key != "bwd":
-        raise ValueError("dgrad='upstream' uses the direct BWD for wgrad: bwd_key must be 'bwd'")
+    if bwd_key == "bwd_propagated":
+        raise ValueError("dgrad='upstream' uses the direct BWD for wgrad: bwd_key must be 'bwd' or 'bwd_bias'")
     if not _finite(dgrad_calibration) or dgrad_calibration <= 0:
         raise ValueError(f"dgrad_calibration must be a finite number > 0, got {dgrad_calibration!r}")
     split = {"fld": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0},
-             "bwd": {"fprop": 0.0, "dgrad": 0.0, "wgrad": 1.0},
+             bwd_key: {"fprop": 0.0, "dgrad": 0.0, "wgrad": 1.0},
              "bwd_dgrad": {"fprop": 0.0, "dgrad": 1.0, "wgrad": 0.0}}
-    weights = {"fld": 1.0, "bwd": float(lam), "bwd_dgrad": float(lam) / float(dgrad_calibration)}
+    weights = {"fld": 1.0, bwd_key: float(lam), "bwd_dgrad": float(lam) / float(dgrad_calibration)}
     lacking = sorted(fqn for fqn, rec in stats["layers"].items() if "bwd_dgrad" not in rec)
     if lacking:
         raise ValueError(f"statistics layers[{lacking[0]!r}] (and {len(lacking) - 1} more) lack field 'bwd_dgrad': "
@@ -691,7 +697,7 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
                    pinned: Mapping[str, Any] | None = None, previous: Plan | Mapping | None = None,
                    flip_penalty: float = 0.0, max_share: float | None = None, per_gemm: bool = False,
                    time_limit: float = 10.0, compute_budget: float | None = None, dgrad: str = "split",
-                   dgrad_calibration: float = 1.0) -> list[Plan]:
+                   dgrad_calibration: float = 1.0, bwd_key: str = "bwd") -> list[Plan]:
     """Solves one of :data:`METHODS` from a statistics artifact with the same ILP and share constraint.
 
     ``allowed``, ``max_share`` and ``compute_budget`` (GEMM cost relative to all-BF16, with
@@ -699,7 +705,8 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
     :func:`solve_plan` for every method but the uniform ones.
 
     Methods:
-        best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`, with ``dgrad`` and ``dgrad_calibration``).
+        best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`, with ``dgrad``, ``dgrad_calibration`` and
+            ``bwd_key``).
         random: seeded uniform random costs; ``num_random`` plans for seeds ``seed, seed+1, ...``.
         quant_err / rel_quant_err: costs from the artifact's ``quant_err`` / ``rel_quant_err``
             (:func:`quant_err_costs`; per-GEMM from the per-operand errors).
@@ -726,8 +733,11 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
                      method=method, meta=meta)]
 
     if method in ("best", "first_last_fp8"):
-        sc = costs_from_stats(stats, lam, per_gemm=per_gemm, dgrad=dgrad, dgrad_calibration=dgrad_calibration)
+        sc = costs_from_stats(stats, lam, per_gemm=per_gemm, dgrad=dgrad, dgrad_calibration=dgrad_calibration,
+                              bwd_key=bwd_key)
         meta["lambda"] = float(stats["lambda"] if lam is None else lam)
+        if bwd_key != "bwd":
+            meta["bwd_key"] = bwd_key
         if dgrad != "split":
             meta.update(dgrad=dgrad, dgrad_calibration=float(dgrad_calibration))
     elif method in ("quant_err", "rel_quant_err"):

@@ -31,12 +31,13 @@ Also here: the 16x16 random Hadamard transform applied to both wgrad operands al
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from snip_ds.formats import E2M1, E4M3, E5M2, ElementFormat, get_format, round_magnitude_, round_to_format
+from snip_ds.formats import (E2M1, E4M3, E5M2, ElementFormat, get_format, round_magnitude_, round_to_format,
+                             stochastic_moments_)
 
 SCALE_KINDS = ("fp32", "e8m0", "nvfp4")
 E8M0_MIN_EXP = -127  # smallest E8M0 scale, 2**-127
@@ -149,25 +150,61 @@ def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, s
     x32 = x if x.dtype == torch.float32 else x.float()
     if x.numel() == 0:
         return x.clone()
-    if recipe.block_size == 0:
-        out = _fake_quantize_per_tensor(x32, recipe, stochastic, generator, tensor_amax)
-    elif recipe.block_2d:
-        if x.ndim != 2:
-            raise ValueError(f"x: recipe {recipe.name!r} uses {recipe.block_size}x{recipe.block_size} blocks "
-                             f"and needs a 2-D tensor, got shape {tuple(x.shape)}")
-        out = _fake_quantize_2d(x32, recipe, stochastic, generator, tensor_amax)
-    else:
-        out = _fake_quantize_blocks(x32, recipe, axis, stochastic, generator, tensor_amax)
+    mag, signed, div, mul, finish = _scaled_magnitudes(x32, recipe, axis, tensor_amax)
+    out = finish(_round_scaled_(mag, signed, div, mul, recipe, stochastic, generator))
     return out.to(x.dtype)
 
 
+@torch.no_grad()
+def stochastic_moments(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1,
+                       tensor_amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance, element by element, of ``fake_quantize(x, recipe, axis, stochastic=True)``.
+
+    The scales are deterministic (RNE) and the elements round independently, so the moments are exact and
+    cost one pass, with no random draw: the mean is ``x`` wherever nothing saturates or flushes (stochastic
+    rounding is unbiased inside the range), and the variance is ``d²·q²·f·(1 - f)`` for an element between
+    grid points a quantum ``q`` apart at fraction ``f``, ``d`` its block's dequantization multiplier.
+
+    Args:
+        x: floating-point tensor; not modified.
+        recipe, axis, tensor_amax: as for :func:`fake_quantize`.
+
+    Returns:
+        ``(mean, var)``, FP32 tensors of ``x``'s shape.
+    """
+    _check_floating(x)
+    recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
+    axis = _normalize_axis(axis, x.ndim, allow_scalar=recipe.block_size == 0)
+    x32 = x if x.dtype == torch.float32 else x.float()
+    if x.numel() == 0:
+        return x32.clone(), x32.clone()
+    mag, signed, div, mul, finish = _scaled_magnitudes(x32, recipe, axis, tensor_amax)
+    mag.div_(div)
+    var = stochastic_moments_(mag, recipe.element)
+    return finish(mag.mul_(mul).copysign_(signed)), finish(var.mul_(mul * mul))
+
+
 # --------------------------------------------------------------------------------------------------------
-# granularities: each scales |x| into `mag` (the output buffer), rounds it in place and scales back
+# granularities: each gives |x| in blocks (a new buffer), its signed view, the (divisor, multiplier) that
+# broadcast over the blocks, and the map from the blocked layout back to x's shape
 # --------------------------------------------------------------------------------------------------------
 
-def _fake_quantize_per_tensor(x32: torch.Tensor, recipe: Recipe, stochastic: bool,
-                              generator: Optional[torch.Generator],
-                              tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+Scaled = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _scaled_magnitudes(x32: torch.Tensor, recipe: Recipe, axis: int,
+                       tensor_amax: Optional[torch.Tensor]) -> Scaled:
+    if recipe.block_size == 0:
+        return _per_tensor(x32, recipe, tensor_amax)
+    if recipe.block_2d:
+        if x32.ndim != 2:
+            raise ValueError(f"x: recipe {recipe.name!r} uses {recipe.block_size}x{recipe.block_size} blocks "
+                             f"and needs a 2-D tensor, got shape {tuple(x32.shape)}")
+        return _tiles_2d(x32, recipe, tensor_amax)
+    return _blocks(x32, recipe, axis, tensor_amax)
+
+
+def _per_tensor(x32: torch.Tensor, recipe: Recipe, tensor_amax: Optional[torch.Tensor] = None) -> Scaled:
     mag = x32.abs()
     if tensor_amax is not None:
         amax = tensor_amax.float()
@@ -175,25 +212,24 @@ def _fake_quantize_per_tensor(x32: torch.Tensor, recipe: Recipe, stochastic: boo
         amax = mag.amax() if mag.numel() else mag.new_zeros(())
     scale = torch.where(amax > 0, _div(amax, recipe.element.max_normal), 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
     scale = _poison_non_finite(scale, amax)
-    return _round_scaled_(mag, x32, scale, scale, recipe, stochastic, generator)
+    return mag, x32, scale, scale, lambda t: t
 
 
-def _fake_quantize_blocks(x32: torch.Tensor, recipe: Recipe, axis: int, stochastic: bool,
-                          generator: Optional[torch.Generator],
-                          tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _blocks(x32: torch.Tensor, recipe: Recipe, axis: int, tensor_amax: Optional[torch.Tensor] = None) -> Scaled:
     length = x32.shape[axis]
     padded = _pad_axis(x32, axis, recipe.block_size)
     xb = padded.unflatten(axis, (-1, recipe.block_size))  # [..., n_blocks, block, ...]
     mag = xb.abs()
     amax = _block_amax(mag, axis + 1)  # [..., n_blocks, 1, ...]
     div, mul = _block_scales(amax, recipe, tensor_amax)
-    out = _round_scaled_(mag, xb, div, mul, recipe, stochastic, generator).flatten(axis, axis + 1)
-    return out if out.shape[axis] == length else out.narrow(axis, 0, length).contiguous()
+
+    def finish(t: torch.Tensor) -> torch.Tensor:
+        out = t.flatten(axis, axis + 1)
+        return out if out.shape[axis] == length else out.narrow(axis, 0, length).contiguous()
+    return mag, xb, div, mul, finish
 
 
-def _fake_quantize_2d(x32: torch.Tensor, recipe: Recipe, stochastic: bool,
-                      generator: Optional[torch.Generator],
-                      tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _tiles_2d(x32: torch.Tensor, recipe: Recipe, tensor_amax: Optional[torch.Tensor] = None) -> Scaled:
     rows, cols = x32.shape
     bs = recipe.block_size
     padded = _pad_axis(_pad_axis(x32, 0, bs), 1, bs)
@@ -202,8 +238,11 @@ def _fake_quantize_2d(x32: torch.Tensor, recipe: Recipe, stochastic: bool,
     # two cheap passes instead of one slow reduction over dims (1, 3)
     amax = _block_amax(mag.amax(dim=1, keepdim=True), 3)  # [row_blocks, 1, col_blocks, 1]
     div, mul = _block_scales(amax, recipe, tensor_amax)
-    out = _round_scaled_(mag, xb, div, mul, recipe, stochastic, generator).reshape(padded.shape)
-    return out if out.shape == x32.shape else out[:rows, :cols].contiguous()
+
+    def finish(t: torch.Tensor) -> torch.Tensor:
+        out = t.reshape(padded.shape)
+        return out if out.shape == x32.shape else out[:rows, :cols].contiguous()
+    return mag, xb, div, mul, finish
 
 
 def _round_scaled_(mag: torch.Tensor, signed: torch.Tensor, div: torch.Tensor, mul: torch.Tensor,

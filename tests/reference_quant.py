@@ -171,3 +171,46 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     bad = (bits_a != bits_e).nonzero().flatten()
     assert bad.numel() == 0, (f"{bad.numel()} of {bits_a.numel()} values differ, e.g. "
                               f"{a[~nan_a][bad[:6]].tolist()} vs {e[~nan_e][bad[:6]].tolist()}")
+
+
+def _sr_moments_block(values: Sequence[float], divisor: float, multiplier: float,
+                      fmt: str) -> Tuple[List[float], List[float]]:
+    """Mean and variance of stochastic rounding of ``v / divisor`` onto ``fmt``'s grid, times ``multiplier``:
+    the value goes to the grid neighbour below (``l``) or above (``u``) with probabilities making it unbiased
+    inside the range; beyond max_normal it saturates (no variance)."""
+    means, variances = [], []
+    for v in values:
+        if divisor == 0:
+            means.append(0.0)
+            variances.append(0.0)
+            continue
+        a = min(abs(float(F32(v) / F32(divisor))), GRIDS[fmt][-1][0])
+        lower, upper = neighbours(a, fmt)
+        p_up = 0.0 if upper == lower else (a - lower) / (upper - lower)
+        mean = lower + p_up * (upper - lower)
+        var = p_up * (upper - mean) ** 2 + (1 - p_up) * (lower - mean) ** 2
+        means.append(math.copysign(mean * multiplier, v))
+        variances.append(var * multiplier ** 2)
+    return means, variances
+
+
+def ref_sr_moments_rows(x: torch.Tensor, recipe: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-element mean and variance of stochastic rounding along the last axis of a 2-D tensor, for
+    ``"nvfp4"`` (blocks of 16) or ``"mxfp4"`` (blocks of 32), from the grid's neighbours of each value."""
+    data = x.double().tolist()
+    tensor_scale = _nvfp4_tensor_scale(max(abs(v) for row in data for v in row))
+    means, variances = [], []
+    for row in data:
+        m_row, v_row = [], []
+        for sl in _blocks(len(row), 16 if recipe == "nvfp4" else 32):
+            amax = max(abs(v) for v in row[sl])
+            if recipe == "nvfp4":
+                d = _nvfp4_block_scale(amax, tensor_scale)
+            else:
+                d = 2.0 ** (floor_log2(amax) - 2) if amax > 0 else 1.0
+            m, v = _sr_moments_block(row[sl], d, d, "e2m1")
+            m_row += m
+            v_row += v
+        means.append(m_row)
+        variances.append(v_row)
+    return torch.tensor(means, dtype=torch.float64), torch.tensor(variances, dtype=torch.float64)

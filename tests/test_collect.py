@@ -115,7 +115,7 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
     pre = {f: torch.rand(m.weight.shape, generator=torch.Generator().manual_seed(5)) + 0.5
            for f, m in snip_layers(model).items()}
     lr = 3e-3
-    stats = collect_statistics(model, [batch], lr=lr, precond=pre, estimator="empirical")
+    stats = collect_statistics(model, [batch], lr=lr, precond=pre, estimator="empirical", bwd_rounding="nearest")
     rec = stats["layers"][LAYER]
     for p in ("fp8", "fp4"):
         ref = _reference(model, batch, LAYER, p, pre[LAYER])
@@ -134,6 +134,7 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
         bwd = dv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[LAYER], dv.channel_sq_mean(ref["gy"] * ref["n"]),
                              ref["n"])
         assert rec["bwd"][p] == pytest.approx(bwd.item(), rel=1e-4, abs=0)
+        assert rec["bwd_bias"][p] == rec["bwd"][p] and rec["bwd_drift_bias"][p] == rec["bwd_drift"][p]
         # per-operand quantization errors (per-GEMM quant_err plans): X and W against the backend's quantizer
         cfg = replace(snip_layers(model)[LAYER].quant_config, stochastic_rounding=False)
         for o, t in (("x", ref["x"]), ("w", snip_layers(model)[LAYER].weight.detach().float())):
@@ -146,6 +147,48 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
     assert rec["fld_channel"]["fp4"] > rec["fld_channel"]["fp8"] > 0
     assert rec["rel_quant_err"]["fp4"] > rec["rel_quant_err"]["fp8"] > 0
     assert 1e-3 < rec["rel_quant_err"]["fp4"] / 3 < 0.1  # three operands at NVFP4 RNE (~1e-2 each)
+
+
+@pytest.mark.parametrize("row_constant", [True, False], ids=["P-per-row", "P-general"])
+def test_recipe_rounding_is_the_exact_expectation_over_stochastic_rounding(model, row_constant):
+    """``bwd_rounding="recipe"``: FP4 rounds G_Y stochastically in training, so the drift statistics are the
+    expectation over that rounding, against a reference from each G_Y element's grid neighbours
+    (tests/reference_quant.py): the systematic part ``E[ΔG_W]`` and the noise ``Σ P²·Var[G_W]``. The loss
+    price of the noise is exact when P is constant within an output row (the collector then prices
+    ``Σ_t (x_t·N_j)²`` exactly); with a general P it uses P² averaged over the row, so within 10 %."""
+    from tests.reference_quant import ref_nvfp4_rows, ref_sr_moments_rows
+    batch = _batches(1)[0]
+    gen = torch.Generator().manual_seed(5)
+    pre = {f: (torch.rand(m.weight.shape[0], 1, generator=gen) + 0.5).expand(m.weight.shape).contiguous()
+           if row_constant else torch.rand(m.weight.shape, generator=gen) + 0.5
+           for f, m in snip_layers(model).items()}
+    lr = 3e-3
+    stats = collect_statistics(model, [batch], lr=lr, precond=pre, estimator="empirical")
+    assert stats["bwd_rounding"] == "recipe"
+    rec = stats["layers"][LAYER]
+    ref = _reference(model, batch, LAYER, "fp4", pre[LAYER])
+    p_mat = pre[LAYER].double()
+    g_mean, g_var = ref_sr_moments_rows(ref["gy"].t(), "nvfp4")  # [n, T]: G_Y along tokens
+    xq = ref_nvfp4_rows(ref["x"].t()).double()  # [k, T]: X along tokens, round to nearest
+    gy, x = ref["gy"].double(), ref["x"].double()
+    bias = g_mean @ xq.t() - gy.t() @ x  # E[ΔG_W], [n, k]
+    var = g_var @ (xq * xq).t()  # Var[G_W], [n, k]
+    drift_bias = lr ** 2 * ((bias * p_mat) ** 2).sum()
+    drift_noise = lr ** 2 * (var * p_mat ** 2).sum()
+    assert rec["bwd_drift_bias"]["fp4"] == pytest.approx(drift_bias.item(), rel=1e-4, abs=0)
+    assert rec["bwd_drift"]["fp4"] == pytest.approx((drift_bias + drift_noise).item(), rel=1e-4, abs=0)
+    # loss units: Σ_j m_j E[Σ_t (x_t·D_j)²] / 2N with D = lr·ΔG_W⊙P and m_j = mean_t g_tj²
+    m = dv.channel_sq_mean(ref["gy"] * ref["n"]).double()
+    noise_ch = torch.stack([(g_var[j] * ((x @ (p_mat[j] * xq.t()).t()) ** 2).sum(0)).sum()
+                            for j in range(bias.shape[0])])  # Σ_s Var[G_Y]_sj Σ_t (x_t·(P_j⊙Q(X)_s))²
+    bias_ch = ((x @ (bias * p_mat).t()) ** 2).sum(0)
+    bwd_bias = lr ** 2 * (m * bias_ch).sum() / (2 * ref["n"])
+    bwd = bwd_bias + lr ** 2 * (m * noise_ch).sum() / (2 * ref["n"])
+    assert rec["bwd_bias"]["fp4"] == pytest.approx(bwd_bias.item(), rel=1e-4, abs=0)
+    assert rec["bwd"]["fp4"] == pytest.approx(bwd.item(), rel=1e-4 if row_constant else 0.1, abs=0)
+    assert rec["bwd"]["fp4"] > 1.2 * rec["bwd_bias"]["fp4"]  # the rounding noise is a real part of it
+    # FP8 rounds to nearest (no stochastic rounding): the expected drift is the whole drift
+    assert rec["bwd"]["fp8"] == rec["bwd_bias"]["fp8"] > 0
 
 
 def test_mc_fisher_sequence_form_matches_exact_gauss_newton(model):
@@ -238,9 +281,10 @@ def test_callable_precond_matches_tensor(model):
 
     a = collect_statistics(model, b, lr=1e-3, precond=pre, estimator="empirical")
     c = collect_statistics(model, b, lr=1e-3, precond=partial_sum, estimator="empirical")
-    assert c["precond"] == "callable" and a["precond"] == "tensor" and len(calls) == 2 * len(pre)
+    # per layer: fp8's drift, fp4's systematic part and fp4's stochastic-rounding noise
+    assert c["precond"] == "callable" and a["precond"] == "tensor" and len(calls) == 3 * len(pre)
     for fqn in a["layers"]:
-        for key in ("bwd_drift", "bwd"):
+        for key in ("bwd_drift", "bwd", "bwd_drift_bias", "bwd_bias"):
             for p in ("fp8", "fp4"):
                 assert c["layers"][fqn][key][p] == pytest.approx(a["layers"][fqn][key][p], rel=1e-5)
 
@@ -311,7 +355,8 @@ def test_dgrad_estimate_matches_an_independent_reference(model):
     layers = snip_layers(model)
     gen = torch.Generator().manual_seed(11)
     pre = {f: torch.rand(m.weight.shape, generator=gen) + 0.5 for f, m in layers.items()}
-    stats = collect_statistics(model, batches, lr=1e-3, precond=pre, bwd_propagated=True)
+    stats = collect_statistics(model, batches, lr=1e-3, precond=pre, bwd_propagated=True,
+                               bwd_rounding="nearest")
     names = list(layers)
     upstream = names[:names.index(LAYER)]  # every layer before down_proj (none shares its input)
     e_sq, up, gx_sq = 0.0, {m: 0.0 for m in upstream}, 0.0

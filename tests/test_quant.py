@@ -6,9 +6,9 @@ import torch
 
 from snip_ds.formats import E2M1, E4M3, E5M2
 from snip_ds.quant import (RECIPES, Recipe, cast_to_format, fake_quantize, get_recipe, hadamard_matrix,
-                           hadamard_transform, mx_scale, random_signs)
+                           hadamard_transform, mx_scale, random_signs, stochastic_moments)
 from tests.reference_quant import (assert_bitwise_equal, block_diagonal_hadamard, floor_log2, ref_mx_rows,
-                                   ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor, round_rne)
+                                   ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor, ref_sr_moments_rows, round_rne)
 
 BLOCK_RECIPES = ["mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4"]
 ALL_RECIPES = list(RECIPES)
@@ -180,6 +180,46 @@ def test_stochastic_fake_quantize_unbiased(recipe, top_spacing):
     # round-to-nearest is visibly biased per element, so the check above can tell the two apart
     rne_err = (fake_quantize(row[None], recipe)[0].double() - row.double()).abs()
     assert rne_err.max() > 10 * err.abs().max()
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_stochastic_moments_match_grid_neighbours(recipe):
+    """Exact mean and variance of stochastic rounding against the reference built from each value's grid
+    neighbours; MXFP4 saturates above 6 (a biased mean, no variance), which the reference covers too."""
+    x = sample((24, 80), seed=11)  # 80 columns: a partial last block for both block sizes
+    x[0, :4] = 0.0
+    mean, var = stochastic_moments(x, recipe)
+    ref_mean, ref_var = ref_sr_moments_rows(x, recipe)
+    torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-6, atol=0)
+    torch.testing.assert_close(var.double(), ref_var, rtol=1e-5, atol=0)
+    assert (var > 0).float().mean() > 0.8
+    if recipe == "nvfp4":  # unbiased inside the range: the mean is x itself (to FP32's x/d·d) unless the
+        # E4M3-rounded block scale left the block's top element above 6
+        inside = torch.isclose(mean, x, rtol=1e-6, atol=0).float().mean()
+        assert inside > 0.97
+    else:
+        assert (mean != x).any()  # MX's power-of-two scale saturates the top of some blocks
+
+
+def test_stochastic_moments_match_draws():
+    """The moments against many stochastic-rounding draws of fake_quantize (the production path)."""
+    x = sample((8, 64), seed=12)
+    mean, var = stochastic_moments(x, "nvfp4", axis=0)
+    draws = torch.stack([fake_quantize(x, "nvfp4", axis=0, stochastic=True,
+                                       generator=torch.Generator().manual_seed(s)) for s in range(3000)])
+    torch.testing.assert_close(draws.double().mean(0), mean.double(), atol=5 * var.max().sqrt().item() / 50,
+                               rtol=0)
+    ratio = draws.double().var(0).sum() / var.double().sum()
+    assert 0.95 < ratio < 1.05
+
+
+def test_stochastic_moments_deterministic_where_nothing_rounds():
+    """Values on the grid have no variance; all-zero input gives zeros."""
+    x = torch.tensor([[6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.0] * 2])
+    mean, var = stochastic_moments(x, "mxfp4")
+    assert torch.equal(mean, x) and torch.equal(var, torch.zeros_like(x))
+    mean, var = stochastic_moments(torch.zeros(3, 32), "nvfp4")
+    assert not mean.any() and not var.any()
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp8", "nvfp4_2d"])
