@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from snip_ds.config import BWD_ROUNDINGS  # noqa: E402
 from snip_ds.backend import get_backend  # noqa: E402
 from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
 from snip_ds.compare import spearman as rank_correlation  # noqa: E402
@@ -176,9 +177,14 @@ BWD_TRUTHS = {"both": {"fprop": "bf16", "dgrad": "fp4", "wgrad": "fp4"},
               "dgrad": {"fprop": "bf16", "dgrad": "fp4", "wgrad": "bf16"}}
 
 
-def bwd_truth(model, opt, batches: Sequence[torch.Tensor], gemms: Sequence[str] = ("both",)) -> Dict[str, Dict]:
+def bwd_truth(model, opt, batches: Sequence[torch.Tensor], gemms: Sequence[str] = ("both",),
+              rounding: str = "recipe", draws: int = 1) -> Dict[str, Dict]:
     """Per GEMM set, layer and batch: Σ‖θ' - θ'_ref‖² after one AdamW step with only that layer's backward
     GEMM(s) at fp4 (:data:`BWD_TRUTHS`: ``both``, ``wgrad`` only, ``dgrad`` only), against the unquantized step.
+
+    ``rounding="recipe"`` quantizes as training does (FP4 gradients stochastically rounded, by default) and
+    averages the drift over ``draws`` rounding draws per batch (the layer's generator is restored after);
+    ``"nearest"`` rounds every operand to nearest (one deterministic draw).
 
     Returns ``{gemms: {fqn: [drift per batch]}}``; for ``dgrad`` also ``dgrad_linears``, the drift of the
     decoder linears' weights alone (what the propagated estimate models: it leaves out the embedding).
@@ -202,13 +208,20 @@ def bwd_truth(model, opt, batches: Sequence[torch.Tensor], gemms: Sequence[str] 
         for fqn, mod in layers.items():
             for which in gemms:
                 saved_prec, saved_cfg = mod.precision, mod.quant_config
+                saved_gen = mod.generator.get_state() if mod.generator is not None else None
                 mod.precision = dict(BWD_TRUTHS[which])
-                mod.quant_config = _rne(saved_cfg)
+                n = draws if rounding == "recipe" else 1
+                if rounding == "nearest":
+                    mod.quant_config = _rne(saved_cfg)
+                sq = [0.0] * len(params)
                 try:
-                    new = _adamw_step(params, state, hyper, grads())
+                    for _ in range(n):
+                        new = _adamw_step(params, state, hyper, grads())
+                        sq = [s + float(((a - b) ** 2).sum()) / n for s, a, b in zip(sq, new, ref)]
                 finally:
                     mod.precision, mod.quant_config = saved_prec, saved_cfg
-                sq = [float(((a - b) ** 2).sum()) for a, b in zip(new, ref)]
+                    if saved_gen is not None:
+                        mod.generator.set_state(saved_gen)
                 drift[which][fqn].append(sum(sq))
                 if which == "dgrad":
                     drift["dgrad_linears"][fqn].append(sum(v for v, lin in zip(sq, is_linear) if lin))
@@ -304,7 +317,7 @@ def run(args) -> Dict[str, Any]:
         t = time.perf_counter()
         preds[est] = collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, estimator=est,
                                         step_scale=pc.step_scale, bwd_propagated=(est == "mc_fisher"),
-                                        seed=args.seed, step=pc.step)
+                                        seed=args.seed, step=pc.step, bwd_rounding=args.bwd_rounding)
         timing[est] = time.perf_counter() - t
     t = time.perf_counter()
     if args.truth_table:  # re-score against the truths an earlier run printed (their means only)
@@ -314,10 +327,12 @@ def run(args) -> Dict[str, Any]:
     t_fld = time.perf_counter() - t
     t = time.perf_counter()
     if not args.truth_table:
-        drift = bwd_truth(model, opt, batches)["both"] if args.bwd_truth else None
+        drift = (bwd_truth(model, opt, batches, rounding=args.bwd_rounding, draws=args.sr_draws)["both"]
+                 if args.bwd_truth else None)
     t_bwd = time.perf_counter() - t
     t = time.perf_counter()
-    split = bwd_truth(model, opt, batches, ("wgrad", "dgrad")) if args.bwd_truth_per_gemm else None
+    split = (bwd_truth(model, opt, batches, ("wgrad", "dgrad"), rounding=args.bwd_rounding, draws=args.sr_draws)
+             if args.bwd_truth_per_gemm else None)
     t_split = time.perf_counter() - t
 
     truth_fld = [_mean(sym[f]) for f in fqns]
@@ -339,6 +354,7 @@ def run(args) -> Dict[str, Any]:
         "one_shot_truth": truth_one}
     bwd_variants = {
         "direct": pred("mc_fisher", "bwd_drift"), "loss_units_mc_fisher": pred("mc_fisher", "bwd"),
+        "direct_systematic": pred("mc_fisher", "bwd_drift_bias"),
         "loss_units_empirical": pred("empirical", "bwd"), "direct_plus_propagated": prop_total,
         "propagated_only": pred("mc_fisher", "bwd_drift_propagated"),
         "quant_err": pred("mc_fisher", "quant_err"), "rel_quant_err": pred("mc_fisher", "rel_quant_err")}
@@ -371,6 +387,7 @@ def run(args) -> Dict[str, Any]:
         "bwd_variants": {k: spearman(v, truth_bwd) for k, v in bwd_variants.items()},
         "calibration_fld": _median([p / t for p, t in zip(fld_variants["mc_fisher"], truth_fld) if t > 0]),
         "calibration_bwd": _median([p / t for p, t in zip(bwd_variants["direct"], truth_bwd) if t > 0]),
+        "bwd_rounding": args.bwd_rounding, "sr_draws": args.sr_draws if args.bwd_rounding == "recipe" else 1,
         "calibration_fld_isotropic": _median([p / t for p, t in zip(fld_variants["isotropic"], truth_fld) if t > 0]),
         "bwd_over_fld": _median([b / f for b, f in zip(pred("mc_fisher", "bwd"), fld_variants["mc_fisher"])
                                  if f > 0]),
@@ -452,6 +469,11 @@ def parse_args(argv=None):
     ap.add_argument("--bwd_truth_per_gemm", action="store_true",
                     help="also measure the one-step drift with only the wgrad or only the dgrad GEMM at fp4 (two "
                          "more backward passes per layer and batch) and score the per-GEMM costs against them")
+    ap.add_argument("--bwd_rounding", default="recipe", choices=BWD_ROUNDINGS,
+                    help="how G_Y is rounded, in the BWD estimate and the drift truths alike: 'recipe' (as training "
+                         "does: stochastically for FP4 by default) or 'nearest'")
+    ap.add_argument("--sr_draws", type=int, default=4,
+                    help="with --bwd_rounding recipe: stochastic-rounding draws averaged per batch in the truths")
     ap.add_argument("--quick", action="store_true", help="tiny model and data: a smoke run of seconds")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -463,7 +485,7 @@ def parse_args(argv=None):
     for key in ("warmup_steps",):
         if getattr(args, key) < 0:
             ap.error(f"--{key} must be >= 0")
-    for key in ("batches", "batch_size", "block_size"):
+    for key in ("batches", "batch_size", "block_size", "sr_draws"):
         if getattr(args, key) < 1:
             ap.error(f"--{key} must be >= 1")
     return args

@@ -16,7 +16,7 @@ import warnings
 from typing import Sequence
 
 from snip_ds.plan import GEMMS, PRECISIONS, Plan
-from snip_ds.planner import DGRAD_COSTS, METHODS, block_index, load_stats, solve_baseline
+from snip_ds.planner import BWD_ESTIMATES, DGRAD_COSTS, METHODS, block_index, load_stats, solve_baseline
 
 # Column order and headers for the Llama decoder block; other layer names get their own columns after these.
 _LLAMA_COLUMNS = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o"),
@@ -66,7 +66,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             args.method, stats, args.efficiency_saving, lam=args.lam, seed=args.seed, num_random=args.num_random,
             allowed=allowed, pinned=pinned, previous=previous, flip_penalty=args.flip_penalty,
             max_share=args.max_share, per_gemm=args.per_gemm, time_limit=args.time_limit,
-            compute_budget=args.compute_budget, dgrad=args.dgrad_cost, dgrad_calibration=args.dgrad_calibration)
+            compute_budget=args.compute_budget, dgrad=args.dgrad_cost, dgrad_calibration=args.dgrad_calibration,
+            bwd_key=BWD_ESTIMATES[args.bwd_estimate])
     for w in caught:
         print(f"snip-ds: warning: {w.message}", file=sys.stderr)
     seeds = [p.meta.get("seed", args.seed) for p in plans]
@@ -190,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dgrad-cost", choices=DGRAD_COSTS, default="split",
                    help="with --per-gemm, how SNIP prices dgrad: 'split' (half of λ·BWD, like wgrad) or 'upstream' "
                         "(λ·bwd_dgrad / --dgrad-calibration; statistics collected with bwd_propagated)")
+    p.add_argument("--bwd-estimate", choices=tuple(BWD_ESTIMATES), default="expected",
+                   help="which BWD SNIP's costs use: 'expected' (the expected one-step drift) or 'systematic' "
+                        "(ablation: only the part that persists from step to step)")
     p.add_argument("--dgrad-calibration", type=float, default=1.0,
                    help="with --dgrad-cost upstream: what bwd_dgrad overstates the dgrad-only drift by")
     p.add_argument("--previous", default=None, help="previous plan JSON (for --flip-penalty)")

@@ -598,6 +598,8 @@ DGRAD_COSTS = ("split", "upstream")
 """How a per-GEMM SNIP plan prices the dgrad GEMM (:func:`costs_from_stats`)."""
 BWD_KEYS = ("bwd", "bwd_bias", "bwd_propagated")
 """Which backward estimate of a statistics artifact SNIP's costs use (:func:`costs_from_stats`)."""
+BWD_ESTIMATES = {"expected": "bwd", "systematic": "bwd_bias"}
+"""The ``"snip"`` section's and the CLI's names for the BWD fields a plan may be priced with."""
 
 
 def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool = False,

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from snip_ds.config import ESTIMATORS, FLD_FORMS, QuantConfig
+from snip_ds.config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS, QuantConfig
 from snip_ds.precision import PRECISIONS
 
 PLAN_KINDS = PRECISIONS + ("adaptive",)
 DGRAD_COSTS = ("split", "upstream")  # snip_ds.planner.DGRAD_COSTS (this module imports no planner)
+BWD_ESTIMATES = ("expected", "systematic")  # keys of snip_ds.planner.BWD_ESTIMATES
 METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
 
 
@@ -88,6 +89,12 @@ class SnipSettings:
     fld_form: str = "sequence"
     """FLD quadratic form: ``sequence`` (default; every token and channel pair of a sequence) or ``channel``
     (ablation: diagonal, factorised over tokens)."""
+    bwd_rounding: str = "recipe"
+    """How the statistics round G_Y for BWD: ``recipe`` (default; as training does, so under stochastic
+    rounding BWD is the expected drift, systematic part plus rounding noise) or ``nearest`` (ablation)."""
+    bwd_estimate: str = "expected"
+    """Which BWD the plan's cost uses: ``expected`` (default; the expected one-step drift) or ``systematic``
+    (ablation: only the part that persists from step to step, stochastic rounding's noise left out)."""
     bwd_lambda: float = 100.0
     """Weight of the backward divergence in the plan's cost (an effective horizon in steps)."""
     additional_bf16_fwd_every_n_steps: int = 10
@@ -123,6 +130,8 @@ class SnipSettings:
         _check_choice("snip.method", self.method, METHODS)
         _check_choice("snip.estimator", self.estimator, ESTIMATORS)
         _check_choice("snip.fld_form", self.fld_form, FLD_FORMS)
+        _check_choice("snip.bwd_rounding", self.bwd_rounding, BWD_ROUNDINGS)
+        _check_choice("snip.bwd_estimate", self.bwd_estimate, BWD_ESTIMATES)
         _check_choice("snip.dgrad_cost", self.dgrad_cost, DGRAD_COSTS)
         if self.dgrad_cost == "upstream" and not self.per_gemm:
             raise ConfigError("snip.dgrad_cost: 'upstream' prices the dgrad GEMM on its own, which needs "

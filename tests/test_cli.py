@@ -215,3 +215,18 @@ def test_plan_dgrad_upstream_prices_dgrad_from_the_statistics(tmp_path, capsys):
     path.write_text(json.dumps(stats))
     assert main(["plan", str(path), "--rho", "0.3", "--per-gemm", "--dgrad-cost", "upstream", "-o", str(out)]) == 2
     assert "lack field 'bwd_dgrad'" in capsys.readouterr().err
+
+
+def test_plan_bwd_estimate_systematic_uses_the_persistent_part(tmp_path, capsys):
+    stats = _stats(n_blocks=2)
+    for i, rec in enumerate(stats["layers"].values()):
+        rec["bwd_bias"] = {"fp8": 0.0, "fp4": 0.0}
+    path, out = tmp_path / "s.json", tmp_path / "p.json"
+    path.write_text(json.dumps(stats))
+    assert main(["plan", str(path), "--rho", "0.5", "--bwd-estimate", "systematic", "--lambda", "1e6",
+                 "-o", str(out)]) == 0
+    assert Plan.load(out).meta["bwd_key"] == "bwd_bias"
+    del stats["layers"]["model.layers.0.mlp.up_proj"]["bwd_bias"]
+    path.write_text(json.dumps(stats))
+    assert main(["plan", str(path), "--rho", "0.5", "--bwd-estimate", "systematic", "-o", str(out)]) == 2
+    assert "lack field 'bwd_bias'" in capsys.readouterr().err

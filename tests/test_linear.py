@@ -197,6 +197,46 @@ def test_stochastic_rounding_of_fp4_gradients(data):
     assert sqnr_db(exact, draws.mean(0)) > sqnr_db(exact, draws[0]) + 6.0
 
 
+def test_gemm_moments_match_many_stochastic_gradients(data):
+    """The backend's expectation and variance of the wgrad and dgrad GEMMs over G_Y's stochastic rounding
+    (what the statistics price) against the mean and variance of many stochastic GEMMs."""
+    lin, x, g = data
+    cfg = QuantConfig()
+    be = backend.get_backend()
+    w = lin.weight.detach()
+    draws = 1000
+    gws = torch.stack([be.wgrad(g, x, "fp4", cfg, torch.Generator().manual_seed(s)) for s in range(draws)])
+    gxs = torch.stack([be.dgrad(g, w, "fp4", cfg, torch.Generator().manual_seed(s)) for s in range(draws)])
+    wm = be.wgrad_moments(g, x, "fp4", cfg, gram=x.t() @ x)
+    dm = be.dgrad_moments(g, w, "fp4", cfg)
+    for got, mom in ((gws.double(), wm), (gxs.double(), dm)):
+        se = (mom.var.double() / draws).sqrt().clamp_min(1e-12)
+        z = (got.mean(0) - mom.mean.double()) / se
+        assert z.abs().mean() < 1.0 and z.abs().max() < 6.0  # each mean within its standard error
+        ratio = got.var(0).sum() / mom.var.double().sum()
+        assert 0.93 < ratio < 1.07
+    # the noise's loss-unit price: E Σ_t (x_t·N_j)² per output channel j, N = G_W - E[G_W]
+    noise = gws.double() - wm.mean.double()
+    priced = ((x.double() @ noise.transpose(1, 2)) ** 2).sum(1).mean(0)  # [N]
+    torch.testing.assert_close(priced, wm.projected.double(), rtol=0.15, atol=0)
+    assert priced.sum().item() == pytest.approx(wm.projected.double().sum().item(), rel=0.05)
+    with pytest.raises(ValueError, match="does not round G_Y stochastically"):
+        be.wgrad_moments(g, x, "fp8", cfg)
+
+
+def test_gemm_moments_with_hadamard_are_those_of_the_transformed_operands(data):
+    """With the Hadamard transform the moments are those of the transformed operands, whose signs come from
+    the generator exactly as :meth:`wgrad` draws them."""
+    lin, x, g = data
+    be = backend.get_backend()
+    had = be.wgrad_moments(g, x, "fp4", QuantConfig(hadamard=True), torch.Generator().manual_seed(7))
+    signs = backend.random_signs(T, generator=torch.Generator().manual_seed(7))
+    gt, xt = (backend.hadamard_transform(t, axis=0, signs=signs) for t in (g, x))
+    plain = be.wgrad_moments(gt, xt, "fp4", QuantConfig())
+    assert torch.equal(had.mean, plain.mean) and torch.equal(had.var, plain.var)
+    assert not torch.equal(had.var, be.wgrad_moments(g, x, "fp4", QuantConfig()).var)
+
+
 def test_hadamard_on_wgrad_keeps_the_product(data):
     lin, x, g = data
     ref_gw = g.t() @ x

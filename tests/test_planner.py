@@ -525,3 +525,28 @@ def test_dgrad_upstream_prices_dgrad_by_its_own_estimate():
     del stats["layers"][fqn]["bwd_dgrad"]
     with pytest.raises(ValueError, match=r"lack field 'bwd_dgrad'.*collected with bwd_propagated=True"):
         solve_baseline("best", stats, 0.3, per_gemm=True, dgrad="upstream")
+
+
+def test_systematic_bwd_prices_only_the_persistent_part():
+    """bwd_key='bwd_bias' (the "systematic" estimate): C = FLD + λ·bwd_bias, split per GEMM like BWD; a
+    statistics file without the field is refused naming it; an unknown key lists the valid ones."""
+    stats = make_stats(n_blocks=2)
+    for i, fqn in enumerate(sorted(stats["layers"])):
+        stats["layers"][fqn]["bwd_bias"] = {"fp8": 2e-7, "fp4": 1e-7 * (i % 3)}  # FP4+SR can be below FP8
+    validate_stats(stats)
+    fqn = sorted(stats["layers"])[1]
+    rec = stats["layers"][fqn]
+    sc = costs_from_stats(stats, 100.0, bwd_key="bwd_bias")
+    assert sc.costs[fqn]["fp4"] == pytest.approx(rec["fld"]["fp4"] + 100.0 * rec["bwd_bias"]["fp4"])
+    assert sc.costs[fqn]["fp8"] == pytest.approx(rec["fld"]["fp8"] + 100.0 * rec["bwd_bias"]["fp8"])
+    g = costs_from_stats(stats, 100.0, per_gemm=True, bwd_key="bwd_bias").costs[fqn]["fp4"]
+    assert g["dgrad"] == pytest.approx(50.0 * rec["bwd_bias"]["fp4"]) == pytest.approx(g["wgrad"])
+    (plan,) = solve_baseline("best", stats, 0.5, lam=100.0, bwd_key="bwd_bias")
+    assert plan.meta["bwd_key"] == "bwd_bias"
+    (brute,) = solve_baseline("best", stats, 0.5, lam=100.0)
+    assert "bwd_key" not in brute.meta
+    with pytest.raises(ValueError, match="bwd_key must be one of bwd, bwd_bias, bwd_propagated"):
+        costs_from_stats(stats, bwd_key="bwd_noise")
+    del stats["layers"][fqn]["bwd_bias"]
+    with pytest.raises(ValueError, match="lack field 'bwd_bias'"):
+        costs_from_stats(stats, bwd_key="bwd_bias")

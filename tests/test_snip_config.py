@@ -34,6 +34,8 @@ def test_three_precisions_budget_and_cap_parse_and_round_trip():
     ({"fld_form": "token"}, "snip.fld_form: unknown value 'token'"),
     ({"estimator": "hessian"}, "snip.estimator: unknown value 'hessian'"),
     ({"dgrad_cost": "half"}, "snip.dgrad_cost: unknown value 'half'"),
+    ({"bwd_rounding": "stochastic"}, "snip.bwd_rounding: unknown value 'stochastic'"),
+    ({"bwd_estimate": "bias"}, "snip.bwd_estimate: unknown value 'bias'"),
     ({"dgrad_cost": "upstream"}, "snip.dgrad_cost: 'upstream' .* needs snip.per_gemm: true"),
     ({"per_gemm": True, "dgrad_cost": "upstream", "dgrad_calibration": 0}, "snip.dgrad_calibration: must be"),
     ({"dgrad_calibration": "x"}, "snip.dgrad_calibration: expected a number"),
@@ -55,3 +57,14 @@ def test_dgrad_cost_parses_and_matches_the_planner():
     assert parse_snip_section({}).dgrad_cost == "split"
     s = parse_snip_section({"per_gemm": True, "dgrad_cost": "upstream", "dgrad_calibration": 30})
     assert (s.dgrad_cost, s.dgrad_calibration) == ("upstream", 30.0)
+
+
+def test_bwd_settings_parse_and_match_the_collector_and_planner():
+    from snip_ds.config import BWD_ROUNDINGS
+    from snip_ds.planner import BWD_ESTIMATES
+    from snip_ds.snip_config import BWD_ESTIMATES as CONFIG_BWD_ESTIMATES
+    assert tuple(BWD_ESTIMATES) == CONFIG_BWD_ESTIMATES and BWD_ROUNDINGS == ("recipe", "nearest")
+    s = parse_snip_section({})
+    assert (s.bwd_rounding, s.bwd_estimate) == ("recipe", "expected")
+    s = parse_snip_section({"bwd_rounding": "nearest", "bwd_estimate": "systematic"})
+    assert (s.bwd_rounding, s.bwd_estimate) == ("nearest", "systematic")

@@ -22,7 +22,7 @@ from snip_ds.collect import collect_statistics
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
-from snip_ds.planner import solve_baseline
+from snip_ds.planner import BWD_ESTIMATES, solve_baseline
 from snip_ds.snip_config import ConfigError
 
 
@@ -70,7 +70,8 @@ class AdaptivePlanner:
             eng.ds.module, batches, layers=list(eng.layers), lr=eng.lr(), precond=precond,
             estimator=s.estimator, num_probes=s.num_probes, fld_form=s.fld_form, seed=s.train.seed + eng.step,
             reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size(), lam=s.bwd_lambda,
-            retain_graph=eng.zero_stage < 3, bwd_propagated=s.dgrad_cost == "upstream")
+            retain_graph=eng.zero_stage < 3, bwd_propagated=s.dgrad_cost == "upstream",
+            bwd_rounding=s.bwd_rounding)
         stats["precond_source"] = source
         return stats
 
@@ -91,7 +92,8 @@ class AdaptivePlanner:
                                           per_gemm=s.per_gemm, time_limit=s.solver_time_limit,
                                           dgrad=s.dgrad_cost, dgrad_calibration=s.dgrad_calibration,
                                           allowed=s.allowed, compute_budget=s.compute_budget,
-                                          max_share=s.max_share)[0]
+                                          max_share=s.max_share,
+                                          bwd_key=BWD_ESTIMATES[s.bwd_estimate])[0]
                 payload = {"plan": plan.to_dict()}
             except (ValueError, RuntimeError) as err:  # no plan reaches the target: tell every rank
                 payload = {"error": str(err)}
