@@ -58,7 +58,7 @@ def test_quick_records(quick_run):
         assert math.isfinite(r["val_loss"]) and math.isfinite(r["val_loss_bf16_forward"])
     labels = {r["label"] for r in records}
     # every method once: uniform ones, SNIP at each λ, the random plan, both quant-error baselines, first/last
-    assert labels == {"bf16", "uniform_fp8", "uniform_fp4", "best λ=1", "best λ=100", "best λ=1000", "random#0",
+    assert labels == {"bf16", "uniform_fp8", "uniform_fp4", "best λ=1", "best λ=30", "best λ=1000", "random#0",
                       "quant_err", "rel_quant_err", "first_last_fp8"}
     assert not data["skipped"]
     fp8 = next(r for r in records if r["method"] == "uniform_fp8")
@@ -69,7 +69,7 @@ def test_quick_records(quick_run):
             assert r["fp4_share"] == pytest.approx(0.5)
             assert r["phase"] == "early" and r["seed"] == 0
         if r["method"] == "best":
-            assert r["lambda"] in (1.0, 100.0, 1000.0)
+            assert r["lambda"] in (1.0, 30.0, 1000.0)
     assert fp8["gap_to_fp8"] == 0.0
     bf16 = next(r for r in records if r["method"] == "bf16")
     assert bf16["val_loss"] == bf16["val_loss_bf16_forward"]  # BF16 plan: both forwards are the same one
@@ -88,7 +88,7 @@ def test_quick_markdown(quick_run):
     gaps = md.split("## Gaps per phase and ρ")[1].split("Uniform references")[0]
     rows = [line for line in gaps.splitlines() if line.startswith("| early | 0.5 |")]
     # one gaps row per non-random label plus the pooled random row, and one target row
-    assert sum("| best λ=100 |" in line for line in rows) == 1
+    assert sum("| best λ=30 |" in line for line in rows) == 1
     assert any("| random |" in line for line in rows)
     target = [line for line in md.splitlines() if line.startswith("| early | 0.5 | ") and line.count("|") == 8]
     assert len(target) == 1
@@ -170,7 +170,7 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
     assert "plans solved per GEMM" in (out / "compare_plans.md").read_text()
     assert "plans solved per layer" in (quick_run / "compare_plans.md").read_text()
     solved = [p for p in data["plans"]["early"] if p["rho"] is not None]
-    assert {p["label"] for p in solved} == {"best λ=1", "best λ=100", "best λ=1000", "quant_err", "rel_quant_err"}
+    assert {p["label"] for p in solved} == {"best λ=1", "best λ=30", "best λ=1000", "quant_err", "rel_quant_err"}
     for p in solved:
         assert all(set(v) == {"fprop", "dgrad", "wgrad"} for v in p["assignment"].values())
     assert len({round(p["fp4_share"], 12) for p in solved}) == 1
@@ -190,7 +190,7 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
 
     def val(d, label, key="val_loss"):
         return next(r[key] for r in d["records"] if r["label"] == label)
-    for label in ("best λ=100", "quant_err"):
+    for label in ("best λ=30", "quant_err"):
         assert rows[("early", label)]["q"].mean == pytest.approx(val(data, label) - val(default, label), abs=1e-12)
         assert rows[("early", label)]["bf16"].mean == pytest.approx(
             val(data, label, "val_loss_bf16_forward") - val(default, label, "val_loss_bf16_forward"), abs=1e-12)
@@ -409,25 +409,45 @@ def test_dgrad_upstream_grid_against_a_split_grid(tmp_path):
     (--versus), cell by cell; it needs --per_gemm and a positive calibration."""
     mod = _script()
     split, up = tmp_path / "split", tmp_path / "up"
-    assert mod.main(["--quick", "--per_gemm", "--methods", "best,quant_err", "--lambdas", "100",
+    assert mod.main(["--quick", "--per_gemm", "--methods", "best,quant_err", "--lambdas", "30",
                      "--output_dir", str(split), "--silent"]) == 0
     assert mod.main(["--quick", "--per_gemm", "--dgrad_cost", "upstream", "--dgrad_calibration", "8",
-                     "--methods", "best", "--lambdas", "100", "--output_dir", str(up), "--silent"]) == 0
+                     "--methods", "best", "--lambdas", "30", "--output_dir", str(up), "--silent"]) == 0
     data = json.loads((up / "compare_plans.json").read_text())
     assert data["settings"]["dgrad_cost"] == "upstream" and data["settings"]["dgrad_calibration"] == 8.0
     assert "bwd_dgrad / 8" in (up / "compare_plans.md").read_text()
     assert mod.main(["--report_only", "--output_dir", str(up), "--versus", str(split), "--silent"]) == 0
     md = (up / "compare_plans.md").read_text()
-    assert "### This grid's SNIP (best λ=100) against every plan of the other grid" in md
+    assert "### This grid's SNIP (best λ=30) against every plan of the other grid" in md
     other = json.loads((split / "compare_plans.json").read_text())
 
     def val(d, label):
         return next(r["val_loss"] for r in d["records"] if r["label"] == label)
-    cross = {(r["phase"], r["label"]): r for r in mod.versus_rows(data["records"], other["records"], "best λ=100")}
-    for label in ("best λ=100", "quant_err"):
-        assert cross[("early", label)]["q"].mean == pytest.approx(val(data, "best λ=100") - val(other, label),
+    cross = {(r["phase"], r["label"]): r for r in mod.versus_rows(data["records"], other["records"], "best λ=30")}
+    for label in ("best λ=30", "quant_err"):
+        assert cross[("early", label)]["q"].mean == pytest.approx(val(data, "best λ=30") - val(other, label),
                                                                  abs=1e-12)
     for bad in (["--dgrad_cost", "upstream"], ["--per_gemm", "--dgrad_calibration", "0"],
                 ["--per_gemm", "--dgrad_cost", "both"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)
+
+
+def test_bwd_rounding_and_key_are_recorded_reported_and_checked(quick_run, tmp_path):
+    """--bwd_rounding / --bwd_key: recorded in the settings, named in the md, free to differ under --versus
+    (the uniform FP8 runs do not depend on them), and unknown values are refused."""
+    mod = _script()
+    out = tmp_path / "sys"
+    assert mod.main(["--quick", "--methods", "best", "--lambdas", "30", "--bwd_rounding", "nearest",
+                     "--bwd_key", "bwd_bias", "--output_dir", str(out), "--silent"]) == 0
+    data = json.loads((out / "compare_plans.json").read_text())
+    assert data["settings"]["bwd_rounding"] == "nearest" and data["settings"]["bwd_key"] == "bwd_bias"
+    assert "SNIP's BWD: the systematic part of the drift, with G_Y rounded to nearest" in (
+        out / "compare_plans.md").read_text()
+    default = json.loads((quick_run / "compare_plans.json").read_text())
+    assert (default["settings"]["bwd_rounding"], default["settings"]["bwd_key"]) == ("recipe", "bwd")
+    assert "with G_Y rounded as training does" in (quick_run / "compare_plans.md").read_text()
+    assert mod.main(["--report_only", "--output_dir", str(out), "--versus", str(quick_run), "--silent"]) == 0
+    for bad in (["--bwd_rounding", "stochastic"], ["--bwd_key", "bwd_noise"]):
         with pytest.raises(SystemExit):
             mod.parse_args(bad)
