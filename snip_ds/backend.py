@@ -164,15 +164,17 @@ class EmulatedBackend:
 
     def wgrad_moments(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
                       generator: Optional[torch.Generator] = None,
-                      gram: Optional[torch.Tensor] = None) -> "GemmMoments":
+                      price_tokens: Optional[torch.Tensor] = None) -> "GemmMoments":
         """Mean and element-wise variance of ``G_W = Q(G_Y)^T Q(X)`` over G_Y's stochastic rounding.
 
         The elements of G_Y round independently (deterministic scales), so ``E[G_W] = E[Q(G_Y)]^T Q(X)`` and
-        ``Var[G_W]_ji = Σ_t Var[Q(G_Y)]_tj · Q(X)_ti²``, exactly. With ``gram = XᵀX`` (X: the unquantized
-        input), also ``Σ_t Var[Q(G_Y)]_tj · Q(X)_t·gram·Q(X)_tᵀ`` per output channel j: the expected
-        ``Σ_t (x_t · N_j)²`` of the noise ``N = G_W - E[G_W]``, which prices the noise in loss units.
+        ``Var[G_W]_ji = Σ_t Var[Q(G_Y)]_tj · Q(X)_ti²``, exactly. With ``price_tokens`` (indices of a sample S
+        of the T tokens), also the loss price of the noise ``N = G_W - E[G_W]`` per output channel j,
+        ``E Σ_t (x_t·N_j)² = Σ_s Var[Q(G_Y)]_sj · ‖X Q(X)_sᵀ‖²``, estimated without bias from the sample as
+        ``(T/|S|) Σ_{s∈S} ...`` (each sampled token costs a ``[T, k]`` by ``[k]`` product; all of them: exact).
         The Hadamard transform (``cfg.hadamard``, FP4) is applied to both operands first, with signs drawn
-        from ``generator`` as :meth:`wgrad` draws them. Requires a precision that rounds G_Y stochastically.
+        from ``generator`` as :meth:`wgrad` draws them (the price is the same in either basis: the transform
+        is orthogonal along the tokens). Requires a precision that rounds G_Y stochastically.
         """
         if not self.rounds_g_stochastically(precision, cfg):
             raise ValueError(f"precision {precision!r} does not round G_Y stochastically under this config")
@@ -180,19 +182,28 @@ class EmulatedBackend:
             signs = random_signs(g.shape[0], generator=generator, device=g.device)
             g = hadamard_transform(_fp32(g), axis=0, signs=signs)
             x = hadamard_transform(_fp32(x), axis=0, signs=signs)
-        n, k = g.shape[1], x.shape[1]
+        tokens, n, k = g.shape[0], g.shape[1], x.shape[1]
         mean = torch.zeros(n, k, dtype=torch.float32, device=g.device)
         var = torch.zeros(n, k, dtype=torch.float32, device=g.device)
-        projected = torch.zeros(n, dtype=torch.float32, device=g.device) if gram is not None else None
+        projected = None
+        if price_tokens is not None:
+            projected = torch.zeros(n, dtype=torch.float32, device=g.device)
+            sampled = torch.zeros(tokens, dtype=torch.bool, device=g.device)
+            sampled[price_tokens.to(g.device)] = True
+            scale = tokens / max(int(sampled.sum()), 1)
         amax_g, amax_x = tensor_amax(g), tensor_amax(x)
-        for tokens in _chunks(g.shape[0], n + k):
-            g_mean, g_var = self._g_moments(g[tokens], precision, cfg, 0, amax_g)
-            x_lp = self.quantize(x[tokens], precision, "x", 0, cfg, None, amax_x)
+        x32 = _fp32(x)
+        for chunk in _chunks(tokens, n + k):
+            g_mean, g_var = self._g_moments(g[chunk], precision, cfg, 0, amax_g)
+            x_lp = self.quantize(x[chunk], precision, "x", 0, cfg, None, amax_x)
             mean.addmm_(g_mean.t(), x_lp)
-            var.addmm_(g_var.t(), x_lp * x_lp)
+            del g_mean
             if projected is not None:
-                h = ((x_lp @ gram) * x_lp).sum(dim=1)  # [t]: Q(X)_t·gram·Q(X)_tᵀ
-                projected.add_(g_var.t() @ h)
+                pick = sampled[chunk]
+                if pick.any():
+                    h = (x32 @ x_lp[pick].t()).square_().sum(dim=0)  # [|S ∩ chunk|]: ‖X Q(X)_sᵀ‖²
+                    projected.addmv_(g_var[pick].t(), h, alpha=scale)
+            var.addmm_(g_var.t(), x_lp.square_())
         return GemmMoments(mean, var, projected)
 
     def dgrad_moments(self, g: torch.Tensor, w: torch.Tensor, precision: str,
@@ -215,7 +226,7 @@ class EmulatedBackend:
 @dataclass(frozen=True)
 class GemmMoments:
     """A GEMM's output over the stochastic rounding of G_Y: ``mean`` and element-wise ``var`` (FP32, the
-    output's shape), and for wgrad optionally ``projected`` (per output channel; see
+    output's shape), and for wgrad optionally ``projected``, the noise's loss price per output channel (see
     :meth:`EmulatedBackend.wgrad_moments`)."""
 
     mean: torch.Tensor

@@ -61,6 +61,7 @@ from snip_ds.swap import snip_layers
 STATS_FORMAT = "snip_ds.stats/1"
 QUANTIZED = ("fp8", "fp4")
 ISO_DELTA = 0.02  # δ of the isotropic ablation's forward-noise passes, relative to rms(z)
+PRICE_TOKENS_MIN = 256  # tokens that price stochastic rounding's noise: at least this many (all, if fewer)
 IGNORE_INDEX = -100
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -221,6 +222,7 @@ class _Collector:
         device = _device_of(model)
         self.gen = torch.Generator(device=device).manual_seed(seed)  # probe labels / isotropic noise
         self.had_gen = torch.Generator(device=device).manual_seed(seed + 1)  # Hadamard signs (if enabled)
+        self.price_gen = torch.Generator(device=device).manual_seed(seed + 2)  # tokens pricing rounding noise
 
     # ---------------- hooks ----------------
     @contextmanager
@@ -374,16 +376,17 @@ class _Collector:
         pmat, pfn = self._precond_of(fqn, gw)
         sr = {p: self._expects_sr(module, p) for p in self.precisions}
         uses = len(self.precisions) + int(self.propagated)  # projections of X below
-        gram = x2.t() @ x2 if any(sr.values()) or dv.gram_pays(x2.shape[0], x2.shape[1], gw.shape[0],
-                                                                uses) else None
+        gram = x2.t() @ x2 if dv.gram_pays(x2.shape[0], x2.shape[1], gw.shape[0], uses) else None
         for p in self.precisions:
             if sr[p]:  # training rounds G_Y stochastically: the exact expectation over that rounding
-                mom = be.wgrad_moments(g2, x2, p, module.quant_config, self.had_gen, gram)
-                dgw, var = mom.mean - gw, mom.var
+                sample = self._price_sample(x2.shape[0], gw.shape[0])
+                mom = be.wgrad_moments(g2, x2, p, module.quant_config, self.had_gen, sample)
+                dgw, var, projected = mom.mean.sub_(gw), mom.var, mom.projected
+                del mom
             else:
-                dgw, var = be.wgrad(g2, x2, p, cfg, self.had_gen) - gw, None
-            self._drift_stats(fqn, p, dgw, var, None if var is None else mom.projected, x2, pmat, pfn, gram)
-            del dgw, var
+                dgw, var, projected = be.wgrad(g2, x2, p, cfg, self.had_gen) - gw, None, None
+            self._drift_stats(fqn, p, dgw, var, projected, x2, pmat, pfn, gram)
+            del dgw, var, projected
             g_lp = be.quantize(g2, p, "g", -1, cfg)
             st.add(fqn, f"qerr_g.{p}", ((g_lp - g2) ** 2).sum())
             if self.propagated:
@@ -408,6 +411,15 @@ class _Collector:
                 st.add(fqn, "gw_sq", (gw * gw).sum())
             st.add(fqn, "up_ch", dv.projected_sq_sum(x2, up, gram))
 
+    def _price_sample(self, tokens: int, n: int) -> torch.Tensor:
+        """Tokens whose inputs price the rounding noise (:meth:`EmulatedBackend.wgrad_moments`): all of them
+        up to PRICE_TOKENS_MIN, else ``n / 4`` of them (which keeps that price near a quarter of the wgrad
+        GEMM's cost), drawn from a generator of their own."""
+        m = min(tokens, max(PRICE_TOKENS_MIN, n // 4))
+        if m == tokens:
+            return torch.arange(tokens)
+        return torch.randperm(tokens, generator=self.price_gen, device=self.price_gen.device)[:m]
+
     def _expects_sr(self, module: SnipLinear, p: str) -> bool:
         return self.bwd_rounding == "recipe" and self.backend.rounds_g_stochastically(p, module.quant_config)
 
@@ -418,22 +430,25 @@ class _Collector:
         round-to-nearest; its expectation under stochastic rounding) under ``*_bias`` keys, and with the
         rounding noise of element-wise variance ``var`` added (its expectation) under the plain keys.
 
-        The noise's loss-unit price per output channel j is ``projected_j`` times ``P²`` averaged over the
-        row j with weights ``var`` (exact when P is constant within a row)."""
+        The noise's loss-unit price per output channel j is ``projected_j`` (estimated from a sample of the
+        tokens, :meth:`_price_sample`) times ``P²`` averaged over the row j with weights ``var`` (exact when P
+        is constant within a row)."""
         st = self.stats
         if pfn is None:
-            drift = dgw * pmat
+            drift = dgw.mul_(pmat)  # dgw is ours to overwrite
             bias_sq, bias_ch = (drift * drift).sum(), dv.projected_sq_sum(x2, drift, gram)
-            noise_sq = (var * pmat * pmat).sum() if var is not None else None
+            noise_sq = None
             if var is not None:
                 row_var = var.sum(dim=1)
-                p2 = (var * pmat * pmat).sum(dim=1) / torch.where(row_var > 0, row_var, 1.0)
-                noise_ch = p2 * projected
+                weighted = var.mul_(pmat).mul_(pmat)  # P²·Var, in place
+                noise_sq = weighted.sum()
+                noise_ch = weighted.sum(dim=1).div_(torch.where(row_var > 0, row_var, 1.0)).mul_(projected)
         else:
             bias_sq = torch.as_tensor(pfn(fqn, dgw), dtype=torch.float32)
             bias_ch = dv.projected_sq_sum(x2, dgw, gram)
-            st.add(fqn, f"dg_sq_bias.{p}", (dgw * dgw).sum())
-            st.add(fqn, f"dg_sq.{p}", (dgw * dgw).sum() + (var.sum() if var is not None else 0.0))
+            dg_sq = (dgw * dgw).sum()
+            st.add(fqn, f"dg_sq_bias.{p}", dg_sq)
+            st.add(fqn, f"dg_sq.{p}", dg_sq + var.sum() if var is not None else dg_sq)
             noise_sq = torch.as_tensor(pfn(fqn, var.sqrt()), dtype=torch.float32) if var is not None else None
             noise_ch = projected
         st.add(fqn, f"drift_sq_bias.{p}", bias_sq)

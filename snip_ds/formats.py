@@ -165,6 +165,5 @@ def stochastic_moments_(mag: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     exp_bits = mag.view(torch.int32).bitwise_and(_F32_EXP_MASK)
     exp_bits.clamp_min_((fmt.emin + _F32_BIAS) << _F32_MANT_BITS)
     quantum = exp_bits.sub_(fmt.mbits << _F32_MANT_BITS).view(torch.float32)
-    frac = mag / quantum
-    frac.sub_(frac.floor())
-    return frac.mul_(1.0 - frac).mul_(quantum).mul_(quantum)
+    var = torch.div(mag, quantum).frac_()  # f: non-negative, so frac is x - floor(x)
+    return var.addcmul_(var, var, value=-1.0).mul_(quantum).mul_(quantum)  # f - f² = f(1 - f), in place

@@ -207,7 +207,7 @@ def test_gemm_moments_match_many_stochastic_gradients(data):
     draws = 1000
     gws = torch.stack([be.wgrad(g, x, "fp4", cfg, torch.Generator().manual_seed(s)) for s in range(draws)])
     gxs = torch.stack([be.dgrad(g, w, "fp4", cfg, torch.Generator().manual_seed(s)) for s in range(draws)])
-    wm = be.wgrad_moments(g, x, "fp4", cfg, gram=x.t() @ x)
+    wm = be.wgrad_moments(g, x, "fp4", cfg, price_tokens=torch.arange(T))
     dm = be.dgrad_moments(g, w, "fp4", cfg)
     for got, mom in ((gws.double(), wm), (gxs.double(), dm)):
         se = (mom.var.double() / draws).sqrt().clamp_min(1e-12)
@@ -220,6 +220,12 @@ def test_gemm_moments_match_many_stochastic_gradients(data):
     priced = ((x.double() @ noise.transpose(1, 2)) ** 2).sum(1).mean(0)  # [N]
     torch.testing.assert_close(priced, wm.projected.double(), rtol=0.15, atol=0)
     assert priced.sum().item() == pytest.approx(wm.projected.double().sum().item(), rel=0.05)
+    # from a sample of the tokens: unbiased (the mean over many samples is the all-token price)
+    gen = torch.Generator().manual_seed(4)
+    sampled = torch.stack([be.wgrad_moments(g, x, "fp4", cfg, price_tokens=torch.randperm(T, generator=gen)[:12])
+                           .projected for _ in range(400)]).double()
+    torch.testing.assert_close(sampled.mean(0).sum(), wm.projected.double().sum(), rtol=0.03, atol=0)
+    assert torch.equal(be.wgrad_moments(g, x, "fp4", cfg, price_tokens=torch.arange(5)).mean, wm.mean)
     with pytest.raises(ValueError, match="does not round G_Y stochastically"):
         be.wgrad_moments(g, x, "fp8", cfg)
 
