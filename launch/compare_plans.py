@@ -649,7 +649,8 @@ def run(args) -> Dict[str, Any]:
         lambda_default=args.lambda_default, num_random=args.num_random, methods=args.methods,
         eval_batches=args.eval_batches, stat_batches=args.stat_batches, dataset=args.dataset,
         per_gemm=args.per_gemm, dgrad_cost=args.dgrad_cost, dgrad_calibration=args.dgrad_calibration,
-        bwd_rounding=args.bwd_rounding, bwd_key=args.bwd_key, fp4_recipe=args.quant.fp4_recipe, stochastic_rounding=args.quant.stochastic_rounding,
+        bwd_rounding=args.bwd_rounding, bwd_key=args.bwd_key, fp4_recipe=args.quant.fp4_recipe,
+        stochastic_rounding=args.quant.stochastic_rounding,
         threads=torch.get_num_threads()), records=[], skipped=[], plans={})
     json_path = out_dir / f"{PREFIX}.json"
 

@@ -11,7 +11,9 @@ scalars per layer are all-reduced, whatever the model's width):
 
 * forward hook: keeps the layer's input X for its training-gradient hook;
 * training-gradient hook: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W and
-  ``⟨G_Y, E⟩`` (one E serves both), ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` (RNE, deterministic),
+  ``⟨G_Y, E⟩`` (one E serves both), ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` with G_Y rounded as training rounds
+  it (``bwd_rounding="recipe"``: where that is stochastic, the exact expectation over the rounding, its
+  systematic part ``E[ΔG_W]`` plus the noise ``Var[G_W]``; ``"nearest"``: round to nearest),
   ``‖ΔG_W ⊙ P‖²``, the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units, the G_Y
   operand error and (``bwd_propagated``) the dgrad error and upstream terms;
 * probe hook: ``Σ_t g_tj²`` and, with E recomputed from the layer's saved input, ``Σ_rows (Σ_t g_t·E_t)²``
@@ -641,8 +643,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         the planner's costs), ``bwd_drift`` (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units), ``first_order``,
         ``quant_err``, ``rel_quant_err`` (each ``{precision: number}``; summed over the operands X, W, G_Y) and
         the same per operand (``quant_err_x`` ...  ``rel_quant_err_g``), ``bwd_bias`` and ``bwd_drift_bias``
-        (the systematic part of ``bwd`` and ``bwd_drift``: what persists from step to step), ``nonfinite``. Non-finite numbers
-        are written as null and flag the layer.
+        (the systematic part of ``bwd`` and ``bwd_drift``: what persists from step to step), ``nonfinite``.
+        Non-finite numbers are written as null and flag the layer.
     """
     if fld_form not in FLD_FORMS:
         raise ValueError(f"fld_form: unknown form {fld_form!r}; valid: {', '.join(FLD_FORMS)}")
