@@ -213,13 +213,14 @@ class EmulatedBackend:
         if not self.rounds_g_stochastically(precision, cfg):
             raise ValueError(f"precision {precision!r} does not round G_Y stochastically under this config")
         w_lp = self.quantize_whole(w, precision, "w", 0, cfg)
+        w_sq = w_lp * w_lp
         mean = torch.empty(g.shape[0], w.shape[1], dtype=torch.float32, device=g.device)
         var = torch.empty_like(mean)
         amax = tensor_amax(g)
         for rows in _chunks(g.shape[0], g.shape[1]):
             g_mean, g_var = self._g_moments(g[rows], precision, cfg, -1, amax)
             torch.mm(g_mean, w_lp, out=mean[rows])
-            torch.mm(g_var, w_lp * w_lp, out=var[rows])
+            torch.mm(g_var, w_sq, out=var[rows])
         return GemmMoments(mean, var, None)
 
 

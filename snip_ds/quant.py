@@ -144,10 +144,7 @@ def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, s
         TypeError: ``x`` is not floating point.
         ValueError: unknown recipe, bad ``axis``, or a 2-D-block recipe on a tensor that is not 2-D.
     """
-    _check_floating(x)
-    recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
-    axis = _normalize_axis(axis, x.ndim, allow_scalar=recipe.block_size == 0)
-    x32 = x if x.dtype == torch.float32 else x.float()
+    recipe, axis, x32 = _checked(x, recipe, axis)
     if x.numel() == 0:
         return x.clone()
     mag, signed, div, mul, finish = _scaled_magnitudes(x32, recipe, axis, tensor_amax)
@@ -172,16 +169,22 @@ def stochastic_moments(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = 
     Returns:
         ``(mean, var)``, FP32 tensors of ``x``'s shape.
     """
-    _check_floating(x)
-    recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
-    axis = _normalize_axis(axis, x.ndim, allow_scalar=recipe.block_size == 0)
-    x32 = x if x.dtype == torch.float32 else x.float()
+    recipe, axis, x32 = _checked(x, recipe, axis)
     if x.numel() == 0:
         return x32.clone(), x32.clone()
     mag, signed, div, mul, finish = _scaled_magnitudes(x32, recipe, axis, tensor_amax)
     mag.div_(div)
     var = stochastic_moments_(mag, recipe.element)
     return finish(mag.mul_(mul).copysign_(signed)), finish(var.mul_(mul * mul))
+
+
+def _checked(x: torch.Tensor, recipe: Union[str, Recipe], axis: int) -> Tuple[Recipe, int, torch.Tensor]:
+    """The arguments of :func:`fake_quantize` and :func:`stochastic_moments`, checked: the recipe, the
+    normalised axis and ``x`` in FP32."""
+    _check_floating(x)
+    recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
+    axis = _normalize_axis(axis, x.ndim, allow_scalar=recipe.block_size == 0)
+    return recipe, axis, (x if x.dtype == torch.float32 else x.float())
 
 
 # --------------------------------------------------------------------------------------------------------
