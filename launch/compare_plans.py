@@ -11,7 +11,9 @@ scored by validation loss with its own quantized forward and with a BF16 forward
 uniform FP8 in its cell, and means ± standard errors over cells of the paired differences to uniform FP8 and to
 the random plans.
 
-Methods: ``bf16``, ``uniform_fp8``, ``uniform_fp4`` (ρ-independent), and per ρ ``best`` (SNIP, one run per λ),
+Methods: ``bf16``, ``uniform_fp8``, ``uniform_fp4`` (ρ-independent), on request ``fp4_fprop``, ``fp4_dgrad``,
+``fp4_wgrad`` and ``fp4_backward`` (that GEMM kind in FP4 in every layer, the rest FP8: what each kind costs on
+its own; ρ-independent), and per ρ ``best`` (SNIP, one run per λ),
 ``random`` (``--num_random`` plan seeds), ``quant_err``, ``rel_quant_err``, ``first_last_fp8`` (first and last
 blocks pinned to FP8, the rest by SNIP at ``--lambda_default``; skipped, and listed, where the pins make ρ
 unreachable). Identical plans within a cell are trained once and the record says ``shared_with``.
@@ -60,7 +62,11 @@ from snip_ds.swap import block_index, snip_layers, swap_linears  # noqa: E402
 PREFIX = "compare_plans"
 SOLVED = ("best", "random", "quant_err", "rel_quant_err", "first_last_fp8")
 UNIFORM = ("bf16", "uniform_fp8", "uniform_fp4")
-METHOD_CHOICES = UNIFORM + SOLVED
+# one GEMM kind in FP4 in every layer, the rest FP8 (ρ-independent, opt-in): what each kind costs on its own
+KIND_PLANS = {"fp4_fprop": ("fprop",), "fp4_dgrad": ("dgrad",), "fp4_wgrad": ("wgrad",),
+              "fp4_backward": ("dgrad", "wgrad")}
+DEFAULT_METHODS = UNIFORM + SOLVED
+METHOD_CHOICES = DEFAULT_METHODS + tuple(KIND_PLANS)
 # model: "tiny" (--quick) or "small" (default), see _model_config; the rest are argparse defaults
 QUICK = dict(model="tiny", block_size=32, batch_size=4, phases="30", seeds="0", rhos="0.5", lambdas="1,30,1000",
              num_random=1, steps=4, eval_batches=2, stat_batches=2, lr_warmup_steps=5)
@@ -156,6 +162,11 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
         if method in UNIFORM:
             precision = "bf16" if method == "bf16" else method.split("_")[1]
             plan = Plan.uniform(fqns, precision, flops)
+            plans.append(dict(method=method, label=method, rho=None, plan=plan))
+        elif method in KIND_PLANS:
+            kinds = KIND_PLANS[method]
+            plan = Plan.fixed({f: {g: "fp4" if g in kinds else "fp8" for g in GEMMS} for f in fqns}, flops,
+                              method=method)
             plans.append(dict(method=method, label=method, rho=None, plan=plan))
     for rho in args.rhos:
         share = attainable_share(units, rho)  # every method on exactly this share (ρ is rarely exact)
@@ -316,9 +327,10 @@ def summarize(records: List[Dict[str, Any]], lambda_default: float) -> Dict[str,
     uniform = []
     for scope in phases + ["all"]:
         sub = [r for r in records if scope == "all" or r["phase"] == scope]
-        for label in ("bf16", "uniform_fp4"):
+        for label in ("bf16", "uniform_fp4") + tuple(KIND_PLANS):
             if any(r["label"] == label for r in sub):
-                uniform.append(dict(phase=scope, label=label, **{
+                uniform.append(dict(phase=scope, label=label, fp4_share=mean_se(
+                    r["fp4_share"] for r in sub if r["label"] == label).mean, **{
                     f"vs_fp8_{tag}": mean_se(paired_differences(sub, key, cells, _is(label), _is("uniform_fp8")))
                     for key, tag in (("val_loss", "q"), ("val_loss_bf16_forward", "bf16"))}))
     # random-plan spread: SD of the gaps among random plans of one cell, averaged over cells
@@ -336,7 +348,38 @@ def summarize(records: List[Dict[str, Any]], lambda_default: float) -> Dict[str,
     best_lambda = min(sweep, key=lambda lam: sweep[lam].mean) if sweep else None
     return dict(rows=rows, uniform=uniform, random_spread=mean_se(spreads), lambda_sweep=sweep,
                 best_lambda=best_lambda, snip_label=f"best λ={_num(lambda_default)}", phases=phases, rhos=rhos,
-                ranking=objective_ranking(records, phases, rhos, lambda_default))
+                ranking=objective_ranking(records, phases, rhos, lambda_default),
+                kinds=kind_calibration(records, phases))
+
+
+def kind_calibration(records: List[Dict[str, Any]], phases: Sequence[str]) -> List[Dict[str, Any]]:
+    """Per phase where the fp4_fprop and fp4_backward plans ran: the λ at which the statistics price the
+    forward and the backward GEMMs in the ratio their runs measured.
+
+    SNIP prices a layer's fprop GEMM with FLD and its backward GEMMs with λ·BWD (per layer together; per GEMM
+    split over dgrad and wgrad). So ``λ = (gap(fp4_backward) / gap(fp4_fprop)) · ΔFLD / ΔBWD``, where ΔFLD and
+    ΔBWD are the statistics' totals over the layers, FP4 minus FP8, read from the two plans' predicted
+    divergences (:func:`snip_ds.compare.predicted_divergence`). The gaps are paired means over the phase's
+    cells; ``lam`` is ``None`` where a gap or ΔBWD is not positive (no price ratio to match), and ``lam_2se`` is
+    the same with the backward's gap two standard errors higher (an upper end for λ).
+    """
+    out = []
+    for phase in phases:
+        sub = [r for r in records if r["phase"] == phase]
+        pred = {r["label"]: r for r in sub if r["label"] in ("uniform_fp8", "fp4_fprop", "fp4_backward")}
+        if len(pred) < 3:
+            continue
+        gap = {k: mean_se(paired_differences(sub, "val_loss", ("phase", "seed"), _is(k), _is("uniform_fp8")))
+               for k in ("fp4_fprop", "fp4_backward")}
+        d_fld = pred["fp4_fprop"]["predicted_fld"] - pred["uniform_fp8"]["predicted_fld"]
+        d_bwd = pred["fp4_backward"]["predicted_bwd"] - pred["uniform_fp8"]["predicted_bwd"]
+        def lam(backward: float) -> Optional[float]:
+            ok = gap["fp4_fprop"].mean > 0 and backward > 0 and d_bwd > 0
+            return backward / gap["fp4_fprop"].mean * d_fld / d_bwd if ok else None
+        b = gap["fp4_backward"]
+        out.append(dict(phase=phase, gap_fprop=gap["fp4_fprop"], gap_backward=b, d_fld=d_fld, d_bwd=d_bwd,
+                        lam=lam(b.mean), lam_2se=lam(b.mean + 2 * b.se) if math.isfinite(b.se) else None))
+    return out
 
 
 def objective_ranking(records, phases, rhos, lam: float) -> List[Dict[str, Any]]:
@@ -412,6 +455,10 @@ def _bwd_words(s: Dict[str, Any]) -> str:
     return f"SNIP's BWD: the {part} drift, with G_Y rounded {how} in the statistics"
 
 
+def _random_words(s: Dict[str, Any]) -> str:
+    return f"{s['num_random']} random plan(s); " if "random" in s.get("methods", SOLVED) else "no random plans; "
+
+
 def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) -> None:
     s = data["settings"]
     lines = ["# compare_plans: plan quality from paired training runs (SNIP.md section 7)", ""]
@@ -423,8 +470,7 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               f"{s['blocks']} blocks); {s['batch_size']}×{s['block_size']} tokens per step; AdamW lr {s['lr']:g}"
               f"{', decaying linearly to 0 over each run' if s.get('lr_decay', 'none') == 'linear' else ''}; "
               f"phases (warm-up steps) {s['phases']}; {s['steps']} steps per run; seeds {s['seeds']}; "
-              f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {s['num_random']} random "
-              f"plan(s); plans solved {'per GEMM' if s.get('per_gemm') else 'per layer'}"
+              f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {_random_words(s)}plans solved {'per GEMM' if s.get('per_gemm') else 'per layer'}"
               f"{_dgrad_words(s)}; {_bwd_words(s)}; "
               f"{s['eval_batches']}×{s['batch_size']} validation sequences; FP4 "
               f"{s.get('fp4_recipe', 'nvfp4')}, gradients rounded "
@@ -434,44 +480,68 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               "checkpoint, data order and rounding seeds) the method's validation loss minus uniform FP8's (or "
               "minus the mean of the random plans'), then mean ± standard error over cells. *q* = the plan's "
               "quantized forward, *bf16* = BF16 forward of the same weights. Negative is better.", ""]
-    lines += ["## Targets (SNIP at the default λ, quantized-forward gap)", "",
-              "| phase | ρ | SNIP − random | < random | < quant_err | < rel_quant_err | resolved (> 2 SE) |",
-              "|---|---|---|---|---|---|---|"]
-    for c in target_checks(summary):
-        lines.append(f"| {c['phase']} | {c['rho']:g} | {_fmt(c['diff_vs_random'])} | {_yn(c['below_random'])} | "
-                     f"{_yn(c['below_quant_err'])} | {_yn(c['below_rel_quant_err'])} | {_yn(c['resolved_2se'])} |")
-    lines += ["", "## Gaps per phase and ρ", "",
-              "| phase | ρ | method | FP4 share | vs fp8 (q) | vs fp8 (bf16) | vs random (q) | vs random (bf16) | n |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in summary["rows"]:
-        lines.append(f"| {r['phase']} | {r['rho']:g} | {r['label']} | {r['fp4_share']:.3f} | {_fmt(r['vs_fp8_q'])} | "
-                     f"{_fmt(r['vs_fp8_bf16'])} | {_fmt(r['vs_random_q'])} | {_fmt(r['vs_random_bf16'])} | "
-                     f"{r['vs_fp8_q'].n} |")
-    lines += ["", "Uniform references (ρ-independent):", "", "| phase | method | vs fp8 (q) | vs fp8 (bf16) | n |",
-              "|---|---|---|---|---|"]
-    for u in summary["uniform"]:
-        lines.append(f"| {u['phase']} | {u['label']} | {_fmt(u['vs_fp8_q'])} | {_fmt(u['vs_fp8_bf16'])} | "
-                     f"{u['vs_fp8_q'].n} |")
-    lines += ["", "## λ sweep (SNIP vs uniform FP8, quantized forward, pooled over phases, seeds and ρ)", "",
-              "| λ | gap (mnats) | n |", "|---|---|---|"]
-    for lam, ms in summary["lambda_sweep"].items():
-        lines.append(f"| {_num(lam)} | {_fmt(ms)} | {ms.n} |")
-    if summary["best_lambda"] is not None:
+    checks = target_checks(summary)
+    if checks:
+        lines += ["## Targets (SNIP at the default λ, quantized-forward gap)", "",
+                  "| phase | ρ | SNIP − random | < random | < quant_err | < rel_quant_err | resolved (> 2 SE) |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in checks:
+            lines.append(f"| {c['phase']} | {c['rho']:g} | {_fmt(c['diff_vs_random'])} | {_yn(c['below_random'])} | "
+                         f"{_yn(c['below_quant_err'])} | {_yn(c['below_rel_quant_err'])} | "
+                         f"{_yn(c['resolved_2se'])} |")
+        lines.append("")
+    if summary["rows"]:
+        lines += ["## Gaps per phase and ρ", "",
+                  "| phase | ρ | method | FP4 share | vs fp8 (q) | vs fp8 (bf16) | vs random (q) | vs random (bf16) | n |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in summary["rows"]:
+            lines.append(f"| {r['phase']} | {r['rho']:g} | {r['label']} | {r['fp4_share']:.3f} | "
+                         f"{_fmt(r['vs_fp8_q'])} | {_fmt(r['vs_fp8_bf16'])} | {_fmt(r['vs_random_q'])} | "
+                         f"{_fmt(r['vs_random_bf16'])} | {r['vs_fp8_q'].n} |")
+        lines.append("")
+    if summary["uniform"]:
+        lines += ["Fixed plans (ρ-independent; fp4_<kind>: that GEMM kind in FP4 in every layer, the rest FP8):", "",
+                  "| phase | method | FP4 share | vs fp8 (q) | vs fp8 (bf16) | n |", "|---|---|---|---|---|---|"]
+        for u in summary["uniform"]:
+            lines.append(f"| {u['phase']} | {u['label']} | {u['fp4_share']:.3f} | {_fmt(u['vs_fp8_q'])} | "
+                         f"{_fmt(u['vs_fp8_bf16'])} | {u['vs_fp8_q'].n} |")
+        lines.append("")
+    if summary["kinds"]:
+        lines += ["## λ calibrated by the GEMM-kind plans", "",
+                  "SNIP prices the forward GEMM with FLD and the backward GEMMs with λ·BWD. The λ at which the "
+                  "statistics' totals (FP4 minus FP8 over all layers, in loss units) stand in the ratio the "
+                  "fp4_backward and fp4_fprop runs measured: λ = (gap backward / gap fprop) · ΔFLD / ΔBWD; "
+                  "'λ at +2 SE' puts the backward's gap 2 standard errors higher.", "",
+                  "| phase | gap fp4_fprop | gap fp4_backward | ΔFLD (mnats) | ΔBWD (mnats) | λ | λ at +2 SE |",
+                  "|---|---|---|---|---|---|---|"]
+        for k in summary["kinds"]:
+            lam, hi = ("n/a (a gap ≤ 0)" if x is None else f"{x:.3g}" for x in (k["lam"], k["lam_2se"]))
+            lines.append(f"| {k['phase']} | {_fmt(k['gap_fprop'])} | {_fmt(k['gap_backward'])} | "
+                         f"{k['d_fld'] * 1e3:.3g} | {k['d_bwd'] * 1e3:.3g} | {lam} | {hi} |")
+        lines.append("")
+    if summary["lambda_sweep"]:
+        lines += ["## λ sweep (SNIP vs uniform FP8, quantized forward, pooled over phases, seeds and ρ)", "",
+                  "| λ | gap (mnats) | n |", "|---|---|---|"]
+        for lam, ms in summary["lambda_sweep"].items():
+            lines.append(f"| {_num(lam)} | {_fmt(ms)} | {ms.n} |")
         lines += ["", f"Lowest mean gap at λ = {_num(summary['best_lambda'])} (the project default is "
-                      f"{s['lambda_default']:g}; the target rows above use the default)."]
+                      f"{s['lambda_default']:g}; the target rows above use the default).", ""]
     sp = summary["random_spread"]
-    lines += ["", f"Spread of random plans within a cell (SD of val loss): {_fmt(sp)} mnats over {sp.n} cell(s).", ""]
-    lines += ["## Does the planner's objective rank the plans' outcomes?", "",
-              f"Spearman, over the distinct solved plans of a phase (every method, ρ and λ), between a prediction "
-              f"and the plan's mean quantized-forward gap to uniform FP8 after training. Objective = FLD + λ·BWD at "
-              f"λ = {s['lambda_default']:g}, what the planner minimises; 'within ρ' averages the objective's "
-              f"Spearman over the ρ values (the FP4 share held fixed, as the planner's choice is).", "",
-              "| phase | plans | objective | FLD alone | BWD alone | objective within ρ |",
-              "|---|---|---|---|---|---|"]
-    for r in summary["ranking"]:
-        lines.append(f"| {r['phase']} | {r['plans']} | " + " | ".join(
-            "n/a" if not math.isfinite(r[k]) else f"{r[k]:+.2f}" for k in ("obj", "fld", "bwd", "obj_within_rho"))
-            + " |")
+    if sp.n:
+        lines += [f"Spread of random plans within a cell (SD of val loss): {_fmt(sp)} mnats over {sp.n} cell(s).",
+                  ""]
+    if summary["ranking"]:
+        lines += ["## Does the planner's objective rank the plans' outcomes?", "",
+                  f"Spearman, over the distinct solved plans of a phase (every method, ρ and λ), between a "
+                  f"prediction and the plan's mean quantized-forward gap to uniform FP8 after training. Objective = "
+                  f"FLD + λ·BWD at λ = {s['lambda_default']:g}, what the planner minimises; 'within ρ' averages the "
+                  f"objective's Spearman over the ρ values (the FP4 share held fixed, as the planner's choice is).",
+                  "", "| phase | plans | objective | FLD alone | BWD alone | objective within ρ |",
+                  "|---|---|---|---|---|---|"]
+        for r in summary["ranking"]:
+            lines.append(f"| {r['phase']} | {r['plans']} | " + " | ".join(
+                "n/a" if not math.isfinite(r[k]) else f"{r[k]:+.2f}" for k in ("obj", "fld", "bwd",
+                                                                                 "obj_within_rho")) + " |")
     if data.get("versus"):
         lines += versus_markdown(data)
     lines += ["", "## Predicted vs measured forward divergence at the checkpoint", "",
@@ -858,8 +928,9 @@ def parse_args(argv=None):
     ap.add_argument("--lambda_default", type=float, default=30.0, help="λ of the target checks, first_last_fp8 "
                     "and the statistics artifact")
     ap.add_argument("--num_random", type=int, default=None, help="random plans per ρ")
-    ap.add_argument("--methods", default=",".join(METHOD_CHOICES), help="comma-separated subset of "
-                    + ", ".join(METHOD_CHOICES) + " (uniform_fp8 is always run: every gap refers to it)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated subset of "
+                    + ", ".join(METHOD_CHOICES) + " (default: all but the fp4_<kind> plans; uniform_fp8 is always "
+                    "run: every gap refers to it)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run after the checkpoint")
     ap.add_argument("--batch_size", type=int, default=None)
     ap.add_argument("--block_size", type=int, default=None)

@@ -85,7 +85,7 @@ def test_quick_markdown(quick_run):
     md = (quick_run / "compare_plans.md").read_text()
     for heading in ("## Targets", "## Gaps per phase and ρ", "## λ sweep", "## Does the planner's objective rank"):
         assert heading in md
-    gaps = md.split("## Gaps per phase and ρ")[1].split("Uniform references")[0]
+    gaps = md.split("## Gaps per phase and ρ")[1].split("Fixed plans (ρ-independent")[0]
     rows = [line for line in gaps.splitlines() if line.startswith("| early | 0.5 |")]
     # one gaps row per non-random label plus the pooled random row, and one target row
     assert sum("| best λ=30 |" in line for line in rows) == 1
@@ -211,6 +211,64 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
         mod.versus_data(data, str(other))
     with pytest.raises(SystemExit):
         mod.parse_args(["--versus", str(quick_run)])  # needs --report_only
+
+
+def test_gemm_kind_plans(quick_run, tmp_path):
+    """fp4_<kind>: that GEMM kind in FP4 in every layer and the rest in FP8, run, recorded and reported; opt-in
+    (the default grid has none); the uniform FP8 run is the default grid's, bit for bit."""
+    mod = _script()
+    assert not set(mod.KIND_PLANS) & set(mod.parse_args([]).methods)
+    out = tmp_path / "kinds"
+    assert mod.main(["--quick", "--methods", "fp4_fprop,fp4_dgrad,fp4_wgrad,fp4_backward", "--output_dir", str(out),
+                     "--silent"]) == 0
+    data = json.loads((out / "compare_plans.json").read_text())
+    plans = {p["label"]: p for p in data["plans"]["early"]}
+    assert set(plans) == {"uniform_fp8", "fp4_fprop", "fp4_dgrad", "fp4_wgrad", "fp4_backward"}
+    expect = {"fp4_fprop": {"fprop"}, "fp4_dgrad": {"dgrad"}, "fp4_wgrad": {"wgrad"},
+              "fp4_backward": {"dgrad", "wgrad"}}
+    for label, kinds in expect.items():
+        p = plans[label]
+        assert p["rho"] is None
+        assert len(p["assignment"]) == data["settings"]["layers"]
+        for gemms in p["assignment"].values():
+            assert {g for g, prec in gemms.items() if prec == "fp4"} == kinds
+            assert {prec for g, prec in gemms.items() if g not in kinds} == {"fp8"}
+        assert p["fp4_share"] == pytest.approx(len(kinds) / 3)
+    records = {r["label"]: r for r in data["records"]}
+    assert set(records) == set(plans)
+    assert len({records[k]["val_loss"] for k in expect}) == len(expect)  # four different runs
+    default = json.loads((quick_run / "compare_plans.json").read_text())
+    fp8 = next(r["val_loss"] for r in default["records"] if r["method"] == "uniform_fp8")
+    assert records["uniform_fp8"]["val_loss"] == fp8
+    md = (out / "compare_plans.md").read_text()
+    assert "## λ calibrated by the GEMM-kind plans" in md
+    assert "; no random plans; " in md and "; 1 random plan(s); " in (quick_run / "compare_plans.md").read_text()
+    for label, kinds in expect.items():
+        gap = (records[label]["val_loss"] - fp8) * 1e3
+        assert f"| early | {label} | {len(kinds) / 3:.3f} | {gap:+.2f} ± n/a |" in md
+
+
+def test_kind_calibration_by_hand():
+    """λ = (gap backward / gap fprop) · ΔFLD / ΔBWD, with the gaps paired per cell."""
+    mod = _script()
+
+    def rec(label, seed, val, fld, bwd, phase="early"):
+        return dict(label=label, method=label, rho=None, phase=phase, seed=seed, warmup_steps=1, val_loss=val,
+                    predicted_fld=fld, predicted_bwd=bwd)
+    records = [rec("uniform_fp8", 0, 2.0, 1.0, 0.5), rec("uniform_fp8", 1, 3.0, 1.0, 0.5),
+               rec("fp4_fprop", 0, 2.004, 9.0, 0.5), rec("fp4_fprop", 1, 3.002, 9.0, 0.5),
+               rec("fp4_backward", 0, 2.0005, 1.0, 0.9), rec("fp4_backward", 1, 3.0001, 1.0, 0.9),
+               rec("uniform_fp8", 0, 1.0, 1.0, 0.5, "late"), rec("fp4_fprop", 0, 1.001, 9.0, 0.5, "late"),
+               rec("fp4_backward", 0, 0.999, 1.0, 0.9, "late")]
+    out = {k["phase"]: k for k in mod.kind_calibration(records, ["early", "late"])}
+    early = out["early"]
+    assert early["gap_fprop"].mean == pytest.approx(0.003) and early["gap_backward"].mean == pytest.approx(0.0003)
+    assert early["d_fld"] == pytest.approx(8.0) and early["d_bwd"] == pytest.approx(0.4)
+    assert early["lam"] == pytest.approx(0.1 * 8.0 / 0.4)
+    se = math.sqrt(((0.0005 - 0.0003) ** 2 + (0.0001 - 0.0003) ** 2) / 1) / math.sqrt(2)
+    assert early["lam_2se"] == pytest.approx((0.0003 + 2 * se) / 0.003 * 8.0 / 0.4)
+    assert out["late"]["lam"] is None  # the backward's gap is negative: no ratio to match
+    assert mod.kind_calibration([r for r in records if r["label"] != "fp4_backward"], ["early"]) == []
 
 
 def test_predicted_divergence_per_layer_and_per_gemm():
