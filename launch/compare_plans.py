@@ -68,10 +68,10 @@ KIND_PLANS = {"fp4_fprop": ("fprop",), "fp4_dgrad": ("dgrad",), "fp4_wgrad": ("w
 DEFAULT_METHODS = UNIFORM + SOLVED
 METHOD_CHOICES = DEFAULT_METHODS + tuple(KIND_PLANS)
 # model: "tiny" (--quick) or "small" (default), see _model_config; the rest are argparse defaults
-QUICK = dict(model="tiny", block_size=32, batch_size=4, phases="30", seeds="0", rhos="0.5", lambdas="1,30,1000",
+QUICK = dict(model="tiny", block_size=32, batch_size=4, phases="30", seeds="0", rhos="0.5", lambdas="1,2,1000",
              num_random=1, steps=4, eval_batches=2, stat_batches=2, lr_warmup_steps=5)
 FULL = dict(model="small", block_size=64, batch_size=8, phases="200,800", seeds="0,1,2", rhos="0.5,0.75,0.9",
-            lambdas="1,30,100,1000", num_random=3, steps=100, eval_batches=64, stat_batches=64, lr_warmup_steps=20)
+            lambdas="1,2,30,100,1000", num_random=3, steps=100, eval_batches=64, stat_batches=64, lr_warmup_steps=20)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -797,7 +797,7 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
 
 # settings two grids compared with --versus may differ in (the rest must match, as must their FP8 runs)
 VERSUS_FREE = {"phases", "seeds", "methods", "command", "full_command", "note", "threads", "per_gemm", "dgrad_cost",
-               "dgrad_calibration", "rhos", "lambdas", "num_random", "bwd_rounding", "bwd_key"}
+               "dgrad_calibration", "rhos", "lambdas", "lambda_default", "num_random", "bwd_rounding", "bwd_key"}
 _VERSUS_KEEP = ("phase", "seed", "rho", "label", "method", "fp4_share", "val_loss", "val_loss_bf16_forward")
 
 
@@ -925,7 +925,7 @@ def parse_args(argv=None):
     ap.add_argument("--phases", default=None, help="comma-separated warm-up step counts, one checkpoint each")
     ap.add_argument("--rhos", default=None, help="comma-separated FP4 shares")
     ap.add_argument("--lambdas", default=None, help="comma-separated λ values for SNIP ('best')")
-    ap.add_argument("--lambda_default", type=float, default=30.0, help="λ of the target checks, first_last_fp8 "
+    ap.add_argument("--lambda_default", type=float, default=2.0, help="λ of the target checks, first_last_fp8 "
                     "and the statistics artifact")
     ap.add_argument("--num_random", type=int, default=None, help="random plans per ρ")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated subset of "

@@ -95,9 +95,10 @@ class SnipSettings:
     bwd_estimate: str = "expected"
     """Which BWD the plan's cost uses: ``expected`` (default; the expected one-step drift) or ``systematic``
     (ablation: only the part that persists from step to step, stochastic rounding's noise left out)."""
-    bwd_lambda: float = 30.0
-    """Weight of the backward divergence in the plan's cost (an effective horizon in steps). 30: the plan
-    comparison's λ sweep with BWD as the expected drift under stochastic rounding (README, Results)."""
+    bwd_lambda: float = 2.0
+    """Weight of the backward divergence in the plan's cost. 2: the λ at which the statistics price the forward
+    and the backward GEMMs in the ratio that training with only one of them in FP4 measured, and the per-GEMM
+    λ sweep's choice (README, "What each GEMM kind costs")."""
     additional_bf16_fwd_every_n_steps: int = 10
     """Every n steps, one extra no-grad bf16 forward measures the plan's forward divergence (0: never)."""
     pinned: Mapping[str, str] = field(default_factory=dict)

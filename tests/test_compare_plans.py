@@ -58,7 +58,7 @@ def test_quick_records(quick_run):
         assert math.isfinite(r["val_loss"]) and math.isfinite(r["val_loss_bf16_forward"])
     labels = {r["label"] for r in records}
     # every method once: uniform ones, SNIP at each λ, the random plan, both quant-error baselines, first/last
-    assert labels == {"bf16", "uniform_fp8", "uniform_fp4", "best λ=1", "best λ=30", "best λ=1000", "random#0",
+    assert labels == {"bf16", "uniform_fp8", "uniform_fp4", "best λ=1", "best λ=2", "best λ=1000", "random#0",
                       "quant_err", "rel_quant_err", "first_last_fp8"}
     assert not data["skipped"]
     fp8 = next(r for r in records if r["method"] == "uniform_fp8")
@@ -69,7 +69,7 @@ def test_quick_records(quick_run):
             assert r["fp4_share"] == pytest.approx(0.5)
             assert r["phase"] == "early" and r["seed"] == 0
         if r["method"] == "best":
-            assert r["lambda"] in (1.0, 30.0, 1000.0)
+            assert r["lambda"] in (1.0, 2.0, 1000.0)
     assert fp8["gap_to_fp8"] == 0.0
     bf16 = next(r for r in records if r["method"] == "bf16")
     assert bf16["val_loss"] == bf16["val_loss_bf16_forward"]  # BF16 plan: both forwards are the same one
@@ -88,7 +88,7 @@ def test_quick_markdown(quick_run):
     gaps = md.split("## Gaps per phase and ρ")[1].split("Fixed plans (ρ-independent")[0]
     rows = [line for line in gaps.splitlines() if line.startswith("| early | 0.5 |")]
     # one gaps row per non-random label plus the pooled random row, and one target row
-    assert sum("| best λ=30 |" in line for line in rows) == 1
+    assert sum("| best λ=2 |" in line for line in rows) == 1
     assert any("| random |" in line for line in rows)
     target = [line for line in md.splitlines() if line.startswith("| early | 0.5 | ") and line.count("|") == 8]
     assert len(target) == 1
@@ -170,7 +170,7 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
     assert "plans solved per GEMM" in (out / "compare_plans.md").read_text()
     assert "plans solved per layer" in (quick_run / "compare_plans.md").read_text()
     solved = [p for p in data["plans"]["early"] if p["rho"] is not None]
-    assert {p["label"] for p in solved} == {"best λ=1", "best λ=30", "best λ=1000", "quant_err", "rel_quant_err"}
+    assert {p["label"] for p in solved} == {"best λ=1", "best λ=2", "best λ=1000", "quant_err", "rel_quant_err"}
     for p in solved:
         assert all(set(v) == {"fprop", "dgrad", "wgrad"} for v in p["assignment"].values())
     assert len({round(p["fp4_share"], 12) for p in solved}) == 1
@@ -190,7 +190,7 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
 
     def val(d, label, key="val_loss"):
         return next(r[key] for r in d["records"] if r["label"] == label)
-    for label in ("best λ=30", "quant_err"):
+    for label in ("best λ=2", "quant_err"):
         assert rows[("early", label)]["q"].mean == pytest.approx(val(data, label) - val(default, label), abs=1e-12)
         assert rows[("early", label)]["bf16"].mean == pytest.approx(
             val(data, label, "val_loss_bf16_forward") - val(default, label, "val_loss_bf16_forward"), abs=1e-12)
