@@ -455,6 +455,14 @@ def _bwd_words(s: Dict[str, Any]) -> str:
     return f"SNIP's BWD: the {part} drift, with G_Y rounded {how} in the statistics"
 
 
+def _table(heading: str, columns: Sequence[str], rows) -> List[str]:
+    """A markdown section: heading, header and rows, followed by a blank line; nothing when there are no rows."""
+    rows = list(rows)
+    if not rows:
+        return []
+    return [heading, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows, ""]
+
+
 def _random_words(s: Dict[str, Any]) -> str:
     return f"{s['num_random']} random plan(s); " if "random" in s.get("methods", SOLVED) else "no random plans; "
 
@@ -480,32 +488,21 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               "checkpoint, data order and rounding seeds) the method's validation loss minus uniform FP8's (or "
               "minus the mean of the random plans'), then mean ± standard error over cells. *q* = the plan's "
               "quantized forward, *bf16* = BF16 forward of the same weights. Negative is better.", ""]
-    checks = target_checks(summary)
-    if checks:
-        lines += ["## Targets (SNIP at the default λ, quantized-forward gap)", "",
-                  "| phase | ρ | SNIP − random | < random | < quant_err | < rel_quant_err | resolved (> 2 SE) |",
-                  "|---|---|---|---|---|---|---|"]
-        for c in checks:
-            lines.append(f"| {c['phase']} | {c['rho']:g} | {_fmt(c['diff_vs_random'])} | {_yn(c['below_random'])} | "
-                         f"{_yn(c['below_quant_err'])} | {_yn(c['below_rel_quant_err'])} | "
-                         f"{_yn(c['resolved_2se'])} |")
-        lines.append("")
-    if summary["rows"]:
-        lines += ["## Gaps per phase and ρ", "",
-                  "| phase | ρ | method | FP4 share | vs fp8 (q) | vs fp8 (bf16) | vs random (q) | vs random (bf16) | n |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in summary["rows"]:
-            lines.append(f"| {r['phase']} | {r['rho']:g} | {r['label']} | {r['fp4_share']:.3f} | "
-                         f"{_fmt(r['vs_fp8_q'])} | {_fmt(r['vs_fp8_bf16'])} | {_fmt(r['vs_random_q'])} | "
-                         f"{_fmt(r['vs_random_bf16'])} | {r['vs_fp8_q'].n} |")
-        lines.append("")
-    if summary["uniform"]:
-        lines += ["Fixed plans (ρ-independent; fp4_<kind>: that GEMM kind in FP4 in every layer, the rest FP8):", "",
-                  "| phase | method | FP4 share | vs fp8 (q) | vs fp8 (bf16) | n |", "|---|---|---|---|---|---|"]
-        for u in summary["uniform"]:
-            lines.append(f"| {u['phase']} | {u['label']} | {u['fp4_share']:.3f} | {_fmt(u['vs_fp8_q'])} | "
-                         f"{_fmt(u['vs_fp8_bf16'])} | {u['vs_fp8_q'].n} |")
-        lines.append("")
+    lines += _table("## Targets (SNIP at the default λ, quantized-forward gap)",
+                    ("phase", "ρ", "SNIP − random", "< random", "< quant_err", "< rel_quant_err", "resolved (> 2 SE)"),
+                    (f"| {c['phase']} | {c['rho']:g} | {_fmt(c['diff_vs_random'])} | {_yn(c['below_random'])} | "
+                     f"{_yn(c['below_quant_err'])} | {_yn(c['below_rel_quant_err'])} | {_yn(c['resolved_2se'])} |"
+                     for c in target_checks(summary)))
+    lines += _table("## Gaps per phase and ρ",
+                    ("phase", "ρ", "method", "FP4 share", "vs fp8 (q)", "vs fp8 (bf16)", "vs random (q)",
+                     "vs random (bf16)", "n"),
+                    (f"| {r['phase']} | {r['rho']:g} | {r['label']} | {r['fp4_share']:.3f} | {_fmt(r['vs_fp8_q'])} | "
+                     f"{_fmt(r['vs_fp8_bf16'])} | {_fmt(r['vs_random_q'])} | {_fmt(r['vs_random_bf16'])} | "
+                     f"{r['vs_fp8_q'].n} |" for r in summary["rows"]))
+    lines += _table("Fixed plans (ρ-independent; fp4_<kind>: that GEMM kind in FP4 in every layer, the rest FP8):",
+                    ("phase", "method", "FP4 share", "vs fp8 (q)", "vs fp8 (bf16)", "n"),
+                    (f"| {u['phase']} | {u['label']} | {u['fp4_share']:.3f} | {_fmt(u['vs_fp8_q'])} | "
+                     f"{_fmt(u['vs_fp8_bf16'])} | {u['vs_fp8_q'].n} |" for u in summary["uniform"]))
     if summary["kinds"]:
         lines += ["## λ calibrated by the GEMM-kind plans", "",
                   "SNIP prices the forward GEMM with FLD and the backward GEMMs with λ·BWD. The λ at which the "
