@@ -193,7 +193,8 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
                         entry.update(label=f"random#{i}", plan_seed=int(plan.meta["seed"]))
                     plans.append(entry)
     for p in plans:
-        p["predicted_fld"], p["predicted_bwd"] = predicted_divergence(stats["layers"], p["plan"].assignment)
+        p["predicted_fld"], p["predicted_bwd"] = predicted_divergence(stats["layers"], p["plan"].assignment,
+                                                                      bwd_key=args.bwd_key)
     return plans, skipped
 
 
@@ -359,7 +360,8 @@ def kind_calibration(records: List[Dict[str, Any]], phases: Sequence[str]) -> Li
     SNIP prices a layer's fprop GEMM with FLD and its backward GEMMs with λ·BWD (per layer together; per GEMM
     split over dgrad and wgrad). So ``λ = (gap(fp4_backward) / gap(fp4_fprop)) · ΔFLD / ΔBWD``, where ΔFLD and
     ΔBWD are the statistics' totals over the layers, FP4 minus FP8, read from the two plans' predicted
-    divergences (:func:`snip_ds.compare.predicted_divergence`). The gaps are paired means over the phase's
+    divergences (:func:`snip_ds.compare.predicted_divergence`; BWD is the one the grid prices with, its
+    ``bwd_key``). The gaps are paired means over the phase's
     cells; ``lam`` is ``None`` where a gap or ΔBWD is not positive (no price ratio to match), and ``lam_2se`` is
     the same with the backward's gap two standard errors higher (an upper end for λ).
     """

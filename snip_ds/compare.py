@@ -211,8 +211,8 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: st
     return json.loads((path / CKPT_META).read_text(encoding="utf-8"))
 
 
-def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Mapping[str, Any]
-                         ) -> Tuple[float, float]:
+def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Mapping[str, Any],
+                         bwd_key: str = "bwd") -> Tuple[float, float]:
     """A plan's predicted ``(FLD, BWD)``: the sums over its layers of the statistics at each layer's precision.
 
     A per-GEMM layer's FLD is its fprop GEMM's, and its BWD is half at the dgrad GEMM's precision and half at
@@ -222,6 +222,8 @@ def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Ma
     Args:
         layers: the statistics artifact's ``layers`` (``{fqn: {"fld": {precision: x}, "bwd": {...}}}``).
         assignment: ``{fqn: precision}`` or ``{fqn: {gemm: precision}}``.
+        bwd_key: which BWD to sum (``"bwd"``, the expected drift, or ``"bwd_bias"``, its systematic part):
+            the one the plans were priced with.
     """
     def at(table: Mapping[str, Any], precision: str) -> float:
         value = None if precision == "bf16" else table.get(precision)
@@ -232,10 +234,10 @@ def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Ma
         rec = layers[fqn]
         if isinstance(value, str):
             fld += at(rec["fld"], value)
-            bwd += at(rec["bwd"], value)
+            bwd += at(rec[bwd_key], value)
         else:
             fld += at(rec["fld"], value["fprop"])
-            bwd += 0.5 * (at(rec["bwd"], value["dgrad"]) + at(rec["bwd"], value["wgrad"]))
+            bwd += 0.5 * (at(rec[bwd_key], value["dgrad"]) + at(rec[bwd_key], value["wgrad"]))
     return fld, bwd
 
 

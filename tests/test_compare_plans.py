@@ -280,6 +280,9 @@ def test_predicted_divergence_per_layer_and_per_gemm():
                 "b": {"fprop": "bf16", "dgrad": "fp8", "wgrad": "fp4"}}
     # fprop carries FLD; dgrad and wgrad each half of BWD
     assert predicted_divergence(layers, per_gemm) == (1.0, (20.0 + 2.0) / 2 + (0.25 + 4.0) / 2)
+    for rec, bias in zip(layers.values(), ({"fp8": 0.5, "fp4": -1.0}, {"fp8": 0.25, "fp4": -0.5})):
+        rec["bwd_bias"] = bias
+    assert predicted_divergence(layers, {"a": "fp4", "b": "fp8"}, bwd_key="bwd_bias") == (10.0 + 0.5, -1.0 + 0.25)
 
 
 def test_bad_arguments(tmp_path, capsys):
