@@ -361,9 +361,9 @@ def kind_calibration(records: List[Dict[str, Any]], phases: Sequence[str]) -> Li
     split over dgrad and wgrad). So ``λ = (gap(fp4_backward) / gap(fp4_fprop)) · ΔFLD / ΔBWD``, where ΔFLD and
     ΔBWD are the statistics' totals over the layers, FP4 minus FP8, read from the two plans' predicted
     divergences (:func:`snip_ds.compare.predicted_divergence`; BWD is the one the grid prices with, its
-    ``bwd_key``). The gaps are paired means over the phase's
-    cells; ``lam`` is ``None`` where a gap or ΔBWD is not positive (no price ratio to match), and ``lam_2se`` is
-    the same with the backward's gap two standard errors higher (an upper end for λ).
+    ``bwd_key``). The gaps are paired means over the phase's cells; ``lam`` is ``None`` where a gap or ΔBWD is
+    not positive (no price ratio to match), and ``lam_2se`` is the same with the backward's gap two standard
+    errors higher (an upper end for λ).
     """
     out = []
     for phase in phases:
@@ -375,6 +375,7 @@ def kind_calibration(records: List[Dict[str, Any]], phases: Sequence[str]) -> Li
                for k in ("fp4_fprop", "fp4_backward")}
         d_fld = pred["fp4_fprop"]["predicted_fld"] - pred["uniform_fp8"]["predicted_fld"]
         d_bwd = pred["fp4_backward"]["predicted_bwd"] - pred["uniform_fp8"]["predicted_bwd"]
+
         def lam(backward: float) -> Optional[float]:
             ok = gap["fp4_fprop"].mean > 0 and backward > 0 and d_bwd > 0
             return backward / gap["fp4_fprop"].mean * d_fld / d_bwd if ok else None
@@ -480,7 +481,8 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               f"{s['blocks']} blocks); {s['batch_size']}×{s['block_size']} tokens per step; AdamW lr {s['lr']:g}"
               f"{', decaying linearly to 0 over each run' if s.get('lr_decay', 'none') == 'linear' else ''}; "
               f"phases (warm-up steps) {s['phases']}; {s['steps']} steps per run; seeds {s['seeds']}; "
-              f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {_random_words(s)}plans solved {'per GEMM' if s.get('per_gemm') else 'per layer'}"
+              f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {_random_words(s)}"
+              f"plans solved {'per GEMM' if s.get('per_gemm') else 'per layer'}"
               f"{_dgrad_words(s)}; {_bwd_words(s)}; "
               f"{s['eval_batches']}×{s['batch_size']} validation sequences; FP4 "
               f"{s.get('fp4_recipe', 'nvfp4')}, gradients rounded "
@@ -491,7 +493,8 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               "minus the mean of the random plans'), then mean ± standard error over cells. *q* = the plan's "
               "quantized forward, *bf16* = BF16 forward of the same weights. Negative is better.", ""]
     lines += _table("## Targets (SNIP at the default λ, quantized-forward gap)",
-                    ("phase", "ρ", "SNIP − random", "< random", "< quant_err", "< rel_quant_err", "resolved (> 2 SE)"),
+                    ("phase", "ρ", "SNIP − random", "< random", "< quant_err", "< rel_quant_err",
+                     "resolved (> 2 SE)"),
                     (f"| {c['phase']} | {c['rho']:g} | {_fmt(c['diff_vs_random'])} | {_yn(c['below_random'])} | "
                      f"{_yn(c['below_quant_err'])} | {_yn(c['below_rel_quant_err'])} | {_yn(c['resolved_2se'])} |"
                      for c in target_checks(summary)))
@@ -532,9 +535,10 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
     if summary["ranking"]:
         lines += ["## Does the planner's objective rank the plans' outcomes?", "",
                   f"Spearman, over the distinct solved plans of a phase (every method, ρ and λ), between a "
-                  f"prediction and the plan's mean quantized-forward gap to uniform FP8 after training. Objective = "
-                  f"FLD + λ·BWD at λ = {s['lambda_default']:g}, what the planner minimises; 'within ρ' averages the "
-                  f"objective's Spearman over the ρ values (the FP4 share held fixed, as the planner's choice is).",
+                  f"prediction and the plan's mean quantized-forward gap to uniform FP8 after training. "
+                  f"Objective = FLD + λ·BWD at λ = {s['lambda_default']:g}, what the planner minimises; 'within ρ' "
+                  f"averages the objective's Spearman over the ρ values (the FP4 share held fixed, as the planner's "
+                  f"choice is).",
                   "", "| phase | plans | objective | FLD alone | BWD alone | objective within ρ |",
                   "|---|---|---|---|---|---|"]
         for r in summary["ranking"]:
