@@ -149,7 +149,7 @@ def collect_phase_stats(model, ckpt: Path, train_ds, settings: TrainSettings, ar
     return collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, estimator="mc_fisher",
                               num_probes=1, seed=args.seed, step=pc.step, lam=args.lambda_default,
                               bwd_propagated=args.dgrad_cost == "upstream" or args.bwd_key == "bwd_propagated",
-                              bwd_rounding=args.bwd_rounding)
+                              bwd_rounding=args.bwd_rounding, forward_drift=args.forward_drift)
 
 
 def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
@@ -181,7 +181,7 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
                                                 num_random=args.num_random, max_share=min(share + 1e-9, 1.0),
                                                 per_gemm=args.per_gemm, dgrad=args.dgrad_cost,
                                                 dgrad_calibration=args.dgrad_calibration,
-                                                bwd_key=args.bwd_key)
+                                                bwd_key=args.bwd_key, forward_drift=args.forward_drift)
                 except ValueError as err:
                     skipped.append(dict(method=method, label=label, rho=rho, reason=str(err)))
                     continue
@@ -194,7 +194,8 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
                     plans.append(entry)
     for p in plans:
         p["predicted_fld"], p["predicted_bwd"] = predicted_divergence(stats["layers"], p["plan"].assignment,
-                                                                      bwd_key=args.bwd_key)
+                                                                      bwd_key=args.bwd_key,
+                                                                      forward_drift=args.forward_drift)
     return plans, skipped
 
 
@@ -357,12 +358,14 @@ def kind_calibration(records: List[Dict[str, Any]], phases: Sequence[str]) -> Li
     """Per phase where the fp4_fprop and fp4_backward plans ran: the λ at which the statistics price the
     forward and the backward GEMMs in the ratio their runs measured.
 
-    SNIP prices a layer's fprop GEMM with FLD and its backward GEMMs with λ·BWD (per layer together; per GEMM
-    split over dgrad and wgrad). So ``λ = (gap(fp4_backward) / gap(fp4_fprop)) · ΔFLD / ΔBWD``, where ΔFLD and
-    ΔBWD are the statistics' totals over the layers, FP4 minus FP8, read from the two plans' predicted
-    divergences (:func:`snip_ds.compare.predicted_divergence`; BWD is the one the grid prices with, its
-    ``bwd_key``). The gaps are paired means over the phase's cells; ``lam`` is ``None`` where a gap or ΔBWD is
-    not positive (no price ratio to match), and ``lam_2se`` is the same with the backward's gap two standard
+    SNIP prices a layer's fprop GEMM with FLD (plus λ·FWD with ``--forward_drift``) and its backward GEMMs with
+    λ·BWD (per layer together; per GEMM split over dgrad and wgrad). Matching the measured ratio
+    ``r = gap(fp4_backward) / gap(fp4_fprop) = λ·ΔD_b / (ΔFLD + λ·ΔD_f)`` gives
+    ``λ = r·ΔFLD / (ΔD_b − r·ΔD_f)``, where ΔFLD and the drifts ΔD (ΔD_f: FWD, 0 without it; ΔD_b: BWD) are the
+    statistics' totals over the layers, FP4 minus FP8, read from the two plans' predicted divergences
+    (:func:`snip_ds.compare.predicted_divergence`; BWD is the one the grid prices with, its ``bwd_key``). The
+    gaps are paired means over the phase's cells; ``lam`` is ``None`` where a gap or the denominator is not
+    positive (no price ratio to match), and ``lam_2se`` is the same with the backward's gap two standard
     errors higher (an upper end for λ).
     """
     out = []
@@ -374,14 +377,18 @@ def kind_calibration(records: List[Dict[str, Any]], phases: Sequence[str]) -> Li
         gap = {k: mean_se(paired_differences(sub, "val_loss", ("phase", "seed"), _is(k), _is("uniform_fp8")))
                for k in ("fp4_fprop", "fp4_backward")}
         d_fld = pred["fp4_fprop"]["predicted_fld"] - pred["uniform_fp8"]["predicted_fld"]
+        d_fwd = pred["fp4_fprop"]["predicted_bwd"] - pred["uniform_fp8"]["predicted_bwd"]
         d_bwd = pred["fp4_backward"]["predicted_bwd"] - pred["uniform_fp8"]["predicted_bwd"]
 
         def lam(backward: float) -> Optional[float]:
-            ok = gap["fp4_fprop"].mean > 0 and backward > 0 and d_bwd > 0
-            return backward / gap["fp4_fprop"].mean * d_fld / d_bwd if ok else None
+            if not (gap["fp4_fprop"].mean > 0 and backward > 0):
+                return None
+            r = backward / gap["fp4_fprop"].mean
+            return r * d_fld / (d_bwd - r * d_fwd) if d_bwd - r * d_fwd > 0 else None
         b = gap["fp4_backward"]
         out.append(dict(phase=phase, gap_fprop=gap["fp4_fprop"], gap_backward=b, d_fld=d_fld, d_bwd=d_bwd,
-                        lam=lam(b.mean), lam_2se=lam(b.mean + 2 * b.se) if math.isfinite(b.se) else None))
+                        d_fwd=d_fwd, lam=lam(b.mean),
+                        lam_2se=lam(b.mean + 2 * b.se) if math.isfinite(b.se) else None))
     return out
 
 
@@ -455,7 +462,9 @@ def _bwd_words(s: Dict[str, Any]) -> str:
     part = {"bwd": "expected", "bwd_bias": "systematic part of the", "bwd_propagated": "propagated"}[
         s.get("bwd_key", "bwd")]
     how = ("as training does" if rounding == "recipe" else "to nearest")
-    return f"SNIP's BWD: the {part} drift, with G_Y rounded {how} in the statistics"
+    fwd = ("; SNIP's costs also price FWD, the update drift of each layer's fprop error, at λ"
+           if s.get("forward_drift") else "")
+    return f"SNIP's BWD: the {part} drift, with G_Y rounded {how} in the statistics{fwd}"
 
 
 def _table(heading: str, columns: Sequence[str], rows) -> List[str]:
@@ -509,18 +518,23 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
                     (f"| {u['phase']} | {u['label']} | {u['fp4_share']:.3f} | {_fmt(u['vs_fp8_q'])} | "
                      f"{_fmt(u['vs_fp8_bf16'])} | {u['vs_fp8_q'].n} |" for u in summary["uniform"]))
     if summary["kinds"]:
+        fwd = bool(s.get("forward_drift"))
+        how = ("SNIP prices the forward GEMM with FLD + λ·FWD and the backward GEMMs with λ·BWD. The λ at which "
+               "the statistics' totals (FP4 minus FP8 over all layers, in loss units) stand in the ratio r = gap "
+               "backward / gap fprop that the fp4_backward and fp4_fprop runs measured: λ = r·ΔFLD / (ΔBWD − "
+               "r·ΔFWD)" if fwd else
+               "SNIP prices the forward GEMM with FLD and the backward GEMMs with λ·BWD. The λ at which the "
+               "statistics' totals (FP4 minus FP8 over all layers, in loss units) stand in the ratio the "
+               "fp4_backward and fp4_fprop runs measured: λ = (gap backward / gap fprop) · ΔFLD / ΔBWD")
         lines += ["## λ calibrated by the GEMM-kind plans", "",
-                  "SNIP prices the forward GEMM with FLD and the backward GEMMs with λ·BWD. The λ at which the "
-                  "statistics' totals (FP4 minus FP8 over all layers, in loss units) stand in the ratio the "
-                  "fp4_backward and fp4_fprop runs measured: λ = (gap backward / gap fprop) · ΔFLD / ΔBWD; "
-                  "'λ at +2 SE' puts the backward's gap 2 standard errors higher.", "",
-                  "| phase | gap fp4_fprop | gap fp4_backward | ΔFLD (mnats) | ΔBWD (mnats) | λ | λ at +2 SE |",
-                  "|---|---|---|---|---|---|---|"]
-        for k in summary["kinds"]:
-            lam, hi = ("n/a (a gap ≤ 0)" if x is None else f"{x:.3g}" for x in (k["lam"], k["lam_2se"]))
-            lines.append(f"| {k['phase']} | {_fmt(k['gap_fprop'])} | {_fmt(k['gap_backward'])} | "
-                         f"{k['d_fld'] * 1e3:.3g} | {k['d_bwd'] * 1e3:.3g} | {lam} | {hi} |")
-        lines.append("")
+                  how + "; 'λ at +2 SE' puts the backward's gap 2 standard errors higher.", ""]
+        lines += _table("", ("phase", "gap fp4_fprop", "gap fp4_backward", "ΔFLD (mnats)",
+                         *(("ΔFWD (mnats)",) if fwd else ()), "ΔBWD (mnats)", "λ", "λ at +2 SE"),
+                        (f"| {k['phase']} | {_fmt(k['gap_fprop'])} | {_fmt(k['gap_backward'])} | "
+                         f"{k['d_fld'] * 1e3:.3g} | " + (f"{k['d_fwd'] * 1e3:.3g} | " if fwd else "") +
+                         f"{k['d_bwd'] * 1e3:.3g} | " + " | ".join(
+                             "n/a (no positive ratio)" if x is None else f"{x:.3g}" for x in (k["lam"], k["lam_2se"]))
+                         + " |" for k in summary["kinds"]))[2:]  # the heading is above
     if summary["lambda_sweep"]:
         lines += ["## λ sweep (SNIP vs uniform FP8, quantized forward, pooled over phases, seeds and ρ)", "",
                   "| λ | gap (mnats) | n |", "|---|---|---|"]
@@ -725,6 +739,8 @@ def run(args) -> Dict[str, Any]:
         bwd_rounding=args.bwd_rounding, bwd_key=args.bwd_key, fp4_recipe=args.quant.fp4_recipe,
         stochastic_rounding=args.quant.stochastic_rounding,
         threads=torch.get_num_threads()), records=[], skipped=[], plans={})
+    if args.forward_drift:  # recorded only when on: grids from before the option merge with those without it
+        data["settings"]["forward_drift"] = True
     json_path = out_dir / f"{PREFIX}.json"
 
     def sink(record: Dict[str, Any]) -> None:
@@ -800,7 +816,8 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
 
 # settings two grids compared with --versus may differ in (the rest must match, as must their FP8 runs)
 VERSUS_FREE = {"phases", "seeds", "methods", "command", "full_command", "note", "threads", "per_gemm", "dgrad_cost",
-               "dgrad_calibration", "rhos", "lambdas", "lambda_default", "num_random", "bwd_rounding", "bwd_key"}
+               "dgrad_calibration", "rhos", "lambdas", "lambda_default", "num_random", "bwd_rounding", "bwd_key",
+               "forward_drift"}
 _VERSUS_KEEP = ("phase", "seed", "rho", "label", "method", "fp4_share", "val_loss", "val_loss_bf16_forward")
 
 
@@ -960,6 +977,9 @@ def parse_args(argv=None):
     ap.add_argument("--bwd_key", default="bwd", choices=BWD_KEYS,
                     help="which BWD SNIP's costs use: 'bwd' (the expected drift) or 'bwd_bias' (its systematic "
                          "part only), 'bwd_propagated' (ablation)")
+    ap.add_argument("--forward_drift", action="store_true",
+                    help="also measure FWD, the update drift each layer's fprop error causes, and price it on the "
+                         "fprop GEMM: SNIP's costs become FLD + λ·(FWD + BWD)")
     ap.add_argument("--fp4_recipe", default="nvfp4", choices=FP4_RECIPES, help="FP4 recipe of every run")
     ap.add_argument("--no_stochastic_rounding", dest="stochastic_rounding", action="store_false",
                     help="round FP4 gradients to nearest (default: stochastically, as NVFP4's recipe does)")

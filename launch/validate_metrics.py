@@ -7,6 +7,10 @@ Warms a model up (plain torch AdamW, unquantized, FP32), then for every decoder 
   the same two passes, and the one-shot ``ℒ(layer at fp4) - ℒ(bf16)`` for information;
 * (b) the true one-step parameter drift ``Σ‖θ' - θ'_ref‖²`` after one AdamW step from the warmed-up state
   with only that layer's backward (dgrad + wgrad) at FP4 (RNE), against the unquantized step;
+* (with ``--fwd_truth``) what only that layer's FP4 fprop does to the *update*: the drift of the decoder
+  linears' weights after one AdamW step, against the unquantized step, priced in loss units with an explicit
+  Fisher quadratic form from ``--fwd_probes`` sampled-label probes, ``(1/2N)·mean_r ⟨G^probe_r, Δθ⟩²``
+  (what the collector's ``fwd`` estimates from a linearisation, with one probe);
 * (c) each truth's split-half reproducibility (Spearman between the means over two disjoint halves of the
   batches),
 
@@ -228,6 +232,50 @@ def bwd_truth(model, opt, batches: Sequence[torch.Tensor], gemms: Sequence[str] 
     return drift
 
 
+def fwd_truth(model, opt, batches: Sequence[torch.Tensor], probes: int = 8, seed: int = 0) -> Dict[str, List[float]]:
+    """Per layer and batch: the loss-unit price of the one-step drift that only that layer's fprop at FP4 (RNE)
+    causes, ``(1/2N)·mean_r ⟨G^probe_r, θ' - θ'_ref⟩²`` over the decoder linears' weights, where ``θ'`` is one
+    AdamW step from the warmed-up state with that layer's forward at FP4, ``θ'_ref`` the unquantized step, and
+    ``G^probe_r`` the weight gradients of ``Σ_t CE(logits_t, ŷ_t)`` with ``ŷ`` drawn from the model's softmax
+    (``probes`` draws per batch, seeded by ``seed``). Returns ``{fqn: [price per batch]}``."""
+    layers = snip_layers(model)
+    params = [p for p in model.parameters()]
+    linear_ids = {id(m.weight) for m in layers.values()}
+    idx = [i for i, p in enumerate(params) if id(p) in linear_ids]
+    weights = [params[i] for i in idx]
+    state = opt.state_dict()
+    group = opt.param_groups[0]
+    hyper = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+    gen = torch.Generator().manual_seed(seed + 4242)
+    out: Dict[str, List[float]] = {f: [] for f in layers}
+    for ids in batches:
+        flat = model(input_ids=ids).logits[:, :-1].float()
+        flat = flat.reshape(-1, flat.shape[-1])
+        probs = torch.softmax(flat.detach(), dim=-1)
+        probe = []
+        for r in range(probes):
+            y_hat = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            probe.append(torch.autograd.grad(F.cross_entropy(flat, y_hat, reduction="sum"), weights,
+                                             retain_graph=r < probes - 1))
+        n = flat.shape[0]
+
+        def grads() -> List[torch.Tensor]:
+            g = torch.autograd.grad(lm_loss(model, ids), params, allow_unused=True)
+            return [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
+        ref = _adamw_step(params, state, hyper, grads())
+        for fqn, mod in layers.items():
+            saved_prec, saved_cfg = mod.precision, mod.quant_config
+            mod.precision, mod.quant_config = {"fprop": "fp4", "dgrad": "bf16", "wgrad": "bf16"}, _rne(saved_cfg)
+            try:
+                new = _adamw_step(params, state, hyper, grads())
+            finally:
+                mod.precision, mod.quant_config = saved_prec, saved_cfg
+            drift = [new[i] - ref[i] for i in idx]
+            dots = [float(sum((g.double() * d.double()).sum() for g, d in zip(pg, drift))) for pg in probe]
+            out[fqn].append(sum(x * x for x in dots) / len(dots) / (2.0 * n))
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------
 # Comparison
 # --------------------------------------------------------------------------------------------------------
@@ -334,6 +382,17 @@ def run(args) -> Dict[str, Any]:
     split = (bwd_truth(model, opt, batches, ("wgrad", "dgrad"), rounding=args.bwd_rounding, draws=args.sr_draws)
              if args.bwd_truth_per_gemm else None)
     t_split = time.perf_counter() - t
+    fwd, fwd_pred, t_fwd = None, None, 0.0
+    if args.fwd_truth:
+        t = time.perf_counter()
+        fwd_stats = collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, step_scale=pc.step_scale,
+                                       seed=args.seed, step=pc.step, bwd_rounding=args.bwd_rounding,
+                                       forward_drift=True)
+        timing["forward_drift"] = time.perf_counter() - t
+        fwd_pred = [fwd_stats["layers"][f]["fwd"]["fp4"] for f in fqns]
+        t = time.perf_counter()
+        fwd = fwd_truth(model, opt, batches, probes=args.fwd_probes, seed=args.seed)
+        t_fwd = time.perf_counter() - t
 
     truth_fld = [_mean(sym[f]) for f in fqns]
     truth_one = [_mean(one[f]) for f in fqns]
@@ -363,11 +422,13 @@ def run(args) -> Dict[str, Any]:
 
     # table
     extra = f" {'wgrad only':>10} {'dgrad only':>10} {'dgrad lin':>10} {'prop pred':>10}" if split else ""
+    extra += f" {'FWD truth':>10} {'FWD pred':>10}" if fwd is not None else ""
     print(f"{'layer':<34} {'FLD truth':>10} {'GN part':>10} {'FLD mcF':>10} {'mcF chan':>10} {'one-shot':>10} "
           f"{'BWD truth':>10} {'BWD pred':>10}" + extra)
     for i, f in enumerate(fqns):
         row = "".join(f" {_mean(split[k][f]):10.3e}" for k in ("wgrad", "dgrad", "dgrad_linears")) if split else ""
         row += f" {bwd_variants['propagated_only'][i]:10.3e}" if split else ""
+        row += f" {_mean(fwd[f]):10.3e} {fwd_pred[i]:10.3e}" if fwd is not None else ""
         print(f"{f:<34} {truth_fld[i]:10.3e} {truth_gn[i]:10.3e} {fld_variants['mc_fisher'][i]:10.3e} "
               f"{fld_variants['mc_fisher_channel'][i]:10.3e} {truth_one[i]:10.3e} {truth_bwd[i]:10.3e} "
               f"{bwd_variants['direct'][i]:10.3e}" + row)
@@ -395,8 +456,15 @@ def run(args) -> Dict[str, Any]:
         "optimizer_step": pc.step, "step_scale": pc.step_scale, "precond": main["precond"],
         "alpha": preds["isotropic"].get("alpha"), "quadratic_ratio": preds["isotropic"].get("quadratic_ratio"),
         "bwd_per_gemm": per_gemm,
+        "fwd": None if fwd is None else {
+            "spearman": spearman(fwd_pred, [_mean(fwd[f]) for f in fqns]), "repro": split_half(fwd),
+            "calibration": _median([p / _mean(fwd[f]) for p, f in zip(fwd_pred, fqns) if _mean(fwd[f]) > 0]),
+            "truth_vs_fld_truth": spearman([_mean(fwd[f]) for f in fqns], truth_fld),
+            "estimate_vs_fld": spearman(fwd_pred, fld_variants["mc_fisher"]),
+            "truth_over_fld_truth": sum(_mean(fwd[f]) for f in fqns) / sum(truth_fld),
+            "probes": args.fwd_probes},
         "seconds": {"warmup": info["warmup_s"], "collect": timing, "fld_truth": t_fld, "bwd_truth": t_bwd,
-                    "bwd_truth_per_gemm": t_split,
+                    "bwd_truth_per_gemm": t_split, "fwd_truth": t_fwd,
                     "total": time.perf_counter() - t0 + info["warmup_s"]},
         "collect_step_equivalents": timing["mc_fisher"] / (args.batches * t_step),
         "checkpoint": info["checkpoint"], "quick": bool(args.quick), "seed": args.seed,
@@ -474,6 +542,11 @@ def parse_args(argv=None):
                          "does: stochastically for FP4 by default) or 'nearest'")
     ap.add_argument("--sr_draws", type=int, default=4,
                     help="with --bwd_rounding recipe: stochastic-rounding draws averaged per batch in the truths")
+    ap.add_argument("--fwd_truth", action="store_true",
+                    help="also measure what each layer's FP4 fprop does to one AdamW step (one more backward "
+                         "pass per layer and batch) and score the collector's forward-drift estimate (fwd)")
+    ap.add_argument("--fwd_probes", type=int, default=8, help="with --fwd_truth: Fisher probes per batch that "
+                    "price the truth's drift")
     ap.add_argument("--quick", action="store_true", help="tiny model and data: a smoke run of seconds")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -485,7 +558,7 @@ def parse_args(argv=None):
     for key in ("warmup_steps",):
         if getattr(args, key) < 0:
             ap.error(f"--{key} must be >= 0")
-    for key in ("batches", "batch_size", "block_size", "sr_draws"):
+    for key in ("batches", "batch_size", "block_size", "sr_draws", "fwd_probes"):
         if getattr(args, key) < 1:
             ap.error(f"--{key} must be >= 1")
     return args

@@ -64,6 +64,7 @@ STATS_FORMAT = "snip_ds.stats/1"
 QUANTIZED = ("fp8", "fp4")
 ISO_DELTA = 0.02  # δ of the isotropic ablation's forward-noise passes, relative to rms(z)
 PRICE_TOKENS_MIN = 256  # tokens that price stochastic rounding's noise: at least this many (all, if fewer)
+FWD_STEP = 3e-4  # forward_drift's finite difference: the weight perturbation's norm relative to the weights'
 IGNORE_INDEX = -100
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -203,8 +204,15 @@ class _Collector:
 
     def __init__(self, model: nn.Module, layers: Dict[str, SnipLinear], precisions: Sequence[str],
                  precond: Precond, fallback: str, estimator: str, propagated: bool, seed: int,
-                 bwd_rounding: str = "recipe") -> None:
+                 bwd_rounding: str = "recipe", forward_drift: bool = False) -> None:
         self.model, self.layers, self.precisions = model, layers, tuple(precisions)
+        self.forward_drift = forward_drift
+        self.fwd_x: Dict[str, torch.Tensor] = {}  # this batch's layer inputs (forward_drift: E at the weights)
+        self.fwd_p: Dict[str, torch.Tensor] = {}  # preconditioners
+        self.fwd_w_sq: Dict[str, float] = {}  # ‖W‖², sizes the finite difference
+        self.fwd_v: Dict[str, torch.Tensor] = {}  # one probe's preconditioned weight gradient P ⊙ g_rᵀX
+        self.fwd_dot: Dict[str, Dict[str, float]] = {}  # Σ_sign sign·⟨G_Y(W + sign·ε·v), E(p)⟩
+        self.fwd_shift = 0.0
         self.bwd_rounding = bwd_rounding
         self.precond, self.fallback, self.estimator, self.propagated = precond, fallback, estimator, propagated
         self.backend = get_backend()
@@ -249,7 +257,7 @@ class _Collector:
         return self.model.get_submodule(prefix)
 
     def _on_embedding(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-        if self.phase not in ("forward", "probe_forward"):
+        if self.phase not in ("forward", "probe_forward", "fwd_pass"):
             return output
         self.emb = output.detach().requires_grad_(True)  # our own leaf: no gradient reaches parameters
         return self.emb
@@ -264,7 +272,9 @@ class _Collector:
         return output
 
     def _forward_hook(self, fqn: str):
-        def hook(module: SnipLinear, inputs: Any, output: torch.Tensor) -> None:
+        def hook(module: SnipLinear, inputs: Any, output: torch.Tensor) -> Optional[torch.Tensor]:
+            if self.phase == "fwd_pass":
+                return self._on_fwd_forward(fqn, module, inputs[0], output)
             if self.phase == "probe_forward":  # a fresh forward for a probe: only its output gradient counts
                 self.xp[fqn] = inputs[0].detach()
                 if output.requires_grad:
@@ -281,6 +291,8 @@ class _Collector:
     def _on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, k]
         self.x[fqn] = x2
+        if self.forward_drift:
+            self.fwd_x[fqn] = x2
         if self.estimator != "empirical":
             self.xp[fqn] = x.detach()  # the tensor autograd keeps anyway: no copy
         if fqn not in self.order:
@@ -326,7 +338,10 @@ class _Collector:
             st.add(fqn, f"qerr_w.{p}", ((w_lp - w) ** 2).sum())
             del e, x_lp, w_lp
         st.add(fqn, "qnorm_x", (x2 * x2).sum())
-        st.add(fqn, "qnorm_w", (w * w).sum())
+        w_sq = (w * w).sum()
+        st.add(fqn, "qnorm_w", w_sq)
+        if self.forward_drift:
+            self.fwd_w_sq[fqn] = float(w_sq)
 
     def _on_input_grad(self, gid: str, g: torch.Tensor) -> None:
         if self.phase == "train":
@@ -338,6 +353,9 @@ class _Collector:
         if self.phase in ("probe", "iso"):
             self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2))
             self._probe_fld(fqn, module, g2, rows)
+            if self.forward_drift and fqn in self.xp:
+                x = self.xp[fqn]
+                self.fwd_v[fqn] = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).mul_(self.fwd_p[fqn])
         elif self.phase == "train":
             self._on_train_grad(fqn, module, g2, rows)
 
@@ -376,6 +394,8 @@ class _Collector:
         w = module.weight.detach().float() if self.propagated else None
         gw = g2.t() @ x2  # [n, k], BF16-pass weight gradient (mean loss)
         pmat, pfn = self._precond_of(fqn, gw)
+        if self.forward_drift:
+            self.fwd_p[fqn] = pmat
         sr = {p: self._expects_sr(module, p) for p in self.precisions}
         uses = len(self.precisions) + int(self.propagated)  # projections of X below
         gram = x2.t() @ x2 if dv.gram_pays(x2.shape[0], x2.shape[1], gw.shape[0], uses) else None
@@ -458,6 +478,60 @@ class _Collector:
         st.add(fqn, f"drift_sq.{p}", bias_sq + noise_sq if noise_sq is not None else bias_sq)
         st.add(fqn, f"drift_ch.{p}", bias_ch + noise_ch if noise_sq is not None else bias_ch)
 
+    # ---------------- forward drift (forward_drift=True) ----------------
+    def _on_fwd_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Layer output at the weights ``W + shift·v``: ``y + shift·X vᵀ`` (differentiable in X, as a
+        weight change would be; no parameter is touched). Its output gradient meets the layer's fprop errors."""
+        v = self.fwd_v.get(fqn)
+        if v is not None and self.fwd_shift != 0.0:
+            y = y + (self.fwd_shift * (x.float() @ v.t())).to(y.dtype)
+        if y.requires_grad:
+            y.register_hook(lambda g: self._on_fwd_grad(fqn, module, g))
+        return y
+
+    def _on_fwd_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
+        x2 = self.fwd_x.get(fqn)
+        if x2 is None:
+            return
+        g2 = g.detach().reshape(-1, g.shape[-1]).double()  # FP64 sums: the two passes' dots nearly cancel
+        dots = self.fwd_dot.setdefault(fqn, {})
+        sign = 1.0 if self.fwd_shift > 0 else -1.0
+        for p, e, _, _ in self._fprop_errors(module, x2):
+            dots[p] = dots.get(p, 0.0) + sign * float((g2 * e.double()).sum())
+            del e
+
+    def _forward_drift_passes(self, ids, mask, labels) -> None:
+        """Prices the update drift that each layer's fprop error causes, for one probe r (SNIP.md section 4's
+        loss-unit price applied to the forward): ``(1/2N)·⟨G^probe_r, η·c·ΔG ⊙ P⟩²``, where ΔG is the change of
+        the planned weights' training gradient when layer ℓ's output carries its error E_ℓ(p).
+
+        ``⟨v, ΔG⟩`` with ``v = P ⊙ G^probe_r`` is, to first order in E, ``⟨∂G_Y,ℓ(W + εv)/∂ε, E_ℓ⟩`` (the mixed
+        second derivative read the other way round), so two passes at ``W ± εv`` give it for every layer at
+        once: a central difference of the output gradients, contracted with the errors at ``W``.
+        """
+        if not self.fwd_v:
+            return
+        v_sq = sum(float((v * v).sum()) for v in self.fwd_v.values())
+        w_sq = sum(self.fwd_w_sq.values())
+        if v_sq <= 0 or w_sq <= 0:
+            self.fwd_v.clear()
+            return
+        eps = FWD_STEP * math.sqrt(w_sq / v_sq)
+        self.fwd_dot = {}
+        for sign in (1.0, -1.0):
+            self.fwd_shift = sign * eps
+            self.phase = "fwd_pass"
+            lg, tg = _targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)
+            self.phase = "fwd_backward"
+            torch.autograd.grad(F.cross_entropy(lg, tg), self.emb)
+        self.fwd_shift = 0.0
+        for fqn, dots in self.fwd_dot.items():
+            for p, d in dots.items():
+                a = d / (2.0 * eps)
+                self.stats.add(fqn, f"fwd_sq.{p}", torch.tensor(a * a))
+        self.fwd_v.clear()
+        self.fwd_dot = {}
+
     # ---------------- one batch ----------------
     def _probe_root(self, ids, mask, labels, retain: bool, last: bool):
         """The logits to back-propagate a probe from: the retained graph's, or a fresh forward's."""
@@ -503,6 +577,10 @@ class _Collector:
                     self.phase = "probe"
                     torch.autograd.grad(F.cross_entropy(root, y_hat, reduction="sum"), self.emb,
                                         retain_graph=keep)
+                    if self.forward_drift:
+                        emb = self.emb
+                        self._forward_drift_passes(ids, mask, labels)
+                        self.emb = emb
             elif self.estimator == "isotropic":
                 for r in range(num_probes):
                     _, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
@@ -511,6 +589,8 @@ class _Collector:
                     torch.autograd.grad((u * self.z).sum(), self.emb, retain_graph=keep)
             self._lg = None
             self.xp.clear()
+            self.fwd_x.clear()
+            self.fwd_p.clear()
             self._fold(int(ids.numel()), num_probes)
             self.phase = "off"
         if self.estimator == "isotropic":
@@ -594,7 +674,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
                        reduce: Optional[Reduce] = None, step: int = 0, world_size: int = 1,
                        step_scale: float = 1.0, precond_fallback: str = "grad_sq",
                        lam: Optional[float] = None, retain_graph: bool = True,
-                       fld_form: str = "sequence", bwd_rounding: str = "recipe") -> Dict[str, Any]:
+                       fld_form: str = "sequence", bwd_rounding: str = "recipe",
+                       forward_drift: bool = False) -> Dict[str, Any]:
     """One SNIP statistics collection on the given batches; leaves no trace on the model.
 
     Args:
@@ -637,6 +718,13 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
             over that rounding, the systematic part plus the rounding noise. ``"nearest"`` (ablation, the
             behaviour before): round to nearest, deterministic, whatever the recipe. Either way the
             systematic part alone is recorded too (``bwd_bias``, ``bwd_drift_bias``).
+        forward_drift: also measure ``fwd``, what each layer's fprop error does to the *update*: the drift
+            ``η·c·ΔG ⊙ P`` of the planned weights, ΔG the change of their training gradient when layer ℓ's
+            output carries E_ℓ(p), priced in loss units as BWD prices its drift (with the same probes, in the
+            full Fisher form ``(1/2N)·mean_r ⟨G^probe_r, drift⟩²``). Two more forward and backward passes per
+            probe (:meth:`_Collector._forward_drift_passes`) and one weight-sized FP32 tensor per layer while a
+            batch runs. Needs ``estimator="mc_fisher"`` and weight-shaped preconditioners (a mapping of
+            tensors, or None for the fallback), not the partitioned states' callable.
 
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
@@ -678,9 +766,17 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
     elif precond is not None and not callable(precond):
         raise ValueError(f"precond must be None, a mapping fqn -> tensor/callable, or a callable; "
                          f"got {type(precond).__name__}")
+    if forward_drift:
+        if estimator != "mc_fisher":
+            raise ValueError(f"forward_drift needs estimator='mc_fisher' (its probes price the drift), "
+                             f"got {estimator!r}")
+        if precond is not None and (not isinstance(precond, Mapping) or
+                                    not all(isinstance(precond[f], torch.Tensor) for f in mods)):
+            raise ValueError("forward_drift needs weight-shaped preconditioners (a mapping fqn -> tensor, or None "
+                             "for the fallback); partitioned optimizer states (a callable) are not supported")
 
     col = _Collector(model, mods, precisions, precond, precond_fallback, estimator, bwd_propagated, seed,
-                     bwd_rounding)
+                     bwd_rounding, forward_drift)
     rows_per_batch, n_batches = None, 0
     with _preserved(model, mods), col.hooks():
         for batch in batches:
@@ -707,7 +803,8 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
                            "estimator": col.estimator, "num_probes": num_probes, "fld_form": fld_form,
                            "step_scale": step_scale, "bwd_rounding": bwd_rounding,
                            "precond": ",".join(sorted(col.sources)) or "none", "batches": n_batches,
-                           "tokens": int(n_tot), "loss": st.get(G, "loss_sum")[0].item() / n_tot, "seed": seed}
+                           "tokens": int(n_tot), "loss": st.get(G, "loss_sum")[0].item() / n_tot, "seed": seed,
+                           "forward_drift": col.forward_drift}
     if lam is not None:
         out["lambda"] = float(lam)
     curvature = 1.0
@@ -760,6 +857,9 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
             rqe[p] = sum(rqe_op[r][p] for r in OPERANDS)
         rec.update(fld=fld, fld_sequence=fld_sq, fld_channel=fld_ch, bwd=bwd, bwd_drift=drift, first_order=first,
                    quant_err=qe, rel_quant_err=rqe, bwd_bias=bwd_bias, bwd_drift_bias=drift_bias)
+        if col.forward_drift:
+            rec["fwd"] = {p: eta2 * float(st.get(fqn, f"fwd_sq.{p}")[0]) / float(num_probes) / (2.0 * n_tot) / W
+                          for p in col.precisions}
         for r in OPERANDS:  # per operand, for per-GEMM quant_err plans (each GEMM quantizes two of them)
             rec[f"quant_err_{r}"], rec[f"rel_quant_err_{r}"] = qe_op[r], rqe_op[r]
         if col.propagated:

@@ -212,7 +212,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: st
 
 
 def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Mapping[str, Any],
-                         bwd_key: str = "bwd") -> Tuple[float, float]:
+                         bwd_key: str = "bwd", forward_drift: bool = False) -> Tuple[float, float]:
     """A plan's predicted ``(FLD, BWD)``: the sums over its layers of the statistics at each layer's precision.
 
     A per-GEMM layer's FLD is its fprop GEMM's, and its BWD is half at the dgrad GEMM's precision and half at
@@ -224,6 +224,8 @@ def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Ma
         assignment: ``{fqn: precision}`` or ``{fqn: {gemm: precision}}``.
         bwd_key: which BWD to sum (``"bwd"``, the expected drift, or ``"bwd_bias"``, its systematic part):
             the one the plans were priced with.
+        forward_drift: add each layer's ``fwd`` at its fprop precision to the second number (the plan's
+            predicted drift in loss units, the part λ multiplies), as plans priced with FWD were.
     """
     def at(table: Mapping[str, Any], precision: str) -> float:
         value = None if precision == "bf16" else table.get(precision)
@@ -238,6 +240,8 @@ def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Ma
         else:
             fld += at(rec["fld"], value["fprop"])
             bwd += 0.5 * (at(rec[bwd_key], value["dgrad"]) + at(rec[bwd_key], value["wgrad"]))
+        if forward_drift:
+            bwd += at(rec["fwd"], value if isinstance(value, str) else value["fprop"])
     return fld, bwd
 
 

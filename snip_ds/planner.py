@@ -45,7 +45,7 @@ METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "unifo
 STATS_FORMAT = "snip_ds.stats/1"
 
 # Per-layer fields of a stats file that map precision -> number.
-_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_bias", "bwd_propagated", "bwd_dgrad",
+_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_bias", "bwd_propagated", "bwd_dgrad", "fwd",
                      "first_order",
                      "quant_err", "rel_quant_err") + tuple(
                          f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS)
@@ -603,7 +603,8 @@ BWD_ESTIMATES = {"expected": "bwd", "systematic": "bwd_bias"}
 
 
 def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool = False,
-                     bwd_key: str = "bwd", dgrad: str = "split", dgrad_calibration: float = 1.0) -> StatsCosts:
+                     bwd_key: str = "bwd", dgrad: str = "split", dgrad_calibration: float = 1.0,
+                     forward_drift: bool = False) -> StatsCosts:
     """SNIP costs C(p) = FLD(p) + λ·BWD(p) from a statistics artifact (SNIP.md sections 3-5).
 
     Args:
@@ -620,6 +621,9 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
             that the dgrad error causes (statistics collected with ``bwd_propagated=True``).
         dgrad_calibration: What ``bwd_dgrad`` overstates the measured dgrad-only drift by
             (``launch/validate_metrics.py --bwd_truth_per_gemm`` measures it).
+        forward_drift: Also price the update drift that the fprop GEMM's output error causes, λ·``fwd``
+            (statistics collected with ``forward_drift=True``), on the fprop GEMM: C(p) = FLD(p) +
+            λ·(FWD(p) + BWD(p)). λ is the horizon of a one-step drift, whichever GEMM caused it.
 
     Returns:
         :class:`StatsCosts` ``(costs, flops, pinned)``; layers with non-finite statistics are pinned to fp8
@@ -635,10 +639,17 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
         raise ValueError(f"bwd_key must be one of {', '.join(BWD_KEYS)}, got {bwd_key!r}")
     if dgrad not in DGRAD_COSTS:
         raise ValueError(f"dgrad must be one of {', '.join(DGRAD_COSTS)}, got {dgrad!r}")
+    fwd_split = {"fwd": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0}} if forward_drift else {}
+    fwd_weight = {"fwd": float(lam)} if forward_drift else {}
+    if forward_drift:
+        lacking = sorted(fqn for fqn, rec in stats["layers"].items() if "fwd" not in rec)
+        if lacking:
+            raise ValueError(f"statistics layers[{lacking[0]!r}] (and {len(lacking) - 1} more) lack field 'fwd': "
+                             f"forward_drift needs statistics collected with forward_drift=True")
     if dgrad == "split":
         split = {"fld": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0},
-                 bwd_key: {"fprop": 0.0, "dgrad": 0.5, "wgrad": 0.5}}
-        return _metric_costs(stats, {"fld": 1.0, bwd_key: float(lam)}, per_gemm, split)
+                 bwd_key: {"fprop": 0.0, "dgrad": 0.5, "wgrad": 0.5}, **fwd_split}
+        return _metric_costs(stats, {"fld": 1.0, bwd_key: float(lam), **fwd_weight}, per_gemm, split)
     if not per_gemm:
         raise ValueError("dgrad='upstream' prices the dgrad GEMM on its own: it needs per_gemm=True")
     if bwd_key == "bwd_propagated":
@@ -647,8 +658,8 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
         raise ValueError(f"dgrad_calibration must be a finite number > 0, got {dgrad_calibration!r}")
     split = {"fld": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0},
              bwd_key: {"fprop": 0.0, "dgrad": 0.0, "wgrad": 1.0},
-             "bwd_dgrad": {"fprop": 0.0, "dgrad": 1.0, "wgrad": 0.0}}
-    weights = {"fld": 1.0, bwd_key: float(lam), "bwd_dgrad": float(lam) / float(dgrad_calibration)}
+             "bwd_dgrad": {"fprop": 0.0, "dgrad": 1.0, "wgrad": 0.0}, **fwd_split}
+    weights = {"fld": 1.0, bwd_key: float(lam), "bwd_dgrad": float(lam) / float(dgrad_calibration), **fwd_weight}
     lacking = sorted(fqn for fqn, rec in stats["layers"].items() if "bwd_dgrad" not in rec)
     if lacking:
         raise ValueError(f"statistics layers[{lacking[0]!r}] (and {len(lacking) - 1} more) lack field 'bwd_dgrad': "
@@ -699,7 +710,8 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
                    pinned: Mapping[str, Any] | None = None, previous: Plan | Mapping | None = None,
                    flip_penalty: float = 0.0, max_share: float | None = None, per_gemm: bool = False,
                    time_limit: float = 10.0, compute_budget: float | None = None, dgrad: str = "split",
-                   dgrad_calibration: float = 1.0, bwd_key: str = "bwd") -> list[Plan]:
+                   dgrad_calibration: float = 1.0, bwd_key: str = "bwd",
+                   forward_drift: bool = False) -> list[Plan]:
     """Solves one of :data:`METHODS` from a statistics artifact with the same ILP and share constraint.
 
     ``allowed``, ``max_share`` and ``compute_budget`` (GEMM cost relative to all-BF16, with
@@ -707,8 +719,8 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
     :func:`solve_plan` for every method but the uniform ones.
 
     Methods:
-        best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`, with ``dgrad``, ``dgrad_calibration`` and
-            ``bwd_key``).
+        best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`, with ``dgrad``, ``dgrad_calibration``,
+            ``bwd_key`` and ``forward_drift``).
         random: seeded uniform random costs; ``num_random`` plans for seeds ``seed, seed+1, ...``.
         quant_err / rel_quant_err: costs from the artifact's ``quant_err`` / ``rel_quant_err``
             (:func:`quant_err_costs`; per-GEMM from the per-operand errors).
@@ -736,10 +748,12 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
 
     if method in ("best", "first_last_fp8"):
         sc = costs_from_stats(stats, lam, per_gemm=per_gemm, dgrad=dgrad, dgrad_calibration=dgrad_calibration,
-                              bwd_key=bwd_key)
+                              bwd_key=bwd_key, forward_drift=forward_drift)
         meta["lambda"] = float(stats["lambda"] if lam is None else lam)
         if bwd_key != "bwd":
             meta["bwd_key"] = bwd_key
+        if forward_drift:
+            meta["forward_drift"] = True
         if dgrad != "split":
             meta.update(dgrad=dgrad, dgrad_calibration=float(dgrad_calibration))
     elif method in ("quant_err", "rel_quant_err"):

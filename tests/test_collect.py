@@ -439,3 +439,81 @@ def test_input_groups_are_the_layers_that_share_an_input():
         expected += [[p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"],
                      [p + "self_attn.o_proj"], [p + "mlp.gate_proj", p + "mlp.up_proj"], [p + "mlp.down_proj"]]
     assert sorted(sorted(g) for g in groups.values()) == sorted(sorted(g) for g in expected)
+
+
+def test_forward_drift_matches_a_brute_force_linear_response(model):
+    """``fwd``: (lr²/2N)·⟨G^probe ⊙ P, ΔG⟩² for one probe, against ΔG measured directly: the planned weights'
+    training gradient with layer ℓ's output shifted by ±t·E_ℓ(p), a central difference on an FP64 copy (the
+    collector gets ⟨·, ΔG⟩ the other way round, from output gradients at W ± ε·P⊙G^probe). t = 0.01: Llama's
+    RMSNorm computes in FP32 even in an FP64 model, so a smaller shift drowns in its rounding."""
+    import copy
+    batch = _batches(1, seed=6)[0]
+    gen = torch.Generator().manual_seed(11)
+    layers = snip_layers(model)
+    pre = {f: torch.rand(m.weight.shape, generator=gen) + 0.5 for f, m in layers.items()}
+    lr, seed = 1e-2, 5
+    stats = collect_statistics(model, [batch], lr=lr, precond=pre, num_probes=1, seed=seed, forward_drift=True)
+    assert stats["forward_drift"] is True
+    fqns = sorted(layers)
+    saved = {f: m.precision for f, m in layers.items()}
+    for m in layers.values():
+        m.precision = "bf16"
+    try:  # the probe the collector drew: labels from the model's softmax with its seeded generator
+        logits = model(input_ids=batch).logits[:, :-1].reshape(-1, 257).float()
+        y_hat = torch.multinomial(torch.softmax(logits.detach(), -1), 1,
+                                  generator=torch.Generator().manual_seed(seed)).squeeze(1)
+        probe = torch.autograd.grad(F.cross_entropy(logits, y_hat, reduction="sum"),
+                                    [layers[f].weight for f in fqns])
+    finally:
+        for f, m in layers.items():
+            m.precision = saved[f]
+    v = [(g * pre[f]).double() for g, f in zip(probe, fqns)]
+    m64 = copy.deepcopy(model).double()
+    l64 = snip_layers(m64)
+    for m in l64.values():
+        m.precision = "bf16"
+    be = get_backend()
+    n = batch[:, 1:].numel()
+    checked = 0
+    for fqn in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "model.layers.1.self_attn.o_proj",
+                "model.layers.1.mlp.down_proj"):
+        mod = layers[fqn]
+        cfg = replace(mod.quant_config, stochastic_rounding=False)
+        w = mod.weight.detach().float()
+        for p in ("fp8", "fp4"):
+            grads = {}
+            for sign in (1.0, -1.0):
+                def hook(m, inp, y, sign=sign):
+                    x = inp[0].reshape(-1, inp[0].shape[-1]).float()
+                    e = (be.fprop(x.detach(), w, p, cfg) - x.detach() @ w.t()).double()
+                    return y + 1e-2 * sign * e.reshape(y.shape)
+                h = l64[fqn].register_forward_hook(hook)
+                lg = m64(input_ids=batch).logits[:, :-1].reshape(-1, 257)
+                grads[sign] = torch.autograd.grad(F.cross_entropy(lg, batch[:, 1:].reshape(-1)),
+                                                  [l64[f].weight for f in fqns])
+                h.remove()
+            a = sum((vi * (gp - gm)).sum() for vi, gp, gm in zip(v, grads[1.0], grads[-1.0])).item() / 2e-2
+            expected = lr ** 2 * a * a / (2 * n)
+            assert stats["layers"][fqn]["fwd"][p] == pytest.approx(expected, rel=0.05), (fqn, p)
+            checked += 1
+    assert checked == 8
+    # and the planner prices it on the fprop GEMM at λ: per layer FLD + λ·(FWD + BWD)
+    lam = 7.0
+    with_fwd = costs_from_stats(stats, lam, forward_drift=True).costs[LAYER]["fp4"]
+    rec = stats["layers"][LAYER]
+    assert with_fwd == pytest.approx(rec["fld"]["fp4"] + lam * (rec["fwd"]["fp4"] + rec["bwd"]["fp4"]))
+    per_gemm = costs_from_stats(stats, lam, forward_drift=True, per_gemm=True).costs[LAYER]["fp4"]
+    assert per_gemm["fprop"] == pytest.approx(rec["fld"]["fp4"] + lam * rec["fwd"]["fp4"])
+    assert per_gemm["wgrad"] == pytest.approx(0.5 * lam * rec["bwd"]["fp4"])
+
+
+def test_forward_drift_bad_settings(model):
+    b = _batches(1)
+    with pytest.raises(ValueError, match="forward_drift needs estimator='mc_fisher'"):
+        collect_statistics(model, b, lr=1e-3, estimator="empirical", forward_drift=True)
+    with pytest.raises(ValueError, match="forward_drift needs weight-shaped preconditioners"):
+        collect_statistics(model, b, lr=1e-3, forward_drift=True, precond=lambda fqn, t: (t * t).sum())
+    stats = collect_statistics(model, b, lr=1e-3)
+    assert stats["forward_drift"] is False and "fwd" not in stats["layers"][LAYER]
+    with pytest.raises(ValueError, match="lack field 'fwd': forward_drift needs statistics collected with"):
+        costs_from_stats(stats, 2.0, forward_drift=True)

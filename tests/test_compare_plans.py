@@ -269,6 +269,20 @@ def test_kind_calibration_by_hand():
     assert early["lam_2se"] == pytest.approx((0.0003 + 2 * se) / 0.003 * 8.0 / 0.4)
     assert out["late"]["lam"] is None  # the backward's gap is negative: no ratio to match
     assert mod.kind_calibration([r for r in records if r["label"] != "fp4_backward"], ["early"]) == []
+    # with FWD priced (--forward_drift) the fprop plan carries a drift too: λ = r·ΔFLD / (ΔBWD − r·ΔFWD)
+    for r in records:
+        if r["label"] == "fp4_fprop":
+            r["predicted_bwd"] = 0.5 + 1.0  # ΔFWD = 1
+    early = {k["phase"]: k for k in mod.kind_calibration(records, ["early"])}["early"]
+    assert early["d_fwd"] == pytest.approx(1.0)
+    r = 0.1
+    assert early["lam"] == pytest.approx(r * 8.0 / (0.4 - r * 1.0))
+    r2 = (0.0003 + 2 * se) / 0.003
+    assert early["lam_2se"] == pytest.approx(r2 * 8.0 / (0.4 - r2 * 1.0))
+    for r in records:
+        if r["label"] == "fp4_fprop":
+            r["predicted_bwd"] = 0.5 + 5.0  # r·ΔFWD = 0.5 > ΔBWD: no positive λ matches the ratio
+    assert {k["phase"]: k for k in mod.kind_calibration(records, ["early"])}["early"]["lam"] is None
 
 
 def test_predicted_divergence_per_layer_and_per_gemm():
@@ -283,6 +297,13 @@ def test_predicted_divergence_per_layer_and_per_gemm():
     for rec, bias in zip(layers.values(), ({"fp8": 0.5, "fp4": -1.0}, {"fp8": 0.25, "fp4": -0.5})):
         rec["bwd_bias"] = bias
     assert predicted_divergence(layers, {"a": "fp4", "b": "fp8"}, bwd_key="bwd_bias") == (10.0 + 0.5, -1.0 + 0.25)
+    # forward_drift: each layer's FWD at its fprop precision joins the drift
+    layers["a"]["fwd"] = {"fp8": 0.125, "fp4": 8.0}
+    layers["b"]["fwd"] = {"fp8": 0.0625, "fp4": 16.0}
+    assert predicted_divergence(layers, {"a": "fp4", "b": "fp8"}, forward_drift=True) == (10.5, 20.0 + 8.0 + 0.25
+                                                                                           + 0.0625)
+    assert predicted_divergence(layers, per_gemm, forward_drift=True) == (1.0, (20.0 + 2.0) / 2 + (0.25 + 4.0) / 2
+                                                                          + 0.125)
 
 
 def test_bad_arguments(tmp_path, capsys):
@@ -512,3 +533,25 @@ def test_bwd_rounding_and_key_are_recorded_reported_and_checked(quick_run, tmp_p
     for bad in (["--bwd_rounding", "stochastic"], ["--bwd_key", "bwd_noise"]):
         with pytest.raises(SystemExit):
             mod.parse_args(bad)
+
+
+def test_forward_drift_is_measured_priced_recorded_and_reported(quick_run, tmp_path):
+    """--forward_drift: the statistics gain FWD, SNIP's plans are priced with it (the records' predicted drift
+    includes it), the settings and md say so, the λ calibration gains its column, and the grid pairs with
+    --versus against one without it (whose uniform FP8 runs are the same)."""
+    mod = _script()
+    out = tmp_path / "fwd"
+    assert mod.main(["--quick", "--forward_drift", "--methods", "best,fp4_fprop,fp4_backward", "--lambdas", "2",
+                     "--output_dir", str(out), "--silent"]) == 0
+    data = json.loads((out / "compare_plans.json").read_text())
+    assert data["settings"]["forward_drift"] is True
+    assert "forward_drift" not in json.loads((quick_run / "compare_plans.json").read_text())["settings"]
+    recs = {r["label"]: r for r in data["records"]}
+    assert recs["fp4_fprop"]["predicted_bwd"] > recs["uniform_fp8"]["predicted_bwd"]  # FWD(fp4) > FWD(fp8)
+    md = (out / "compare_plans.md").read_text()
+    assert "SNIP's costs also price FWD" in md and "| ΔFWD (mnats) |" in md
+    assert "λ = r·ΔFLD / (ΔBWD − r·ΔFWD)" in md
+    default = json.loads((quick_run / "compare_plans.json").read_text())
+    fp8 = next(r["val_loss"] for r in default["records"] if r["method"] == "uniform_fp8")
+    assert recs["uniform_fp8"]["val_loss"] == fp8
+    assert mod.main(["--report_only", "--output_dir", str(out), "--versus", str(quick_run), "--silent"]) == 0
