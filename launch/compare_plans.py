@@ -181,7 +181,8 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
                                                 num_random=args.num_random, max_share=min(share + 1e-9, 1.0),
                                                 per_gemm=args.per_gemm, dgrad=args.dgrad_cost,
                                                 dgrad_calibration=args.dgrad_calibration,
-                                                bwd_key=args.bwd_key, forward_drift=args.forward_drift)
+                                                bwd_key=args.bwd_key, forward_drift=args.forward_drift,
+                                                fwd_lambda=args.fwd_lambda)
                 except ValueError as err:
                     skipped.append(dict(method=method, label=label, rho=rho, reason=str(err)))
                     continue
@@ -195,7 +196,8 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
     for p in plans:
         p["predicted_fld"], p["predicted_bwd"] = predicted_divergence(stats["layers"], p["plan"].assignment,
                                                                       bwd_key=args.bwd_key,
-                                                                      forward_drift=args.forward_drift)
+                                                                      forward_drift=args.forward_drift,
+                                                                      fwd_weight=args.fwd_lambda)
     return plans, skipped
 
 
@@ -462,7 +464,8 @@ def _bwd_words(s: Dict[str, Any]) -> str:
     part = {"bwd": "expected", "bwd_bias": "systematic part of the", "bwd_propagated": "propagated"}[
         s.get("bwd_key", "bwd")]
     how = ("as training does" if rounding == "recipe" else "to nearest")
-    fwd = ("; SNIP's costs also price FWD, the update drift of each layer's fprop error, at λ"
+    weight = "λ" if s.get("fwd_lambda") is None else f"μ = {s['fwd_lambda']:g}"
+    fwd = (f"; SNIP's costs also price FWD, the update drift of each layer's fprop error, at {weight}"
            if s.get("forward_drift") else "")
     return f"SNIP's BWD: the {part} drift, with G_Y rounded {how} in the statistics{fwd}"
 
@@ -518,17 +521,20 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
                     (f"| {u['phase']} | {u['label']} | {u['fp4_share']:.3f} | {_fmt(u['vs_fp8_q'])} | "
                      f"{_fmt(u['vs_fp8_bf16'])} | {u['vs_fp8_q'].n} |" for u in summary["uniform"]))
     if summary["kinds"]:
-        fwd = bool(s.get("forward_drift"))
+        fwd = bool(s.get("forward_drift")) and s.get("fwd_lambda") is None  # FWD at λ: a drift of its own
+        mu = s.get("fwd_lambda") if s.get("forward_drift") else None  # FWD at μ: part of the forward's price
         how = ("SNIP prices the forward GEMM with FLD + λ·FWD and the backward GEMMs with λ·BWD. The λ at which "
                "the statistics' totals (FP4 minus FP8 over all layers, in loss units) stand in the ratio r = gap "
                "backward / gap fprop that the fp4_backward and fp4_fprop runs measured: λ = r·ΔFLD / (ΔBWD − "
                "r·ΔFWD)" if fwd else
-               "SNIP prices the forward GEMM with FLD and the backward GEMMs with λ·BWD. The λ at which the "
-               "statistics' totals (FP4 minus FP8 over all layers, in loss units) stand in the ratio the "
-               "fp4_backward and fp4_fprop runs measured: λ = (gap backward / gap fprop) · ΔFLD / ΔBWD")
+               f"SNIP prices the forward GEMM with FLD{'' if mu is None else f' + {mu:g}·FWD'} and the backward "
+               "GEMMs with λ·BWD. The λ at which the statistics' totals (FP4 minus FP8 over all layers, in loss "
+               "units) stand in the ratio the fp4_backward and fp4_fprop runs measured: λ = (gap backward / gap "
+               f"fprop) · ΔFLD{'' if mu is None else f' (+ {mu:g}·ΔFWD)'} / ΔBWD")
         lines += ["## λ calibrated by the GEMM-kind plans", "",
                   how + "; 'λ at +2 SE' puts the backward's gap 2 standard errors higher.", ""]
-        lines += _table("", ("phase", "gap fp4_fprop", "gap fp4_backward", "ΔFLD (mnats)",
+        lines += _table("", ("phase", "gap fp4_fprop", "gap fp4_backward",
+                             "ΔFLD (mnats)" if mu is None else f"ΔFLD + {mu:g}·ΔFWD (mnats)",
                          *(("ΔFWD (mnats)",) if fwd else ()), "ΔBWD (mnats)", "λ", "λ at +2 SE"),
                         (f"| {k['phase']} | {_fmt(k['gap_fprop'])} | {_fmt(k['gap_backward'])} | "
                          f"{k['d_fld'] * 1e3:.3g} | " + (f"{k['d_fwd'] * 1e3:.3g} | " if fwd else "") +
@@ -741,6 +747,8 @@ def run(args) -> Dict[str, Any]:
         threads=torch.get_num_threads()), records=[], skipped=[], plans={})
     if args.forward_drift:  # recorded only when on: grids from before the option merge with those without it
         data["settings"]["forward_drift"] = True
+    if args.fwd_lambda is not None:
+        data["settings"]["fwd_lambda"] = args.fwd_lambda
     json_path = out_dir / f"{PREFIX}.json"
 
     def sink(record: Dict[str, Any]) -> None:
@@ -817,7 +825,7 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
 # settings two grids compared with --versus may differ in (the rest must match, as must their FP8 runs)
 VERSUS_FREE = {"phases", "seeds", "methods", "command", "full_command", "note", "threads", "per_gemm", "dgrad_cost",
                "dgrad_calibration", "rhos", "lambdas", "lambda_default", "num_random", "bwd_rounding", "bwd_key",
-               "forward_drift"}
+               "forward_drift", "fwd_lambda"}
 _VERSUS_KEEP = ("phase", "seed", "rho", "label", "method", "fp4_share", "val_loss", "val_loss_bf16_forward")
 
 
@@ -980,6 +988,8 @@ def parse_args(argv=None):
     ap.add_argument("--forward_drift", action="store_true",
                     help="also measure FWD, the update drift each layer's fprop error causes, and price it on the "
                          "fprop GEMM: SNIP's costs become FLD + λ·(FWD + BWD)")
+    ap.add_argument("--fwd_lambda", type=float, default=None,
+                    help="with --forward_drift: FWD's own weight μ instead of λ (costs FLD + μ·FWD + λ·BWD)")
     ap.add_argument("--fp4_recipe", default="nvfp4", choices=FP4_RECIPES, help="FP4 recipe of every run")
     ap.add_argument("--no_stochastic_rounding", dest="stochastic_rounding", action="store_false",
                     help="round FP4 gradients to nearest (default: stochastically, as NVFP4's recipe does)")
@@ -1029,6 +1039,10 @@ def parse_args(argv=None):
         ap.error("--lr_warmup_steps must be >= 0")
     if args.dgrad_cost == "upstream" and not args.per_gemm:
         ap.error("--dgrad_cost upstream prices the dgrad GEMM on its own: it needs --per_gemm")
+    if args.fwd_lambda is not None and not args.forward_drift:
+        ap.error("--fwd_lambda weighs FWD: it needs --forward_drift")
+    if args.fwd_lambda is not None and not (math.isfinite(args.fwd_lambda) and args.fwd_lambda >= 0):
+        ap.error(f"--fwd_lambda must be a finite number >= 0, got {args.fwd_lambda}")
     if not (math.isfinite(args.dgrad_calibration) and args.dgrad_calibration > 0):
         ap.error(f"--dgrad_calibration must be a finite number > 0, got {args.dgrad_calibration}")
     return args

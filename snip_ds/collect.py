@@ -18,6 +18,10 @@ scalars per layer are all-reduced, whatever the model's width):
   operand error and (``bwd_propagated``) the dgrad error and upstream terms;
 * probe hook: ``Σ_t g_tj²`` and, with E recomputed from the layer's saved input, ``Σ_rows (Σ_t g_t·E_t)²``
   (the sequence-form FLD: the Gauss-Newton form of E in expectation over the probe labels).
+* ``forward_drift=True``: after each probe, two more forward and backward passes of the training loss with
+  every layer's output shifted as its weight would be by ``±ε·P ⊙ G^probe`` give, for every layer at once,
+  ``⟨P ⊙ G^probe, ΔG⟩``: how the layer's fprop error E changes the update (``fwd``,
+  :meth:`_Collector._forward_drift_passes`).
 
 The statistics of all batches are packed into one flat tensor and summed across data-parallel ranks with a
 single call of ``reduce``; then :mod:`snip_ds.divergence` turns them into the artifact that

@@ -212,7 +212,8 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: st
 
 
 def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Mapping[str, Any],
-                         bwd_key: str = "bwd", forward_drift: bool = False) -> Tuple[float, float]:
+                         bwd_key: str = "bwd", forward_drift: bool = False,
+                         fwd_weight: Optional[float] = None) -> Tuple[float, float]:
     """A plan's predicted ``(FLD, BWD)``: the sums over its layers of the statistics at each layer's precision.
 
     A per-GEMM layer's FLD is its fprop GEMM's, and its BWD is half at the dgrad GEMM's precision and half at
@@ -226,6 +227,8 @@ def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Ma
             the one the plans were priced with.
         forward_drift: add each layer's ``fwd`` at its fprop precision to the second number (the plan's
             predicted drift in loss units, the part λ multiplies), as plans priced with FWD were.
+        fwd_weight: with ``forward_drift``, FWD's own weight μ (plans priced FLD + μ·FWD + λ·BWD): μ·FWD then
+            joins the first number instead, so that FLD + λ·BWD stays the objective.
     """
     def at(table: Mapping[str, Any], precision: str) -> float:
         value = None if precision == "bf16" else table.get(precision)
@@ -241,7 +244,11 @@ def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Ma
             fld += at(rec["fld"], value["fprop"])
             bwd += 0.5 * (at(rec[bwd_key], value["dgrad"]) + at(rec[bwd_key], value["wgrad"]))
         if forward_drift:
-            bwd += at(rec["fwd"], value if isinstance(value, str) else value["fprop"])
+            fwd = at(rec["fwd"], value if isinstance(value, str) else value["fprop"])
+            if fwd_weight is None:
+                bwd += fwd
+            else:
+                fld += fwd_weight * fwd
     return fld, bwd
 
 

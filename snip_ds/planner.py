@@ -604,7 +604,7 @@ BWD_ESTIMATES = {"expected": "bwd", "systematic": "bwd_bias"}
 
 def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool = False,
                      bwd_key: str = "bwd", dgrad: str = "split", dgrad_calibration: float = 1.0,
-                     forward_drift: bool = False) -> StatsCosts:
+                     forward_drift: bool = False, fwd_lambda: float | None = None) -> StatsCosts:
     """SNIP costs C(p) = FLD(p) + λ·BWD(p) from a statistics artifact (SNIP.md sections 3-5).
 
     Args:
@@ -624,6 +624,7 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
         forward_drift: Also price the update drift that the fprop GEMM's output error causes, λ·``fwd``
             (statistics collected with ``forward_drift=True``), on the fprop GEMM: C(p) = FLD(p) +
             λ·(FWD(p) + BWD(p)). λ is the horizon of a one-step drift, whichever GEMM caused it.
+        fwd_lambda: With ``forward_drift``: FWD's own weight μ in place of λ, C(p) = FLD(p) + μ·FWD(p) + λ·BWD(p).
 
     Returns:
         :class:`StatsCosts` ``(costs, flops, pinned)``; layers with non-finite statistics are pinned to fp8
@@ -639,8 +640,12 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
         raise ValueError(f"bwd_key must be one of {', '.join(BWD_KEYS)}, got {bwd_key!r}")
     if dgrad not in DGRAD_COSTS:
         raise ValueError(f"dgrad must be one of {', '.join(DGRAD_COSTS)}, got {dgrad!r}")
+    if fwd_lambda is not None and not forward_drift:
+        raise ValueError("fwd_lambda weighs FWD: it needs forward_drift=True")
+    if fwd_lambda is not None and (not _finite(fwd_lambda) or fwd_lambda < 0):
+        raise ValueError(f"fwd_lambda must be a finite number >= 0, got {fwd_lambda!r}")
     fwd_split = {"fwd": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0}} if forward_drift else {}
-    fwd_weight = {"fwd": float(lam)} if forward_drift else {}
+    fwd_weight = {"fwd": float(lam if fwd_lambda is None else fwd_lambda)} if forward_drift else {}
     if forward_drift:
         lacking = sorted(fqn for fqn, rec in stats["layers"].items() if "fwd" not in rec)
         if lacking:
@@ -711,7 +716,7 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
                    flip_penalty: float = 0.0, max_share: float | None = None, per_gemm: bool = False,
                    time_limit: float = 10.0, compute_budget: float | None = None, dgrad: str = "split",
                    dgrad_calibration: float = 1.0, bwd_key: str = "bwd",
-                   forward_drift: bool = False) -> list[Plan]:
+                   forward_drift: bool = False, fwd_lambda: float | None = None) -> list[Plan]:
     """Solves one of :data:`METHODS` from a statistics artifact with the same ILP and share constraint.
 
     ``allowed``, ``max_share`` and ``compute_budget`` (GEMM cost relative to all-BF16, with
@@ -720,7 +725,7 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
 
     Methods:
         best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`, with ``dgrad``, ``dgrad_calibration``,
-            ``bwd_key`` and ``forward_drift``).
+            ``bwd_key``, ``forward_drift`` and ``fwd_lambda``).
         random: seeded uniform random costs; ``num_random`` plans for seeds ``seed, seed+1, ...``.
         quant_err / rel_quant_err: costs from the artifact's ``quant_err`` / ``rel_quant_err``
             (:func:`quant_err_costs`; per-GEMM from the per-operand errors).
@@ -748,12 +753,14 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
 
     if method in ("best", "first_last_fp8"):
         sc = costs_from_stats(stats, lam, per_gemm=per_gemm, dgrad=dgrad, dgrad_calibration=dgrad_calibration,
-                              bwd_key=bwd_key, forward_drift=forward_drift)
+                              bwd_key=bwd_key, forward_drift=forward_drift, fwd_lambda=fwd_lambda)
         meta["lambda"] = float(stats["lambda"] if lam is None else lam)
         if bwd_key != "bwd":
             meta["bwd_key"] = bwd_key
         if forward_drift:
             meta["forward_drift"] = True
+        if fwd_lambda is not None:
+            meta["fwd_lambda"] = float(fwd_lambda)
         if dgrad != "split":
             meta.update(dgrad=dgrad, dgrad_calibration=float(dgrad_calibration))
     elif method in ("quant_err", "rel_quant_err"):

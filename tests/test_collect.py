@@ -505,6 +505,10 @@ def test_forward_drift_matches_a_brute_force_linear_response(model):
     per_gemm = costs_from_stats(stats, lam, forward_drift=True, per_gemm=True).costs[LAYER]["fp4"]
     assert per_gemm["fprop"] == pytest.approx(rec["fld"]["fp4"] + lam * rec["fwd"]["fp4"])
     assert per_gemm["wgrad"] == pytest.approx(0.5 * lam * rec["bwd"]["fp4"])
+    # FWD at its own weight μ instead of λ
+    mu = 0.25
+    own = costs_from_stats(stats, lam, forward_drift=True, fwd_lambda=mu).costs[LAYER]["fp4"]
+    assert own == pytest.approx(rec["fld"]["fp4"] + mu * rec["fwd"]["fp4"] + lam * rec["bwd"]["fp4"])
 
 
 def test_forward_drift_bad_settings(model):
@@ -517,3 +521,5 @@ def test_forward_drift_bad_settings(model):
     assert stats["forward_drift"] is False and "fwd" not in stats["layers"][LAYER]
     with pytest.raises(ValueError, match="lack field 'fwd': forward_drift needs statistics collected with"):
         costs_from_stats(stats, 2.0, forward_drift=True)
+    with pytest.raises(ValueError, match="fwd_lambda weighs FWD: it needs forward_drift=True"):
+        costs_from_stats(stats, 2.0, fwd_lambda=0.1)

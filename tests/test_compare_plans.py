@@ -304,6 +304,9 @@ def test_predicted_divergence_per_layer_and_per_gemm():
                                                                                            + 0.0625)
     assert predicted_divergence(layers, per_gemm, forward_drift=True) == (1.0, (20.0 + 2.0) / 2 + (0.25 + 4.0) / 2
                                                                           + 0.125)
+    # at its own weight μ, μ·FWD joins the forward's price (the first number) and the drift stays BWD's
+    assert predicted_divergence(layers, {"a": "fp4", "b": "fp8"}, forward_drift=True, fwd_weight=0.5) == (
+        10.5 + 0.5 * (8.0 + 0.0625), 20.0 + 0.25)
 
 
 def test_bad_arguments(tmp_path, capsys):
@@ -555,3 +558,16 @@ def test_forward_drift_is_measured_priced_recorded_and_reported(quick_run, tmp_p
     fp8 = next(r["val_loss"] for r in default["records"] if r["method"] == "uniform_fp8")
     assert recs["uniform_fp8"]["val_loss"] == fp8
     assert mod.main(["--report_only", "--output_dir", str(out), "--versus", str(quick_run), "--silent"]) == 0
+    # --fwd_lambda: FWD at its own weight, recorded and named; it needs --forward_drift
+    mu = tmp_path / "mu"
+    assert mod.main(["--quick", "--forward_drift", "--fwd_lambda", "0.05", "--methods", "best,fp4_fprop,fp4_backward",
+                     "--lambdas", "2", "--output_dir", str(mu), "--silent"]) == 0
+    data = json.loads((mu / "compare_plans.json").read_text())
+    assert data["settings"]["fwd_lambda"] == 0.05
+    md = (mu / "compare_plans.md").read_text()
+    assert "at μ = 0.05" in md and "| ΔFLD + 0.05·ΔFWD (mnats) |" in md and "| ΔFWD (mnats) |" not in md
+    recs = {r["label"]: r for r in data["records"]}
+    assert recs["fp4_fprop"]["predicted_bwd"] == recs["uniform_fp8"]["predicted_bwd"]  # FWD is in the FLD part
+    for bad in (["--fwd_lambda", "0.1"], ["--forward_drift", "--fwd_lambda", "-1"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)
