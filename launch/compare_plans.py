@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
 from snip_ds.config import BWD_ROUNDINGS, FP4_RECIPES, QuantConfig  # noqa: E402
-from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate,  # noqa: E402
-                             load_checkpoint, make_optimizer, mean_se, paired_differences, predicted_divergence,
-                             save_checkpoint, spearman, train_steps)
+from snip_ds.compare import (MeanSE, TrainSettings, apply_plan, attainable_share, bf16_forward,  # noqa: E402
+                             evaluate, load_checkpoint, make_optimizer, mean_se, paired_differences, paired_verdict,
+                             predicted_divergence, save_checkpoint, spearman, train_steps)
 from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.omp import preserve_torch_threads  # noqa: E402
@@ -60,6 +60,8 @@ from snip_ds.planner import BWD_KEYS, DGRAD_COSTS, solve_baseline  # noqa: E402
 from snip_ds.swap import block_index, snip_layers, swap_linears  # noqa: E402
 
 PREFIX = "compare_plans"
+# settings that parts of one grid may hold different subsets of: merged as unions (sort keys)
+_UNION = {"seeds": int, "rhos": float, "lambdas": float, "methods": lambda m: METHOD_CHOICES.index(m)}
 SOLVED = ("best", "random", "quant_err", "rel_quant_err", "first_last_fp8")
 UNIFORM = ("bf16", "uniform_fp8", "uniform_fp4")
 # one GEMM kind in FP4 in every layer, the rest FP8 (ρ-independent, opt-in): what each kind costs on its own
@@ -303,6 +305,15 @@ def _is_random(r) -> bool:
     return r["method"] == "random"
 
 
+def report_lambda(s: Dict[str, Any]) -> float:
+    """The λ whose SNIP a report checks: ``--lambda_default`` given with ``--report_only``, else the grid's."""
+    return s.get("report_lambda", s["lambda_default"])
+
+
+def _report_lambda_words(s: Dict[str, Any]) -> str:
+    return "" if "report_lambda" not in s else f"; this report checks SNIP at λ {s['report_lambda']:g}"
+
+
 def summarize(records: List[Dict[str, Any]], lambda_default: float) -> Dict[str, Any]:
     """Paired statistics per (phase, ρ, label), pooled per ρ, the λ sweep and the target checks."""
     cells = ("phase", "seed")
@@ -428,24 +439,108 @@ def objective_ranking(records, phases, rhos, lam: float) -> List[Dict[str, Any]]
     return out
 
 
-def target_checks(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """SNIP (at the default λ) against random / quant_err / rel_quant_err, per phase and ρ (quantized forward)."""
-    by = {(r["phase"], r["rho"], r["label"]): r for r in summary["rows"]}
+BASELINES = ("random", "quant_err", "rel_quant_err")
+
+
+def _cell_losses(records, select) -> Dict[tuple, float]:
+    """``(phase, seed) -> mean val_loss`` of the selected records of each cell (random: over its plans)."""
+    cells: Dict[tuple, List[float]] = {}
+    for r in records:
+        if select(r):
+            cells.setdefault((r["phase"], r["seed"]), []).append(float(r["val_loss"]))
+    return {c: sum(v) / len(v) for c, v in cells.items()}
+
+
+def target_checks(summary: Dict[str, Any], records: List[Dict[str, Any]],
+                  others: Sequence[Dict[str, Any]] = ()) -> List[Dict[str, Any]]:
+    """Issue 6's targets for SNIP at the default λ, per phase and ρ (quantized forward).
+
+    Targets: SNIP's mean gap below random's, quant_err's and rel_quant_err's, and at ρ ≥ 0.75 below random's by
+    more than 2 SE. Each baseline comes from this grid, or, where this grid did not run it, from ``others``
+    (the ``--versus`` grid's records, same cells). Per baseline: the paired difference SNIP − baseline, the
+    baseline's own paired gap to uniform FP8 (``room``) and :func:`snip_ds.compare.paired_verdict`.
+    """
+    snip_label = summary["snip_label"]
+    fp8 = _cell_losses(records, _is("uniform_fp8"))
     out = []
     for phase in summary["phases"]:
         for rho in summary["rhos"]:
-            snip = by.get((phase, rho, summary["snip_label"]))
-            if snip is None:
+            here = [r for r in records if r["phase"] == phase and r["rho"] == rho]
+            snip = _cell_losses(here, _is(snip_label))
+            if not snip:
                 continue
-            check = dict(phase=phase, rho=rho)
-            for other in ("random", "quant_err", "rel_quant_err"):
-                o = by.get((phase, rho, other))
-                check[f"below_{other}"] = None if o is None else bool(snip["vs_fp8_q"].mean < o["vs_fp8_q"].mean)
-            d = snip["vs_random_q"]
-            check["diff_vs_random"] = d
-            check["resolved_2se"] = bool(math.isfinite(d.se) and d.mean < -2 * d.se) if d.n else None
+            check: Dict[str, Any] = dict(phase=phase, rho=rho)
+            for base in BASELINES:
+                sel = _is_random if base == "random" else _is(base)
+                source, base_cells = "this grid", _cell_losses(here, sel)
+                if not base_cells:
+                    source = "versus"
+                    base_cells = _cell_losses([r for r in others if r["phase"] == phase and r["rho"] == rho], sel)
+                common = sorted(set(snip) & set(base_cells))
+                if not common:
+                    check[base] = None
+                    continue
+                diff = mean_se(snip[c] - base_cells[c] for c in common)
+                room = mean_se(base_cells[c] - fp8[c] for c in common if c in fp8)
+                check[base] = dict(diff=diff, room=room, source=source, **paired_verdict(diff, room))
+            rnd = check["random"]
+            needs_resolved = rho >= 0.75 - 1e-9
+            check["met"] = (None if any(check[b] is None for b in BASELINES) else
+                            all(check[b]["below"] for b in BASELINES)
+                            and (not needs_resolved or bool(rnd["below"] and rnd["resolved"])))
+            # the summary's earlier keys
+            for base in BASELINES:
+                check[f"below_{base}"] = None if check[base] is None else check[base]["below"]
+            check["diff_vs_random"] = rnd["diff"] if rnd else MeanSE(float("nan"), float("nan"), 0)
+            check["resolved_2se"] = None if rnd is None or rnd["resolved"] is None else \
+                bool(rnd["below"] and rnd["resolved"])
             out.append(check)
     return out
+
+
+def _same_plan(c: Dict[str, Any]) -> bool:
+    """Every paired difference exactly 0: the baseline solved SNIP's plan (runs of one plan are bit-identical)."""
+    return c["diff"].n > 0 and c["diff"].mean == 0 and (c["diff"].n == 1 or c["diff"].se == 0)
+
+
+def _target_cell(check: Dict[str, Any], base: str) -> str:
+    """A Targets table entry: SNIP − baseline, bold where resolved, and what a miss is."""
+    c = check[base]
+    if c is None:
+        return "–"
+    text = _fmt(c["diff"])
+    if c["resolved"]:
+        text = f"**{text}**"
+    if _same_plan(c):
+        text += " (the same plan)"
+    elif not c["below"]:
+        text += (" (above; one cell, no SE)" if c["resolved"] is None else " (resolved loss)" if c["resolved"]
+                 else " (tie, no room)" if c["floor"] else " (tie)")
+    elif base == "random" and check["rho"] >= 0.75 - 1e-9 and not c["resolved"]:
+        text += " (not resolved)"
+    return text + (" †" if c["source"] == "versus" else "")
+
+
+def _target_misses(checks: List[Dict[str, Any]]) -> List[str]:
+    """One line per unmet comparison: the difference, the baseline's room to FP8, and the cells to resolve it."""
+    lines = []
+    for c in checks:
+        for base in BASELINES:
+            v = c[base]
+            if v is None or (v["below"] and (base != "random" or c["rho"] < 0.75 - 1e-9 or v["resolved"])):
+                continue
+            what = ("the same plan, run for run" if _same_plan(v) else
+                    "above, with one cell (no SE)" if v["resolved"] is None and not v["below"] else
+                    "a resolved loss" if v["resolved"] and not v["below"] else
+                    "below, but not by 2 SE" if v["below"] else "a tie")
+            floor = (f"; {base}'s own gap to uniform FP8 is {_fmt(v['room'])}, less than 2 SE of the difference, "
+                     f"so even a plan exactly at FP8's quality could not be shown below it here" if v["floor"] else
+                     f"; {base}'s own gap to uniform FP8 is {_fmt(v['room'])}")
+            more = ("" if v["cells_to_resolve"] is None else
+                    f"; the observed mean would stand 2 SE from 0 at about {v['cells_to_resolve']} cells")
+            lines.append(f"- {c['phase']} ρ {c['rho']:g}, SNIP − {base}: {_fmt(v['diff'])} over {v['diff'].n} "
+                         f"cells, {what}{floor}{more}.")
+    return lines
 
 
 def _yn(x) -> str:
@@ -493,7 +588,8 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               f"{s['blocks']} blocks); {s['batch_size']}×{s['block_size']} tokens per step; AdamW lr {s['lr']:g}"
               f"{', decaying linearly to 0 over each run' if s.get('lr_decay', 'none') == 'linear' else ''}; "
               f"phases (warm-up steps) {s['phases']}; {s['steps']} steps per run; seeds {s['seeds']}; "
-              f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}); {_random_words(s)}"
+              f"ρ {s['rhos']}; λ {s['lambdas']} (default {s['lambda_default']:g}{_report_lambda_words(s)}); "
+              f"{_random_words(s)}"
               f"plans solved {'per GEMM' if s.get('per_gemm') else 'per layer'}"
               f"{_dgrad_words(s)}; {_bwd_words(s)}; "
               f"{s['eval_batches']}×{s['batch_size']} validation sequences; FP4 "
@@ -504,12 +600,21 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               "checkpoint, data order and rounding seeds) the method's validation loss minus uniform FP8's (or "
               "minus the mean of the random plans'), then mean ± standard error over cells. *q* = the plan's "
               "quantized forward, *bf16* = BF16 forward of the same weights. Negative is better.", ""]
-    lines += _table("## Targets (SNIP at the default λ, quantized-forward gap)",
-                    ("phase", "ρ", "SNIP − random", "< random", "< quant_err", "< rel_quant_err",
-                     "resolved (> 2 SE)"),
-                    (f"| {c['phase']} | {c['rho']:g} | {_fmt(c['diff_vs_random'])} | {_yn(c['below_random'])} | "
-                     f"{_yn(c['below_quant_err'])} | {_yn(c['below_rel_quant_err'])} | {_yn(c['resolved_2se'])} |"
-                     for c in target_checks(summary)))
+    checks = target_checks(summary, data["records"], (data.get("versus") or {}).get("records", ()))
+    lines += _table(f"## Targets ({summary['snip_label']}, the default λ; quantized-forward loss, SNIP − baseline)",
+                    ("phase", "ρ", "SNIP − random", "SNIP − quant_err", "SNIP − rel_quant_err", "targets met"),
+                    (f"| {c['phase']} | {c['rho']:g} | " + " | ".join(_target_cell(c, b) for b in BASELINES) +
+                     f" | {_yn(c['met'])} |" for c in checks))
+    if checks:
+        lines += ["Targets: SNIP below every baseline, and below random by more than 2 SE at ρ ≥ 0.75. Paired "
+                  "differences in millinats, bold where more than 2 SE from 0. *No room*: the baseline's own gap "
+                  "to uniform FP8 is less than 2 SE of the difference, so not even a plan exactly at FP8's "
+                  "quality could be shown below it with these cells."
+                  + (f" †: the baseline ran in the `--versus` grid (`{data['versus']['source']}`), same cells."
+                     if any(c[b] and c[b]["source"] == "versus" for c in checks for b in BASELINES) else ""), ""]
+        misses = _target_misses(checks)
+        if misses:
+            lines += ["Comparisons that miss their target:", "", *misses, ""]
     lines += _table("## Gaps per phase and ρ",
                     ("phase", "ρ", "method", "FP4 share", "vs fp8 (q)", "vs fp8 (bf16)", "vs random (q)",
                      "vs random (bf16)", "n"),
@@ -547,7 +652,7 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
         for lam, ms in summary["lambda_sweep"].items():
             lines.append(f"| {_num(lam)} | {_fmt(ms)} | {ms.n} |")
         lines += ["", f"Lowest mean gap at λ = {_num(summary['best_lambda'])} (the project default is "
-                      f"{s['lambda_default']:g}; the target rows above use the default).", ""]
+                      f"{report_lambda(s):g}; the target rows above use it).", ""]
     sp = summary["random_spread"]
     if sp.n:
         lines += [f"Spread of random plans within a cell (SD of val loss): {_fmt(sp)} mnats over {sp.n} cell(s).",
@@ -556,7 +661,7 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
         lines += ["## Does the planner's objective rank the plans' outcomes?", "",
                   f"Spearman, over the distinct solved plans of a phase (every method, ρ and λ), between a "
                   f"prediction and the plan's mean quantized-forward gap to uniform FP8 after training. "
-                  f"Objective = FLD + λ·BWD at λ = {s['lambda_default']:g}, what the planner minimises; 'within ρ' "
+                  f"Objective = FLD + λ·BWD at λ = {report_lambda(s):g}, what the planner minimises; 'within ρ' "
                   f"averages the objective's Spearman over the ρ values (the FP4 share held fixed, as the planner's "
                   f"choice is).",
                   "", "| phase | plans | objective | FLD alone | BWD alone | objective within ρ |",
@@ -693,7 +798,7 @@ def write_report(data: Dict[str, Any], out_dir: Path, plans_by_phase=None) -> Di
     records = data["records"]
     if not records:
         raise ValueError(f"{out_dir / (PREFIX + '.json')}: no records to report")
-    summary = summarize(records, data["settings"]["lambda_default"])
+    summary = summarize(records, report_lambda(data["settings"]))
     write_markdown(data, summary, out_dir / f"{PREFIX}.md")
     plot_gap(summary, out_dir / f"{PREFIX}_gap.png")
     plot_curves(records, summary, out_dir / f"{PREFIX}_curves.png")
@@ -710,6 +815,17 @@ def write_report(data: Dict[str, Any], out_dir: Path, plans_by_phase=None) -> Di
 def _log(args, msg: str) -> None:
     if not args.silent:
         print(msg, file=sys.stderr, flush=True)
+
+
+def _plain(obj):
+    """JSON-ready copy: MeanSE (and anything with ``to_dict``) as dicts, recursively."""
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
 
 
 def _write_json(data: Dict[str, Any], path: Path) -> None:
@@ -776,17 +892,21 @@ def run(args) -> Dict[str, Any]:
     _write_json(data, json_path)
     summary = write_report(data, out_dir, plans_by_phase)
     return dict(records=len(data["records"]), wall_seconds=data["wall_seconds"],
-                targets=[{k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in c.items()}
-                         for c in target_checks(summary)],
+                targets=_plain(target_checks(summary, data["records"])),
                 best_lambda=summary["best_lambda"], output_dir=str(out_dir))
 
 
 def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
-    """Reads ``compare_plans.json`` from each directory and joins them (e.g. one process per phase).
+    """Reads ``compare_plans.json`` from each directory and joins them: one process per phase, or more seeds
+    (and a subset of its ρ, λ and methods) for a phase another part ran.
+
+    Parts that share a phase must have warmed up to the same step and run disjoint (phase, seed) cells, and
+    every plan both solved (same label and ρ) must be the same plan: the same checkpoint and statistics.
+    Seeds, ρ, λ and methods of the merged settings are the unions; every record keeps its own.
 
     Raises:
         FileNotFoundError: A directory has no ``compare_plans.json``.
-        ValueError: The runs disagree on a setting other than phases/seeds/command, or repeat a phase.
+        ValueError: The runs disagree on another setting, a shared phase's warm-up or plans, or repeat a cell.
     """
     parts = []
     for d in dirs:
@@ -799,9 +919,9 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
         if note:
             data["settings"]["note"] = note
         return data
-    free = {"phases", "seeds", "command", "note", "threads"}
-    settings = dict(data["settings"], phases={}, seeds=[], command=[], note=note)
-    records, skipped, plans, wall = [], [], {}, 0.0
+    free = {"phases", "command", "note", "threads"} | set(_UNION)
+    settings = dict(data["settings"], phases={}, command=[], note=note, **{k: [] for k in _UNION})
+    records, skipped, plans, wall, cells = [], [], {}, 0.0, set()
     for d, part in zip(dirs, parts):
         st = part["settings"]
         diff = sorted(k for k in set(st) | set(data["settings"]) if k not in free
@@ -809,14 +929,29 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
         if diff:
             raise ValueError(f"{d}: settings differ from {dirs[0]} in {', '.join(diff)}; cannot merge")
         phases = st["phases"] if isinstance(st["phases"], dict) else {}
-        if set(phases) & set(settings["phases"]):
-            raise ValueError(f"{d}: phase(s) {sorted(set(phases) & set(settings['phases']))} appear twice")
+        for name, steps in phases.items():
+            if settings["phases"].get(name, steps) != steps:
+                raise ValueError(f"{d}: phase {name!r} warmed up {steps} steps here and "
+                                 f"{settings['phases'][name]} in an earlier part; cannot merge")
+        mine = {(r["phase"], r["seed"]) for r in part["records"]}
+        if mine & cells:
+            raise ValueError(f"{d}: (phase, seed) cell(s) {sorted(mine & cells)[:3]} appear in an earlier part too")
+        cells |= mine
+        for name, ps in part.get("plans", {}).items():
+            known = {(p["label"], p["rho"]): p for p in plans.setdefault(name, [])}
+            for p in ps:
+                same = known.get((p["label"], p["rho"]))
+                if same is None:
+                    plans[name].append(p)
+                elif same["assignment"] != p["assignment"]:
+                    raise ValueError(f"{d}: phase {name!r} solved another {p['label']} plan at rho {p['rho']:g} "
+                                     f"than an earlier part: not the same checkpoint and statistics; cannot merge")
         settings["phases"].update(phases)
-        settings["seeds"] = sorted(set(settings["seeds"]) | set(st["seeds"]))
+        for key, kind in _UNION.items():
+            settings[key] = sorted(set(settings[key]) | set(st.get(key, [])), key=kind)
         settings["command"].append(st["command"])
         records += part["records"]
-        skipped += part.get("skipped", [])
-        plans.update(part.get("plans", {}))
+        skipped += [s for s in part.get("skipped", []) if s not in skipped]
         wall += part.get("wall_seconds", 0.0)
     settings["command"] = " ; ".join(settings["command"])
     return dict(settings=settings, records=records, skipped=skipped, plans=plans, wall_seconds=wall)
@@ -953,8 +1088,9 @@ def parse_args(argv=None):
     ap.add_argument("--phases", default=None, help="comma-separated warm-up step counts, one checkpoint each")
     ap.add_argument("--rhos", default=None, help="comma-separated FP4 shares")
     ap.add_argument("--lambdas", default=None, help="comma-separated λ values for SNIP ('best')")
-    ap.add_argument("--lambda_default", type=float, default=2.0, help="λ of the target checks, first_last_fp8 "
-                    "and the statistics artifact")
+    ap.add_argument("--lambda_default", type=float, default=None, help="λ of the target checks, first_last_fp8 "
+                    "and the statistics artifact (default 2); with --report_only: the λ whose SNIP the report "
+                    "checks, in place of the grid's own default")
     ap.add_argument("--num_random", type=int, default=None, help="random plans per ρ")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated subset of "
                     + ", ".join(METHOD_CHOICES) + " (default: all but the fp4_<kind> plans; uniform_fp8 is always "
@@ -1008,6 +1144,9 @@ def parse_args(argv=None):
     ap.add_argument("--silent", action="store_true")
     args = ap.parse_args(argv)
     args.argv = argv
+    args.report_lambda = args.lambda_default if args.report_only else None
+    if args.lambda_default is None:
+        args.lambda_default = 2.0
     preset = QUICK if args.quick else FULL
     for key, val in preset.items():
         if getattr(args, key, None) is None:
@@ -1055,6 +1194,12 @@ def main(argv=None) -> int:
             data = merge_results(args.merge or [args.output_dir], args.note)
             if args.versus:
                 data["versus"] = versus_data(data, args.versus)
+            if args.report_lambda is not None:
+                lams = sorted({r["lambda"] for r in data["records"] if r["method"] == "best"})
+                if args.report_lambda not in lams:
+                    raise ValueError(f"--lambda_default {args.report_lambda:g}: the grid ran SNIP at λ "
+                                     f"{', '.join(f'{x:g}' for x in lams) or 'none'} only")
+                data["settings"]["report_lambda"] = args.report_lambda
             if args.merge or args.versus:
                 Path(args.output_dir).mkdir(parents=True, exist_ok=True)
                 _write_json(data, Path(args.output_dir) / f"{PREFIX}.json")

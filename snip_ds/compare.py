@@ -327,6 +327,30 @@ def paired_differences(records: Sequence[Mapping[str, Any]], key: str, cell_keys
     return [sum(s) / len(s) - sum(f) / len(f) for s, f in cells.values() if s and f]
 
 
+def paired_verdict(diff: MeanSE, room: MeanSE, z: float = 2.0) -> Dict[str, Any]:
+    """How a paired difference ``method − baseline`` stands (negative: the method is better).
+
+    Args:
+        diff: Mean ± SE over cells of the method's loss minus the baseline's.
+        room: Mean ± SE over the same cells of the baseline's loss minus the reference's (uniform FP8): how
+            far the baseline is from the reference's quality.
+        z: Standard errors that resolve a difference.
+
+    Returns:
+        ``below`` (mean < 0), ``resolved`` (|mean| > z·SE; ``None`` without an SE), ``floor`` (the room is
+        under z·SE of the difference: a plan exactly at the reference's quality could not be shown below the
+        baseline with these cells; ``None`` without an SE) and ``cells_to_resolve`` (the cells at which the
+        observed mean would stand z standard errors from 0 if it held, n·(z·SE/|mean|)², for an unresolved
+        difference; else ``None``).
+    """
+    has_se = diff.n > 1 and math.isfinite(diff.se)
+    resolved = abs(diff.mean) > z * diff.se if has_se else None
+    cells = (math.ceil(diff.n * (z * diff.se / abs(diff.mean)) ** 2)
+             if has_se and not resolved and diff.mean != 0 else None)
+    floor = bool(room.n and room.mean < z * diff.se) if has_se else None
+    return dict(below=bool(diff.mean < 0), resolved=resolved, floor=floor, cells_to_resolve=cells)
+
+
 def _ranks(xs: Sequence[float]) -> List[float]:
     """1-based ranks, ties sharing their average rank."""
     order = sorted(range(len(xs)), key=lambda i: xs[i])

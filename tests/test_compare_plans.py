@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from snip_ds.compare import (TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate, load_checkpoint,
-                             make_optimizer, mean_se, paired_differences, predicted_divergence, save_checkpoint,
-                             spearman, train_steps)
+from snip_ds.compare import (MeanSE, TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate,
+                             load_checkpoint, make_optimizer, mean_se, paired_differences, paired_verdict,
+                             predicted_divergence, save_checkpoint, spearman, train_steps)
 from snip_ds.plan import Plan
 from snip_ds.swap import snip_layers, swap_linears
 
@@ -90,10 +90,12 @@ def test_quick_markdown(quick_run):
     # one gaps row per non-random label plus the pooled random row, and one target row
     assert sum("| best λ=2 |" in line for line in rows) == 1
     assert any("| random |" in line for line in rows)
-    target = [line for line in md.splitlines() if line.startswith("| early | 0.5 | ") and line.count("|") == 8]
+    targets = md.split("## Targets")[1].split("## Gaps per phase and ρ")[0]
+    target = [line for line in targets.splitlines() if line.startswith("| early | 0.5 | ")]
     assert len(target) == 1
-    # with one seed there is no standard error: it must say so instead of inventing one
-    assert "n/a" in target[0]
+    # with one seed there is no standard error: it must say so instead of inventing one, and no verdict on
+    # a comparison needs one
+    assert "n/a" in target[0] and "resolved loss" not in target[0] and "tie" not in target[0]
 
 
 def test_quick_pngs(quick_run):
@@ -350,6 +352,145 @@ def test_paired_differences_per_cell():
             dict(cell=2, m="a", v=9.0)]  # cell 2 has no reference: left out
     d = paired_differences(recs, "v", ("cell",), lambda r: r["m"] == "a", lambda r: r["m"] == "r")
     assert d == [1.0 - 3.0, 5.0 - 5.5]
+
+
+def test_paired_verdict_by_hand():
+    # resolved win: |−1.0| > 2·0.3
+    v = paired_verdict(MeanSE(-1.0, 0.3, 12), MeanSE(2.0, 0.4, 12))
+    assert v == dict(below=True, resolved=True, floor=False, cells_to_resolve=None)
+    # a tie with room: the baseline is 1.0 above FP8, more than 2·0.25
+    v = paired_verdict(MeanSE(0.1, 0.25, 24), MeanSE(1.0, 0.3, 24))
+    assert v["below"] is False and v["resolved"] is False and v["floor"] is False
+    assert v["cells_to_resolve"] == math.ceil(24 * (2 * 0.25 / 0.1) ** 2) == 600
+    # no room: the baseline is 0.3 above FP8, less than 2·0.25, so FP8's own quality could not be shown below it
+    assert paired_verdict(MeanSE(0.1, 0.25, 24), MeanSE(0.3, 0.3, 24))["floor"] is True
+    assert paired_verdict(MeanSE(0.1, 0.25, 24), MeanSE(-0.2, 0.3, 24))["floor"] is True
+    # z is honoured: at z = 3 the first difference is no longer resolved
+    assert paired_verdict(MeanSE(-1.0, 0.4, 12), MeanSE(2.0, 0.4, 12), z=3.0)["resolved"] is False
+    # one cell: no SE, so neither resolved nor at a floor; an exact 0 needs no cell count
+    assert paired_verdict(MeanSE(0.5, float("nan"), 1), MeanSE(1.0, float("nan"), 1)) == dict(
+        below=False, resolved=None, floor=None, cells_to_resolve=None)
+    assert paired_verdict(MeanSE(0.0, 0.0, 5), MeanSE(1.0, 0.1, 5))["cells_to_resolve"] is None
+
+
+def _cell_records(values: dict, phase="early", rho=0.5, start=0):
+    """Records of one (phase, ρ) from {label: [val_loss per seed]}; uniform_fp8 is ρ-independent."""
+    out = []
+    for label, vals in values.items():
+        method = "random" if label.startswith("random") else label.split(" ")[0]
+        for i, v in enumerate(vals):
+            out.append(dict(label=label, method=method, phase=phase, seed=start + i, warmup_steps=10,
+                            rho=None if label == "uniform_fp8" else rho, val_loss=v))
+    return out
+
+
+def test_target_checks_by_hand():
+    """SNIP − each baseline paired per cell, the baseline's room to FP8, the verdicts and the targets, with a
+    baseline taken from the --versus grid where this grid did not run it."""
+    mod = _script()
+    fp8 = [2.0, 3.0, 4.0, 5.0]
+    here = _cell_records({"uniform_fp8": fp8, "best λ=2": [2.001, 3.001, 4.001, 5.001],
+                          "random#0": [2.004, 3.003, 4.005, 5.004], "random#1": [2.002, 3.003, 4.003, 5.004],
+                          "quant_err": [2.0015, 3.0005, 4.002, 5.0]}, rho=0.75)
+    other = _cell_records({"rel_quant_err": [2.001, 3.002, 4.000, 5.0015]}, rho=0.75)
+    summary = dict(snip_label="best λ=2", phases=["early"], rhos=[0.75])
+    [c] = mod.target_checks(summary, here, other)
+    rnd = c["random"]
+    assert rnd["source"] == "this grid" and rnd["diff"].n == 4
+    assert rnd["diff"].mean == pytest.approx(mean_se([-0.002, -0.002, -0.003, -0.003]).mean)
+    assert rnd["below"] and rnd["resolved"]
+    qe = c["quant_err"]
+    assert qe["diff"].mean == pytest.approx(mean_se([-0.0005, 0.0005, -0.001, 0.001]).mean, abs=1e-12)
+    assert qe["room"].mean == pytest.approx(mean_se([0.0015, 0.0005, 0.002, 0.0]).mean)
+    rq = c["rel_quant_err"]
+    assert rq["source"] == "versus"
+    assert rq["diff"].mean == pytest.approx(mean_se([0.0, -0.001, 0.001, -0.0005]).mean)
+    assert c["below_random"] and c["resolved_2se"] and c["below_rel_quant_err"]
+    assert c["met"] is (qe["below"] and rq["below"])
+    # SNIP above quant_err in the mean: the target is not met, and the report says which comparison misses
+    here_miss = [dict(r, val_loss=r["val_loss"] + 0.0005) if r["label"] == "best λ=2" else r for r in here]
+    [c] = mod.target_checks(summary, here_miss, other)
+    assert c["quant_err"]["below"] is False and c["met"] is False
+    misses = mod._target_misses([c])
+    assert any(line.startswith("- early ρ 0.75, SNIP − quant_err:") for line in misses)
+    # without the versus grid, rel_quant_err is unknown and so is the verdict
+    [c] = mod.target_checks(summary, here)
+    assert c["rel_quant_err"] is None and c["met"] is None
+    # at ρ ≥ 0.75 SNIP must beat random by more than 2 SE: a noisy win below random is not enough
+    noisy = _cell_records({"uniform_fp8": fp8, "best λ=2": [2.001, 3.006, 4.0, 5.001],
+                           "random#0": [2.004, 3.0, 4.003, 5.002], "quant_err": [2.01] * 1 + [3.01, 4.01, 5.01],
+                           "rel_quant_err": [2.01, 3.01, 4.01, 5.01]}, rho=0.75)
+    [c] = mod.target_checks(summary, noisy)
+    assert c["random"]["below"] and not c["random"]["resolved"] and c["met"] is False
+    assert "(not resolved)" in mod._target_cell(c, "random")
+    # a baseline that solved SNIP's own plan: every difference exactly 0
+    same = _cell_records({"uniform_fp8": fp8, "best λ=2": [2.001] * 4, "quant_err": [2.001] * 4,
+                          "random#0": [2.01] * 4, "rel_quant_err": [2.01] * 4}, rho=0.5)
+    [c] = mod.target_checks(dict(summary, rhos=[0.5]), same)
+    assert "(the same plan)" in mod._target_cell(c, "quant_err") and c["met"] is False
+
+
+def test_merge_adds_seeds_to_a_phase(quick_run, tmp_path):
+    """A part with more seeds of a phase merges into the grid (cells pooled per ρ); repeated cells, another
+    warm-up or other plans for the same phase are refused, naming the part."""
+    mod = _script()
+    base = json.loads((quick_run / "compare_plans.json").read_text())
+
+    def part(name, edit_settings=None, edit_records=None, edit_plans=None):
+        d = json.loads(json.dumps(base))
+        d["settings"].update(seeds=[7], rhos=[0.5], lambdas=[2.0], methods=["uniform_fp8", "best", "quant_err"])
+        d["records"] = [dict(r, seed=7, val_loss=r["val_loss"] + 1e-3) for r in d["records"]
+                        if r["method"] in ("uniform_fp8", "quant_err") or r["label"] == "best λ=2"]
+        for edit, target in ((edit_settings, d["settings"]), (edit_records, d["records"]), (edit_plans, d["plans"])):
+            if edit:
+                edit(target)
+        out = tmp_path / name
+        out.mkdir()
+        (out / "compare_plans.json").write_text(json.dumps(d))
+        return str(out)
+
+    more = part("more")
+    merged = mod.merge_results([str(quick_run), more])
+    assert merged["settings"]["seeds"] == [0, 7] and merged["settings"]["lambdas"] == [1.0, 2.0, 1000.0]
+    assert merged["settings"]["phases"] == base["settings"]["phases"]
+    assert len(merged["records"]) == len(base["records"]) + 3  # fp8, SNIP at λ 2 and quant_err of seed 7
+    assert len(merged["plans"]["early"]) == len(base["plans"]["early"])
+    summary = mod.summarize(merged["records"], 2.0)
+    row = {(r["phase"], r["label"]): r for r in summary["rows"]}
+    assert row[("early", "best λ=2")]["vs_fp8_q"].n == 2 and row[("early", "random")]["vs_fp8_q"].n == 1
+    # the report renders from the merged grid
+    assert mod.main(["--report_only", "--merge", f"{quick_run},{more}", "--output_dir", str(tmp_path / "m"),
+                     "--silent"]) == 0
+    assert "seeds [0, 7]" in (tmp_path / "m" / "compare_plans.md").read_text()
+    with pytest.raises(ValueError, match="appear in an earlier part"):
+        mod.merge_results([str(quick_run), str(quick_run)])
+    late = part("warm", edit_settings=lambda st: st["phases"].update(early=31))
+    with pytest.raises(ValueError, match="warm.*phase 'early' warmed up 31 steps"):
+        mod.merge_results([str(quick_run), late])
+
+    def other_plan(plans):
+        p = next(p for p in plans["early"] if p["label"] == "quant_err")
+        fqn = next(iter(p["assignment"]))
+        p["assignment"][fqn] = "fp8" if p["assignment"][fqn] == "fp4" else "fp4"
+    changed = part("changed", edit_plans=other_plan)
+    with pytest.raises(ValueError, match="changed.*another quant_err plan at rho 0.5"):
+        mod.merge_results([str(quick_run), changed])
+    steps = part("steps", edit_settings=lambda st: st.update(steps=99))
+    with pytest.raises(ValueError, match="settings differ .* in steps"):
+        mod.merge_results([str(quick_run), steps])
+
+
+def test_report_lambda_override(quick_run, tmp_path, capsys):
+    """--report_only --lambda_default picks the SNIP the targets check; a λ the grid did not run is refused."""
+    mod = _script()
+    out = tmp_path / "r"
+    assert mod.main(["--report_only", "--merge", str(quick_run), "--output_dir", str(out), "--lambda_default",
+                     "1000", "--silent"]) == 0
+    md = (out / "compare_plans.md").read_text()
+    assert "## Targets (best λ=1000," in md and "this report checks SNIP at λ 1000" in md
+    assert "## Targets (best λ=2," in (quick_run / "compare_plans.md").read_text()
+    assert mod.main(["--report_only", "--output_dir", str(quick_run), "--lambda_default", "7", "--silent"]) == 2
+    assert "--lambda_default 7: the grid ran SNIP at λ 1, 2, 1000 only" in capsys.readouterr().err
 
 
 def test_spearman_against_scipy():
