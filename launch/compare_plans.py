@@ -964,39 +964,55 @@ VERSUS_FREE = {"phases", "seeds", "methods", "command", "full_command", "note", 
 _VERSUS_KEEP = ("phase", "seed", "rho", "label", "method", "fp4_share", "val_loss", "val_loss_bf16_forward")
 
 
-def versus_data(data: Dict[str, Any], other_dir: str) -> Dict[str, Any]:
-    """The solved-plan records of the grid in ``other_dir`` for a paired comparison with ``data``'s grid.
+def versus_data(data: Dict[str, Any], other_dirs: Sequence[str]) -> Dict[str, Any]:
+    """The solved-plan records of the grids in ``other_dirs`` for a paired comparison with ``data``'s grid.
 
-    The two grids must have run the same cells: the same settings (apart from :data:`VERSUS_FREE`) and,
-    in every (phase, seed) cell they share, bit-identical uniform FP8 runs, i.e. the same checkpoint, data
+    Each grid must have run cells of this one: the same settings (apart from :data:`VERSUS_FREE`) and, in
+    every (phase, seed) cell they share, bit-identical uniform FP8 runs, i.e. the same checkpoint, data
     order and rounding seeds. Then a plan's validation loss in one grid minus the same method's in the other
-    is a paired difference, e.g. per-GEMM against per-layer plans.
+    is a paired difference, e.g. per-GEMM against per-layer plans. Several grids (e.g. the parts of one, or
+    baselines and another SNIP) are joined; no two may hold a run of the same plan label in the same cell.
 
     Raises:
-        FileNotFoundError: ``other_dir`` has no ``compare_plans.json``.
-        ValueError: the grids differ in a setting, share no cell, or ran a shared cell differently.
+        FileNotFoundError: a directory has no ``compare_plans.json``.
+        ValueError: a grid differs in a setting, shares no cell, ran a shared cell differently, or repeats
+            another's run.
     """
-    other = merge_results([other_dir])
-    mine, theirs = data["settings"], other["settings"]
-    diff = sorted(k for k in set(mine) | set(theirs) if k not in VERSUS_FREE and mine.get(k) != theirs.get(k))
-    if diff:
-        raise ValueError(f"{other_dir}: settings differ in {', '.join(diff)}; --versus compares grids that differ "
-                         f"only in {', '.join(sorted(VERSUS_FREE))}")
+    if isinstance(other_dirs, (str, Path)):
+        other_dirs = [other_dirs]
+    records, cells, per_gemm, seen = [], set(), set(), {}
+    for other_dir in other_dirs:
+        other = merge_results([other_dir])
+        mine, theirs = data["settings"], other["settings"]
+        diff = sorted(k for k in set(mine) | set(theirs) if k not in VERSUS_FREE and mine.get(k) != theirs.get(k))
+        if diff:
+            raise ValueError(f"{other_dir}: settings differ in {', '.join(diff)}; --versus compares grids that "
+                             f"differ only in {', '.join(sorted(VERSUS_FREE))}")
 
-    def fp8(d):
-        return {(r["phase"], r["seed"]): r["val_loss"] for r in d["records"] if r["method"] == "uniform_fp8"}
-    a, b = fp8(data), fp8(other)
-    common = sorted(set(a) & set(b))
-    if not common:
-        raise ValueError(f"{other_dir}: no (phase, seed) cell in common with this grid")
-    bad = [c for c in common if a[c] != b[c]]
-    if bad:
-        raise ValueError(f"{other_dir}: uniform FP8 ended differently in cell(s) {bad[:3]}: not the same "
-                         f"checkpoints, data orders and seeds, so nothing can be paired")
-    cells = set(common)
-    return dict(source=str(other_dir), per_gemm=bool(theirs.get("per_gemm", False)), cells=len(common),
-                records=[{k: r.get(k) for k in _VERSUS_KEEP} for r in other["records"]
-                         if r["rho"] is not None and (r["phase"], r["seed"]) in cells])
+        def fp8(d):
+            return {(r["phase"], r["seed"]): r["val_loss"] for r in d["records"] if r["method"] == "uniform_fp8"}
+        a, b = fp8(data), fp8(other)
+        common = sorted(set(a) & set(b))
+        if not common:
+            raise ValueError(f"{other_dir}: no (phase, seed) cell in common with this grid")
+        bad = [c for c in common if a[c] != b[c]]
+        if bad:
+            raise ValueError(f"{other_dir}: uniform FP8 ended differently in cell(s) {bad[:3]}: not the same "
+                             f"checkpoints, data orders and seeds, so nothing can be paired")
+        shared = set(common)
+        cells |= shared
+        per_gemm.add(bool(theirs.get("per_gemm", False)))
+        for r in other["records"]:
+            if r["rho"] is None or (r["phase"], r["seed"]) not in shared:
+                continue
+            key = (r["phase"], r["seed"], r["rho"], r["label"])
+            if key in seen:
+                raise ValueError(f"{other_dir}: {r['label']} at rho {r['rho']:g} in cell {key[:2]} ran in "
+                                 f"{seen[key]} too; --versus grids must not repeat a run")
+            seen[key] = other_dir
+            records.append({k: r.get(k) for k in _VERSUS_KEEP})
+    return dict(source=", ".join(str(d) for d in other_dirs), per_gemm=per_gemm.pop() if len(per_gemm) == 1
+                else None, cells=len(cells), records=records)
 
 
 def versus_rows(records: List[Dict[str, Any]], others: List[Dict[str, Any]],
@@ -1035,7 +1051,7 @@ def versus_rows(records: List[Dict[str, Any]], others: List[Dict[str, Any]],
 def versus_markdown(data: Dict[str, Any]) -> List[str]:
     v = data["versus"]
     mine = "per GEMM" if data["settings"].get("per_gemm") else "per layer"
-    theirs = "per GEMM" if v["per_gemm"] else "per layer"
+    theirs = {True: "per GEMM", False: "per layer", None: "per layer and per GEMM"}[v["per_gemm"]]
     lines = ["", f"## Against the grid in `{v['source']}` (plans solved {theirs})", "",
              f"Paired over the {v['cells']} (phase, seed) cells both grids ran (their uniform FP8 runs are "
              f"bit-identical): this grid's validation loss minus the other's for the same method, ρ and λ "
@@ -1138,9 +1154,10 @@ def parse_args(argv=None):
     ap.add_argument("--report_only", action="store_true", help="rewrite md and plots from the existing json")
     ap.add_argument("--merge", default=None, help="with --report_only: comma-separated result directories "
                     "to join (e.g. one process per phase) into --output_dir")
-    ap.add_argument("--versus", default=None, help="with --report_only: a result directory of a grid that ran the "
-                    "same cells with other plans (e.g. per layer against this grid's per-GEMM plans); the report "
-                    "gains their paired differences")
+    ap.add_argument("--versus", default=None, help="with --report_only: comma-separated result directories of "
+                    "grids that ran the same cells with other plans (e.g. per layer against this grid's per-GEMM "
+                    "plans, or the baselines for a SNIP-only grid); the report gains their paired differences, and "
+                    "its targets take a baseline from them where this grid did not run it")
     ap.add_argument("--silent", action="store_true")
     args = ap.parse_args(argv)
     args.argv = argv
@@ -1158,6 +1175,7 @@ def parse_args(argv=None):
         args.lambdas = _list(float, "lambdas")(str(args.lambdas))
         methods = _list(str, "methods")(args.methods)
         args.merge = _list(str, "merge")(args.merge) if args.merge else None
+        args.versus = _list(str, "versus")(args.versus) if args.versus else None
     except (argparse.ArgumentTypeError, ValueError) as err:
         ap.error(str(err))
     if args.versus and not args.report_only:
@@ -1200,7 +1218,7 @@ def main(argv=None) -> int:
                     raise ValueError(f"--lambda_default {args.report_lambda:g}: the grid ran SNIP at λ "
                                      f"{', '.join(f'{x:g}' for x in lams) or 'none'} only")
                 data["settings"]["report_lambda"] = args.report_lambda
-            if args.merge or args.versus:
+            if args.merge or args.versus or args.report_lambda is not None:
                 Path(args.output_dir).mkdir(parents=True, exist_ok=True)
                 _write_json(data, Path(args.output_dir) / f"{PREFIX}.json")
             write_report(data, Path(args.output_dir))

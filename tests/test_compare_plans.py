@@ -198,6 +198,15 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
             val(data, label, "val_loss_bf16_forward") - val(default, label, "val_loss_bf16_forward"), abs=1e-12)
         assert rows[("all", label)]["q"].n == 1
     assert ("early", "random") not in rows  # not run in the per-GEMM grid: nothing to pair
+    # ... so its targets take the random plans from the versus grid, and say so (†)
+    targets = md.split("## Targets")[1].split("## Gaps")[0]
+    assert "† |" in targets and f"the baseline ran in the `--versus` grid (`{quick_run}`)" in targets
+    [check] = mod.target_checks(mod.summarize(merged["records"], 2.0), merged["records"], merged["versus"]["records"])
+    assert check["random"]["source"] == "versus" and check["quant_err"]["source"] == "this grid"
+    assert check["random"]["diff"].mean == pytest.approx(val(data, "best λ=2") - val(default, "random#0"), abs=1e-12)
+    # several grids join; two that hold the same run are refused
+    with pytest.raises(ValueError, match="must not repeat a run"):
+        mod.versus_data(data, [str(quick_run), str(quick_run)])
     assert mod.main(["--report_only", "--output_dir", str(out), "--silent"]) == 0  # kept when re-rendered
     assert "## Against the grid in" in (out / "compare_plans.md").read_text()
     other = tmp_path / "other"
