@@ -456,8 +456,8 @@ def target_checks(summary: Dict[str, Any], records: List[Dict[str, Any]],
     """Issue 6's targets for SNIP at the default λ, per phase and ρ (quantized forward).
 
     Targets: SNIP's mean gap below random's, quant_err's and rel_quant_err's, and at ρ ≥ 0.75 below random's by
-    more than 2 SE. Each baseline comes from this grid, or, where this grid did not run it, from ``others``
-    (the ``--versus`` grid's records, same cells). Per baseline: the paired difference SNIP − baseline, the
+    more than 2 SE. A baseline's run in a cell comes from this grid, or, where this grid did not run it there,
+    from ``others`` (the ``--versus`` grids' records, same cells). Per baseline: the paired difference SNIP − baseline, the
     baseline's own paired gap to uniform FP8 (``room``) and :func:`snip_ds.compare.paired_verdict`.
     """
     snip_label = summary["snip_label"]
@@ -472,14 +472,15 @@ def target_checks(summary: Dict[str, Any], records: List[Dict[str, Any]],
             check: Dict[str, Any] = dict(phase=phase, rho=rho)
             for base in BASELINES:
                 sel = _is_random if base == "random" else _is(base)
-                source, base_cells = "this grid", _cell_losses(here, sel)
-                if not base_cells:
-                    source = "versus"
-                    base_cells = _cell_losses([r for r in others if r["phase"] == phase and r["rho"] == rho], sel)
+                own = _cell_losses(here, sel)
+                base_cells = {**_cell_losses([r for r in others if r["phase"] == phase and r["rho"] == rho], sel),
+                              **own}  # this grid's run where it has one, else the versus grid's
                 common = sorted(set(snip) & set(base_cells))
                 if not common:
                     check[base] = None
                     continue
+                source = ("this grid" if all(c in own for c in common) else
+                          "versus" if not any(c in own for c in common) else "both")
                 diff = mean_se(snip[c] - base_cells[c] for c in common)
                 room = mean_se(base_cells[c] - fp8[c] for c in common if c in fp8)
                 check[base] = dict(diff=diff, room=room, source=source, **paired_verdict(diff, room))
@@ -518,7 +519,7 @@ def _target_cell(check: Dict[str, Any], base: str) -> str:
                  else " (tie, no room)" if c["floor"] else " (tie)")
     elif base == "random" and check["rho"] >= 0.75 - 1e-9 and not c["resolved"]:
         text += " (not resolved)"
-    return text + (" †" if c["source"] == "versus" else "")
+    return text + {"this grid": "", "versus": " †", "both": " ‡"}[c["source"]]
 
 
 def _target_misses(checks: List[Dict[str, Any]]) -> List[str]:
@@ -610,8 +611,10 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
                   "differences in millinats, bold where more than 2 SE from 0. *No room*: the baseline's own gap "
                   "to uniform FP8 is less than 2 SE of the difference, so not even a plan exactly at FP8's "
                   "quality could be shown below it with these cells."
-                  + (f" †: the baseline ran in the `--versus` grid (`{data['versus']['source']}`), same cells."
-                     if any(c[b] and c[b]["source"] == "versus" for c in checks for b in BASELINES) else ""), ""]
+                  + (f" †: the baseline ran in the `--versus` grid(s) (`{data['versus']['source']}`), same cells."
+                     if any(c[b] and c[b]["source"] == "versus" for c in checks for b in BASELINES) else "")
+                  + (" ‡: in some cells from this grid, in the others from the `--versus` grid(s)."
+                     if any(c[b] and c[b]["source"] == "both" for c in checks for b in BASELINES) else ""), ""]
         misses = _target_misses(checks)
         if misses:
             lines += ["Comparisons that miss their target:", "", *misses, ""]

@@ -200,7 +200,7 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
     assert ("early", "random") not in rows  # not run in the per-GEMM grid: nothing to pair
     # ... so its targets take the random plans from the versus grid, and say so (†)
     targets = md.split("## Targets")[1].split("## Gaps")[0]
-    assert "† |" in targets and f"the baseline ran in the `--versus` grid (`{quick_run}`)" in targets
+    assert "† |" in targets and f"the baseline ran in the `--versus` grid(s) (`{quick_run}`)" in targets
     [check] = mod.target_checks(mod.summarize(merged["records"], 2.0), merged["records"], merged["versus"]["records"])
     assert check["random"]["source"] == "versus" and check["quant_err"]["source"] == "this grid"
     assert check["random"]["diff"].mean == pytest.approx(val(data, "best λ=2") - val(default, "random#0"), abs=1e-12)
@@ -422,6 +422,13 @@ def test_target_checks_by_hand():
     assert c["quant_err"]["below"] is False and c["met"] is False
     misses = mod._target_misses([c])
     assert any(line.startswith("- early ρ 0.75, SNIP − quant_err:") for line in misses)
+    # a baseline this grid ran in some cells only: the versus grid's runs fill the other cells
+    part = [r for r in here if not (r["label"] == "quant_err" and r["seed"] >= 2)]
+    extra = [dict(r, val_loss=r["val_loss"] + 1.0) for r in here if r["label"] == "quant_err"]
+    [c] = mod.target_checks(summary, part, other + extra)
+    assert c["quant_err"]["source"] == "both" and c["quant_err"]["diff"].n == 4
+    assert c["quant_err"]["diff"].mean == pytest.approx(mean_se([-0.0005, 0.0005, -1.001, -0.999]).mean)
+    assert mod._target_cell(c, "quant_err").endswith(" ‡")
     # without the versus grid, rel_quant_err is unknown and so is the verdict
     [c] = mod.target_checks(summary, here)
     assert c["rel_quant_err"] is None and c["met"] is None
