@@ -215,7 +215,8 @@ def train(args: argparse.Namespace) -> int:
         raise UserError(str(err)) from None
     if args.resume_from_checkpoint:
         try:
-            ckpt.validate(ckpt.resolve(Path(args.resume_from_checkpoint)), ckpt.model_fingerprint(model), world)
+            ckpt.validate(ckpt.resolve(Path(args.resume_from_checkpoint)), ckpt.model_fingerprint(model), world,
+                          ckpt.model_architecture(model))
         except CheckpointError as err:
             raise UserError(str(err)) from None
 

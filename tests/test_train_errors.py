@@ -120,6 +120,15 @@ CASES = {
                                           str(r["out"] / "checkpoints" / "step_1"), "--model_config", _write(
         r, "wide.json", json.dumps({**TINY_MODEL, "intermediate_size": 192}))],
         ["step_1/snip_meta.json", "different model"]),
+    # 8 heads of 8 and 4 KV heads: every parameter keeps its name and shape, but attention computes otherwise
+    "checkpoint_same_shapes_other_heads": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
+                                                      str(r["out"] / "checkpoints" / "step_1"), "--model_config",
+                                                      _write(r, "heads.json", json.dumps({
+                                                          **TINY_MODEL, "num_attention_heads": 8,
+                                                          "num_key_value_heads": 4}))],
+                                           ["step_1/snip_meta.json", "different model",
+                                            "model_architecture.num_attention_heads is 4 there and 8 here",
+                                            "model_architecture.num_key_value_heads is 2 there and 4 here"]),
     "checkpoint_interrupted_tag": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
                                               _interrupted(r) + "/step_1"],
                                    ["interrupted/step_1", "not a snip_ds checkpoint", "interrupted while saving"]),

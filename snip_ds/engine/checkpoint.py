@@ -67,6 +67,25 @@ def install_safe_loader(ds_engine) -> None:
             opt.checkpoint_engine = ds_engine.checkpoint_engine
 
 
+# Hugging Face config fields that change a Llama-family model's arithmetic. Parameter names and shapes (the
+# fingerprint) miss some of them: 8 heads of 8 have the shapes of 4 heads of 16, and eps or RoPE's base none.
+ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+                     "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+                     "attention_bias", "mlp_bias", "tie_word_embeddings", "sliding_window", "use_sliding_window",
+                     "max_window_layers", "layer_types")
+
+
+def model_architecture(model: torch.nn.Module) -> Dict[str, Any]:
+    """The :data:`ARCHITECTURE_KEYS` of ``model.config`` that it has, as JSON values; ``{}`` for a model without
+    a Hugging Face config (then only the fingerprint is checked)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return {}
+    values = config.to_dict()
+    return {k: json.loads(json.dumps(values[k], default=str)) for k in ARCHITECTURE_KEYS if k in values}
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
     """sha256 of every parameter's name and full shape (``ds_shape`` under ZeRO-3)."""
     h = hashlib.sha256()
@@ -86,7 +105,7 @@ def _barrier() -> None:
 
 
 def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_state: Mapping[str, Any],
-         fingerprint: str, world_size: int) -> Path:
+         fingerprint: str, world_size: int, architecture: Mapping[str, Any] | None = None) -> Path:
     """Writes one complete checkpoint; returns its directory. ``latest`` is updated last."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     tag_dir = save_dir / tag
@@ -103,7 +122,7 @@ def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_stat
     _barrier()
     if rank == 0:
         full = {"format": FORMAT, "tag": tag, "world_size": world_size, "model_fingerprint": fingerprint,
-                **meta}
+                "model_architecture": dict(architecture or {}), **meta}
         atomic_write_text(tag_dir / META_FILE, json.dumps(full, indent=2, sort_keys=True))
         atomic_write_text(save_dir / LATEST_FILE, tag)
     _barrier()
@@ -137,10 +156,22 @@ def read_meta(tag_dir: Path) -> Dict[str, Any]:
     return meta
 
 
-def validate(tag_dir: Path, fingerprint: str, world_size: int) -> Dict[str, Any]:
-    """Checks, before anything is loaded, that the checkpoint fits this model and world size."""
+def validate(tag_dir: Path, fingerprint: str, world_size: int,
+             architecture: Mapping[str, Any] | None = None) -> Dict[str, Any]:
+    """Checks, before anything is loaded, that the checkpoint fits this model and world size.
+
+    ``architecture`` (:func:`model_architecture`) is compared field by field with the one the checkpoint
+    recorded, where both have the field; checkpoints written before it was recorded are checked by the
+    fingerprint alone.
+    """
     meta = read_meta(tag_dir)
     path = tag_dir / META_FILE
+    saved = meta.get("model_architecture") or {}
+    differ = sorted(k for k in set(saved) & set(architecture or {}) if saved[k] != architecture[k])
+    if differ:
+        raise CheckpointError(f"{path}: the checkpoint was saved from a different model: " + "; ".join(
+            f"model_architecture.{k} is {json.dumps(saved[k])} there and {json.dumps(architecture[k])} here"
+            for k in differ))
     if meta.get("model_fingerprint") != fingerprint:
         raise CheckpointError(f"{path}: model_fingerprint differs: the checkpoint was saved from a different "
                               f"model (parameter names or shapes differ)")

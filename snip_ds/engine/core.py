@@ -198,7 +198,8 @@ class SnipEngine:
         meta = {"step": self.step, "plan": self.plan.to_dict() if self.plan else None,
                 "settings": self.settings.to_dict(), **extra}
         return ckpt.save(self.ds, Path(save_dir), f"step_{self.step}", meta, state,
-                         ckpt.model_fingerprint(self.ds.module), sdist.world_size())
+                         ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
+                         ckpt.model_architecture(self.ds.module))
 
     def load_checkpoint(self, path: str | Path) -> Dict[str, Any]:
         """Restores a checkpoint written by :meth:`save_checkpoint`; returns its metadata.
@@ -207,7 +208,8 @@ class SnipEngine:
             CheckpointError: missing/incomplete checkpoint, a different model or a different world size.
         """
         tag_dir = ckpt.resolve(Path(path))
-        meta = ckpt.validate(tag_dir, ckpt.model_fingerprint(self.ds.module), sdist.world_size())
+        meta = ckpt.validate(tag_dir, ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
+                             ckpt.model_architecture(self.ds.module))
         state = ckpt.load(self.ds, tag_dir, sdist.rank())
         for fqn, gen_state in state["generators"].items():
             self.layers[fqn].generator.set_state(gen_state)
