@@ -537,8 +537,10 @@ def _target_misses(checks: List[Dict[str, Any]]) -> List[str]:
             floor = (f"; {base}'s own gap to uniform FP8 is {_fmt(v['room'])}, less than 2 SE of the difference, "
                      f"so even a plan exactly at FP8's quality could not be shown below it here" if v["floor"] else
                      f"; {base}'s own gap to uniform FP8 is {_fmt(v['room'])}")
-            more = ("" if v["cells_to_resolve"] is None else
-                    f"; the observed mean would stand 2 SE from 0 at about {v['cells_to_resolve']} cells")
+            n, need = v["diff"].n, v["cells_to_resolve"]
+            more = ("" if need is None else
+                    f"; the observed mean would stand 2 SE from 0 at about {need} cells" if need <= 100 * n else
+                    f"; the observed mean would stand 2 SE from 0 only at over 100 times these cells")
             lines.append(f"- {c['phase']} ρ {c['rho']:g}, SNIP − {base}: {_fmt(v['diff'])} over {v['diff'].n} "
                          f"cells, {what}{floor}{more}.")
     return lines

@@ -429,6 +429,11 @@ def test_target_checks_by_hand():
     assert c["quant_err"]["source"] == "both" and c["quant_err"]["diff"].n == 4
     assert c["quant_err"]["diff"].mean == pytest.approx(mean_se([-0.0005, 0.0005, -1.001, -0.999]).mean)
     assert mod._target_cell(c, "quant_err").endswith(" ‡")
+    # a mean that is all but 0 would need an absurd number of cells: the report says so instead of a number
+    tiny = MeanSE(1e-9, 3e-4, 12)
+    line = mod._target_misses([dict(phase="early", rho=0.5, random=None, rel_quant_err=None, quant_err=dict(
+        diff=tiny, room=MeanSE(2e-3, 3e-4, 12), source="this grid", **paired_verdict(tiny, MeanSE(2e-3, 3e-4, 12))))])
+    assert len(line) == 1 and "only at over 100 times these cells" in line[0] and ", a tie;" in line[0]
     # without the versus grid, rel_quant_err is unknown and so is the verdict
     [c] = mod.target_checks(summary, here)
     assert c["rel_quant_err"] is None and c["met"] is None
