@@ -457,8 +457,9 @@ def target_checks(summary: Dict[str, Any], records: List[Dict[str, Any]],
 
     Targets: SNIP's mean gap below random's, quant_err's and rel_quant_err's, and at ρ ≥ 0.75 below random's by
     more than 2 SE. A baseline's run in a cell comes from this grid, or, where this grid did not run it there,
-    from ``others`` (the ``--versus`` grids' records, same cells). Per baseline: the paired difference SNIP − baseline, the
-    baseline's own paired gap to uniform FP8 (``room``) and :func:`snip_ds.compare.paired_verdict`.
+    from ``others`` (the ``--versus`` grids' records, same cells). Per baseline: the paired difference
+    SNIP − baseline, the baseline's own paired gap to uniform FP8 (``room``) and
+    :func:`snip_ds.compare.paired_verdict`.
     """
     snip_label = summary["snip_label"]
     fp8 = _cell_losses(records, _is("uniform_fp8"))
@@ -656,8 +657,8 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
                   "| λ | gap (mnats) | n |", "|---|---|---|"]
         for lam, ms in summary["lambda_sweep"].items():
             lines.append(f"| {_num(lam)} | {_fmt(ms)} | {ms.n} |")
-        lines += ["", f"Lowest mean gap at λ = {_num(summary['best_lambda'])} (the project default is "
-                      f"{report_lambda(s):g}; the target rows above use it).", ""]
+        lines += ["", f"Lowest mean gap at λ = {_num(summary['best_lambda'])} (the target rows above check λ = "
+                      f"{report_lambda(s):g}).", ""]
     sp = summary["random_spread"]
     if sp.n:
         lines += [f"Spread of random plans within a cell (SD of val loss): {_fmt(sp)} mnats over {sp.n} cell(s).",
@@ -924,7 +925,7 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
         if note:
             data["settings"]["note"] = note
         return data
-    free = {"phases", "command", "note", "threads"} | set(_UNION)
+    free = {"phases", "command", "note", "threads", "report_lambda"} | set(_UNION)
     settings = dict(data["settings"], phases={}, command=[], note=note, **{k: [] for k in _UNION})
     records, skipped, plans, wall, cells = [], [], {}, 0.0, set()
     for d, part in zip(dirs, parts):
@@ -965,7 +966,7 @@ def merge_results(dirs: Sequence[str], note: str = "") -> Dict[str, Any]:
 # settings two grids compared with --versus may differ in (the rest must match, as must their FP8 runs)
 VERSUS_FREE = {"phases", "seeds", "methods", "command", "full_command", "note", "threads", "per_gemm", "dgrad_cost",
                "dgrad_calibration", "rhos", "lambdas", "lambda_default", "num_random", "bwd_rounding", "bwd_key",
-               "forward_drift", "fwd_lambda"}
+               "forward_drift", "fwd_lambda", "report_lambda"}
 _VERSUS_KEEP = ("phase", "seed", "rho", "label", "method", "fp4_share", "val_loss", "val_loss_bf16_forward")
 
 
@@ -985,6 +986,9 @@ def versus_data(data: Dict[str, Any], other_dirs: Sequence[str]) -> Dict[str, An
     """
     if isinstance(other_dirs, (str, Path)):
         other_dirs = [other_dirs]
+    def fp8(d):
+        return {(r["phase"], r["seed"]): r["val_loss"] for r in d["records"] if r["method"] == "uniform_fp8"}
+
     records, cells, per_gemm, seen = [], set(), set(), {}
     for other_dir in other_dirs:
         other = merge_results([other_dir])
@@ -993,9 +997,6 @@ def versus_data(data: Dict[str, Any], other_dirs: Sequence[str]) -> Dict[str, An
         if diff:
             raise ValueError(f"{other_dir}: settings differ in {', '.join(diff)}; --versus compares grids that "
                              f"differ only in {', '.join(sorted(VERSUS_FREE))}")
-
-        def fp8(d):
-            return {(r["phase"], r["seed"]): r["val_loss"] for r in d["records"] if r["method"] == "uniform_fp8"}
         a, b = fp8(data), fp8(other)
         common = sorted(set(a) & set(b))
         if not common:
