@@ -69,11 +69,13 @@ def install_safe_loader(ds_engine) -> None:
 
 # Hugging Face config fields that change a Llama-family model's arithmetic. Parameter names and shapes (the
 # fingerprint) miss some of them: 8 heads of 8 have the shapes of 4 heads of 16, and eps or RoPE's base none.
+# max_position_embeddings is left out: the default model sizes it from block_size, and a run may resume at
+# another sequence length (RoPE scalings that read it carry their own original length in rope_scaling).
 ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
-                     "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-                     "attention_bias", "mlp_bias", "tie_word_embeddings", "sliding_window", "use_sliding_window",
-                     "max_window_layers", "layer_types")
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                     "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "attention_bias",
+                     "mlp_bias", "tie_word_embeddings", "sliding_window", "use_sliding_window", "max_window_layers",
+                     "layer_types")
 
 
 def model_architecture(model: torch.nn.Module) -> Dict[str, Any]:
