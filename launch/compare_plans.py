@@ -490,6 +490,11 @@ def target_checks(summary: Dict[str, Any], records: List[Dict[str, Any]],
             check["met"] = (None if any(check[b] is None for b in BASELINES) else
                             all(check[b]["below"] for b in BASELINES)
                             and (not needs_resolved or bool(rnd["below"] and rnd["resolved"])))
+            # missed only by ties: random's target met, and no quant-error baseline resolvably below SNIP
+            check["ties_only"] = (check["met"] is False and bool(rnd["below"]) and
+                                  (not needs_resolved or bool(rnd["resolved"])) and
+                                  all(check[b]["below"] or check[b]["resolved"] is False
+                                      for b in BASELINES[1:]))
             # the summary's earlier keys
             for base in BASELINES:
                 check[f"below_{base}"] = None if check[base] is None else check[base]["below"]
@@ -608,12 +613,13 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
     lines += _table(f"## Targets ({summary['snip_label']}, the default λ; quantized-forward loss, SNIP − baseline)",
                     ("phase", "ρ", "SNIP − random", "SNIP − quant_err", "SNIP − rel_quant_err", "targets met"),
                     (f"| {c['phase']} | {c['rho']:g} | " + " | ".join(_target_cell(c, b) for b in BASELINES) +
-                     f" | {_yn(c['met'])} |" for c in checks))
+                     f" | {_yn(c['met'])}{' (ties only)' if c['ties_only'] else ''} |" for c in checks))
     if checks:
         lines += ["Targets: SNIP below every baseline, and below random by more than 2 SE at ρ ≥ 0.75. Paired "
                   "differences in millinats, bold where more than 2 SE from 0. *No room*: the baseline's own gap "
                   "to uniform FP8 is less than 2 SE of the difference, so not even a plan exactly at FP8's "
-                  "quality could be shown below it with these cells."
+                  "quality could be shown below it with these cells. *Ties only*: random's target is met and no "
+                  "quant-error baseline is more than 2 SE below SNIP."
                   + (f" †: the baseline ran in the `--versus` grid(s) (`{data['versus']['source']}`), same cells."
                      if any(c[b] and c[b]["source"] == "versus" for c in checks for b in BASELINES) else "")
                   + (" ‡: in some cells from this grid, in the others from the `--versus` grid(s)."

@@ -420,6 +420,11 @@ def test_target_checks_by_hand():
     here_miss = [dict(r, val_loss=r["val_loss"] + 0.0005) if r["label"] == "best λ=2" else r for r in here]
     [c] = mod.target_checks(summary, here_miss, other)
     assert c["quant_err"]["below"] is False and c["met"] is False
+    assert c["quant_err"]["resolved"] is False and c["ties_only"] is True  # a tie, not a loss
+    better_qe = [dict(r, val_loss=r["val_loss"] - 0.003) if r["label"] == "quant_err" else r for r in here]
+    [c] = mod.target_checks(summary, better_qe, other)
+    assert c["random"]["below"] and c["random"]["resolved"]  # random's target still met ...
+    assert c["quant_err"]["resolved"] is True and c["ties_only"] is False  # ... but quant_err wins resolvably
     misses = mod._target_misses([c])
     assert any(line.startswith("- early ρ 0.75, SNIP − quant_err:") for line in misses)
     # a baseline this grid ran in some cells only: the versus grid's runs fill the other cells
@@ -443,6 +448,7 @@ def test_target_checks_by_hand():
                            "rel_quant_err": [2.01, 3.01, 4.01, 5.01]}, rho=0.75)
     [c] = mod.target_checks(summary, noisy)
     assert c["random"]["below"] and not c["random"]["resolved"] and c["met"] is False
+    assert c["ties_only"] is False  # random must be beaten by 2 SE at ρ ≥ 0.75: a tie there is a miss
     assert "(not resolved)" in mod._target_cell(c, "random")
     # a baseline that solved SNIP's own plan: every difference exactly 0
     same = _cell_records({"uniform_fp8": fp8, "best λ=2": [2.001] * 4, "quant_err": [2.001] * 4,
