@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
 from snip_ds.config import BWD_ROUNDINGS, FP4_RECIPES, QuantConfig  # noqa: E402
 from snip_ds.compare import (MeanSE, TrainSettings, apply_plan, attainable_share, bf16_forward,  # noqa: E402
-                             evaluate, load_checkpoint, make_optimizer, mean_se, paired_differences, paired_verdict,
-                             predicted_divergence, save_checkpoint, spearman, train_steps)
+                             cell_means, evaluate, load_checkpoint, make_optimizer, mean_se, paired_differences,
+                             paired_verdict, predicted_divergence, save_checkpoint, spearman, train_steps)
 from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.omp import preserve_torch_threads  # noqa: E402
@@ -444,11 +444,19 @@ BASELINES = ("random", "quant_err", "rel_quant_err")
 
 def _cell_losses(records, select) -> Dict[tuple, float]:
     """``(phase, seed) -> mean val_loss`` of the selected records of each cell (random: over its plans)."""
-    cells: Dict[tuple, List[float]] = {}
-    for r in records:
-        if select(r):
-            cells.setdefault((r["phase"], r["seed"]), []).append(float(r["val_loss"]))
-    return {c: sum(v) / len(v) for c, v in cells.items()}
+    return cell_means(records, "val_loss", ("phase", "seed"), select)
+
+
+def _needs_resolved(rho: float) -> bool:
+    """At ρ ≥ 0.75 the target asks SNIP to beat random by more than 2 SE, not only in the mean."""
+    return rho >= 0.75 - 1e-9
+
+
+def _is_miss(check: Dict[str, Any], base: str) -> bool:
+    """SNIP misses its target against ``base`` in this cell."""
+    v = check[base]
+    return v is not None and not (v["below"] and (base != "random" or not _needs_resolved(check["rho"])
+                                                  or v["resolved"]))
 
 
 def target_checks(summary: Dict[str, Any], records: List[Dict[str, Any]],
@@ -486,7 +494,7 @@ def target_checks(summary: Dict[str, Any], records: List[Dict[str, Any]],
                 room = mean_se(base_cells[c] - fp8[c] for c in common if c in fp8)
                 check[base] = dict(diff=diff, room=room, source=source, **paired_verdict(diff, room))
             rnd = check["random"]
-            needs_resolved = rho >= 0.75 - 1e-9
+            needs_resolved = _needs_resolved(rho)
             check["met"] = (None if any(check[b] is None for b in BASELINES) else
                             all(check[b]["below"] for b in BASELINES)
                             and (not needs_resolved or bool(rnd["below"] and rnd["resolved"])))
@@ -523,7 +531,7 @@ def _target_cell(check: Dict[str, Any], base: str) -> str:
     elif not c["below"]:
         text += (" (above; one cell, no SE)" if c["resolved"] is None else " (resolved loss)" if c["resolved"]
                  else " (tie, no room)" if c["floor"] else " (tie)")
-    elif base == "random" and check["rho"] >= 0.75 - 1e-9 and not c["resolved"]:
+    elif _is_miss(check, base):
         text += " (not resolved)"
     return text + {"this grid": "", "versus": " †", "both": " ‡"}[c["source"]]
 
@@ -533,9 +541,9 @@ def _target_misses(checks: List[Dict[str, Any]]) -> List[str]:
     lines = []
     for c in checks:
         for base in BASELINES:
-            v = c[base]
-            if v is None or (v["below"] and (base != "random" or c["rho"] < 0.75 - 1e-9 or v["resolved"])):
+            if not _is_miss(c, base):
                 continue
+            v = c[base]
             what = ("the same plan, run for run" if _same_plan(v) else
                     "above, with one cell (no SE)" if v["resolved"] is None and not v["below"] else
                     "a resolved loss" if v["resolved"] and not v["below"] else
@@ -829,20 +837,14 @@ def _log(args, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _plain(obj):
-    """JSON-ready copy: MeanSE (and anything with ``to_dict``) as dicts, recursively."""
-    if hasattr(obj, "to_dict"):
-        return obj.to_dict()
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
+def _json_default(o):
+    """What json writes for MeanSE (and anything else with ``to_dict``); other objects as text."""
+    return o.to_dict() if hasattr(o, "to_dict") else str(o)
 
 
 def _write_json(data: Dict[str, Any], path: Path) -> None:
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=lambda o: o.to_dict() if hasattr(o, "to_dict") else str(o)),
+    tmp.write_text(json.dumps(data, indent=1, default=_json_default),
                    encoding="utf-8")
     os.replace(tmp, path)
 
@@ -904,7 +906,7 @@ def run(args) -> Dict[str, Any]:
     _write_json(data, json_path)
     summary = write_report(data, out_dir, plans_by_phase)
     return dict(records=len(data["records"]), wall_seconds=data["wall_seconds"],
-                targets=_plain(target_checks(summary, data["records"])),
+                targets=target_checks(summary, data["records"]),
                 best_lambda=summary["best_lambda"], output_dir=str(out_dir))
 
 
@@ -1240,7 +1242,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"compare_plans: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(result))
+    print(json.dumps(result, default=_json_default))
     return 0
 
 

@@ -11,7 +11,7 @@ cancels. This module holds the pieces, in plain torch (one process, FP32 on CPU,
   what the statistics predict for a plan, and the FP4 share every method is solved at;
 * :func:`save_checkpoint`, :func:`load_checkpoint` — model as safetensors, optimizer with ``torch.save``,
   read back with ``weights_only=True``;
-* :func:`mean_se`, :func:`paired_differences` — means with standard errors of paired differences;
+* :func:`mean_se`, :func:`cell_means`, :func:`paired_differences` — means with standard errors of paired differences;
   :func:`spearman` — rank correlation (average ranks for ties).
 
 Orchestration (the grid, the report, the plots) lives in ``launch/compare_plans.py``.
@@ -305,6 +305,16 @@ def mean_se(values: Iterable[float]) -> MeanSE:
     return MeanSE(mean, math.sqrt(var / n), n)
 
 
+def cell_means(records: Sequence[Mapping[str, Any]], key: str, cell_keys: Sequence[str],
+               select: Callable[[Mapping[str, Any]], bool]) -> Dict[tuple, float]:
+    """Per cell (the values of ``cell_keys``), the mean of ``key`` over the selected records that have it."""
+    cells: Dict[tuple, List[float]] = {}
+    for r in records:
+        if r.get(key) is not None and select(r):
+            cells.setdefault(tuple(r.get(k) for k in cell_keys), []).append(float(r[key]))
+    return {c: sum(v) / len(v) for c, v in cells.items()}
+
+
 def paired_differences(records: Sequence[Mapping[str, Any]], key: str, cell_keys: Sequence[str],
                        select: Callable[[Mapping[str, Any]], bool],
                        reference: Callable[[Mapping[str, Any]], bool]) -> List[float]:
@@ -314,17 +324,8 @@ def paired_differences(records: Sequence[Mapping[str, Any]], key: str, cell_keys
     selected and a reference record contributes nothing. Averaging within a cell first (e.g. over several
     random plans) keeps one difference per cell, so the standard error counts cells, the independent units.
     """
-    cells: Dict[tuple, Tuple[List[float], List[float]]] = {}
-    for r in records:
-        cell = tuple(r.get(k) for k in cell_keys)
-        sel, ref = cells.setdefault(cell, ([], []))
-        if r.get(key) is None:
-            continue
-        if select(r):
-            sel.append(float(r[key]))
-        if reference(r):
-            ref.append(float(r[key]))
-    return [sum(s) / len(s) - sum(f) / len(f) for s, f in cells.values() if s and f]
+    sel, ref = (cell_means(records, key, cell_keys, f) for f in (select, reference))
+    return [m - ref[c] for c, m in sel.items() if c in ref]
 
 
 def paired_verdict(diff: MeanSE, room: MeanSE, z: float = 2.0) -> Dict[str, Any]:
