@@ -199,7 +199,9 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
         p["predicted_fld"], p["predicted_bwd"] = predicted_divergence(stats["layers"], p["plan"].assignment,
                                                                       bwd_key=args.bwd_key,
                                                                       forward_drift=args.forward_drift,
-                                                                      fwd_weight=args.fwd_lambda)
+                                                                      fwd_weight=args.fwd_lambda,
+                                                                      dgrad=args.dgrad_cost,
+                                                                      dgrad_calibration=args.dgrad_calibration)
     return plans, skipped
 
 

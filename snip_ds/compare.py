@@ -213,12 +213,14 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: st
 
 def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Mapping[str, Any],
                          bwd_key: str = "bwd", forward_drift: bool = False,
-                         fwd_weight: Optional[float] = None) -> Tuple[float, float]:
+                         fwd_weight: Optional[float] = None, dgrad: str = "split",
+                         dgrad_calibration: float = 1.0) -> Tuple[float, float]:
     """A plan's predicted ``(FLD, BWD)``: the sums over its layers of the statistics at each layer's precision.
 
-    A per-GEMM layer's FLD is its fprop GEMM's, and its BWD is half at the dgrad GEMM's precision and half at
-    the wgrad GEMM's: the split :func:`snip_ds.planner.costs_from_stats` prices per-GEMM plans with. bf16 and
-    missing (non-finite) values count 0.
+    A per-GEMM layer's FLD is its fprop GEMM's. Its BWD is priced as :func:`snip_ds.planner.costs_from_stats`
+    priced the plan: with ``dgrad="split"``, half at the dgrad GEMM's precision and half at the wgrad GEMM's;
+    with ``dgrad="upstream"``, the whole BWD at the wgrad GEMM's precision plus ``bwd_dgrad`` /
+    ``dgrad_calibration`` at the dgrad GEMM's. bf16 and missing (non-finite) values count 0.
 
     Args:
         layers: the statistics artifact's ``layers`` (``{fqn: {"fld": {precision: x}, "bwd": {...}}}``).
@@ -229,7 +231,11 @@ def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Ma
             predicted drift in loss units, the part λ multiplies), as plans priced with FWD were.
         fwd_weight: with ``forward_drift``, FWD's own weight μ (plans priced FLD + μ·FWD + λ·BWD): μ·FWD then
             joins the first number instead, so that FLD + λ·BWD stays the objective.
+        dgrad: how per-GEMM plans priced dgrad, ``"split"`` or ``"upstream"`` (the planner's ``dgrad``).
+        dgrad_calibration: with ``dgrad="upstream"``, what ``bwd_dgrad`` was divided by.
     """
+    if dgrad not in ("split", "upstream"):
+        raise ValueError(f"dgrad must be 'split' or 'upstream', got {dgrad!r}")
     def at(table: Mapping[str, Any], precision: str) -> float:
         value = None if precision == "bf16" else table.get(precision)
         return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
@@ -242,7 +248,10 @@ def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Ma
             bwd += at(rec[bwd_key], value)
         else:
             fld += at(rec["fld"], value["fprop"])
-            bwd += 0.5 * (at(rec[bwd_key], value["dgrad"]) + at(rec[bwd_key], value["wgrad"]))
+            if dgrad == "split":
+                bwd += 0.5 * (at(rec[bwd_key], value["dgrad"]) + at(rec[bwd_key], value["wgrad"]))
+            else:
+                bwd += at(rec[bwd_key], value["wgrad"]) + at(rec["bwd_dgrad"], value["dgrad"]) / dgrad_calibration
         if forward_drift:
             fwd = at(rec["fwd"], value if isinstance(value, str) else value["fprop"])
             if fwd_weight is None:

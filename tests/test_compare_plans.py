@@ -318,6 +318,13 @@ def test_predicted_divergence_per_layer_and_per_gemm():
     # at its own weight μ, μ·FWD joins the forward's price (the first number) and the drift stays BWD's
     assert predicted_divergence(layers, {"a": "fp4", "b": "fp8"}, forward_drift=True, fwd_weight=0.5) == (
         10.5 + 0.5 * (8.0 + 0.0625), 20.0 + 0.25)
+    # dgrad priced upstream: the whole BWD at wgrad's precision, bwd_dgrad / calibration at dgrad's
+    layers["a"]["bwd_dgrad"] = {"fp8": 3.0, "fp4": 30.0}
+    layers["b"]["bwd_dgrad"] = {"fp8": 5.0, "fp4": 50.0}
+    assert predicted_divergence(layers, per_gemm, dgrad="upstream", dgrad_calibration=10.0) == (
+        1.0, 2.0 + 30.0 / 10.0 + 4.0 + 5.0 / 10.0)
+    with pytest.raises(ValueError, match="dgrad"):
+        predicted_divergence(layers, per_gemm, dgrad="both")
 
 
 def test_bad_arguments(tmp_path, capsys):
