@@ -978,6 +978,8 @@ VERSUS_FREE = {"phases", "seeds", "methods", "command", "full_command", "note", 
                "dgrad_calibration", "rhos", "lambdas", "lambda_default", "num_random", "bwd_rounding", "bwd_key",
                "forward_drift", "fwd_lambda", "report_lambda"}
 _VERSUS_KEEP = ("phase", "seed", "rho", "label", "method", "fp4_share", "val_loss", "val_loss_bf16_forward")
+# what a run repeated in two --versus grids must match to count once (the same plan, run bit for bit alike)
+_RERUN_SAME = ("method", "plan_digest", "fp4_share", "val_loss", "val_loss_bf16_forward")
 
 
 def versus_data(data: Dict[str, Any], other_dirs: Sequence[str]) -> Dict[str, Any]:
@@ -987,12 +989,13 @@ def versus_data(data: Dict[str, Any], other_dirs: Sequence[str]) -> Dict[str, An
     every (phase, seed) cell they share, bit-identical uniform FP8 runs, i.e. the same checkpoint, data
     order and rounding seeds. Then a plan's validation loss in one grid minus the same method's in the other
     is a paired difference, e.g. per-GEMM against per-layer plans. Several grids (e.g. the parts of one, or
-    baselines and another SNIP) are joined; no two may hold a run of the same plan label in the same cell.
+    baselines and another SNIP) are joined; a run that two of them hold (the same plan label in the same cell) counts
+    once if it is the same plan with bit-identical losses in both, and is refused otherwise.
 
     Raises:
         FileNotFoundError: a directory has no ``compare_plans.json``.
-        ValueError: a grid differs in a setting, shares no cell, ran a shared cell differently, or repeats
-            another's run.
+        ValueError: a directory is named twice, or a grid differs in a setting, shares no cell, ran a shared
+            cell differently, or repeats another's run with another plan or result.
     """
     if isinstance(other_dirs, (str, Path)):
         other_dirs = [other_dirs]
@@ -1000,6 +1003,10 @@ def versus_data(data: Dict[str, Any], other_dirs: Sequence[str]) -> Dict[str, An
         return {(r["phase"], r["seed"]): r["val_loss"] for r in d["records"] if r["method"] == "uniform_fp8"}
 
     records, cells, per_gemm, seen = [], set(), set(), {}
+    named = [str(Path(d).resolve()) for d in other_dirs]
+    twice = sorted({d for d in named if named.count(d) > 1})
+    if twice:
+        raise ValueError(f"--versus names {twice[0]} twice")
     for other_dir in other_dirs:
         other = merge_results([other_dir])
         mine, theirs = data["settings"], other["settings"]
@@ -1023,9 +1030,13 @@ def versus_data(data: Dict[str, Any], other_dirs: Sequence[str]) -> Dict[str, An
                 continue
             key = (r["phase"], r["seed"], r["rho"], r["label"])
             if key in seen:
+                first_dir, first = seen[key]
+                if all(first.get(k) == r.get(k) for k in _RERUN_SAME):
+                    continue  # a bit-identical rerun of the same plan in the same cell: one observation
                 raise ValueError(f"{other_dir}: {r['label']} at rho {r['rho']:g} in cell {key[:2]} ran in "
-                                 f"{seen[key]} too; --versus grids must not repeat a run")
-            seen[key] = other_dir
+                                 f"{first_dir} too, with another plan or result; --versus grids may repeat a "
+                                 f"run only bit for bit")
+            seen[key] = (other_dir, r)
             records.append({k: r.get(k) for k in _VERSUS_KEEP})
     return dict(source=", ".join(str(d) for d in other_dirs), per_gemm=per_gemm.pop() if len(per_gemm) == 1
                 else None, cells=len(cells), records=records)

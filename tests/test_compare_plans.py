@@ -204,9 +204,20 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
     [check] = mod.target_checks(mod.summarize(merged["records"], 2.0), merged["records"], merged["versus"]["records"])
     assert check["random"]["source"] == "versus" and check["quant_err"]["source"] == "this grid"
     assert check["random"]["diff"].mean == pytest.approx(val(data, "best λ=2") - val(default, "random#0"), abs=1e-12)
-    # several grids join; two that hold the same run are refused
-    with pytest.raises(ValueError, match="must not repeat a run"):
+    # several grids join; one named twice is refused; a bit-identical rerun of a run counts once; a run held
+    # by two grids with another result is refused
+    with pytest.raises(ValueError, match="names .* twice"):
         mod.versus_data(data, [str(quick_run), str(quick_run)])
+    rerun = tmp_path / "rerun"
+    rerun.mkdir()
+    (rerun / "compare_plans.json").write_text((quick_run / "compare_plans.json").read_text())
+    joined = mod.versus_data(data, [str(quick_run), str(rerun)])
+    assert joined["records"] == mod.versus_data(data, [str(quick_run)])["records"]
+    again = json.loads((quick_run / "compare_plans.json").read_text())
+    next(r for r in again["records"] if r["method"] == "quant_err")["val_loss"] += 1e-6
+    (rerun / "compare_plans.json").write_text(json.dumps(again))
+    with pytest.raises(ValueError, match="quant_err .* with another plan or result"):
+        mod.versus_data(data, [str(quick_run), str(rerun)])
     assert mod.main(["--report_only", "--output_dir", str(out), "--silent"]) == 0  # kept when re-rendered
     assert "## Against the grid in" in (out / "compare_plans.md").read_text()
     other = tmp_path / "other"
