@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from snip_ds.plan import Plan
+from snip_ds.planner import DGRAD_COSTS
 from snip_ds.swap import snip_layers
 
 CKPT_MODEL, CKPT_OPTIMIZER, CKPT_META = "model.safetensors", "optimizer.pt", "meta.json"
@@ -231,11 +232,12 @@ def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Ma
             predicted drift in loss units, the part λ multiplies), as plans priced with FWD were.
         fwd_weight: with ``forward_drift``, FWD's own weight μ (plans priced FLD + μ·FWD + λ·BWD): μ·FWD then
             joins the first number instead, so that FLD + λ·BWD stays the objective.
-        dgrad: how per-GEMM plans priced dgrad, ``"split"`` or ``"upstream"`` (the planner's ``dgrad``).
+        dgrad: how per-GEMM plans priced dgrad, one of :data:`snip_ds.planner.DGRAD_COSTS` (the planner's
+            ``dgrad``).
         dgrad_calibration: with ``dgrad="upstream"``, what ``bwd_dgrad`` was divided by.
     """
-    if dgrad not in ("split", "upstream"):
-        raise ValueError(f"dgrad must be 'split' or 'upstream', got {dgrad!r}")
+    if dgrad not in DGRAD_COSTS:
+        raise ValueError(f"dgrad must be one of {', '.join(DGRAD_COSTS)}, got {dgrad!r}")
     def at(table: Mapping[str, Any], precision: str) -> float:
         value = None if precision == "bf16" else table.get(precision)
         return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
