@@ -37,7 +37,7 @@ def test_two_rank_zero3_run_logs_and_resumes_exactly(tmp_path):
     acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0})
     acc.Reload()
     (image,) = acc.Images("plan/precision_map")  # the plan was set once and never changed
-    assert (image.height, image.width) == (TINY_MODEL["num_hidden_layers"] * 12, 7 * 12)  # blocks x 7 cells
+    assert image.width >= 600 and image.height >= 200  # a labelled figure, readable at TensorBoard's size
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_6"
     meta = json.loads((ckpts / "step_3" / "snip_meta.json").read_text())

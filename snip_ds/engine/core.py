@@ -120,7 +120,9 @@ class SnipEngine:
         self.plan = plan
         if changed:
             self.logger.scalar("plan/fp4_share", self.plan_fp4_share(), self.step)
-            self.logger.image("plan/precision_map", precision_map_image(plan.assignment, block_index), self.step)
+            self.logger.image("plan/precision_map", precision_map_image(
+                plan.assignment, block_index, step=self.step, fp4_share=self.plan_fp4_share(), method=plan.method),
+                self.step)
             if reason:
                 self.logger.text("plan/changes", f"step {self.step}: {reason}", self.step)
 
