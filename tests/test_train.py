@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from train_utils import TINY_MODEL, images, launch, scalars, write_configs
+from train_utils import images, launch, scalars, write_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
