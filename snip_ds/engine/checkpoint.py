@@ -24,11 +24,12 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from safetensors.torch import load_file, save_file
 
+from snip_ds.artifacts import CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE
 from snip_ds.fileio import atomic_write_text
 
-META_FILE = "snip_meta.json"
-LATEST_FILE = "latest"
-FORMAT = "snip_ds.checkpoint/1"
+META_FILE = CHECKPOINT_META_FILE
+LATEST_FILE = CHECKPOINT_LATEST_FILE
+FORMAT = CHECKPOINT_FORMAT
 
 
 class CheckpointError(ValueError):
