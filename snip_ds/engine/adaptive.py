@@ -19,6 +19,7 @@ import torch
 
 from snip_ds import distributed as sdist
 from snip_ds.collect import collect_statistics
+from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
@@ -127,8 +128,7 @@ class AdaptivePlanner:
             eng.logger.text("plan/changes", f"step {eng.step}: re-plan failed on rank 0; the plan in force "
                             "stays", eng.step)
             if sdist.rank() == 0:
-                print(f"snip_ds: warning: re-plan at step {eng.step} could not be solved; keeping the plan in "
-                      "force", flush=True)
+                say(f"snip_ds: warning: re-plan at step {eng.step} could not be solved; keeping the plan in force")
             return None
         previous = eng.plan
         changed = 0 if previous is None else sum(previous.assignment.get(f) != p for f, p in plan.assignment.items())
