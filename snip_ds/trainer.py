@@ -383,6 +383,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if sdist.rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         code = 2
+    finally:
+        console.detach()  # a failed run's bar must not catch a later in-process run's messages
     if dist.is_initialized():
         if code == 0:
             dist.barrier()
