@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from snip_ds import console
-from snip_ds.artifacts import write_plan, write_stats
 from snip_ds.ds_config import resolve_ds_config, validate_with_deepspeed
 from snip_ds.metrics import config_text, make_logger
 from snip_ds.snip_config import ConfigError, SnipSettings, load_ds_config, with_overrides
@@ -156,6 +155,8 @@ class _StopFlag:
 
 def _write_artifacts(out_dir: Path, plan, stats: Optional[Dict[str, Any]]) -> None:
     """``plan.json`` and (adaptive, once collected) ``stats.json`` under ``out_dir``, each atomically."""
+    from snip_ds.artifacts import write_plan, write_stats
+
     if stats is not None:
         write_stats(out_dir, stats)
     write_plan(out_dir, plan)
