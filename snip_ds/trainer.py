@@ -205,6 +205,10 @@ def train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as err:
         raise UserError(str(err)) from None
 
+    tokenizer = str(data_info.get("tokenizer", "unknown"))  # recorded in checkpoints for `snip-ds export`
+    if tokenizer not in ("byte", "unknown") and Path(tokenizer).exists():
+        tokenizer = str(Path(tokenizer).resolve())
+
     # ---------------- plan and checkpoint: checked against the model before DeepSpeed starts ----------------
     tokens_per_step = micro_bs * ga * t.block_size
     infos = {fqn: model.get_submodule(fqn) for fqn in find_decoder_linears(model)}
@@ -261,7 +265,8 @@ def train(args: argparse.Namespace) -> int:
         bar = tqdm(total=t.max_steps, initial=engine.step, desc="train", unit="step", dynamic_ncols=True)
 
     def save() -> None:
-        extra = {"data": stream.state_dict(), "planner": planner.state_dict() if planner else None}
+        extra = {"data": stream.state_dict(), "planner": planner.state_dict() if planner else None,
+                 "tokenizer": tokenizer}
         path = engine.save_checkpoint(ckpt_dir, extra)
         if rank == 0:
             print(f"snip_ds: checkpoint saved to {path}", flush=True)
