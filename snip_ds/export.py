@@ -54,10 +54,11 @@ class _SafeTorch:
         return getattr(torch, name)
 
     @staticmethod
-    def load(f, map_location=None, *args, weights_only=None, **kwargs):
+    def load(f, map_location=None, **kwargs):
+        kwargs["weights_only"] = True
         with torch.serialization.safe_globals(ckpt._safe_globals()):
             try:
-                return torch.load(f, map_location=map_location, *args, weights_only=True, **kwargs)
+                return torch.load(f, map_location=map_location, **kwargs)
             except Exception as err:  # a damaged file, or one that needs unpickling: name it
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise ExportError(f"{f}: cannot be read as a DeepSpeed checkpoint file with weights_only=True "
@@ -237,7 +238,9 @@ def _write_tokenizer(meta: Mapping[str, Any], out: Path, warn: Callable[[str], N
 # the export
 # --------------------------------------------------------------------------------------------------------
 def _check_out_dir(out_dir: Path, tag_dir: Path, force: bool) -> None:
-    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+    if out_dir.is_symlink():
+        raise ExportError(f"{out_dir}: is a symbolic link; name the directory itself")
+    if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir}: exists and is not a directory")
     resolved, source = out_dir.resolve(), tag_dir.resolve()
     if resolved == source or resolved in source.parents:

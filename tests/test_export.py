@@ -59,7 +59,45 @@ def test_byte_tokenizer_encodes_and_decodes_like_the_byte_tokenizer(tmp_path):
     for ids in (list(range(BYTE_EOS_ID + 1)), [0xFF, 0xC0, 0x80, 0x41], [0x41, BYTE_EOS_ID, 0xC3, 0xA9]):
         assert hf.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
     # The one documented difference: skipping EOS, the Hugging Face decoder joins the bytes around it.
-    assert ref.decode(cut, skip_special_tokens=True) == "\ufffd\ufffdA" and hf.decode(cut, skip_special_tokens=True) == "\u65e5A"
+    assert ref.decode(cut, skip_special_tokens=True) == "\ufffd\ufffdA"
+    assert hf.decode(cut, skip_special_tokens=True) == "\u65e5A"
+
+
+def test_tokenizer_of_the_run_is_copied_or_reported_missing(tmp_path):
+    from transformers import AutoTokenizer
+
+    from snip_ds.export import _write_tokenizer, byte_tokenizer, tokenizer_source
+
+    user_tok = tmp_path / "user_tok"  # a local Hugging Face tokenizer a run trained with
+    byte_tokenizer().save_pretrained(str(user_tok))
+    out = tmp_path / "out"
+    out.mkdir()
+    warnings = []
+    record = _write_tokenizer({"tokenizer": str(user_tok)}, out, warnings.append)
+    assert record == {"kind": "huggingface", "source": str(user_tok), "exported": True} and not warnings
+    assert AutoTokenizer.from_pretrained(str(out)).encode("ab", add_special_tokens=False) == [97, 98]
+    record = _write_tokenizer({"tokenizer": str(tmp_path / "gone")}, tmp_path / "out2", warnings.append)
+    assert not record["exported"] and len(warnings) == 1 and str(tmp_path / "gone") in warnings[0]
+    # Checkpoints that predate the recorded tokenizer: read from the settings.
+    assert tokenizer_source({"settings": {"train": {"dataset": None}}})[0] == "byte"
+    assert tokenizer_source({"settings": {"train": {"tokenizer_name_or_path": "tok"}}})[0] == "tok"
+    assert tokenizer_source({"tokenizer": "unknown"})[0] is None
+
+
+def test_a_checkpoint_without_the_full_config_exports_its_architecture_with_a_warning(tmp_path):
+    from snip_ds.export import hf_config
+
+    arch = {"model_type": "llama", "vocab_size": 264, "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-6}
+    warnings = []
+    config = hf_config({"model_architecture": arch}, tmp_path / "snip_meta.json", warnings.append)
+    assert type(config).__name__ == "LlamaConfig" and len(warnings) == 1 and "snip_meta.json" in warnings[0]
+    assert {k: getattr(config, k) for k in arch if k != "model_type"} == {k: v for k, v in arch.items()
+                                                                           if k != "model_type"}
+    with pytest.raises(ValueError, match="model_config.model_type 'nope'"):
+        hf_config({"model_config": {"model_type": "nope"}}, tmp_path / "snip_meta.json", warnings.append)
+    with pytest.raises(ValueError, match="neither model_config nor model_architecture"):
+        hf_config({}, tmp_path / "snip_meta.json", warnings.append)
 
 
 # --------------------------------------------------------------------------------------------------------
