@@ -6,6 +6,7 @@
     snip-ds diff a.json b.json
     snip-ds show runs/zero3/checkpoints/step_120      # a checkpoint directory holds the plan and statistics
     snip-ds plan runs/zero3 --efficiency-saving 0.5 -o plan.json   # a run's output directory: its stats.json
+    snip-ds export runs/zero3/checkpoints hf_model
 
 User errors (missing file, bad JSON, bad field, impossible target) print one line to stderr and exit 2.
 """
@@ -215,7 +216,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("a", help="plan JSON, output directory or checkpoint directory")
     d.add_argument("b", help="the same, compared with a")
     d.set_defaults(func=_cmd_diff)
+
+    e = sub.add_parser("export", help="write a Hugging Face model directory from a training checkpoint")
+    e.add_argument("checkpoint", help="a checkpoint directory (step_N) or the checkpoints directory (its 'latest')")
+    e.add_argument("out_dir", help="the model directory to write (AutoModelForCausalLM.from_pretrained loads it)")
+    e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the exported master weights")
+    e.add_argument("--force", action="store_true", help="replace a previous export in OUT_DIR")
+    e.set_defaults(func=_cmd_export)
     return parser
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from snip_ds.export import export_checkpoint  # imports DeepSpeed and transformers: only when exporting
+
+    record = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force,
+                               warn=lambda msg: print(f"snip-ds: warning: {msg}", file=sys.stderr))
+    tokenizer = "with its tokenizer" if record["tokenizer"]["exported"] else "without a tokenizer"
+    print(f"{args.out_dir}: step {record['step']}, {record['parameters']} parameters in {args.dtype}, {tokenizer}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -263,6 +263,10 @@ def train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as err:
         raise UserError(str(err)) from None
 
+    tokenizer = str(data_info.get("tokenizer", "unknown"))  # recorded in checkpoints for `snip-ds export`
+    if tokenizer not in ("byte", "unknown") and Path(tokenizer).exists():
+        tokenizer = str(Path(tokenizer).resolve())
+
     # ---------------- plan and checkpoint: checked against the model before DeepSpeed starts ----------------
     tokens_per_step = micro_bs * ga * t.block_size
     infos = {fqn: model.get_submodule(fqn) for fqn in find_decoder_linears(model)}
@@ -327,7 +331,7 @@ def train(args: argparse.Namespace) -> int:
 
     def save() -> None:
         extra = {"data": stream.state_dict(), "planner": planner.state_dict() if planner else None,
-                 "lr_schedule": ds_cfg.get("scheduler")}
+                 "lr_schedule": ds_cfg.get("scheduler"), "tokenizer": tokenizer}
         path = engine.save_checkpoint(ckpt_dir, extra)
         if rank == 0:
             console.say(f"snip_ds: checkpoint saved to {path}")

@@ -89,6 +89,15 @@ def model_architecture(model: torch.nn.Module) -> Dict[str, Any]:
     return {k: json.loads(json.dumps(values[k], default=str)) for k in ARCHITECTURE_KEYS if k in values}
 
 
+def model_config(model: torch.nn.Module) -> Dict[str, Any]:
+    """``model.config`` in full as JSON values (what ``snip-ds export`` writes as ``config.json``); ``{}`` for a
+    model without a Hugging Face config."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return {}
+    return json.loads(config.to_json_string(use_diff=False))
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
     """sha256 of every parameter's name and full shape (``ds_shape`` under ZeRO-3)."""
     h = hashlib.sha256()

@@ -200,7 +200,7 @@ class SnipEngine:
                                 if layer.generator is not None},
                  "torch_rng": torch.get_rng_state()}
         meta = {"step": self.step, "plan": self.plan.to_dict() if self.plan else None,
-                "settings": self.settings.to_dict(), **extra}
+                "settings": self.settings.to_dict(), "model_config": ckpt.model_config(self.ds.module), **extra}
         return ckpt.save(self.ds, Path(save_dir), f"step_{self.step}", meta, state,
                          ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
                          ckpt.model_architecture(self.ds.module))
