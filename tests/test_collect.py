@@ -512,6 +512,8 @@ def test_forward_drift_matches_a_brute_force_linear_response(model):
                 h.remove()
             a = sum((vi * (gp - gm)).sum() for vi, gp, gm in zip(v, grads[1.0], grads[-1.0])).item() / 2e-2
             expected = lr ** 2 * a * a / (2 * n)
+            # 5%: the central difference's truncation O(t²) and the FP32 RMSNorm's rounding over the 2t = 0.02
+            # shift (docstring) in the reference, not the collector's round-off (~1e-6)
             assert stats["layers"][fqn]["fwd"][p] == pytest.approx(expected, rel=0.05), (fqn, p)
             checked += 1
     assert checked == 8
