@@ -87,7 +87,10 @@ def test_statistics_are_the_same_under_zero0_and_zero3(run):
        (a 48-deep GEMM, then 16 tokens × 48 channels): 9e-5, so 1e-4 relative for the sums of squares
        (FLD, BWD, quantization errors; measured ≤ 5.2e-6 natively, 2.3e-6 under AVX2). The first-order term
        ⟨G_Y, E⟩ is a signed sum that cancels to near zero in some layers: 1e-4 of the largest |value|
-       (measured ≤ 2.8e-7 of it).
+       (measured ≤ 2.8e-7 of it). This part has no allowance for a rounding-boundary crossing: the two
+       collections' operands differ by a few ulps in a few elements at most (the operand errors agree to
+       ≤ 2e-8), so a crossing is that rare; the runs are deterministic on a given CPU, and none crosses
+       natively (AVX-512/AMX) or under AVX2.
     """
     ref, z3, cross = run(0, 1), run(3, 1), run(0, 1)["stats_cross"]
     for name, w0 in ref["dump"].items():
