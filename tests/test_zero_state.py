@@ -78,10 +78,12 @@ def test_statistics_are_the_same_under_zero0_and_zero3(run):
        ‖ΔW‖/‖W‖ ≤ 6.3e-6 apart (measured, natively and under AVX2; Adam's steps ±lr·m̂/√v̂ do not shrink
        with the gradient, so round-off of gradients that nearly cancel moves weights by lr·(relative
        round-off), not by the round-off itself). FP8/FP4 quantization is discontinuous: that drift moves an
-       element of a quantized operand across a rounding boundary now and then, and one such element of the
-       3072 in down_proj's input moved its fp8 FLD by 4e-4 on an AVX-512 machine (and no element moved under
-       AVX2). No fixed tolerance captures that, so the ZeRO-0 run also collects on ZeRO-3's dumped parameters
-       and Adam state (``stats_cross``): ``stats - stats_cross`` is the drift's exact effect.
+       element of a quantized operand across a rounding boundary now and then: on an AVX-512/AMX machine
+       exactly one of the 3072 elements of block 0's down_proj input crosses at fp8, which moves that
+       layer's fp8 FLD by 4e-4; under AVX2 one of block 1's q_proj weights crosses instead (both checked by
+       re-quantizing the two runs' operands). How big such a jump is depends on the element, so no fixed
+       tolerance captures it: the ZeRO-0 run also collects on ZeRO-3's dumped parameters and Adam state
+       (``stats_cross``), and ``stats - stats_cross`` is the drift's exact effect, crossings included.
     2. The collection itself under ZeRO-3 (``stats_cross`` vs ZeRO-3's own, same weights and Adam state):
        FP32 accumulation order only. Worst case γ_n = n·2^-24 for the longest chain of n ≈ 1500 summed terms
        (a 48-deep GEMM, then 16 tokens × 48 channels): 9e-5, so 1e-4 relative for the sums of squares
