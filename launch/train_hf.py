@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
+from snip_ds.hf import share_cpu_ranks_with_accelerate  # noqa: E402
 from snip_ds.snip_config import ConfigError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,6 +94,7 @@ def _snip_section(path: str) -> dict:
 
 def main(argv=None) -> int:
     args, data = HfArgumentParser((SnipTrainingArguments, SnipDataArguments)).parse_args_into_dataclasses(argv)
+    share_cpu_ranks_with_accelerate(args)
     try:
         trainer = build(args, data)
     except (ConfigError, ValueError, FileNotFoundError, OSError) as err:

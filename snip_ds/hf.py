@@ -193,6 +193,31 @@ def _check_against_trainer(args, source: str) -> None:
                               f"{getattr(args, arg)!r}; make them equal or set {key} to \"auto\"")
 
 
+def share_cpu_ranks_with_accelerate(args) -> None:
+    """Several CPU ranks under DeepSpeed: tell accelerate about them (call right after ``TrainingArguments``;
+    a no-op on GPUs, for one rank, and without DeepSpeed).
+
+    accelerate picks a distributed backend only for accelerators (CUDA, XPU, ...), so on a CPU its state says
+    one process while the launcher started several and DeepSpeed trains them together: every rank would read
+    the same batches, and gathering evaluation losses fails. Starting DeepSpeed's process group (gloo) first and
+    recording it in accelerate's shared state gives each rank its own shard of the data, as on GPUs.
+    """
+    if not args.deepspeed or torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    import deepspeed
+    import torch.distributed as dist
+    from accelerate.utils import DistributedType
+
+    from snip_ds.engine.core import release_shm_buffer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    release_shm_buffer()
+    state = args.distributed_state
+    state.backend, state.distributed_type = "gloo", DistributedType.DEEPSPEED
+    state.num_processes, state.process_index = dist.get_world_size(), dist.get_rank()
+    state.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
+
+
 class SnipCallback(TrainerCallback):
     """SNIP FP8/FP4 mixed precision for a ``transformers.Trainer``: ``Trainer(..., callbacks=[SnipCallback()])``.
 
@@ -254,6 +279,9 @@ class SnipCallback(TrainerCallback):
         from snip_ds.engine.core import SnipEngine
 
         trainer, s = self.trainer, self.settings
+        if sdist.is_initialized():  # DeepSpeed's CPU all-reduce buffers are mapped by now: unlink their names
+            from snip_ds.engine.core import release_shm_buffer
+            release_shm_buffer()
         view = _TrainerView(trainer)
         block = _sequence_length(trainer.train_dataset)
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * block
@@ -369,4 +397,4 @@ def _atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["SnipCallback", "STATE_FILE"]
+__all__ = ["SnipCallback", "STATE_FILE", "share_cpu_ranks_with_accelerate"]
