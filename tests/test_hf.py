@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import REPO, TINY_MODEL, assert_no_shm_left, env, run_ranks, scalars
+from train_utils import REPO, TINY_MODEL, assert_no_shm_left, env, images, run_ranks, scalars
 
 pytest.importorskip("accelerate")  # transformers' Trainer needs it
 
@@ -95,7 +95,8 @@ def test_resume_continues_on_restored_plan_bit_for_bit(tmp_path):
     assert [e["loss"] for e in b if "loss" in e] == [e["loss"] for e in a if "loss" in e]
     sa = json.loads((tmp_path / "a" / "checkpoint-6" / "snip_state.json").read_text())
     sb = json.loads((tmp_path / "b" / "checkpoint-6" / "snip_state.json").read_text())
-    assert sb["plan"] == sa["plan"] and sb["planner"]["last_stats"] == sa["planner"]["last_stats"]
+    assert sb["plan"]["assignment"] == sa["plan"]["assignment"]  # (its meta holds the solve time)
+    assert sb["planner"]["last_stats"] == sa["planner"]["last_stats"]
     assert [h["step"] for h in sb["planner"]["history"]] == [0, 2, 4]
 
 
@@ -111,8 +112,9 @@ def test_without_deepspeed_plain_adamw(tmp_path):
     logs = [e for e in _log(run, 5) if "snip/collect_time_s" in e]
     assert [e["step"] for e in logs] == [0, 2, 4]  # through Trainer.log
     (events,) = {p.parent for p in run.glob("runs/**/events.out.tfevents.*")}
-    tb = scalars(events)
-    assert set(tb["plan/fp4_share"]) >= {0, 2, 4} and set(tb["snip/measured_fld"]) == {1, 3}
+    tb = scalars(events)  # the Trainer's TensorBoardCallback prefixes "train/"
+    assert set(tb["train/plan/fp4_share"]) == {0, 2, 4} and set(tb["train/snip/measured_fld"]) == {1, 3}
+    assert "plan/precision_map" in images(events)
 
 
 # ---------------------------------------------------------------- bad inputs: one clear error, before training
