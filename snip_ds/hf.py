@@ -156,7 +156,7 @@ def _settings_from(args, settings) -> tuple[SnipSettings, str]:
     ds = getattr(args, "deepspeed", None)
     section, source = None, None
     if isinstance(ds, (str, os.PathLike)):
-        raw, parsed = load_ds_config(ds)
+        _, parsed = load_ds_config(ds)  # file errors (missing, not JSON) and the section, named by path
         with open(ds) as f:
             section = json.load(f).get("snip")
         source = str(ds)
