@@ -205,3 +205,24 @@ def test_cli_reports_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {path}: snip: unknown key(s) 'replan_evry'; ")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["zero2", "ddp"])
+def test_torchrun_two_ranks(tmp_path, mode):
+    """torchrun with 2 ranks: DeepSpeed ZeRO-2 (preconditioner from its partitions), or DDP without DeepSpeed."""
+    from snip_ds.engine.core import _free_port
+
+    cfg = _config(tmp_path, stage=2)
+    run = tmp_path / "run"
+    extra = ["--deepspeed", str(cfg)] if mode == "zero2" else ["--use_cpu", "true", "--snip_config", str(cfg)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(TRAIN_HF), *extra, "--output_dir", str(run), "--max_steps", "5", "--save_steps", "5",
+           "--eval_steps", "5", "--report_to", "none", *SMALL]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = json.loads((run / "checkpoint-5" / "snip_state.json").read_text())
+    assert state["world_size"] == 2
+    _assert_plans(state["planner"]["history"], 0.75, "zero2" if mode == "zero2" else "adam")
+    assert any("eval_loss" in e for e in _log(run, 5))  # evaluation gathers over both ranks
