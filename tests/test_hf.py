@@ -226,3 +226,34 @@ def test_torchrun_two_ranks(tmp_path, mode):
     assert state["world_size"] == 2
     _assert_plans(state["planner"]["history"], 0.75, "zero2" if mode == "zero2" else "adam")
     assert any("eval_loss" in e for e in _log(run, 5))  # evaluation gathers over both ranks
+
+
+@pytest.mark.slow
+def test_statistics_leave_no_trace(tmp_path):
+    """An adaptive run whose solver always answers uniform FP8 (collections every 2 steps, measured forwards
+    every 2) trains bit for bit as the fixed FP8 run: the private stream does not shift the Trainer's data
+    order, and collecting leaves parameters, gradients, optimizer state and RNG streams as they were."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from snip_ds.data import load_dataset_blocks
+    from snip_ds.hf import SnipCallback
+    from snip_ds.model import build_model
+
+    train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000, max_validation_bytes=4096)
+    losses = {}
+    for name, settings in {"fixed": {"plan": "fp8"},
+                           "adaptive": {"plan": "adaptive", "method": "uniform_fp8", "replan_every": 2,
+                                        "additional_bf16_fwd_every_n_steps": 2}}.items():
+        model = build_model(None, dict(TINY_MODEL), vocab_size=vocab, seed=0, block_size=64)
+        args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=5,
+                                 learning_rate=2e-3, logging_steps=1, save_strategy="no", report_to="none",
+                                 disable_tqdm=True, use_cpu=True, seed=0)
+        snip = SnipCallback(settings=settings)
+        trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator,
+                          callbacks=[snip])
+        trainer.train()
+        losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        if name == "adaptive":
+            assert [h["step"] for h in snip.planner.history] == [0, 2, 4]
+            assert set(snip.engine.plan.assignment.values()) == {"fp8"}
+    assert len(losses["fixed"]) == 5 and losses["adaptive"] == losses["fixed"]
