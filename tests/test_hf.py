@@ -1,5 +1,6 @@
 """SnipCallback in the Hugging Face Trainer: ZeRO-3 on 1 and 2 ranks, resume, plain AdamW, bad inputs."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,21 @@ pytest.importorskip("accelerate")  # transformers' Trainer needs it
 TRAIN_HF = REPO / "launch" / "train_hf.py"
 PROBE = REPO / "tests" / "dist_scripts" / "hf_probe.py"
 SMALL = ["--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--disable_tqdm", "true"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """In-process Trainers with a DeepSpeed config leave accelerate's ACCELERATE_* variables in os.environ,
+    which would turn later Trainers (and launched runs, which inherit the environment) into DeepSpeed runs."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+        unset_hf_deepspeed_config()
+    except ImportError:
+        pass
 
 
 def _config(tmp: Path, stage: int = 3, **snip) -> Path:
