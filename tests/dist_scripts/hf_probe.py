@@ -14,7 +14,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
 
 from snip_ds import distributed as sdist  # noqa: E402
