@@ -1,8 +1,11 @@
 """Resolving a DeepSpeed JSON for one run: command-line overrides and ``"auto"`` values.
 
 Command-line flags win over the JSON. ``"auto"`` values are filled in as Hugging Face's DeepSpeed
-integration does: ``bf16.enabled`` is true on a GPU and false on a CPU (where FP32 is ~3x faster), the
-scheduler's ``total_num_steps`` is ``max_steps`` and ``warmup_num_steps`` a tenth of it.
+integration does, from ``launch/train.py``'s flags where given, else from :data:`AUTO_DEFAULTS` (the embedded
+run's values, which ``launch/train_hf.py`` also uses as its ``TrainingArguments`` defaults): ``bf16.enabled``
+is true on a GPU and false on a CPU (where FP32 is ~3x faster), the scheduler's ``total_num_steps`` is
+``max_steps`` and ``warmup_num_steps`` a tenth of it, ``warmup_max_lr`` the optimizer's lr. So one JSON serves
+both ``launch/train.py`` and the Hugging Face Trainer.
 """
 from __future__ import annotations
 
@@ -10,6 +13,18 @@ import copy
 from typing import Any, Dict, Mapping, Optional
 
 from snip_ds.snip_config import ConfigError
+
+
+# What "auto" means to launch/train.py when no flag sets it (Hugging Face TrainingArguments name in brackets).
+AUTO_DEFAULTS: Dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 4,  # per_device_train_batch_size
+    "gradient_accumulation_steps": 1,  # gradient_accumulation_steps
+    "gradient_clipping": 1.0,  # max_grad_norm
+    "optimizer.params.lr": 2e-3,  # learning_rate
+    "optimizer.params.betas": [0.9, 0.95],  # adam_beta1, adam_beta2
+    "optimizer.params.eps": 1e-8,  # adam_epsilon
+    "optimizer.params.weight_decay": 0.1,  # weight_decay
+}
 
 
 def _set_auto(d: Dict[str, Any], key: str, value: Any) -> None:
@@ -26,6 +41,10 @@ def resolve_ds_config(config: Mapping[str, Any], *, max_steps: int, on_gpu: bool
         ConfigError: naming ``source`` and the field, for values DeepSpeed would reject later and less clearly.
     """
     cfg = copy.deepcopy(dict(config))
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+        _set_auto(cfg, key, AUTO_DEFAULTS[key])
+    if cfg.get("train_batch_size") == "auto":
+        cfg.pop("train_batch_size")  # DeepSpeed derives it from the micro batch, accumulation and world size
     if micro_batch_size is not None:
         cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
     if gradient_accumulation_steps is not None:
@@ -47,6 +66,8 @@ def resolve_ds_config(config: Mapping[str, Any], *, max_steps: int, on_gpu: bool
         if not isinstance(opt, dict) or not isinstance(opt.get("params", {}), dict):
             raise ConfigError(f"{source}: optimizer must be an object with a 'params' object")
         params = opt.setdefault("params", {})
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            _set_auto(params, key, copy.deepcopy(AUTO_DEFAULTS[f"optimizer.params.{key}"]))
         if learning_rate is not None:
             params["lr"] = learning_rate
         if not isinstance(params.get("lr"), (int, float)) or params["lr"] <= 0:

@@ -131,7 +131,8 @@ def build_model(
             model = _from_config(config, source)
     model = model.to(dtype)
     decoder_linear_names(model)  # raises, naming what is missing, if not Llama-family
-    model_vocab = model.get_input_embeddings().weight.shape[0]
+    embedding = model.get_input_embeddings().weight
+    model_vocab = getattr(embedding, "ds_shape", embedding.shape)[0]  # ds_shape: built partitioned (ZeRO-3 zero.Init)
     if vocab_size is not None and model_vocab < vocab_size:
         raise ValueError(
             f"{source}: model vocab_size {model_vocab} is smaller than the tokenizer's {vocab_size}"

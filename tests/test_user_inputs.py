@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from snip_ds.ds_config import AUTO_DEFAULTS
 from train_utils import REPO, TINY_MODEL, TRAIN, env, scalars, write_configs
 
 pytestmark = [pytest.mark.slow]
@@ -108,6 +109,8 @@ def runs(tmp_path_factory):
     flag_cfg = write_configs(tmp / "flags", plan="fp8", max_steps=FLAG_STEPS, eval_steps=FLAG_STEPS,
                              eval_batches=1, save_steps=0, dataset=str(tmp / "corpus.txt"))
     json_lr = json.loads(flag_cfg.read_text())["optimizer"]["params"]["lr"]
+    if json_lr == "auto":  # the shipped configs leave it to the launcher: launch/train.py's documented default
+        json_lr = AUTO_DEFAULTS["optimizer.params.lr"]
     data = json.loads(flag_cfg.read_text())
     data["optimizer"]["params"]["lr"] = FLAG_LR
     data.update(train_micro_batch_size_per_gpu=FLAG_MICRO, gradient_accumulation_steps=FLAG_GA)

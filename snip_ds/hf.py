@@ -1,0 +1,400 @@
+"""SNIP in the Hugging Face ``Trainer``: one callback, ``callbacks=[SnipCallback()]``.
+
+:class:`SnipCallback` runs what :func:`snip_ds.initialize`'s engine runs, inside the Trainer's own loop:
+
+* ``on_init_end`` (the end of ``Trainer.__init__``, before DeepSpeed or the optimizer exist): reads the
+  ``"snip"`` section of the Trainer's DeepSpeed config (or the settings given to the callback), checks it
+  against the ``TrainingArguments``, and swaps the decoder linears for :class:`~snip_ds.linear.SnipLinear`
+  keeping the very same Parameters (:func:`snip_ds.swap.swap_linears`), so the optimizer and ZeRO see the
+  parameters they would have seen;
+* ``on_train_begin`` (the DeepSpeed engine or the torch optimizer is built): applies the starting plan, or on
+  a resumed run the plan, planner state and rounding generators saved in ``checkpoint-N``;
+* ``on_step_begin`` (the optimizer-step boundary, before the step's first micro-batch): in an adaptive run,
+  before step 1 and every ``replan_every`` steps, the :class:`~snip_ds.engine.adaptive.AdaptivePlanner`
+  collects statistics on a private seeded stream over the training set (the Trainer's data order is never
+  touched), reads Adam's second moments from the Trainer's optimizer (DeepSpeed ZeRO 0-3 or torch AdamW,
+  :mod:`snip_ds.engine.adam_state`), solves on rank 0, broadcasts and applies the plan; every
+  ``additional_bf16_fwd_every_n_steps`` steps it measures the forward divergence of the plan in force;
+* ``on_save``: writes ``snip_state.json`` (plan, planner state) and one ``snip_rng_rank<r>.safetensors``
+  (stochastic-rounding generators) per rank into the Trainer's ``checkpoint-N`` folder.
+
+Scalars go through ``Trainer.log`` (so every ``report_to`` integration receives them); the precision map and
+the plan-change notes go to TensorBoard when a ``TensorBoardCallback`` is reporting.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from transformers import TrainerCallback
+
+from snip_ds import distributed as sdist
+from snip_ds.snip_config import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
+
+STATE_FILE = "snip_state.json"
+STATS_SEED_OFFSET = 7919  # the private statistics stream's seed is TrainingArguments.seed + this (as launch/train.py)
+MEASURE_SEED_OFFSET = 2 * 7919  # the measured-divergence stream's
+
+
+def _rng_file(rank: int) -> str:
+    return f"snip_rng_rank{rank}.safetensors"
+
+
+class _BatchView:
+    """The training set as :class:`~snip_ds.data.DataStream` reads it: ``get_batch(indices)`` through the
+    Trainer's data collator (datasets of dicts of lists), or the dataset's own ``get_batch``."""
+
+    def __init__(self, dataset, collator) -> None:
+        self.dataset, self.collator = dataset, collator
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def get_batch(self, indices):
+        if hasattr(self.dataset, "get_batch"):
+            batch = self.dataset.get_batch(indices)
+        else:
+            batch = self.collator([self.dataset[i] for i in indices])
+        return {k: v for k, v in batch.items() if k in ("input_ids", "labels", "attention_mask")}
+
+
+class _TrainerView:
+    """What :class:`~snip_ds.engine.core.SnipEngine` and the planner read from a DeepSpeed engine, taken from
+    the Trainer: the module, the optimizer holding Adam's state, the step count, the ZeRO stage."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.module = trainer.model
+        ds_engine = trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else None
+        if ds_engine is not None and hasattr(ds_engine, "zero_optimization_stage"):
+            self.optimizer = ds_engine.optimizer
+            self._stage = int(ds_engine.zero_optimization_stage())
+        else:
+            opt = trainer.optimizer
+            while hasattr(opt, "optimizer") and not isinstance(opt, _TORCH_OPTIMIZERS):  # accelerate's wrapper
+                opt = opt.optimizer
+            self.optimizer = opt
+            self._stage = 0
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.trainer.state.global_step)
+
+    def zero_optimization_stage(self) -> int:
+        return self._stage
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.trainer.args.gradient_accumulation_steps)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+_TORCH_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
+
+
+class _TrainerLogger:
+    """The engine's logger interface over the Trainer: scalars through ``Trainer.log`` (every reporter),
+    images and text to the TensorBoard writer of a ``TensorBoardCallback`` when there is one (rank 0)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def _tb(self):
+        from transformers.integrations import TensorBoardCallback
+
+        for cb in self.trainer.callback_handler.callbacks:
+            if isinstance(cb, TensorBoardCallback) and getattr(cb, "tb_writer", None) is not None:
+                return cb.tb_writer
+        return None
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars({tag: value}, step)
+
+    def scalars(self, values: Mapping[str, float], step: int) -> None:
+        self.trainer.log({k: float(v) for k, v in values.items()})
+
+    def image(self, tag: str, chw, step: int) -> None:
+        tb = self._tb() if self.trainer.is_world_process_zero() else None
+        if tb is not None:
+            tb.add_image(tag, chw, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        tb = self._tb() if self.trainer.is_world_process_zero() else None
+        if tb is not None:
+            tb.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _find_trainer():
+    """The ``Trainer`` whose ``__init__`` is calling ``on_init_end`` (found on the call stack: the callback
+    API hands callbacks neither the Trainer nor its ``log``)."""
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _settings_from(args, settings) -> tuple[SnipSettings, str]:
+    """The validated settings and where they came from; errors name the field and the file."""
+    ds = getattr(args, "deepspeed", None)
+    section, source = None, None
+    if isinstance(ds, (str, os.PathLike)):
+        _, parsed = load_ds_config(ds)  # file errors (missing, not JSON) and the section, named by path
+        with open(ds) as f:
+            section = json.load(f).get("snip")
+        source = str(ds)
+    elif isinstance(ds, dict):
+        section, source = ds.get("snip"), "TrainingArguments.deepspeed"
+        parsed = parse_snip_section(section, source) if section is not None else None
+    if settings is not None:
+        if section is not None:
+            raise ConfigError(f"{source}: has a 'snip' section and SnipCallback was given settings too; "
+                              "give them in one place")
+        if isinstance(settings, SnipSettings):
+            return settings, "SnipCallback(settings=...)"
+        if not isinstance(settings, Mapping):
+            raise ConfigError(f"SnipCallback(settings=...): expected a mapping like the 'snip' section, got "
+                              f"{type(settings).__name__}")
+        return parse_snip_section(dict(settings), "SnipCallback(settings=...)"), "SnipCallback(settings=...)"
+    if section is None:
+        raise ConfigError(f"{source or 'TrainingArguments'}: no 'snip' section; name a DeepSpeed config with one "
+                          "(TrainingArguments(deepspeed=...)) or pass SnipCallback(settings={...})")
+    return parsed, source
+
+
+def _check_against_trainer(args, source: str) -> None:
+    """The DeepSpeed config's batch geometry must be the Trainer's (or "auto")."""
+    ds = getattr(args, "deepspeed", None)
+    if ds is None:
+        return
+    cfg = ds if isinstance(ds, dict) else json.loads(Path(ds).read_text())
+    for key, arg in (("gradient_accumulation_steps", "gradient_accumulation_steps"),
+                     ("train_micro_batch_size_per_gpu", "per_device_train_batch_size")):
+        value = cfg.get(key, "auto")
+        if value != "auto" and value != getattr(args, arg):
+            raise ConfigError(f"{source}: {key} is {value!r} but TrainingArguments.{arg} is "
+                              f"{getattr(args, arg)!r}; make them equal or set {key} to \"auto\"")
+
+
+def share_cpu_ranks_with_accelerate(args) -> None:
+    """Several CPU ranks under DeepSpeed: tell accelerate about them (call right after ``TrainingArguments``;
+    a no-op on GPUs, for one rank, and without DeepSpeed).
+
+    accelerate picks a distributed backend only for accelerators (CUDA, XPU, ...), so on a CPU its state says
+    one process while the launcher started several and DeepSpeed trains them together: every rank would read
+    the same batches, and gathering evaluation losses fails. Starting DeepSpeed's process group (gloo) first and
+    recording it in accelerate's shared state gives each rank its own shard of the data, as on GPUs.
+    """
+    if not args.deepspeed or torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    import deepspeed
+    import torch.distributed as dist
+    from accelerate.utils import DistributedType
+
+    from snip_ds.engine.core import release_shm_buffer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    release_shm_buffer()
+    state = args.distributed_state
+    state.backend, state.distributed_type = "gloo", DistributedType.DEEPSPEED
+    state.num_processes, state.process_index = dist.get_world_size(), dist.get_rank()
+    state.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class SnipCallback(TrainerCallback):
+    """SNIP FP8/FP4 mixed precision for a ``transformers.Trainer``: ``Trainer(..., callbacks=[SnipCallback()])``.
+
+    Args:
+        settings: the ``"snip"`` section as a mapping (or :class:`~snip_ds.snip_config.SnipSettings`), for a
+            Trainer without a DeepSpeed config; None reads the section from ``TrainingArguments.deepspeed``.
+            Its ``train`` part belongs to ``launch/train.py`` and is not used here (the Trainer's arguments
+            decide), except that ``TrainingArguments.seed`` replaces ``train.seed``.
+
+    Errors found before training (an unknown or invalid key, a DeepSpeed batch size or accumulation that
+    disagrees with the ``TrainingArguments``, a plan file naming layers the model lacks, a model without
+    Llama-style decoder linears) are raised from ``Trainer(...)`` as :class:`~snip_ds.snip_config.ConfigError`
+    or ``ValueError`` with one line naming the field or file.
+
+    Attributes:
+        engine: the :class:`~snip_ds.engine.core.SnipEngine` view of the Trainer (after ``on_train_begin``).
+        planner: its :class:`~snip_ds.engine.adaptive.AdaptivePlanner` in an adaptive run, else None.
+    """
+
+    def __init__(self, settings: Optional[Mapping[str, Any] | SnipSettings] = None) -> None:
+        self._given = settings
+        self.settings: Optional[SnipSettings] = None
+        self.trainer = None
+        self.infos = None
+        self.plan = None
+        self.engine = None
+        self.planner = None
+        self._measure_stream = None
+
+    # ------------------------------------------------------------------ before the engine exists
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        from snip_ds.engine.core import initial_plan
+        from snip_ds.swap import swap_linears
+
+        trainer = _find_trainer()
+        if trainer is None:
+            raise RuntimeError("SnipCallback: pass it to the Trainer's constructor (Trainer(..., callbacks="
+                               "[SnipCallback()])); it must act before the Trainer builds the optimizer")
+        settings, source = _settings_from(args, self._given)
+        _check_against_trainer(args, source)
+        self.settings = with_overrides(settings, seed=args.seed)
+        self.trainer = trainer
+        model = model if model is not None else trainer.model
+        rank = int(os.environ.get("RANK", "0")) if not sdist.is_initialized() else sdist.rank()
+        self.infos = swap_linears(model, "bf16", self.settings.quant, seed=args.seed, rank=rank)
+        # FLOPs per step, for the shares (which do not depend on the token count)
+        flops = {fqn: info.flops(1) for fqn, info in self.infos.items()}
+        try:
+            self.plan = initial_plan(list(self.infos), flops, self.settings)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        for fqn, layer in _snip_layers(model).items():
+            layer.precision = self.plan.assignment[fqn]
+        return control
+
+    # ------------------------------------------------------------------ engine built
+    def on_train_begin(self, args, state, control, **kwargs):
+        from snip_ds.data import DataStream
+        from snip_ds.engine.core import SnipEngine
+
+        trainer, s = self.trainer, self.settings
+        if sdist.is_initialized():  # DeepSpeed's CPU all-reduce buffers are mapped by now: unlink their names
+            from snip_ds.engine.core import release_shm_buffer
+            release_shm_buffer()
+        view = _TrainerView(trainer)
+        block = _sequence_length(trainer.train_dataset)
+        tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * block
+        self.engine = SnipEngine(view, self.infos, s, tokens_per_step, _TrainerLogger(trainer))
+        self.engine.set_plan(self.plan, "initial plan")
+        if s.is_adaptive:
+            from snip_ds.engine.adaptive import AdaptivePlanner
+
+            data = _BatchView(trainer.train_dataset, trainer.data_collator)
+            rank, world = sdist.rank(), sdist.world_size()
+            try:
+                stream = DataStream(data, args.per_device_train_batch_size, seed=args.seed + STATS_SEED_OFFSET,
+                                    rank=rank, world_size=world)
+            except ValueError as err:
+                raise ValueError(f"training set: statistics stream: {err}") from None
+            self._measure_stream = DataStream(data, args.per_device_train_batch_size,
+                                              seed=args.seed + MEASURE_SEED_OFFSET, rank=rank, world_size=world)
+            self.planner = AdaptivePlanner(self.engine, stream)
+        if state.global_step > 0:
+            self._restore(args, state)
+        return control
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        planner = self.planner
+        if planner is None:
+            return control
+        step = state.global_step
+        if planner.due(step) and planner.planned_at != step:
+            planner.replan()
+            if sdist.rank() == 0:
+                rec = planner.history[-1]
+                print(f"snip_ds: step {step}: plan {rec['status']}, fp4 share {rec['fp4_share']:.3f}, "
+                      f"{rec['changed']} layer(s) changed (statistics {rec['collect_s']:.2f} s, "
+                      f"solve {rec['solve_s']:.2f} s)", flush=True)
+        if planner.measure_due(step):
+            _, kl = planner.measure_forward(self._measure_stream.next_batch())
+            self.engine.logger.scalars({"snip/measured_fld": kl, "snip/predicted_fld": planner.predicted_fld()},
+                                       step)
+        return control
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save(self, args, state, control, **kwargs):
+        from safetensors.torch import save_file
+
+        if self.engine is None:
+            return control
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        gens = {fqn: layer.generator.get_state() for fqn, layer in self.engine.layers.items()
+                if layer.generator is not None}
+        rank = sdist.rank()
+        _atomic(folder / _rng_file(rank), lambda tmp: save_file(gens, str(tmp)))
+        if rank == 0:
+            payload = {"step": state.global_step, "world_size": sdist.world_size(),
+                       "plan": self.engine.plan.to_dict(), "settings": self.settings.to_dict(),
+                       "planner": self.planner.state_dict() if self.planner else None,
+                       "measure_stream": self._measure_stream.state_dict() if self._measure_stream else None}
+            _atomic(folder / STATE_FILE, lambda tmp: tmp.write_text(json.dumps(payload)))
+        return control
+
+    def _restore(self, args, state) -> None:
+        from safetensors.torch import load_file
+
+        from snip_ds.plan import Plan
+
+        step = state.global_step
+        candidates = [Path(p) for p in (getattr(args, "resume_from_checkpoint", None),) if isinstance(p, str)]
+        candidates.append(Path(args.output_dir) / f"checkpoint-{step}")
+        folder = next((c for c in candidates if (c / STATE_FILE).is_file()), None)
+        if folder is None:
+            raise ConfigError(f"SnipCallback: resumed at step {step} but none of {[str(c) for c in candidates]} "
+                              f"holds {STATE_FILE}; set TrainingArguments.resume_from_checkpoint to the folder")
+        where = folder / STATE_FILE
+        try:
+            meta = json.loads(where.read_text())
+            if meta["step"] != step:
+                raise ValueError(f"it is from step {meta['step']}, the Trainer resumed at step {step}")
+            if meta["world_size"] != sdist.world_size():
+                raise ValueError(f"it was saved by {meta['world_size']} rank(s), this run has {sdist.world_size()}")
+            gens = load_file(str(folder / _rng_file(sdist.rank())))
+            if self.planner is not None:
+                self.planner.load_state_dict(meta["planner"])
+                self._measure_stream.load_state_dict(meta["measure_stream"])
+            plan = Plan.from_dict(meta["plan"], source=str(where))
+        except (OSError, KeyError, ValueError, TypeError) as err:
+            raise ConfigError(f"{where}: cannot be restored ({err})") from None
+        for fqn, layer in self.engine.layers.items():
+            if layer.generator is not None and fqn in gens:
+                layer.generator.set_state(gens[fqn])
+        self.engine.set_plan(plan, "restored")
+        if sdist.rank() == 0:
+            print(f"snip_ds: restored the plan and planner state from {folder} at step {step}", flush=True)
+
+
+def _snip_layers(model):
+    from snip_ds.swap import snip_layers
+
+    return snip_layers(model)
+
+
+def _sequence_length(dataset) -> int:
+    """Tokens per sample, for the FLOP counts (plans depend only on their ratios); 1 if unknown."""
+    try:
+        ids = dataset[0]["input_ids"]
+        return max(1, len(ids))
+    except Exception:  # an iterable dataset or items without input_ids: the shares do not need it
+        return 1
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+__all__ = ["SnipCallback", "STATE_FILE", "share_cpu_ranks_with_accelerate"]

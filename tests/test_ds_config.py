@@ -1,0 +1,40 @@
+"""``"auto"`` in the shipped DeepSpeed JSONs: resolved by launch/train.py to the embedded run's values."""
+import json
+
+import pytest
+
+from snip_ds.ds_config import resolve_ds_config
+from snip_ds.snip_config import ConfigError
+from train_utils import REPO
+
+# The values the configs held before they became "auto" (the embedded default run's hyper-parameters).
+EMBEDDED = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.002, "betas": [0.9, 0.95], "eps": 1e-08,
+                                                      "weight_decay": 0.1}}}
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3_offload"])
+def test_shipped_auto_resolves_to_embedded_values(name):
+    raw = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
+    raw.pop("snip")
+    assert raw["optimizer"]["params"]["lr"] == "auto"  # the Trainer fills it from its learning_rate
+    cfg = resolve_ds_config(raw, max_steps=120, on_gpu=False, source=name)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "optimizer"):
+        assert cfg[key] == EMBEDDED[key], key
+    assert cfg["scheduler"]["params"]["total_num_steps"] == 120
+    assert cfg["scheduler"]["params"]["warmup_num_steps"] == 12
+
+
+def test_flags_win_over_auto():
+    raw = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    raw.pop("snip")
+    cfg = resolve_ds_config(raw, max_steps=10, on_gpu=False, source="x", micro_batch_size=2,
+                            gradient_accumulation_steps=3, learning_rate=1e-3)
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (2, 3)
+    assert cfg["optimizer"]["params"]["lr"] == 1e-3
+
+
+def test_unknown_auto_is_named():
+    with pytest.raises(ConfigError, match=r"x: cannot resolve \"auto\" for zero_optimization.stage"):
+        resolve_ds_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": "auto"}},
+                          max_steps=1, on_gpu=False, source="x")

@@ -1,0 +1,275 @@
+"""SnipCallback in the Hugging Face Trainer: ZeRO-3 on 1 and 2 ranks, resume, plain AdamW, bad inputs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train_utils import REPO, TINY_MODEL, assert_no_shm_left, env, images, run_ranks, scalars
+
+pytest.importorskip("accelerate")  # transformers' Trainer needs it
+
+TRAIN_HF = REPO / "launch" / "train_hf.py"
+PROBE = REPO / "tests" / "dist_scripts" / "hf_probe.py"
+SMALL = ["--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--disable_tqdm", "true"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """In-process Trainers with a DeepSpeed config leave accelerate's ACCELERATE_* variables in os.environ,
+    which would turn later Trainers (and launched runs, which inherit the environment) into DeepSpeed runs."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+        unset_hf_deepspeed_config()
+    except ImportError:
+        pass
+
+
+def _config(tmp: Path, stage: int = 3, **snip) -> Path:
+    """ds_configs/zero3.json (its "auto" values untouched: the Trainer fills them) for a tiny adaptive run
+    that re-plans every 2 steps."""
+    (tmp / "model.json").write_text(json.dumps(TINY_MODEL))
+    cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    if stage < 3:
+        cfg["zero_optimization"] = {"stage": stage}
+    cfg["snip"].update(replan_every=2, additional_bf16_fwd_every_n_steps=2, **snip)
+    cfg["snip"]["train"] = {"model_config": str(tmp / "model.json"), "block_size": 64, "max_corpus_bytes": 200_000,
+                            "eval_batches": 1}
+    path = tmp / f"ds{stage}.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def _launcher(script: Path, args, ranks: int):
+    from snip_ds.engine.core import _free_port
+
+    return lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+                    str(_free_port()), str(script), *args]
+
+
+def _assert_plans(history, rho, precond):
+    assert [h["step"] for h in history] == [0, 2, 4]  # before step 1, then every replan_every = 2 steps
+    assert all(h["status"] == "optimal" for h in history)
+    # the ILP's constraint is share >= rho; 1e-12 absorbs the rounding of the share's FLOP sum (~1e-16 relative)
+    assert all(h["fp4_share"] >= rho - 1e-12 for h in history)
+    assert history[0]["precond"].startswith("none") and {h["precond"] for h in history[1:]} == {precond}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage,ranks", [(3, 1), (3, 2), (1, 2)])
+def test_trainer_replans_and_matches_initialize(tmp_path, stage, ranks):
+    cfg = _config(tmp_path, stage=stage)
+    out = tmp_path / "probe.json"
+    proc = run_ranks(_launcher(PROBE, ["--deepspeed", str(cfg), "--model_config", str(tmp_path / "model.json"),
+                                       "--output_dir", str(tmp_path / "run"), "--out", str(out)], ranks), 600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["world"] == ranks and got["swapped_same_params"]
+    _assert_plans(got["history"], got["rho"], f"zero{stage}")
+    # Tolerance: none. Both collections run the same code on the same weights, batch, seeds and (empty)
+    # optimizer state, with the same ZeRO partitioning and reduction order, so no round-off separates them.
+    assert got["first"] == got["reference"]
+    assert len(got["losses"]) == 5
+
+
+def _train_hf(args, ranks=1, deepspeed=True):
+    if deepspeed:
+        cmd = _launcher(TRAIN_HF, args, ranks)()
+    else:
+        cmd = [sys.executable, str(TRAIN_HF), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    if deepspeed:
+        assert_no_shm_left(cmd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _log(run: Path, step: int):
+    return json.loads((run / f"checkpoint-{step}" / "trainer_state.json").read_text())["log_history"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_resume_continues_on_restored_plan_bit_for_bit(tmp_path):
+    cfg = _config(tmp_path)
+    common = ["--deepspeed", str(cfg), "--max_steps", "6", "--save_steps", "3", "--eval_steps", "100",
+              "--report_to", "none", *SMALL]
+    _train_hf([*common, "--output_dir", str(tmp_path / "a")])
+    proc = _train_hf([*common, "--output_dir", str(tmp_path / "b"), "--resume_from_checkpoint",
+                      str(tmp_path / "a" / "checkpoint-3")])
+    assert f"restored the plan and planner state from {tmp_path / 'a' / 'checkpoint-3'} at step 3" in proc.stdout
+    a, b = _log(tmp_path / "a", 6), _log(tmp_path / "b", 6)
+    # CPU, one rank, fp32: the Trainer restores data order and RNG, DeepSpeed the weights and Adam state, the
+    # callback the plan, the planner and the rounding generators; so the losses are equal bit for bit.
+    assert [e["loss"] for e in b if "loss" in e] == [e["loss"] for e in a if "loss" in e]
+    sa = json.loads((tmp_path / "a" / "checkpoint-6" / "snip_state.json").read_text())
+    sb = json.loads((tmp_path / "b" / "checkpoint-6" / "snip_state.json").read_text())
+    assert sb["plan"]["assignment"] == sa["plan"]["assignment"]  # (its meta holds the solve time)
+    assert sb["planner"]["last_stats"] == sa["planner"]["last_stats"]
+    assert [h["step"] for h in sb["planner"]["history"]] == [0, 2, 4]
+
+
+@pytest.mark.slow
+def test_without_deepspeed_plain_adamw(tmp_path):
+    cfg = _config(tmp_path)
+    run = tmp_path / "run"
+    proc = _train_hf(["--snip_config", str(cfg), "--output_dir", str(run), "--max_steps", "5", "--save_steps", "5",
+                      "--eval_steps", "5", *SMALL], deepspeed=False)
+    assert "step 4: plan optimal" in proc.stdout
+    state = json.loads((run / "checkpoint-5" / "snip_state.json").read_text())
+    _assert_plans(state["planner"]["history"], 0.75, "adam")
+    logs = [e for e in _log(run, 5) if "snip/collect_time_s" in e]
+    assert [e["step"] for e in logs] == [0, 2, 4]  # through Trainer.log
+    (events,) = {p.parent for p in run.glob("runs/**/events.out.tfevents.*")}
+    tb = scalars(events)  # the Trainer's TensorBoardCallback prefixes "train/"
+    assert set(tb["train/plan/fp4_share"]) == {0, 2, 4} and set(tb["train/snip/measured_fld"]) == {1, 3}
+    assert "plan/precision_map" in images(events)
+
+
+# ---------------------------------------------------------------- bad inputs: one clear error, before training
+def _trainer(tmp_path, deepspeed=None, model=None, callback=None, ga=1):
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from snip_ds.data import BlockDataset
+    from snip_ds.hf import SnipCallback
+    from snip_ds.model import build_model
+
+    import torch
+
+    if model is None:
+        model = build_model(None, dict(TINY_MODEL), vocab_size=257, seed=0, block_size=64)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), deepspeed=deepspeed, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=ga, max_steps=1, report_to="none", use_cpu=deepspeed is None)
+    data = BlockDataset(torch.zeros(8, 64, dtype=torch.int32))
+    return Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                   callbacks=[callback or SnipCallback()])
+
+
+def _variant(tmp_path, edit) -> str:
+    cfg = json.loads(_config(tmp_path, stage=2).read_text())
+    edit(cfg)
+    path = tmp_path / "variant.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_unknown_key_in_snip_section(tmp_path):
+    from snip_ds.snip_config import ConfigError
+
+    path = _variant(tmp_path, lambda c: c["snip"].update(replan_evry=3))
+    with pytest.raises(ConfigError, match=rf"{path}: snip: unknown key\(s\) 'replan_evry'"):
+        _trainer(tmp_path, deepspeed=path)
+
+
+def test_unknown_key_in_settings_argument(tmp_path):
+    from snip_ds.hf import SnipCallback
+    from snip_ds.snip_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"SnipCallback\(settings=...\): snip.quant: unknown key\(s\) 'fp5'"):
+        _trainer(tmp_path, callback=SnipCallback(settings={"plan": "adaptive", "quant": {"fp5": 1}}))
+
+
+def test_gradient_accumulation_disagrees(tmp_path):
+    from snip_ds.snip_config import ConfigError
+
+    path = _variant(tmp_path, lambda c: c.update(gradient_accumulation_steps=2))
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps is 2 but TrainingArguments"
+                                          r".gradient_accumulation_steps is 1"):
+        _trainer(tmp_path, deepspeed=path)
+
+
+def test_settings_in_two_places(tmp_path):
+    from snip_ds.hf import SnipCallback
+    from snip_ds.snip_config import ConfigError
+
+    path = _variant(tmp_path, lambda c: None)
+    with pytest.raises(ConfigError, match="give them in one place"):
+        _trainer(tmp_path, deepspeed=path, callback=SnipCallback(settings={"plan": "fp8"}))
+
+
+def test_plan_file_naming_missing_layers(tmp_path):
+    from snip_ds.hf import SnipCallback
+    from snip_ds.snip_config import ConfigError
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model.layers.7.mlp.up_proj": "fp4"}))
+    with pytest.raises(ConfigError, match=rf"{plan}"):
+        _trainer(tmp_path, callback=SnipCallback(settings={"plan": str(plan)}))
+
+
+def test_model_without_llama_decoder_linears(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from snip_ds.hf import SnipCallback
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=257))
+    with pytest.raises(ValueError, match="model: no decoder blocks found"):
+        _trainer(tmp_path, model=model, callback=SnipCallback(settings={"plan": "fp8"}))
+
+
+def test_cli_reports_one_line(tmp_path):
+    path = _variant(tmp_path, lambda c: c["snip"].update(replan_evry=3))
+    proc = subprocess.run([sys.executable, str(TRAIN_HF), "--deepspeed", path, "--output_dir", str(tmp_path / "o")],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {path}: snip: unknown key(s) 'replan_evry'; ")
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["zero2", "ddp"])
+def test_torchrun_two_ranks(tmp_path, mode):
+    """torchrun with 2 ranks: DeepSpeed ZeRO-2 (preconditioner from its partitions), or DDP without DeepSpeed."""
+    from snip_ds.engine.core import _free_port
+
+    cfg = _config(tmp_path, stage=2)
+    run = tmp_path / "run"
+    extra = ["--deepspeed", str(cfg)] if mode == "zero2" else ["--use_cpu", "true", "--snip_config", str(cfg)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(TRAIN_HF), *extra, "--output_dir", str(run), "--max_steps", "5", "--save_steps", "5",
+           "--eval_steps", "5", "--report_to", "none", *SMALL]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = json.loads((run / "checkpoint-5" / "snip_state.json").read_text())
+    assert state["world_size"] == 2
+    _assert_plans(state["planner"]["history"], 0.75, "zero2" if mode == "zero2" else "adam")
+    assert any("eval_loss" in e for e in _log(run, 5))  # evaluation gathers over both ranks
+
+
+@pytest.mark.slow
+def test_statistics_leave_no_trace(tmp_path):
+    """An adaptive run whose solver always answers uniform FP8 (collections every 2 steps, measured forwards
+    every 2) trains bit for bit as the fixed FP8 run: the private stream does not shift the Trainer's data
+    order, and collecting leaves parameters, gradients, optimizer state and RNG streams as they were."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from snip_ds.data import load_dataset_blocks
+    from snip_ds.hf import SnipCallback
+    from snip_ds.model import build_model
+
+    train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000, max_validation_bytes=4096)
+    losses = {}
+    for name, settings in {"fixed": {"plan": "fp8"},
+                           "adaptive": {"plan": "adaptive", "method": "uniform_fp8", "replan_every": 2,
+                                        "additional_bf16_fwd_every_n_steps": 2}}.items():
+        model = build_model(None, dict(TINY_MODEL), vocab_size=vocab, seed=0, block_size=64)
+        args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=5,
+                                 learning_rate=2e-3, logging_steps=1, save_strategy="no", report_to="none",
+                                 disable_tqdm=True, use_cpu=True, seed=0)
+        snip = SnipCallback(settings=settings)
+        trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator,
+                          callbacks=[snip])
+        trainer.train()
+        losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        if name == "adaptive":
+            assert [h["step"] for h in snip.planner.history] == [0, 2, 4]
+            assert set(snip.engine.plan.assignment.values()) == {"fp8"}
+    assert len(losses["fixed"]) == 5 and losses["adaptive"] == losses["fixed"]
