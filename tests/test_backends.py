@@ -2,6 +2,8 @@
 rounding, the registry and ``auto``."""
 import logging
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -338,6 +340,45 @@ def test_kernel_dispatch_without_the_kernels_module(monkeypatch):
     monkeypatch.setattr(torch_native, "_kernels_module", None)
     k = torch_native.kernels()
     assert k is None or k.available()
+    fake = types.ModuleType("snip_ds.backend.kernels")
+    fake.available = lambda: False
+    monkeypatch.setitem(sys.modules, "snip_ds.backend.kernels", fake)
+    monkeypatch.setattr(torch_native, "_kernels_checked", False)
+    monkeypatch.setattr(torch_native, "_kernels_module", None)
+    assert torch_native.kernels() is None
+
+
+def test_kernel_dispatch_with_a_kernels_module(monkeypatch):
+    """Where kernels are available, every operand goes through kernels.quantize_parts, stochastic rounding
+    with a seed drawn from the layer's generator (so a restored generator state repeats it)."""
+    from snip_ds.quant import quantize_parts
+
+    calls = []
+
+    def fake_quantize_parts(x, recipe, axis, *, tensor_amax=None, stochastic=False, seed=0, offset=0):
+        calls.append((recipe, axis, stochastic, seed, offset))
+        gen = torch.Generator().manual_seed(seed) if stochastic else None
+        return quantize_parts(x, recipe, axis=axis, stochastic=stochastic, generator=gen, tensor_amax=tensor_amax)
+
+    fake = types.ModuleType("snip_ds.backend.kernels")
+    fake.available = lambda: True
+    fake.quantize_parts = fake_quantize_parts
+    monkeypatch.setitem(sys.modules, "snip_ds.backend.kernels", fake)
+    monkeypatch.setattr(torch_native, "_kernels_checked", False)
+    monkeypatch.setattr(torch_native, "_kernels_module", None)
+    monkeypatch.setattr(torch_native, "KERNEL_DEVICES", ("cpu", "cuda"))
+    cfg = QuantConfig(fp4_recipe="nvfp4", stochastic_rounding=True, backend="torch")
+    x, w, g = _data(9)
+    be = TorchBackend()
+    gen = torch.Generator().manual_seed(4)
+    state = gen.get_state()
+    first = be.dgrad(g, w, "fp4", cfg, gen)
+    gen.set_state(state)
+    assert torch.equal(be.dgrad(g, w, "fp4", cfg, gen), first)
+    be.fprop(x, w, "fp4", cfg)
+    seed = base.seed_offset(torch.Generator().manual_seed(4))[0]
+    assert calls[:2] == [("nvfp4", -1, True, seed, 0), ("nvfp4_2d", 0, False, 0, 0)]
+    assert calls[4:] == [("nvfp4", -1, False, 0, 0), ("nvfp4_2d", -1, False, 0, 0)]
 
 
 def test_seed_offset_follows_the_generator():

@@ -37,6 +37,7 @@ log = logging.getLogger("snip_ds.backend")
 
 DEVICES = ("cpu", "cuda")
 SCALED_MM_DEVICES = ("cuda",)  # where torch._scaled_mm is a real FP8 GEMM (on CPU it is a slow emulation)
+KERNEL_DEVICES = ("cuda",)  # where snip_ds.backend.kernels (Triton) quantizes, when it is available
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _said: set = set()
 _kernels_module = None
@@ -80,7 +81,7 @@ class TorchBackend(GemmBackend):
                        generator: Optional[torch.Generator] = None) -> QuantParts:
         """One whole operand, through the Triton kernels on CUDA when they are available, else
         :func:`snip_ds.quant.quantize_parts`."""
-        k = kernels() if t.device.type == "cuda" else None
+        k = kernels() if t.device.type in KERNEL_DEVICES else None
         if k is not None:
             seed, offset = seed_offset(generator) if stochastic else (0, 0)
             return k.quantize_parts(t, recipe, axis, stochastic=stochastic, seed=seed, offset=offset)
@@ -157,12 +158,23 @@ class TorchBackend(GemmBackend):
                                  bias is None else torch.float32, bias=bias if fused_bias else None)
             return y if bias is None or fused_bias else _finish(y, bias, out_dtype)
         if a.device.type == "cuda":
-            y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16), out_dtype=torch.float32)
+            y = _bf16_mm_fp32(a.to(torch.bfloat16), b.to(torch.bfloat16))
         elif out_dtype == torch.float32:
             y = torch.mm(a, b)  # CPU, FP32 result wanted: the exact values in an FP32 GEMM (no BF16 -> FP32 kernel)
         else:  # CPU: BF16 GEMM, its FP32 sum rounded once to BF16 (the result is rounded to out_dtype anyway)
             y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
         return _finish(y.mul_(scale_a * scale_b), bias, out_dtype)
+
+
+def _bf16_mm_fp32(a16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:
+    """BF16 x BF16 -> FP32 on CUDA (``torch.mm``'s ``out_dtype``); where this torch lacks it, the BF16 result
+    (one BF16 rounding of the FP32 sum), said once."""
+    try:
+        return torch.mm(a16, b16, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError) as err:
+        _say_once(("mm_out_dtype",), "torch backend: torch.mm(..., out_dtype=float32) is not available (%s); "
+                  "BF16 GEMM results are rounded to BF16", str(err).splitlines()[0] if str(err) else err)
+        return torch.mm(a16, b16).float()
 
 
 def _finish(y: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
