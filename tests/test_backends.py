@@ -385,3 +385,25 @@ def test_seed_offset_follows_the_generator():
     first = base.seed_offset(gen)
     gen.set_state(state)
     assert base.seed_offset(gen) == first and base.seed_offset(gen) != first
+
+
+@pytest.mark.parametrize("gemm", ["dgrad", "wgrad"])
+def test_stochastic_draws_match_the_emulated_gemms(gemm, monkeypatch):
+    """The emulated GEMMs draw stochastic rounding slice by slice (here 4 slices of 32 tokens), the other
+    backends for the whole operand at once: the draws are the same, so with one seed both multiply the same
+    operands. Tolerance: FP32 accumulation of at most 100 terms, 100 * 2**-24 of the sum of |terms|; with
+    another seed the results differ far beyond it."""
+    monkeypatch.setattr(backend_pkg.emulated, "CHUNK_ELEMENTS", 32 * 48)
+    assert len(backend_pkg.emulated._chunks(100, 48)) == 4
+    cfg = QuantConfig(fp4_recipe="nvfp4", stochastic_rounding=True)
+    gen = torch.Generator().manual_seed(0)
+    g, w, x = torch.randn(100, 48, generator=gen), torch.randn(48, 80, generator=gen), torch.randn(100, 80,
+                                                                                                  generator=gen)
+    b = w if gemm == "dgrad" else x
+    out = getattr(EmulatedBackend(), gemm)(g, b, "fp4", cfg, torch.Generator().manual_seed(3))
+    prod = (lambda u, v: u @ v) if gemm == "dgrad" else (lambda u, v: u.t() @ v)
+    for seed, same in ((3, True), (4, False)):
+        pa, pb = TorchBackend().quantized_operands(gemm, g, b, "fp4", cfg, torch.Generator().manual_seed(seed))
+        da, db = pa.values.double() * pa.tensor_scale.double(), pb.values.double() * pb.tensor_scale.double()
+        close = ((out.double() - prod(da, db)).abs() <= prod(da.abs(), db.abs()) * 100 * 2.0 ** -24).all()
+        assert bool(close) == same
