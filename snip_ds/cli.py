@@ -4,6 +4,9 @@
     snip-ds plan STATS.json --efficiency-saving 0.75 --method random --num-random 5 -o random.json
     snip-ds show plan.json
     snip-ds diff a.json b.json
+    snip-ds show runs/zero3/checkpoints/step_120      # a checkpoint directory holds the plan and statistics
+    snip-ds plan runs/zero3 --efficiency-saving 0.5 -o plan.json   # a run's output directory: its stats.json
+    snip-ds export runs/zero3/checkpoints hf_model
 
 User errors (missing file, bad JSON, bad field, impossible target) print one line to stderr and exit 2.
 """
@@ -15,8 +18,9 @@ import sys
 import warnings
 from typing import Sequence
 
+from snip_ds.artifacts import load_plan, load_stats
 from snip_ds.plan import GEMMS, PRECISIONS, Plan
-from snip_ds.planner import BWD_ESTIMATES, DGRAD_COSTS, METHODS, block_index, load_stats, solve_baseline
+from snip_ds.planner import BWD_ESTIMATES, DGRAD_COSTS, METHODS, block_index, solve_baseline
 
 # Column order and headers for the Llama decoder block; other layer names get their own columns after these.
 _LLAMA_COLUMNS = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o"),
@@ -56,10 +60,10 @@ def _describe(plan: Plan) -> str:
 # plan
 # --------------------------------------------------------------------------------------------------------
 def _cmd_plan(args: argparse.Namespace) -> int:
-    stats = load_stats(args.stats)
+    stats, _ = load_stats(args.stats)
     pinned = dict(_parse_pin(p) for p in args.pin or [])
     allowed = tuple(a for a in args.allowed.split(",") if a)
-    previous = Plan.load(args.previous) if args.previous else None
+    previous = load_plan(args.previous)[0] if args.previous else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plans = solve_baseline(
@@ -125,7 +129,8 @@ def render_plan(plan: Plan, title: str = "plan") -> str:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    print(render_plan(Plan.load(args.plan), title=args.plan))
+    plan, source = load_plan(args.plan)
+    print(render_plan(plan, title=source))
     return 0
 
 
@@ -137,9 +142,9 @@ def _label(value) -> str:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    a, b = Plan.load(args.a), Plan.load(args.b)
-    print(f"A {args.a}: {_describe(a)}")
-    print(f"B {args.b}: {_describe(b)}")
+    (a, source_a), (b, source_b) = load_plan(args.a), load_plan(args.b)
+    print(f"A {source_a}: {_describe(a)}")
+    print(f"B {source_b}: {_describe(b)}")
     only_a = sorted(set(a.assignment) - set(b.assignment))
     only_b = sorted(set(b.assignment) - set(a.assignment))
     ga, gb = a.gemm_assignment(), b.gemm_assignment()
@@ -172,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="solve a plan from a statistics file")
-    p.add_argument("stats", help="statistics JSON (format snip_ds.stats/1)")
+    p.add_argument("stats", help="statistics JSON (format snip_ds.stats/1), a run's output directory (its "
+                   "stats.json) or a checkpoint directory of an adaptive run")
     p.add_argument("--efficiency-saving", "--rho", dest="efficiency_saving", type=float, required=True,
                    help="minimum FP4 share of the linear-GEMM FLOPs, in [0, 1]")
     p.add_argument("--method", choices=METHODS, default="best")
@@ -196,21 +202,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "(ablation: only the part that persists from step to step)")
     p.add_argument("--dgrad-calibration", type=float, default=1.0,
                    help="with --dgrad-cost upstream: what bwd_dgrad overstates the dgrad-only drift by")
-    p.add_argument("--previous", default=None, help="previous plan JSON (for --flip-penalty)")
+    p.add_argument("--previous", default=None, help="previous plan JSON or checkpoint directory (for --flip-penalty)")
     p.add_argument("--flip-penalty", type=float, default=0.0, help="cost of flipping all FLOPs vs --previous")
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
     p.add_argument("-o", "--output", required=True, help="plan JSON to write")
     p.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser("show", help="print a plan as a per-block precision map")
-    s.add_argument("plan")
+    s.add_argument("plan", help="plan JSON, a run's output directory (its plan.json) or a checkpoint directory")
     s.set_defaults(func=_cmd_show)
 
     d = sub.add_parser("diff", help="compare two plans")
-    d.add_argument("a")
-    d.add_argument("b")
+    d.add_argument("a", help="plan JSON, output directory or checkpoint directory")
+    d.add_argument("b", help="the same, compared with a")
     d.set_defaults(func=_cmd_diff)
+
+    e = sub.add_parser("export", help="write a Hugging Face model directory from a training checkpoint")
+    e.add_argument("checkpoint", help="a checkpoint directory (step_N) or the checkpoints directory (its 'latest')")
+    e.add_argument("out_dir", help="the model directory to write (AutoModelForCausalLM.from_pretrained loads it)")
+    e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the exported master weights")
+    e.add_argument("--force", action="store_true", help="replace a previous export in OUT_DIR")
+    e.set_defaults(func=_cmd_export)
     return parser
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from snip_ds.export import export_checkpoint  # imports DeepSpeed and transformers: only when exporting
+
+    record = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force,
+                               warn=lambda msg: print(f"snip-ds: warning: {msg}", file=sys.stderr))
+    tokenizer = "with its tokenizer" if record["tokenizer"]["exported"] else "without a tokenizer"
+    print(f"{args.out_dir}: step {record['step']}, {record['parameters']} parameters in {args.dtype}, {tokenizer}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

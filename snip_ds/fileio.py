@@ -1,12 +1,19 @@
 """Atomic file writes: a temporary file in the same directory, fsync'd, then renamed over the target.
 
 A failed or interrupted write leaves any previous file untouched and no temporary file behind, so plans,
-statistics and checkpoint markers are never half-written. Pure (no torch).
+statistics and checkpoint markers are never half-written. The file gets the permissions an ordinary
+``open(path, "w")`` would give it (0666 less the umask). Pure (no torch).
 """
 from __future__ import annotations
 
 import os
 import tempfile
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -15,6 +22,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from the user's group
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

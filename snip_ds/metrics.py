@@ -1,7 +1,8 @@
 """TensorBoard logging: the logging rank gets a real writer, every other rank a null logger.
 
-Call sites never test the rank (``logger.scalar(...)`` is a no-op off rank 0). The precision map is an RGB
-image of ``blocks x 7`` cells (q, k, v, o, gate, up, down), one colour per precision.
+Call sites never test the rank (``logger.scalar(...)`` is a no-op off rank 0). The precision map is a labelled
+matplotlib figure, rendered to an RGB image: ``blocks x 7`` cells (q, k, v, o, gate, up, down), one colour per
+precision, with the step and FP4 share in its title and a legend.
 """
 from __future__ import annotations
 
@@ -21,29 +22,87 @@ PRECISION_COLOURS = {  # RGB
 }
 
 
-def precision_map_image(assignment: Mapping[str, object], block_of, cell: int = 12) -> np.ndarray:
-    """An ``[3, H, W]`` uint8 image: one row of 7 cells per block (one sub-row per GEMM if per-GEMM).
+GEMM_SHORT = {"fprop": "F", "dgrad": "D", "wgrad": "W"}
+_COLUMN_LABELS = ("q", "k", "v", "o", "gate", "up", "down")
+_DPI = 100
+
+
+def precision_map_figure(assignment: Mapping[str, object], block_of, *, step: Optional[int] = None,
+                         fp4_share: Optional[float] = None, method: Optional[str] = None):
+    """The precision map as a matplotlib ``Figure`` (not attached to pyplot): one row per decoder block, one
+    column per linear (q, k, v, o, gate, up, down), coloured by precision; a per-GEMM plan splits each cell
+    into fprop | dgrad | wgrad stripes (labelled F D W along the top). The title gives the step, the FP4 share
+    of the linear-GEMM FLOPs and the method; a legend names the colours.
 
     Args:
         assignment: ``{fqn: precision}`` or ``{fqn: {gemm: precision}}``.
         block_of: maps an fqn to its block index.
-        cell: pixels per cell side.
     """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
     blocks = sorted({block_of(fqn) for fqn in assignment})
     row_of = {b: i for i, b in enumerate(blocks)}
     per_gemm = any(isinstance(v, Mapping) for v in assignment.values())
     sub = len(GEMMS) if per_gemm else 1
-    img = np.full((len(blocks) * sub * cell, len(LAYER_KINDS) * cell, 3), 255, dtype=np.uint8)
+    grid = np.full((len(blocks), len(LAYER_KINDS) * sub, 3), 255, dtype=np.uint8)  # white: not in the plan
     for fqn, prec in assignment.items():
         kind = fqn.rsplit(".", 1)[-1]
         if kind not in LAYER_KINDS:
             continue
-        col = LAYER_KINDS.index(kind)
         precs = [prec[g] for g in GEMMS] if isinstance(prec, Mapping) else [prec]
         for s, p in enumerate(precs):
-            top = (row_of[block_of(fqn)] * sub + s) * cell
-            img[top + 1:top + cell - 1, col * cell + 1:(col + 1) * cell - 1] = PRECISION_COLOURS[p]
-    return img.transpose(2, 0, 1)
+            grid[row_of[block_of(fqn)], LAYER_KINDS.index(kind) * sub + s] = PRECISION_COLOURS[p]
+
+    n_rows = max(len(blocks), 1)
+    top_in, bottom_in, cells_in = 0.95, 0.75, max(0.26 * n_rows, 1.0)  # margins for title and labels, inches
+    height = top_in + bottom_in + cells_in
+    fig = Figure(figsize=(7.2, height), dpi=_DPI)
+    ax = fig.add_axes((0.09, bottom_in / height, 0.66, cells_in / height))
+    ax.imshow(grid, aspect="auto", interpolation="nearest",
+              extent=(-0.5, len(LAYER_KINDS) - 0.5, len(blocks) - 0.5, -0.5))
+    ax.set_xticks(range(len(LAYER_KINDS)), _COLUMN_LABELS)
+    ax.set_xlabel("attention (q k v o)  |  MLP (gate up down)")
+    stride = max(1, -(-len(blocks) // 32))  # at most ~32 block labels
+    ax.set_yticks(range(0, len(blocks), stride), [str(b) for b in blocks[::stride]])
+    ax.set_ylabel("decoder block")
+    ax.set_xticks([c + 0.5 for c in range(len(LAYER_KINDS) - 1)], minor=True)
+    ax.set_yticks([r + 0.5 for r in range(len(blocks) - 1)], minor=True)
+    ax.grid(which="minor", color="white", linewidth=2)
+    ax.tick_params(which="minor", length=0)
+    if per_gemm:
+        top = ax.secondary_xaxis("top")
+        top.set_xticks([c - 0.5 + (s + 0.5) / sub for c in range(len(LAYER_KINDS)) for s in range(sub)],
+                       [GEMM_SHORT[g] for _ in LAYER_KINDS for g in GEMMS], fontsize=7)
+        top.tick_params(length=0)
+        ax.vlines([c - 0.5 + s / sub for c in range(len(LAYER_KINDS)) for s in range(1, sub)], -0.5,
+                  len(blocks) - 0.5, colors="white", linewidth=0.6)
+    title = "precision plan" + ("" if step is None else f" at step {step}")
+    details = []
+    if fp4_share is not None:
+        details.append(f"FP4 share {fp4_share:.1%} of linear FLOPs")
+    if method:
+        details.append(f"method {method}")
+    ax.set_title(title + ("\n" + ", ".join(details) if details else ""), fontsize=11,
+                 pad=16 if per_gemm else 6)
+    handles = [Patch(facecolor=np.array(c) / 255.0, edgecolor="black", linewidth=0.5, label=p)
+               for p, c in PRECISION_COLOURS.items()]
+    legend_title = "per GEMM:\nF fprop\nD dgrad\nW wgrad" if per_gemm else "precision"
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.77, (bottom_in + cells_in) / height), title=legend_title,
+               frameon=False)
+    return fig
+
+
+def precision_map_image(assignment: Mapping[str, object], block_of, *, step: Optional[int] = None,
+                        fp4_share: Optional[float] = None, method: Optional[str] = None) -> np.ndarray:
+    """:func:`precision_map_figure` rendered as a ``[3, H, W]`` uint8 image (720 pixels wide) for TensorBoard."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = precision_map_figure(assignment, block_of, step=step, fp4_share=fp4_share, method=method)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    rgb = np.asarray(canvas.buffer_rgba())[..., :3]
+    return np.ascontiguousarray(rgb.transpose(2, 0, 1))
 
 
 class NullLogger:

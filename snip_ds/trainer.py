@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from snip_ds import console
 from snip_ds.ds_config import resolve_ds_config, validate_with_deepspeed
 from snip_ds.metrics import config_text, make_logger
 from snip_ds.snip_config import ConfigError, SnipSettings, load_ds_config, with_overrides
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--resume_from_checkpoint", metavar="DIR",
                    help="a checkpoint directory (step_N) or the checkpoints directory (its 'latest')")
+    g.add_argument("--reset_lr_schedule", action="store_true",
+                   help="on resume, follow this run's learning-rate schedule (resolved from its --max_steps) "
+                        "instead of the checkpoint's")
     g = p.add_argument_group("precision plan (override snip.plan)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--precision", choices=("bf16", "fp8", "fp4", "adaptive"), help="uniform plan, or adaptive SNIP")
@@ -149,6 +153,60 @@ class _StopFlag:
         return self.signal is not None
 
 
+def _write_artifacts(out_dir: Path, plan, stats: Optional[Dict[str, Any]]) -> None:
+    """``plan.json`` and (adaptive, once collected) ``stats.json`` under ``out_dir``, each atomically."""
+    from snip_ds.artifacts import write_plan, write_stats
+
+    if stats is not None:
+        write_stats(out_dir, stats)
+    write_plan(out_dir, plan)
+
+
+def _schedule_words(scheduler: Optional[Dict[str, Any]]) -> str:
+    if not scheduler:
+        return "none (the optimizer's constant lr)"
+    params = scheduler.get("params") or {}
+    return f"{scheduler.get('type')} " + " ".join(f"{k}={v}" for k, v in sorted(params.items()))
+
+
+def _checkpoint_schedule(meta: Dict[str, Any], raw_cfg: Dict[str, Any], args: argparse.Namespace, on_gpu: bool,
+                         world: int) -> Optional[Dict[str, Any]]:
+    """The resolved scheduler section a checkpoint was trained with. Checkpoints written before it was
+    recorded (no ``lr_schedule``) get this run's config resolved with the checkpoint's ``max_steps``."""
+    if "lr_schedule" in meta:
+        return meta["lr_schedule"]
+    max_steps = ((meta.get("settings") or {}).get("train") or {}).get("max_steps")
+    if not isinstance(max_steps, int):
+        return None
+    return resolve_ds_config(raw_cfg, max_steps=max_steps, on_gpu=on_gpu, source=args.deepspeed,
+                             micro_batch_size=args.per_device_train_batch_size,
+                             gradient_accumulation_steps=args.gradient_accumulation_steps,
+                             learning_rate=args.learning_rate, world_size=world).get("scheduler")
+
+
+def _resume_schedule(ds_cfg: Dict[str, Any], saved: Optional[Dict[str, Any]],
+                     reset: bool) -> tuple[Dict[str, Any], str]:
+    """The config a resumed run trains with, and the line saying which learning-rate schedule it follows.
+
+    DeepSpeed's schedulers restore only their position (``last_batch_iteration``) from a checkpoint; their
+    shape (``total_num_steps``, warm-up, ...) comes from the config, which ``"auto"`` resolves from this run's
+    ``max_steps``. So unless ``reset``, the checkpoint's scheduler section replaces this run's.
+    """
+    current = ds_cfg.get("scheduler")
+    if reset:
+        return ds_cfg, (f"snip_ds: lr schedule: this run's, {_schedule_words(current)} (--reset_lr_schedule; the "
+                        f"checkpoint's was {_schedule_words(saved)})")
+    if saved == current:
+        return ds_cfg, f"snip_ds: lr schedule: the checkpoint's, {_schedule_words(saved)} (the same as this run's)"
+    cfg = dict(ds_cfg)
+    if saved is None:
+        cfg.pop("scheduler", None)
+    else:
+        cfg["scheduler"] = saved
+    return cfg, (f"snip_ds: lr schedule: the checkpoint's, {_schedule_words(saved)} (this run's config would give "
+                 f"{_schedule_words(current)}; pass --reset_lr_schedule to follow it)")
+
+
 def _eval_batches(val_ds, micro_bs: int, n_batches: int, rank: int, world: int) -> List[dict]:
     from snip_ds.data import DataStream
 
@@ -171,12 +229,12 @@ def train(args: argparse.Namespace) -> int:
     # Subnormal FP32 intermediates (squares of tiny gradient errors in the statistics) are ~100x slower on
     # CPUs and lie far below every FP8/FP4 grid step: flush them to zero for the whole (training) process.
     torch.set_flush_denormal(True)
-    ds_cfg, settings = _settings_from_args(args)
+    raw_cfg, settings = _settings_from_args(args)
     t = settings.train
     init_distributed()
     rank, world = sdist.rank(), sdist.world_size()
     on_gpu = torch.cuda.is_available()
-    ds_cfg = resolve_ds_config(ds_cfg, max_steps=t.max_steps, on_gpu=on_gpu, source=args.deepspeed,
+    ds_cfg = resolve_ds_config(raw_cfg, max_steps=t.max_steps, on_gpu=on_gpu, source=args.deepspeed,
                                micro_batch_size=args.per_device_train_batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                learning_rate=args.learning_rate, world_size=world)
@@ -205,6 +263,10 @@ def train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as err:
         raise UserError(str(err)) from None
 
+    tokenizer = str(data_info.get("tokenizer", "unknown"))  # recorded in checkpoints for `snip-ds export`
+    if tokenizer not in ("byte", "unknown") and Path(tokenizer).exists():
+        tokenizer = str(Path(tokenizer).resolve())
+
     # ---------------- plan and checkpoint: checked against the model before DeepSpeed starts ----------------
     tokens_per_step = micro_bs * ga * t.block_size
     infos = {fqn: model.get_submodule(fqn) for fqn in find_decoder_linears(model)}
@@ -221,12 +283,15 @@ def train(args: argparse.Namespace) -> int:
         raise UserError(f"{args.deepspeed}: snip.quant.backend: {err}") from None
     backend_words = ", ".join(f"{p} on {resolve(settings.quant.backend, p, settings.quant, gemm_device).name}"
                               for p in ("fp8", "fp4"))
+    schedule_line = None
     if args.resume_from_checkpoint:
         try:
-            ckpt.validate(ckpt.resolve(Path(args.resume_from_checkpoint)), ckpt.model_fingerprint(model), world,
-                          ckpt.model_architecture(model))
+            ckpt_meta = ckpt.validate(ckpt.resolve(Path(args.resume_from_checkpoint)), ckpt.model_fingerprint(model),
+                                      world, ckpt.model_architecture(model))
         except CheckpointError as err:
             raise UserError(str(err)) from None
+        saved = _checkpoint_schedule(ckpt_meta, raw_cfg, args, on_gpu, world)
+        ds_cfg, schedule_line = _resume_schedule(ds_cfg, saved, args.reset_lr_schedule)
 
     out_dir = Path(t.output_dir)
     logger = make_logger(out_dir / "tensorboard", rank)
@@ -260,6 +325,9 @@ def train(args: argparse.Namespace) -> int:
                 raise UserError(f"{args.resume_from_checkpoint}: {err}") from None
         if rank == 0:
             print(f"snip_ds: resumed from {args.resume_from_checkpoint} at step {engine.step}", flush=True)
+            print(schedule_line, flush=True)
+    if rank == 0 and (planner is None or planner.planned_at is not None):  # not adaptive's placeholder plan
+        _write_artifacts(out_dir, engine.plan, planner.last_stats if planner else None)
 
     stop = _StopFlag()
     stop.install()
@@ -268,12 +336,14 @@ def train(args: argparse.Namespace) -> int:
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=t.max_steps, initial=engine.step, desc="train", unit="step", dynamic_ncols=True)
+        console.attach(bar)
 
     def save() -> None:
-        extra = {"data": stream.state_dict(), "planner": planner.state_dict() if planner else None}
+        extra = {"data": stream.state_dict(), "planner": planner.state_dict() if planner else None,
+                 "lr_schedule": ds_cfg.get("scheduler"), "tokenizer": tokenizer}
         path = engine.save_checkpoint(ckpt_dir, extra)
         if rank == 0:
-            print(f"snip_ds: checkpoint saved to {path}", flush=True)
+            console.say(f"snip_ds: checkpoint saved to {path}")
 
     last_loss = math.nan
     while engine.step < t.max_steps:
@@ -284,6 +354,8 @@ def train(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
         if planner is not None and len(planner.history) > history:  # step time without the re-plan
             elapsed -= planner.history[-1]["collect_s"] + planner.history[-1]["solve_s"]
+            if rank == 0:
+                _write_artifacts(out_dir, engine.plan, planner.last_stats)
         step = engine.step
         if step % t.logging_steps == 0:
             logger.scalars({"train/loss": last_loss, "train/lr": engine.lr(), "perf/step_time_s": elapsed,
@@ -293,7 +365,7 @@ def train(args: argparse.Namespace) -> int:
             val = engine.evaluate(eval_batches)
             logger.scalars({"eval/loss": val, "eval/perplexity": math.exp(min(val, 50.0))}, step)
             if rank == 0:
-                print(f"snip_ds: step {step} train loss {last_loss:.4f} validation loss {val:.4f}", flush=True)
+                console.say(f"snip_ds: step {step} train loss {last_loss:.4f} validation loss {val:.4f}")
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}")
@@ -303,10 +375,11 @@ def train(args: argparse.Namespace) -> int:
             if not (t.save_steps and step % t.save_steps == 0) and step != t.max_steps:
                 save()
             if rank == 0:
-                print(f"snip_ds: stopped by {stop.reason} at step {step}; resume with --resume_from_checkpoint "
-                      f"{ckpt_dir}", flush=True)
+                console.say(f"snip_ds: stopped by {stop.reason} at step {step}; resume with "
+                            f"--resume_from_checkpoint {ckpt_dir}")
             break
     if bar is not None:
+        console.detach()
         bar.close()
     logger.close()
     return 0
@@ -324,6 +397,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if sdist.rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         code = 2
+    finally:
+        console.detach()  # a failed run's bar must not catch a later in-process run's messages
     if dist.is_initialized():
         if code == 0:
             dist.barrier()

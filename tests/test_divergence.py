@@ -273,3 +273,33 @@ def test_gram_pays_compares_multiply_adds():
     assert dv.gram_pays(tokens=1024, k=384, n=1024, uses=2)  # 393k + 786k < 2.1M
     assert not dv.gram_pays(tokens=1024, k=1024, n=384, uses=2)  # 1.05M + 786k > 786k
     assert not dv.gram_pays(tokens=16, k=64, n=64, uses=2)  # few tokens: the direct product is cheaper
+
+
+def test_next_token_kl_matches_torch_and_skips_ignored_positions():
+    g = _gen(7)
+    ref = torch.randn(2, 6, 11, generator=g)
+    cur = ref + 0.3 * torch.randn(2, 6, 11, generator=g)
+    labels = torch.randint(0, 11, (2, 6), generator=g)
+    labels[0, 3] = labels[1, 5] = -100  # positions 2 of row 0 and 4 of row 1 predict ignored tokens
+    total, n = dv.next_token_kl(ref, cur, labels, chunk=3)  # chunks of 3 positions: 8 kept -> 3 chunks
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[0, 2] = keep[1, 4] = False
+    lp, lq = ref[:, :-1][keep].double().log_softmax(-1), cur[:, :-1][keep].double().log_softmax(-1)
+    expected = torch.nn.functional.kl_div(lq, lp, log_target=True, reduction="sum")  # KL(p ‖ q)
+    assert n == 8
+    assert float(total) == pytest.approx(float(expected), rel=1e-12)  # both FP64 sums of the same 88 terms
+    assert float(dv.next_token_kl(ref, ref.clone(), labels)[0]) == 0.0
+
+
+def test_next_token_kl_is_the_gauss_newton_form_to_second_order():
+    """KL(p ‖ softmax(z + δ)) = ½ δᵀ(diag p - p pᵀ)δ + O(|δ|³): the form the MC-Fisher FLD estimates. With
+    δ ~ N(0, (1e-3)²) the cubic term is at most ~max|δ| ≈ 4e-3 of the quadratic one: tolerance 1e-2."""
+    g = _gen(8)
+    z = torch.randn(1, 40, 17, generator=g, dtype=torch.float64)
+    delta = 1e-3 * torch.randn(1, 40, 17, generator=g, dtype=torch.float64)
+    labels = torch.zeros(1, 40, dtype=torch.long)
+    total, n = dv.next_token_kl(z, z + delta, labels)
+    p = z[0, :-1].softmax(-1)
+    d = delta[0, :-1]
+    quad = 0.5 * ((d * d * p).sum(-1) - (d * p).sum(-1) ** 2).sum()
+    assert n == 39 and float(total) == pytest.approx(float(quad), rel=1e-2)

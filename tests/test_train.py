@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from train_utils import TINY_MODEL, images, launch, scalars, write_configs
+from train_utils import images, launch, scalars, write_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -37,7 +37,7 @@ def test_two_rank_zero3_run_logs_and_resumes_exactly(tmp_path):
     acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0})
     acc.Reload()
     (image,) = acc.Images("plan/precision_map")  # the plan was set once and never changed
-    assert (image.height, image.width) == (TINY_MODEL["num_hidden_layers"] * 12, 7 * 12)  # blocks x 7 cells
+    assert image.width >= 600 and image.height >= 200  # a labelled figure, readable at TensorBoard's size
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_6"
     meta = json.loads((ckpts / "step_3" / "snip_meta.json").read_text())
@@ -84,8 +84,9 @@ def test_adaptive_two_rank_zero3_replans_logs_and_resumes_exactly(tmp_path):
     _ok(launch(["--deepspeed", str(cfg)], num_ranks=2))
     logged = scalars(tmp_path / "out" / "tensorboard")
     assert sorted(logged["snip/solve_time_s"]) == [0, 4]
-    assert sorted(logged["snip/measured_fld"]) == [2, 4, 6]
+    assert sorted(logged["snip/measured_fld"]) == sorted(logged["snip/measured_loss_change"]) == [2, 4, 6]
     assert all(v > 0 for v in logged["snip/predicted_fld"].values())
+    assert all(v > 0 for v in logged["snip/measured_fld"].values())  # a KL divergence: fp4 layers move it
     assert all(0.5 <= v <= 0.75 for s, v in logged["plan/fp4_share"].items() if s >= 1)
     meta = json.loads((tmp_path / "out" / "checkpoints" / "step_6" / "snip_meta.json").read_text())
     history = meta["planner"]["history"]

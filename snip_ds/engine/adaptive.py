@@ -7,18 +7,21 @@ the data-parallel ranks), solve the ILP on rank 0, broadcast the plan as JSON, c
 the same plan, and switch to it before the next optimizer step. If rank 0 cannot solve (for example pinned
 layers leave the FP4 target out of reach), every rank hears it: a re-plan keeps the plan in force and says
 so in the log; the first adaptive plan stops the run with the reason. Every
-``additional_bf16_fwd_every_n_steps`` steps one extra no-grad BF16 forward on the step's first micro-batch
-measures the forward divergence of the plan in force, logged beside the predicted one.
+``additional_bf16_fwd_every_n_steps`` steps two extra no-grad forwards of the step's first micro-batch (BF16,
+then the plan) measure the forward divergence of the plan in force (their outputs' KL divergence), logged
+beside the predicted one.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from snip_ds import distributed as sdist
+from snip_ds import divergence as dv
 from snip_ds.collect import collect_statistics
+from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
@@ -127,8 +130,7 @@ class AdaptivePlanner:
             eng.logger.text("plan/changes", f"step {eng.step}: re-plan failed on rank 0; the plan in force "
                             "stays", eng.step)
             if sdist.rank() == 0:
-                print(f"snip_ds: warning: re-plan at step {eng.step} could not be solved; keeping the plan in "
-                      "force", flush=True)
+                say(f"snip_ds: warning: re-plan at step {eng.step} could not be solved; keeping the plan in force")
             return None
         previous = eng.plan
         changed = 0 if previous is None else sum(previous.assignment.get(f) != p for f, p in plan.assignment.items())
@@ -169,19 +171,30 @@ class AdaptivePlanner:
 
     # ------------------------------------------------------------------ measured divergence
     @torch.no_grad()
-    def bf16_loss(self, batch: Mapping[str, torch.Tensor]) -> float:
-        """The loss of ``batch`` with every layer unquantized (no gradients; the plan is restored after)."""
+    def measure_forward(self, batch: Mapping[str, torch.Tensor]) -> Tuple[float, float]:
+        """Two no-grad forwards of ``batch`` (eval mode, the weights of the step about to be taken): every layer
+        unquantized, then the plan in force. Returns the unquantized loss and the measured FLD: the mean over
+        the loss's tokens of ``KL(p_unquantized ‖ p_plan)`` (:func:`snip_ds.divergence.next_token_kl`), both
+        averaged over every rank's tokens. The forward quantization draws no random numbers, so the
+        measurement leaves training bit for bit as it was."""
         eng = self.engine
         saved = {fqn: layer.precision for fqn, layer in eng.layers.items()}
+        was_training = eng.ds.module.training
+        dev = next(iter(eng.layers.values())).weight.device
+        ids, labels = batch["input_ids"].to(dev), batch["labels"].to(dev)
         try:
+            eng.ds.module.eval()
             for layer in eng.layers.values():
                 layer.precision = "bf16"
-            was_training = eng.ds.module.training
-            eng.ds.module.eval()
-            dev = next(iter(eng.layers.values())).weight.device
-            loss = eng.ds(input_ids=batch["input_ids"].to(dev), labels=batch["labels"].to(dev)).loss
-            eng.ds.module.train(was_training)
+            unquantized = eng.ds(input_ids=ids, labels=labels)
+            for fqn, layer in eng.layers.items():
+                layer.precision = saved[fqn]
+            planned = eng.ds(input_ids=ids).logits
         finally:
             for fqn, layer in eng.layers.items():
                 layer.precision = saved[fqn]
-        return float(sdist.dist_mean(loss.detach().double().cpu()))
+            eng.ds.module.train(was_training)
+        kl_sum, n = dv.next_token_kl(unquantized.logits, planned, labels)
+        loss = unquantized.loss.detach().double().cpu()
+        totals = sdist.dist_sum(torch.stack([loss, kl_sum.cpu(), torch.tensor(float(n), dtype=torch.float64)]))
+        return float(totals[0]) / sdist.world_size(), float(totals[1] / totals[2]) if totals[2] > 0 else 0.0

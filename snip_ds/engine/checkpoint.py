@@ -24,11 +24,12 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from safetensors.torch import load_file, save_file
 
+from snip_ds.artifacts import CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE
 from snip_ds.fileio import atomic_write_text
 
-META_FILE = "snip_meta.json"
-LATEST_FILE = "latest"
-FORMAT = "snip_ds.checkpoint/1"
+META_FILE = CHECKPOINT_META_FILE
+LATEST_FILE = CHECKPOINT_LATEST_FILE
+FORMAT = CHECKPOINT_FORMAT
 
 
 class CheckpointError(ValueError):
@@ -86,6 +87,15 @@ def model_architecture(model: torch.nn.Module) -> Dict[str, Any]:
         return {}
     values = config.to_dict()
     return {k: json.loads(json.dumps(values[k], default=str)) for k in ARCHITECTURE_KEYS if k in values}
+
+
+def model_config(model: torch.nn.Module) -> Dict[str, Any]:
+    """``model.config`` in full as JSON values (what ``snip-ds export`` writes as ``config.json``); ``{}`` for a
+    model without a Hugging Face config."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return {}
+    return json.loads(config.to_json_string(use_diff=False))
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

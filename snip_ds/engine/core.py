@@ -121,7 +121,9 @@ class SnipEngine:
         self.plan = plan
         if changed:
             self.logger.scalar("plan/fp4_share", self.plan_fp4_share(), self.step)
-            self.logger.image("plan/precision_map", precision_map_image(plan.assignment, block_index), self.step)
+            self.logger.image("plan/precision_map", precision_map_image(
+                plan.assignment, block_index, step=self.step, fp4_share=self.plan_fp4_share(), method=plan.method),
+                self.step)
             if reason:
                 self.logger.text("plan/changes", f"step {self.step}: {reason}", self.step)
 
@@ -145,20 +147,22 @@ class SnipEngine:
 
         In an adaptive run the planner first re-plans if it is due (before the first step and every
         ``replan_every`` steps: collect, solve on rank 0, broadcast, switch), and every
-        ``additional_bf16_fwd_every_n_steps`` steps an extra no-grad BF16 forward of the first micro-batch
-        gives the measured forward divergence, logged after the step beside the predicted one.
+        ``additional_bf16_fwd_every_n_steps`` steps two extra no-grad forwards of the first micro-batch (BF16,
+        then the plan) give the measured forward divergence (the KL divergence of their outputs, nats per
+        token), logged after the step beside the predicted one, and the loss change the plan's quantization
+        causes on that micro-batch (signed).
         """
         ga = self.ds.gradient_accumulation_steps()
         if len(micro_batches) != ga:
             raise ValueError(f"train_step needs {ga} micro-batches (gradient_accumulation_steps), "
                              f"got {len(micro_batches)}")
         planner = self.planner
-        bf16_loss = None
+        measured = None
         if planner is not None:
             if planner.due(self.step) and planner.planned_at != self.step:
                 planner.replan(micro_batches)
             if planner.measure_due(self.step):
-                bf16_loss = planner.bf16_loss(micro_batches[0])
+                measured = planner.measure_forward(micro_batches[0])  # (unquantized loss, KL)
         losses = []
         for batch in micro_batches:
             loss = self._forward_loss(batch)
@@ -169,9 +173,9 @@ class SnipEngine:
         # One collective for both: the step's mean loss and the first micro-batch's (for the measured FLD).
         mean_first = sdist.dist_mean(torch.stack([local.mean(), local[0]]))
         self.last_first_loss = float(mean_first[1])
-        if bf16_loss is not None:
-            self.logger.scalars({"snip/measured_fld": self.last_first_loss - bf16_loss,
-                                 "snip/predicted_fld": planner.predicted_fld()}, self.step)
+        if measured is not None:
+            self.logger.scalars({"snip/measured_fld": measured[1], "snip/predicted_fld": planner.predicted_fld(),
+                                 "snip/measured_loss_change": self.last_first_loss - measured[0]}, self.step)
         return float(mean_first[0])
 
     @torch.no_grad()
@@ -197,7 +201,7 @@ class SnipEngine:
                                 if layer.generator is not None},
                  "torch_rng": torch.get_rng_state()}
         meta = {"step": self.step, "plan": self.plan.to_dict() if self.plan else None,
-                "settings": self.settings.to_dict(), **extra}
+                "settings": self.settings.to_dict(), "model_config": ckpt.model_config(self.ds.module), **extra}
         return ckpt.save(self.ds, Path(save_dir), f"step_{self.step}", meta, state,
                          ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
                          ckpt.model_architecture(self.ds.module))

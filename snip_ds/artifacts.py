@@ -1,0 +1,197 @@
+"""The plan and statistics files a run leaves, and reading a plan or statistics back from any of them.
+
+A training run writes, under its output directory (rank 0, each file atomically)::
+
+    plan.json    # the plan in force (snip_ds.plan/1): at the start, and again at every adaptive re-plan
+    stats.json   # adaptive runs: the statistics the last re-plan solved from (snip_ds.stats/1)
+
+and each checkpoint ``checkpoints/step_N/snip_meta.json`` (snip_ds.checkpoint/1) holds the plan and the
+adaptive planner's state, whose ``last_stats`` are statistics too. :func:`load_plan` and :func:`load_stats`
+read a plan or statistics from such a file or directory, and say what a wrong one is. No torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Tuple
+
+from snip_ds.fileio import atomic_write_text
+from snip_ds.plan import GEMMS, PLAN_FORMAT, Plan
+from snip_ds.planner import STATS_FORMAT, validate_stats
+
+PLAN_FILE = "plan.json"
+STATS_FILE = "stats.json"
+CHECKPOINT_FORMAT = "snip_ds.checkpoint/1"
+CHECKPOINT_META_FILE = "snip_meta.json"
+CHECKPOINT_LATEST_FILE = "latest"
+
+
+# --------------------------------------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------------------------------------
+def write_plan(out_dir: str | os.PathLike, plan: Plan) -> Path:
+    """Writes ``out_dir/plan.json`` atomically (never half-written); returns its path."""
+    path = Path(out_dir) / PLAN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plan.save(path)
+    return path
+
+
+def write_stats(out_dir: str | os.PathLike, stats: Mapping[str, Any]) -> Path:
+    """Writes ``out_dir/stats.json`` (a snip_ds.stats/1 artifact) atomically; returns its path."""
+    path = Path(out_dir) / STATS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(stats, indent=1, allow_nan=False) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------------------
+_KIND_OF_FORMAT = {PLAN_FORMAT: "plan", STATS_FORMAT: "statistics",
+                   CHECKPOINT_FORMAT: "checkpoint metadata"}
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a snip_ds plan or statistics file (not UTF-8 text)") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _looks_like_bare_plan(data: Mapping) -> bool:
+    """A user-written ``{fqn: precision}`` or ``{fqn: {gemm: precision}}`` mapping (no 'format' field)."""
+    def value_ok(v: Any) -> bool:
+        if isinstance(v, str):
+            return True
+        return isinstance(v, Mapping) and bool(v) and set(v) <= set(GEMMS)
+    return bool(data) and "assignment" not in data and all(value_ok(v) for v in data.values())
+
+
+def kind_of(data: Any) -> str:
+    """What a decoded JSON file is: ``plan``, ``statistics``, ``checkpoint metadata``, ``bare plan`` (a
+    user-written mapping), ``unknown format`` (a 'format' field of another kind) or ``unknown``."""
+    if not isinstance(data, Mapping):
+        return "unknown"
+    if "format" in data:
+        return _KIND_OF_FORMAT.get(data["format"], "unknown format")
+    if "assignment" in data:
+        return "plan"  # a plan file written before plans carried 'format'
+    if _looks_like_bare_plan(data):
+        return "bare plan"
+    return "unknown"
+
+
+def _not_this(path: Path, data: Any, wanted: str) -> ValueError:
+    kind = kind_of(data)
+    if kind == "checkpoint metadata":
+        return ValueError(f"{path}: is a snip_ds checkpoint metadata file, not {wanted}; pass its directory "
+                          f"({path.parent})")
+    if kind == "unknown format":
+        return ValueError(f"{path}: 'format' is {data['format']!r}, not a snip_ds plan ({PLAN_FORMAT}) or "
+                          f"statistics ({STATS_FORMAT}) file")
+    if kind == "unknown":
+        what = "no 'format' field" if isinstance(data, Mapping) else f"a JSON {type(data).__name__}"
+        return ValueError(f"{path}: is not a snip_ds plan or statistics file ({what})")
+    if kind == "statistics":
+        return ValueError(f"{path}: is a snip_ds statistics file, not {wanted}; solve a plan from it with "
+                          f"'snip-ds plan {path} --efficiency-saving RHO -o plan.json'")
+    return ValueError(f"{path}: is a snip_ds plan file, not {wanted}")
+
+
+def _checkpoint_dir(path: Path) -> Path | None:
+    """The checkpoint tag directory ``path`` names (itself, or its ``latest``), else None."""
+    if (path / CHECKPOINT_META_FILE).is_file():
+        return path
+    latest = path / CHECKPOINT_LATEST_FILE
+    if latest.is_file():
+        tag_dir = path / latest.read_text(encoding="utf-8").strip()
+        if not (tag_dir / CHECKPOINT_META_FILE).is_file():
+            raise ValueError(f"{latest}: points to {tag_dir}, which is not a complete snip_ds checkpoint")
+        return tag_dir
+    return None
+
+
+def _checkpoint_meta(tag_dir: Path) -> dict:
+    path = tag_dir / CHECKPOINT_META_FILE
+    meta = _read_json(path)
+    if kind_of(meta) != "checkpoint metadata":
+        raise ValueError(f"{path}: not a {CHECKPOINT_FORMAT} metadata file")
+    return meta
+
+
+def _resolve_dir(path: Path, run_file: str) -> Tuple[str, Path]:
+    """``("checkpoint", tag_dir)`` or ``("file", path/run_file)`` for a directory; a clear error otherwise."""
+    tag_dir = _checkpoint_dir(path)
+    if tag_dir is not None:
+        return "checkpoint", tag_dir
+    if (path / run_file).is_file():
+        return "file", path / run_file
+    if (path / "checkpoints").is_dir() and _checkpoint_dir(path / "checkpoints") is not None:
+        return "checkpoint", _checkpoint_dir(path / "checkpoints")
+    raise ValueError(f"{path}: a directory with neither {run_file} nor a snip_ds checkpoint "
+                     f"({CHECKPOINT_META_FILE}, or a '{CHECKPOINT_LATEST_FILE}' file)")
+
+
+def load_plan(path: str | os.PathLike) -> Tuple[Plan, str]:
+    """The plan in a plan file (full or bare), a run's output directory (its ``plan.json``) or a checkpoint
+    directory (``step_N``, or the ``checkpoints`` directory and its ``latest``); returns it and where it came
+    from (for messages).
+
+    Raises:
+        FileNotFoundError: no such file or directory.
+        ValueError: anything else, in one line naming the file and saying what kind of file it is.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"plan file {str(path)!r} does not exist")
+    if path.is_dir():
+        how, where = _resolve_dir(path, PLAN_FILE)
+        if how == "checkpoint":
+            meta = _checkpoint_meta(where)
+            source = str(where / CHECKPOINT_META_FILE)
+            if not isinstance(meta.get("plan"), Mapping):
+                raise ValueError(f"{source}: the checkpoint holds no plan")
+            return Plan.from_dict(meta["plan"], source=f"{source}: plan"), str(where)
+        path = where
+    data = _read_json(path)
+    if kind_of(data) not in ("plan", "bare plan"):
+        # a bare plan with a bad precision is reported by Plan itself ('fp5' ...), so only other kinds here
+        raise _not_this(path, data, "a plan")
+    return Plan.from_dict(data, source=str(path)), str(path)
+
+
+def load_stats(path: str | os.PathLike) -> Tuple[dict, str]:
+    """The statistics in a ``snip_ds.stats/1`` file, a run's output directory (its ``stats.json``) or a
+    checkpoint directory of an adaptive run (the planner's last statistics); returns them, validated, and
+    where they came from.
+
+    Raises:
+        FileNotFoundError: no such file or directory.
+        ValueError: anything else, in one line naming the file and the field or kind of file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"statistics file {str(path)!r} does not exist")
+    if path.is_dir():
+        how, where = _resolve_dir(path, STATS_FILE)
+        if how == "checkpoint":
+            meta = _checkpoint_meta(where)
+            source = str(where / CHECKPOINT_META_FILE)
+            planner = meta.get("planner")
+            stats = planner.get("last_stats") if isinstance(planner, Mapping) else None
+            if stats is None:
+                raise ValueError(f"{source}: the checkpoint holds no statistics (it was saved by a run with a "
+                                 "fixed plan, or before its first re-plan)")
+            return validate_stats(stats, source=f"{source}: planner.last_stats"), str(where)
+        path = where
+    data = _read_json(path)
+    if kind_of(data) != "statistics":
+        raise _not_this(path, data, "a statistics file")
+    return validate_stats(data, source=str(path)), str(path)
+
