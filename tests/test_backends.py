@@ -407,3 +407,19 @@ def test_stochastic_draws_match_the_emulated_gemms(gemm, monkeypatch):
         da, db = pa.values.double() * pa.tensor_scale.double(), pb.values.double() * pb.tensor_scale.double()
         close = ((out.double() - prod(da, db)).abs() <= prod(da.abs(), db.abs()) * 100 * 2.0 ** -24).all()
         assert bool(close) == same
+
+
+def test_fp8_fallback_is_said_once(monkeypatch, caplog):
+    """Where torch._scaled_mm is not a hardware FP8 GEMM (CPU), fp8_hybrid runs the BF16-exact path and says
+    so once, not once per GEMM."""
+    monkeypatch.setattr(torch_native, "_said", set())
+    precision, cfg = CASES["fp8_hybrid"]
+    x, w, g = _data(10)
+    be = TorchBackend()
+    with caplog.at_level(logging.INFO, logger="snip_ds.backend"):
+        for _ in range(2):
+            be.fprop(x, w, precision, cfg)
+            be.dgrad(g, w, precision, cfg)
+    lines = [r.getMessage() for r in caplog.records if r.name == "snip_ds.backend"]
+    assert lines == ["torch backend: FP8 GEMMs on cpu run as exact BF16 GEMMs (torch._scaled_mm is not a "
+                     "hardware FP8 GEMM there)"]
