@@ -106,6 +106,7 @@ def test_leaves_no_trace(model):
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("gram", [False, True], ids=["direct", "gram"])
 def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
     """Every statistic of one layer against a reference built from whole tensors; the drift's loss price
@@ -117,6 +118,12 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
     lr = 3e-3
     stats = collect_statistics(model, [batch], lr=lr, precond=pre, estimator="empirical", bwd_rounding="nearest")
     rec = stats["layers"][LAYER]
+    # Tolerances: the reference sees bitwise the same X, G_Y and quantized operands (same forward, same
+    # backend), so no element can round differently; only the order of the FP32 sums differs. A K-deep
+    # product and a sum of n terms err by at most K·u and n·u relative (u = 2^-24): K = 128 and n = 62·64
+    # tokens × channels give 7.6e-6 and 2.4e-4 worst case, about sqrt(n)·u = 4e-6 in practice, so 1e-4 for
+    # the sums of squares and 1e-5 for the loss and the per-operand errors (one elementwise square, then a
+    # sum). The first-order term is a signed sum that cancels: 1e-3 relative, 1e-9 absolute.
     for p in ("fp8", "fp4"):
         ref = _reference(model, batch, LAYER, p, pre[LAYER])
         assert stats["tokens"] == ref["n"] and stats["loss"] == pytest.approx(ref["loss"], rel=1e-5)
@@ -149,6 +156,7 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
     assert 1e-3 < rec["rel_quant_err"]["fp4"] / 3 < 0.1  # three operands at NVFP4 RNE (~1e-2 each)
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("row_constant", [True, False], ids=["P-per-row", "P-general"])
 def test_recipe_rounding_is_the_exact_expectation_over_stochastic_rounding(model, row_constant):
     """``bwd_rounding="recipe"``: FP4 rounds G_Y stochastically in training, so the drift statistics are the
@@ -184,6 +192,7 @@ def test_recipe_rounding_is_the_exact_expectation_over_stochastic_rounding(model
     bias_ch = ((x @ (bias * p_mat).t()) ** 2).sum(0)
     bwd_bias = lr ** 2 * (m * bias_ch).sum() / (2 * ref["n"])
     bwd = bwd_bias + lr ** 2 * (m * noise_ch).sum() / (2 * ref["n"])
+    # 1e-4: the same operands, FP32 vs FP64 sums of ≤ 62·128 terms (n·u ≤ 5e-4 worst, ~sqrt(n)·u = 5e-6)
     assert rec["bwd_bias"]["fp4"] == pytest.approx(bwd_bias.item(), rel=1e-4, abs=0)
     assert rec["bwd"]["fp4"] == pytest.approx(bwd.item(), rel=1e-4 if row_constant else 0.1, abs=0)
     assert rec["bwd"]["fp4"] > 1.2 * rec["bwd_bias"]["fp4"]  # the rounding noise is a real part of it
@@ -191,6 +200,7 @@ def test_recipe_rounding_is_the_exact_expectation_over_stochastic_rounding(model
     assert rec["bwd"]["fp8"] == rec["bwd_bias"]["fp8"] > 0
 
 
+@pytest.mark.rounding
 def test_mc_fisher_sequence_form_matches_exact_gauss_newton(model):
     """Many probes: the sequence-form FLD of the tiny Llama's layers against the exact Gauss-Newton form of
     the same perturbation E, ``(1/2N)Σ_s d_sᵀ(diag p_s - p_s p_sᵀ)d_s`` with ``d = J E`` the logits' change,
@@ -240,6 +250,7 @@ def test_mc_fisher_is_seeded_and_close_to_empirical(model):
         assert 1 / 3 < ratio < 3, fqn
 
 
+@pytest.mark.rounding
 def test_reduce_over_simulated_ranks_matches_pooled_single_rank(model):
     b0, b1 = _batches(2)
     captured = {}
@@ -259,6 +270,8 @@ def test_reduce_over_simulated_ranks_matches_pooled_single_rank(model):
                              world_size=2)
     one = collect_statistics(model, [b0, b1], lr=1e-3, estimator="empirical", precond_fallback="ones")
     assert calls == [1] and two["tokens"] == one["tokens"]
+    # the same per-batch sums added in another order (one addition each): 1e-5 ≫ 2^-24; first_order is
+    # signed and cancels, so 1e-4 relative plus 1e-12 absolute
     for fqn in one["layers"]:
         r2, r1 = two["layers"][fqn], one["layers"][fqn]
         assert r2["flops"] == pytest.approx(2 * r1["flops"])  # tokens per step double with two ranks
@@ -270,6 +283,7 @@ def test_reduce_over_simulated_ranks_matches_pooled_single_rank(model):
             assert r2["bwd"][p] == pytest.approx(r1["bwd"][p] / 2, rel=1e-5)
 
 
+@pytest.mark.rounding
 def test_callable_precond_matches_tensor(model):
     b = _batches(1)
     pre = {f: torch.full(m.weight.shape, 2.0) for f, m in snip_layers(model).items()}
@@ -283,6 +297,7 @@ def test_callable_precond_matches_tensor(model):
     c = collect_statistics(model, b, lr=1e-3, precond=partial_sum, estimator="empirical")
     # per layer: fp8's drift, fp4's systematic part and fp4's stochastic-rounding noise
     assert c["precond"] == "callable" and a["precond"] == "tensor" and len(calls) == 3 * len(pre)
+    # the same products, summed per layer by the callable instead of inside the collector: 1e-5 ≫ log2(n)·u
     for fqn in a["layers"]:
         for key in ("bwd_drift", "bwd", "bwd_drift_bias", "bwd_bias"):
             for p in ("fp8", "fp4"):
@@ -346,6 +361,7 @@ def test_bad_arguments(model):
         collect_statistics(torch.nn.Linear(2, 2), b, lr=1e-3)
 
 
+@pytest.mark.rounding
 def test_dgrad_estimate_matches_an_independent_reference(model):
     """bwd_drift_propagated of down_proj = lr²·mean_b‖e_b‖²·Σ_b Σ_upstream m ‖G_W,m⊙P_m‖² / Σ_b ‖G_X,b‖², with e the
     fp4 dgrad error and G_X the gradient at down_proj's input, from plain BF16 forward/backward passes with
@@ -365,6 +381,7 @@ def test_dgrad_estimate_matches_an_independent_reference(model):
         e_sq, gx_sq = e_sq + e / 3, gx_sq + gx
         up = {m: up[m] + up_b[m] for m in upstream}
     got = stats["layers"][LAYER]
+    # 1e-4: the same operands (plain forward/backward), sums of ≤ 3·62·128 terms in another order (~sqrt(n)·u)
     assert got["bwd_drift_propagated"]["fp4"] == pytest.approx(1e-6 * e_sq * sum(up.values()) / gx_sq, rel=1e-4)
     # bwd_dgrad: the same drift, each upstream layer's part priced at that layer's own bwd / bwd_drift
     parts = {m: 1e-6 * e_sq * up[m] / gx_sq for m in upstream}
@@ -441,6 +458,7 @@ def test_input_groups_are_the_layers_that_share_an_input():
     assert sorted(sorted(g) for g in groups.values()) == sorted(sorted(g) for g in expected)
 
 
+@pytest.mark.rounding
 def test_forward_drift_matches_a_brute_force_linear_response(model):
     """``fwd``: (lr²/2N)·⟨G^probe ⊙ P, ΔG⟩² for one probe, against ΔG measured directly: the planned weights'
     training gradient with layer ℓ's output shifted by ±t·E_ℓ(p), a central difference on an FP64 copy (the
@@ -494,6 +512,8 @@ def test_forward_drift_matches_a_brute_force_linear_response(model):
                 h.remove()
             a = sum((vi * (gp - gm)).sum() for vi, gp, gm in zip(v, grads[1.0], grads[-1.0])).item() / 2e-2
             expected = lr ** 2 * a * a / (2 * n)
+            # 5%: the central difference's truncation O(t²) and the FP32 RMSNorm's rounding over the 2t = 0.02
+            # shift (docstring) in the reference, not the collector's round-off (~1e-6)
             assert stats["layers"][fqn]["fwd"][p] == pytest.approx(expected, rel=0.05), (fqn, p)
             checked += 1
     assert checked == 8

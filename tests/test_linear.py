@@ -105,6 +105,7 @@ RECIPE_REFS = {
 }
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("chunk_elements", [None, 16 * 64])
 @pytest.mark.parametrize("recipe", sorted(RECIPE_REFS))
 def test_quantized_gemms_match_reference(data, recipe, chunk_elements, monkeypatch):
@@ -120,11 +121,15 @@ def test_quantized_gemms_match_reference(data, recipe, chunk_elements, monkeypat
     q_w_n = (lambda wt: ref_nvfp4_2d(wt.t().contiguous()).t()) if w_2d else q_w
     expected = _reference_gemms(x, w, lin.bias.detach(), g, q_x, q_w, q_g, q_w_n, q_g, q_x)
     got = _run(SnipLinear.from_linear(lin, precision, cfg), x, g)
+    # the same quantized operands (inputs are data, so none can round differently) in FP32 GEMMs of depth
+    # ≤ 64: if the blocking differed, round-off ~sqrt(depth)·2^-24·|value| ≤ 8·6e-8·27 = 1.3e-5, under
+    # atol + rtol·|value| = 1e-5 + 2.7e-4; measured 0 (the same kernels), natively and under AVX2
     for name, a, b in zip(("y", "grad_x", "grad_w", "grad_b"), expected, got):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"{recipe}: {name}")
 
 
 # fp8: E4M3 (~31 dB) for X and W, E5M2 (~25 dB) for G_Y; fp4: NVFP4 (~20 dB RNE, ~17 dB SR) per operand.
+@pytest.mark.rounding
 @pytest.mark.parametrize("precision,floor_db", [("fp8", 22.0), ("fp4", 13.0)])
 def test_sqnr_floors(data, precision, floor_db):
     lin, x, g = data
@@ -137,6 +142,7 @@ def test_sqnr_floors(data, precision, floor_db):
         assert sqnr_db(a, b) > floor_db, name
 
 
+@pytest.mark.rounding
 def test_per_gemm_precision(data):
     lin, x, g = data
     ref_bf16 = _run(lin, x, g)
@@ -147,6 +153,7 @@ def test_per_gemm_precision(data):
     y, gx, gw, _ = _run(snip, x, g)
     fp4_y = _run(SnipLinear.from_linear(nn.Linear(K, N), "fp4", cfg), x, g)  # shape only
     assert fp4_y[0].shape == y.shape
+    # same operands, another GEMM blocking: see test_quantized_gemms_match_reference
     torch.testing.assert_close(y, ref_nvfp4_rows(x) @ ref_nvfp4_2d(lin.weight.detach()).t() + lin.bias.detach(),
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, ref_bf16[1], rtol=1e-5, atol=1e-6)
@@ -197,6 +204,7 @@ def test_stochastic_rounding_of_fp4_gradients(data):
     assert sqnr_db(exact, draws.mean(0)) > sqnr_db(exact, draws[0]) + 6.0
 
 
+@pytest.mark.rounding
 def test_gemm_moments_match_many_stochastic_gradients(data):
     """The backend's expectation and variance of the wgrad and dgrad GEMMs over G_Y's stochastic rounding
     (what the statistics price) against the mean and variance of many stochastic GEMMs."""
@@ -209,6 +217,9 @@ def test_gemm_moments_match_many_stochastic_gradients(data):
     gxs = torch.stack([be.dgrad(g, w, "fp4", cfg, torch.Generator().manual_seed(s)) for s in range(draws)])
     wm = be.wgrad_moments(g, x, "fp4", cfg, price_tokens=torch.arange(T))
     dm = be.dgrad_moments(g, w, "fp4", cfg)
+    # sampling tolerances (FP32 round-off, ~1e-7 relative, is far below them): a mean of 1000 draws is within
+    # a few standard errors; a variance estimated from 1000 draws has relative SE sqrt(2/999) = 4.5% per
+    # element, so the sum over many elements within 7% and one channel's price within 15% (~3 SE)
     for got, mom in ((gws.double(), wm), (gxs.double(), dm)):
         se = (mom.var.double() / draws).sqrt().clamp_min(1e-12)
         z = (got.mean(0) - mom.mean.double()) / se
@@ -243,6 +254,7 @@ def test_gemm_moments_with_hadamard_are_those_of_the_transformed_operands(data):
     assert not torch.equal(had.var, be.wgrad_moments(g, x, "fp4", QuantConfig()).var)
 
 
+@pytest.mark.rounding
 def test_hadamard_on_wgrad_keeps_the_product(data):
     lin, x, g = data
     ref_gw = g.t() @ x

@@ -28,7 +28,8 @@ def test_adaptive_replans_on_schedule_with_the_same_plan_on_every_rank(tmp_path)
         assert [h["step"] for h in r["history"]] == [0, 2, 4]
         assert all(h["status"] != "failed" for h in r["history"])
         assert r["method"] == "best"  # SNIP's own plan replaced the fp8 placeholder before step 1
-        assert all(s >= 0.5 - 1e-9 for s in r["shares"])  # the efficiency target holds at every step
+        # the efficiency target holds at every step (1e-9: the FP64 share's round-off, ≤ 14·2^-53 ≈ 2e-15)
+        assert all(s >= 0.5 - 1e-9 for s in r["shares"])
     assert ranks[0]["digests"] == ranks[1]["digests"]
 
 
@@ -65,7 +66,7 @@ print(json.dumps({"loss": loss, "method": engine.plan.method, "share": engine.pl
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["method"] == "best" and out["history"] == [0] and out["share"] >= 0.75 - 1e-9
+    assert out["method"] == "best" and out["history"] == [0] and out["share"] >= 0.75 - 1e-9  # FP64 share round-off
     assert out["loss"] == out["loss"]  # finite, not NaN
 
 
@@ -90,5 +91,5 @@ print(json.dumps({"meta": dict(engine.plan.meta), "per_gemm": engine.plan.per_ge
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["per_gemm"] and out["share"] >= cfg["snip"]["efficiency_saving"] - 1e-9
+    assert out["per_gemm"] and out["share"] >= cfg["snip"]["efficiency_saving"] - 1e-9  # FP64 share round-off
     assert out["meta"]["dgrad"] == "upstream" and out["meta"]["dgrad_calibration"] == 30.0

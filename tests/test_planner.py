@@ -13,7 +13,7 @@ from snip_ds.plan import GEMMS, fp4_share
 from snip_ds.planner import (GEMM_COST, METHODS, block_index, costs_from_stats, load_stats, quant_err_costs,
                              solve_baseline, solve_plan, validate_stats)
 
-TOL = 1e-9
+TOL = 1e-9  # FP64 FLOP shares: sums of ≤ 36 terms err by ≤ 36·2^-53 ≈ 4e-15; 1e-9 only absorbs that
 NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -70,6 +70,9 @@ def _assert_valid(plan, flops, target, max_share=None):
 
 
 def _objective(plan, costs, per_gemm=False):
+    """The plan's total cost. Tolerances on objectives in this file: sums of ≤ 3·12 FP64 costs in [0, 1]
+    (no GEMM, nothing that depends on the CPU's instruction set) err by ≤ 36·2^-53·36 ≈ 1e-13, so abs=1e-9
+    (or pytest.approx's default rel=1e-6) only absorbs that; costs scaled to 1e-9 get rel=1e-9."""
     if per_gemm:
         return sum(costs[f][plan.assignment[f][g]][g] for f in costs for g in GEMMS)
     return sum(costs[f][plan.assignment[f]] for f in costs)

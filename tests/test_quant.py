@@ -314,6 +314,7 @@ def test_hadamard_matrix_orthonormal():
     assert set(h.abs().unique().tolist()) == {0.25}
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("n_tokens", [48, 40, 7])  # whole blocks, a tail of 8, tail only
 @pytest.mark.parametrize("axis", [0, -1])
 def test_hadamard_matches_block_diagonal_reference(n_tokens, axis):
@@ -324,9 +325,12 @@ def test_hadamard_matches_block_diagonal_reference(n_tokens, axis):
     out = hadamard_transform(x, axis=axis, signs=signs)
     out = out if axis == 0 else out.t()
     expected = block_diagonal_hadamard(signs.tolist()) @ a.double()
+    # FP32 vs FP64: 16-term sums of ±0.25·a, |terms| summing to ≤ 16·0.25·3 = 12, so ≤ 16·2^-24·12 = 1.1e-5
+    # worst case and ~sqrt(16)·2^-24·12 = 3e-6 typical; measured 4.2e-7 (AVX-512 and AVX2 alike)
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("n_tokens", [64, 50])
 def test_hadamard_preserves_wgrad_product(n_tokens):
     gen = torch.Generator().manual_seed(0)
@@ -334,6 +338,9 @@ def test_hadamard_preserves_wgrad_product(n_tokens):
     signs = random_signs(n_tokens, gen)
     hg, hx = hadamard_transform(g, 0, signs), hadamard_transform(x, 0, signs)
     assert not torch.allclose(hg, g)  # it does mix
+    # HᵀH = I exactly, so only FP32 round-off: the transform's (~2^-24 relative per element) and two GEMMs of
+    # depth n ≤ 64, ~sqrt(n)·2^-24·|value| ≤ 8·6e-8·31 = 1.5e-5 per source; atol 1e-4 + 1e-5·31 = 4e-4 is
+    # ~25σ; measured 1.1e-5
     torch.testing.assert_close(hg.t() @ hx, g.t() @ x, rtol=1e-5, atol=1e-4)
 
 

@@ -58,6 +58,8 @@ def test_quick_run_prints_table_then_json(vm, capsys, tmp_path):
     table.write_text("\n".join(lines) + "\n")
     assert vm.main(["--quick", "--checkpoint", str(ckpt), "--truth_table", str(table)]) == 0
     rescored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the table rounds to 4 digits, which can swap near-tied layers: one adjacent swap of 14 moves Spearman's ρ
+    # by 12/(14·(14²-1)) = 0.0044, so abs=0.02 allows 4 such swaps (no GEMM round-off enters: same process)
     for key in ("spearman_fld", "spearman_bwd", "spearman_fld_gn"):
         assert rescored[key] == pytest.approx(out[key], abs=0.02), key
     assert rescored["repro_fld"] is None and rescored["repro_bwd"] is None
