@@ -98,6 +98,7 @@ def test_operands_equal_the_emulated_ones(name, case, gemm):
         assert_bitwise_equal(p.tensor_scale, r.tensor_scale)
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
 def test_emulated_gemms_multiply_the_reference_operands(case, gemm):
@@ -118,6 +119,7 @@ def test_emulated_gemms_multiply_the_reference_operands(case, gemm):
     assert ((got.double() - ref).abs() <= mag * 100 * 2.0 ** -24).all()
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("name", BACKENDS_HERE)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -142,6 +144,7 @@ def test_backend_gemms_multiply_their_operands(name, case, dtype):
         assert ((got.double() - ref).abs() <= mag * rel + ref.abs() * rel).all(), (gemm, case)
 
 
+@pytest.mark.rounding
 def test_fp8_scaled_mm_path(monkeypatch):
     """torch._scaled_mm (E4M3 x E4M3 fprop, E5M2 x E4M3 dgrad and wgrad) with the layouts it needs gives the
     BF16-exact path's result. CPU's _scaled_mm is slow but a real implementation of the same op, so it is
@@ -176,6 +179,7 @@ def test_fp8_scaled_mm_path(monkeypatch):
 # stochastic rounding: unbiased and reproducible
 # ----------------------------------------------------------------------------------------------------------
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("name", BACKENDS_HERE)
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("gemm", ["dgrad", "wgrad"])
@@ -217,6 +221,7 @@ def _run_layer(lin, x, g_y, backend, precision, cfg, seed=7):
     return y.detach(), xr.grad, lin.weight.grad.clone(), lin.bias.grad.clone()
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("name", BACKENDS_HERE)
 @pytest.mark.parametrize("case", sorted(CASES) + ["nvfp4_sr", "mxfp4_sr_hadamard", "per_gemm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -387,6 +392,7 @@ def test_seed_offset_follows_the_generator():
     assert base.seed_offset(gen) == first and base.seed_offset(gen) != first
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("gemm", ["dgrad", "wgrad"])
 def test_stochastic_draws_match_the_emulated_gemms(gemm, monkeypatch):
     """The emulated GEMMs draw stochastic rounding slice by slice (here 4 slices of 32 tokens), the other
