@@ -26,12 +26,15 @@ Conventions of :func:`fake_quantize` (all recipes):
   straight-through gradient of SNIP.md ("the backward of a quantizer is identity") is the caller's
   business (the quantized linear's autograd function).
 
+:func:`quantize_parts` is the same computation stopped one step earlier, for GEMM backends that multiply the
+quantized operands themselves: the grid values (times their block scale) and the tensor-level scale.
+
 Also here: the 16x16 random Hadamard transform applied to both wgrad operands along the token axis.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -147,9 +150,52 @@ def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, s
     recipe, axis, x32 = _checked(x, recipe, axis)
     if x.numel() == 0:
         return x.clone()
-    mag, signed, div, mul, finish = _scaled_magnitudes(x32, recipe, axis, tensor_amax)
-    out = finish(_round_scaled_(mag, signed, div, mul, recipe, stochastic, generator))
+    sc = _scaled_magnitudes(x32, recipe, axis, tensor_amax)
+    out = sc.finish(_round_scaled_(sc.mag, sc.signed, sc.div, sc.mul, recipe, stochastic, generator))
     return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class QuantParts:
+    """A quantized tensor split into what a low-precision GEMM consumes (see :func:`quantize_parts`).
+
+    Attributes:
+        values: ``x``'s shape, FP32. Per-tensor FP8 recipes: the element grid values ``q`` (unscaled). Block
+            recipes (mxfp8, mxfp4, nvfp4, nvfp4_2d): ``q * s_b``, the grid value times its block's scale
+            (exact in FP32 and in BF16: a product of a 2-4 significant-bit element and a power of two or an
+            E4M3 scale).
+        tensor_scale: 0-d FP32: the per-tensor FP8 scale ``s``; NVFP4's FP32 tensor scale ``S``; 1.0 for MX.
+    """
+
+    values: torch.Tensor
+    tensor_scale: torch.Tensor
+
+
+@torch.no_grad()
+def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, stochastic: bool = False,
+                   generator: Optional[torch.Generator] = None,
+                   tensor_amax: Optional[torch.Tensor] = None) -> QuantParts:
+    """:func:`fake_quantize`'s computation, stopped before the tensor-level scale is applied.
+
+    The arguments and the rounding (including the random draws of stochastic rounding, for the same
+    ``generator`` state) are those of :func:`fake_quantize`, through the same code, so:
+
+    * per-tensor FP8 and MX: ``values * tensor_scale == fake_quantize(x)`` bit for bit (MX: ``tensor_scale``
+      is 1; per-tensor: ``fake_quantize`` is ``fl(q * s)``);
+    * NVFP4: ``fake_quantize(x) == fl(q * fl(s_b * S))`` while ``values * tensor_scale`` is
+      ``fl(q * s_b * S)``: equal up to the second FP32 rounding of the former; ``values / s_b == q`` exactly.
+
+    Returns:
+        A :class:`QuantParts`; ``values`` is FP32 whatever ``x``'s dtype, ``tensor_scale`` a 0-d FP32 tensor
+        on ``x``'s device.
+    """
+    recipe, axis, x32 = _checked(x, recipe, axis)
+    if x.numel() == 0:
+        return QuantParts(x32.clone(), torch.ones((), dtype=torch.float32, device=x.device))
+    sc = _scaled_magnitudes(x32, recipe, axis, tensor_amax)
+    values = sc.finish(_round_scaled_(sc.mag, sc.signed, sc.div, sc.value_mul, recipe, stochastic, generator))
+    tensor_scale = sc.tensor_scale.reshape(()).to(torch.float32)
+    return QuantParts(values, tensor_scale)  # values is a new buffer (built from |x|)
 
 
 @torch.no_grad()
@@ -172,7 +218,7 @@ def stochastic_moments(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = 
     recipe, axis, x32 = _checked(x, recipe, axis)
     if x.numel() == 0:
         return x32.clone(), x32.clone()
-    mag, signed, div, mul, finish = _scaled_magnitudes(x32, recipe, axis, tensor_amax)
+    mag, signed, div, mul, finish = _scaled_magnitudes(x32, recipe, axis, tensor_amax)[:5]
     mag.div_(div)
     var = stochastic_moments_(mag, recipe.element)
     return finish(mag.mul_(mul).copysign_(signed)), finish(var.mul_(mul * mul))
@@ -189,10 +235,18 @@ def _checked(x: torch.Tensor, recipe: Union[str, Recipe], axis: int) -> Tuple[Re
 
 # --------------------------------------------------------------------------------------------------------
 # granularities: each gives |x| in blocks (a new buffer), its signed view, the (divisor, multiplier) that
-# broadcast over the blocks, and the map from the blocked layout back to x's shape
+# broadcast over the blocks, the map from the blocked layout back to x's shape, and for quantize_parts the
+# multiplier that leaves the tensor-level scale out (None: 1) and that tensor-level scale
 # --------------------------------------------------------------------------------------------------------
 
-Scaled = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+class Scaled(NamedTuple):
+    mag: torch.Tensor
+    signed: torch.Tensor
+    div: torch.Tensor
+    mul: torch.Tensor
+    finish: Callable[[torch.Tensor], torch.Tensor]
+    value_mul: Optional[torch.Tensor]  # values = round(mag / div) * value_mul (None: no multiplication)
+    tensor_scale: torch.Tensor  # mul = value_mul * tensor_scale (per-tensor FP8: mul = tensor_scale)
 
 
 def _scaled_magnitudes(x32: torch.Tensor, recipe: Recipe, axis: int,
@@ -215,7 +269,7 @@ def _per_tensor(x32: torch.Tensor, recipe: Recipe, tensor_amax: Optional[torch.T
         amax = mag.amax() if mag.numel() else mag.new_zeros(())
     scale = torch.where(amax > 0, _div(amax, recipe.element.max_normal), 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
     scale = _poison_non_finite(scale, amax)
-    return mag, x32, scale, scale, lambda t: t
+    return Scaled(mag, x32, scale, scale, lambda t: t, None, scale)
 
 
 def _blocks(x32: torch.Tensor, recipe: Recipe, axis: int, tensor_amax: Optional[torch.Tensor] = None) -> Scaled:
@@ -224,12 +278,12 @@ def _blocks(x32: torch.Tensor, recipe: Recipe, axis: int, tensor_amax: Optional[
     xb = padded.unflatten(axis, (-1, recipe.block_size))  # [..., n_blocks, block, ...]
     mag = xb.abs()
     amax = _block_amax(mag, axis + 1)  # [..., n_blocks, 1, ...]
-    div, mul = _block_scales(amax, recipe, tensor_amax)
+    div, mul, value_mul, tensor_scale = _block_scales(amax, recipe, tensor_amax)
 
     def finish(t: torch.Tensor) -> torch.Tensor:
         out = t.flatten(axis, axis + 1)
         return out if out.shape[axis] == length else out.narrow(axis, 0, length).contiguous()
-    return mag, xb, div, mul, finish
+    return Scaled(mag, xb, div, mul, finish, value_mul, tensor_scale)
 
 
 def _tiles_2d(x32: torch.Tensor, recipe: Recipe, tensor_amax: Optional[torch.Tensor] = None) -> Scaled:
@@ -240,32 +294,37 @@ def _tiles_2d(x32: torch.Tensor, recipe: Recipe, tensor_amax: Optional[torch.Ten
     mag = xb.abs()
     # two cheap passes instead of one slow reduction over dims (1, 3)
     amax = _block_amax(mag.amax(dim=1, keepdim=True), 3)  # [row_blocks, 1, col_blocks, 1]
-    div, mul = _block_scales(amax, recipe, tensor_amax)
+    div, mul, value_mul, tensor_scale = _block_scales(amax, recipe, tensor_amax)
 
     def finish(t: torch.Tensor) -> torch.Tensor:
         out = t.reshape(padded.shape)
         return out if out.shape == x32.shape else out[:rows, :cols].contiguous()
-    return mag, xb, div, mul, finish
+    return Scaled(mag, xb, div, mul, finish, value_mul, tensor_scale)
 
 
-def _round_scaled_(mag: torch.Tensor, signed: torch.Tensor, div: torch.Tensor, mul: torch.Tensor,
+def _round_scaled_(mag: torch.Tensor, signed: torch.Tensor, div: torch.Tensor, mul: Optional[torch.Tensor],
                    recipe: Recipe, stochastic: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """``round(|x| / div) * mul`` with x's sign, in place in ``mag``; div/mul broadcast over blocks."""
+    """``round(|x| / div) * mul`` with x's sign, in place in ``mag``; div/mul broadcast over blocks (mul None:
+    no multiplication)."""
     mag.div_(div)
     round_magnitude_(mag, recipe.element, stochastic=stochastic, generator=generator)
-    return mag.mul_(mul).copysign_(signed)
+    return (mag if mul is None else mag.mul_(mul)).copysign_(signed)
 
 
 # --------------------------------------------------------------------------------------------------------
 # scales
 # --------------------------------------------------------------------------------------------------------
 
-def _block_scales(amax: torch.Tensor, recipe: Recipe,
-                  tensor_amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(divisor, multiplier) per block from the block amaxes, for the recipe's scale kind."""
+def _block_scales(amax: torch.Tensor, recipe: Recipe, tensor_amax: Optional[torch.Tensor] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(divisor, multiplier, block scale, tensor scale) from the block amaxes, for the recipe's scale kind:
+    the multiplier is the block scale times the tensor scale (MX: the tensor scale is 1)."""
     if recipe.scale == "e8m0":
-        return mx_scale(amax, recipe.element.emax)
-    return nvfp4_scales(amax, recipe.element, tensor_amax)
+        div, mul = mx_scale(amax, recipe.element.emax)
+        return div, mul, mul, torch.ones((), dtype=torch.float32, device=amax.device)
+    block_scale, tensor_scale = _nvfp4_block_and_tensor_scales(amax, recipe.element, tensor_amax)
+    div, mul = _nvfp4_div_mul(block_scale, tensor_scale)
+    return div, mul, block_scale, tensor_scale
 
 
 def mx_scale(amax: torch.Tensor, emax: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -291,11 +350,21 @@ def nvfp4_scales(amax: torch.Tensor, element: ElementFormat = E2M1,
     (all zero, or negligible next to the tensor amax) divides by +Inf and multiplies by 0, giving zeros.
     ``tensor_amax`` overrides ``amax_tensor`` when the blocks are a slice of a larger tensor.
     """
+    return _nvfp4_div_mul(*_nvfp4_block_and_tensor_scales(amax, element, tensor_amax))
+
+
+def _nvfp4_block_and_tensor_scales(amax: torch.Tensor, element: ElementFormat,
+                                   tensor_amax: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's E4M3 block scales ``s_b`` (held in FP32) and FP32 tensor scale ``S``."""
     amax_t = amax.amax() if tensor_amax is None else tensor_amax.float()
     six = element.max_normal
     tensor_scale = torch.where(amax_t > 0, _div(amax_t, E4M3.max_normal * six), 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
     tensor_scale = _poison_non_finite(tensor_scale, amax_t)
     block_scale = round_to_format(amax / (tensor_scale * six), E4M3)
+    return block_scale, tensor_scale
+
+
+def _nvfp4_div_mul(block_scale: torch.Tensor, tensor_scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     mul = block_scale * tensor_scale
     div = torch.where(mul == 0, float("inf"), mul)
     return div, mul

@@ -275,6 +275,14 @@ def train(args: argparse.Namespace) -> int:
         plan = initial_plan(list(infos), flops, settings)
     except ValueError as err:
         raise UserError(str(err)) from None
+    from snip_ds.backend import check_backend, resolve
+    gemm_device = torch.device("cuda" if on_gpu else "cpu")
+    try:  # a backend that cannot run here is an error now, not a failure in the first step
+        check_backend(settings.quant, gemm_device)
+    except ValueError as err:
+        raise UserError(f"{args.deepspeed}: snip.quant.backend: {err}") from None
+    backend_words = ", ".join(f"{p} on {resolve(settings.quant.backend, p, settings.quant, gemm_device).name}"
+                              for p in ("fp8", "fp4"))
     schedule_line = None
     if args.resume_from_checkpoint:
         try:
@@ -299,7 +307,8 @@ def train(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"snip_ds: {n_params / 1e6:.1f}M parameters, {len(engine.infos)} quantizable linears, "
               f"{world} rank(s), plan {_plan_words(settings, engine)}, "
-              f"{data_info.get('train_blocks', len(train_ds))} train blocks of {t.block_size} tokens", flush=True)
+              f"{data_info.get('train_blocks', len(train_ds))} train blocks of {t.block_size} tokens, "
+              f"GEMM backends: {backend_words}", flush=True)
 
     planner = engine.planner
 

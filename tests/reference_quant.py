@@ -214,3 +214,21 @@ def ref_sr_moments_rows(x: torch.Tensor, recipe: str) -> Tuple[torch.Tensor, tor
         means.append(m_row)
         variances.append(v_row)
     return torch.tensor(means, dtype=torch.float64), torch.tensor(variances, dtype=torch.float64)
+
+
+def ref_nvfp4_parts_rows(x: torch.Tensor, block: int = 16) -> Tuple[torch.Tensor, float]:
+    """NVFP4 (RNE) along the last axis of a 2-D tensor, split as ``quantize_parts`` splits it: each element's
+    E2M1 grid value times its block's E4M3 scale ``s_b`` (``q`` found by dividing by ``d = fl(s_b * S)``),
+    and the FP32 tensor scale ``S``."""
+    data = x.double().tolist()
+    tensor_scale = _nvfp4_tensor_scale(max(abs(v) for row in data for v in row))
+    rows = []
+    for row in data:
+        out = []
+        for sl in _blocks(len(row), block):
+            amax = max(abs(v) for v in row[sl])
+            s_b = round_rne(float(F32(amax) / (F32(tensor_scale) * F32(6.0))), "e4m3")
+            d = float(F32(s_b) * F32(tensor_scale))
+            out += _quantize_block(row[sl], d, s_b, "e2m1")
+        rows.append(out)
+    return torch.tensor(rows, dtype=torch.float32), tensor_scale

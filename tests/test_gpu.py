@@ -1,6 +1,6 @@
 """On a CUDA GPU: the emulated backend against the hardware's own FP8 GEMM, and CUDA against the CPU.
 
-The emulated backend is the numerical reference of every quantized GEMM (snip_ds/backend.py). Here it is held
+The emulated backend is the numerical reference of every quantized GEMM (snip_ds/backend/emulated.py). Here it is held
 to an independent one, the GPU's FP8 tensor-core GEMM (``torch._scaled_mm``, FP8 operands with per-tensor
 scales, FP32 output): with the same per-tensor current scaling (scale = amax / max normal, E4M3 for X and W,
 E5M2 for G_Y) the two must agree to the tensor cores' accumulation error, far closer than either is to the

@@ -1,14 +1,16 @@
 """Fake quantization recipes against the slow references in tests/reference_quant.py and SNIP.md's table."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from snip_ds.formats import E2M1, E4M3, E5M2
 from snip_ds.quant import (RECIPES, Recipe, cast_to_format, fake_quantize, get_recipe, hadamard_matrix,
-                           hadamard_transform, mx_scale, random_signs, stochastic_moments)
-from tests.reference_quant import (assert_bitwise_equal, block_diagonal_hadamard, floor_log2, ref_mx_rows,
-                                   ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor, ref_sr_moments_rows, round_rne)
+                           hadamard_transform, mx_scale, quantize_parts, random_signs, stochastic_moments)
+from tests.reference_quant import (GRIDS, assert_bitwise_equal, block_diagonal_hadamard, floor_log2, ref_mx_rows,
+                                   ref_nvfp4_2d, ref_nvfp4_parts_rows, ref_nvfp4_rows, ref_per_tensor,
+                                   ref_sr_moments_rows, round_rne)
 
 BLOCK_RECIPES = ["mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4"]
 ALL_RECIPES = list(RECIPES)
@@ -373,3 +375,90 @@ def test_slices_with_the_tensor_amax_equal_the_whole_tensor(recipe):
     if recipe in ("fp8_e4m3", "nvfp4"):  # a slice's own amax would give another scale
         assert not torch.equal(fake_quantize(x[:32] * 0.1, recipe), fake_quantize(x[:32] * 0.1, recipe,
                                                                                    tensor_amax=amax))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantize_parts: the quantized operand split into grid values (times block scales) and the tensor scale
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+def test_parts_per_tensor_against_reference(name):
+    """Per-tensor FP8: the values are unscaled grid values, the scale is amax / max_normal, and their
+    product is the reference's fake quantization bit for bit."""
+    x = sample((6, 40), seed=21)
+    parts = quantize_parts(x, f"fp8_{name}")
+    grid = {v for v, _ in GRIDS[name]}
+    assert set(parts.values.abs().unique().tolist()) <= grid
+    assert parts.tensor_scale.shape == () and parts.tensor_scale.dtype == torch.float32
+    assert parts.tensor_scale.item() == float(np.float32(x.abs().max().item()) / np.float32(grid and max(grid)))
+    assert_bitwise_equal(parts.values * parts.tensor_scale, ref_per_tensor(x, name))
+
+
+@pytest.mark.parametrize("recipe, fmt, emax", [("mxfp8", "e4m3", 8), ("mxfp4", "e2m1", 2)])
+@pytest.mark.parametrize("cols", [64, 45])
+def test_parts_mx_against_reference(recipe, fmt, emax, cols):
+    x = sample((5, cols), seed=cols + 1)
+    parts = quantize_parts(x, recipe)
+    assert parts.tensor_scale.item() == 1.0 and parts.tensor_scale.shape == ()
+    assert_bitwise_equal(parts.values, ref_mx_rows(x, fmt, emax))
+
+
+@pytest.mark.parametrize("cols", [48, 40])
+def test_parts_nvfp4_against_reference(cols):
+    """NVFP4: values are q * s_b and the scale is S, as the reference splits them; fake_quantize is
+    fl(q * fl(s_b * S)) (checked by the reference too), so values * S may differ from it only by the second
+    rounding of fl(q * fl(s_b * S)) from the exact q * s_b * S (two roundings of at most 2**-24 relative each:
+    2**-23 plus a 2**-48 cross term, measured against fq instead of the exact product: the factor 1 + 2**-20
+    covers both)."""
+    x = sample((6, cols), seed=cols)
+    parts = quantize_parts(x, "nvfp4")
+    ref_values, ref_scale = ref_nvfp4_parts_rows(x)
+    assert_bitwise_equal(parts.values, ref_values)
+    assert parts.tensor_scale.item() == ref_scale
+    fq = fake_quantize(x, "nvfp4")
+    diff = (parts.values.double() * ref_scale - fq.double()).abs()
+    assert (diff <= fq.double().abs() * 2.0 ** -23 * (1 + 2.0 ** -20)).all()
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_parts_times_scale_is_fake_quantize(recipe, stochastic):
+    """The same code path as fake_quantize: per-tensor and MX recipes give it back bit for bit, including
+    stochastic rounding's draws from a generator in the same state. NVFP4: values * S rounds the exact
+    q * s_b * S once (2**-24 relative), fake_quantize twice (2**-23 + 2**-48), so they differ by less than
+    3 * 2**-24 (1 + 2**-20) of fq; 2**-22 bounds that."""
+    x = sample((32, 64), seed=22)
+    gen = lambda: torch.Generator().manual_seed(3)
+    parts = quantize_parts(x, recipe, stochastic=stochastic, generator=gen())
+    fq = fake_quantize(x, recipe, stochastic=stochastic, generator=gen())
+    product = parts.values * parts.tensor_scale
+    if get_recipe(recipe).scale == "nvfp4":
+        assert ((product.double() - fq.double()).abs() <= fq.double().abs() * 2.0 ** -22).all()
+        assert not stochastic or not torch.equal(fq, fake_quantize(x, recipe))  # the draws did matter
+    else:
+        assert_bitwise_equal(product, fq)
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+def test_parts_values_exact_in_bf16(recipe):
+    x = sample((32, 64), seed=23) * 1e3
+    values = quantize_parts(x, recipe).values
+    assert values.dtype == torch.float32
+    assert_bitwise_equal(values.to(torch.bfloat16).float(), values)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_e4m3", "nvfp4", "mxfp4"])
+def test_parts_slices_with_tensor_amax_and_edge_cases(recipe):
+    x = torch.randn(96, 80, generator=torch.Generator().manual_seed(5)) * 3
+    whole = quantize_parts(x, recipe)
+    amax = x.abs().max()
+    parts = [quantize_parts(x[i:i + 32], recipe, tensor_amax=amax) for i in (0, 32, 64)]
+    assert torch.equal(torch.cat([p.values for p in parts]), whole.values)
+    assert all(torch.equal(p.tensor_scale, whole.tensor_scale) for p in parts)
+    empty = quantize_parts(torch.empty(0, 32, dtype=torch.bfloat16), recipe)
+    assert empty.values.shape == (0, 32) and empty.values.dtype == torch.float32
+    zeros = quantize_parts(torch.zeros(4, 32), recipe)
+    assert not zeros.values.any() and zeros.tensor_scale.item() == 1.0
+    x[1, 2] = math.nan  # poisons its scale: the block for MX, the whole tensor otherwise
+    poisoned = quantize_parts(x, recipe).values
+    assert poisoned[1, :32].isnan().all() and poisoned[0].isnan().all() == (recipe != "mxfp4")

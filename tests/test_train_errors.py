@@ -84,6 +84,11 @@ CASES = {
         max_step=3))], ["k2.json", "snip.train: unknown key(s) 'max_step'"]),
     "snip_quant_unknown_key": (lambda r: ["--deepspeed", _variant(r, "k3", lambda d: d["snip"]["quant"].update(
         fp4="nvfp4"))], ["k3.json", "snip.quant", "'fp4'"]),
+    "snip_quant_backend_unknown": (lambda r: ["--deepspeed", _variant(r, "b1", lambda d: d["snip"]["quant"].update(
+        backend="cuda"))], ["b1.json", "snip.quant.backend", "'cuda'", "auto, emulated, torch, te"]),
+    "snip_quant_backend_te": (lambda r: ["--deepspeed", _variant(r, "b2", lambda d: d["snip"]["quant"].update(
+        backend="te"))], ["b2.json", "snip.quant.backend", "backend 'te' cannot run fp8_hybrid on cpu",
+                          "Transformer Engine does not import"]),
     "snip_bad_value": (lambda r: ["--deepspeed", _variant(r, "k4", lambda d: d["snip"].update(plan="fp6"))],
                        ["k4.json", "snip.plan", "'fp6'"]),
     "zero_stage": (lambda r: ["--deepspeed", _variant(r, "z1", lambda d: d["zero_optimization"].update(stage=4))],
