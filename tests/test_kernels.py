@@ -1,11 +1,12 @@
 """The fused Triton quantization kernels (snip_ds/backend/kernels) against snip_ds.quant.quantize_parts.
 
 The kernels run on CPU tensors through Triton's interpreter: ``TRITON_INTERPRET=1`` is set while triton
-and the kernels are imported and while these tests run, so no other test sees it. Deterministic results must equal the reference bit for bit (NaN compared by position: its sign
-and payload are not part of the contract). Stochastic rounding is held to independent facts instead: every
-output is one of the two grid points around the input, the mean over many draws is the input, and the draws
-are a function of (seed, offset, element index) only. A GPU test repeats the bit-for-bit comparison with
-compiled kernels on CUDA, in a subprocess without the interpreter.
+and the kernels are imported and while these tests run, so no other test sees it. Deterministic results
+must equal the reference bit for bit (NaN compared by position: its sign and payload are not part of the
+contract). Stochastic rounding is held to independent facts instead: every output is one of the two grid
+points around the input, the mean over many draws is the input, and the draws are a function of (seed,
+offset, element index) only. A GPU test repeats the bit-for-bit comparison with compiled kernels on CUDA,
+in a subprocess without the interpreter, and checks that they draw what the interpreter draws.
 """
 import math
 import os
@@ -184,6 +185,20 @@ def test_result_does_not_depend_on_the_tiling(recipe, monkeypatch):
     assert_same_bits(draws[0], draws[1])
 
 
+def test_tensor_amax_pass():
+    """The amax kernel alone: torch's amax of |x| in FP32, NaN propagating past Inf, BF16 read exactly."""
+    x = wide_sample((70, 45), seed=17)
+    x[3, 4] = -1e-45  # a subnormal never wins, but must not break the integer max
+    for t in (x, x.to(torch.bfloat16), x.t(), x[:1], x[:, :1]):
+        assert_same_bits(kq.tensor_amax(t), t.float().abs().amax())
+    x[10, 20] = -math.inf
+    assert kq.tensor_amax(x).item() == math.inf
+    x[60, 1] = math.nan
+    assert kq.tensor_amax(x).isnan()
+    assert kq.tensor_amax(torch.empty(0, 5)).item() == 0.0
+    assert kernels.tensor_amax(torch.full((2, 3), -0.0)).item() == 0.0
+
+
 def test_empty_tensor():
     for recipe in ("fp8_e4m3", "nvfp4"):
         parts = kq.quantize_parts(torch.empty(0, 32), recipe, 1, transpose=True)
@@ -343,12 +358,32 @@ def test_available_and_package_entry_point():
     assert_same_bits(kernels.quantize_parts(x, "mxfp8", 1).values, quant.quantize_parts(x, "mxfp8", 1).values)
 
 
+def test_without_triton_a_clear_error(monkeypatch):
+    monkeypatch.setattr(kernels, "_triton_installed", lambda: False)
+    assert not kernels.available()
+    with pytest.raises(RuntimeError, match="^triton kernels: need the triton package"):
+        kernels.quantize_parts(torch.zeros(2, 32), "mxfp4", 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the benchmark's answer on a machine without CUDA")
+def test_benchmark_without_cuda_says_so(capsys, tmp_path):
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "bench_quant_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_quant_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--output_dir", str(tmp_path)]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
 # ----------------------------------------------------------------------------------------------------------
 # compiled, on a CUDA GPU
 # ----------------------------------------------------------------------------------------------------------
 
 GPU_CHECK = r"""
-import math, torch
+import math, sys, torch
 from snip_ds import quant
 from snip_ds.backend.kernels import quantize as kq
 assert not kq.INTERPRETED
@@ -360,23 +395,27 @@ for shape in [(1, 45), (37, 1), (333, 270), (1024, 4096)]:
     for special in (None, math.nan, math.inf):
         if special is not None:
             x.view(-1)[x.numel() // 2] = special
-        for recipe in quant.RECIPES:
-            for axis in (0, 1):
-                ref = quant.quantize_parts(x, recipe, axis)
-                for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            amax = kq.tensor_amax(xd.cuda()).cpu()
+            assert (amax.isnan() and xd.float().abs().amax().isnan()) or torch.equal(amax, xd.float().abs().amax())
+            for recipe in quant.RECIPES:
+                for axis in (0, 1):
+                    ref = quant.quantize_parts(xd, recipe, axis)
                     for transpose in (False, True):
-                        got = kq.quantize_parts(x.cuda().to(dtype), recipe, axis, out_dtype=dtype,
-                                                transpose=transpose)
-                        ref_d = quant.quantize_parts(x.to(dtype), recipe, axis)
-                        want = ref_d.values.to(dtype)
+                        got = kq.quantize_parts(xd.cuda(), recipe, axis, out_dtype=dtype, transpose=transpose)
+                        want = ref.values.to(dtype)
                         want = want.t().contiguous() if transpose else want
-                        v, w = got.values.cpu(), want
-                        assert torch.equal(v.isnan(), w.isnan()), (shape, recipe, axis, dtype)
+                        v, nan = got.values.cpu(), want.isnan()
+                        where = (shape, special, recipe, axis, dtype, transpose)
+                        assert torch.equal(v.isnan(), nan), where
                         view = torch.int16 if dtype == torch.bfloat16 else torch.int32
-                        assert torch.equal(v.masked_fill(w.isnan(), 0).view(view),
-                                           w.masked_fill(w.isnan(), 0).view(view)), (shape, recipe, axis, dtype)
-                        s, t = got.tensor_scale.cpu(), ref_d.tensor_scale
-                        assert (s.isnan() and t.isnan()) or torch.equal(s.view(torch.int32), t.view(torch.int32))
+                        assert torch.equal(v.masked_fill(nan, 0).view(view), want.masked_fill(nan, 0).view(view)), where
+                        s, t = got.tensor_scale.cpu(), ref.tensor_scale
+                        assert (s.isnan() and t.isnan()) or torch.equal(s.view(torch.int32), t.view(torch.int32)), where
+x = torch.load(sys.argv[1], weights_only=True).cuda()
+draws = {r: kq.quantize_parts(x, r, 1, stochastic=True, seed=11, offset=7).values.cpu() for r in quant.RECIPES}
+torch.save(draws, sys.argv[2])
 print("ok")
 """
 
@@ -384,11 +423,17 @@ print("ok")
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_kernels_match_reference_on_cuda():
-    """The compiled kernels (div.rn, no flush of subnormals) give the interpreter's bits on a GPU."""
+def test_compiled_kernels_match_reference_on_cuda(tmp_path):
+    """Compiled on a GPU (div.rn, subnormals kept, Philox as interpreted): every recipe bit for bit against
+    the reference, and stochastic rounding draws exactly what the interpreter draws for the same seed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-c", GPU_CHECK], env=env, capture_output=True, text=True,
-                            timeout=1800)
+    x = wide_sample((40, 64), seed=18)
+    torch.save(x, tmp_path / "x.pt")
+    result = subprocess.run([sys.executable, "-c", GPU_CHECK, str(tmp_path / "x.pt"), str(tmp_path / "draws.pt")],
+                            env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    draws = torch.load(tmp_path / "draws.pt", weights_only=True)
+    for recipe, values in draws.items():
+        assert_same_bits(values, kq.quantize_parts(x, recipe, 1, stochastic=True, seed=11, offset=7).values)

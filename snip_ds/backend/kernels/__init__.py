@@ -2,7 +2,8 @@
 
 :func:`quantize_parts` is :func:`snip_ds.quant.quantize_parts` for 2-D operands as two GPU passes (the tensor
 amax, then one fused pass that computes block amaxes and scales, rounds and writes the values, optionally
-in BF16 and transposed), bit for bit equal to the reference with stochastic rounding off.
+in BF16 and transposed), bit for bit equal to the reference with stochastic rounding off. :func:`tensor_amax`
+is the first pass alone, for quantizing a tensor slice by slice with its whole amax.
 
 Importing this package needs no Triton; :func:`available` says whether the kernels can run. Triton reads
 ``TRITON_INTERPRET`` when the kernels are defined, i.e. when :mod:`.quantize` is first imported (at the first
@@ -10,6 +11,7 @@ call to :func:`quantize_parts`): set it before then to run them on CPU tensors t
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -26,18 +28,28 @@ def interpreting() -> bool:
 
 
 def available() -> bool:
-    """Triton imports and there is a CUDA device for it, or its interpreter is on (``TRITON_INTERPRET=1``)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return interpreting() or torch.cuda.is_available()
+    """Triton is installed and there is a CUDA device for it, or its interpreter is on
+    (``TRITON_INTERPRET=1``). Does not import Triton (which fixes the interpreter choice for the process)."""
+    return _triton_installed() and (interpreting() or torch.cuda.is_available())
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _kernels():
+    if not available():
+        raise RuntimeError("triton kernels: need the triton package and a CUDA device "
+                           "(or TRITON_INTERPRET=1 for CPU tensors)")
+    from snip_ds.backend.kernels import quantize
+    return quantize
 
 
 def quantize_parts(*args, **kwargs):
     """See :func:`snip_ds.backend.kernels.quantize.quantize_parts` (imported on first use: it needs Triton)."""
-    if not available():
-        raise RuntimeError("triton kernels: need the triton package and a CUDA device "
-                           "(or TRITON_INTERPRET=1 for CPU tensors)")
-    from snip_ds.backend.kernels.quantize import quantize_parts as impl
-    return impl(*args, **kwargs)
+    return _kernels().quantize_parts(*args, **kwargs)
+
+
+def tensor_amax(x):
+    """See :func:`snip_ds.backend.kernels.quantize.tensor_amax`: the amax pass alone."""
+    return _kernels().tensor_amax(x)

@@ -177,10 +177,7 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
     elif tensor_amax is not None:
         amax = tensor_amax.detach().to(device=x.device, dtype=torch.float32).reshape(())
     else:
-        amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-        _amax_kernel[launch](x_bits, amax_bits, rows, cols, x.stride(0), x.stride(1), IN_BF16=in_bf16,
-                             BR=br, BC=bc)
-        amax = amax_bits.view(torch.float32)
+        amax = _amax(x_bits, in_bf16, br, bc, launch)
     element = recipe.element
     _quantize_kernel[launch](
         x_bits, out_bits, amax, scale, rows, cols, x.stride(0), x.stride(1), seed, offset,
@@ -189,6 +186,25 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
         else element.max_normal, STOCHASTIC=bool(stochastic), TRANSPOSE=transpose, IN_BF16=in_bf16,
         OUT_BF16=out_dtype == torch.bfloat16, BR=br, BC=bc)
     return QuantParts(values, scale)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``x.abs().amax()`` in FP32 (0-d; NaN if ``x`` holds one) from the amax kernel alone: the
+    ``tensor_amax`` to pass to :func:`quantize_parts` for the slices of ``x``. ``x``: 2-D FP32 or BF16."""
+    _check_args(x, -1, None, 0, 0, torch.float32, False, INTERPRETED)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    in_bf16 = x.dtype == torch.bfloat16
+    br, bc = _tile(x.shape[0], 1), _tile(x.shape[1], 1)
+    return _amax(x.view(torch.int16 if in_bf16 else torch.int32), in_bf16, br, bc,
+                 (triton.cdiv(x.shape[0], br), triton.cdiv(x.shape[1], bc)))
+
+
+def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, launch) -> torch.Tensor:
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x_bits.device)
+    _amax_kernel[launch](x_bits, amax_bits, x_bits.shape[0], x_bits.shape[1], x_bits.stride(0), x_bits.stride(1),
+                         IN_BF16=in_bf16, BR=br, BC=bc)
+    return amax_bits.view(torch.float32)
 
 
 INTERPRETED = isinstance(_quantize_kernel, InterpretedFunction)  # TRITON_INTERPRET=1 was set at import
