@@ -379,6 +379,63 @@ def test_benchmark_without_cuda_says_so(capsys, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# compiled for a CUDA GPU, without one: the compiler is stricter than the interpreter
+# ----------------------------------------------------------------------------------------------------------
+
+COMPILE_CHECK = r"""
+import re, sys
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+except ImportError as err:
+    print("skip:", err)
+    sys.exit(0)
+import triton
+from triton.compiler import ASTSource
+from snip_ds import quant
+from snip_ds.backend.kernels import quantize as kq
+target = GPUTarget("cuda", 90, 32)
+ptr_bits = {True: "*i16", False: "*i32"}
+for name in ("fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"):
+    r = quant.get_recipe(name)
+    kind = kq._kind(r)
+    for stochastic, bf16, axis in ((False, False, 1), (True, True, 0)):
+        const = dict(KIND=kind, AXIS=axis, BS=max(r.block_size, 1), MBITS=r.element.mbits, EMIN=r.element.emin,
+                     EMAX=r.element.emax, MAXN=r.element.max_normal, TENSOR_DIVISOR=2688.0, STOCHASTIC=stochastic,
+                     TRANSPOSE=bf16, IN_BF16=bf16, OUT_BF16=bf16, BR=64, BC=64)
+        sig = {"x_ptr": ptr_bits[bf16], "out_ptr": "*i16" if bf16 else "*fp32", "amax_ptr": "*fp32",
+               "scale_out_ptr": "*fp32", "R": "i32", "C": "i32", "stride_r": "i32", "stride_c": "i32",
+               "seed": "i64", "offset": "i64", **{k: "constexpr" for k in const}}
+        ptx = triton.compile(ASTSource(kq._quantize_kernel, sig, constexprs=const), target=target).asm["ptx"]
+        where = (name, stochastic, bf16, axis)
+        assert not re.search(r"div\.(full|approx)|\.ftz", ptx), where  # IEEE division, subnormals kept
+        assert ("div.rn.f32" in ptx) == (r.scale != "e8m0"), where
+for bf16 in (False, True):
+    sig = {"x_ptr": ptr_bits[bf16], "amax_bits_ptr": "*i32", "R": "i32", "C": "i32", "stride_r": "i32",
+           "stride_c": "i32", "IN_BF16": "constexpr", "BR": "constexpr", "BC": "constexpr"}
+    triton.compile(ASTSource(kq._amax_kernel, sig, constexprs=dict(IN_BF16=bf16, BR=64, BC=64)), target=target)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda_without_a_gpu():
+    """Triton's compiler (to PTX and a Hopper cubin, no GPU needed) accepts every kernel variant the
+    interpreter runs, and the PTX divides with IEEE division (div.rn) and flushes no subnormals (no .ftz):
+    what bit-exactness on a GPU needs. In a subprocess, where Triton is not in interpreter mode."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # silences a warning; the kernels have no a * b + c to fuse
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK], env=env, capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    if result.stdout.startswith("skip:"):
+        pytest.skip(f"Triton's CUDA backend is not installed ({result.stdout.strip()})")
+    assert result.stdout.strip().endswith("ok")
+
+
+# ----------------------------------------------------------------------------------------------------------
 # compiled, on a CUDA GPU
 # ----------------------------------------------------------------------------------------------------------
 

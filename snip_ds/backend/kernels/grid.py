@@ -101,10 +101,10 @@ def load_bits(ptrs, mask, IN_BF16: tl.constexpr):
     """FP32 bit patterns (int32) of the elements at ``ptrs``: int32 views of FP32 data, or int16 views of
     BF16 data widened by bit shifting (exact for every value, subnormals and NaN included -- Triton's
     interpreter mis-converts BF16 subnormals, and this costs the GPU nothing). Masked elements read 0."""
-    raw = tl.load(ptrs, mask=mask, other=0)
+    bits = tl.load(ptrs, mask=mask, other=0)
     if IN_BF16:
-        return (raw.to(tl.int32) & 0xFFFF) << 16
-    return raw
+        bits = (bits.to(tl.int32) & 0xFFFF) << 16
+    return bits
 
 
 @triton.jit

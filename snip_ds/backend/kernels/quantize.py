@@ -76,7 +76,7 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
 
     if KIND == PER_TENSOR:
         scale = g.tensor_scale(tl.load(amax_ptr), MAXN)
-        scaled = tl.div_rn(mag, scale + tl.zeros_like(mag))
+        scaled = tl.div_rn(mag, tl.broadcast_to(scale, mag.shape))
         value_mul = tl.full(mag.shape, 1.0, tl.float32)
     elif KIND == MX:
         scale = tl.full([], 1.0, tl.float32)
@@ -89,7 +89,7 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
     else:  # NVFP4, NVFP4_2D
         scale = g.tensor_scale(tl.load(amax_ptr), TENSOR_DIVISOR)
         amax_b = _block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC).to(tl.float32, bitcast=True)
-        value_mul = g.e4m3_rne(tl.div_rn(amax_b, scale * MAXN + tl.zeros_like(amax_b)))  # s_b; MAXN = 6
+        value_mul = g.e4m3_rne(tl.div_rn(amax_b, tl.broadcast_to(scale * MAXN, amax_b.shape)))  # s_b; MAXN = 6
         d = value_mul * scale
         d = tl.where(d == 0, float("inf"), d)  # s_b rounded to 0: the block dequantizes to zeros
         scaled = tl.div_rn(mag, d)
