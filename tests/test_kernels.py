@@ -262,10 +262,13 @@ def test_stochastic_outputs_are_neighbouring_grid_points(recipe):
     lo, hi = neighbours(x, d, fmt)
     for seed in range(3):
         parts = kq.quantize_parts(x, recipe, 1, tensor_amax=amax, stochastic=True, seed=seed)
+        # the same blocks along axis 0 of the transposed input, written back transposed
+        across = kq.quantize_parts(x.t().contiguous(), recipe, 0, tensor_amax=amax, stochastic=True,
+                                   seed=seed, transpose=True)
         # per-tensor values are unscaled grid values and d = 1; block recipes' values carry the block scale
-        out = parts.values.double()
-        assert ((out.abs() == lo) | (out.abs() == hi)).all()
-        assert (torch.signbit(out) == torch.signbit(x)).all()
+        for out in (parts.values.double(), across.values.double()):
+            assert ((out.abs() == lo) | (out.abs() == hi)).all()
+            assert (torch.signbit(out) == torch.signbit(x)).all()
     rne = kq.quantize_parts(x, recipe, 1, tensor_amax=amax).values.double().abs()
     assert ((rne == lo) | (rne == hi)).all()  # the construction gives the scales it claims
 
@@ -312,6 +315,12 @@ def test_stochastic_rounding_is_reproducible(recipe):
     tail = kq.quantize_parts(x[rows:], recipe, 1, tensor_amax=amax, stochastic=True, seed=3,
                              offset=rows * x.shape[1])
     assert_same_bits(tail.values, first.values[rows:])
+    # the draws follow the element, not the layout written or the dtype read
+    transposed = kq.quantize_parts(x, recipe, 1, stochastic=True, seed=3, transpose=True)
+    assert_same_bits(transposed.values, first.values.t().contiguous())
+    x16 = x.to(torch.bfloat16)
+    assert_same_bits(kq.quantize_parts(x16, recipe, 1, stochastic=True, seed=3, out_dtype=torch.bfloat16).values,
+                     kq.quantize_parts(x16.float(), recipe, 1, stochastic=True, seed=3).values.to(torch.bfloat16))
 
 
 def test_stochastic_exact_values_stay():
