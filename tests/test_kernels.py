@@ -323,6 +323,18 @@ def test_stochastic_rounding_is_reproducible(recipe):
                      kq.quantize_parts(x16.float(), recipe, 1, stochastic=True, seed=3).values.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("recipe", ["fp8_e4m3", "mxfp8", "nvfp4_2d"])
+def test_stochastic_special_values(recipe):
+    """Scales are round-to-nearest-even, so poisoning is the reference's: NaN exactly where it has NaN; and
+    zeros stay zeros with their sign."""
+    for name, x in special_inputs().items():
+        ref = quant.quantize_parts(x, recipe, 1).values
+        out = kq.quantize_parts(x, recipe, 1, stochastic=True, seed=9).values
+        assert torch.equal(out.isnan(), ref.isnan()), name
+        zero = x == 0
+        assert (out[zero] == 0).all() and torch.equal(out[zero].signbit(), x[zero].signbit()), name
+
+
 def test_stochastic_exact_values_stay():
     """Values already on the grid have nothing to round: every draw returns them."""
     grid = torch.tensor([v for v, _ in GRIDS["e4m3"]])
