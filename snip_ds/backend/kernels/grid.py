@@ -21,10 +21,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from snip_ds.formats import E4M3
+
 F32_MIN_SUBNORMAL_BITS = tl.constexpr(1)  # bit pattern of 2**-149
-E4M3_MBITS = tl.constexpr(3)  # NVFP4's block scales are E4M3 (snip_ds.formats.E4M3)
-E4M3_EMIN = tl.constexpr(-6)
-E4M3_MAX = tl.constexpr(448.0)
+E4M3_MBITS = tl.constexpr(E4M3.mbits)  # NVFP4's block scales are E4M3
+E4M3_EMIN = tl.constexpr(E4M3.emin)
+E4M3_MAX = tl.constexpr(E4M3.max_normal)
 
 
 @triton.jit

@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from snip_ds.backend.kernels import grid as g
+from snip_ds.formats import E2M1, E4M3
 from snip_ds.quant import QuantParts, Recipe, get_recipe
 
 # KIND: the recipe's scale granularity
@@ -27,7 +28,7 @@ MX = tl.constexpr(1)
 NVFP4 = tl.constexpr(2)
 NVFP4_2D = tl.constexpr(3)
 MAX_TILE = 64  # tile edge (elements) on the GPU; small tensors get the smallest power of two that covers them
-_NVFP4_TENSOR_DIVISOR = 448.0 * 6.0  # S = amax / (E4M3 max * E2M1 max)
+_NVFP4_TENSOR_DIVISOR = E4M3.max_normal * E2M1.max_normal  # S = amax / (448 * 6)
 
 
 @triton.jit
