@@ -13,6 +13,7 @@ FP4_RECIPES = ("nvfp4", "mxfp4")
 ESTIMATORS = ("mc_fisher", "empirical", "isotropic")  # where the FLD's output sensitivities come from
 FLD_FORMS = ("sequence", "channel")  # which quadratic form prices a layer's output error
 BWD_ROUNDINGS = ("recipe", "nearest")  # how the backward statistics round G_Y (snip_ds.collect)
+BACKENDS = ("auto", "emulated", "torch", "te")  # how the quantized GEMMs run (snip_ds.backend)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class QuantConfig:
         hadamard: apply a 16x16 random Hadamard transform along the token axis to both wgrad operands
             before FP4 quantization (the product G_Y^T X is unchanged in exact arithmetic).
         weight_2d: NVFP4 weights in 16x16 blocks, so one quantized weight serves fprop and dgrad.
+        backend: how the quantized GEMMs of training run: ``"emulated"`` (quantize->dequantize, FP32 GEMM;
+            the numerical reference), ``"torch"`` (real FP8 GEMMs where the device has them, otherwise the
+            exact grid values in BF16 GEMMs), ``"te"`` (Transformer Engine; not available yet) or ``"auto"``
+            (the fastest that exists for the device, per precision). The statistics always use the emulated
+            numerics.
     """
 
     fp8_recipe: str = "fp8_hybrid"
@@ -36,12 +42,15 @@ class QuantConfig:
     stochastic_rounding: bool = True
     hadamard: bool = False
     weight_2d: bool = True
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"fp8_recipe: unknown recipe {self.fp8_recipe!r}; valid: {', '.join(FP8_RECIPES)}")
         if self.fp4_recipe not in FP4_RECIPES:
             raise ValueError(f"fp4_recipe: unknown recipe {self.fp4_recipe!r}; valid: {', '.join(FP4_RECIPES)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
         for name in ("stochastic_rounding", "hadamard", "weight_2d"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")

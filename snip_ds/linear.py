@@ -3,9 +3,10 @@
 :class:`SnipLinear` is built from an existing ``nn.Linear`` by :meth:`SnipLinear.from_linear`, which reuses
 the original Parameter objects (ZeRO-3 partitions parameters in place and keeps its bookkeeping on them, so
 the swap must not copy them). At ``bf16`` the layer runs ``F.linear`` itself and is bit-identical to
-``nn.Linear``, forward and backward. Otherwise one ``autograd.Function`` quantizes each operand right before
-each GEMM through :mod:`snip_ds.backend`, saving only what ``nn.Linear`` saves (input and weight in high
-precision) and re-quantizing them along the right axis in backward.
+``nn.Linear``, forward and backward. Otherwise one ``autograd.Function`` runs each GEMM through the backend
+:mod:`snip_ds.backend` picks for its precision (``QuantConfig.backend``), which quantizes the operands and
+decides what is kept for backward (by default what ``nn.Linear`` keeps: input and weight in high
+precision, re-quantized along the right axis in backward).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snip_ds.backend import get_backend
+from snip_ds.backend import layer_backends
 from snip_ds.config import QuantConfig
 from snip_ds.precision import GemmPrecision, LayerPrecision
 
@@ -26,33 +27,36 @@ class _QuantizedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_hp: torch.Tensor, w_hp: torch.Tensor, bias: Optional[torch.Tensor],
                 prec: GemmPrecision, cfg: QuantConfig, generator: Optional[torch.Generator]) -> torch.Tensor:
-        backend = get_backend()
+        fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x_hp.device)
         x_2d = x_hp.reshape(-1, x_hp.shape[-1])  # [T, k]
-        y_2d = backend.fprop(x_2d, w_hp, prec.fprop, cfg)  # [T, n], fp32
-        if bias is not None:
-            y_2d += bias.float()
-        ctx.save_for_backward(x_hp, w_hp)
+        y_2d = fprop_be.fprop(x_2d, w_hp, prec.fprop, cfg, bias=bias, out_dtype=x_hp.dtype)  # [T, n]
+        if fprop_be is dgrad_be is wgrad_be:
+            x_keep, w_keep = fprop_be.keep_for_backward(x_2d, w_hp, prec, cfg)
+        else:  # backends differ between the GEMMs: what every backend accepts
+            x_keep, w_keep = x_2d, w_hp
+        ctx.save_for_backward(x_keep, w_keep)
         ctx.has_bias = bias is not None
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x_hp.shape, x_hp.dtype, w_hp.dtype
+        ctx.backends = (dgrad_be, wgrad_be)
         ctx.prec, ctx.cfg, ctx.generator = prec, cfg, generator
-        return y_2d.to(x_hp.dtype).reshape(*x_hp.shape[:-1], w_hp.shape[0])
+        return y_2d.reshape(*x_hp.shape[:-1], w_hp.shape[0])
 
     @staticmethod
     def backward(ctx, g_y: torch.Tensor):
-        x_hp, w_hp = ctx.saved_tensors
-        backend = get_backend()
+        x_keep, w_keep = ctx.saved_tensors
+        dgrad_be, wgrad_be = ctx.backends
         g_2d = g_y.reshape(-1, g_y.shape[-1])  # [T, n]
 
         # ---------------- grad_input (dgrad): G_X = G_Y W, contraction over n ----------------
         g_x = None
         if ctx.needs_input_grad[0]:
-            g_x = backend.dgrad(g_2d, w_hp, ctx.prec.dgrad, ctx.cfg, ctx.generator)
-            g_x = g_x.to(x_hp.dtype).reshape(x_hp.shape)
+            g_x = dgrad_be.dgrad(g_2d, w_keep, ctx.prec.dgrad, ctx.cfg, ctx.generator, out_dtype=ctx.x_dtype)
+            g_x = g_x.reshape(ctx.x_shape)
 
         # ---------------- grad_weight (wgrad): G_W = G_Y^T X, contraction over T ----------------
         g_w = None
         if ctx.needs_input_grad[1]:
-            x_2d = x_hp.reshape(-1, x_hp.shape[-1])
-            g_w = backend.wgrad(g_2d, x_2d, ctx.prec.wgrad, ctx.cfg, ctx.generator).to(w_hp.dtype)
+            g_w = wgrad_be.wgrad(g_2d, x_keep, ctx.prec.wgrad, ctx.cfg, ctx.generator, out_dtype=ctx.w_dtype)
 
         g_b = g_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return g_x, g_w, g_b, None, None, None

@@ -6,7 +6,7 @@ every bad field by its dotted path (``snip.train.max_steps``)::
     "snip": {
       "plan": "adaptive",                 # bf16 | fp8 | fp4 (uniform) | adaptive (SNIP) | path/to/plan.json
       "quant": {"fp8_recipe": "fp8_hybrid", "fp4_recipe": "nvfp4", "stochastic_rounding": true,
-                "hadamard": false, "weight_2d": true},
+                "hadamard": false, "weight_2d": true, "backend": "auto"},   # auto | emulated | torch | te
       "efficiency_saving": 0.75, "method": "best", "replan_every": 200, ...   # the adaptive planner
       "train": {"max_steps": 120, "eval_steps": 40, "save_steps": 60, "output_dir": "runs/default", ...}
     }

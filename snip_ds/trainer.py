@@ -213,6 +213,11 @@ def train(args: argparse.Namespace) -> int:
         plan = initial_plan(list(infos), flops, settings)
     except ValueError as err:
         raise UserError(str(err)) from None
+    from snip_ds.backend import check_backend
+    try:  # a backend that cannot run here is an error now, not a failure in the first step
+        check_backend(settings.quant, torch.device("cuda" if on_gpu else "cpu"))
+    except ValueError as err:
+        raise UserError(f"{args.deepspeed}: snip.quant.backend: {err}") from None
     if args.resume_from_checkpoint:
         try:
             ckpt.validate(ckpt.resolve(Path(args.resume_from_checkpoint)), ckpt.model_fingerprint(model), world,

@@ -111,7 +111,7 @@ def test_quantized_gemms_match_reference(data, recipe, chunk_elements, monkeypat
     """Each GEMM quantizes the right operands along the right axis (SNIP.md section 2's table), also when
     the backend streams operands in 32-row slices (chunk_elements small enough to split T=48 in two)."""
     if chunk_elements:
-        monkeypatch.setattr(backend, "CHUNK_ELEMENTS", chunk_elements)
+        monkeypatch.setattr(backend.emulated, "CHUNK_ELEMENTS", chunk_elements)
         assert len(backend._chunks(T, N)) == 2
     lin, x, g = data
     cfg, precision, q_x, q_w, q_g, w_2d = RECIPE_REFS[recipe]

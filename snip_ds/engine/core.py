@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from snip_ds import distributed as sdist
+from snip_ds.backend import check_backend
 from snip_ds.ds_config import resolve_ds_config
 from snip_ds.engine import checkpoint as ckpt
 from snip_ds.metrics import NullLogger, precision_map_image
@@ -271,6 +272,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
     Raises:
         ConfigError: an invalid ``"snip"`` section or DeepSpeed value (the message names the field).
         ValueError: an invalid plan file.
+        snip_ds.backend.BackendError: ``snip.quant.backend`` cannot run here (names backend, recipe, device).
     """
     config = dict(config)
     section = config.pop("snip", None)
@@ -282,6 +284,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
                                source="DeepSpeed config", world_size=sdist.world_size())
     if not any(getattr(p, "ds_id", None) is not None for p in model.parameters()):  # not zero.Init-partitioned
         model.to(device())  # so the stochastic-rounding generators live where the activations do
+    check_backend(settings.quant, device())  # BackendError (a ValueError) before DeepSpeed starts
     infos = swap_linears(model, "bf16", settings.quant, seed=seed, rank=sdist.rank())
     if plan is None:
         plan = initial_plan(list(infos), {f: info.flops(tokens_per_step) for f, info in infos.items()}, settings)

@@ -1,9 +1,8 @@
-"""The quantization backend: how each of a linear layer's three GEMMs is computed at a given precision.
+"""The emulated backend: quantize->dequantize every operand in FP32, then an FP32 GEMM.
 
-This is the one module that decides *how* quantized GEMMs run. :class:`~snip_ds.linear.SnipLinear` asks it
-for ``fprop``, ``dgrad`` and ``wgrad`` and knows nothing about formats. The emulated backend below
-quantizes each operand (quantize->dequantize, SNIP.md section 2) and multiplies in FP32; it runs on any
-device and is the numerical reference. A hardware backend (Transformer Engine FP8 GEMMs) plugs in here.
+It quantizes each operand (SNIP.md section 2) and multiplies in FP32; it runs on any device and is the
+numerical reference of every other backend. The statistics (:mod:`snip_ds.collect`) always use it, whatever
+backend trains, through its :meth:`~EmulatedBackend.quantize` and ``*_moments`` methods.
 
 Operands (linear ``Y = X W^T``, ``X: [T, k]``, ``W: [n, k]``), quantized along the GEMM's contraction axis:
 
@@ -22,8 +21,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from snip_ds.backend.base import GemmBackend
 from snip_ds.config import QuantConfig
-from snip_ds.quant import fake_quantize, get_recipe, hadamard_transform, random_signs, stochastic_moments
+from snip_ds.quant import (QuantParts, fake_quantize, get_recipe, hadamard_transform, quantize_parts, random_signs,
+                           stochastic_moments)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def tensor_amax(t: torch.Tensor) -> torch.Tensor:
     return torch.maximum(-lo, hi).float()
 
 
-class EmulatedBackend:
+class EmulatedBackend(GemmBackend):
     """Quantize->dequantize every operand in FP32 and run the GEMM in FP32 (FP32 accumulation).
 
     At ``bf16`` an operand is used as it is (cast to FP32 for the product). The streamed operand of each GEMM
@@ -125,33 +126,46 @@ class EmulatedBackend:
             torch.mm(self.quantize(a[rows], precision, role, -1, cfg, generator, amax), b_lp, out=out[rows])
         return out
 
-    def fprop(self, x: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig) -> torch.Tensor:
-        """``Y = Q(X) Q(W)^T`` in FP32. x: [T, k], w: [n, k] -> [T, n]."""
+    def fprop(self, x: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig, *,
+              bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``Y = Q(X) Q(W)^T (+ b)`` in FP32, then cast to ``out_dtype``. x: [T, k], w: [n, k] -> [T, n]."""
         w_lp = self.quantize_whole(w, precision, "w", -1, cfg)
-        return self._rows_times(x, w_lp.t(), precision, "x", cfg, None)
+        y = self._rows_times(x, w_lp.t(), precision, "x", cfg, None)
+        if bias is not None:
+            y += bias.float()
+        return y.to(out_dtype)
 
     def dgrad(self, g: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig,
-              generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """``G_X = Q(G_Y) Q(W)`` in FP32. g: [T, n], w: [n, k] -> [T, k]."""
+              generator: Optional[torch.Generator] = None, *,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``G_X = Q(G_Y) Q(W)`` in FP32, then cast to ``out_dtype``. g: [T, n], w: [n, k] -> [T, k]."""
         w_lp = self.quantize_whole(w, precision, "w", 0, cfg)
-        return self._rows_times(g, w_lp, precision, "g", cfg, generator)
+        return self._rows_times(g, w_lp, precision, "g", cfg, generator).to(out_dtype)
 
     def wgrad(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
-              generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """``G_W = Q(G_Y)^T Q(X)`` in FP32, both along the token axis. g: [T, n], x: [T, k] -> [n, k]."""
+              generator: Optional[torch.Generator] = None, *,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``G_W = Q(G_Y)^T Q(X)`` in FP32, both along the token axis, then cast to ``out_dtype``.
+        g: [T, n], x: [T, k] -> [n, k]."""
         if precision == "bf16":
-            return _fp32(g).t() @ _fp32(x)
+            return (_fp32(g).t() @ _fp32(x)).to(out_dtype)
         if precision == "fp4" and cfg.hadamard:
-            signs = random_signs(g.shape[0], generator=generator, device=g.device)
-            g = hadamard_transform(_fp32(g), axis=0, signs=signs)
-            x = hadamard_transform(_fp32(x), axis=0, signs=signs)
+            g, x = _hadamard_pair(g, x, generator)
         g_w = torch.zeros(g.shape[1], x.shape[1], dtype=torch.float32, device=g.device)
         amax_g, amax_x = tensor_amax(g), tensor_amax(x)
         for tokens in _chunks(g.shape[0], g.shape[1] + x.shape[1]):
             g_lp = self.quantize(g[tokens], precision, "g", 0, cfg, generator, amax_g)
             x_lp = self.quantize(x[tokens], precision, "x", 0, cfg, None, amax_x)
             g_w.addmm_(g_lp.t(), x_lp)
-        return g_w
+        return g_w.to(out_dtype)
+
+    def quantized_operands(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig,
+                           generator: Optional[torch.Generator] = None) -> Tuple[QuantParts, QuantParts]:
+        """The two operands of ``gemm`` as :func:`~snip_ds.quant.quantize_parts` splits them, quantized along
+        the axes (and, for stochastic rounding, with the draws) that :meth:`fprop`, :meth:`dgrad` and
+        :meth:`wgrad` use; their products of values and tensor scales are the operands those GEMMs multiply.
+        ``(a, b)`` is ``(x, w)``, ``(g, w)`` or ``(g, x)``."""
+        return reference_operands(gemm, a, b, precision, cfg, generator)
 
     # ---------------- expectations over the stochastic rounding of G_Y (statistics only) ----------------
     def rounds_g_stochastically(self, precision: str, cfg: QuantConfig) -> bool:
@@ -179,9 +193,7 @@ class EmulatedBackend:
         if not self.rounds_g_stochastically(precision, cfg):
             raise ValueError(f"precision {precision!r} does not round G_Y stochastically under this config")
         if precision == "fp4" and cfg.hadamard:
-            signs = random_signs(g.shape[0], generator=generator, device=g.device)
-            g = hadamard_transform(_fp32(g), axis=0, signs=signs)
-            x = hadamard_transform(_fp32(x), axis=0, signs=signs)
+            g, x = _hadamard_pair(g, x, generator)
         tokens, n, k = g.shape[0], g.shape[1], x.shape[1]
         mean = torch.zeros(n, k, dtype=torch.float32, device=g.device)
         var = torch.zeros(n, k, dtype=torch.float32, device=g.device)
@@ -235,12 +247,33 @@ class GemmMoments:
     projected: Optional[torch.Tensor]
 
 
-_BACKENDS = {"emulated": EmulatedBackend()}
+def _hadamard_pair(g: torch.Tensor, x: torch.Tensor,
+                   generator: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Both wgrad operands through the same random Hadamard transform along the tokens (signs drawn from
+    ``generator`` before any stochastic rounding draws)."""
+    signs = random_signs(g.shape[0], generator=generator, device=g.device)
+    return hadamard_transform(_fp32(g), axis=0, signs=signs), hadamard_transform(_fp32(x), axis=0, signs=signs)
 
 
-def get_backend(name: str = "emulated") -> EmulatedBackend:
-    """The backend registered under ``name``; a ValueError lists the valid names."""
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"backend: unknown backend {name!r}; valid: {', '.join(sorted(_BACKENDS))}") from None
+# Operand roles and quantization axes of each GEMM: (role, axis) of the first and the second operand.
+GEMM_OPERANDS = {"fprop": (("x", -1), ("w", -1)), "dgrad": (("g", -1), ("w", 0)), "wgrad": (("g", 0), ("x", 0))}
+
+
+def reference_operands(gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig,
+                       generator: Optional[torch.Generator] = None) -> Tuple[QuantParts, QuantParts]:
+    """The reference split of ``gemm``'s quantized operands (see :meth:`EmulatedBackend.quantized_operands`);
+    at ``bf16`` the operands in FP32 with a tensor scale of 1."""
+    if gemm not in GEMM_OPERANDS:
+        raise ValueError(f"gemm: unknown GEMM {gemm!r}; valid: {', '.join(GEMM_OPERANDS)}")
+    if gemm == "wgrad" and precision == "fp4" and cfg.hadamard:
+        a, b = _hadamard_pair(a, b, generator)
+    out = []
+    for t, (role, axis) in zip((a, b), GEMM_OPERANDS[gemm]):
+        if precision == "bf16":
+            out.append(QuantParts(_fp32(t).clone(), torch.ones((), dtype=torch.float32, device=t.device)))
+            continue
+        recipes = operand_recipes(precision, cfg)
+        stochastic = role == "g" and recipes.stochastic_g
+        out.append(quantize_parts(t, getattr(recipes, role), axis=axis, stochastic=stochastic,
+                                  generator=generator if stochastic else None))
+    return out[0], out[1]

@@ -1,0 +1,18 @@
+"""How each of a linear layer's three GEMMs is computed at a given precision (see :mod:`.base`).
+
+One module per backend: :mod:`.emulated` (the numerical reference, also what the statistics use) and
+:mod:`.torch_native` (``torch``); :mod:`.base` holds the interface, the registry and ``auto``.
+"""
+from snip_ds.backend.base import (BackendError, GemmBackend, check_backend, get_backend, layer_backends,
+                                  register, resolve, seed_offset)
+from snip_ds.backend.emulated import (CHUNK_ELEMENTS, EmulatedBackend, GemmMoments, OperandRecipes, _chunks,
+                                      operand_recipes, reference_operands, tensor_amax)
+from snip_ds.backend.torch_native import TorchBackend
+from snip_ds.quant import hadamard_transform, random_signs  # noqa: F401  (as before the split)
+
+register(EmulatedBackend())
+register(TorchBackend())
+
+__all__ = ["BackendError", "GemmBackend", "EmulatedBackend", "TorchBackend", "GemmMoments", "OperandRecipes",
+           "CHUNK_ELEMENTS", "check_backend", "get_backend", "layer_backends", "operand_recipes",
+           "reference_operands", "register", "resolve", "seed_offset", "tensor_amax", "_chunks"]

@@ -1,0 +1,216 @@
+"""The GEMM backend interface, the registry of backends, and the choice behind ``backend: auto``.
+
+A backend computes a linear layer's three GEMMs at one precision (linear ``Y = X W^T``, ``X: [T, k]``,
+``W: [n, k]``), each operand quantized along the GEMM's contraction axis:
+
+====== ================== =========== ==========================================
+GEMM   math               contraction operands (block axis)
+====== ================== =========== ==========================================
+fprop  ``Y = X W^T``      k           X along k, W along k
+dgrad  ``G_X = G_Y W``    n           G_Y along n, W along n
+wgrad  ``G_W = G_Y^T X``  T           G_Y and X along T, from the high-precision copies
+====== ================== =========== ==========================================
+
+Only this package knows how a GEMM is computed: :class:`~snip_ds.linear.SnipLinear` asks
+:func:`layer_backends` for the backend of each of its GEMMs and calls them. Backends:
+
+* ``emulated`` (:mod:`.emulated`): quantize->dequantize in FP32, FP32 GEMM. Any device; the reference.
+* ``torch`` (:mod:`.torch_native`): real FP8 GEMMs (``torch._scaled_mm``) where the device has them, else the
+  exact grid values in BF16 GEMMs with FP32 accumulation. CUDA and CPU.
+* ``te``: Transformer Engine. Not implemented; choosing it is an error that says so.
+* ``auto``: per precision, the fastest backend that exists for the device (see :func:`resolve`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from snip_ds.config import BACKENDS, QuantConfig
+from snip_ds.precision import GemmPrecision
+
+log = logging.getLogger("snip_ds.backend")
+
+
+class BackendError(ValueError):
+    """A backend that cannot run a recipe on a device (or does not exist here); the message names the
+    backend, the recipe and the device."""
+
+
+class GemmBackend(ABC):
+    """One way of computing the three GEMMs of a quantized linear layer.
+
+    Every GEMM takes the high-precision operands, the precision (``bf16``, ``fp8``, ``fp4``) and the
+    :class:`~snip_ds.config.QuantConfig`, and returns its result in ``out_dtype`` (accumulated in FP32).
+    ``generator`` is the source of stochastic rounding (FP4 G_Y) and of the random Hadamard signs: a backend
+    whose kernels take a seed and an offset draws them from it (:func:`seed_offset`), so the generator's
+    state, which checkpoints save, fixes the rounding of a resumed run in every backend.
+    """
+
+    name = "base"
+
+    @abstractmethod
+    def fprop(self, x: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig, *,
+              bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``Y = Q(X) Q(W)^T + b``. x: [T, k], w: [n, k] -> [T, n]."""
+
+    @abstractmethod
+    def dgrad(self, g: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig,
+              generator: Optional[torch.Generator] = None, *,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``G_X = Q(G_Y) Q(W)``. g: [T, n], w: [n, k] -> [T, k]."""
+
+    @abstractmethod
+    def wgrad(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
+              generator: Optional[torch.Generator] = None, *,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``G_W = Q(G_Y)^T Q(X)``, both quantized along the tokens. g: [T, n], x: [T, k] -> [n, k]."""
+
+    def keep_for_backward(self, x: torch.Tensor, w: torch.Tensor, prec: GemmPrecision,
+                          cfg: QuantConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+        """What the layer keeps from the forward for dgrad (``w``) and wgrad (``x``); they are passed back to
+        :meth:`dgrad` and :meth:`wgrad` as their ``w`` and ``x``. The default keeps the high-precision
+        tensors (what ``nn.Linear`` keeps) and re-quantizes them in backward; a backend may keep quantized
+        operands instead when its backward GEMMs accept them."""
+        return x, w
+
+    def check(self, precision: str, cfg: QuantConfig, device: torch.device) -> None:
+        """Raises :class:`BackendError` if this backend cannot run ``precision`` under ``cfg`` on
+        ``device``; the default runs everything everywhere."""
+
+
+_REGISTRY: Dict[str, GemmBackend] = {}
+
+
+def register(backend: GemmBackend) -> GemmBackend:
+    """Adds ``backend`` to the registry under its ``name`` (replacing one of the same name)."""
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str = "emulated") -> GemmBackend:
+    """The backend registered under ``name`` (not ``auto``: see :func:`resolve`); a ValueError lists the valid
+    names. ``te`` raises :class:`BackendError` saying why it cannot run."""
+    if name == "te":
+        raise BackendError(f"backend 'te': {_te_unavailable()}")
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        valid = ", ".join(b for b in BACKENDS if b != "auto")
+        raise ValueError(f"backend: unknown backend {name!r}; valid: {valid}") from None
+
+
+def _te_unavailable() -> str:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as err:  # ImportError, or a broken install raising anything else
+        return (f"Transformer Engine does not import ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else 'no message'}); choose backend 'torch', "
+                f"'emulated' or 'auto'")
+    return ("the Transformer Engine backend is not implemented in this version; choose backend 'torch', "
+            "'emulated' or 'auto'")
+
+
+def recipe_words(precision: str, cfg: QuantConfig) -> str:
+    """The recipe a precision runs under ``cfg``, as the error messages name it."""
+    if precision == "fp8":
+        return cfg.fp8_recipe
+    if precision == "fp4":
+        return cfg.fp4_recipe + ("" if cfg.fp4_recipe != "nvfp4" or not cfg.weight_2d else " (2-D weight blocks)")
+    return precision
+
+
+# ------------------------------------------------------------------------------------------------------
+# auto: what runs fastest where
+# ------------------------------------------------------------------------------------------------------
+
+# CUDA: the torch backend (FP8 tensor cores through torch._scaled_mm, BF16 tensor cores for the block
+# recipes). Not measured yet: no GPU was available when it was written.
+_AUTO_CUDA = "torch"
+_cpu_bf16_fast: Optional[bool] = None
+_logged: set = set()
+
+
+def cpu_bf16_gemm_is_fast() -> bool:
+    """Whether this CPU multiplies BF16 matrices (FP32 accumulation) at least as fast as FP32 ones.
+
+    Measured once per process on a 256^3 product: with AMX or AVX512-BF16 (oneDNN's BF16 kernels) a BF16
+    GEMM is 10-20x faster than FP32; limited to AVX2 it is emulated and 50-100x slower
+    (benchmarks/results/bench_backends.md). The torch backend's block recipes run BF16 GEMMs, so on CPU
+    ``auto`` picks it exactly when they are fast.
+    """
+    global _cpu_bf16_fast
+    if _cpu_bf16_fast is None:
+        a32 = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+        a16 = a32.to(torch.bfloat16)
+        best = {}
+        for name, t in (("bf16", a16), ("fp32", a32)):
+            torch.mm(t, t)  # warm-up (oneDNN's kernel selection)
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                torch.mm(t, t)
+                times.append(time.perf_counter() - start)
+            best[name] = min(times)
+        _cpu_bf16_fast = best["bf16"] <= best["fp32"]
+    return _cpu_bf16_fast
+
+
+def resolve(name: str, precision: str, cfg: QuantConfig, device: Union[str, torch.device]) -> GemmBackend:
+    """The backend that runs ``precision`` on ``device`` for the setting ``name``.
+
+    ``auto``: ``torch`` on CUDA; on CPU ``torch`` where BF16 GEMMs are fast (:func:`cpu_bf16_gemm_is_fast`),
+    else ``emulated`` (what the CPU benchmark measured fastest in each case); ``emulated`` on other devices.
+    The choice is logged once per device and precision. A named backend is checked, never swapped.
+
+    Raises:
+        BackendError: the backend cannot run this recipe on this device (naming all three).
+    """
+    device = torch.device(device)
+    if name == "auto":
+        if precision == "bf16":
+            chosen = "emulated"  # an FP32 GEMM of the high-precision operands either way
+        elif device.type == "cuda":
+            chosen = _AUTO_CUDA
+        elif device.type == "cpu":
+            chosen = "torch" if cpu_bf16_gemm_is_fast() else "emulated"
+        else:
+            chosen = "emulated"
+        key = (device.type, precision, recipe_words(precision, cfg), chosen)
+        if precision != "bf16" and key not in _logged:
+            _logged.add(key)
+            log.info("backend auto: %s (%s) runs on the %r backend on %s", precision,
+                     recipe_words(precision, cfg), chosen, device.type)
+        name = chosen
+    if name == "te":
+        raise BackendError(f"backend 'te' cannot run {recipe_words(precision, cfg)} on {device}: "
+                           f"{_te_unavailable()}")
+    backend = get_backend(name)
+    backend.check(precision, cfg, device)
+    return backend
+
+
+def check_backend(cfg: QuantConfig, device: Union[str, torch.device]) -> None:
+    """Raises :class:`BackendError` unless ``cfg.backend`` can run every precision on ``device``; called
+    before training starts so that a wrong choice is one clear error, not a failure mid-run."""
+    for precision in ("fp8", "fp4"):
+        resolve(cfg.backend, precision, cfg, device)
+
+
+def layer_backends(prec: GemmPrecision, cfg: QuantConfig,
+                   device: Union[str, torch.device]) -> Tuple[GemmBackend, GemmBackend, GemmBackend]:
+    """The backends of a layer's fprop, dgrad and wgrad."""
+    return (resolve(cfg.backend, prec.fprop, cfg, device), resolve(cfg.backend, prec.dgrad, cfg, device),
+            resolve(cfg.backend, prec.wgrad, cfg, device))
+
+
+def seed_offset(generator: Optional[torch.Generator]) -> Tuple[int, int]:
+    """A (seed, offset) pair for kernels that take their randomness that way, drawn from ``generator`` (or
+    torch's default generator): the generator advances, so consecutive calls get fresh randomness and a
+    restored generator state gives the same pairs again."""
+    device = generator.device if generator is not None else "cpu"
+    seed = int(torch.randint(0, 2 ** 62, (), generator=generator, device=device))
+    return seed, 0

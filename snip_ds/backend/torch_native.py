@@ -1,0 +1,193 @@
+"""The ``torch`` backend: low-precision GEMMs with plain torch, no extra dependency (CUDA and CPU).
+
+Each operand is quantized by :func:`snip_ds.quant.quantize_parts` (or, on CUDA, by the Triton kernels of
+``snip_ds.backend.kernels`` when that module exists and says it is available: same contract, bit for bit
+with stochastic rounding off), along the axes and from the same generator draws as the emulated backend.
+Then:
+
+* ``fp8`` with ``fp8_hybrid`` on a CUDA device that has FP8 tensor cores (compute capability >= 8.9) and
+  dimensions that are multiples of 16: ``torch._scaled_mm`` on the E4M3 / E5M2 codes with the FP32
+  per-tensor scales (dgrad: E5M2 G_Y x E4M3 W, wgrad: E5M2 G_Y^T x E4M3 X; E5M2 x E5M2 never occurs).
+* everything else (MXFP8, NVFP4, MXFP4; FP8 elsewhere, including on CPU, whose ``_scaled_mm`` is a scalar
+  emulation thousands of times slower than a BF16 GEMM): the operands' exact values ``q * s_b`` in BF16,
+  a BF16 GEMM with FP32 accumulation, then the FP32 tensor scales. The operands are exact in BF16 (every
+  E4M3 and E5M2 value, and every E2M1 x E4M3 and E2M1 x E8M0 product, has at most 8 significant bits and an
+  exponent within BF16's range; the one exception, MXFP8 blocks whose amax is below 2**-116, where E4M3
+  subnormals times the block scale fall below BF16's smallest subnormal 2**-133, does not occur in
+  training). On CUDA the GEMM returns FP32 (``torch.mm(..., out_dtype=torch.float32)``).
+  torch has no such CPU kernel: on CPU an FP32 result (``out_dtype`` FP32) comes from an FP32 GEMM of the
+  same exact values, and a BF16/FP16 result from a BF16 GEMM whose FP32 sum is rounded once to BF16 before
+  the FP32 tensor scales are applied (at most one more BF16 rounding than the emulated backend's).
+* ``bf16``: a GEMM in the operands' own dtype.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Optional, Tuple
+
+import torch
+
+from snip_ds.backend.base import BackendError, GemmBackend, recipe_words, seed_offset
+from snip_ds.backend.emulated import GEMM_OPERANDS, _hadamard_pair, operand_recipes
+from snip_ds.config import QuantConfig
+from snip_ds.quant import QuantParts, quantize_parts
+
+log = logging.getLogger("snip_ds.backend")
+
+DEVICES = ("cpu", "cuda")
+SCALED_MM_DEVICES = ("cuda",)  # where torch._scaled_mm is a real FP8 GEMM (on CPU it is a slow emulation)
+_FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_said: set = set()
+_kernels_module = None
+_kernels_checked = False
+
+
+def _say_once(key, message: str, *args) -> None:
+    if key not in _said:
+        _said.add(key)
+        log.info(message, *args)
+
+
+def kernels():
+    """``snip_ds.backend.kernels`` when it exists and its ``available()`` is true, else None (checked once)."""
+    global _kernels_module, _kernels_checked
+    if not _kernels_checked:
+        _kernels_checked = True
+        try:
+            module = importlib.import_module("snip_ds.backend.kernels")
+            _kernels_module = module if module.available() else None
+        except ModuleNotFoundError as err:
+            if err.name != "snip_ds.backend.kernels":
+                log.warning("snip_ds.backend.kernels does not import (%s); quantizing with torch", err)
+        except Exception as err:  # a broken kernel module must not stop training: say so, use plain torch
+            log.warning("snip_ds.backend.kernels does not import (%s: %s); quantizing with torch",
+                        type(err).__name__, err)
+    return _kernels_module
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+class TorchBackend(GemmBackend):
+    """Real FP8 GEMMs where the device has them, BF16-exact GEMMs for every other recipe (module docstring)."""
+
+    name = "torch"
+
+    # ---------------- quantization ----------------
+    def quantize_parts(self, t: torch.Tensor, recipe: str, axis: int, stochastic: bool = False,
+                       generator: Optional[torch.Generator] = None) -> QuantParts:
+        """One whole operand, through the Triton kernels on CUDA when they are available, else
+        :func:`snip_ds.quant.quantize_parts`."""
+        k = kernels() if t.device.type == "cuda" else None
+        if k is not None:
+            seed, offset = seed_offset(generator) if stochastic else (0, 0)
+            return k.quantize_parts(t, recipe, axis, stochastic=stochastic, seed=seed, offset=offset)
+        return quantize_parts(t, recipe, axis=axis, stochastic=stochastic, generator=generator)
+
+    def quantized_operands(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig,
+                           generator: Optional[torch.Generator] = None) -> Tuple[QuantParts, QuantParts]:
+        """The two operands of ``gemm`` (``(x, w)``, ``(g, w)`` or ``(g, x)``) as this backend's GEMMs
+        multiply them: values (FP32 here; the GEMMs hold them in FP8 or BF16, exactly) and tensor scales."""
+        if gemm == "wgrad" and precision == "fp4" and cfg.hadamard:
+            a, b = _hadamard_pair(a, b, generator)
+        recipes = operand_recipes(precision, cfg)
+        out = []
+        for t, (role, axis) in zip((a, b), GEMM_OPERANDS[gemm]):
+            stochastic = role == "g" and recipes.stochastic_g
+            out.append(self.quantize_parts(t, getattr(recipes, role), axis, stochastic,
+                                           generator if stochastic else None))
+        return out[0], out[1]
+
+    # ---------------- the three GEMMs ----------------
+    def fprop(self, x: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig, *,
+              bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if precision == "bf16":
+            return _finish(torch.mm(x, w.to(x.dtype).t()), bias, out_dtype)
+        px, pw = self.quantized_operands("fprop", x, w, precision, cfg)
+        return self._mm("fprop", px.values, pw.values.t(), px.tensor_scale, pw.tensor_scale,
+                        self._fp8_pair("x", "w", precision, cfg), bias, out_dtype)
+
+    def dgrad(self, g: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig,
+              generator: Optional[torch.Generator] = None, *,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if precision == "bf16":
+            return _finish(torch.mm(g, w.to(g.dtype)), None, out_dtype)
+        pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator)
+        return self._mm("dgrad", pg.values, pw.values, pg.tensor_scale, pw.tensor_scale,
+                        self._fp8_pair("g", "w", precision, cfg), None, out_dtype)
+
+    def wgrad(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
+              generator: Optional[torch.Generator] = None, *,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if precision == "bf16":
+            return _finish(torch.mm(g.t(), x.to(g.dtype)), None, out_dtype)
+        pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator)
+        return self._mm("wgrad", pg.values.t(), px.values, pg.tensor_scale, px.tensor_scale,
+                        self._fp8_pair("g", "x", precision, cfg), None, out_dtype)
+
+    def check(self, precision: str, cfg: QuantConfig, device: torch.device) -> None:
+        if torch.device(device).type not in DEVICES:
+            raise BackendError(f"backend 'torch': recipe {recipe_words(precision, cfg)} cannot run on device "
+                               f"{device} (the torch backend runs on {' and '.join(DEVICES)}); choose backend "
+                               f"'emulated' or 'auto'")
+
+    # ---------------- helpers ----------------
+    @staticmethod
+    def _fp8_pair(role_a: str, role_b: str, precision: str,
+                  cfg: QuantConfig) -> Optional[Tuple[torch.dtype, torch.dtype]]:
+        """The FP8 dtypes of a GEMM's two operands when it is a per-tensor FP8 GEMM, else None."""
+        if precision != "fp8" or cfg.fp8_recipe != "fp8_hybrid":
+            return None
+        recipes = operand_recipes(precision, cfg)
+        return _FP8_DTYPES[getattr(recipes, role_a)], _FP8_DTYPES[getattr(recipes, role_b)]
+
+    def _mm(self, gemm: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+            fp8: Optional[Tuple[torch.dtype, torch.dtype]], bias: Optional[torch.Tensor],
+            out_dtype: torch.dtype) -> torch.Tensor:
+        """``(a @ b) * scale_a * scale_b (+ bias)`` in ``out_dtype``; a: [M, K], b: [K, N] exact grid values."""
+        if fp8 is not None and _scaled_mm_ok(gemm, a, b, fp8):
+            # row-major first operand, column-major second (cuBLASLt's layout)
+            a8 = a.to(fp8[0]).contiguous()
+            b8 = b.t().to(fp8[1]).contiguous().t()
+            fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16,
+                                                                                        torch.float16)
+            y = torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype if fused_bias or
+                                 bias is None else torch.float32, bias=bias if fused_bias else None)
+            return y if bias is None or fused_bias else _finish(y, bias, out_dtype)
+        if a.device.type == "cuda":
+            y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16), out_dtype=torch.float32)
+        elif out_dtype == torch.float32:
+            y = torch.mm(a, b)  # CPU, FP32 result wanted: the exact values in an FP32 GEMM (no BF16 -> FP32 kernel)
+        else:  # CPU: BF16 GEMM, its FP32 sum rounded once to BF16 (the result is rounded to out_dtype anyway)
+            y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
+        return _finish(y.mul_(scale_a * scale_b), bias, out_dtype)
+
+
+def _finish(y: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    if bias is not None:
+        y = _fp32(y) + bias.float()
+    return y.to(out_dtype)
+
+
+def _scaled_mm_ok(gemm: str, a: torch.Tensor, b: torch.Tensor, fp8: Tuple[torch.dtype, torch.dtype]) -> bool:
+    """Whether ``torch._scaled_mm`` can run this per-tensor FP8 GEMM here (else the BF16-exact path, said
+    once per reason)."""
+    device = a.device
+    if device.type not in SCALED_MM_DEVICES:
+        _say_once(("device", device.type), "torch backend: FP8 GEMMs on %s run as exact BF16 GEMMs "
+                  "(torch._scaled_mm is not a hardware FP8 GEMM there)", device.type)
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        _say_once(("capability", device.index), "torch backend: %s has no FP8 tensor cores (compute capability "
+                  "< 8.9); FP8 GEMMs run as exact BF16 GEMMs", torch.cuda.get_device_name(device))
+        return False
+    if fp8 == (torch.float8_e5m2, torch.float8_e5m2):
+        return False  # not an operand pair of any GEMM here; cuBLASLt has no E5M2 x E5M2 kernel
+    if device.type == "cuda" and any(d % 16 for d in (a.shape[0], a.shape[1], b.shape[1])):
+        _say_once(("shape", gemm, tuple(a.shape), tuple(b.shape)), "torch backend: %s %s x %s is not a "
+                  "multiple of 16 in every dimension, as torch._scaled_mm needs; it runs as an exact BF16 GEMM",
+                  gemm, tuple(a.shape), tuple(b.shape))
+        return False
+    return True
