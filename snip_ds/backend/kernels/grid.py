@@ -1,0 +1,144 @@
+"""Triton device functions: rounding FP32 magnitudes onto an element grid, and the recipes' scales.
+
+Everything is integer manipulation of the FP32 bit pattern plus correctly rounded FP32 arithmetic
+(``tl.div_rn``; products of a grid value and a power of two or an E4M3 scale, which are exact), so the
+results equal :mod:`snip_ds.formats` and :mod:`snip_ds.quant` bit for bit:
+
+* ``round_rne``: an FP32 magnitude ``a = m * 2**(e - 23)`` (``m`` the 24-bit significand, hidden bit
+  included) has the quantum ``2**(max(e, emin) - mbits)`` on the format's grid, so the grid point is the
+  integer ``m / 2**shift`` rounded to nearest-even, times the quantum, with
+  ``shift = 23 - mbits + max(emin - e, 0)``: the dropped bits decide the rounding, no float trick involved.
+* ``round_stochastic``: the same integer split; the dropped bits ``low`` over ``2**shift`` are the
+  fraction ``f`` of a quantum, and the magnitude rounds up when a uniform 32-bit draw ``u`` has
+  ``u < f * 2**32`` -- probability exactly ``f`` whenever ``shift <= 32``, i.e. for every magnitude above
+  ``2**-9`` of its quantum (smaller ones round up with a probability off by less than ``2**-32``).
+
+Inputs are non-negative magnitudes; NaN is returned as NaN and anything above ``max_normal`` (Inf
+included) saturates to it, as in :func:`snip_ds.formats.round_magnitude_`.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from snip_ds.formats import E4M3
+
+F32_MIN_SUBNORMAL_BITS = tl.constexpr(1)  # bit pattern of 2**-149
+E4M3_MBITS = tl.constexpr(E4M3.mbits)  # NVFP4's block scales are E4M3
+E4M3_EMIN = tl.constexpr(E4M3.emin)
+E4M3_MAX = tl.constexpr(E4M3.max_normal)
+
+
+@triton.jit
+def is_nan(a):
+    return a != a
+
+
+@triton.jit
+def is_finite(a):
+    return (a.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
+
+
+@triton.jit
+def pow2(exp):
+    """``2**exp`` in FP32 for an int32 tensor ``exp`` in [-127, 127] (2**-127 is an FP32 subnormal)."""
+    normal = ((tl.maximum(exp, -126) + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(exp < -126, tl.full(exp.shape, 0x00400000, tl.int32).to(tl.float32, bitcast=True), normal)
+
+
+@triton.jit
+def _split(a, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """(significand m, shift, quantum) of non-negative finite FP32 magnitudes ``a`` on the format's grid."""
+    bits = a.to(tl.int32, bitcast=True)
+    field = bits >> 23
+    m = bits & 0x7FFFFF
+    m = tl.where(field > 0, m | 0x800000, m)
+    e = tl.maximum(field, 1) - 127  # FP32 subnormals share the exponent of the smallest normal
+    shift = (23 - MBITS) + tl.maximum(EMIN - e, 0)
+    quantum = ((tl.maximum(e, EMIN) - MBITS + 127) << 23).to(tl.float32, bitcast=True)  # a normal FP32
+    return m, shift, quantum
+
+
+@triton.jit
+def round_rne(a, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXN: tl.constexpr):
+    """Non-negative FP32 magnitudes rounded to nearest-even on the grid, saturating at ``MAXN``."""
+    sat = tl.minimum(a, MAXN)  # max_normal lies on the grid, so rounding never goes above it
+    m, shift, quantum = _split(sat, MBITS, EMIN)
+    shift = tl.minimum(shift, 26)  # m < 2**24: any shift >= 25 rounds to 0 already
+    r = m >> shift
+    one = tl.full(m.shape, 1, tl.int32)
+    low = m & ((one << shift) - 1)
+    half = one << (shift - 1)
+    up = (low > half) | ((low == half) & ((r & 1) == 1))
+    out = (r + up.to(tl.int32)).to(tl.float32) * quantum  # an integer of <= mbits + 2 bits times 2**k: exact
+    return tl.where(is_nan(a), a, out)
+
+
+@triton.jit
+def round_stochastic(a, rand, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXN: tl.constexpr):
+    """Non-negative FP32 magnitudes rounded stochastically on the grid: up with probability equal to the
+    fraction of a quantum above the grid point below; ``rand`` holds uniform 32-bit draws (``tl.randint``)."""
+    sat = tl.minimum(a, MAXN)
+    m32, shift32, quantum = _split(sat, MBITS, EMIN)
+    m = m32.to(tl.int64)
+    shift = tl.minimum(shift32, 56).to(tl.int64)  # shift > 56: a < 2**-32 quanta, rounds up with P <= 2**-32
+    one = tl.full(m.shape, 1, tl.int64)
+    r = m >> shift
+    low = m & ((one << shift) - 1)
+    u = rand.to(tl.uint32, bitcast=True).to(tl.int64)  # zero-extended: uniform on [0, 2**32)
+    # up iff u / 2**32 < low / 2**shift, compared as integers without overflow (u << 24 < 2**56)
+    up = (u << tl.maximum(shift - 32, 0)) < (low << tl.maximum(32 - shift, 0))
+    out = (r + up.to(tl.int64)).to(tl.float32) * quantum
+    return tl.where(is_nan(a), a, out)
+
+
+@triton.jit
+def with_sign(magnitude, sign_bits):
+    """``magnitude`` (non-negative or NaN) with the sign bit ``sign_bits`` (int32, 0 or the sign bit)."""
+    return (magnitude.to(tl.int32, bitcast=True) | sign_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_bits(ptrs, mask, IN_BF16: tl.constexpr):
+    """FP32 bit patterns (int32) of the elements at ``ptrs``: int32 views of FP32 data, or int16 views of
+    BF16 data widened by bit shifting (exact for every value, subnormals and NaN included -- Triton's
+    interpreter mis-converts BF16 subnormals, and this costs the GPU nothing). Masked elements read 0."""
+    bits = tl.load(ptrs, mask=mask, other=0)
+    if IN_BF16:
+        bits = (bits.to(tl.int32) & 0xFFFF) << 16
+    return bits
+
+
+@triton.jit
+def bf16_bits(values):
+    """FP32 ``values`` rounded to nearest-even BF16, as int16 bit patterns (a NaN stays a quiet NaN)."""
+    bits = values.to(tl.int32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    rounded = tl.where(is_nan(values), (bits >> 16) | 0x40, rounded)
+    return rounded.to(tl.int16)
+
+
+@triton.jit
+def tensor_scale(amax, MAXN: tl.constexpr):
+    """Per-tensor scale from the tensor amax (FP32 scalar): ``amax / MAXN`` correctly rounded, 1 for amax 0,
+    at least 2**-149, NaN for a non-finite amax (:func:`snip_ds.quant._per_tensor`, NVFP4's ``S``)."""
+    tiny = tl.full([], F32_MIN_SUBNORMAL_BITS, tl.int32).to(tl.float32, bitcast=True)
+    s = tl.where(amax > 0, tl.div_rn(amax, tl.full([], MAXN, tl.float32)), 1.0)
+    s = tl.maximum(s, tiny)
+    return tl.where(is_finite(amax), s, float("nan"))
+
+
+@triton.jit
+def mx_exponent(amax_bits, EMAX: tl.constexpr):
+    """E8M0 exponent ``clamp(floor(log2 amax) - EMAX, -127, 127)`` (0 for amax 0) from the int32 bits of
+    non-negative block amaxes. A subnormal amax has floor(log2) <= -127, clamped to -127 whatever it is."""
+    field = amax_bits >> 23
+    exp = tl.where(field > 0, field - 127, -127) - EMAX
+    exp = tl.minimum(tl.maximum(exp, -127), 127)
+    return tl.where(amax_bits > 0, exp, 0)
+
+
+@triton.jit
+def e4m3_rne(t):
+    """Round non-negative FP32 values (NaN, Inf allowed) to E4M3, saturating: NVFP4's block scales."""
+    return round_rne(t, E4M3_MBITS, E4M3_EMIN, E4M3_MAX)

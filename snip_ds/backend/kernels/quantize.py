@@ -1,0 +1,234 @@
+"""Fused Triton quantization of 2-D GEMM operands: :func:`snip_ds.quant.quantize_parts` in two passes.
+
+Pass 1 (only for recipes with a tensor-level scale, and only when ``tensor_amax`` is not given): the tensor
+amax, one ``atomic_max`` per tile on the int32 bit patterns of ``|x|`` -- for non-negative floats the integer
+order is the float order, and a NaN's pattern is above +Inf's, so NaN propagates as in ``torch.amax``.
+
+Pass 2: one program per tile loads ``x`` once, computes its block amaxes (the same integer max), the scales
+(:mod:`.grid`), rounds every element and writes ``values`` -- in FP32 or BF16, in ``x``'s layout or
+transposed -- and the first program writes ``tensor_scale``. Tiles hold whole blocks along the block axis;
+masked loads read the partial last block as zeros, which is the reference's zero padding.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from snip_ds.backend.kernels import grid as g
+from snip_ds.formats import E2M1, E4M3
+from snip_ds.quant import QuantParts, Recipe, get_recipe
+
+# KIND: the recipe's scale granularity
+PER_TENSOR = tl.constexpr(0)
+MX = tl.constexpr(1)
+NVFP4 = tl.constexpr(2)
+NVFP4_2D = tl.constexpr(3)
+MAX_TILE = 64  # tile edge (elements) on the GPU; small tensors get the smallest power of two that covers them
+_NVFP4_TENSOR_DIVISOR = E4M3.max_normal * E2M1.max_normal  # S = amax / (448 * 6)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_bits_ptr, R, C, stride_r, stride_c, IN_BF16: tl.constexpr, BR: tl.constexpr,
+                 BC: tl.constexpr):
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    bits = g.load_bits(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask, IN_BF16)
+    mag_bits = bits & 0x7FFFFFFF
+    tl.atomic_max(amax_bits_ptr, tl.max(tl.max(mag_bits, axis=1), axis=0))
+
+
+@triton.jit
+def _block_amax_bits(mag_bits, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr,
+                     BR: tl.constexpr, BC: tl.constexpr):
+    """Each element's block amax, as int32 bits, broadcast back to the tile's shape [BR, BC]."""
+    if KIND == NVFP4_2D:
+        t = tl.reshape(mag_bits, [BR // BS, BS, BC // BS, BS])
+        m = tl.max(tl.max(t, axis=3), axis=1)  # [BR // BS, BC // BS]
+        full = tl.broadcast_to(m[:, None, :, None], [BR // BS, BS, BC // BS, BS])
+    elif AXIS == 1:
+        m = tl.max(tl.reshape(mag_bits, [BR, BC // BS, BS]), axis=2)
+        full = tl.broadcast_to(m[:, :, None], [BR, BC // BS, BS])
+    else:
+        m = tl.max(tl.reshape(mag_bits, [BR // BS, BS, BC]), axis=1)
+        full = tl.broadcast_to(m[:, None, :], [BR // BS, BS, BC])
+    return tl.reshape(full, [BR, BC])
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, stride_c, seed, offset,
+                     KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr, MBITS: tl.constexpr,
+                     EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr, TENSOR_DIVISOR: tl.constexpr,
+                     STOCHASTIC: tl.constexpr, TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr,
+                     OUT_BF16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    bits = g.load_bits(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask, IN_BF16)
+    mag_bits = bits & 0x7FFFFFFF
+    sign_bits = bits ^ mag_bits
+    mag = mag_bits.to(tl.float32, bitcast=True)
+
+    if KIND == PER_TENSOR:
+        scale = g.tensor_scale(tl.load(amax_ptr), MAXN)
+        scaled = tl.div_rn(mag, tl.broadcast_to(scale, mag.shape))
+        value_mul = tl.full(mag.shape, 1.0, tl.float32)
+    elif KIND == MX:
+        scale = tl.full([], 1.0, tl.float32)
+        amax_bits = _block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC)
+        exp = g.mx_exponent(amax_bits, EMAX)
+        finite = (amax_bits >> 23) < 255  # a NaN or Inf in the block poisons its scale
+        value_mul = tl.where(finite, g.pow2(exp), float("nan"))
+        scaled = mag * g.pow2(-exp)  # times an exact power of two: the correctly rounded quotient
+        scaled = tl.where(finite, scaled, float("nan"))
+    else:  # NVFP4, NVFP4_2D
+        scale = g.tensor_scale(tl.load(amax_ptr), TENSOR_DIVISOR)
+        amax_b = _block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC).to(tl.float32, bitcast=True)
+        value_mul = g.e4m3_rne(tl.div_rn(amax_b, tl.broadcast_to(scale * MAXN, amax_b.shape)))  # s_b; MAXN = 6
+        d = value_mul * scale
+        d = tl.where(d == 0, float("inf"), d)  # s_b rounded to 0: the block dequantizes to zeros
+        scaled = tl.div_rn(mag, d)
+
+    if STOCHASTIC:
+        idx = rows[:, None] * C + cols[None, :] + offset
+        q = g.round_stochastic(scaled, tl.randint(seed, idx), MBITS, EMIN, MAXN)
+    else:
+        q = g.round_rne(scaled, MBITS, EMIN, MAXN)
+    if KIND != PER_TENSOR:
+        q = q * value_mul  # a grid value times a power of two or an E4M3 scale: exact
+    values = g.with_sign(q, sign_bits)
+    if OUT_BF16:
+        values = g.bf16_bits(values)
+    if TRANSPOSE:
+        tl.store(out_ptr + cols[None, :] * R + rows[:, None], values, mask=mask)
+    else:
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], values, mask=mask)
+    if (pid_r == 0) & (pid_c == 0):
+        tl.store(scale_out_ptr, scale)
+
+
+def _kind(recipe: Recipe) -> int:
+    if recipe.block_size == 0:
+        return int(PER_TENSOR)
+    if recipe.scale == "e8m0":
+        return int(MX)
+    return int(NVFP4_2D) if recipe.block_2d else int(NVFP4)
+
+
+def _tile(length: int, block: int) -> int:
+    """Tile edge along an axis: a power of two covering ``length`` up to :data:`MAX_TILE`, holding whole
+    blocks of ``block`` elements (1: no block along this axis)."""
+    return max(block, 16, min(MAX_TILE, triton.next_power_of_2(max(length, 1))))
+
+
+def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
+                   tensor_amax: Optional[torch.Tensor] = None, stochastic: bool = False, seed: int = 0,
+                   offset: int = 0, out_dtype: torch.dtype = torch.float32, transpose: bool = False) -> QuantParts:
+    """:func:`snip_ds.quant.quantize_parts` for a 2-D ``x``, in at most two passes over memory.
+
+    With ``stochastic=False`` the result equals the reference bit for bit (``values`` converted to
+    ``out_dtype`` and, with ``transpose``, transposed). Stochastic rounding draws ``tl.randint(seed,
+    offset + i * cols + j)`` for element ``(i, j)``: reproducible from ``(seed, offset)`` whatever the tiling,
+    so a tensor quantized slice by slice (rows ``r0:``, ``offset = r0 * cols``, the whole ``tensor_amax``)
+    gets the draws it would get at once. It cannot match torch's generator.
+
+    Args:
+        x: 2-D FP32 or BF16 tensor on the kernels' device (CUDA; CPU under ``TRITON_INTERPRET=1``), any
+            strides.
+        recipe: a :data:`snip_ds.quant.RECIPES` name or a :class:`~snip_ds.quant.Recipe`.
+        axis: the block axis, 0 or 1 (or -2, -1): the GEMM's contraction axis. Per-tensor and 16x16-tile
+            recipes give the same result for both.
+        tensor_amax: amax of the whole tensor ``x`` is a slice of (per-tensor FP8 and NVFP4); skips the amax
+            pass. None: ``x``'s own amax.
+        stochastic, seed, offset: stochastic element rounding (scales stay round-to-nearest-even).
+        out_dtype: ``torch.float32`` or ``torch.bfloat16`` (exact for the values of every recipe except
+            where an MX scale pushes a value into BF16's subnormal range, where BF16 rounds).
+        transpose: write ``values`` as ``[cols, rows]`` (contiguous), the layout of the transposed operand.
+
+    Returns:
+        :class:`~snip_ds.quant.QuantParts` on ``x``'s device.
+
+    Raises:
+        ValueError / TypeError: a bad argument; the message names it.
+    """
+    recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
+    _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, INTERPRETED)
+    rows, cols = x.shape
+    axis = axis % 2
+    values = torch.empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype, device=x.device)
+    in_bf16 = x.dtype == torch.bfloat16
+    x_bits = x.view(torch.int16 if in_bf16 else torch.int32)  # the kernels convert by bit shifting
+    out_bits = values.view(torch.int16 if out_dtype == torch.bfloat16 else torch.float32)
+    scale = torch.ones((), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return QuantParts(values, scale)
+    kind = _kind(recipe)
+    bs = recipe.block_size
+    br = _tile(rows, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 0) else 1)
+    bc = _tile(cols, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 1) else 1)
+    launch = (triton.cdiv(rows, br), triton.cdiv(cols, bc))
+    if kind == MX:
+        amax = scale  # unused
+    elif tensor_amax is not None:
+        amax = tensor_amax.detach().to(device=x.device, dtype=torch.float32).reshape(())
+    else:
+        amax = _amax(x_bits, in_bf16, br, bc, launch)
+    element = recipe.element
+    _quantize_kernel[launch](
+        x_bits, out_bits, amax, scale, rows, cols, x.stride(0), x.stride(1), seed, offset,
+        KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin, EMAX=element.emax,
+        MAXN=element.max_normal, TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D)
+        else element.max_normal, STOCHASTIC=bool(stochastic), TRANSPOSE=transpose, IN_BF16=in_bf16,
+        OUT_BF16=out_dtype == torch.bfloat16, BR=br, BC=bc)
+    return QuantParts(values, scale)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``x.abs().amax()`` in FP32 (0-d; NaN if ``x`` holds one) from the amax kernel alone: the
+    ``tensor_amax`` to pass to :func:`quantize_parts` for the slices of ``x``. ``x``: 2-D FP32 or BF16."""
+    _check_args(x, -1, None, 0, 0, torch.float32, False, INTERPRETED)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    in_bf16 = x.dtype == torch.bfloat16
+    br, bc = _tile(x.shape[0], 1), _tile(x.shape[1], 1)
+    return _amax(x.view(torch.int16 if in_bf16 else torch.int32), in_bf16, br, bc,
+                 (triton.cdiv(x.shape[0], br), triton.cdiv(x.shape[1], bc)))
+
+
+def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, launch) -> torch.Tensor:
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x_bits.device)
+    _amax_kernel[launch](x_bits, amax_bits, x_bits.shape[0], x_bits.shape[1], x_bits.stride(0), x_bits.stride(1),
+                         IN_BF16=in_bf16, BR=br, BC=bc)
+    return amax_bits.view(torch.float32)
+
+
+INTERPRETED = isinstance(_quantize_kernel, InterpretedFunction)  # TRITON_INTERPRET=1 was set at import
+
+
+def _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, interpreting: bool) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"x: the Triton quantizer takes float32 or bfloat16, got {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"x: the Triton quantizer takes a 2-D tensor, got shape {tuple(x.shape)}")
+    if not interpreting and x.device.type != "cuda":
+        raise ValueError(f"x: the Triton quantizer needs a CUDA tensor, got device {x.device}")
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -2 <= axis <= 1:
+        raise ValueError(f"axis: expected 0 or 1 (or -2, -1) for a 2-D tensor, got {axis!r}")
+    if tensor_amax is not None and (not isinstance(tensor_amax, torch.Tensor) or tensor_amax.numel() != 1
+                                    or not tensor_amax.is_floating_point()):
+        raise ValueError(f"tensor_amax: expected a one-element floating-point tensor, got {tensor_amax!r}")
+    for name, value in (("seed", seed), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 63:
+            raise ValueError(f"{name}: expected an int in [0, 2**63), got {value!r}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype!r}")
+    if not isinstance(transpose, bool):
+        raise ValueError(f"transpose: expected true or false, got {transpose!r}")

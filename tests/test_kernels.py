@@ -1,0 +1,517 @@
+"""The fused Triton quantization kernels (snip_ds/backend/kernels) against snip_ds.quant.quantize_parts.
+
+The kernels run on CPU tensors through Triton's interpreter: ``TRITON_INTERPRET=1`` is set while triton
+and the kernels are imported and while these tests run, so no other test sees it. Deterministic results
+must equal the reference bit for bit (NaN compared by position: its sign and payload are not part of the
+contract). Stochastic rounding is held to independent facts instead: every output is one of the two grid
+points around the input, the mean over many draws is the input, and the draws are a function of (seed,
+offset, element index) only. A GPU test repeats the bit-for-bit comparison with compiled kernels on CUDA,
+in a subprocess without the interpreter, and checks that they draw what the interpreter draws.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from reference_quant import GRIDS
+from snip_ds import quant
+from snip_ds.backend import kernels
+
+def _set_interpret(value):
+    """Set TRITON_INTERPRET to ``value`` (None: unset); returns the previous value."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    if value is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = value
+    return previous
+
+
+# Triton decides interpreted vs compiled when a function is defined (its own library functions when triton is
+# imported, ours when the kernels module is), and imports some modules lazily during a call: so the variable
+# is set while triton and the kernels are imported and while this module's tests run, and nowhere else.
+_previous = _set_interpret("1")
+try:
+    pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
+    from triton.language import random as triton_random
+    from triton.runtime.interpreter import InterpretedFunction
+    from snip_ds.backend.kernels import quantize as kq
+finally:
+    _set_interpret(_previous)
+if not (kq.INTERPRETED and isinstance(triton_random.randint, InterpretedFunction)):
+    pytest.skip("triton was imported earlier in this process without its interpreter; run this file in a "
+                "process of its own", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_on():
+    previous = _set_interpret("1")
+    yield
+    _set_interpret(previous)
+
+
+RECIPES = list(quant.RECIPES)
+AXES = [0, 1]
+# awkward shapes: single rows and columns, not multiples of 16 or 32, a tile edge crossed (64)
+SHAPES = [(1, 45), (37, 1), (33, 70), (16, 32), (70, 17)]
+
+
+def wide_sample(shape, seed, dtype=torch.float32):
+    """Normal values spread over ~25 binades, so elements land in every part of the grids (subnormal
+    ranges, flushes to zero, saturation under the block scales)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randn(shape, generator=gen) * 4)
+    return x.to(dtype)
+
+
+def assert_same_bits(actual, expected):
+    """Bit-for-bit equality; NaNs must sit at the same positions (any sign and payload)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan), "NaN positions differ"
+    view = torch.int16 if actual.dtype == torch.bfloat16 else torch.int32
+    a = actual.masked_fill(nan, 0).view(view)
+    e = expected.masked_fill(nan, 0).view(view)
+    bad = (a != e).nonzero()
+    assert bad.numel() == 0, (f"{len(bad)} elements differ, first at {bad[0].tolist()}: "
+                              f"{actual[tuple(bad[0])].item()!r} vs {expected[tuple(bad[0])].item()!r}")
+
+
+def assert_matches_reference(x, recipe, axis, tensor_amax=None, **kw):
+    parts = kq.quantize_parts(x, recipe, axis, tensor_amax=tensor_amax, **kw)
+    ref = quant.quantize_parts(x, recipe, axis, tensor_amax=tensor_amax)
+    expected = ref.values.to(kw.get("out_dtype", torch.float32))
+    assert_same_bits(parts.values, expected.t().contiguous() if kw.get("transpose") else expected)
+    assert parts.tensor_scale.shape == () and parts.tensor_scale.dtype == torch.float32
+    assert_same_bits(parts.tensor_scale, ref.tensor_scale)
+    return parts
+
+
+# ----------------------------------------------------------------------------------------------------------
+# round to nearest even: bit for bit against the reference
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("axis", AXES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_inputs_match_reference(recipe, axis, dtype):
+    for i, shape in enumerate(SHAPES):
+        assert_matches_reference(wide_sample(shape, seed=100 + i, dtype=dtype), recipe, axis)
+
+
+def special_inputs():
+    """Named 2-D inputs built around the conventions of snip_ds.quant: signed zeros, FP32 subnormals,
+    values near the FP32 maximum, NaN and Inf, all-zero blocks, huge dynamic range inside one block."""
+    base = wide_sample((40, 50), seed=7)
+    cases = {}
+    x = base.clone()
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2, :20] = -0.0
+    x[3, ::3] = 1e-40  # FP32 subnormals among normals
+    x[4, 1::4] = -1.4e-45  # the smallest FP32 subnormal
+    x[5, 5] = 3.4e38  # near FLT_MAX: tensor amax, NVFP4 tensor scale near its top
+    x[6, 6] = -3.0e38
+    x[7:9, :] = 1e-38  # a block of tiny normals next to the huge ones
+    x[:, 10] = 0.0  # an all-zero column: blocks along axis 0 that are all zero
+    cases["finite_specials"] = x
+    cases["all_zero"] = torch.zeros(20, 33)
+    cases["all_negative_zero"] = torch.full((20, 33), -0.0)
+    cases["all_subnormal"] = torch.full((19, 35), 1e-42) * torch.sign(base[:19, :35])  # amax subnormal
+    cases["smallest_subnormal"] = torch.full((3, 40), 1.4e-45)
+    cases["range_in_one_block"] = torch.tensor([[3e38, 1e-30, -2.0, 1e-45] * 10] * 4)
+    for name, value in (("nan", math.nan), ("inf", math.inf), ("neg_inf", -math.inf)):
+        y = base.clone()
+        y[13, 17] = value
+        cases[name] = y
+    y = base.clone()
+    y[2, 3], y[30, 40] = math.nan, math.inf
+    cases["nan_and_inf"] = y
+    return cases
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("axis", AXES)
+def test_special_values_match_reference(recipe, axis):
+    for name, x in special_inputs().items():
+        try:
+            assert_matches_reference(x, recipe, axis)
+            assert_matches_reference(x.to(torch.bfloat16), recipe, axis)
+        except AssertionError as err:
+            raise AssertionError(f"case {name}: {err}") from None
+
+
+@pytest.mark.parametrize("recipe", ["fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_2d", "mxfp4"])
+@pytest.mark.parametrize("axis", AXES)
+def test_given_tensor_amax(recipe, axis):
+    """A finite tensor amax from outside (the whole tensor x is a slice of): no amax pass, and non-finite
+    elements saturate instead of poisoning (NVFP4: a block with an Inf gets the largest block scale)."""
+    x = wide_sample((35, 48), seed=8)
+    assert_matches_reference(x, recipe, axis, tensor_amax=x.abs().max() * 7)
+    x[3, 4], x[20, 33], x[9, 9] = math.inf, -math.inf, math.nan
+    assert_matches_reference(x, recipe, axis, tensor_amax=torch.tensor(1e3))
+    assert_matches_reference(x, recipe, axis, tensor_amax=torch.tensor(0.0))  # scale 1 by convention
+    assert_matches_reference(x, recipe, axis, tensor_amax=torch.tensor(math.nan))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_bf16_output_transposed_output_and_strided_input(recipe):
+    x = wide_sample((45, 70), seed=9)
+    assert_matches_reference(x, recipe, 1, out_dtype=torch.bfloat16)
+    assert_matches_reference(x, recipe, 0, transpose=True)
+    assert_matches_reference(x, recipe, 1, out_dtype=torch.bfloat16, transpose=True)
+    strided = wide_sample((70, 45), seed=10).t()  # a transposed view: column-major
+    assert not strided.is_contiguous()
+    assert_matches_reference(strided, recipe, 0)
+    sliced = wide_sample((45, 140), seed=11)[:, ::2]  # column stride 2
+    assert_matches_reference(sliced, recipe, 1)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_e4m3", "mxfp8", "nvfp4_2d"])
+def test_result_does_not_depend_on_the_tiling(recipe, monkeypatch):
+    """Large tiles (one program) and the smallest ones (many programs, atomics across them) agree."""
+    x = wide_sample((70, 50), seed=12)
+    big = kq.quantize_parts(x, recipe, 1)
+    monkeypatch.setattr(kq, "MAX_TILE", 16)
+    small = kq.quantize_parts(x, recipe, 1)
+    assert_same_bits(small.values, big.values)
+    assert_same_bits(small.tensor_scale, big.tensor_scale)
+    draws = [kq.quantize_parts(x, recipe, 1, stochastic=True, seed=5).values]
+    monkeypatch.setattr(kq, "MAX_TILE", 64)
+    draws.append(kq.quantize_parts(x, recipe, 1, stochastic=True, seed=5).values)
+    assert_same_bits(draws[0], draws[1])
+
+
+def test_tensor_amax_pass():
+    """The amax kernel alone: torch's amax of |x| in FP32, NaN propagating past Inf, BF16 read exactly."""
+    x = wide_sample((70, 45), seed=17)
+    x[3, 4] = -1e-45  # a subnormal never wins, but must not break the integer max
+    for t in (x, x.to(torch.bfloat16), x.t(), x[:1], x[:, :1]):
+        assert_same_bits(kq.tensor_amax(t), t.float().abs().amax())
+    x[10, 20] = -math.inf
+    assert kq.tensor_amax(x).item() == math.inf
+    x[60, 1] = math.nan
+    assert kq.tensor_amax(x).isnan()
+    assert kq.tensor_amax(torch.empty(0, 5)).item() == 0.0
+    assert kernels.tensor_amax(torch.full((2, 3), -0.0)).item() == 0.0
+
+
+def test_empty_tensor():
+    for recipe in ("fp8_e4m3", "nvfp4"):
+        parts = kq.quantize_parts(torch.empty(0, 32), recipe, 1, transpose=True)
+        assert parts.values.shape == (32, 0) and parts.tensor_scale.item() == 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# stochastic rounding: on the two neighbouring grid points, unbiased, reproducible
+# ----------------------------------------------------------------------------------------------------------
+
+def known_scale_input(recipe_name, rows, cols, seed):
+    """(x, tensor_amax, d): an input whose dequantization multiplier ``d`` (per element) is known by
+    construction, so the grid each element rounds onto is ``grid * d`` with no appeal to the code under
+    test. Per-tensor: tensor amax = max_normal gives s = 1. MX: each block (along axis 1) holds one element
+    of magnitude ``2**emax * X``, so its E8M0 scale is X (a power of two picked per block). NVFP4: tensor
+    amax 2688 = 448 * 6 gives S = 1, and each block (16 along axis 1, or 16x16) holds one element of
+    magnitude ``6 * s_b`` for an E4M3 value s_b, so its block scale is s_b. The other elements are uniform
+    in magnitude below the block's amax."""
+    recipe = quant.get_recipe(recipe_name)
+    gen = torch.Generator().manual_seed(seed)
+    element = recipe.element
+    if recipe.block_size == 0:
+        d = torch.ones(rows, cols)
+        top, amax = element.max_normal, torch.tensor(element.max_normal)
+    elif recipe.scale == "e8m0":
+        choices = torch.tensor([2.0 ** -3, 0.5, 1.0, 4.0])
+        d = choices[torch.randint(0, 4, (rows, cols // 32), generator=gen)].repeat_interleave(32, 1)
+        top, amax = 2.0 ** element.emax, None
+    else:
+        choices = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.5])  # E4M3 values
+        tiles = torch.randint(0, 5, (rows // 16 if recipe.block_2d else rows, cols // 16), generator=gen)
+        d = choices[tiles].repeat_interleave(16, 1)
+        if recipe.block_2d:
+            d = d.repeat_interleave(16, 0)
+        top, amax = element.max_normal, torch.tensor(448.0 * 6.0)
+    signs = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, -1.0, 1.0)
+    x = torch.rand(rows, cols, generator=gen) * top * d * signs
+    if recipe.block_size:
+        x[::16 if recipe.block_2d else 1, ::recipe.block_size] = top * d[::16 if recipe.block_2d else 1,
+                                                                         ::recipe.block_size]
+    return x, amax, d
+
+
+def neighbours(x, d, fmt):
+    """(lo, hi): the grid points of ``fmt`` scaled by ``d`` just below and above |x| (float64, exact)."""
+    grid = torch.tensor([v for v, _ in GRIDS[fmt]], dtype=torch.float64)
+    scaled = grid[None, :] * d.double().reshape(-1, 1)
+    mag = x.double().abs().reshape(-1, 1)
+    lo = torch.where(scaled <= mag, scaled, -1.0).amax(1)
+    hi = torch.where(scaled >= mag, scaled, math.inf).amin(1)
+    return lo.reshape(x.shape), hi.reshape(x.shape)
+
+
+STOCHASTIC_RECIPES = ["fp8_e4m3", "fp8_e5m2", "mxfp8", "mxfp4", "nvfp4", "nvfp4_2d"]
+
+
+@pytest.mark.parametrize("recipe", STOCHASTIC_RECIPES)
+def test_stochastic_outputs_are_neighbouring_grid_points(recipe):
+    x, amax, d = known_scale_input(recipe, 32, 64, seed=13)
+    fmt = quant.get_recipe(recipe).element.name
+    lo, hi = neighbours(x, d, fmt)
+    for seed in range(3):
+        parts = kq.quantize_parts(x, recipe, 1, tensor_amax=amax, stochastic=True, seed=seed)
+        # the same blocks along axis 0 of the transposed input, written back transposed
+        across = kq.quantize_parts(x.t().contiguous(), recipe, 0, tensor_amax=amax, stochastic=True,
+                                   seed=seed, transpose=True)
+        # per-tensor values are unscaled grid values and d = 1; block recipes' values carry the block scale
+        for out in (parts.values.double(), across.values.double()):
+            assert ((out.abs() == lo) | (out.abs() == hi)).all()
+            assert (torch.signbit(out) == torch.signbit(x)).all()
+    rne = kq.quantize_parts(x, recipe, 1, tensor_amax=amax).values.double().abs()
+    assert ((rne == lo) | (rne == hi)).all()  # the construction gives the scales it claims
+
+
+@pytest.mark.parametrize("recipe", ["fp8_e4m3", "mxfp4", pytest.param("nvfp4", marks=pytest.mark.slow),
+                                    pytest.param("nvfp4_2d", marks=pytest.mark.slow)])
+def test_stochastic_rounding_is_unbiased(recipe):
+    """The mean of N = 512 draws (8 seeds x 64 copies of x stacked along the rows, which draw at other
+    offsets) is x. Each draw of an element is lo or hi with P(hi) = f, f = (|x| - lo) / (hi - lo), so its
+    mean over N draws has variance (hi - |x|)(|x| - lo) / N. Checked two ways: every element within the
+    Hoeffding bound (hi - lo) * sqrt(ln(2 n / delta) / (2 N)), delta = 1e-6 over all n elements; and the sum
+    of all errors within 5 standard deviations of the sum (a normal tail of 6e-7). The kernel rounds
+    fl(|x| / d), which differs from |x| / d by 2**-24 relative: far below either bound."""
+    x, amax, d = known_scale_input(recipe, 16, 32, seed=14)
+    fmt = quant.get_recipe(recipe).element.name
+    lo, hi = neighbours(x, d, fmt)
+    copies, seeds = 64, 8
+    total = torch.zeros(x.shape, dtype=torch.float64)
+    for seed in range(seeds):
+        values = kq.quantize_parts(x.repeat(copies, 1), recipe, 1, tensor_amax=amax, stochastic=True,
+                                   seed=seed).values
+        total += values.double().abs().view(copies, *x.shape).sum(0)
+    n_draws = copies * seeds
+    error = total / n_draws - x.double().abs()
+    var = (hi - x.double().abs()) * (x.double().abs() - lo) / n_draws
+    bound = (hi - lo) * math.sqrt(math.log(2 * x.numel() / 1e-6) / (2 * n_draws))
+    assert (error.abs() <= bound).all()
+    assert abs(error.sum().item()) <= 5 * math.sqrt(var.sum().item())
+    assert var.sum() > 0  # the test exercised rounding between grid points
+
+
+@pytest.mark.parametrize("recipe", ["fp8_e5m2", "mxfp4", "nvfp4"])
+def test_stochastic_rounding_is_reproducible(recipe):
+    """Same (seed, offset): the same draws; another seed: other draws; a slice of rows quantized with the
+    offset of its first element (and the whole tensor's amax) gets the draws of the whole."""
+    x = wide_sample((48, 64), seed=15)
+    amax = x.abs().max()
+    first = kq.quantize_parts(x, recipe, 1, stochastic=True, seed=3)
+    assert_same_bits(kq.quantize_parts(x, recipe, 1, stochastic=True, seed=3).values, first.values)
+    assert not torch.equal(kq.quantize_parts(x, recipe, 1, stochastic=True, seed=4).values, first.values)
+    assert not torch.equal(kq.quantize_parts(x, recipe, 1, stochastic=True, seed=3, offset=1).values,
+                           first.values)
+    rows = 17
+    tail = kq.quantize_parts(x[rows:], recipe, 1, tensor_amax=amax, stochastic=True, seed=3,
+                             offset=rows * x.shape[1])
+    assert_same_bits(tail.values, first.values[rows:])
+    # the draws follow the element, not the layout written or the dtype read
+    transposed = kq.quantize_parts(x, recipe, 1, stochastic=True, seed=3, transpose=True)
+    assert_same_bits(transposed.values, first.values.t().contiguous())
+    x16 = x.to(torch.bfloat16)
+    assert_same_bits(kq.quantize_parts(x16, recipe, 1, stochastic=True, seed=3, out_dtype=torch.bfloat16).values,
+                     kq.quantize_parts(x16.float(), recipe, 1, stochastic=True, seed=3).values.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_e4m3", "mxfp8", "nvfp4_2d"])
+def test_stochastic_special_values(recipe):
+    """Scales are round-to-nearest-even, so poisoning is the reference's: NaN exactly where it has NaN; and
+    zeros stay zeros with their sign."""
+    for name, x in special_inputs().items():
+        ref = quant.quantize_parts(x, recipe, 1).values
+        out = kq.quantize_parts(x, recipe, 1, stochastic=True, seed=9).values
+        assert torch.equal(out.isnan(), ref.isnan()), name
+        zero = x == 0
+        assert (out[zero] == 0).all() and torch.equal(out[zero].signbit(), x[zero].signbit()), name
+
+
+def test_stochastic_exact_values_stay():
+    """Values already on the grid have nothing to round: every draw returns them."""
+    grid = torch.tensor([v for v, _ in GRIDS["e4m3"]])
+    x = torch.cat([grid, -grid]).reshape(2, -1)
+    for seed in range(4):
+        values = kq.quantize_parts(x, "fp8_e4m3", 1, tensor_amax=torch.tensor(448.0), stochastic=True,
+                                   seed=seed).values
+        assert_same_bits(values, x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# arguments
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(x=torch.zeros(4, 4, dtype=torch.float16)), TypeError, "^x: .*float32 or bfloat16"),
+    (dict(x=torch.zeros(4, 4, dtype=torch.int32)), TypeError, "^x: "),
+    (dict(x=torch.zeros(2, 4, 4)), ValueError, "^x: .*2-D"),
+    (dict(x=[[1.0]]), TypeError, "^x: expected a torch.Tensor"),
+    (dict(axis=2), ValueError, "^axis: "),
+    (dict(axis=True), ValueError, "^axis: "),
+    (dict(recipe="fp6"), ValueError, "^recipe: unknown recipe 'fp6'"),
+    (dict(tensor_amax=torch.ones(2)), ValueError, "^tensor_amax: "),
+    (dict(tensor_amax=1.0), ValueError, "^tensor_amax: "),
+    (dict(seed=-1), ValueError, "^seed: "),
+    (dict(offset=1.5), ValueError, "^offset: "),
+    (dict(out_dtype=torch.float16), ValueError, "^out_dtype: "),
+    (dict(transpose=1), ValueError, "^transpose: "),
+])
+def test_bad_arguments_name_the_field(kwargs, error, match):
+    args = dict(x=torch.zeros(4, 4), recipe="nvfp4", axis=1)
+    args.update(kwargs)
+    x, recipe, axis = args.pop("x"), args.pop("recipe"), args.pop("axis")
+    with pytest.raises(error, match=match):
+        kq.quantize_parts(x, recipe, axis, **args)
+
+
+def test_available_and_package_entry_point():
+    assert kernels.available()  # triton imports and the kernels are interpreted
+    assert kernels.interpreting()
+    x = wide_sample((5, 40), seed=16)
+    assert_same_bits(kernels.quantize_parts(x, "mxfp8", 1).values, quant.quantize_parts(x, "mxfp8", 1).values)
+
+
+def test_without_triton_a_clear_error(monkeypatch):
+    monkeypatch.setattr(kernels, "_triton_installed", lambda: False)
+    assert not kernels.available()
+    with pytest.raises(RuntimeError, match="^triton kernels: need the triton package"):
+        kernels.quantize_parts(torch.zeros(2, 32), "mxfp4", 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the benchmark's answer on a machine without CUDA")
+def test_benchmark_without_cuda_says_so(capsys, tmp_path):
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "bench_quant_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_quant_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--output_dir", str(tmp_path)]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+# ----------------------------------------------------------------------------------------------------------
+# compiled for a CUDA GPU, without one: the compiler is stricter than the interpreter
+# ----------------------------------------------------------------------------------------------------------
+
+COMPILE_CHECK = r"""
+import re, sys
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+except ImportError as err:
+    print("skip:", err)
+    sys.exit(0)
+import triton
+from triton.compiler import ASTSource
+from snip_ds import quant
+from snip_ds.backend.kernels import quantize as kq
+target = GPUTarget("cuda", 90, 32)
+ptr_bits = {True: "*i16", False: "*i32"}
+for name in ("fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"):
+    r = quant.get_recipe(name)
+    kind = kq._kind(r)
+    for stochastic, bf16, axis in ((False, False, 1), (True, True, 0)):
+        const = dict(KIND=kind, AXIS=axis, BS=max(r.block_size, 1), MBITS=r.element.mbits, EMIN=r.element.emin,
+                     EMAX=r.element.emax, MAXN=r.element.max_normal, TENSOR_DIVISOR=2688.0, STOCHASTIC=stochastic,
+                     TRANSPOSE=bf16, IN_BF16=bf16, OUT_BF16=bf16, BR=64, BC=64)
+        sig = {"x_ptr": ptr_bits[bf16], "out_ptr": "*i16" if bf16 else "*fp32", "amax_ptr": "*fp32",
+               "scale_out_ptr": "*fp32", "R": "i32", "C": "i32", "stride_r": "i32", "stride_c": "i32",
+               "seed": "i64", "offset": "i64", **{k: "constexpr" for k in const}}
+        ptx = triton.compile(ASTSource(kq._quantize_kernel, sig, constexprs=const), target=target).asm["ptx"]
+        where = (name, stochastic, bf16, axis)
+        assert not re.search(r"div\.(full|approx)|\.ftz", ptx), where  # IEEE division, subnormals kept
+        assert ("div.rn.f32" in ptx) == (r.scale != "e8m0"), where
+for bf16 in (False, True):
+    sig = {"x_ptr": ptr_bits[bf16], "amax_bits_ptr": "*i32", "R": "i32", "C": "i32", "stride_r": "i32",
+           "stride_c": "i32", "IN_BF16": "constexpr", "BR": "constexpr", "BC": "constexpr"}
+    triton.compile(ASTSource(kq._amax_kernel, sig, constexprs=dict(IN_BF16=bf16, BR=64, BC=64)), target=target)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda_without_a_gpu():
+    """Triton's compiler (to PTX and a Hopper cubin, no GPU needed) accepts every kernel variant the
+    interpreter runs, and the PTX divides with IEEE division (div.rn) and flushes no subnormals (no .ftz):
+    what bit-exactness on a GPU needs. In a subprocess, where Triton is not in interpreter mode."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # silences a warning; the kernels have no a * b + c to fuse
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK], env=env, capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    if result.stdout.startswith("skip:"):
+        pytest.skip(f"Triton's CUDA backend is not installed ({result.stdout.strip()})")
+    assert result.stdout.strip().endswith("ok")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# compiled, on a CUDA GPU
+# ----------------------------------------------------------------------------------------------------------
+
+GPU_CHECK = r"""
+import math, sys, torch
+from snip_ds import quant
+from snip_ds.backend.kernels import quantize as kq
+assert not kq.INTERPRETED
+gen = torch.Generator().manual_seed(0)
+for shape in [(1, 45), (37, 1), (333, 270), (1024, 4096)]:
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randn(shape, generator=gen) * 4)
+    x.view(-1)[:: 97] = 0.0
+    x.view(-1)[5 :: 101] = 1e-40
+    for special in (None, math.nan, math.inf):
+        if special is not None:
+            x.view(-1)[x.numel() // 2] = special
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            amax = kq.tensor_amax(xd.cuda()).cpu()
+            assert (amax.isnan() and xd.float().abs().amax().isnan()) or torch.equal(amax, xd.float().abs().amax())
+            for recipe in quant.RECIPES:
+                for axis in (0, 1):
+                    ref = quant.quantize_parts(xd, recipe, axis)
+                    for transpose in (False, True):
+                        got = kq.quantize_parts(xd.cuda(), recipe, axis, out_dtype=dtype, transpose=transpose)
+                        want = ref.values.to(dtype)
+                        want = want.t().contiguous() if transpose else want
+                        v, nan = got.values.cpu(), want.isnan()
+                        where = (shape, special, recipe, axis, dtype, transpose)
+                        assert torch.equal(v.isnan(), nan), where
+                        view = torch.int16 if dtype == torch.bfloat16 else torch.int32
+                        assert torch.equal(v.masked_fill(nan, 0).view(view), want.masked_fill(nan, 0).view(view)), where
+                        s, t = got.tensor_scale.cpu(), ref.tensor_scale
+                        assert (s.isnan() and t.isnan()) or torch.equal(s.view(torch.int32), t.view(torch.int32)), where
+x = torch.load(sys.argv[1], weights_only=True).cuda()
+draws = {r: kq.quantize_parts(x, r, 1, stochastic=True, seed=11, offset=7).values.cpu() for r in quant.RECIPES}
+torch.save(draws, sys.argv[2])
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_kernels_match_reference_on_cuda(tmp_path):
+    """Compiled on a GPU (div.rn, subnormals kept, Philox as interpreted): every recipe bit for bit against
+    the reference, and stochastic rounding draws exactly what the interpreter draws for the same seed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    x = wide_sample((40, 64), seed=18)
+    torch.save(x, tmp_path / "x.pt")
+    result = subprocess.run([sys.executable, "-c", GPU_CHECK, str(tmp_path / "x.pt"), str(tmp_path / "draws.pt")],
+                            env=env, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    draws = torch.load(tmp_path / "draws.pt", weights_only=True)
+    for recipe, values in draws.items():
+        assert_same_bits(values, kq.quantize_parts(x, recipe, 1, stochastic=True, seed=11, offset=7).values)
