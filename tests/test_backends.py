@@ -313,12 +313,9 @@ def test_torch_backend_refuses_other_devices():
     assert resolve("auto", "fp8", QuantConfig(), "meta").name == "emulated"
 
 
-def test_auto_follows_the_measurement_and_logs_once(monkeypatch, caplog):
+def test_auto_is_torch_on_cuda_and_emulated_on_cpu_and_logs_once(monkeypatch, caplog):
     cfg = QuantConfig()
-    monkeypatch.setattr(base, "_logged", set())
-    for fast, expected in ((True, "torch"), (False, "emulated")):
-        monkeypatch.setattr(base, "_cpu_bf16_fast", fast)
-        assert resolve("auto", "fp4", cfg, "cpu").name == expected
+    assert resolve("auto", "fp4", cfg, "cpu").name == "emulated"
     assert resolve("auto", "fp8", cfg, "cuda").name == "torch"
     assert resolve("auto", "bf16", cfg, "cpu").name == "emulated"
     monkeypatch.setattr(base, "_logged", set())
@@ -329,12 +326,6 @@ def test_auto_follows_the_measurement_and_logs_once(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "snip_ds.backend"]
     assert lines == ["backend auto: fp4 (nvfp4 (2-D weight blocks)) runs on the 'emulated' backend on cpu",
                      "backend auto: fp8 (fp8_hybrid) runs on the 'emulated' backend on cpu"]
-
-
-def test_cpu_measurement_is_a_boolean_taken_once(monkeypatch):
-    monkeypatch.setattr(base, "_cpu_bf16_fast", None)
-    first = base.cpu_bf16_gemm_is_fast()
-    assert isinstance(first, bool) and base._cpu_bf16_fast is first
 
 
 def test_kernel_dispatch_without_the_kernels_module(monkeypatch):

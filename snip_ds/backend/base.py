@@ -23,7 +23,6 @@ Only this package knows how a GEMM is computed: :class:`~snip_ds.linear.SnipLine
 from __future__ import annotations
 
 import logging
-import time
 from abc import ABC, abstractmethod
 from typing import Dict, Optional, Tuple, Union
 
@@ -130,40 +129,18 @@ def recipe_words(precision: str, cfg: QuantConfig) -> str:
 # CUDA: the torch backend (FP8 tensor cores through torch._scaled_mm, BF16 tensor cores for the block
 # recipes). Not measured yet: no GPU was available when it was written.
 _AUTO_CUDA = "torch"
-_cpu_bf16_fast: Optional[bool] = None
 _logged: set = set()
-
-
-def cpu_bf16_gemm_is_fast() -> bool:
-    """Whether this CPU multiplies BF16 matrices (FP32 accumulation) at least as fast as FP32 ones.
-
-    Measured once per process on a 256^3 product: with AMX or AVX512-BF16 (oneDNN's BF16 kernels) a BF16
-    GEMM is 10-20x faster than FP32; limited to AVX2 it is emulated and 50-100x slower
-    (benchmarks/results/bench_backends.md). The torch backend's block recipes run BF16 GEMMs, so on CPU
-    ``auto`` picks it exactly when they are fast.
-    """
-    global _cpu_bf16_fast
-    if _cpu_bf16_fast is None:
-        a32 = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
-        a16 = a32.to(torch.bfloat16)
-        best = {}
-        for name, t in (("bf16", a16), ("fp32", a32)):
-            torch.mm(t, t)  # warm-up (oneDNN's kernel selection)
-            times = []
-            for _ in range(3):
-                start = time.perf_counter()
-                torch.mm(t, t)
-                times.append(time.perf_counter() - start)
-            best[name] = min(times)
-        _cpu_bf16_fast = best["bf16"] <= best["fp32"]
-    return _cpu_bf16_fast
 
 
 def resolve(name: str, precision: str, cfg: QuantConfig, device: Union[str, torch.device]) -> GemmBackend:
     """The backend that runs ``precision`` on ``device`` for the setting ``name``.
 
-    ``auto``: ``torch`` on CUDA; on CPU ``torch`` where BF16 GEMMs are fast (:func:`cpu_bf16_gemm_is_fast`),
-    else ``emulated`` (what the CPU benchmark measured fastest in each case); ``emulated`` on other devices.
+    ``auto``: ``torch`` on CUDA; ``emulated`` on the CPU and other devices. On the CPU, where training runs
+    in FP32, both backends run FP32 GEMMs and benchmarks/results/bench_backends.md measures no difference
+    beyond run-to-run noise; the torch backend halves the time only of BF16 layers on CPUs with AMX or
+    AVX512-BF16 (and is 75x slower with AVX2 alone), so a BF16 run on such a CPU names ``torch`` itself.
+    A fixed rule, not a timing taken at start-up, keeps every rank and every resumed run on the same
+    numerics.
     The choice is logged once per device and precision. A named backend is checked, never swapped.
 
     Raises:
@@ -175,8 +152,6 @@ def resolve(name: str, precision: str, cfg: QuantConfig, device: Union[str, torc
             chosen = "emulated"  # an FP32 GEMM of the high-precision operands either way
         elif device.type == "cuda":
             chosen = _AUTO_CUDA
-        elif device.type == "cpu":
-            chosen = "torch" if cpu_bf16_gemm_is_fast() else "emulated"
         else:
             chosen = "emulated"
         key = (device.type, precision, recipe_words(precision, cfg), chosen)
