@@ -1,48 +1,49 @@
-"""On a CUDA GPU: what the emulated FP8/FP4 GEMMs cost next to BF16 and to the hardware's FP8 GEMM.
+"""On a CUDA GPU: what SnipLinear's FP8/FP4 GEMMs cost next to BF16, per backend and recipe.
 
     python benchmarks/bench_gpu_gemm.py [--tokens 8192] [--repeats 20] [--output_dir benchmarks/results]
+    python benchmarks/bench_gpu_gemm.py --device cpu --tokens 64 --repeats 1   # plumbing check, no files
 
-For each Llama-7B-like shape (tokens T, in k, out n), side by side in one run, the median time (CUDA events)
-of one linear layer's forward GEMM and of its forward+backward (fprop, dgrad, wgrad), each divided by BF16's:
+For each Llama-7B-like shape (tokens T, in k, out n), side by side in one run, the median time of one linear
+layer's forward and of its forward+backward (fprop, dgrad, wgrad), each divided by BF16's, and the peak
+memory of the forward+backward over BF16's:
 
-* ``bf16``: ``torch.nn.functional.linear`` on BF16 tensors (tensor cores, FP32 accumulation);
-* ``fp8_tensor_core``: the GPU's FP8 GEMM (``torch._scaled_mm``) with per-tensor current scaling, the casts
-  included: what a hardware backend (Transformer Engine) would run for SNIP's ``fp8`` (forward only);
-* ``emulated_fp8`` / ``emulated_fp4``: snip_ds's emulated backend (quantize->dequantize, FP32 GEMM), the
-  numerical reference that every CPU run uses.
+* ``bf16``: ``nn.Linear`` on BF16 tensors (tensor cores, FP32 accumulation);
+* ``fp8_tensor_core``: a bare FP8 GEMM (``torch._scaled_mm``) with per-tensor current scaling, casts
+  included (forward only): the floor a per-tensor FP8 forward can reach;
+* ``torch_<recipe>``: SnipLinear in BF16 on the ``torch`` backend for ``fp8_hybrid`` (``_scaled_mm``),
+  ``mxfp8``, ``nvfp4`` and ``mxfp4`` (exact grid values in BF16 GEMMs); targets: fp8 <= 0.8x, mxfp8 <= 1.2x,
+  nvfp4 / mxfp4 <= 1.3x BF16's forward+backward, peak memory <= 1.1x;
+* ``emulated_fp8`` / ``emulated_fp4``: the emulated backend in FP32 (quantize->dequantize, FP32 GEMM), the
+  numerical reference.
 
-Writes ``bench_gpu_gemm.json`` and ``bench_gpu_gemm.md``. Exits with status 2 and a message without CUDA.
-No target: the numbers say how far the emulation is from hardware speed, i.e. what a hardware backend buys.
+Writes ``bench_gpu_gemm.json`` and ``bench_gpu_gemm.md``. Without CUDA it exits with status 2 and a message,
+unless ``--device cpu`` asks for a run of the same code on the CPU at small shapes, which checks that every
+variant runs and prints its ratios but writes no files: CPU times are not GPU figures.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from snip_ds.config import QuantConfig  # noqa: E402
 from snip_ds.linear import SnipLinear  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in k, out n): attention, MLP up/gate, MLP down
-
-
-def _time(fn, repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` (after 3 warm-ups)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+CPU_SHAPES = [(256, 256), (256, 704), (704, 256)]  # the same aspect ratios, small: --device cpu
+TORCH_RECIPES = {  # variant: (precision, QuantConfig)
+    "torch_fp8_hybrid": ("fp8", QuantConfig(backend="torch")),
+    "torch_mxfp8": ("fp8", QuantConfig(backend="torch", fp8_recipe="mxfp8")),
+    "torch_nvfp4": ("fp4", QuantConfig(backend="torch")),
+    "torch_mxfp4": ("fp4", QuantConfig(backend="torch", fp4_recipe="mxfp4")),
+}
+TARGETS = {"torch_fp8_hybrid": 0.8, "torch_mxfp8": 1.2, "torch_nvfp4": 1.3, "torch_mxfp4": 1.3}
 
 
 def _fp8_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -52,48 +53,78 @@ def _fp8_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
 
 
-def bench_shape(tokens: int, k: int, n: int, repeats: int) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x32 = torch.randn(tokens, k, device="cuda", generator=gen)
-    g32 = torch.randn(tokens, n, device="cuda", generator=gen) * 1e-3
-    layer32 = torch.nn.Linear(k, n, bias=False, device="cuda")
-    layer16 = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+def _peak_mib(fn, device: str) -> float:
+    """Peak CUDA memory of ``fn()`` above what was allocated before it, in MiB (NaN on the CPU)."""
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+
+
+def bench_shape(tokens: int, k: int, n: int, repeats: int, device: str = "cuda") -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    x32 = torch.randn(tokens, k, device=device, generator=gen)
+    g32 = torch.randn(tokens, n, device=device, generator=gen) * 1e-3
+    layer32 = torch.nn.Linear(k, n, bias=False, device=device)
+    layer16 = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     x16, g16 = x32.bfloat16(), g32.bfloat16()
-    row = dict(tokens=tokens, k=k, n=n, forward_ms={}, step_ms={})
-    row["forward_ms"]["bf16"] = _time(lambda: torch.nn.functional.linear(x16, layer16.weight), repeats)
-    row["forward_ms"]["fp8_tensor_core"] = _time(lambda: _fp8_forward(x16, layer16.weight), repeats)
+    row = dict(tokens=tokens, k=k, n=n, forward_ms={}, step_ms={}, peak_mib={})
+
+    def time(fn):
+        return median_ms(fn, repeats, device)
 
     def step(layer, x, g):
         x = x.detach().requires_grad_(True)
         layer(x).backward(g)
         layer.weight.grad = None
 
-    row["step_ms"]["bf16"] = _time(lambda: step(layer16, x16, g16), repeats)
-    for precision in ("fp8", "fp4"):
-        snip = SnipLinear.from_linear(layer32, precision)
-        snip.generator = torch.Generator(device="cuda").manual_seed(0)
+    def measure(name, layer, x, g):
         with torch.no_grad():
-            row["forward_ms"][f"emulated_{precision}"] = _time(lambda: snip(x32), repeats)
-        row["step_ms"][f"emulated_{precision}"] = _time(lambda: step(snip, x32, g32), repeats)
-    for kind in ("forward_ms", "step_ms"):
+            row["forward_ms"][name] = time(lambda: layer(x))
+        row["step_ms"][name] = time(lambda: step(layer, x, g))
+        row["peak_mib"][name] = _peak_mib(lambda: step(layer, x, g), device)
+
+    measure("bf16", layer16, x16, g16)
+    if device == "cuda":
+        row["forward_ms"]["fp8_tensor_core"] = time(lambda: _fp8_forward(x16, layer16.weight))
+    for variant, (precision, cfg) in TORCH_RECIPES.items():
+        snip = SnipLinear.from_linear(layer16, precision, cfg)
+        snip.generator = torch.Generator(device=device).manual_seed(0)
+        measure(variant, snip, x16, g16)
+    for precision in ("fp8", "fp4"):
+        snip = SnipLinear.from_linear(layer32, precision, QuantConfig(backend="emulated"))
+        snip.generator = torch.Generator(device=device).manual_seed(0)
+        measure(f"emulated_{precision}", snip, x32, g32)
+    for kind in ("forward_ms", "step_ms", "peak_mib"):
         base = row[kind]["bf16"]
-        row[kind.replace("_ms", "_vs_bf16")] = {v: t / base for v, t in row[kind].items()}
+        row[kind.replace("_ms", "_vs_bf16").replace("_mib", "_vs_bf16")] = {v: t / base for v, t in row[kind].items()}
     return row
 
 
 def write_markdown(result: dict, path: Path) -> None:
-    lines = ["# bench_gpu_gemm: emulated FP8/FP4 GEMMs against BF16 and the GPU's FP8 GEMM", "",
+    variants = [v for v in result["rows"][0]["step_ms"] if v != "bf16"]
+    lines = ["# bench_gpu_gemm: SnipLinear's FP8/FP4 GEMMs per backend and recipe against BF16", "",
              f"Device: {result['device']}; torch {result['torch']}; {result['tokens']} tokens; median of "
-             f"{result['repeats']} (CUDA events). Times in ms; × = ratio to BF16 in the same run.", "",
-             "| k | n | bf16 fwd | fp8 tensor-core fwd | emulated fp8 fwd | emulated fp4 fwd | bf16 fwd+bwd | "
-             "emulated fp8 fwd+bwd | emulated fp4 fwd+bwd |", "|---|---|---|---|---|---|---|---|---|"]
+             f"{result['repeats']} (CUDA events). × = ratio to BF16 `nn.Linear` in the same run; torch_* run "
+             "in BF16, emulated_* in FP32.", "",
+             "## Forward+backward (time ×, peak memory ×)", "",
+             "| k | n | bf16 ms | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
     for r in result["rows"]:
-        f, fr, s, sr = r["forward_ms"], r["forward_vs_bf16"], r["step_ms"], r["step_vs_bf16"]
-        lines.append(f"| {r['k']} | {r['n']} | {f['bf16']:.3f} | {f['fp8_tensor_core']:.3f} "
-                     f"({fr['fp8_tensor_core']:.2f}×) | {f['emulated_fp8']:.3f} ({fr['emulated_fp8']:.1f}×) | "
-                     f"{f['emulated_fp4']:.3f} ({fr['emulated_fp4']:.1f}×) | {s['bf16']:.3f} | "
-                     f"{s['emulated_fp8']:.3f} ({sr['emulated_fp8']:.1f}×) | "
-                     f"{s['emulated_fp4']:.3f} ({sr['emulated_fp4']:.1f}×) |")
+        sr, mr = r["step_vs_bf16"], r["peak_vs_bf16"]
+        lines.append(f"| {r['k']} | {r['n']} | {r['step_ms']['bf16']:.3f} | "
+                     + " | ".join(f"{sr[v]:.2f}× / {mr[v]:.2f}×" for v in variants) + " |")
+    lines += ["", "Targets (forward+backward): " + ", ".join(f"{v} ≤ {t}×" for v, t in TARGETS.items())
+              + "; peak memory ≤ 1.1×.", "", "## Forward only (time ×)", "",
+              "| k | n | bf16 ms | fp8 tensor core | " + " | ".join(variants) + " |",
+              "|---|---|---|---|" + "---|" * len(variants)]
+    for r in result["rows"]:
+        fr = r["forward_vs_bf16"]
+        lines.append(f"| {r['k']} | {r['n']} | {r['forward_ms']['bf16']:.3f} | {fr.get('fp8_tensor_core', float('nan')):.2f}× | "
+                     + " | ".join(f"{fr[v]:.2f}×" for v in variants) + " |")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -102,12 +133,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--output_dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: run every variant at small shapes to check the code; prints, writes nothing")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gpu_gemm: error: needs a CUDA GPU (none is visible)", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu_gemm: error: needs a CUDA GPU (none is visible); --device cpu checks the code only",
+              file=sys.stderr)
         return 2
     if args.tokens < 16 or args.tokens % 16 or args.repeats < 1:
         ap.error("--tokens must be a positive multiple of 16 and --repeats >= 1")
+    if args.device == "cpu":
+        rows = [bench_shape(args.tokens, k, n, args.repeats, "cpu") for k, n in CPU_SHAPES]
+        print(json.dumps({f"{r['k']}x{r['n']}": r["step_vs_bf16"] for r in rows}))
+        return 0
     torch.backends.cuda.matmul.allow_tf32 = False  # the emulated GEMMs are true FP32, as on the CPU
     rows = [bench_shape(args.tokens, k, n, args.repeats) for k, n in SHAPES]
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=args.tokens,
@@ -116,7 +154,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_gpu_gemm.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     write_markdown(result, out / "bench_gpu_gemm.md")
-    print(json.dumps({r["n"]: r["step_vs_bf16"] for r in rows}))
+    print(json.dumps({f"{r['k']}x{r['n']}": r["step_vs_bf16"] for r in rows}))
     return 0
 
 

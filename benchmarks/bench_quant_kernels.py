@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from snip_ds import quant  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 SHAPES = [(8192, 4096), (4096, 11008)]  # activations (tokens x k), an MLP weight (k x n)
 CASES = [  # (block axis, transpose the output)
@@ -39,18 +40,8 @@ CASES = [  # (block axis, transpose the output)
 
 
 def _time(fn, repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` (after 3 warm-ups, which also compile)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of ``fn`` over ``repeats`` (CUDA events, after 3 warm-ups, which also compile)."""
+    return median_ms(fn, repeats, "cuda")
 
 
 def _check(kq, x: torch.Tensor, recipe: str, axis: int, transpose: bool) -> None:

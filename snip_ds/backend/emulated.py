@@ -4,15 +4,7 @@ It quantizes each operand (SNIP.md section 2) and multiplies in FP32; it runs on
 numerical reference of every other backend. The statistics (:mod:`snip_ds.collect`) always use it, whatever
 backend trains, through its :meth:`~EmulatedBackend.quantize` and ``*_moments`` methods.
 
-Operands (linear ``Y = X W^T``, ``X: [T, k]``, ``W: [n, k]``), quantized along the GEMM's contraction axis:
-
-====== ================== =========== ==========================================
-GEMM   math               contraction operands (block axis)
-====== ================== =========== ==========================================
-fprop  ``Y = X W^T``      k           X along k, W along k
-dgrad  ``G_X = G_Y W``    n           G_Y along n, W along n
-wgrad  ``G_W = G_Y^T X``  T           G_Y and X along T, from the high-precision copies
-====== ================== =========== ==========================================
+Operands and the axis each is quantized along: see :mod:`snip_ds.backend.base`.
 """
 from __future__ import annotations
 
