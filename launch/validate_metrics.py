@@ -46,7 +46,7 @@ from snip_ds.compare import spearman as rank_correlation  # noqa: E402
 from snip_ds.swap import snip_layers, swap_linears  # noqa: E402
 
 QUICK = dict(warmup_steps=40, batches=4, batch_size=2, block_size=64, lr=3e-3)
-DEFAULTS = dict(warmup_steps=200, batches=16, batch_size=2, block_size=256, lr=2e-3)  # 16: see README
+DEFAULTS = dict(warmup_steps=200, batches=16, batch_size=2, block_size=256, lr=2e-3)  # 16: see docs/experiments.md
 CKPT_MODEL, CKPT_OPT, CKPT_META = "model.safetensors", "optimizer.pt", "validate_meta.json"
 
 

@@ -98,7 +98,7 @@ class SnipSettings:
     bwd_lambda: float = 2.0
     """Weight of the backward divergence in the plan's cost. 2: the λ at which the statistics price the forward
     and the backward GEMMs in the ratio that training with only one of them in FP4 measured, and the per-GEMM
-    λ sweep's choice (README, "What each GEMM kind costs")."""
+    λ sweep's choice (docs/experiments.md, "What each GEMM kind costs")."""
     additional_bf16_fwd_every_n_steps: int = 10
     """Every n steps, one extra no-grad bf16 forward measures the plan's forward divergence (0: never)."""
     pinned: Mapping[str, str] = field(default_factory=dict)
