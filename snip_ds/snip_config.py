@@ -256,14 +256,14 @@ def _build(cls, data: Any, path: str):
     """Builds dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types by dotted path.
 
     For :class:`SnipSettings` the :data:`RESEARCH_KEYS` are read from ``data["research"]`` only; at the top
-    level each is an error naming its place.
+    level they are an error naming each one's place.
     """
     fields = [f.name for f in dataclasses.fields(cls)]
     if cls is SnipSettings:
         if isinstance(data, Mapping):
             moved = [k for k in RESEARCH_KEYS if k in data]
-            if moved:
-                raise ConfigError(f"{path}.{moved[0]}: moved to {path}.research.{moved[0]}")
+            if moved:  # every one in the line: an old config usually has several
+                raise ConfigError("; ".join(f"{path}.{k}: moved to {path}.research.{k}" for k in moved))
         top = [name for name in fields if name not in RESEARCH_KEYS]
         _check_keys(data, path, top + ["research"])
         research = data.get("research", {})

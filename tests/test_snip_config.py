@@ -99,6 +99,16 @@ def test_a_flat_research_key_names_its_new_place(key, tmp_path):
     assert str(err.value) == f"{path}: snip.{key}: moved to snip.research.{key}"
 
 
+def test_several_flat_research_keys_are_named_in_one_line():
+    # the research keys the shipped configs listed at the top before they moved
+    old = {"plan": "adaptive", "estimator": "mc_fisher", "bwd_rounding": "recipe", "bwd_estimate": "expected"}
+    with pytest.raises(ConfigError) as err:
+        parse_snip_section(old, "old.json")
+    assert str(err.value) == ("old.json: snip.estimator: moved to snip.research.estimator; "
+                              "snip.bwd_rounding: moved to snip.research.bwd_rounding; "
+                              "snip.bwd_estimate: moved to snip.research.bwd_estimate")
+
+
 def test_unknown_research_key_is_named_like_the_top_level():
     with pytest.raises(ConfigError, match=r"cfg.json: snip.research: unknown key\(s\) 'fwd_lambda'; valid keys: "
                                           r"bwd_estimate, bwd_rounding, .*max_share$"):
