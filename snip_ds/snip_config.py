@@ -8,8 +8,12 @@ every bad field by its dotted path (``snip.train.max_steps``)::
       "quant": {"fp8_recipe": "fp8_hybrid", "fp4_recipe": "nvfp4", "stochastic_rounding": true,
                 "hadamard": false, "weight_2d": true, "backend": "auto"},   # auto | emulated | torch | te
       "efficiency_saving": 0.75, "method": "best", "replan_every": 200, ...   # the adaptive planner
-      "train": {"max_steps": 120, "eval_steps": 40, "save_steps": 60, "output_dir": "runs/default", ...}
+      "train": {"max_steps": 120, "eval_steps": 40, "save_steps": 60, "output_dir": "runs/default", ...},
+      "research": {"fld_form": "sequence", "dgrad_cost": "split", ...}   # ablations: variants for studies
     }
+
+:class:`SnipSettings` keeps every key as a flat attribute (``settings.fld_form``); only the JSON shape (and
+:meth:`SnipSettings.to_dict`) nests the :data:`RESEARCH_KEYS` under ``"research"``.
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ PLAN_KINDS = PRECISIONS + ("adaptive",)
 DGRAD_COSTS = ("split", "upstream")  # snip_ds.planner.DGRAD_COSTS (this module imports no planner)
 BWD_ESTIMATES = ("expected", "systematic")  # keys of snip_ds.planner.BWD_ESTIMATES
 METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
+# Switches that exist to compare variants of the method in studies; the JSON holds them under "snip.research".
+RESEARCH_KEYS = ("estimator", "fld_form", "bwd_rounding", "bwd_estimate", "dgrad_cost", "dgrad_calibration",
+                 "max_share")
 
 
 class ConfigError(ValueError):
@@ -68,7 +75,7 @@ class TrainSettings:
 
 @dataclass(frozen=True)
 class SnipSettings:
-    """Everything in the ``"snip"`` section."""
+    """Everything in the ``"snip"`` section. The :data:`RESEARCH_KEYS` come from its ``"research"`` object."""
 
     plan: str = "fp8"
     """``bf16``/``fp8``/``fp4`` (uniform), ``adaptive`` (SNIP re-planning) or a plan JSON file."""
@@ -130,16 +137,17 @@ class SnipSettings:
             raise ConfigError(f"snip.plan: {self.plan!r} is neither one of {', '.join(PLAN_KINDS)} "
                               f"nor a path to a plan .json file")
         _check_choice("snip.method", self.method, METHODS)
-        _check_choice("snip.estimator", self.estimator, ESTIMATORS)
-        _check_choice("snip.fld_form", self.fld_form, FLD_FORMS)
-        _check_choice("snip.bwd_rounding", self.bwd_rounding, BWD_ROUNDINGS)
-        _check_choice("snip.bwd_estimate", self.bwd_estimate, BWD_ESTIMATES)
-        _check_choice("snip.dgrad_cost", self.dgrad_cost, DGRAD_COSTS)
+        _check_choice("snip.research.estimator", self.estimator, ESTIMATORS)
+        _check_choice("snip.research.fld_form", self.fld_form, FLD_FORMS)
+        _check_choice("snip.research.bwd_rounding", self.bwd_rounding, BWD_ROUNDINGS)
+        _check_choice("snip.research.bwd_estimate", self.bwd_estimate, BWD_ESTIMATES)
+        _check_choice("snip.research.dgrad_cost", self.dgrad_cost, DGRAD_COSTS)
         if self.dgrad_cost == "upstream" and not self.per_gemm:
-            raise ConfigError("snip.dgrad_cost: 'upstream' prices the dgrad GEMM on its own, which needs "
+            raise ConfigError("snip.research.dgrad_cost: 'upstream' prices the dgrad GEMM on its own, which needs "
                               "snip.per_gemm: true")
         if not (self.dgrad_calibration > 0 and self.dgrad_calibration != float("inf")):
-            raise ConfigError(f"snip.dgrad_calibration: must be a finite number > 0, got {self.dgrad_calibration}")
+            raise ConfigError(f"snip.research.dgrad_calibration: must be a finite number > 0, "
+                              f"got {self.dgrad_calibration}")
         if not 0.0 <= self.efficiency_saving <= 1.0:
             raise ConfigError(f"snip.efficiency_saving: must lie in [0, 1], got {self.efficiency_saving}")
         for name in ("replan_every", "collect_batches", "num_probes"):
@@ -163,8 +171,8 @@ class SnipSettings:
             raise ConfigError(f"snip.compute_budget: must lie in (0, 1] (GEMM cost relative to all-BF16), "
                               f"got {self.compute_budget}")
         if self.max_share is not None and not self.efficiency_saving <= self.max_share <= 1.0:
-            raise ConfigError(f"snip.max_share: must lie in [efficiency_saving, 1] = [{self.efficiency_saving}, 1], "
-                              f"got {self.max_share}")
+            raise ConfigError(f"snip.research.max_share: must lie in [efficiency_saving, 1] = "
+                              f"[{self.efficiency_saving}, 1], got {self.max_share}")
         t = self.train
         for name in ("block_size", "max_steps", "eval_steps", "eval_batches", "logging_steps",
                      "max_corpus_bytes"):
@@ -184,8 +192,11 @@ class SnipSettings:
         return self.plan if self.plan.endswith(".json") else None
 
     def to_dict(self) -> Dict[str, Any]:
-        """JSON-able form (as written into checkpoints and TensorBoard's text summary)."""
-        return dataclasses.asdict(self)
+        """JSON-able form in the ``"snip"`` section's shape, research keys under ``"research"`` (as written into
+        checkpoints and TensorBoard's text summary; :func:`parse_snip_section` reads it back)."""
+        flat = dataclasses.asdict(self)
+        research = {k: flat.pop(k) for k in RESEARCH_KEYS}
+        return {**flat, "research": research}
 
 
 def _check_choice(name: str, value: object, valid) -> None:
@@ -215,16 +226,18 @@ def _type_ok(value: Any, hint: Any) -> bool:
     raise TypeError(f"unsupported annotation {hint!r}")
 
 
-def _build(cls, data: Any, path: str):
-    """Builds dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types by dotted path."""
+def _check_keys(data: Any, path: str, valid) -> None:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - fields)
+    unknown = sorted(set(data) - set(valid))
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(repr(k) for k in unknown)}; "
-                          f"valid keys: {', '.join(sorted(fields))}")
+                          f"valid keys: {', '.join(sorted(valid))}")
+
+
+def _field_values(cls, data: Mapping[str, Any], path: str) -> Dict[str, Any]:
+    """``data``'s values as ``cls``'s fields take them, wrong types named by dotted path."""
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -236,6 +249,30 @@ def _build(cls, data: Any, path: str):
         if typing.get_origin(hint) is tuple:
             value = tuple(value)
         kwargs[name] = float(value) if hint is float or (value is not None and hint == Optional[float]) else value
+    return kwargs
+
+
+def _build(cls, data: Any, path: str):
+    """Builds dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types by dotted path.
+
+    For :class:`SnipSettings` the :data:`RESEARCH_KEYS` are read from ``data["research"]`` only; at the top
+    level they are an error naming each one's place.
+    """
+    fields = [f.name for f in dataclasses.fields(cls)]
+    if cls is SnipSettings:
+        if isinstance(data, Mapping):
+            moved = [k for k in RESEARCH_KEYS if k in data]
+            if moved:  # every one in the line: an old config usually has several
+                raise ConfigError("; ".join(f"{path}.{k}: moved to {path}.research.{k}" for k in moved))
+        top = [name for name in fields if name not in RESEARCH_KEYS]
+        _check_keys(data, path, top + ["research"])
+        research = data.get("research", {})
+        _check_keys(research, f"{path}.research", RESEARCH_KEYS)
+        kwargs = {**_field_values(cls, {k: v for k, v in data.items() if k != "research"}, path),
+                  **_field_values(cls, research, f"{path}.research")}
+    else:
+        _check_keys(data, path, fields)
+        kwargs = _field_values(cls, data, path)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -285,20 +322,22 @@ def load_ds_config(path: str | Path) -> tuple[Dict[str, Any], SnipSettings]:
 
 
 def with_overrides(settings: SnipSettings, **overrides: Any) -> SnipSettings:
-    """Returns ``settings`` with top-level or ``train``-level fields replaced (None values are skipped)."""
+    """Returns ``settings`` with top-level (research keys included) or ``train``-level fields replaced (None
+    values are skipped)."""
     top = {f.name for f in dataclasses.fields(SnipSettings)}
     train_over = {k: v for k, v in overrides.items() if v is not None and k not in top}
     top_over = {k: v for k, v in overrides.items() if v is not None and k in top}
     unknown = sorted(set(train_over) - {f.name for f in dataclasses.fields(TrainSettings)})
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
-    merged = dataclasses.asdict(settings)
+    merged = settings.to_dict()
     # The model source is one setting spelt two ways: a flag naming one replaces the JSON's other (both on the
     # command line is still an error).
     for given, other in (("model_name_or_path", "model_config"), ("model_config", "model_name_or_path")):
         if given in train_over and other not in train_over:
             merged["train"][other] = None
     merged["train"].update(train_over)
+    merged["research"].update({k: top_over.pop(k) for k in RESEARCH_KEYS if k in top_over})
     merged.update(top_over)
     merged["quant"] = dataclasses.asdict(settings.quant) if "quant" not in top_over else top_over["quant"]
     return parse_snip_section(merged, "command line")

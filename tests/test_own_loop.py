@@ -71,10 +71,11 @@ print(json.dumps({"loss": loss, "method": engine.plan.method, "share": engine.pl
 
 
 def test_per_gemm_upstream_dgrad_plan_under_zero3_in_a_plain_process(tmp_path):
-    """snip.per_gemm with dgrad_cost 'upstream' on ZeRO-3 (partitioned optimizer states, no retained graph): the
-    collection estimates bwd_dgrad and the first plan is per GEMM, priced that way, at the efficiency target."""
+    """snip.per_gemm with research.dgrad_cost 'upstream' on ZeRO-3 (partitioned optimizer states, no retained
+    graph): the collection estimates bwd_dgrad and the first plan is per GEMM, priced that way, at the efficiency
+    target."""
     cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
-    cfg["snip"].update(per_gemm=True, dgrad_cost="upstream", dgrad_calibration=30.0)
+    cfg["snip"].update(per_gemm=True, research={"dgrad_cost": "upstream", "dgrad_calibration": 30.0})
     path = tmp_path / "z3.json"
     path.write_text(json.dumps(cfg))
     code = """

@@ -91,6 +91,10 @@ CASES = {
                           "Transformer Engine does not import"]),
     "snip_bad_value": (lambda r: ["--deepspeed", _variant(r, "k4", lambda d: d["snip"].update(plan="fp6"))],
                        ["k4.json", "snip.plan", "'fp6'"]),
+    "snip_research_key_flat": (lambda r: ["--deepspeed", _variant(r, "r1", lambda d: d["snip"].update(
+        fld_form="channel"))], ["r1.json", "snip.fld_form: moved to snip.research.fld_form"]),
+    "snip_research_unknown_key": (lambda r: ["--deepspeed", _variant(r, "r2", lambda d: d["snip"].update(
+        research={"fwd_lambda": 0.05}))], ["r2.json", "snip.research: unknown key(s) 'fwd_lambda'", "valid keys"]),
     "zero_stage": (lambda r: ["--deepspeed", _variant(r, "z1", lambda d: d["zero_optimization"].update(stage=4))],
                    ["z1.json", "zero_optimization.stage"]),
     "zero_misspelt_key": (lambda r: ["--deepspeed", _variant(r, "z2", lambda d: d["zero_optimization"].update(
