@@ -325,8 +325,8 @@ def train(args: argparse.Namespace) -> int:
         if problem:
             raise UserError(problem, all_ranks=True)
         if rank == 0 and "files" not in ckpt_meta:
-            print(f"snip_ds: {tag_dir / ckpt.META_FILE} records no checksums (an older snip_ds wrote it); its "
-                  f"files are resumed from unverified", flush=True)
+            print(f"snip_ds: {tag_dir / ckpt.META_FILE} records no checksums (written by an older snip_ds): "
+                  f"its files are not verified", flush=True)
         saved = _checkpoint_schedule(ckpt_meta, raw_cfg, args, on_gpu, world)
         ds_cfg, schedule_line = _resume_schedule(ds_cfg, saved, args.reset_lr_schedule)
 

@@ -99,6 +99,17 @@ def test_read_meta_names_a_field_of_the_wrong_type(tmp_path, change, words):
     assert str(info.value).startswith(f"{tag / META_FILE}: ") and words in str(info.value)
 
 
+def test_validate_names_the_fields_a_resume_needs(tmp_path):
+    from snip_ds.engine.checkpoint import validate
+
+    tag = _meta(tmp_path)
+    meta = json.loads((tag / META_FILE).read_text())
+    del meta["tag"], meta["model_fingerprint"]
+    (tag / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"snip_meta\.json: field\(s\) 'tag', 'model_fingerprint' missing"):
+        validate(tag, "f" * 64, 2)
+
+
 def test_read_meta_accepts_a_checkpoint_without_checksums(tmp_path):
     tag = _meta(tmp_path)
     meta = json.loads((tag / META_FILE).read_text())

@@ -253,20 +253,21 @@ _SHA256_HEX = frozenset("0123456789abcdef")
 
 
 def _check_fields(meta: Mapping[str, Any], path: Path) -> None:
-    """The fields a resume reads have their types (a hand-edited or damaged file is named, not crashed on)."""
+    """The fields a resume reads have their types where present (a hand-edited or damaged file is named, not
+    crashed on); :func:`validate` requires the ones a resume cannot do without."""
     def bad(field: str, want: str) -> CheckpointError:
         return CheckpointError(f"{path}: field '{field}' must be {want}, got {json.dumps(meta.get(field))[:80]}")
 
     def is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    if not isinstance(meta.get("tag"), str):
+    if "tag" in meta and not isinstance(meta["tag"], str):
         raise bad("tag", "a string")
-    if not is_int(meta.get("world_size")) or meta["world_size"] < 1:
+    if "world_size" in meta and (not is_int(meta["world_size"]) or meta["world_size"] < 1):
         raise bad("world_size", "a positive integer")
     if "step" in meta and (not is_int(meta["step"]) or meta["step"] < 0):
         raise bad("step", "a non-negative integer")
-    if not isinstance(meta.get("model_fingerprint"), str):
+    if "model_fingerprint" in meta and not isinstance(meta["model_fingerprint"], str):
         raise bad("model_fingerprint", "a string")
     for field in ("model_architecture", "plan", "data", "planner"):
         if meta.get(field) is not None and not isinstance(meta[field], dict):
@@ -295,6 +296,9 @@ def validate(tag_dir: Path, fingerprint: str, world_size: int,
     """
     meta = read_meta(tag_dir)
     path = tag_dir / META_FILE
+    missing = [k for k in ("tag", "world_size", "model_fingerprint") if k not in meta]
+    if missing:
+        raise CheckpointError(f"{path}: field(s) {', '.join(repr(k) for k in missing)} missing")
     saved = meta.get("model_architecture") or {}
     differ = sorted(k for k in set(saved) & set(architecture or {}) if saved[k] != architecture[k])
     if differ:
