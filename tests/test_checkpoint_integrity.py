@@ -9,6 +9,7 @@ rank's exit code and output are seen on their own.
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from snip_ds.engine.checkpoint import (CheckpointError, META_FILE, file_digest, 
 def _tag_dir(tmp_path: Path) -> Path:
     tag = tmp_path / "step_1"
     tag.mkdir()
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     for name, size in (("a.pt", 3 * (1 << 20) + 17), ("b.safetensors", 1000), ("c.pt", 0)):
         (tag / name).write_bytes(bytes(rng.getrandbits(8) for _ in range(size)))
     (tag / "x.tmp").write_bytes(b"left over")  # temporaries are not part of a checkpoint
