@@ -80,3 +80,29 @@ def agree(text: str, group: Any = None) -> bool:
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     return bool(lo.item() == hi.item() == h)
+
+
+def all_gather_json(obj: Any, group: Any = None) -> list:
+    """Every rank's JSON-able ``obj``, in rank order, on every rank (UTF-8 JSON bytes, never pickled)."""
+    if not is_initialized():
+        return [obj]
+    device = _device(group)
+    payload = json.dumps(obj, sort_keys=True).encode()
+    n = world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64, device=device), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if payload:
+        buf[:len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+    dist.all_gather(bufs, buf, group=group)
+    return [json.loads(bytes(b[:int(s.item())].cpu().tolist()).decode()) for b, s in zip(bufs, sizes)]
+
+
+def first_error(message: str | None, group: Any = None) -> str | None:
+    """The first (lowest rank's) non-empty ``message`` of any rank, on every rank; ``None`` when no rank has one.
+
+    Every rank must call it at the same point, before any other collective that a failed rank would skip.
+    """
+    return next((m for m in all_gather_json(message or None, group) if m), None)

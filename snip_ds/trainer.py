@@ -27,7 +27,12 @@ TRAIN_FLAGS = ("model_name_or_path", "model_config", "dataset", "tokenizer_name_
 
 
 class UserError(Exception):
-    """A mistake in the user's input; reported as one line, no traceback."""
+    """A mistake in the user's input; reported as one line, no traceback (by rank 0, or with ``all_ranks``,
+    for an error the ranks agreed on, by every rank)."""
+
+    def __init__(self, message: str, all_ranks: bool = False) -> None:
+        super().__init__(message)
+        self.all_ranks = all_ranks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gradient_accumulation_steps", type=int)
     g.add_argument("--seed", type=int)
     g.add_argument("--resume_from_checkpoint", metavar="DIR",
-                   help="a checkpoint directory (step_N) or the checkpoints directory (its 'latest')")
+                   help="a checkpoint directory (step_N), the checkpoints directory (its 'latest') or a run's output "
+                        "directory (its last complete checkpoint)")
     g.add_argument("--reset_lr_schedule", action="store_true",
                    help="on resume, follow this run's learning-rate schedule (resolved from its --max_steps) "
                         "instead of the checkpoint's")
@@ -207,6 +213,27 @@ def _resume_schedule(ds_cfg: Dict[str, Any], saved: Optional[Dict[str, Any]],
                  f"{_schedule_words(current)}; pass --reset_lr_schedule to follow it)")
 
 
+def _check_resumed_plan(tag_dir: Path, meta: Dict[str, Any], plan, settings: SnipSettings) -> None:
+    """A fixed-plan run (uniform precision or plan file) resumes only a checkpoint trained on that plan; an
+    adaptive run takes over the checkpoint's plan (and re-plans)."""
+    from snip_ds.engine import CheckpointError
+    from snip_ds.engine.checkpoint import META_FILE
+    from snip_ds.plan import Plan
+
+    if settings.is_adaptive or not meta.get("plan"):
+        return
+    path = tag_dir / META_FILE
+    try:
+        saved = Plan.from_dict(meta["plan"], source=str(path))
+    except ValueError as err:
+        raise CheckpointError(f"{path}: field 'plan' is not a plan ({err})") from None
+    if saved.digest() != plan.digest():
+        trained = (meta.get("settings") or {}).get("plan", saved.method)
+        raise CheckpointError(f"{path}: the checkpoint was trained on another plan (snip.plan {trained!r}, "
+                              f"method {saved.method}) than this run's snip.plan {settings.plan!r}; resume with "
+                              f"the checkpoint's plan, or with snip.plan 'adaptive'")
+
+
 def _eval_batches(val_ds, micro_bs: int, n_batches: int, rank: int, world: int) -> List[dict]:
     from snip_ds.data import DataStream
 
@@ -285,11 +312,21 @@ def train(args: argparse.Namespace) -> int:
                               for p in ("fp8", "fp4"))
     schedule_line = None
     if args.resume_from_checkpoint:
+        # Every rank checks the checkpoint (its share of the checksums), then the ranks agree on the first
+        # error before any other collective, so that every rank stops with the same line.
+        problem = None
         try:
-            ckpt_meta = ckpt.validate(ckpt.resolve(Path(args.resume_from_checkpoint)), ckpt.model_fingerprint(model),
-                                      world, ckpt.model_architecture(model))
+            tag_dir, ckpt_meta = ckpt.check_resumable(Path(args.resume_from_checkpoint), ckpt.model_fingerprint(model),
+                                                      world, rank, ckpt.model_architecture(model))
+            _check_resumed_plan(tag_dir, ckpt_meta, plan, settings)
         except CheckpointError as err:
-            raise UserError(str(err)) from None
+            problem = str(err)
+        problem = sdist.first_error(problem)
+        if problem:
+            raise UserError(problem, all_ranks=True)
+        if rank == 0 and "files" not in ckpt_meta:
+            print(f"snip_ds: {tag_dir / ckpt.META_FILE} records no checksums (written by an older snip_ds): "
+                  f"its files are not verified", flush=True)
         saved = _checkpoint_schedule(ckpt_meta, raw_cfg, args, on_gpu, world)
         ds_cfg, schedule_line = _resume_schedule(ds_cfg, saved, args.reset_lr_schedule)
 
@@ -394,8 +431,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         code = train(args)
     except (UserError, ConfigError) as err:
-        if sdist.rank() == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+        if sdist.rank() == 0 or getattr(err, "all_ranks", False):
+            sys.stderr.write(f"error: {err}\n")  # one write: ranks sharing a terminal do not interleave
+            sys.stderr.flush()
         code = 2
     finally:
         console.detach()  # a failed run's bar must not catch a later in-process run's messages

@@ -7,7 +7,9 @@ Layout, under ``save_dir``::
         snip_rank00000.safetensors  # per rank: stochastic-rounding generator states, torch RNG state
         snip_meta.json              # rank 0, written after every rank has finished: marks completion
 
-A checkpoint without ``snip_meta.json`` is incomplete and is never resumed from. Our files are JSON and
+A checkpoint without ``snip_meta.json`` is incomplete and is never resumed from. ``snip_meta.json`` records
+the size and sha256 of every other file of the checkpoint (key ``files``: DeepSpeed's shards of every rank and
+ours); a resume verifies them before anything is restored (:func:`verify_files`). Our files are JSON and
 safetensors; DeepSpeed's files are read with ``torch.load(weights_only=True)`` through
 :class:`SafeTorchCheckpointEngine`, never unpickled.
 """
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from safetensors.torch import load_file, save_file
 
+from snip_ds import distributed as sdist
 from snip_ds.artifacts import CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE
 from snip_ds.fileio import atomic_write_text
 
@@ -111,6 +114,73 @@ def _rank_file(tag_dir: Path, rank: int) -> Path:
     return tag_dir / f"snip_rank{rank:05d}.safetensors"
 
 
+_CHUNK = 1 << 20  # files are hashed as a stream, 1 MiB at a time: shards can be far larger than memory allows
+
+
+def file_digest(path: Path) -> Dict[str, Any]:
+    """``{"size": bytes, "sha256": hex}`` of the file at ``path``."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def _listing(tag_dir: Path) -> list:
+    """The checkpoint's files below ``tag_dir`` (relative POSIX paths), without the metadata and temporaries."""
+    return sorted(p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*")
+                  if p.is_file() and p.name != META_FILE and not p.name.endswith(".tmp"))
+
+
+def record_files(tag_dir: Path) -> Dict[str, Dict[str, Any]]:
+    """Collective: :func:`file_digest` of every file of the checkpoint, on every rank.
+
+    Each rank lists what it sees (every rank's shards on a shared filesystem, its own on a node-local one);
+    each file is hashed by one of the ranks that see it (round-robin, so a shared filesystem spreads the work)
+    and the digests are all-gathered as JSON.
+    """
+    seen: Dict[str, list] = {}
+    for r, names in enumerate(sdist.all_gather_json(_listing(tag_dir))):
+        for name in names:
+            seen.setdefault(name, []).append(r)
+    me = sdist.rank()
+    mine = {name: file_digest(tag_dir / name) for i, name in enumerate(sorted(seen))
+            if seen[name][i % len(seen[name])] == me}
+    files: Dict[str, Dict[str, Any]] = {}
+    for part in sdist.all_gather_json(mine):
+        files.update(part)
+    return dict(sorted(files.items()))
+
+
+def verify_files(tag_dir: Path, files: Mapping[str, Mapping[str, Any]], rank: int = 0, world: int = 1) -> None:
+    """Checks the files ``snip_meta.json`` recorded: each exists with its size (every rank checks all, which
+    is cheap), and the sha256 of every ``world``-th one from the ``rank``-th (the hashing is split).
+
+    Raises:
+        CheckpointError: naming the first file that is missing, of another size or of another content.
+    """
+    names = sorted(files)
+    for name in names:
+        path, want = tag_dir / name, files[name]["size"]
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing; {META_FILE} records it ({want} bytes), the checkpoint "
+                                  f"is incomplete")
+        size = path.stat().st_size
+        if size != want:
+            what = "truncated" if size < want else "longer than written"
+            raise CheckpointError(f"{path}: {size} bytes, but {META_FILE} records {want}: the file is {what}")
+    for name in names[rank::world]:
+        path = tag_dir / name
+        try:
+            digest = file_digest(path)["sha256"]
+        except OSError as err:
+            raise CheckpointError(f"{path}: unreadable ({err.strerror})") from None
+        if digest != files[name]["sha256"]:
+            raise CheckpointError(f"{path}: sha256 differs from the one {META_FILE} records: the file is "
+                                  f"damaged or was changed after the save")
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -132,21 +202,31 @@ def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_stat
     save_file(tensors, str(tmp))
     os.replace(tmp, _rank_file(tag_dir, rank))
     _barrier()
+    files = record_files(tag_dir)  # collective; every rank's files are complete after the barrier
     if rank == 0:
         full = {"format": FORMAT, "tag": tag, "world_size": world_size, "model_fingerprint": fingerprint,
-                "model_architecture": dict(architecture or {}), **meta}
+                "model_architecture": dict(architecture or {}), **meta, "files": files}
         atomic_write_text(tag_dir / META_FILE, json.dumps(full, indent=2, sort_keys=True))
         atomic_write_text(save_dir / LATEST_FILE, tag)
     _barrier()
     return tag_dir
 
 
+RUN_CHECKPOINTS = "checkpoints"  # a training run's save directory, inside its output directory
+
+
 def resolve(path: Path) -> Path:
-    """The checkpoint directory ``path`` names: a tag directory, or a save directory with ``latest``."""
+    """The checkpoint directory ``path`` names: a tag directory, a save directory with ``latest``, or a run's
+    output directory (its ``checkpoints/latest``: the last complete checkpoint)."""
     if not path.exists():
         raise CheckpointError(f"{path}: checkpoint path does not exist")
     if (path / META_FILE).is_file():
         return path
+    if not (path / LATEST_FILE).exists() and (path / RUN_CHECKPOINTS).is_dir():
+        saves = path / RUN_CHECKPOINTS
+        if not (saves / LATEST_FILE).is_file():
+            raise CheckpointError(f"{saves}: no '{LATEST_FILE}' file: the run has saved no complete checkpoint")
+        return resolve(saves)
     latest = path / LATEST_FILE
     if latest.is_file():
         tag_dir = path / latest.read_text().strip()
@@ -165,7 +245,45 @@ def read_meta(tag_dir: Path) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable ({err})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} metadata file")
+    _check_fields(meta, path)
     return meta
+
+
+_SHA256_HEX = frozenset("0123456789abcdef")
+
+
+def _check_fields(meta: Mapping[str, Any], path: Path) -> None:
+    """The fields a resume reads have their types where present (a hand-edited or damaged file is named, not
+    crashed on); :func:`validate` requires the ones a resume cannot do without."""
+    def bad(field: str, want: str) -> CheckpointError:
+        return CheckpointError(f"{path}: field '{field}' must be {want}, got {json.dumps(meta.get(field))[:80]}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if "tag" in meta and not isinstance(meta["tag"], str):
+        raise bad("tag", "a string")
+    if "world_size" in meta and (not is_int(meta["world_size"]) or meta["world_size"] < 1):
+        raise bad("world_size", "a positive integer")
+    if "step" in meta and (not is_int(meta["step"]) or meta["step"] < 0):
+        raise bad("step", "a non-negative integer")
+    if "model_fingerprint" in meta and not isinstance(meta["model_fingerprint"], str):
+        raise bad("model_fingerprint", "a string")
+    for field in ("model_architecture", "plan", "data", "planner"):
+        if meta.get(field) is not None and not isinstance(meta[field], dict):
+            raise bad(field, "an object")
+    if "files" in meta:
+        files = meta["files"]
+        if not isinstance(files, dict):
+            raise bad("files", "an object")
+        for name, rec in files.items():
+            ok = (isinstance(rec, dict) and is_int(rec.get("size")) and rec["size"] >= 0
+                  and isinstance(rec.get("sha256"), str) and len(rec["sha256"]) == 64
+                  and set(rec["sha256"]) <= _SHA256_HEX)
+            if not ok or name.startswith("/") or ".." in Path(name).parts:
+                raise CheckpointError(f"{path}: field 'files' entry {json.dumps(name)} must be a relative path "
+                                      f"with {{\"size\": bytes, \"sha256\": 64 hex digits}}, got "
+                                      f"{json.dumps(rec)[:80]}")
 
 
 def validate(tag_dir: Path, fingerprint: str, world_size: int,
@@ -178,6 +296,9 @@ def validate(tag_dir: Path, fingerprint: str, world_size: int,
     """
     meta = read_meta(tag_dir)
     path = tag_dir / META_FILE
+    missing = [k for k in ("tag", "world_size", "model_fingerprint") if k not in meta]
+    if missing:
+        raise CheckpointError(f"{path}: field(s) {', '.join(repr(k) for k in missing)} missing")
     saved = meta.get("model_architecture") or {}
     differ = sorted(k for k in set(saved) & set(architecture or {}) if saved[k] != architecture[k])
     if differ:
@@ -194,6 +315,21 @@ def validate(tag_dir: Path, fingerprint: str, world_size: int,
         if not _rank_file(tag_dir, r).is_file():
             raise CheckpointError(f"{_rank_file(tag_dir, r)}: missing; the checkpoint is incomplete")
     return meta
+
+
+def check_resumable(path: Path, fingerprint: str, world_size: int, rank: int,
+                    architecture: Mapping[str, Any] | None = None) -> tuple[Path, Dict[str, Any]]:
+    """:func:`resolve`, :func:`validate` and :func:`verify_files` (this rank's share of the hashing): the
+    checkpoint ``path`` names and its metadata, once nothing in it is found wrong. Not collective: a caller
+    with several ranks agrees on the outcome (:func:`snip_ds.distributed.first_error`) before going on.
+
+    A checkpoint written before checksums were recorded (no ``files``) is checked without them.
+    """
+    tag_dir = resolve(path)
+    meta = validate(tag_dir, fingerprint, world_size, architecture)
+    if "files" in meta:
+        verify_files(tag_dir, meta["files"], rank, world_size)
+    return tag_dir, meta
 
 
 def load(ds_engine, tag_dir: Path, rank: int) -> Dict[str, Any]:
