@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from snip_ds import console
+from snip_ds import console, faults
 from snip_ds.ds_config import resolve_ds_config, validate_with_deepspeed
 from snip_ds.metrics import config_text, make_logger
 from snip_ds.snip_config import ConfigError, SnipSettings, load_ds_config, with_overrides
@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--precision", choices=("bf16", "fp8", "fp4", "adaptive"), help="uniform plan, or adaptive SNIP")
     x.add_argument("--plan", metavar="PLAN.json", help="a fixed plan: {fqn: precision} or a snip-ds plan file")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--dist_timeout", type=float, metavar="SECONDS",
+                   help="process-group timeout: a rank whose peer stops answering in a collective for this long "
+                        "exits with an error (default 600, DeepSpeed's; must exceed the longest legitimate wait "
+                        "of one rank for another)")
     return p
 
 
@@ -258,7 +262,11 @@ def train(args: argparse.Namespace) -> int:
     torch.set_flush_denormal(True)
     raw_cfg, settings = _settings_from_args(args)
     t = settings.train
-    init_distributed()
+    try:
+        faults.spec()  # a malformed SNIP_DS_PAUSE_AT is an error before anything starts
+        init_distributed(args.dist_timeout)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     rank, world = sdist.rank(), sdist.world_size()
     on_gpu = torch.cuda.is_available()
     ds_cfg = resolve_ds_config(raw_cfg, max_steps=t.max_steps, on_gpu=on_gpu, source=args.deepspeed,
@@ -422,12 +430,21 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because another rank died (its connections closed) or
+    stopped answering (the process group's timeout, ``--dist_timeout``)."""
+    import torch.distributed as dist
+
+    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and "gloo/transport" in str(err))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     import torch.distributed as dist
 
     from snip_ds import distributed as sdist
 
+    lost = False
     try:
         code = train(args)
     except (UserError, ConfigError) as err:
@@ -435,8 +452,20 @@ def main(argv: Optional[List[str]] = None) -> int:
             sys.stderr.write(f"error: {err}\n")  # one write: ranks sharing a terminal do not interleave
             sys.stderr.flush()
         code = 2
+    except Exception as err:
+        if not _lost_peer(err):
+            raise
+        # Another rank died or hangs: this rank cannot go on, and every rank stops the same way (exit 1).
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        sys.stderr.write(f"error: rank {sdist.rank()}: a collective failed, another rank died or stopped answering "
+                         f"({detail}); the job cannot go on: resume it from its last complete checkpoint with "
+                         f"--resume_from_checkpoint OUTPUT_DIR\n")
+        sys.stderr.flush()
+        code, lost = 1, True
     finally:
         console.detach()  # a failed run's bar must not catch a later in-process run's messages
+    if lost:  # no collective (barrier, the group's teardown) can complete without the lost rank
+        return code
     if dist.is_initialized():
         if code == 0:
             dist.barrier()

@@ -20,6 +20,7 @@ import torch
 
 from snip_ds import distributed as sdist
 from snip_ds import divergence as dv
+from snip_ds import faults
 from snip_ds.collect import collect_statistics
 from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
@@ -59,6 +60,7 @@ class AdaptivePlanner:
         """One statistics collection on the next ``collect_batches`` batches of the private stream, or, with
         no stream, on the first ``collect_batches`` of ``step_batches`` (cycled if there are fewer)."""
         eng, s = self.engine, self.settings
+        faults.pause_point("collect", eng.step, sdist.rank())  # a test's fault injection; else a no-op
         weights = {fqn: layer.weight for fqn, layer in eng.layers.items()}
         precond, source = layer_preconditioner(eng.ds.optimizer, weights, eng.step)
         if self.stream is not None:

@@ -27,6 +27,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from safetensors.torch import load_file, save_file
 
 from snip_ds import distributed as sdist
+from snip_ds import faults
 from snip_ds.artifacts import CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE
 from snip_ds.fileio import atomic_write_text
 
@@ -195,6 +196,7 @@ def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_stat
         (tag_dir / META_FILE).unlink()
     _barrier()
     ds_engine.save_checkpoint(str(save_dir), tag=tag, save_latest=False)
+    faults.pause_point("save", int(meta.get("step", -1)), rank)  # a test's fault injection; else a no-op
     tensors = {"torch_rng": rank_state["torch_rng"].clone()}
     for fqn, state in rank_state["generators"].items():
         tensors[f"generator/{fqn}"] = state.clone()

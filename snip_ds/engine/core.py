@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import socket
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from snip_ds import distributed as sdist
+from snip_ds import faults
 from snip_ds.backend import check_backend
 from snip_ds.ds_config import resolve_ds_config
 from snip_ds.engine import checkpoint as ckpt
@@ -28,13 +30,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> None:
+DEFAULT_DIST_TIMEOUT_S = 600.0  # DeepSpeed's own default (deepspeed.constants.default_pg_timeout, 10 minutes)
+
+
+def init_distributed(timeout_s: Optional[float] = None) -> None:
     """Initialises torch.distributed the way DeepSpeed does: gloo on CPU, nccl on GPU.
 
     Works under the ``deepspeed`` launcher, ``torchrun``, and a plain ``python`` process (one rank).
+
+    Args:
+        timeout_s: the process group's timeout in seconds (``launch/train.py --dist_timeout``): a collective
+            (or barrier) that a peer does not join within it raises on the waiting rank, so a rank whose peer
+            hangs stops instead of waiting for ever (a peer that dies is noticed at once: its connections
+            close). It must exceed the longest time one rank legitimately waits for another (rank 0's solve,
+            a checkpoint's hashing, a slow first step). None: :data:`DEFAULT_DIST_TIMEOUT_S`.
+
+    Raises:
+        ValueError: ``timeout_s`` is not a positive number.
     """
     if dist.is_initialized():
         return
+    timeout_s = DEFAULT_DIST_TIMEOUT_S if timeout_s is None else timeout_s
+    if not timeout_s > 0 or timeout_s == float("inf"):
+        raise ValueError(f"--dist_timeout: must be a positive number of seconds, got {timeout_s}")
     if "WORLD_SIZE" not in os.environ or os.environ.get("SNIP_DS_SINGLE_PROCESS") == "1":
         # A plain `python launch/train.py` (or a test calling it in-process): one rank on a fresh port.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -42,7 +60,7 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     release_shm_buffer()
 
 
@@ -167,6 +185,8 @@ class SnipEngine:
         for batch in micro_batches:
             loss = self._forward_loss(batch)
             self.ds.backward(loss)
+            if not losses:
+                faults.pause_point("step", self.step, sdist.rank())  # a test's fault injection; else a no-op
             self.ds.step()
             losses.append(loss.detach().double().cpu())
         local = torch.stack(losses)
