@@ -132,7 +132,7 @@ def _read(log) -> str:
 
 def _adaptive_config(tmp: Path, **train) -> Path:
     """The tiny 2-rank ZeRO-3 run, adaptive, re-planned every 2 steps, saved every 2 steps, 4 steps."""
-    cfg = write_configs(tmp, stage=3, plan="adaptive", max_steps=4, save_steps=2, eval_steps=2, **train)
+    cfg = write_configs(tmp, stage=3, plan="adaptive", **{"max_steps": 4, "save_steps": 2, "eval_steps": 2, **train})
     data = json.loads(cfg.read_text())
     data["snip"].update(replan_every=2, additional_bf16_fwd_every_n_steps=0)
     cfg.write_text(json.dumps(data, indent=1))
@@ -274,3 +274,26 @@ def test_sigterm_to_both_nodes_saves_and_stops_every_rank(tmp_path):
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text() == "step_2"
     assert "error:" not in text + _read(logs[1])
     print(f"SIGTERM: agents exited {codes}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepspeed_launcher_with_a_two_node_hostfile(tmp_path):
+    """DeepSpeed's own launcher, a hostfile of two entries, one runner per node started without ssh
+    (``--no_ssh --node_rank N``): the ranks follow the hostfile's order and the run trains and saves."""
+    cfg = write_configs(tmp_path, stage=3, plan="fp8", max_steps=2, save_steps=2, eval_steps=2)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    port = _free_port()
+    cmds = [[sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+             "--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port", port, str(TRAIN),
+             "--deepspeed", str(cfg), "--no_progress"] for n in range(2)]
+    logs = [tmp_path / f"ds.node{n}.log" for n in range(2)]
+    _ok(_wait(_start(cmds, logs)), logs)
+    assert "global_rank_mapping=defaultdict(<class 'list'>, {'node0': [0], 'node1': [1]})" in _read(logs[0])
+    assert "2 rank(s)" in _read(logs[0])
+    ckpts = tmp_path / "out" / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_2"
+    meta = json.loads((ckpts / "step_2" / "snip_meta.json").read_text())
+    assert meta["world_size"] == 2 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in meta["files"]
+    assert_no_shm_left(["--master_port", port])  # one rank per node: no shared-memory all-reduce
