@@ -230,31 +230,34 @@ def _files(root: Path) -> set:
     return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
 
 
+def _shards(ranks) -> set:
+    return {f"checkpoints/step_2/{name}" for r in ranks for name in (
+        f"snip_rank{r:05d}.safetensors", f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_nodes_with_node_local_output_write_each_file_once_from_its_owner(tmp_path):
-    """Node 1's local rank 0 is global rank 1: in its own (node-local) output directory it writes only its
-    DeepSpeed shards and its RNG file; everything global comes from global rank 0 on node 0."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_two_nodes_with_node_local_output_write_each_file_once_from_its_owner(tmp_path, nproc):
+    """Node 1's local rank 0 is global rank ``nproc`` (1 or 2): in its own (node-local) output directory node 1
+    writes only its ranks' DeepSpeed shards and RNG files; everything global comes from global rank 0."""
     cfg = _adaptive_config(tmp_path, max_steps=2)
     dirs = [tmp_path / "node0_out", tmp_path / "node1_out"]
-    procs, logs = _torchrun_nodes(tmp_path, "local", ["--deepspeed", str(cfg)],
+    procs, logs = _torchrun_nodes(tmp_path, "local", ["--deepspeed", str(cfg)], nproc=nproc,
                                   node_args=[["--output_dir", str(d)] for d in dirs])
     _ok(_wait(procs), logs)
     tb = {f for f in _files(dirs[0]) if f.startswith("tensorboard/")}
     assert len(tb) == 1
-    assert _files(dirs[1]) == {"checkpoints/step_2/snip_rank00001.safetensors",
-                               "checkpoints/step_2/zero_pp_rank_1_mp_rank_00_model_states.pt",
-                               "checkpoints/step_2/zero_pp_rank_1_mp_rank_00_optim_states.pt"}
-    assert _files(dirs[0]) == tb | {
+    assert _files(dirs[1]) == _shards(range(nproc, 2 * nproc))
+    assert _files(dirs[0]) == tb | _shards(range(nproc)) | {
         "plan.json", "stats.json", "checkpoints/latest", "checkpoints/zero_to_fp32.py", "checkpoints/zero_to_torch.py",
-        "checkpoints/step_2/snip_meta.json", "checkpoints/step_2/snip_rank00000.safetensors",
-        "checkpoints/step_2/zero_pp_rank_0_mp_rank_00_model_states.pt",
-        "checkpoints/step_2/zero_pp_rank_0_mp_rank_00_optim_states.pt"}
+        "checkpoints/step_2/snip_meta.json"}
     # rank 0's record covers both nodes' shards (each rank hashed the files it sees)
     meta = json.loads((dirs[0] / "checkpoints" / "step_2" / "snip_meta.json").read_text())
-    assert sorted(meta["files"]) == sorted(f.split("/", 2)[2] for d in dirs for f in _files(d)
-                                           if f.startswith("checkpoints/step_2/") and "snip_meta" not in f)
-    assert "2 rank(s)" in _read(logs[0]) and "rank(s)" not in _read(logs[1])  # rank 0 alone prints
+    assert meta["world_size"] == 2 * nproc
+    assert sorted(meta["files"]) == sorted(f.split("/", 2)[2] for f in _shards(range(2 * nproc)))
+    assert f"{2 * nproc} rank(s)" in _read(logs[0]) and "rank(s)" not in _read(logs[1])  # rank 0 alone prints
 
 
 @pytest.mark.slow
