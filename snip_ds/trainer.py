@@ -262,11 +262,13 @@ def train(args: argparse.Namespace) -> int:
     torch.set_flush_denormal(True)
     raw_cfg, settings = _settings_from_args(args)
     t = settings.train
+    if args.dist_timeout is not None and not 0 < args.dist_timeout < math.inf:
+        raise UserError(f"--dist_timeout: must be a positive number of seconds, got {args.dist_timeout}")
     try:
         faults.spec()  # a malformed SNIP_DS_PAUSE_AT is an error before anything starts
-        init_distributed(args.dist_timeout)
     except ValueError as err:
         raise UserError(str(err)) from None
+    init_distributed(args.dist_timeout)
     rank, world = sdist.rank(), sdist.world_size()
     on_gpu = torch.cuda.is_available()
     ds_cfg = resolve_ds_config(raw_cfg, max_steps=t.max_steps, on_gpu=on_gpu, source=args.deepspeed,

@@ -47,6 +47,18 @@ def test_pause_spec_is_parsed_and_a_bad_one_names_the_variable(monkeypatch):
     assert faults.spec() is None
 
 
+def test_init_distributed_refuses_a_timeout_that_is_not_a_positive_number():
+    import torch.distributed as dist
+
+    from snip_ds.engine import init_distributed
+
+    assert not dist.is_initialized()
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="init_distributed: timeout_s must be a positive number of seconds"):
+            init_distributed(bad)
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize("flag, words", [
     (["--dist_timeout", "0"], "--dist_timeout: must be a positive number of seconds, got 0.0"),
     (["--dist_timeout", "nan"], "--dist_timeout: must be a positive number of seconds, got nan"),

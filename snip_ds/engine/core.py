@@ -52,7 +52,7 @@ def init_distributed(timeout_s: Optional[float] = None) -> None:
         return
     timeout_s = DEFAULT_DIST_TIMEOUT_S if timeout_s is None else timeout_s
     if not timeout_s > 0 or timeout_s == float("inf"):
-        raise ValueError(f"--dist_timeout: must be a positive number of seconds, got {timeout_s}")
+        raise ValueError(f"init_distributed: timeout_s must be a positive number of seconds, got {timeout_s}")
     if "WORLD_SIZE" not in os.environ or os.environ.get("SNIP_DS_SINGLE_PROCESS") == "1":
         # A plain `python launch/train.py` (or a test calling it in-process): one rank on a fresh port.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
