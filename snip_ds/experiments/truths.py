@@ -11,8 +11,8 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
-from typing import Dict, List, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,42 @@ import torch.nn.functional as F
 from snip_ds.backend import get_backend
 from snip_ds.experiments.training import lm_loss
 from snip_ds.swap import snip_layers
+
+
+@dataclass
+class Measured:
+    """What one validate_metrics run measured on its fixed batches, per decoder linear.
+
+    Attributes:
+        fqns: The layers, in model order.
+        stats: The statistics artifact of each estimator (``mc_fisher``, ``empirical``, ``isotropic``).
+        sym: The symmetrised FLD truth per layer and batch (:func:`fld_truth`; one "batch" from a table).
+        one: The one-shot loss change per layer and batch.
+        gn: The Gauss-Newton part of the FLD truth per layer and batch.
+        drift: The BWD truth (both backward GEMMs) per layer and batch; ``None`` when not measured.
+        split: The per-GEMM BWD truths (:func:`bwd_truth` with ``("wgrad", "dgrad")``); ``None`` when not.
+        fwd: The FWD truth per layer and batch (:func:`fwd_truth`); ``None`` when not measured.
+        fwd_pred: The collector's FWD estimate per layer (fp4); ``None`` without ``fwd``.
+        optimizer_step: The optimizer's step count at the warm-up's end.
+        step_scale: Adam's step scale the statistics used.
+        seconds: Wall-clock seconds: ``collect`` (per estimator), ``fld_truth``, ``bwd_truth``,
+            ``bwd_truth_per_gemm``, ``fwd_truth``.
+        step_seconds: One training step's forward and backward on one batch (the cost unit).
+    """
+
+    fqns: List[str]
+    stats: Dict[str, Dict[str, Any]]
+    sym: Dict[str, List[float]]
+    one: Dict[str, List[float]]
+    gn: Dict[str, List[float]]
+    drift: Optional[Dict[str, List[float]]]
+    split: Optional[Dict[str, Dict[str, List[float]]]]
+    fwd: Optional[Dict[str, List[float]]]
+    fwd_pred: Optional[List[float]]
+    optimizer_step: int
+    step_scale: float
+    seconds: Dict[str, Any] = field(default_factory=dict)
+    step_seconds: float = float("nan")
 
 
 def _rne(cfg):

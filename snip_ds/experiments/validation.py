@@ -1,9 +1,10 @@
 """validate_metrics: SNIP's statistics against measured truths on fixed batches (SNIP.md section 7, metric
 validity).
 
-:func:`run` warms a model up (plain torch AdamW, unquantized, FP32) or loads the warm-up, collects the
-statistics with every estimator, measures the truths (:mod:`snip_ds.experiments.truths`), prints a per-layer
-table and returns the figures of :mod:`snip_ds.experiments.scores` (the script prints them as one JSON line).
+:func:`run` warms a model up (plain torch AdamW, unquantized, FP32) or loads the warm-up; :func:`measure`
+collects the statistics with every estimator and measures the truths (:mod:`snip_ds.experiments.truths`);
+:mod:`snip_ds.experiments.scores` prints the per-layer table and computes the figures (the script prints
+them as one JSON line).
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from typing import Any, Dict, List
 import torch
 
 from snip_ds.collect import adam_precond, collect_statistics
-from snip_ds.experiments.scores import mean, median, per_gemm_figures, read_truth_table, spearman, split_half
+from snip_ds.experiments.scores import print_table, read_truth_table, score, variants
 from snip_ds.experiments.training import lm_loss
-from snip_ds.experiments.truths import bwd_truth, fld_truth, fwd_truth
+from snip_ds.experiments.truths import Measured, bwd_truth, fld_truth, fwd_truth
 from snip_ds.swap import snip_layers, swap_linears
 
 QUICK = dict(warmup_steps=40, batches=4, batch_size=2, block_size=64, lr=3e-3)
@@ -82,7 +83,8 @@ def load_or_warm(model, opt, train_ds, args) -> Dict[str, Any]:
 
 
 def run(args) -> Dict[str, Any]:
-    """Measures and scores everything ``args`` (the parsed flags of ``launch/validate_metrics.py``) asks for.
+    """Measures and scores everything ``args`` (the parsed flags of ``launch/validate_metrics.py``) asks for;
+    prints the per-layer table and returns the figures.
 
     Raises:
         ValueError: Too few validation blocks for the batches, or an unusable ``--truth_table``.
@@ -102,6 +104,25 @@ def run(args) -> Dict[str, Any]:
     table = read_truth_table(args.truth_table, fqns) if args.truth_table else None  # fail before the work
 
     t0 = time.perf_counter()
+    measured = measure(model, opt, batches, fqns, args, table)
+    truth, fld_variants, bwd_variants = variants(measured)
+    print_table(measured, truth, fld_variants, bwd_variants)
+    return score(measured, truth, fld_variants, bwd_variants, args, info,
+                 total_seconds=time.perf_counter() - t0 + info["warmup_s"])
+
+
+def measure(model, opt, batches: List[torch.Tensor], fqns: List[str], args, table=None) -> Measured:
+    """The statistics of every estimator and the truths ``args`` asks for, on ``batches``.
+
+    Args:
+        model: The warmed-up model (every linear a BF16 SnipLinear).
+        opt: Its AdamW optimizer, with the warm-up's state.
+        batches: The fixed batches (token ids ``[B, L]`` each).
+        fqns: The layers, in model order.
+        args: The parsed flags (``bwd_rounding``, ``sr_draws``, ``bwd_truth``, ``bwd_truth_per_gemm``,
+            ``fwd_truth``, ``fwd_probes``, ``seed``).
+        table: ``(sym, one, gn, drift)`` read from ``--truth_table``: used instead of measuring FLD and BWD.
+    """
     for _ in range(2):  # one training-step equivalent (fwd + bwd), warm then timed, for the cost figure
         t_step = time.perf_counter()
         loss = lm_loss(model, batches[0])
@@ -116,13 +137,13 @@ def run(args) -> Dict[str, Any]:
                                         seed=args.seed, step=pc.step, bwd_rounding=args.bwd_rounding)
         timing[est] = time.perf_counter() - t
     t = time.perf_counter()
-    if args.truth_table:  # re-score against the truths an earlier run printed (their means only)
+    if table is not None:  # re-score against the truths an earlier run printed (their means only)
         sym, one, gn, drift = table
     else:
         sym, one, gn = fld_truth(model, batches)
     t_fld = time.perf_counter() - t
     t = time.perf_counter()
-    if not args.truth_table:
+    if table is None:
         drift = (bwd_truth(model, opt, batches, rounding=args.bwd_rounding, draws=args.sr_draws)["both"]
                  if args.bwd_truth else None)
     t_bwd = time.perf_counter() - t
@@ -141,83 +162,8 @@ def run(args) -> Dict[str, Any]:
         t = time.perf_counter()
         fwd = fwd_truth(model, opt, batches, probes=args.fwd_probes, seed=args.seed)
         t_fwd = time.perf_counter() - t
-
-    truth_fld = [mean(sym[f]) for f in fqns]
-    truth_one = [mean(one[f]) for f in fqns]
-    truth_gn = [mean(gn[f]) for f in fqns]
-    truth_bwd = [mean(drift[f]) for f in fqns] if drift is not None else [float("nan")] * len(fqns)
-
-    def pred(est: str, key: str) -> List[float]:
-        return [preds[est]["layers"][f][key]["fp4"] for f in fqns]
-
-    main = preds["mc_fisher"]
-    prop_total = [a + b for a, b in zip(pred("mc_fisher", "bwd_drift"), pred("mc_fisher", "bwd_drift_propagated"))]
-    fld_variants = {
-        "mc_fisher": pred("mc_fisher", "fld"), "empirical": pred("empirical", "fld"),
-        "isotropic": pred("isotropic", "fld"), "mc_fisher_channel": pred("mc_fisher", "fld_channel"),
-        "empirical_channel": pred("empirical", "fld_channel"), "isotropic_channel": pred("isotropic", "fld_channel"),
-        "quant_err": pred("mc_fisher", "quant_err"),
-        "rel_quant_err": pred("mc_fisher", "rel_quant_err"), "first_order": pred("mc_fisher", "first_order"),
-        "one_shot_truth": truth_one}
-    bwd_variants = {
-        "direct": pred("mc_fisher", "bwd_drift"), "loss_units_mc_fisher": pred("mc_fisher", "bwd"),
-        "direct_systematic": pred("mc_fisher", "bwd_drift_bias"),
-        "loss_units_empirical": pred("empirical", "bwd"), "direct_plus_propagated": prop_total,
-        "propagated_only": pred("mc_fisher", "bwd_drift_propagated"),
-        "quant_err": pred("mc_fisher", "quant_err"), "rel_quant_err": pred("mc_fisher", "rel_quant_err")}
-
-    per_gemm = per_gemm_figures(split, fqns, preds["mc_fisher"]) if split is not None else None
-
-    # table
-    extra = f" {'wgrad only':>10} {'dgrad only':>10} {'dgrad lin':>10} {'prop pred':>10}" if split else ""
-    extra += f" {'FWD truth':>10} {'FWD pred':>10}" if fwd is not None else ""
-    print(f"{'layer':<34} {'FLD truth':>10} {'GN part':>10} {'FLD mcF':>10} {'mcF chan':>10} {'one-shot':>10} "
-          f"{'BWD truth':>10} {'BWD pred':>10}" + extra)
-    for i, f in enumerate(fqns):
-        row = "".join(f" {mean(split[k][f]):10.3e}" for k in ("wgrad", "dgrad", "dgrad_linears")) if split else ""
-        row += f" {bwd_variants['propagated_only'][i]:10.3e}" if split else ""
-        row += f" {mean(fwd[f]):10.3e} {fwd_pred[i]:10.3e}" if fwd is not None else ""
-        print(f"{f:<34} {truth_fld[i]:10.3e} {truth_gn[i]:10.3e} {fld_variants['mc_fisher'][i]:10.3e} "
-              f"{fld_variants['mc_fisher_channel'][i]:10.3e} {truth_one[i]:10.3e} {truth_bwd[i]:10.3e} "
-              f"{bwd_variants['direct'][i]:10.3e}" + row)
-
-    result = {
-        "spearman_fld": spearman(fld_variants["mc_fisher"], truth_fld),
-        "spearman_bwd": spearman(bwd_variants["direct"], truth_bwd),
-        "repro_fld": split_half(sym), "repro_bwd": split_half(drift) if drift is not None else None, "repro_one_shot": split_half(one),
-        "spearman_fld_gn": spearman(fld_variants["mc_fisher"], truth_gn), "repro_fld_gn": split_half(gn),
-        "fld_variants_vs_gn": {k: spearman(v, truth_gn) for k, v in fld_variants.items() if k != "one_shot_truth"},
-        "gn_share_of_fld_truth": median([a / b for a, b in zip(truth_gn, truth_fld) if b > 0]),
-        "calibration_fld_gn": median([p / t for p, t in zip(fld_variants["mc_fisher"], truth_gn) if t > 0]),
-        "calibration_fld_gn_channel": median([p / t for p, t in zip(fld_variants["mc_fisher_channel"], truth_gn)
-                                               if t > 0]),
-        "spearman_gn_truth_vs_fld_truth": spearman(truth_gn, truth_fld),
-        "fld_variants": {k: spearman(v, truth_fld) for k, v in fld_variants.items()},
-        "bwd_variants": {k: spearman(v, truth_bwd) for k, v in bwd_variants.items()},
-        "calibration_fld": median([p / t for p, t in zip(fld_variants["mc_fisher"], truth_fld) if t > 0]),
-        "calibration_bwd": median([p / t for p, t in zip(bwd_variants["direct"], truth_bwd) if t > 0]),
-        "bwd_rounding": args.bwd_rounding, "sr_draws": args.sr_draws if args.bwd_rounding == "recipe" else 1,
-        "calibration_fld_isotropic": median([p / t for p, t in zip(fld_variants["isotropic"], truth_fld) if t > 0]),
-        "bwd_over_fld": median([b / f for b, f in zip(pred("mc_fisher", "bwd"), fld_variants["mc_fisher"])
-                                 if f > 0]),
-        "layers": len(fqns), "batches": args.batches, "tokens": main["tokens"], "loss": main["loss"],
-        "optimizer_step": pc.step, "step_scale": pc.step_scale, "precond": main["precond"],
-        "alpha": preds["isotropic"].get("alpha"), "quadratic_ratio": preds["isotropic"].get("quadratic_ratio"),
-        "bwd_per_gemm": per_gemm,
-        "fwd": None if fwd is None else {
-            "spearman": spearman(fwd_pred, [mean(fwd[f]) for f in fqns]), "repro": split_half(fwd),
-            "calibration": median([p / mean(fwd[f]) for p, f in zip(fwd_pred, fqns) if mean(fwd[f]) > 0]),
-            "truth_vs_fld_truth": spearman([mean(fwd[f]) for f in fqns], truth_fld),
-            "estimate_vs_fld": spearman(fwd_pred, fld_variants["mc_fisher"]),
-            "truth_over_fld_truth": sum(mean(fwd[f]) for f in fqns) / sum(truth_fld),
-            "probes": args.fwd_probes},
-        "seconds": {"warmup": info["warmup_s"], "collect": timing, "fld_truth": t_fld, "bwd_truth": t_bwd,
-                    "bwd_truth_per_gemm": t_split, "fwd_truth": t_fwd,
-                    "total": time.perf_counter() - t0 + info["warmup_s"]},
-        "collect_step_equivalents": timing["mc_fisher"] / (args.batches * t_step),
-        "checkpoint": info["checkpoint"], "quick": bool(args.quick), "seed": args.seed,
-    }
-    if drift is None:  # --no_bwd_truth: no BWD figure at all rather than ones computed against NaN
-        for key in ("spearman_bwd", "repro_bwd", "bwd_variants", "calibration_bwd"):
-            result[key] = None
-    return result
+    return Measured(fqns=fqns, stats=preds, sym=sym, one=one, gn=gn, drift=drift, split=split, fwd=fwd,
+                    fwd_pred=fwd_pred, optimizer_step=pc.step, step_scale=pc.step_scale,
+                    seconds={"collect": timing, "fld_truth": t_fld, "bwd_truth": t_bwd,
+                             "bwd_truth_per_gemm": t_split, "fwd_truth": t_fwd},
+                    step_seconds=t_step)
