@@ -17,7 +17,7 @@ Plan comparison (``launch/compare_plans.py``):
 
 Metric validation (``launch/validate_metrics.py``):
 
-* :mod:`~snip_ds.experiments.truths` — the measured FLD, BWD and FWD truths per layer;
-* :mod:`~snip_ds.experiments.scores` — rank correlations, reproducibility, calibration, the truth table;
-* :mod:`~snip_ds.experiments.validation` — warm-up, collection, measurement and scoring in one run.
+* :mod:`~snip_ds.experiments.truths` — the measured FLD, BWD and FWD truths per layer, and what a run measured;
+* :mod:`~snip_ds.experiments.scores` — rank correlations, reproducibility, calibration, the per-layer table;
+* :mod:`~snip_ds.experiments.validation` — one run: warm-up, fixed batches, measurement, then scoring.
 """
