@@ -28,7 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 
-import compare_plans as cp  # noqa: E402
+import compare_plans as cp  # noqa: E402  (its flags and defaults)
+from snip_ds.experiments.grid import build  # noqa: E402
+from snip_ds.experiments.plans import collect_phase_stats  # noqa: E402
+from snip_ds.experiments.runs import warm_up  # noqa: E402
+from snip_ds.experiments.training import TrainSettings  # noqa: E402
 
 COLUMNS = {"nearest": ("nearest", "bwd"), "expected": ("recipe", "bwd"), "systematic": ("recipe", "bwd_bias")}
 
@@ -37,18 +41,18 @@ def measure(args) -> dict:
     cargs = cp.parse_args(["--phases", args.phases, "--threads", "1", "--stat_batches", str(args.stat_batches)])
     torch.manual_seed(cargs.seed)
     torch.set_num_threads(1)
-    settings = cp.TrainSettings(lr=cargs.lr, batch_size=cargs.batch_size, lr_warmup_steps=cargs.lr_warmup_steps)
-    model, train_ds, _ = cp.build(cargs)
+    settings = TrainSettings(lr=cargs.lr, batch_size=cargs.batch_size, lr_warmup_steps=cargs.lr_warmup_steps)
+    model, train_ds, _ = build(cargs)
     out = {"phases": cargs.phases, "stat_batches": cargs.stat_batches, "lambda": cargs.lambda_default,
            "layers": {}, "seconds": {}}
     with tempfile.TemporaryDirectory(prefix="bench_bwd_rounding_") as tmp:
-        ckpts = cp.warm_up(model, train_ds, settings, cargs, Path(tmp))
+        ckpts = warm_up(model, train_ds, settings, cargs, Path(tmp))
         for phase, ckpt in ckpts.items():
             stats = {}
             for rounding in ("nearest", "recipe"):
                 cargs.bwd_rounding = rounding
                 t = time.perf_counter()
-                stats[rounding] = cp.collect_phase_stats(model, ckpt, train_ds, settings, cargs)
+                stats[rounding] = collect_phase_stats(model, ckpt, train_ds, settings, cargs)
                 out["seconds"][f"{phase}/{rounding}"] = time.perf_counter() - t
             rows = {}
             for fqn in sorted(stats["nearest"]["layers"]):

@@ -1,4 +1,5 @@
-"""launch/compare_plans.py --quick end to end, and the pieces of snip_ds.compare against hand-computed references."""
+"""launch/compare_plans.py --quick end to end, and the pieces of snip_ds.experiments against hand-computed
+references."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,9 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from snip_ds.compare import (MeanSE, TrainSettings, apply_plan, attainable_share, bf16_forward, evaluate,
-                             load_checkpoint, make_optimizer, mean_se, paired_differences, paired_verdict,
-                             predicted_divergence, save_checkpoint, spearman, train_steps)
+from snip_ds.experiments.grid import KIND_PLANS, parse_phases
+from snip_ds.experiments.paired import MeanSE, mean_se, paired_differences, paired_verdict, spearman
+from snip_ds.experiments.plans import apply_plan, attainable_share, bf16_forward, predicted_divergence
+from snip_ds.experiments.report import _target_cell, _target_misses
+from snip_ds.experiments.results import merge_results, versus_data
+from snip_ds.experiments.runs import run_settings
+from snip_ds.experiments.summary import kind_calibration, objective_ranking, summarize, target_checks, versus_rows
+from snip_ds.experiments.training import (TrainSettings, evaluate, load_checkpoint, make_optimizer, save_checkpoint,
+                                          train_steps)
 from snip_ds.plan import Plan
 from snip_ds.swap import snip_layers, swap_linears
 
@@ -155,9 +162,9 @@ def test_lr_decay_reaches_the_runs_and_blocks_merging(quick_run, tmp_path):
     assert fp8(data)["train_losses"][0] == fp8(default)["train_losses"][0]  # same first step (lr not decayed yet)
     assert fp8(data)["val_loss"] != fp8(default)["val_loss"]
     with pytest.raises(ValueError, match="lr_decay"):
-        mod.merge_results([str(quick_run), str(out)])
+        merge_results([str(quick_run), str(out)])
     with pytest.raises(ValueError, match="lr_decay"):
-        mod.merge_results([str(out), str(quick_run)])
+        merge_results([str(out), str(quick_run)])
 
 
 def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
@@ -181,14 +188,14 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
     fp8 = [next(r["val_loss"] for r in d["records"] if r["method"] == "uniform_fp8") for d in (data, default)]
     assert fp8[0] == fp8[1]
     with pytest.raises(ValueError, match="per_gemm"):
-        mod.merge_results([str(quick_run), str(out)])
+        merge_results([str(quick_run), str(out)])
 
     # --versus: the per-GEMM grid against the per-layer one, paired by cell
     assert mod.main(["--report_only", "--output_dir", str(out), "--versus", str(quick_run), "--silent"]) == 0
     md = (out / "compare_plans.md").read_text()
     assert f"## Against the grid in `{quick_run}` (plans solved per layer)" in md
     merged = json.loads((out / "compare_plans.json").read_text())
-    rows = {(r["phase"], r["label"]): r for r in mod.versus_rows(merged["records"], merged["versus"]["records"])}
+    rows = {(r["phase"], r["label"]): r for r in versus_rows(merged["records"], merged["versus"]["records"])}
 
     def val(d, label, key="val_loss"):
         return next(r[key] for r in d["records"] if r["label"] == label)
@@ -201,23 +208,23 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
     # ... so its targets take the random plans from the versus grid, and say so (†)
     targets = md.split("## Targets")[1].split("## Gaps")[0]
     assert "† |" in targets and f"the baseline ran in the `--versus` grid(s) (`{quick_run}`)" in targets
-    [check] = mod.target_checks(mod.summarize(merged["records"], 2.0), merged["records"], merged["versus"]["records"])
+    [check] = target_checks(summarize(merged["records"], 2.0), merged["records"], merged["versus"]["records"])
     assert check["random"]["source"] == "versus" and check["quant_err"]["source"] == "this grid"
     assert check["random"]["diff"].mean == pytest.approx(val(data, "best λ=2") - val(default, "random#0"), abs=1e-12)
     # several grids join; one named twice is refused; a bit-identical rerun of a run counts once; a run held
     # by two grids with another result is refused
     with pytest.raises(ValueError, match="names .* twice"):
-        mod.versus_data(data, [str(quick_run), str(quick_run)])
+        versus_data(data, [str(quick_run), str(quick_run)])
     rerun = tmp_path / "rerun"
     rerun.mkdir()
     (rerun / "compare_plans.json").write_text((quick_run / "compare_plans.json").read_text())
-    joined = mod.versus_data(data, [str(quick_run), str(rerun)])
-    assert joined["records"] == mod.versus_data(data, [str(quick_run)])["records"]
+    joined = versus_data(data, [str(quick_run), str(rerun)])
+    assert joined["records"] == versus_data(data, [str(quick_run)])["records"]
     again = json.loads((quick_run / "compare_plans.json").read_text())
     next(r for r in again["records"] if r["method"] == "quant_err")["val_loss"] += 1e-6
     (rerun / "compare_plans.json").write_text(json.dumps(again))
     with pytest.raises(ValueError, match="quant_err .* with another plan or result"):
-        mod.versus_data(data, [str(quick_run), str(rerun)])
+        versus_data(data, [str(quick_run), str(rerun)])
     assert mod.main(["--report_only", "--output_dir", str(out), "--silent"]) == 0  # kept when re-rendered
     assert "## Against the grid in" in (out / "compare_plans.md").read_text()
     other = tmp_path / "other"
@@ -226,11 +233,11 @@ def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
     next(r for r in changed["records"] if r["method"] == "uniform_fp8")["val_loss"] += 1e-6
     (other / "compare_plans.json").write_text(json.dumps(changed))
     with pytest.raises(ValueError, match="uniform FP8 ended differently"):
-        mod.versus_data(data, str(other))
+        versus_data(data, str(other))
     changed["settings"]["lr"] = 1.0
     (other / "compare_plans.json").write_text(json.dumps(changed))
     with pytest.raises(ValueError, match="settings differ in lr"):
-        mod.versus_data(data, str(other))
+        versus_data(data, str(other))
     with pytest.raises(SystemExit):
         mod.parse_args(["--versus", str(quick_run)])  # needs --report_only
 
@@ -239,7 +246,7 @@ def test_gemm_kind_plans(quick_run, tmp_path):
     """fp4_<kind>: that GEMM kind in FP4 in every layer and the rest in FP8, run, recorded and reported; opt-in
     (the default grid has none); the uniform FP8 run is the default grid's, bit for bit."""
     mod = _script()
-    assert not set(mod.KIND_PLANS) & set(mod.parse_args([]).methods)
+    assert not set(KIND_PLANS) & set(mod.parse_args([]).methods)
     out = tmp_path / "kinds"
     assert mod.main(["--quick", "--methods", "fp4_fprop,fp4_dgrad,fp4_wgrad,fp4_backward", "--output_dir", str(out),
                      "--silent"]) == 0
@@ -272,7 +279,6 @@ def test_gemm_kind_plans(quick_run, tmp_path):
 
 def test_kind_calibration_by_hand():
     """λ = (gap backward / gap fprop) · ΔFLD / ΔBWD, with the gaps paired per cell."""
-    mod = _script()
 
     def rec(label, seed, val, fld, bwd, phase="early"):
         return dict(label=label, method=label, rho=None, phase=phase, seed=seed, warmup_steps=1, val_loss=val,
@@ -282,7 +288,7 @@ def test_kind_calibration_by_hand():
                rec("fp4_backward", 0, 2.0005, 1.0, 0.9), rec("fp4_backward", 1, 3.0001, 1.0, 0.9),
                rec("uniform_fp8", 0, 1.0, 1.0, 0.5, "late"), rec("fp4_fprop", 0, 1.001, 9.0, 0.5, "late"),
                rec("fp4_backward", 0, 0.999, 1.0, 0.9, "late")]
-    out = {k["phase"]: k for k in mod.kind_calibration(records, ["early", "late"])}
+    out = {k["phase"]: k for k in kind_calibration(records, ["early", "late"])}
     early = out["early"]
     assert early["gap_fprop"].mean == pytest.approx(0.003) and early["gap_backward"].mean == pytest.approx(0.0003)
     assert early["d_fld"] == pytest.approx(8.0) and early["d_bwd"] == pytest.approx(0.4)
@@ -290,12 +296,12 @@ def test_kind_calibration_by_hand():
     se = math.sqrt(((0.0005 - 0.0003) ** 2 + (0.0001 - 0.0003) ** 2) / 1) / math.sqrt(2)
     assert early["lam_2se"] == pytest.approx((0.0003 + 2 * se) / 0.003 * 8.0 / 0.4)
     assert out["late"]["lam"] is None  # the backward's gap is negative: no ratio to match
-    assert mod.kind_calibration([r for r in records if r["label"] != "fp4_backward"], ["early"]) == []
+    assert kind_calibration([r for r in records if r["label"] != "fp4_backward"], ["early"]) == []
     # with FWD priced (--forward_drift) the fprop plan carries a drift too: λ = r·ΔFLD / (ΔBWD − r·ΔFWD)
     for r in records:
         if r["label"] == "fp4_fprop":
             r["predicted_bwd"] = 0.5 + 1.0  # ΔFWD = 1
-    early = {k["phase"]: k for k in mod.kind_calibration(records, ["early"])}["early"]
+    early = {k["phase"]: k for k in kind_calibration(records, ["early"])}["early"]
     assert early["d_fwd"] == pytest.approx(1.0)
     r = 0.1
     assert early["lam"] == pytest.approx(r * 8.0 / (0.4 - r * 1.0))
@@ -304,7 +310,7 @@ def test_kind_calibration_by_hand():
     for r in records:
         if r["label"] == "fp4_fprop":
             r["predicted_bwd"] = 0.5 + 5.0  # r·ΔFWD = 0.5 > ΔBWD: no positive λ matches the ratio
-    assert {k["phase"]: k for k in mod.kind_calibration(records, ["early"])}["early"]["lam"] is None
+    assert {k["phase"]: k for k in kind_calibration(records, ["early"])}["early"]["lam"] is None
 
 
 def test_predicted_divergence_per_layer_and_per_gemm():
@@ -352,15 +358,14 @@ def test_bad_arguments(tmp_path, capsys):
 
 
 def test_parse_phases():
-    mod = _script()
-    assert mod.parse_phases("100,400") == {"early": 100, "late": 400}
-    assert mod.parse_phases("late:400") == {"late": 400}
+    assert parse_phases("100,400") == {"early": 100, "late": 400}
+    assert parse_phases("late:400") == {"late": 400}
     with pytest.raises(ValueError, match="phases"):
-        mod.parse_phases("a:x")
+        parse_phases("a:x")
 
 
 # --------------------------------------------------------------------------------------------------------
-# snip_ds.compare
+# snip_ds.experiments
 # --------------------------------------------------------------------------------------------------------
 def test_mean_se_reference():
     ms = mean_se([1.0, 2.0, 4.0])
@@ -414,14 +419,13 @@ def _cell_records(values: dict, phase="early", rho=0.5, start=0):
 def test_target_checks_by_hand():
     """SNIP − each baseline paired per cell, the baseline's room to FP8, the verdicts and the targets, with a
     baseline taken from the --versus grid where this grid did not run it."""
-    mod = _script()
     fp8 = [2.0, 3.0, 4.0, 5.0]
     here = _cell_records({"uniform_fp8": fp8, "best λ=2": [2.001, 3.001, 4.001, 5.001],
                           "random#0": [2.004, 3.003, 4.005, 5.004], "random#1": [2.002, 3.003, 4.003, 5.004],
                           "quant_err": [2.0015, 3.0005, 4.002, 5.0]}, rho=0.75)
     other = _cell_records({"rel_quant_err": [2.001, 3.002, 4.000, 5.0015]}, rho=0.75)
     summary = dict(snip_label="best λ=2", phases=["early"], rhos=[0.75])
-    [c] = mod.target_checks(summary, here, other)
+    [c] = target_checks(summary, here, other)
     rnd = c["random"]
     assert rnd["source"] == "this grid" and rnd["diff"].n == 4
     assert rnd["diff"].mean == pytest.approx(mean_se([-0.002, -0.002, -0.003, -0.003]).mean)
@@ -436,43 +440,43 @@ def test_target_checks_by_hand():
     assert c["met"] is (qe["below"] and rq["below"])
     # SNIP above quant_err in the mean: the target is not met, and the report says which comparison misses
     here_miss = [dict(r, val_loss=r["val_loss"] + 0.0005) if r["label"] == "best λ=2" else r for r in here]
-    [c] = mod.target_checks(summary, here_miss, other)
+    [c] = target_checks(summary, here_miss, other)
     assert c["quant_err"]["below"] is False and c["met"] is False
     assert c["quant_err"]["resolved"] is False and c["ties_only"] is True  # a tie, not a loss
     better_qe = [dict(r, val_loss=r["val_loss"] - 0.003) if r["label"] == "quant_err" else r for r in here]
-    [c] = mod.target_checks(summary, better_qe, other)
+    [c] = target_checks(summary, better_qe, other)
     assert c["random"]["below"] and c["random"]["resolved"]  # random's target still met ...
     assert c["quant_err"]["resolved"] is True and c["ties_only"] is False  # ... but quant_err wins resolvably
-    misses = mod._target_misses([c])
+    misses = _target_misses([c])
     assert any(line.startswith("- early ρ 0.75, SNIP − quant_err:") for line in misses)
     # a baseline this grid ran in some cells only: the versus grid's runs fill the other cells
     part = [r for r in here if not (r["label"] == "quant_err" and r["seed"] >= 2)]
     extra = [dict(r, val_loss=r["val_loss"] + 1.0) for r in here if r["label"] == "quant_err"]
-    [c] = mod.target_checks(summary, part, other + extra)
+    [c] = target_checks(summary, part, other + extra)
     assert c["quant_err"]["source"] == "both" and c["quant_err"]["diff"].n == 4
     assert c["quant_err"]["diff"].mean == pytest.approx(mean_se([-0.0005, 0.0005, -1.001, -0.999]).mean)
-    assert mod._target_cell(c, "quant_err").endswith(" ‡")
+    assert _target_cell(c, "quant_err").endswith(" ‡")
     # a mean that is all but 0 would need an absurd number of cells: the report says so instead of a number
     tiny = MeanSE(1e-9, 3e-4, 12)
-    line = mod._target_misses([dict(phase="early", rho=0.5, random=None, rel_quant_err=None, quant_err=dict(
+    line = _target_misses([dict(phase="early", rho=0.5, random=None, rel_quant_err=None, quant_err=dict(
         diff=tiny, room=MeanSE(2e-3, 3e-4, 12), source="this grid", **paired_verdict(tiny, MeanSE(2e-3, 3e-4, 12))))])
     assert len(line) == 1 and "only at over 100 times these cells" in line[0] and ", a tie;" in line[0]
     # without the versus grid, rel_quant_err is unknown and so is the verdict
-    [c] = mod.target_checks(summary, here)
+    [c] = target_checks(summary, here)
     assert c["rel_quant_err"] is None and c["met"] is None
     # at ρ ≥ 0.75 SNIP must beat random by more than 2 SE: a noisy win below random is not enough
     noisy = _cell_records({"uniform_fp8": fp8, "best λ=2": [2.001, 3.006, 4.0, 5.001],
                            "random#0": [2.004, 3.0, 4.003, 5.002], "quant_err": [2.01] * 1 + [3.01, 4.01, 5.01],
                            "rel_quant_err": [2.01, 3.01, 4.01, 5.01]}, rho=0.75)
-    [c] = mod.target_checks(summary, noisy)
+    [c] = target_checks(summary, noisy)
     assert c["random"]["below"] and not c["random"]["resolved"] and c["met"] is False
     assert c["ties_only"] is False  # random must be beaten by 2 SE at ρ ≥ 0.75: a tie there is a miss
-    assert "(not resolved)" in mod._target_cell(c, "random")
+    assert "(not resolved)" in _target_cell(c, "random")
     # a baseline that solved SNIP's own plan: every difference exactly 0
     same = _cell_records({"uniform_fp8": fp8, "best λ=2": [2.001] * 4, "quant_err": [2.001] * 4,
                           "random#0": [2.01] * 4, "rel_quant_err": [2.01] * 4}, rho=0.5)
-    [c] = mod.target_checks(dict(summary, rhos=[0.5]), same)
-    assert "(the same plan)" in mod._target_cell(c, "quant_err") and c["met"] is False
+    [c] = target_checks(dict(summary, rhos=[0.5]), same)
+    assert "(the same plan)" in _target_cell(c, "quant_err") and c["met"] is False
 
 
 def test_merge_adds_seeds_to_a_phase(quick_run, tmp_path):
@@ -495,12 +499,12 @@ def test_merge_adds_seeds_to_a_phase(quick_run, tmp_path):
         return str(out)
 
     more = part("more")
-    merged = mod.merge_results([str(quick_run), more])
+    merged = merge_results([str(quick_run), more])
     assert merged["settings"]["seeds"] == [0, 7] and merged["settings"]["lambdas"] == [1.0, 2.0, 1000.0]
     assert merged["settings"]["phases"] == base["settings"]["phases"]
     assert len(merged["records"]) == len(base["records"]) + 3  # fp8, SNIP at λ 2 and quant_err of seed 7
     assert len(merged["plans"]["early"]) == len(base["plans"]["early"])
-    summary = mod.summarize(merged["records"], 2.0)
+    summary = summarize(merged["records"], 2.0)
     row = {(r["phase"], r["label"]): r for r in summary["rows"]}
     assert row[("early", "best λ=2")]["vs_fp8_q"].n == 2 and row[("early", "random")]["vs_fp8_q"].n == 1
     # the report renders from the merged grid
@@ -508,10 +512,10 @@ def test_merge_adds_seeds_to_a_phase(quick_run, tmp_path):
                      "--silent"]) == 0
     assert "seeds [0, 7]" in (tmp_path / "m" / "compare_plans.md").read_text()
     with pytest.raises(ValueError, match="appear in an earlier part"):
-        mod.merge_results([str(quick_run), str(quick_run)])
+        merge_results([str(quick_run), str(quick_run)])
     late = part("warm", edit_settings=lambda st: st["phases"].update(early=31))
     with pytest.raises(ValueError, match="warm.*phase 'early' warmed up 31 steps"):
-        mod.merge_results([str(quick_run), late])
+        merge_results([str(quick_run), late])
 
     def other_plan(plans):
         p = next(p for p in plans["early"] if p["label"] == "quant_err")
@@ -519,10 +523,10 @@ def test_merge_adds_seeds_to_a_phase(quick_run, tmp_path):
         p["assignment"][fqn] = "fp8" if p["assignment"][fqn] == "fp4" else "fp4"
     changed = part("changed", edit_plans=other_plan)
     with pytest.raises(ValueError, match="changed.*another quant_err plan at rho 0.5"):
-        mod.merge_results([str(quick_run), changed])
+        merge_results([str(quick_run), changed])
     steps = part("steps", edit_settings=lambda st: st.update(steps=99))
     with pytest.raises(ValueError, match="settings differ .* in steps"):
-        mod.merge_results([str(quick_run), steps])
+        merge_results([str(quick_run), steps])
 
 
 def test_report_lambda_override(quick_run, tmp_path, capsys):
@@ -554,14 +558,13 @@ def test_spearman_against_scipy():
 
 
 def test_objective_ranking_reads_the_records():
-    mod = _script()
     recs = []
     for seed in (0, 1):
         for i, (fld, bwd) in enumerate([(1e-4, 1e-3), (2e-4, 2e-3), (3e-4, 4e-3), (1e-5, 5e-3)]):
             gap = [1.0, 2.0, 3.0, 4.0][i] + 0.1 * seed  # the outcome follows BWD, not FLD
             recs.append(dict(phase="late", rho=0.5, seed=seed, plan_digest=f"p{i}", predicted_fld=fld,
                              predicted_bwd=bwd, gap_to_fp8=gap))
-    [row] = mod.objective_ranking(recs, ["late"], [0.5], lam=100.0)
+    [row] = objective_ranking(recs, ["late"], [0.5], lam=100.0)
     assert row["plans"] == 4 and row["obj"] == pytest.approx(1.0) and row["bwd"] == pytest.approx(1.0)
     assert row["fld"] == pytest.approx(spearman([1, 2, 3, 0.1], [1, 2, 3, 4]))
     assert row["obj_within_rho"] == pytest.approx(1.0)
@@ -589,9 +592,9 @@ def test_train_settings_validation():
     for bad in (dict(decay_start=5, decay_steps=0), dict(decay_start=-1, decay_steps=3)):
         with pytest.raises(ValueError, match="decay"):
             TrainSettings(**bad)
-    run = _script().run_settings(s, warmup_steps=100, steps=4, lr_decay="linear")
+    run = run_settings(s, warmup_steps=100, steps=4, lr_decay="linear")
     assert [run.lr_at(100 + i) for i in range(4)] == [1.0, 0.75, 0.5, 0.25]
-    assert _script().run_settings(s, warmup_steps=100, steps=4, lr_decay="none") is s
+    assert run_settings(s, warmup_steps=100, steps=4, lr_decay="none") is s
 
 
 class _TinyLM(nn.Module):
@@ -694,7 +697,7 @@ def test_dgrad_upstream_grid_against_a_split_grid(tmp_path):
 
     def val(d, label):
         return next(r["val_loss"] for r in d["records"] if r["label"] == label)
-    cross = {(r["phase"], r["label"]): r for r in mod.versus_rows(data["records"], other["records"], "best λ=30")}
+    cross = {(r["phase"], r["label"]): r for r in versus_rows(data["records"], other["records"], "best λ=30")}
     for label in ("best λ=30", "quant_err"):
         assert cross[("early", label)]["q"].mean == pytest.approx(val(data, "best λ=30") - val(other, label),
                                                                  abs=1e-12)

@@ -1,10 +1,14 @@
-"""launch/validate_metrics.py --quick: the JSON line's keys and value ranges; argument errors."""
+"""launch/validate_metrics.py --quick: the JSON line's keys and value ranges; argument errors; the per-GEMM
+truths of snip_ds.experiments.truths."""
 import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+
+from snip_ds.experiments.truths import bwd_truth
+from snip_ds.experiments.validation import CKPT_MODEL, CKPT_OPT, build, warm_up
 
 _PATH = Path(__file__).resolve().parents[1] / "launch" / "validate_metrics.py"
 
@@ -43,7 +47,7 @@ def test_quick_run_prints_table_then_json(vm, capsys, tmp_path):
     assert out["repro_bwd"] > 0.5 and 0.1 < out["calibration_bwd"] < 10
     assert out["layers"] == 14 and out["precond"] == "tensor" and out["optimizer_step"] == 40
     assert all(math.isfinite(v) for v in out["seconds"]["collect"].values())
-    assert (ckpt / vm.CKPT_MODEL).is_file() and (ckpt / vm.CKPT_OPT).is_file()
+    assert (ckpt / CKPT_MODEL).is_file() and (ckpt / CKPT_OPT).is_file()
     # a second (shorter) run reuses the checkpoint: model and optimizer state come back
     assert vm.main(["--quick", "--checkpoint", str(ckpt), "--batches", "2", "--warmup_steps", "0"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -71,11 +75,11 @@ def test_per_gemm_truths_land_where_each_gemm_acts(vm, capsys, tmp_path):
     import torch
     args = vm.parse_args(["--quick", "--batches", "2", "--warmup_steps", "5"])
     torch.manual_seed(0)
-    model, train_ds, val_ds = vm.build(args)
+    model, train_ds, val_ds = build(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    vm.warm_up(model, opt, train_ds, args)
+    warm_up(model, opt, train_ds, args)
     batches = [val_ds.get_batch([0, 1])["input_ids"]]
-    split = vm.bwd_truth(model, opt, batches, ("wgrad", "dgrad"))
+    split = bwd_truth(model, opt, batches, ("wgrad", "dgrad"))
     first, last = "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"
     assert split["dgrad_linears"][first] == [0.0] and split["dgrad"][first][0] > 0  # the embedding moved
     assert split["wgrad"][first][0] > 0 and split["dgrad_linears"][last][0] > 0
