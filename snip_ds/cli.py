@@ -19,8 +19,9 @@ import warnings
 from typing import Sequence
 
 from snip_ds.artifacts import load_plan, load_stats
-from snip_ds.plan import GEMMS, PRECISIONS, Plan
-from snip_ds.planner import BWD_ESTIMATES, DGRAD_COSTS, METHODS, block_index, solve_baseline
+from snip_ds.plan import Plan
+from snip_ds.planner import BWD_ESTIMATES, DGRAD_COSTS, METHODS, solve_baseline
+from snip_ds.types import GEMMS, PRECISIONS, block_index
 
 # Column order and headers for the Llama decoder block; other layer names get their own columns after these.
 _LLAMA_COLUMNS = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o"),

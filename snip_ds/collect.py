@@ -61,11 +61,10 @@ from snip_ds.backend import get_backend
 from snip_ds.config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
 from snip_ds.fileio import atomic_write_text
 from snip_ds.linear import SnipLinear
-from snip_ds.plan import OPERANDS
 from snip_ds.swap import snip_layers
+from snip_ds.types import OPERANDS, QUANTIZED, block_index
 
 STATS_FORMAT = "snip_ds.stats/1"
-QUANTIZED = ("fp8", "fp4")
 ISO_DELTA = 0.02  # δ of the isotropic ablation's forward-noise passes, relative to rms(z)
 PRICE_TOKENS_MIN = 256  # tokens that price stochastic rounding's noise: at least this many (all, if fewer)
 FWD_STEP = 3e-4  # forward_drift's finite difference: the weight perturbation's norm relative to the weights'
@@ -255,7 +254,6 @@ class _Collector:
                 h.remove()
 
     def _last_block(self) -> nn.Module:
-        from snip_ds.swap import block_index
         last = max(self.layers, key=block_index)
         prefix = last[: last.index(f"layers.{block_index(last)}") + len(f"layers.{block_index(last)}")]
         return self.model.get_submodule(prefix)

@@ -18,7 +18,7 @@ from torch import nn
 
 from snip_ds.backend import layer_backends
 from snip_ds.config import QuantConfig
-from snip_ds.precision import GemmPrecision, LayerPrecision
+from snip_ds.types import GemmPrecision, LayerPrecision
 
 
 class _QuantizedLinearFn(torch.autograd.Function):

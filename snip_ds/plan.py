@@ -21,13 +21,9 @@ import os
 from types import MappingProxyType
 
 from snip_ds.fileio import atomic_write_text
+from snip_ds.types import GEMMS, PRECISIONS
 from typing import Any, Iterable, Mapping
 
-PRECISIONS = ("bf16", "fp8", "fp4")
-GEMMS = ("fprop", "dgrad", "wgrad")
-# The operands of a linear Y = X·Wᵀ (x: input, w: weight, g: output gradient) and which two each GEMM quantizes.
-OPERANDS = ("x", "w", "g")
-GEMM_OPERANDS = {"fprop": ("x", "w"), "dgrad": ("g", "w"), "wgrad": ("g", "x")}
 PLAN_FORMAT = "snip_ds.plan/1"
 
 # How many leading / trailing names an error message lists before it only gives a count.

@@ -34,13 +34,14 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import mip
 
-from snip_ds.plan import GEMM_OPERANDS, GEMMS, OPERANDS, PRECISIONS, Plan, fp4_share, _listed
+from snip_ds.plan import Plan, fp4_share, _listed
+from snip_ds.types import GEMM_OPERANDS, GEMMS, OPERANDS, PRECISIONS, QUANTIZED, block_index
 
 # Relative cost of one GEMM FLOP per precision (BF16 = 1): tensor-core throughput doubles per halving of
 # the operand width. Used only for the optional compute-budget constraint.
 GEMM_COST = {"bf16": 1.0, "fp8": 0.5, "fp4": 0.25}
 
-DEFAULT_ALLOWED = ("fp8", "fp4")
+DEFAULT_ALLOWED = QUANTIZED
 METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
 STATS_FORMAT = "snip_ds.stats/1"
 
@@ -58,18 +59,6 @@ Unit = Any  # fqn (per-layer) or (fqn, gemm) (per-GEMM)
 # --------------------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------------------
-def block_index(fqn: str) -> int:
-    """Decoder-block index of a layer: the first all-digit component of its fqn.
-
-    >>> block_index("model.layers.3.self_attn.q_proj")
-    3
-    """
-    for part in fqn.split("."):
-        if part.isdigit():
-            return int(part)
-    raise ValueError(f"layer {fqn!r} has no block index (no all-digit component in its name)")
-
-
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from snip_ds.config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS, QuantConfig
-from snip_ds.precision import PRECISIONS
+from snip_ds.types import PRECISIONS
 
 PLAN_KINDS = PRECISIONS + ("adaptive",)
 DGRAD_COSTS = ("split", "upstream")  # snip_ds.planner.DGRAD_COSTS (this module imports no planner)

@@ -6,7 +6,8 @@ import pytest
 
 from snip_ds.cli import main, render_plan
 from snip_ds.plan import Plan, fp4_share
-from snip_ds.planner import block_index, costs_from_stats, solve_plan
+from snip_ds.planner import costs_from_stats, solve_plan
+from snip_ds.types import block_index
 
 NAMES = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
          ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))

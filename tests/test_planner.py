@@ -9,9 +9,10 @@ import mip
 import pytest
 
 import snip_ds.planner as planner
-from snip_ds.plan import GEMMS, fp4_share
-from snip_ds.planner import (GEMM_COST, METHODS, block_index, costs_from_stats, load_stats, quant_err_costs,
-                             solve_baseline, solve_plan, validate_stats)
+from snip_ds.plan import fp4_share
+from snip_ds.planner import (GEMM_COST, METHODS, costs_from_stats, load_stats, quant_err_costs, solve_baseline,
+                             solve_plan, validate_stats)
+from snip_ds.types import GEMMS, block_index
 
 TOL = 1e-9  # FP64 FLOP shares: sums of ≤ 36 terms err by ≤ 36·2^-53 ≈ 4e-15; 1e-9 only absorbs that
 NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -360,13 +361,6 @@ def make_stats(n_blocks=3, seed=0, lam=10.0):
             layers[f"model.layers.{b}.{part}.{name}"] = rec
     return {"format": "snip_ds.stats/1", "step": 100, "lr": 3e-4, "world_size": 2, "estimator": "mc_fisher",
             "lambda": lam, "layers": layers}
-
-
-def test_block_index():
-    assert block_index("model.layers.3.self_attn.q_proj") == 3
-    assert block_index("transformer.h.17.mlp.c_fc") == 17
-    with pytest.raises(ValueError, match="no block index"):
-        block_index("lm_head")
 
 
 def test_costs_from_stats_formula_and_lambda_default():

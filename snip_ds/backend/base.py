@@ -29,7 +29,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 
 from snip_ds.config import BACKENDS, QuantConfig
-from snip_ds.precision import GemmPrecision
+from snip_ds.types import GemmPrecision
 
 log = logging.getLogger("snip_ds.backend")
 

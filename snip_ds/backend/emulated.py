@@ -15,6 +15,7 @@ import torch
 
 from snip_ds.backend.base import GemmBackend
 from snip_ds.config import QuantConfig
+from snip_ds.types import GEMM_OPERAND_AXES, GEMM_OPERANDS, GEMMS
 from snip_ds.quant import (QuantParts, fake_quantize, get_recipe, hadamard_transform, quantize_parts, random_signs,
                            stochastic_moments)
 
@@ -248,19 +249,19 @@ def _hadamard_pair(g: torch.Tensor, x: torch.Tensor,
 
 
 # Operand roles and quantization axes of each GEMM: (role, axis) of the first and the second operand.
-GEMM_OPERANDS = {"fprop": (("x", -1), ("w", -1)), "dgrad": (("g", -1), ("w", 0)), "wgrad": (("g", 0), ("x", 0))}
+OPERAND_ROLES_AXES = {g: tuple(zip(GEMM_OPERANDS[g], GEMM_OPERAND_AXES[g])) for g in GEMMS}
 
 
 def reference_operands(gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig,
                        generator: Optional[torch.Generator] = None) -> Tuple[QuantParts, QuantParts]:
     """The reference split of ``gemm``'s quantized operands (see :meth:`EmulatedBackend.quantized_operands`);
     at ``bf16`` the operands in FP32 with a tensor scale of 1."""
-    if gemm not in GEMM_OPERANDS:
-        raise ValueError(f"gemm: unknown GEMM {gemm!r}; valid: {', '.join(GEMM_OPERANDS)}")
+    if gemm not in OPERAND_ROLES_AXES:
+        raise ValueError(f"gemm: unknown GEMM {gemm!r}; valid: {', '.join(GEMMS)}")
     if gemm == "wgrad" and precision == "fp4" and cfg.hadamard:
         a, b = _hadamard_pair(a, b, generator)
     out = []
-    for t, (role, axis) in zip((a, b), GEMM_OPERANDS[gemm]):
+    for t, (role, axis) in zip((a, b), OPERAND_ROLES_AXES[gemm]):
         if precision == "bf16":
             out.append(QuantParts(_fp32(t).clone(), torch.ones((), dtype=torch.float32, device=t.device)))
             continue

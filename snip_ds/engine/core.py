@@ -19,7 +19,8 @@ from snip_ds.engine import checkpoint as ckpt
 from snip_ds.metrics import NullLogger, precision_map_image
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.snip_config import SnipSettings, parse_snip_section
-from snip_ds.swap import LayerInfo, block_index, snip_layers, swap_linears
+from snip_ds.swap import LayerInfo, snip_layers, swap_linears
+from snip_ds.types import block_index
 
 
 def _free_port() -> int:
