@@ -25,7 +25,7 @@ scalars per layer are all-reduced, whatever the model's width):
 
 The statistics of all batches are packed into one flat tensor and summed across data-parallel ranks with a
 single call of ``reduce``; then :mod:`snip_ds.divergence` turns them into the artifact that
-:func:`snip_ds.planner.load_stats` reads.
+:func:`snip_ds.stats.artifact.load_stats` reads.
 
 Distributed conventions (exact for one rank; for several, rank-local quantization errors are taken as
 independent, so the error of the averaged gradient has ``1/W`` of a rank's squared norm):
@@ -45,9 +45,7 @@ after it re-gathers it for backward.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -59,12 +57,11 @@ from torch import nn
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
 from snip_ds.config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
-from snip_ds.fileio import atomic_write_text
 from snip_ds.linear import SnipLinear
+from snip_ds.stats.artifact import clean_layer, stats_header
 from snip_ds.swap import snip_layers
 from snip_ds.types import OPERANDS, QUANTIZED, block_index
 
-STATS_FORMAT = "snip_ds.stats/1"
 ISO_DELTA = 0.02  # δ of the isotropic ablation's forward-noise passes, relative to rms(z)
 PRICE_TOKENS_MIN = 256  # tokens that price stochastic rounding's noise: at least this many (all, if fewer)
 FWD_STEP = 3e-4  # forward_drift's finite difference: the weight perturbation's norm relative to the weights'
@@ -801,14 +798,11 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
     callable_mode = "callable" in col.sources
     cover = 1.0 if callable_mode else W  # how many times the reduced P-weighted norms cover each element
     eta2 = (lr * step_scale) ** 2
-    out: Dict[str, Any] = {"format": STATS_FORMAT, "step": step, "lr": lr, "world_size": world_size,
-                           "estimator": col.estimator, "num_probes": num_probes, "fld_form": fld_form,
-                           "step_scale": step_scale, "bwd_rounding": bwd_rounding,
-                           "precond": ",".join(sorted(col.sources)) or "none", "batches": n_batches,
-                           "tokens": int(n_tot), "loss": st.get(G, "loss_sum")[0].item() / n_tot, "seed": seed,
-                           "forward_drift": col.forward_drift}
-    if lam is not None:
-        out["lambda"] = float(lam)
+    out = stats_header(step=step, lr=lr, world_size=world_size, estimator=col.estimator, num_probes=num_probes,
+                       fld_form=fld_form, step_scale=step_scale, bwd_rounding=bwd_rounding,
+                       precond=",".join(sorted(col.sources)) or "none", batches=n_batches, tokens=int(n_tot),
+                       loss=st.get(G, "loss_sum")[0].item() / n_tot, seed=seed, forward_drift=col.forward_drift,
+                       lam=lam)
     curvature = 1.0
     if col.estimator == "isotropic":
         count = float(st.get(G, "alpha_count")[0])
@@ -882,7 +876,7 @@ def _finalize(col: _Collector, mods: Dict[str, SnipLinear], n_batches: int, toke
         layers_out[fqn] = rec
     if col.propagated:
         _dgrad_cost(col, layers_out, upstream, eta2, B, W, cover)
-    out["layers"] = {fqn: _clean(rec) for fqn, rec in layers_out.items()}
+    out["layers"] = {fqn: clean_layer(rec) for fqn, rec in layers_out.items()}
     return out
 
 
@@ -909,20 +903,3 @@ def _dgrad_cost(col: _Collector, layers_out: Dict[str, Dict[str, Any]], upstream
         rec["bwd_dgrad"] = cost
 
 
-def _clean(rec: Dict[str, Any]) -> Dict[str, Any]:
-    """Non-finite numbers -> None, and the ``nonfinite`` flag."""
-    nonfinite = False
-    for key, val in rec.items():
-        if isinstance(val, dict):
-            for p, v in val.items():
-                if not math.isfinite(v):
-                    nonfinite = True
-                    val[p] = None
-    rec["nonfinite"] = nonfinite
-    return rec
-
-
-def save_stats(stats: Mapping[str, Any], path: str) -> None:
-    """Writes the artifact as JSON atomically (temporary file in the same directory, then rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write_text(path, json.dumps(stats, indent=1, allow_nan=False))

@@ -24,9 +24,7 @@ This module is pure data: no torch, no torch.distributed.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import time
 import warnings
@@ -43,14 +41,7 @@ GEMM_COST = {"bf16": 1.0, "fp8": 0.5, "fp4": 0.25}
 
 DEFAULT_ALLOWED = QUANTIZED
 METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
-STATS_FORMAT = "snip_ds.stats/1"
 
-# Per-layer fields of a stats file that map precision -> number.
-_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_bias", "bwd_propagated", "bwd_dgrad", "fwd",
-                     "first_order",
-                     "quant_err", "rel_quant_err") + tuple(
-                         f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS)
-_REQUIRED_LAYER_FIELDS = ("flops", "fld", "bwd")
 _SHARE_TOL = 1e-9  # share constraints are checked to this absolute tolerance
 
 Unit = Any  # fqn (per-layer) or (fqn, gemm) (per-GEMM)
@@ -481,67 +472,6 @@ class StatsCosts(NamedTuple):
     pinned: dict   # {fqn: "fp8"} for layers whose statistics are not finite
 
 
-def validate_stats(stats: Any, source: str = "<stats>") -> dict:
-    """Checks a decoded statistics artifact; returns it. Messages name ``source`` and the field."""
-    if not isinstance(stats, Mapping):
-        raise ValueError(f"{source}: statistics must be a JSON object, got {type(stats).__name__}")
-    if stats.get("format") != STATS_FORMAT:
-        raise ValueError(f"{source}: field 'format' is {stats.get('format')!r}; expected {STATS_FORMAT!r}")
-    for field, types in (("step", (int,)), ("world_size", (int,)), ("lr", (int, float)),
-                         ("lambda", (int, float)), ("estimator", (str,))):
-        if field in stats and (not isinstance(stats[field], types) or isinstance(stats[field], bool)):
-            raise ValueError(f"{source}: field '{field}' must be {' or '.join(t.__name__ for t in types)}, "
-                             f"got {stats[field]!r}")
-    layers = stats.get("layers")
-    if not isinstance(layers, Mapping) or not layers:
-        raise ValueError(f"{source}: field 'layers' must be a non-empty object {{fqn: {{...}}}}")
-    for fqn, rec in layers.items():
-        where = f"{source}: layers[{fqn!r}]"
-        if not isinstance(rec, Mapping):
-            raise ValueError(f"{where} must be an object, got {type(rec).__name__}")
-        for field in _REQUIRED_LAYER_FIELDS:
-            if field not in rec:
-                raise ValueError(f"{where} lacks field '{field}'")
-        f = rec["flops"]
-        if not _is_number(f) or not math.isfinite(f) or f <= 0:
-            raise ValueError(f"{where}.flops must be a positive finite number, got {f!r}")
-        for field in _PRECISION_FIELDS:
-            if field not in rec:
-                continue
-            table = rec[field]
-            if not isinstance(table, Mapping):
-                raise ValueError(f"{where}.{field} must be an object {{precision: number}}, got {table!r}")
-            for p, v in table.items():
-                if p not in PRECISIONS:
-                    raise ValueError(f"{where}.{field} has unknown precision {p!r}; valid: {', '.join(PRECISIONS)}")
-                if v is not None and not _is_number(v):
-                    raise ValueError(f"{where}.{field}.{p} must be a number, got {v!r}")
-            if field in ("fld", "bwd"):
-                lacking = [p for p in ("fp8", "fp4") if p not in table]
-                if lacking:
-                    raise ValueError(f"{where}.{field} lacks precision(s) {', '.join(lacking)}")
-        if "nonfinite" in rec and not isinstance(rec["nonfinite"], bool):
-            raise ValueError(f"{where}.nonfinite must be true or false, got {rec['nonfinite']!r}")
-    return dict(stats)
-
-
-def load_stats(path: str) -> dict:
-    """Reads and validates a statistics artifact (``snip_ds.stats/1`` JSON).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: not JSON or a bad field; the message names the file and the field.
-    """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"statistics file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return validate_stats(data, source=path)
-
-
 def _finite(x: Any) -> bool:
     return _is_number(x) and math.isfinite(x)
 
@@ -597,7 +527,7 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
     """SNIP costs C(p) = FLD(p) + λ·BWD(p) from a statistics artifact (SNIP.md sections 3-5).
 
     Args:
-        stats: A validated statistics dict (:func:`load_stats` / :func:`validate_stats`).
+        stats: A validated statistics dict (:func:`snip_ds.stats.artifact.load_stats` / ``validate_stats``).
         lam: λ, the BWD weight; default the artifact's ``"lambda"``.
         per_gemm: Per-GEMM costs: fprop carries FLD; the backward GEMMs as ``dgrad`` says.
         bwd_key: Which backward estimate to use (one of :data:`BWD_KEYS`): ``"bwd"`` (direct, default: the

@@ -9,8 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
-from snip_ds.collect import adam_precond, collect_statistics, save_stats
-from snip_ds.planner import costs_from_stats, load_stats
+from snip_ds.collect import adam_precond, collect_statistics
+from snip_ds.planner import costs_from_stats
+from snip_ds.stats.artifact import load_stats, save_stats
 from snip_ds.swap import snip_layers, swap_linears
 
 LAYER = "model.layers.1.mlp.down_proj"
