@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from snip_ds.plan import Plan
-from snip_ds.planner import DGRAD_COSTS
+from snip_ds.planner.costs import predicted_divergence  # noqa: F401  (the cost model's; imported from here too)
 from snip_ds.swap import snip_layers
 
 CKPT_MODEL, CKPT_OPTIMIZER, CKPT_META = "model.safetensors", "optimizer.pt", "meta.json"
@@ -210,57 +210,6 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: st
     model.load_state_dict(load_file(str(path / CKPT_MODEL)))
     optimizer.load_state_dict(torch.load(path / CKPT_OPTIMIZER, weights_only=True))
     return json.loads((path / CKPT_META).read_text(encoding="utf-8"))
-
-
-def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Mapping[str, Any],
-                         bwd_key: str = "bwd", forward_drift: bool = False,
-                         fwd_weight: Optional[float] = None, dgrad: str = "split",
-                         dgrad_calibration: float = 1.0) -> Tuple[float, float]:
-    """A plan's predicted ``(FLD, BWD)``: the sums over its layers of the statistics at each layer's precision.
-
-    A per-GEMM layer's FLD is its fprop GEMM's. Its BWD is priced as :func:`snip_ds.planner.costs_from_stats`
-    priced the plan: with ``dgrad="split"``, half at the dgrad GEMM's precision and half at the wgrad GEMM's;
-    with ``dgrad="upstream"``, the whole BWD at the wgrad GEMM's precision plus ``bwd_dgrad`` /
-    ``dgrad_calibration`` at the dgrad GEMM's. bf16 and missing (non-finite) values count 0.
-
-    Args:
-        layers: the statistics artifact's ``layers`` (``{fqn: {"fld": {precision: x}, "bwd": {...}}}``).
-        assignment: ``{fqn: precision}`` or ``{fqn: {gemm: precision}}``.
-        bwd_key: which BWD to sum (``"bwd"``, the expected drift, or ``"bwd_bias"``, its systematic part):
-            the one the plans were priced with.
-        forward_drift: add each layer's ``fwd`` at its fprop precision to the second number (the plan's
-            predicted drift in loss units, the part λ multiplies), as plans priced with FWD were.
-        fwd_weight: with ``forward_drift``, FWD's own weight μ (plans priced FLD + μ·FWD + λ·BWD): μ·FWD then
-            joins the first number instead, so that FLD + λ·BWD stays the objective.
-        dgrad: how per-GEMM plans priced dgrad, one of :data:`snip_ds.planner.DGRAD_COSTS` (the planner's
-            ``dgrad``).
-        dgrad_calibration: with ``dgrad="upstream"``, what ``bwd_dgrad`` was divided by.
-    """
-    if dgrad not in DGRAD_COSTS:
-        raise ValueError(f"dgrad must be one of {', '.join(DGRAD_COSTS)}, got {dgrad!r}")
-    def at(table: Mapping[str, Any], precision: str) -> float:
-        value = None if precision == "bf16" else table.get(precision)
-        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
-
-    fld = bwd = 0.0
-    for fqn, value in assignment.items():
-        rec = layers[fqn]
-        if isinstance(value, str):
-            fld += at(rec["fld"], value)
-            bwd += at(rec[bwd_key], value)
-        else:
-            fld += at(rec["fld"], value["fprop"])
-            if dgrad == "split":
-                bwd += 0.5 * (at(rec[bwd_key], value["dgrad"]) + at(rec[bwd_key], value["wgrad"]))
-            else:
-                bwd += at(rec[bwd_key], value["wgrad"]) + at(rec["bwd_dgrad"], value["dgrad"]) / dgrad_calibration
-        if forward_drift:
-            fwd = at(rec["fwd"], value if isinstance(value, str) else value["fprop"])
-            if fwd_weight is None:
-                bwd += fwd
-            else:
-                fld += fwd_weight * fwd
-    return fld, bwd
 
 
 def attainable_share(flops: Mapping[str, float], target: float, tol: float = 1e-9) -> float:

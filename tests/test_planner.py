@@ -8,7 +8,7 @@ import time
 import mip
 import pytest
 
-import snip_ds.planner as planner
+import snip_ds.planner.ilp as ilp
 from snip_ds.plan import fp4_share
 from snip_ds.planner import GEMM_COST, METHODS, costs_from_stats, quant_err_costs, solve_baseline, solve_plan
 from snip_ds.stats.artifact import load_stats, validate_stats
@@ -250,7 +250,7 @@ def test_huge_flip_penalty_keeps_a_feasible_previous_plan():
 def test_greedy_fallback_when_solver_finds_nothing(monkeypatch):
     costs, flops = _instance(12, 8)
     optimal = solve_plan(costs, flops, 0.6)
-    monkeypatch.setattr(planner, "_optimize", lambda model, t: mip.OptimizationStatus.NO_SOLUTION_FOUND)
+    monkeypatch.setattr(ilp, "_optimize", lambda model, t: mip.OptimizationStatus.NO_SOLUTION_FOUND)
     plan = solve_plan(costs, flops, 0.6, max_share=0.8)
     assert plan.status == "greedy_fallback"
     _assert_valid(plan, flops, 0.6, max_share=0.8)
@@ -265,7 +265,7 @@ def test_greedy_is_optimal_for_equal_flops(monkeypatch):
     flops = {f: 2.0 for f in fqns}
     costs = {f: {"fp8": rng.random(), "fp4": rng.random()} for f in fqns}
     optimal = solve_plan(costs, flops, 0.5)
-    monkeypatch.setattr(planner, "_optimize", lambda model, t: mip.OptimizationStatus.ERROR)
+    monkeypatch.setattr(ilp, "_optimize", lambda model, t: mip.OptimizationStatus.ERROR)
     greedy = solve_plan(costs, flops, 0.5)
     assert greedy.status == "greedy_fallback"
     assert greedy.objective == pytest.approx(optimal.objective)
@@ -274,7 +274,7 @@ def test_greedy_is_optimal_for_equal_flops(monkeypatch):
 
 def test_greedy_respects_compute_budget(monkeypatch):
     costs, flops = _instance(7, 2)
-    monkeypatch.setattr(planner, "_optimize", lambda model, t: mip.OptimizationStatus.NO_SOLUTION_FOUND)
+    monkeypatch.setattr(ilp, "_optimize", lambda model, t: mip.OptimizationStatus.NO_SOLUTION_FOUND)
     plan = solve_plan(costs, flops, 0.2, allowed=("bf16", "fp8", "fp4"), compute_budget=0.4)
     compute = sum(flops[f] * GEMM_COST[p] for f, p in plan.assignment.items()) / sum(flops.values())
     assert plan.status == "greedy_fallback" and compute <= 0.4 + TOL
@@ -288,7 +288,7 @@ def test_time_limit_keeps_feasible_solution(monkeypatch):
         model.optimize(max_seconds=t)
         return mip.OptimizationStatus.FEASIBLE  # what CBC reports when it stops with an incumbent
 
-    monkeypatch.setattr(planner, "_optimize", stopped)
+    monkeypatch.setattr(ilp, "_optimize", stopped)
     plan = solve_plan(costs, flops, 0.5)
     assert plan.status == "time_limit_feasible"
     _assert_valid(plan, flops, 0.5)

@@ -58,7 +58,7 @@ def test_no_fp4_is_fine_when_nothing_must_move_to_fp4():
 def test_dgrad_cost_parses_and_matches_the_planner():
     from snip_ds.planner import DGRAD_COSTS
     from snip_ds.snip_config import DGRAD_COSTS as CONFIG_DGRAD_COSTS
-    assert CONFIG_DGRAD_COSTS == DGRAD_COSTS
+    assert CONFIG_DGRAD_COSTS is DGRAD_COSTS  # one definition, the cost model's
     assert parse_snip_section({}).dgrad_cost == "split"
     s = parse_snip_section({"per_gemm": True, "research": {"dgrad_cost": "upstream", "dgrad_calibration": 30}})
     assert (s.dgrad_cost, s.dgrad_calibration) == ("upstream", 30.0)
@@ -68,7 +68,7 @@ def test_bwd_settings_parse_and_match_the_collector_and_planner():
     from snip_ds.config import BWD_ROUNDINGS
     from snip_ds.planner import BWD_ESTIMATES
     from snip_ds.snip_config import BWD_ESTIMATES as CONFIG_BWD_ESTIMATES
-    assert tuple(BWD_ESTIMATES) == CONFIG_BWD_ESTIMATES and BWD_ROUNDINGS == ("recipe", "nearest")
+    assert CONFIG_BWD_ESTIMATES is BWD_ESTIMATES and BWD_ROUNDINGS == ("recipe", "nearest")
     s = parse_snip_section({})
     assert (s.bwd_rounding, s.bwd_estimate) == ("recipe", "expected")
     s = parse_snip_section({"research": {"bwd_rounding": "nearest", "bwd_estimate": "systematic"}})

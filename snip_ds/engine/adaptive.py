@@ -26,6 +26,7 @@ from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
 from snip_ds.planner import BWD_ESTIMATES, solve_baseline
+from snip_ds.planner.costs import predicted_divergence
 from snip_ds.snip_config import ConfigError
 
 
@@ -162,12 +163,8 @@ class AdaptivePlanner:
         """Σ over layers of the predicted FLD at the precision the plan gives their fprop."""
         if self.last_stats is None or self.engine.plan is None:
             return float("nan")
-        total = 0.0
-        for fqn, rec in self.last_stats["layers"].items():
-            p = self.engine.plan.precision_of(fqn, "fprop")
-            if p != "bf16" and rec["fld"].get(p) is not None:
-                total += rec["fld"][p]
-        return total
+        layers, plan = self.last_stats["layers"], self.engine.plan
+        return predicted_divergence(layers, {fqn: plan.assignment[fqn] for fqn in layers})[0]
 
     # ------------------------------------------------------------------ measured divergence
     @torch.no_grad()
