@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
+from snip_ds.stats import adam_precond, collect_statistics  # noqa: E402
 from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.omp import preserve_torch_threads  # noqa: E402

@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
+from snip_ds.stats import adam_precond, collect_statistics  # noqa: E402
 from snip_ds.config import BWD_ROUNDINGS, FP4_RECIPES, QuantConfig  # noqa: E402
 from snip_ds.compare import (MeanSE, TrainSettings, apply_plan, attainable_share, bf16_forward,  # noqa: E402
                              cell_means, evaluate, load_checkpoint, make_optimizer, mean_se, paired_differences,

@@ -93,7 +93,7 @@ class SnipLinear(nn.Linear):
             Hadamard signs), or None for torch's default generator.
         fqn: the layer's fully qualified name in its model, when it was swapped in by :func:`swap_linears`.
         input_grad_only: at ``bf16``, back-propagate to the input only (no weight or bias gradient); set
-            by :func:`snip_ds.collect.collect_statistics` for its passes, False otherwise.
+            by :func:`snip_ds.stats.collect_statistics` for its passes, False otherwise.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,

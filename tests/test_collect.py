@@ -1,4 +1,5 @@
-"""snip_ds.collect on a tiny Llama: no trace left, independent per-layer references, reduction, artifact."""
+"""snip_ds.stats (the collector) on a tiny Llama: no trace left, independent per-layer references, reduction,
+artifact."""
 import json
 from dataclasses import replace
 
@@ -9,10 +10,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
-from snip_ds.collect import adam_precond, collect_statistics
 from snip_ds.planner import costs_from_stats
+from snip_ds.stats import adam_precond, collect_statistics
 from snip_ds.stats.artifact import load_stats, save_stats
 from snip_ds.swap import snip_layers, swap_linears
+from tests import reference_divergence as refdiv
 
 LAYER = "model.layers.1.mlp.down_proj"
 
@@ -130,16 +132,16 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
         assert stats["tokens"] == ref["n"] and stats["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         assert rec["first_order"][p] == pytest.approx((ref["gy"] * ref["e"]).sum().item(), rel=1e-3, abs=1e-9)
         # abs=0: these numbers are far below pytest.approx's default absolute tolerance (1e-12)
-        assert rec["bwd_drift"][p] == pytest.approx(dv.bwd_direct(ref["dgw"], pre[LAYER], lr).item(), rel=1e-4,
+        assert rec["bwd_drift"][p] == pytest.approx(refdiv.bwd_direct(ref["dgw"], pre[LAYER], lr).item(), rel=1e-4,
                                                     abs=0)
-        fld = dv.fld_from_tensors(ref["e"], ref["gy"] * ref["n"], ref["n"])
+        fld = refdiv.fld_from_tensors(ref["e"], ref["gy"] * ref["n"], ref["n"])
         assert rec["fld_channel"][p] == pytest.approx(fld.item(), rel=1e-4, abs=0)
         # sequence form (the default): Σ over the batch's rows of (Σ_t g_t·E_t)², g on the per-token scale
         per_row = ((ref["gy"] * ref["n"]) * ref["e"]).sum(1).reshape(batch.shape[0], -1).sum(1)
         fld_seq = (per_row ** 2).sum() / (2 * ref["n"])
         assert rec["fld_sequence"][p] == pytest.approx(fld_seq.item(), rel=1e-4, abs=0)
         assert rec["fld"][p] == rec["fld_sequence"][p]
-        bwd = dv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[LAYER], dv.channel_sq_mean(ref["gy"] * ref["n"]),
+        bwd = refdiv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[LAYER], refdiv.channel_sq_mean(ref["gy"] * ref["n"]),
                              ref["n"])
         assert rec["bwd"][p] == pytest.approx(bwd.item(), rel=1e-4, abs=0)
         assert rec["bwd_bias"][p] == rec["bwd"][p] and rec["bwd_drift_bias"][p] == rec["bwd_drift"][p]
@@ -187,7 +189,7 @@ def test_recipe_rounding_is_the_exact_expectation_over_stochastic_rounding(model
     assert rec["bwd_drift_bias"]["fp4"] == pytest.approx(drift_bias.item(), rel=1e-4, abs=0)
     assert rec["bwd_drift"]["fp4"] == pytest.approx((drift_bias + drift_noise).item(), rel=1e-4, abs=0)
     # loss units: Σ_j m_j E[Σ_t (x_t·D_j)²] / 2N with D = lr·ΔG_W⊙P and m_j = mean_t g_tj²
-    m = dv.channel_sq_mean(ref["gy"] * ref["n"]).double()
+    m = refdiv.channel_sq_mean(ref["gy"] * ref["n"]).double()
     noise_ch = torch.stack([(g_var[j] * ((x @ (p_mat[j] * xq.t()).t()) ** 2).sum(0)).sum()
                             for j in range(bias.shape[0])])  # Σ_s Var[G_Y]_sj Σ_t (x_t·(P_j⊙Q(X)_s))²
     bias_ch = ((x @ (bias * p_mat).t()) ** 2).sum(0)
@@ -436,14 +438,15 @@ def test_input_groups_are_the_layers_that_share_an_input():
     """q/k/v share one input, gate/up another; o_proj and down_proj have their own. Groups are found by the
     input tensor's id within a forward, so no input may be freed (and its id recycled) before the forward ends:
     on this 4-block model that once merged two blocks' groups."""
-    from snip_ds.collect import QUANTIZED, _Collector, _preserved
+    from snip_ds.stats.collector import Collector, _preserved
+    from snip_ds.types import QUANTIZED
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
     model = LlamaForCausalLM(cfg)
     swap_linears(model, "fp8", seed=3)
     layers = snip_layers(model)
-    col = _Collector(model, layers, QUANTIZED, None, "grad_sq", "mc_fisher", True, 0)
+    col = Collector(model, layers, QUANTIZED, None, "grad_sq", "mc_fisher", True, 0)
     g = torch.Generator().manual_seed(1)
     with _preserved(model, layers), col.hooks():
         for _ in range(3):

@@ -1,7 +1,7 @@
 """The emulated backend: quantize->dequantize every operand in FP32, then an FP32 GEMM.
 
 It quantizes each operand (SNIP.md section 2) and multiplies in FP32; it runs on any device and is the
-numerical reference of every other backend. The statistics (:mod:`snip_ds.collect`) always use it, whatever
+numerical reference of every other backend. The statistics (:mod:`snip_ds.stats`) always use it, whatever
 backend trains, through its :meth:`~EmulatedBackend.quantize` and ``*_moments`` methods.
 
 Operands and the axis each is quantized along: see :mod:`snip_ds.backend.base`.

@@ -20,7 +20,7 @@ import torch
 
 from snip_ds import distributed as sdist
 from snip_ds import divergence as dv
-from snip_ds.collect import collect_statistics
+from snip_ds.stats import collect_statistics
 from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads

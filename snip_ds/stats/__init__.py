@@ -1,12 +1,19 @@
 """One SNIP statistics collection and the ``snip_ds.stats/1`` artifact it produces.
 
-:mod:`snip_ds.stats.artifact` (the JSON schema: written and read; pure, no torch) is what the planner
-imports; the collection itself (torch) lives in the other modules and is loaded lazily, so that
-``import snip_ds.stats.artifact`` stays free of torch.
+* :mod:`~snip_ds.stats.collector`: :func:`collect_statistics`, the hooks and passes of one collection;
+* :mod:`~snip_ds.stats.estimators`: each estimator's per-batch terms (FLD forms, BWD, forward drift);
+* :mod:`~snip_ds.stats.fields`: the artifact's per-layer fields from the all-reduced sums;
+* :mod:`~snip_ds.stats.precond`: preconditioners from Adam state, partitioned (ZeRO) states, fallbacks;
+* :mod:`~snip_ds.stats.artifact`: the JSON schema, written and read (pure, no torch: the planner imports it).
+
+Names are loaded lazily, so that ``import snip_ds.stats.artifact`` stays free of torch.
 """
 import importlib
 
 _EXPORTS = {
+    "collect_statistics": "snip_ds.stats.collector",
+    "AdamPrecond": "snip_ds.stats.precond",
+    "adam_precond": "snip_ds.stats.precond",
     "STATS_FORMAT": "snip_ds.stats.artifact",
     "save_stats": "snip_ds.stats.artifact",
     "load_stats": "snip_ds.stats.artifact",

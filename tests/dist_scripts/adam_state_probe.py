@@ -60,7 +60,7 @@ def main() -> int:
     precond, source = layer_preconditioner(engine.ds.optimizer, weights, engine.step)
     out = {"source": source, "layers": {}}
     # One statistics collection on the same global batch, split over the ranks (retain_graph as the engine).
-    from snip_ds.collect import collect_statistics
+    from snip_ds.stats import collect_statistics
     ids = torch.randint(0, 64, (args.global_batch, 16), generator=gen)
     mine = ids[rank * micro:(rank + 1) * micro]
 
