@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from snip_ds.stats import adam_precond, collect_statistics  # noqa: E402
+from snip_ds.stats import CollectSettings, adam_precond, collect_statistics  # noqa: E402
 from snip_ds.config import BWD_ROUNDINGS, FP4_RECIPES, QuantConfig  # noqa: E402
 from snip_ds.compare import (MeanSE, TrainSettings, apply_plan, attainable_share, bf16_forward,  # noqa: E402
                              cell_means, evaluate, load_checkpoint, make_optimizer, mean_se, paired_differences,
@@ -56,7 +56,7 @@ from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.omp import preserve_torch_threads  # noqa: E402
 from snip_ds.plan import GEMMS, Plan  # noqa: E402
-from snip_ds.planner import BWD_KEYS, DGRAD_COSTS, solve_baseline  # noqa: E402
+from snip_ds.planner import BWD_KEYS, DGRAD_COSTS, CostSettings, SolverSettings, solve_baseline  # noqa: E402
 from snip_ds.swap import block_index, snip_layers, swap_linears  # noqa: E402
 
 PREFIX = "compare_plans"
@@ -148,10 +148,10 @@ def collect_phase_stats(model, ckpt: Path, train_ds, settings: TrainSettings, ar
     pc = adam_precond(model, opt)
     stream = DataStream(train_ds, settings.batch_size, seed=args.seed + 777)
     batches = [stream.next_batch()["input_ids"] for _ in range(args.stat_batches)]
-    return collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, estimator="mc_fisher",
-                              num_probes=1, seed=args.seed, step=pc.step, lam=args.lambda_default,
-                              bwd_propagated=args.dgrad_cost == "upstream" or args.bwd_key == "bwd_propagated",
-                              bwd_rounding=args.bwd_rounding, forward_drift=args.forward_drift)
+    how = CollectSettings(estimator="mc_fisher", num_probes=1, seed=args.seed, lam=args.lambda_default,
+                          bwd_propagated=args.dgrad_cost == "upstream" or args.bwd_key == "bwd_propagated",
+                          bwd_rounding=args.bwd_rounding, forward_drift=args.forward_drift)
+    return collect_statistics(model, batches, how, lr=pc.lr, precond=pc.precond, step=pc.step)
 
 
 def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
@@ -179,12 +179,12 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
                 label = method if "lam" not in v or method != "best" else f"best λ={_num(v['lam'])}"
                 try:
                     with preserve_torch_threads():  # CBC would leave torch single-threaded
-                        solved = solve_baseline(method, stats, share, lam=v.get("lam"), seed=args.seed,
-                                                num_random=args.num_random, max_share=min(share + 1e-9, 1.0),
-                                                per_gemm=args.per_gemm, dgrad=args.dgrad_cost,
-                                                dgrad_calibration=args.dgrad_calibration,
-                                                bwd_key=args.bwd_key, forward_drift=args.forward_drift,
-                                                fwd_lambda=args.fwd_lambda)
+                        cost = CostSettings(lam=v.get("lam"), per_gemm=args.per_gemm, dgrad=args.dgrad_cost,
+                                            dgrad_calibration=args.dgrad_calibration, bwd_key=args.bwd_key,
+                                            forward_drift=args.forward_drift, fwd_lambda=args.fwd_lambda)
+                        solver = SolverSettings(max_share=min(share + 1e-9, 1.0))
+                        solved = solve_baseline(method, stats, share, cost, solver, seed=args.seed,
+                                                num_random=args.num_random)
                 except ValueError as err:
                     skipped.append(dict(method=method, label=label, rho=rho, reason=str(err)))
                     continue

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from snip_ds.config import BWD_ROUNDINGS  # noqa: E402
 from snip_ds.backend import get_backend  # noqa: E402
-from snip_ds.stats import adam_precond, collect_statistics  # noqa: E402
+from snip_ds.stats import CollectSettings, adam_precond, collect_statistics  # noqa: E402
 from snip_ds.compare import spearman as rank_correlation  # noqa: E402
 from snip_ds.swap import snip_layers, swap_linears  # noqa: E402
 
@@ -363,9 +363,10 @@ def run(args) -> Dict[str, Any]:
     preds, timing = {}, {}
     for est in ("mc_fisher", "empirical", "isotropic"):
         t = time.perf_counter()
-        preds[est] = collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, estimator=est,
-                                        step_scale=pc.step_scale, bwd_propagated=(est == "mc_fisher"),
-                                        seed=args.seed, step=pc.step, bwd_rounding=args.bwd_rounding)
+        how = CollectSettings(estimator=est, bwd_propagated=(est == "mc_fisher"), seed=args.seed,
+                              bwd_rounding=args.bwd_rounding)
+        preds[est] = collect_statistics(model, batches, how, lr=pc.lr, precond=pc.precond,
+                                        step_scale=pc.step_scale, step=pc.step)
         timing[est] = time.perf_counter() - t
     t = time.perf_counter()
     if args.truth_table:  # re-score against the truths an earlier run printed (their means only)
@@ -385,9 +386,9 @@ def run(args) -> Dict[str, Any]:
     fwd, fwd_pred, t_fwd = None, None, 0.0
     if args.fwd_truth:
         t = time.perf_counter()
-        fwd_stats = collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, step_scale=pc.step_scale,
-                                       seed=args.seed, step=pc.step, bwd_rounding=args.bwd_rounding,
-                                       forward_drift=True)
+        how = CollectSettings(seed=args.seed, bwd_rounding=args.bwd_rounding, forward_drift=True)
+        fwd_stats = collect_statistics(model, batches, how, lr=pc.lr, precond=pc.precond,
+                                       step_scale=pc.step_scale, step=pc.step)
         timing["forward_drift"] = time.perf_counter() - t
         fwd_pred = [fwd_stats["layers"][f]["fwd"]["fp4"] for f in fqns]
         t = time.perf_counter()

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from snip_ds.planner.costs import METHODS, costs_from_stats, method_costs, predicted_divergence, quant_err_costs
+from snip_ds.planner.costs import (METHODS, CostSettings, costs_from_stats, method_costs, predicted_divergence,
+                                   quant_err_costs)
 from snip_ds.planner.baselines import solve_baseline
 
 NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -35,7 +36,7 @@ REL = 1e-9
 def test_prediction_is_the_objective(per_gemm, dgrad):
     stats, lam = _stats(), 1.5
     cal = 2.0 if dgrad == "upstream" else 1.0
-    plan = solve_baseline("best", stats, 0.5, per_gemm=per_gemm, dgrad=dgrad, dgrad_calibration=cal)[0]
+    plan = solve_baseline("best", stats, 0.5, CostSettings(per_gemm=per_gemm, dgrad=dgrad, dgrad_calibration=cal))[0]
     fld, bwd = predicted_divergence(stats["layers"], plan.assignment, dgrad=dgrad, dgrad_calibration=cal)
     assert fld + lam * bwd == pytest.approx(plan.objective, rel=REL)
 
@@ -55,7 +56,7 @@ def test_every_method_has_its_costs():
     stats = _stats()
     assert method_costs("best", stats).costs == costs_from_stats(stats).costs
     assert method_costs("first_last_fp8", stats).costs == costs_from_stats(stats).costs
-    assert method_costs("rel_quant_err", stats, per_gemm=True).costs == quant_err_costs(
+    assert method_costs("rel_quant_err", stats, CostSettings(per_gemm=True)).costs == quant_err_costs(
         stats, "rel_quant_err", per_gemm=True).costs
     r0, r1 = (method_costs("random", stats, seed=s).costs for s in (0, 1))
     assert r0 != r1 and r0 == method_costs("random", stats, seed=0).costs

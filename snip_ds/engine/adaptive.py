@@ -20,12 +20,12 @@ import torch
 
 from snip_ds import distributed as sdist
 from snip_ds import divergence as dv
-from snip_ds.stats import collect_statistics
+from snip_ds.stats import CollectSettings, collect_statistics
 from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
-from snip_ds.planner import BWD_ESTIMATES, solve_baseline
+from snip_ds.planner import BWD_ESTIMATES, CostSettings, SolverSettings, solve_baseline
 from snip_ds.planner.costs import predicted_divergence
 from snip_ds.snip_config import ConfigError
 
@@ -70,12 +70,11 @@ class AdaptivePlanner:
             raise ValueError("statistics: no private stream and no micro-batches to collect on")
         dev = next(iter(eng.layers.values())).weight.device
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
-        stats = collect_statistics(
-            eng.ds.module, batches, layers=list(eng.layers), lr=eng.lr(), precond=precond,
-            estimator=s.estimator, num_probes=s.num_probes, fld_form=s.fld_form, seed=s.train.seed + eng.step,
-            reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size(), lam=s.bwd_lambda,
-            retain_graph=eng.zero_stage < 3, bwd_propagated=s.dgrad_cost == "upstream",
-            bwd_rounding=s.bwd_rounding)
+        how = CollectSettings(estimator=s.estimator, num_probes=s.num_probes, fld_form=s.fld_form,
+                              seed=s.train.seed + eng.step, lam=s.bwd_lambda, retain_graph=eng.zero_stage < 3,
+                              bwd_propagated=s.dgrad_cost == "upstream", bwd_rounding=s.bwd_rounding)
+        stats = collect_statistics(eng.ds.module, batches, how, layers=list(eng.layers), lr=eng.lr(), precond=precond,
+                                   reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size())
         stats["precond_source"] = source
         return stats
 
@@ -90,14 +89,13 @@ class AdaptivePlanner:
         if sdist.rank() == 0:
             try:
                 with preserve_torch_threads():  # CBC would leave torch single-threaded
-                    plan = solve_baseline(s.method, stats, s.efficiency_saving, lam=s.bwd_lambda,
-                                          seed=s.plan_seed, pinned=dict(s.pinned) or None,
-                                          previous=self.engine.plan, flip_penalty=s.flip_penalty,
-                                          per_gemm=s.per_gemm, time_limit=s.solver_time_limit,
-                                          dgrad=s.dgrad_cost, dgrad_calibration=s.dgrad_calibration,
-                                          allowed=s.allowed, compute_budget=s.compute_budget,
-                                          max_share=s.max_share,
-                                          bwd_key=BWD_ESTIMATES[s.bwd_estimate])[0]
+                    cost = CostSettings(lam=s.bwd_lambda, per_gemm=s.per_gemm, dgrad=s.dgrad_cost,
+                                        dgrad_calibration=s.dgrad_calibration, bwd_key=BWD_ESTIMATES[s.bwd_estimate])
+                    solver = SolverSettings(allowed=s.allowed, pinned=dict(s.pinned) or None,
+                                            flip_penalty=s.flip_penalty, max_share=s.max_share,
+                                            compute_budget=s.compute_budget, time_limit=s.solver_time_limit)
+                    plan = solve_baseline(s.method, stats, s.efficiency_saving, cost, solver, seed=s.plan_seed,
+                                          previous=self.engine.plan)[0]
                 payload = {"plan": plan.to_dict()}
             except (ValueError, RuntimeError) as err:  # no plan reaches the target: tell every rank
                 payload = {"error": str(err)}

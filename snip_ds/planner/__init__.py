@@ -16,6 +16,8 @@ _EXPORTS = {
     "BWD_KEYS": "snip_ds.planner.costs",
     "BWD_ESTIMATES": "snip_ds.planner.costs",
     "StatsCosts": "snip_ds.planner.costs",
+    "CostSettings": "snip_ds.planner.costs",
+    "SolverSettings": "snip_ds.planner.ilp",
     "costs_from_stats": "snip_ds.planner.costs",
     "quant_err_costs": "snip_ds.planner.costs",
     "method_costs": "snip_ds.planner.costs",

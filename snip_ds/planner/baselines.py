@@ -6,30 +6,28 @@ This module is pure data: no torch, no torch.distributed.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from dataclasses import replace
+from typing import Mapping
 
 from snip_ds.plan import Plan
-from snip_ds.planner.costs import METHODS, method_costs, random_costs
-from snip_ds.planner.ilp import solve_plan
+from snip_ds.planner.costs import METHODS, CostSettings, method_costs, random_costs
+from snip_ds.planner.ilp import SolverSettings, solve_plan
 from snip_ds.types import block_index
 
 
-def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | None = None, seed: int = 0,
-                   num_random: int = 1, allowed: Sequence[str] | None = None,
-                   pinned: Mapping[str, Any] | None = None, previous: Plan | Mapping | None = None,
-                   flip_penalty: float = 0.0, max_share: float | None = None, per_gemm: bool = False,
-                   time_limit: float = 10.0, compute_budget: float | None = None, dgrad: str = "split",
-                   dgrad_calibration: float = 1.0, bwd_key: str = "bwd",
-                   forward_drift: bool = False, fwd_lambda: float | None = None) -> list[Plan]:
+def solve_baseline(method: str, stats: Mapping, target: float, cost: CostSettings | None = None,
+                   solver: SolverSettings | None = None, *, previous: Plan | Mapping | None = None, seed: int = 0,
+                   num_random: int = 1) -> list[Plan]:
     """Solves one of :data:`METHODS` from a statistics artifact with the same ILP and share constraint.
 
-    ``allowed``, ``max_share`` and ``compute_budget`` (GEMM cost relative to all-BF16, with
-    :data:`~snip_ds.planner.ilp.GEMM_COST`; it is what makes fp8 worth choosing when bf16 is allowed too) are passed to
-    :func:`solve_plan` for every method but the uniform ones.
+    ``cost`` (:class:`~snip_ds.planner.costs.CostSettings`) says how ``best`` and ``first_last_fp8`` price
+    layers and whether plans are per GEMM; ``solver`` (:class:`~snip_ds.planner.ilp.SolverSettings`: allowed
+    precisions, pins, flip penalty against ``previous``, ``max_share``, ``compute_budget``, the time limit)
+    is passed to :func:`~snip_ds.planner.ilp.solve_plan` for every method but the uniform ones, with the
+    pins each method adds.
 
     Methods:
-        best: SNIP costs FLD + λ·BWD (:func:`~snip_ds.planner.costs.costs_from_stats`, with ``dgrad``,
-            ``dgrad_calibration``, ``bwd_key``, ``forward_drift`` and ``fwd_lambda``).
+        best: SNIP costs FLD + λ·BWD (:func:`~snip_ds.planner.costs.costs_from_stats`, as ``cost`` says).
         random: seeded uniform random costs; ``num_random`` plans for seeds ``seed, seed+1, ...``.
         quant_err / rel_quant_err: costs from the artifact's ``quant_err`` / ``rel_quant_err``
             (:func:`~snip_ds.planner.costs.quant_err_costs`; per-GEMM from the per-operand errors).
@@ -55,28 +53,29 @@ def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | N
         return [Plan(assignment=plan.assignment, fp4_share=plan.fp4_share, objective=None, status="fixed",
                      method=method, meta=meta)]
 
-    sc = method_costs(method, stats, lam=lam, per_gemm=per_gemm, dgrad=dgrad, dgrad_calibration=dgrad_calibration,
-                      bwd_key=bwd_key, forward_drift=forward_drift, fwd_lambda=fwd_lambda, seed=seed)
+    cost = CostSettings() if cost is None else cost
+    solver = SolverSettings() if solver is None else solver
+    lam, per_gemm, bwd_key, dgrad = cost.lam, cost.per_gemm, cost.bwd_key, cost.dgrad
+    sc = method_costs(method, stats, cost, seed=seed)
     if method in ("best", "first_last_fp8"):
         meta["lambda"] = float(stats["lambda"] if lam is None else lam)
         if bwd_key != "bwd":
             meta["bwd_key"] = bwd_key
-        if forward_drift:
+        if cost.forward_drift:
             meta["forward_drift"] = True
-        if fwd_lambda is not None:
-            meta["fwd_lambda"] = float(fwd_lambda)
+        if cost.fwd_lambda is not None:
+            meta["fwd_lambda"] = float(cost.fwd_lambda)
         if dgrad != "split":
-            meta.update(dgrad=dgrad, dgrad_calibration=float(dgrad_calibration))
-    pins = {**sc.pinned, **dict(pinned or {})}
+            meta.update(dgrad=dgrad, dgrad_calibration=float(cost.dgrad_calibration))
+    pins = {**sc.pinned, **dict(solver.pinned or {})}
     if method == "first_last_fp8":
         blocks = {fqn: block_index(fqn) for fqn in fqns}
         ends = {min(blocks.values()), max(blocks.values())}
         pins = {**{fqn: "fp8" for fqn, b in blocks.items() if b in ends}, **pins}
 
-    common = dict(allowed=allowed, pinned=pins, previous=previous, flip_penalty=flip_penalty,
-                  time_limit=time_limit, max_share=max_share, per_gemm=per_gemm, method=method,
-                  compute_budget=compute_budget)
+    common = dict(previous=previous, per_gemm=per_gemm, method=method)
+    solver = replace(solver, pinned=pins)
     if method != "random":
-        return [solve_plan(sc.costs, sc.flops, target, meta=meta, **common)]
-    return [solve_plan(random_costs(fqns, s, per_gemm), sc.flops, target, meta={**meta, "seed": s}, **common)
+        return [solve_plan(sc.costs, sc.flops, target, solver, meta=meta, **common)]
+    return [solve_plan(random_costs(fqns, s, per_gemm), sc.flops, target, solver, meta={**meta, "seed": s}, **common)
             for s in range(seed, seed + num_random)]

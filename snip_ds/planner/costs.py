@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import random
 import warnings
+from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from snip_ds.plan import _listed
@@ -33,6 +34,29 @@ BWD_KEYS = ("bwd", "bwd_bias", "bwd_propagated")
 """Which backward estimate of a statistics artifact SNIP's costs use (:func:`costs_from_stats`)."""
 BWD_ESTIMATES = {"expected": "bwd", "systematic": "bwd_bias"}
 """The ``"snip"`` section's and the CLI's names for the BWD fields a plan may be priced with."""
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    """How a plan is priced from a statistics artifact (:func:`costs_from_stats` checks the values).
+
+    Attributes:
+        lam: λ, the BWD weight; default the artifact's ``"lambda"``.
+        per_gemm: Per-GEMM costs (and plans): fprop carries FLD; the backward GEMMs as ``dgrad`` says.
+        bwd_key: Which backward estimate to use, one of :data:`BWD_KEYS`.
+        dgrad: Per GEMM, how dgrad is priced, one of :data:`DGRAD_COSTS`.
+        dgrad_calibration: With ``dgrad="upstream"``: what ``bwd_dgrad`` overstates the dgrad-only drift by.
+        forward_drift: Also price the fprop error's update drift ``fwd``.
+        fwd_lambda: With ``forward_drift``: FWD's own weight μ in place of λ.
+    """
+
+    lam: float | None = None
+    per_gemm: bool = False
+    bwd_key: str = "bwd"
+    dgrad: str = "split"
+    dgrad_calibration: float = 1.0
+    forward_drift: bool = False
+    fwd_lambda: float | None = None
 
 
 class StatsCosts(NamedTuple):
@@ -195,12 +219,10 @@ def random_costs(fqns: Sequence[str], seed: int, per_gemm: bool) -> dict:
 
 
 
-def method_costs(method: str, stats: Mapping, *, lam: float | None = None, per_gemm: bool = False,
-                 dgrad: str = "split", dgrad_calibration: float = 1.0, bwd_key: str = "bwd",
-                 forward_drift: bool = False, fwd_lambda: float | None = None, seed: int = 0) -> StatsCosts:
+def method_costs(method: str, stats: Mapping, cost: CostSettings | None = None, *, seed: int = 0) -> StatsCosts:
     """The costs a method of :data:`METHODS` solves with, from one statistics artifact:
 
-    * ``best``, ``first_last_fp8``: SNIP's FLD + λ·BWD (:func:`costs_from_stats` with the other arguments);
+    * ``best``, ``first_last_fp8``: SNIP's FLD + λ·BWD (:func:`costs_from_stats` as ``cost`` says);
       ``first_last_fp8`` differs only by the layers it pins (:mod:`snip_ds.planner.baselines`);
     * ``quant_err``, ``rel_quant_err``: the artifact's quantization errors (:func:`quant_err_costs`);
     * ``random``: uniform random costs drawn from ``seed`` (:func:`random_costs`).
@@ -208,14 +230,15 @@ def method_costs(method: str, stats: Mapping, *, lam: float | None = None, per_g
     ``flops`` and ``pinned`` (layers with non-finite statistics, pinned to fp8) come from the artifact for
     every method. The uniform methods have no costs (a fixed plan): asking for theirs is a ValueError.
     """
+    c = CostSettings() if cost is None else cost
     if method in ("best", "first_last_fp8"):
-        return costs_from_stats(stats, lam, per_gemm=per_gemm, dgrad=dgrad, dgrad_calibration=dgrad_calibration,
-                                bwd_key=bwd_key, forward_drift=forward_drift, fwd_lambda=fwd_lambda)
+        return costs_from_stats(stats, c.lam, per_gemm=c.per_gemm, dgrad=c.dgrad, dgrad_calibration=c.dgrad_calibration,
+                                bwd_key=c.bwd_key, forward_drift=c.forward_drift, fwd_lambda=c.fwd_lambda)
     if method in ("quant_err", "rel_quant_err"):
-        return quant_err_costs(stats, method, per_gemm=per_gemm)
+        return quant_err_costs(stats, method, per_gemm=c.per_gemm)
     if method == "random":
-        sc = metric_costs(stats, {"fld": 0.0}, per_gemm)  # only for the flops and non-finite pins
-        return sc._replace(costs=random_costs(sorted(stats["layers"]), seed, per_gemm))
+        sc = metric_costs(stats, {"fld": 0.0}, c.per_gemm)  # only for the flops and non-finite pins
+        return sc._replace(costs=random_costs(sorted(stats["layers"]), seed, c.per_gemm))
     if method in METHODS:
         raise ValueError(f"method {method!r} is a fixed plan: it has no costs")
     raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")

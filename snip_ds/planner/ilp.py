@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import mip
@@ -367,12 +368,37 @@ def _greedy(prob: _Problem, target, max_share, gemm_cost, compute_budget) -> dic
 # --------------------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------------------
-def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float], target: float, *,
-               allowed: Sequence[str] | None = None, pinned: Mapping[str, Any] | None = None,
-               previous: Plan | Mapping[str, Any] | None = None, flip_penalty: float = 0.0,
-               time_limit: float = 10.0, max_share: float | None = None, per_gemm: bool = False,
-               gemm_cost: Mapping[str, float] | None = None, compute_budget: float | None = None,
-               method: str = "best", meta: Mapping[str, Any] | None = None) -> Plan:
+@dataclass(frozen=True)
+class SolverSettings:
+    """The constraints and limits of a solve, whatever its costs. :func:`solve_plan` checks them and names a
+    bad one.
+
+    Attributes:
+        allowed: Precisions a layer may take (default ``("fp8", "fp4")``: one binary per unit; with three, a
+            one-hot per unit).
+        pinned: ``{fqn: precision}`` (or ``{fqn: {gemm: precision}}`` with per_gemm) fixed layers; a pinned
+            precision need not be in ``allowed`` and its cost may be absent (then 0).
+        flip_penalty: Penalty for flipping all FLOPs away from the previous plan, in cost units (>= 0).
+        max_share: Optional upper bound on the FP4 share (so every method lands on the same share).
+        compute_budget: Optional bound ``Σ_u (F_u/ΣF)·gemm_cost[p_u] <= compute_budget`` (all-BF16 = 1.0).
+        gemm_cost: Relative cost of a GEMM FLOP per precision for ``compute_budget`` (default
+            :data:`GEMM_COST`).
+        time_limit: CBC time limit in seconds.
+    """
+
+    allowed: Sequence[str] | None = None
+    pinned: Mapping[str, Any] | None = None
+    flip_penalty: float = 0.0
+    max_share: float | None = None
+    compute_budget: float | None = None
+    gemm_cost: Mapping[str, float] | None = None
+    time_limit: float = 10.0
+
+
+def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float], target: float,
+               solver: SolverSettings | None = None, *, per_gemm: bool = False,
+               previous: Plan | Mapping[str, Any] | None = None, method: str = "best",
+               meta: Mapping[str, Any] | None = None) -> Plan:
     """Solves the plan ILP of the module docstring for the given costs.
 
     Args:
@@ -381,20 +407,11 @@ def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float
             finite cost for every unpinned layer.
         flops: ``{fqn: F}``, FLOPs per step of the layer's three GEMMs; same keys as ``costs``.
         target: Minimum FP4 share of the FLOPs, in [0, 1] (ρ).
-        allowed: Precisions a layer may take (default ``("fp8", "fp4")``: one binary per unit; with three, a
-            one-hot per unit).
-        pinned: ``{fqn: precision}`` (or ``{fqn: {gemm: precision}}`` with per_gemm) fixed layers; a pinned
-            precision need not be in ``allowed`` and its cost may be absent (then 0).
+        solver: The constraints and limits (:class:`SolverSettings`); default its defaults.
+        per_gemm: Decide each GEMM (fprop, dgrad, wgrad) separately.
         previous: The previous plan (Plan or mapping); each unit whose precision differs costs
             ``flip_penalty · F_u/ΣF`` (a per-layer plan against a per-GEMM previous counts a third per GEMM).
             Layers the previous plan lacks cost nothing.
-        flip_penalty: Penalty for flipping all FLOPs, in cost units (>= 0).
-        time_limit: CBC time limit in seconds.
-        max_share: Optional upper bound on the FP4 share (so every method lands on the same share).
-        per_gemm: Decide each GEMM (fprop, dgrad, wgrad) separately.
-        gemm_cost: Relative cost of a GEMM FLOP per precision for ``compute_budget`` (default
-            :data:`GEMM_COST`).
-        compute_budget: Optional bound ``Σ_u (F_u/ΣF)·gemm_cost[p_u] <= compute_budget`` (all-BF16 = 1.0).
         method: Recorded in the plan.
         meta: Extra JSON scalars recorded in ``plan.meta``.
 
@@ -406,6 +423,10 @@ def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float
         ValueError: empty or inconsistent inputs, a target outside [0, 1], an unreachable share or budget.
     """
     start = time.perf_counter()
+    solver = SolverSettings() if solver is None else solver
+    allowed, pinned, flip_penalty = solver.allowed, solver.pinned, solver.flip_penalty
+    max_share, compute_budget, gemm_cost, time_limit = (solver.max_share, solver.compute_budget, solver.gemm_cost,
+                                                        solver.time_limit)
     allowed = _check_allowed(allowed)
     target = _check_share(target, "target")
     if max_share is not None:

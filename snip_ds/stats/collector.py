@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import replace
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -57,25 +57,100 @@ from snip_ds.stats.precond import Precond, check_precond
 from snip_ds.types import QUANTIZED, block_index
 
 
+@dataclass(frozen=True)
+class CollectSettings:
+    """How one collection estimates the statistics (the training state it reads is
+    :func:`collect_statistics`'s arguments). Bad values raise a ValueError naming the field.
+
+    Attributes:
+        estimator: ``"mc_fisher"`` (default; MC Fisher probes), ``"empirical"`` (the training G_Y, no extra
+            pass) or ``"isotropic"`` (ablation: ``N(0, I)`` probes at the last block's output times α).
+        num_probes: probes per batch (mc_fisher, isotropic).
+        fld_form: which FLD the planner gets as ``fld``: ``"sequence"`` (default; ``(1/2N)Σ_rows (Σ_t
+            g_t·E_t)²``, the Gauss-Newton form with every token and channel pair of a sequence) or
+            ``"channel"`` (ablation; ``(1/2N)Σ_j (Σ_t E_tj²)·mean_t g_tj²``, diagonal and factorised over
+            tokens). Both are recorded (``fld_sequence``, ``fld_channel``).
+        bwd_rounding: how the backward statistics round G_Y. ``"recipe"`` (default): as training does; where
+            the recipe rounds G_Y stochastically (NVFP4/MXFP4 by default) the drift is its exact expectation
+            over that rounding, the systematic part plus the rounding noise. ``"nearest"`` (ablation, the
+            behaviour before): round to nearest, deterministic, whatever the recipe. Either way the
+            systematic part alone is recorded too (``bwd_bias``, ``bwd_drift_bias``).
+        bwd_propagated: also estimate what each layer's dgrad error does to the upstream weights (the ratio
+            estimate of docs/method.md): ``bwd_dgrad`` (loss units; what per-GEMM plans with
+            ``dgrad_cost: upstream`` price dgrad by), ``bwd_drift_propagated`` (the same drift in parameter
+            units), ``bwd_propagated`` (the ablation: direct BWD + that drift priced like the gradient
+            direction) and ``dgrad_err``.
+        forward_drift: also measure ``fwd``, what each layer's fprop error does to the *update*: the drift
+            ``η·c·ΔG ⊙ P`` of the planned weights, ΔG the change of their training gradient when layer ℓ's
+            output carries E_ℓ(p), priced in loss units as BWD prices its drift (with the same probes, in the
+            full Fisher form ``(1/2N)·mean_r ⟨G^probe_r, drift⟩²``). Two more forward and backward passes per
+            probe (:meth:`~snip_ds.stats.estimators.FwdTerms._forward_drift_passes`) and one weight-sized FP32
+            tensor per layer while a batch runs. Needs ``estimator="mc_fisher"`` and weight-shaped
+            preconditioners (a mapping of tensors, or None for the fallback), not the partitioned states'
+            callable.
+        precisions: quantized precisions to measure (``fp8``, ``fp4``).
+        precond_fallback: the preconditioner where :func:`collect_statistics` gets none (no optimizer state
+            yet): ``"grad_sq"`` (Adam's first-step ``v̂ = G_W²``) or ``"ones"``.
+        seed: seed of the private generators (probe labels, isotropic noise, Hadamard signs).
+        lam: λ to record in the artifact (the BWD weight the planner uses by default).
+        retain_graph: back-propagate every probe through the first forward's retained graph (cheapest).
+            False runs one fresh forward per probe instead, so each backward is an ordinary single one:
+            needed under ZeRO-3, which releases the gathered weights after each backward.
+    """
+
+    estimator: str = "mc_fisher"
+    num_probes: int = 1
+    fld_form: str = "sequence"
+    bwd_rounding: str = "recipe"
+    bwd_propagated: bool = False
+    forward_drift: bool = False
+    precisions: Tuple[str, ...] = QUANTIZED
+    precond_fallback: str = "grad_sq"
+    seed: int = 0
+    lam: Optional[float] = None
+    retain_graph: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precisions", tuple(self.precisions))
+        if self.fld_form not in FLD_FORMS:
+            raise ValueError(f"fld_form: unknown form {self.fld_form!r}; valid: {', '.join(FLD_FORMS)}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator: unknown estimator {self.estimator!r}; valid: {', '.join(ESTIMATORS)}")
+        if self.bwd_rounding not in BWD_ROUNDINGS:
+            raise ValueError(f"bwd_rounding: unknown {self.bwd_rounding!r}; valid: {', '.join(BWD_ROUNDINGS)}")
+        bad = [p for p in self.precisions if p not in QUANTIZED]
+        if bad or not self.precisions:
+            raise ValueError(f"precisions: {list(self.precisions)!r}; choose from {', '.join(QUANTIZED)}")
+        if not isinstance(self.num_probes, int) or self.num_probes < 1:
+            raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
+        if self.precond_fallback not in dv.FALLBACKS:
+            raise ValueError(f"precond_fallback: unknown {self.precond_fallback!r}; "
+                             f"valid: {', '.join(dv.FALLBACKS)}")
+        if self.forward_drift and self.estimator != "mc_fisher":
+            raise ValueError(f"forward_drift needs estimator='mc_fisher' (its probes price the drift), "
+                             f"got {self.estimator!r}")
+
+
 class Collector(FldTerms, BwdTerms, FwdTerms):
     """One collection's hooks, passes and sums (the module docstring); the estimators' terms are inherited
     from :mod:`snip_ds.stats.estimators`."""
 
     GLOBAL = GLOBAL
 
-    def __init__(self, model: nn.Module, layers: Dict[str, SnipLinear], precisions: Sequence[str],
-                 precond: Precond, fallback: str, estimator: str, propagated: bool, seed: int,
-                 bwd_rounding: str = "recipe", forward_drift: bool = False) -> None:
-        self.model, self.layers, self.precisions = model, layers, tuple(precisions)
-        self.forward_drift = forward_drift
+    def __init__(self, model: nn.Module, layers: Dict[str, SnipLinear], settings: "CollectSettings",
+                 precond: Precond) -> None:
+        seed = settings.seed
+        self.model, self.layers, self.precisions = model, layers, tuple(settings.precisions)
+        self.forward_drift = settings.forward_drift
         self.fwd_x: Dict[str, torch.Tensor] = {}  # this batch's layer inputs (forward_drift: E at the weights)
         self.fwd_p: Dict[str, torch.Tensor] = {}  # preconditioners
         self.fwd_w_sq: Dict[str, float] = {}  # ‖W‖², sizes the finite difference
         self.fwd_v: Dict[str, torch.Tensor] = {}  # one probe's preconditioned weight gradient P ⊙ g_rᵀX
         self.fwd_dot: Dict[str, Dict[str, float]] = {}  # Σ_sign sign·⟨G_Y(W + sign·ε·v), E(p)⟩
         self.fwd_shift = 0.0
-        self.bwd_rounding = bwd_rounding
-        self.precond, self.fallback, self.estimator, self.propagated = precond, fallback, estimator, propagated
+        self.bwd_rounding = settings.bwd_rounding
+        self.precond, self.fallback = precond, settings.precond_fallback
+        self.estimator, self.propagated = settings.estimator, settings.bwd_propagated
         self.backend = get_backend()
         self.stats = Sums()
         self.phase = "off"
@@ -296,63 +371,29 @@ def _preserved(model: nn.Module, layers: Dict[str, SnipLinear]) -> Iterator[None
                 m.input_grad_only = saved_grad_only[fqn]
 
 
-def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Optional[Iterable[str]] = None,
-                       lr: float, precond: Precond = None, estimator: str = "mc_fisher", num_probes: int = 1,
-                       precisions: Sequence[str] = QUANTIZED, bwd_propagated: bool = False, seed: int = 0,
-                       reduce: Optional[Reduce] = None, step: int = 0, world_size: int = 1,
-                       step_scale: float = 1.0, precond_fallback: str = "grad_sq",
-                       lam: Optional[float] = None, retain_graph: bool = True,
-                       fld_form: str = "sequence", bwd_rounding: str = "recipe",
-                       forward_drift: bool = False) -> Dict[str, Any]:
+def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optional[CollectSettings] = None, *,
+                       lr: float, precond: Precond = None, step_scale: float = 1.0, step: int = 0,
+                       world_size: int = 1, reduce: Optional[Reduce] = None,
+                       layers: Optional[Iterable[str]] = None) -> Dict[str, Any]:
     """One SNIP statistics collection on the given batches; leaves no trace on the model.
 
     Args:
         model: a Hugging Face causal LM whose decoder linears are :class:`SnipLinear`.
         batches: LongTensor ``[B, L]`` token ids, or mappings with ``input_ids`` (optional ``attention_mask``,
             ``labels``; ``-100`` ignored). Each batch plays one step's rank-local batch.
-        layers: fqns to measure; default every SnipLinear.
+        settings: how the statistics are estimated (:class:`CollectSettings`); default its defaults.
         lr: learning rate η of the next steps.
         precond: ``{fqn: P}`` (weight-shaped tensors, e.g. :func:`adam_precond`), or a callable
             ``(fqn, t) -> Σ_owned (t⊙P)²`` for partitioned states (module docstring), or a mapping of such
-            callables; None (or an empty mapping: no optimizer state yet) uses ``precond_fallback``
+            callables; None (or an empty mapping: no optimizer state yet) uses ``settings.precond_fallback``
             (``"grad_sq"``: Adam's first-step ``v̂ = G_W²``; ``"ones"``). The artifact's ``"precond"`` says
             which was used.
-        estimator: ``"mc_fisher"`` (default; MC Fisher probes), ``"empirical"`` (the training G_Y, no extra
-            pass) or ``"isotropic"`` (ablation: ``N(0, I)`` probes at the last block's output times α).
-        num_probes: probes per batch (mc_fisher, isotropic).
-        precisions: quantized precisions to measure (``fp8``, ``fp4``).
-        bwd_propagated: also estimate what each layer's dgrad error does to the upstream weights (the ratio estimate
-            of docs/method.md): ``bwd_dgrad`` (loss units; what per-GEMM plans with
-            ``dgrad_cost: upstream`` price dgrad by), ``bwd_drift_propagated`` (the same drift in parameter units),
-            ``bwd_propagated`` (the ablation: direct BWD + that drift priced like the gradient direction) and
-            ``dgrad_err``.
-        seed: seed of the private generators (probe labels, isotropic noise, Hadamard signs).
-        reduce: ``reduce(t) -> t`` summing over data-parallel ranks (called exactly once); None = identity.
-        step: the training step, recorded.
-        world_size: data-parallel ranks ``W`` behind ``reduce``.
         step_scale: ``c`` in the drift ``lr·c·ΔG⊙P``: 1 = eventual drift (the planner's λ is a horizon in
             steps); :func:`snip_ds.divergence.adam_step_scale` = one step's drift.
-        precond_fallback: see ``precond``.
-        lam: λ to record in the artifact (the BWD weight the planner uses by default).
-        retain_graph: back-propagate every probe through the first forward's retained graph (cheapest).
-            False runs one fresh forward per probe instead, so each backward is an ordinary single one:
-            needed under ZeRO-3, which releases the gathered weights after each backward.
-        fld_form: which FLD the planner gets as ``fld``: ``"sequence"`` (default; ``(1/2N)Σ_rows (Σ_t
-            g_t·E_t)²``, the Gauss-Newton form with every token and channel pair of a sequence) or
-            ``"channel"`` (ablation; ``(1/2N)Σ_j (Σ_t E_tj²)·mean_t g_tj²``, diagonal and factorised over
-            tokens). Both are recorded (``fld_sequence``, ``fld_channel``).
-        bwd_rounding: how the backward statistics round G_Y. ``"recipe"`` (default): as training does; where
-            the recipe rounds G_Y stochastically (NVFP4/MXFP4 by default) the drift is its exact expectation
-            over that rounding, the systematic part plus the rounding noise. ``"nearest"`` (ablation, the
-            behaviour before): round to nearest, deterministic, whatever the recipe. Either way the
-            systematic part alone is recorded too (``bwd_bias``, ``bwd_drift_bias``).
-        forward_drift: also measure ``fwd``, what each layer's fprop error does to the *update*: the drift
-            ``η·c·ΔG ⊙ P`` of the planned weights, ΔG the change of their training gradient when layer ℓ's
-            output carries E_ℓ(p), priced in loss units as BWD prices its drift (with the same probes, in the
-            full Fisher form ``(1/2N)·mean_r ⟨G^probe_r, drift⟩²``). Two more forward and backward passes per
-            probe (:meth:`~snip_ds.stats.estimators.FwdTerms._forward_drift_passes`) and one weight-sized FP32 tensor per layer while a
-            batch runs. Needs ``estimator="mc_fisher"`` and weight-shaped preconditioners (a mapping of
-            tensors, or None for the fallback), not the partitioned states' callable.
+        step: the training step, recorded.
+        world_size: data-parallel ranks ``W`` behind ``reduce``.
+        reduce: ``reduce(t) -> t`` summing over data-parallel ranks (called exactly once); None = identity.
+        layers: fqns to measure; default every SnipLinear.
 
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
@@ -362,37 +403,24 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], *, layers: Opti
         (the systematic part of ``bwd`` and ``bwd_drift``: what persists from step to step), ``nonfinite``.
         Non-finite numbers are written as null and flag the layer.
     """
-    if fld_form not in FLD_FORMS:
-        raise ValueError(f"fld_form: unknown form {fld_form!r}; valid: {', '.join(FLD_FORMS)}")
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator: unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
-    if bwd_rounding not in BWD_ROUNDINGS:
-        raise ValueError(f"bwd_rounding: unknown {bwd_rounding!r}; valid: {', '.join(BWD_ROUNDINGS)}")
-    bad = [p for p in precisions if p not in QUANTIZED]
-    if bad or not precisions:
-        raise ValueError(f"precisions: {list(precisions)!r}; choose from {', '.join(QUANTIZED)}")
-    if not isinstance(num_probes, int) or num_probes < 1:
-        raise ValueError(f"num_probes must be a positive integer, got {num_probes!r}")
+    if settings is None:
+        settings = CollectSettings()
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
-    if precond_fallback not in dv.FALLBACKS:
-        raise ValueError(f"precond_fallback: unknown {precond_fallback!r}; valid: {', '.join(dv.FALLBACKS)}")
     mods = select_layers(model, layers)
-    precond = check_precond(precond, mods, forward_drift, estimator)
+    precond = check_precond(precond, mods, settings.forward_drift, settings.estimator)
 
-    col = Collector(model, mods, precisions, precond, precond_fallback, estimator, bwd_propagated, seed,
-                     bwd_rounding, forward_drift)
+    col = Collector(model, mods, settings, precond)
     rows_per_batch, n_batches = None, 0
     with _preserved(model, mods), col.hooks():
         for batch in batches:
-            rows = col.run_batch(batch, num_probes, retain_graph)
+            rows = col.run_batch(batch, settings.num_probes, settings.retain_graph)
             rows_per_batch = rows_per_batch or rows
             n_batches += 1
     if n_batches == 0:
         raise ValueError("batches is empty: need at least one batch")
     col.stats.reduce(reduce, device_of(model))
-    return finalize(col, mods, n_batches, rows_per_batch * world_size, lr=float(lr), step=int(step),
-                     world_size=world_size, step_scale=float(step_scale), num_probes=num_probes, seed=seed,
-                     lam=lam, fld_form=fld_form, bwd_rounding=bwd_rounding)
+    return finalize(col, mods, n_batches, rows_per_batch * world_size, settings, lr=float(lr), step=int(step),
+                    world_size=world_size, step_scale=float(step_scale))

@@ -228,8 +228,8 @@ class FwdTerms:
 
     def _forward_drift_passes(self, ids, mask, labels) -> None:
         """Prices the update drift that each layer's fprop error causes, for one probe r (BWD's loss-unit
-        price applied to the forward; docs/method.md): ``(1/2N)·⟨G^probe_r, η·c·ΔG ⊙ P⟩²``, where ΔG is the change of
-        the planned weights' training gradient when layer ℓ's output carries its error E_ℓ(p).
+        price applied to the forward; docs/method.md): ``(1/2N)·⟨G^probe_r, η·c·ΔG ⊙ P⟩²``, where ΔG is the
+        change of the planned weights' training gradient when layer ℓ's output carries its error E_ℓ(p).
 
         ``⟨v, ΔG⟩`` with ``v = P ⊙ G^probe_r`` is, to first order in E, ``⟨∂G_Y,ℓ(W + εv)/∂ε, E_ℓ⟩`` (the mixed
         second derivative read the other way round), so two passes at ``W ± εv`` give it for every layer at

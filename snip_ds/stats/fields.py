@@ -9,7 +9,7 @@ quantization errors, ``fwd`` (``forward_drift``) and the propagated ablation's `
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from snip_ds.linear import SnipLinear
 from snip_ds.stats.artifact import clean_layer, stats_header
@@ -17,12 +17,15 @@ from snip_ds.stats.common import GLOBAL
 from snip_ds.types import OPERANDS
 
 if TYPE_CHECKING:
-    from snip_ds.stats.collector import Collector
+    from snip_ds.stats.collector import CollectSettings, Collector
 
 
-def finalize(col: "Collector", mods: Dict[str, SnipLinear], n_batches: int, tokens_per_step: int, *,
-              lr: float, step: int, world_size: int, step_scale: float, num_probes: int, seed: int,
-              lam: Optional[float], fld_form: str = "sequence", bwd_rounding: str = "recipe") -> Dict[str, Any]:
+def finalize(col: "Collector", mods: Dict[str, SnipLinear], n_batches: int, tokens_per_step: int,
+             settings: "CollectSettings", *, lr: float, step: int, world_size: int,
+             step_scale: float) -> Dict[str, Any]:
+    """The artifact of one collection from ``col``'s all-reduced sums (the module docstring)."""
+    num_probes, seed, lam = settings.num_probes, settings.seed, settings.lam
+    fld_form, bwd_rounding = settings.fld_form, settings.bwd_rounding
     st, G, W, B = col.stats, GLOBAL, float(world_size), float(n_batches)
     n_tot = float(st.get(G, "n_tokens")[0])
     callable_mode = "callable" in col.sources
