@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from snip_ds.stats import CollectSettings, adam_precond, collect_statistics  # noqa: E402
-from snip_ds.config import BWD_ROUNDINGS, FP4_RECIPES, QuantConfig  # noqa: E402
+from snip_ds.quant_config import BWD_ROUNDINGS, FP4_RECIPES, QuantConfig  # noqa: E402
 from snip_ds.compare import (MeanSE, TrainSettings, apply_plan, attainable_share, bf16_forward,  # noqa: E402
                              cell_means, evaluate, load_checkpoint, make_optimizer, mean_se, paired_differences,
                              paired_verdict, predicted_divergence, save_checkpoint, spearman, train_steps)
@@ -793,7 +793,7 @@ def plot_curves(records: List[Dict[str, Any]], summary: Dict[str, Any], path: Pa
 
 
 def plot_maps(plans_by_phase: Dict[str, List[Dict[str, Any]]], path: Path) -> None:
-    from snip_ds.metrics import precision_map_image
+    from snip_ds.tensorboard import precision_map_image
     plt = _plt()
     tiles = [(phase, p) for phase, ps in plans_by_phase.items() for p in ps if p["rho"] is not None]
     cols = max(len({p["label"] for _, p in tiles}), 1)

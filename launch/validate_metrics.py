@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from snip_ds.config import BWD_ROUNDINGS  # noqa: E402
+from snip_ds.quant_config import BWD_ROUNDINGS  # noqa: E402
 from snip_ds.backend import get_backend  # noqa: E402
 from snip_ds.stats import CollectSettings, adam_precond, collect_statistics  # noqa: E402
 from snip_ds.compare import spearman as rank_correlation  # noqa: E402

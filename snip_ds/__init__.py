@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     # numerics
-    "QuantConfig": "snip_ds.config",
+    "QuantConfig": "snip_ds.quant_config",
     "SnipLinear": "snip_ds.linear",
     "GemmPrecision": "snip_ds.types",
     "PRECISIONS": "snip_ds.types",

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from snip_ds.config import QuantConfig
+from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 from snip_ds.types import BLOCK_NAME_RE, LAYER_KINDS, LAYER_PARENT, LayerPrecision, block_index
 

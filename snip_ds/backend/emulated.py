@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from snip_ds.backend.base import GemmBackend
-from snip_ds.config import QuantConfig
+from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GEMM_OPERAND_AXES, GEMM_OPERANDS, GEMMS
 from snip_ds.quant import (QuantParts, fake_quantize, get_recipe, hadamard_transform, quantize_parts, random_signs,
                            stochastic_moments)

@@ -30,7 +30,7 @@ import torch
 
 from snip_ds.backend.base import BackendError, GemmBackend, recipe_words, seed_offset
 from snip_ds.backend.emulated import OPERAND_ROLES_AXES, _hadamard_pair, operand_recipes, reference_operands
-from snip_ds.config import QuantConfig
+from snip_ds.quant_config import QuantConfig
 from snip_ds.quant import QuantParts, quantize_parts
 
 log = logging.getLogger("snip_ds.backend")

@@ -27,7 +27,7 @@ from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
 from snip_ds.planner import BWD_ESTIMATES, CostSettings, SolverSettings, solve_baseline
 from snip_ds.planner.costs import predicted_divergence
-from snip_ds.snip_config import ConfigError
+from snip_ds.settings import ConfigError
 
 
 class AdaptivePlanner:
@@ -82,7 +82,7 @@ class AdaptivePlanner:
         """The plan for ``stats``: solved on rank 0, broadcast as JSON, the same object on every rank.
 
         If rank 0 cannot solve, every rank learns why: a re-plan returns None (the caller keeps the plan in
-        force); the first adaptive plan raises :class:`~snip_ds.snip_config.ConfigError` with the reason.
+        force); the first adaptive plan raises :class:`~snip_ds.settings.ConfigError` with the reason.
         """
         s = self.settings
         payload = None

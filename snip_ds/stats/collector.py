@@ -48,7 +48,7 @@ from torch import nn
 
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
-from snip_ds.config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
+from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
 from snip_ds.linear import SnipLinear
 from snip_ds.stats.common import GLOBAL, Reduce, Sums, device_of, select_layers, targets, unpack
 from snip_ds.stats.estimators import BwdTerms, FldTerms, FwdTerms

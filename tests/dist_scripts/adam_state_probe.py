@@ -23,7 +23,7 @@ from snip_ds.engine import init_distributed  # noqa: E402
 from snip_ds.engine.adam_state import layer_preconditioner  # noqa: E402
 from snip_ds.engine.core import initialize  # noqa: E402
 from snip_ds.plan import Plan  # noqa: E402
-from snip_ds.snip_config import parse_snip_section  # noqa: E402
+from snip_ds.settings import parse_snip_section  # noqa: E402
 
 
 def main() -> int:

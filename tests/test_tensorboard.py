@@ -3,7 +3,7 @@ precision, with the step and FP4 share in its title and a legend."""
 import numpy as np
 import pytest
 
-from snip_ds.metrics import PRECISION_COLOURS, precision_map_figure, precision_map_image
+from snip_ds.tensorboard import PRECISION_COLOURS, precision_map_figure, precision_map_image
 from snip_ds.plan import fp4_share
 from snip_ds.types import block_index
 

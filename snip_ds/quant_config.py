@@ -1,6 +1,6 @@
 """Quantization settings of the linear layers, and the names of the statistics' estimator choices.
 
-The ``"snip"`` section of a DeepSpeed JSON is parsed by :mod:`snip_ds.snip_config`; this module holds only
+The ``"snip"`` section of a DeepSpeed JSON is parsed by :mod:`snip_ds.settings`; this module holds only
 the small frozen dataclass the quantized linear needs (and the choice lists that both the parser and
 :mod:`snip_ds.stats` check against), so the numerics do not depend on the trainer.
 """

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from snip_ds.config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS, QuantConfig
+from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS, QuantConfig
 from snip_ds.planner.costs import BWD_ESTIMATES, DGRAD_COSTS, METHODS
 from snip_ds.types import PRECISIONS
 
