@@ -1,7 +1,7 @@
 """Swapping a Llama-family model's decoder linears for :class:`~snip_ds.linear.SnipLinear`.
 
 The 7 linears of every decoder block (q, k, v, o, gate, up, down) are swapped; ``lm_head``, embeddings,
-norms and attention's own matmuls stay as they are (SNIP.md section 1).
+norms and attention's own matmuls stay as they are.
 """
 from __future__ import annotations
 

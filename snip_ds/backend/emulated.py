@@ -1,8 +1,8 @@
 """The emulated backend: quantize->dequantize every operand in FP32, then an FP32 GEMM.
 
-It quantizes each operand (SNIP.md section 2) and multiplies in FP32; it runs on any device and is the
-numerical reference of every other backend. The statistics (:mod:`snip_ds.stats`) always use it, whatever
-backend trains, through its :meth:`~EmulatedBackend.quantize` and ``*_moments`` methods.
+It quantizes each operand with its recipe (:func:`operand_recipes`) and multiplies in FP32; it runs on any
+device and is the numerical reference of every other backend. The statistics (:mod:`snip_ds.stats`) always
+use it, whatever backend trains, through its :meth:`~EmulatedBackend.quantize` and ``*_moments`` methods.
 
 Operands and the axis each is quantized along: see :mod:`snip_ds.backend.base`.
 """
@@ -31,7 +31,10 @@ class OperandRecipes:
 
 
 def operand_recipes(precision: str, cfg: QuantConfig) -> OperandRecipes:
-    """The recipes a precision uses for each operand role, per SNIP.md section 2."""
+    """The recipes a precision uses for each operand role (x, w, g) and whether g rounds stochastically:
+    fp8 ``fp8_hybrid`` is E4M3 for x and w, E5M2 for g; ``mxfp8`` MXFP8 for all three; fp4 ``nvfp4`` is NVFP4
+    (the weight in 2-D blocks with ``weight_2d``), ``mxfp4`` MXFP4; FP4 rounds g stochastically when
+    ``stochastic_rounding`` is set (docs/method.md)."""
     if precision == "fp8":
         if cfg.fp8_recipe == "fp8_hybrid":
             return OperandRecipes("fp8_e4m3", "fp8_e4m3", "fp8_e5m2", False)
