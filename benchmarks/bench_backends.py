@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from snip_ds.config import QuantConfig  # noqa: E402
+from snip_ds.quant_config import QuantConfig  # noqa: E402
 from snip_ds.linear import SnipLinear  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

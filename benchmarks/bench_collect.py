@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from snip_ds.collect import adam_precond, collect_statistics  # noqa: E402
+from snip_ds.stats import CollectSettings, adam_precond, collect_statistics  # noqa: E402
 from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.omp import preserve_torch_threads  # noqa: E402
@@ -118,8 +118,8 @@ def _collect(model, opt, batches, counter=None):
     def counting(t):
         counter.append(t.numel() * 8)  # all-reduced as float64 (snip_ds.distributed.dist_sum)
         return t
-    return collect_statistics(model, batches, lr=pre.lr, precond=pre.precond or None,
-                              reduce=counting if counter is not None else None, lam=100.0)
+    return collect_statistics(model, batches, CollectSettings(lam=100.0), lr=pre.lr,
+                              precond=pre.precond or None, reduce=counting if counter is not None else None)
 
 
 def _status_bytes(key: str) -> int:

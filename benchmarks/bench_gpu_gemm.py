@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from snip_ds.config import QuantConfig  # noqa: E402
+from snip_ds.quant_config import QuantConfig  # noqa: E402
 from snip_ds.linear import SnipLinear  # noqa: E402
 from timing import median_ms  # noqa: E402
 

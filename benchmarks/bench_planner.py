@@ -26,7 +26,7 @@ from importlib import metadata
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from snip_ds.plan import GEMMS  # noqa: E402
-from snip_ds.planner import solve_plan  # noqa: E402
+from snip_ds.planner import SolverSettings, solve_plan  # noqa: E402
 
 TOKENS_PER_STEP = 4096  # T; the FP4 share does not depend on it
 RHO = 0.75
@@ -77,12 +77,13 @@ def random_costs(fqns, allowed, per_gemm, seed):
 def bench(shape: LlamaShape, allowed, per_gemm, repeats: int) -> dict:
     flops = shape.layer_flops()
     fqns = sorted(flops)
-    solve_plan(random_costs(fqns, allowed, per_gemm, -1), flops, RHO, allowed=allowed, per_gemm=per_gemm)
+    solve_plan(random_costs(fqns, allowed, per_gemm, -1), flops, RHO, SolverSettings(allowed=allowed),
+               per_gemm=per_gemm)
     times, statuses, shares = [], set(), []
     for seed in range(repeats):
         costs = random_costs(fqns, allowed, per_gemm, seed)
         start = time.perf_counter()
-        plan = solve_plan(costs, flops, RHO, allowed=allowed, per_gemm=per_gemm)
+        plan = solve_plan(costs, flops, RHO, SolverSettings(allowed=allowed), per_gemm=per_gemm)
         times.append(time.perf_counter() - start)
         statuses.add(plan.status)
         shares.append(plan.fp4_share)

@@ -57,7 +57,7 @@ def worker(args: argparse.Namespace) -> int:
     from snip_ds import distributed as sdist
     from snip_ds.data import DataStream, load_dataset_blocks
     from snip_ds.engine import init_distributed, initialize
-    from snip_ds.metrics import make_logger
+    from snip_ds.tensorboard import make_logger
     from snip_ds.model import build_model
 
     torch.set_flush_denormal(True)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from snip_ds.config import BWD_ROUNDINGS, FP4_RECIPES, QuantConfig  # noqa: E402
+from snip_ds.quant_config import BWD_ROUNDINGS, FP4_RECIPES, QuantConfig  # noqa: E402
 from snip_ds.experiments.grid import DEFAULT_METHODS, FULL, METHOD_CHOICES, QUICK, parse_phases  # noqa: E402
 from snip_ds.experiments.results import json_default  # noqa: E402
 from snip_ds.experiments.runs import rerender, run_grid  # noqa: E402

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
 from snip_ds.hf import share_cpu_ranks_with_accelerate  # noqa: E402
-from snip_ds.snip_config import ConfigError  # noqa: E402
+from snip_ds.settings import ConfigError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,7 +68,7 @@ def build(args: SnipTrainingArguments, data: SnipDataArguments):
     from snip_ds.data import load_dataset_blocks
     from snip_ds.hf import SnipCallback
     from snip_ds.model import build_model
-    from snip_ds.snip_config import load_ds_config
+    from snip_ds.settings import load_ds_config
 
     cfg_path = args.deepspeed if isinstance(args.deepspeed, str) else data.snip_config
     raw, settings = load_ds_config(cfg_path)

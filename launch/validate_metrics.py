@@ -14,7 +14,7 @@ Warms a model up (plain torch AdamW, unquantized, FP32), then for every decoder 
 * (c) each truth's split-half reproducibility (Spearman between the means over two disjoint halves of the
   batches),
 
-and rank-correlates the predictions of :func:`snip_ds.collect.collect_statistics` (every estimator variant
+and rank-correlates the predictions of :func:`snip_ds.stats.collect_statistics` (every estimator variant
 and the quantization-error baselines) with them. Prints a per-layer table, then one JSON line (last).
 
 Examples::
@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from snip_ds.config import BWD_ROUNDINGS  # noqa: E402
+from snip_ds.quant_config import BWD_ROUNDINGS  # noqa: E402
 from snip_ds.experiments.validation import DEFAULTS, QUICK, run  # noqa: E402
 
 

@@ -9,11 +9,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     # numerics
-    "QuantConfig": "snip_ds.config",
+    "QuantConfig": "snip_ds.quant_config",
     "SnipLinear": "snip_ds.linear",
-    "GemmPrecision": "snip_ds.precision",
-    "PRECISIONS": "snip_ds.precision",
-    "GEMMS": "snip_ds.precision",
+    "GemmPrecision": "snip_ds.types",
+    "PRECISIONS": "snip_ds.types",
+    "GEMMS": "snip_ds.types",
     "cast_to_format": "snip_ds.quant",
     "fake_quantize": "snip_ds.quant",
     # model surgery

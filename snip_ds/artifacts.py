@@ -16,9 +16,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Tuple
 
-from snip_ds.fileio import atomic_write_text
 from snip_ds.plan import GEMMS, PLAN_FORMAT, Plan
-from snip_ds.planner import STATS_FORMAT, validate_stats
+from snip_ds.stats.artifact import STATS_FORMAT, save_stats, validate_stats
 
 PLAN_FILE = "plan.json"
 STATS_FILE = "stats.json"
@@ -41,8 +40,7 @@ def write_plan(out_dir: str | os.PathLike, plan: Plan) -> Path:
 def write_stats(out_dir: str | os.PathLike, stats: Mapping[str, Any]) -> Path:
     """Writes ``out_dir/stats.json`` (a snip_ds.stats/1 artifact) atomically; returns its path."""
     path = Path(out_dir) / STATS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(stats, indent=1, allow_nan=False) + "\n")
+    save_stats(stats, str(path), final_newline=True)
     return path
 
 

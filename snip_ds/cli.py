@@ -19,8 +19,9 @@ import warnings
 from typing import Sequence
 
 from snip_ds.artifacts import load_plan, load_stats
-from snip_ds.plan import GEMMS, PRECISIONS, Plan
-from snip_ds.planner import BWD_ESTIMATES, DGRAD_COSTS, METHODS, block_index, solve_baseline
+from snip_ds.plan import Plan
+from snip_ds.planner import BWD_ESTIMATES, DGRAD_COSTS, METHODS, CostSettings, SolverSettings, solve_baseline
+from snip_ds.types import GEMMS, PRECISIONS, block_index
 
 # Column order and headers for the Llama decoder block; other layer names get their own columns after these.
 _LLAMA_COLUMNS = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o"),
@@ -66,12 +67,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     previous = load_plan(args.previous)[0] if args.previous else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plans = solve_baseline(
-            args.method, stats, args.efficiency_saving, lam=args.lam, seed=args.seed, num_random=args.num_random,
-            allowed=allowed, pinned=pinned, previous=previous, flip_penalty=args.flip_penalty,
-            max_share=args.max_share, per_gemm=args.per_gemm, time_limit=args.time_limit,
-            compute_budget=args.compute_budget, dgrad=args.dgrad_cost, dgrad_calibration=args.dgrad_calibration,
-            bwd_key=BWD_ESTIMATES[args.bwd_estimate])
+        cost = CostSettings(lam=args.lam, per_gemm=args.per_gemm, dgrad=args.dgrad_cost,
+                            dgrad_calibration=args.dgrad_calibration, bwd_key=BWD_ESTIMATES[args.bwd_estimate])
+        solver = SolverSettings(allowed=allowed, pinned=pinned, flip_penalty=args.flip_penalty,
+                                max_share=args.max_share, compute_budget=args.compute_budget,
+                                time_limit=args.time_limit)
+        plans = solve_baseline(args.method, stats, args.efficiency_saving, cost, solver, previous=previous,
+                               seed=args.seed, num_random=args.num_random)
     for w in caught:
         print(f"snip-ds: warning: {w.message}", file=sys.stderr)
     seeds = [p.meta.get("seed", args.seed) for p in plans]

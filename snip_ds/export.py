@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from snip_ds.data import BYTE_EOS_ID, PREPARE_META_FILE, ByteTokenizer
+from snip_ds.corpus import BYTE_EOS_ID, PREPARE_META_FILE, ByteTokenizer
 from snip_ds.engine import checkpoint as ckpt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -153,7 +153,7 @@ def hf_config(meta: Mapping[str, Any], meta_path: Path, warn: Callable[[str], No
 
 
 def byte_tokenizer():
-    """A Hugging Face fast tokenizer that encodes and decodes exactly as :class:`snip_ds.data.ByteTokenizer`:
+    """A Hugging Face fast tokenizer that encodes and decodes exactly as :class:`snip_ds.corpus.ByteTokenizer`:
     every UTF-8 byte is one token whose id is the byte's value, ``<|endoftext|>`` is EOS (id 256).
 
     GPT-2's byte-level pre-tokenizer (no regex split, no prefix space) maps each byte to one printable

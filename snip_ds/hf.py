@@ -33,7 +33,7 @@ import torch
 from transformers import TrainerCallback
 
 from snip_ds import distributed as sdist
-from snip_ds.snip_config import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
+from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
 
 STATE_FILE = "snip_state.json"
 STATS_SEED_OFFSET = 7919  # the private statistics stream's seed is TrainingArguments.seed + this (as launch/train.py)
@@ -222,14 +222,14 @@ class SnipCallback(TrainerCallback):
     """SNIP FP8/FP4 mixed precision for a ``transformers.Trainer``: ``Trainer(..., callbacks=[SnipCallback()])``.
 
     Args:
-        settings: the ``"snip"`` section as a mapping (or :class:`~snip_ds.snip_config.SnipSettings`), for a
+        settings: the ``"snip"`` section as a mapping (or :class:`~snip_ds.settings.SnipSettings`), for a
             Trainer without a DeepSpeed config; None reads the section from ``TrainingArguments.deepspeed``.
             Its ``train`` part belongs to ``launch/train.py`` and is not used here (the Trainer's arguments
             decide), except that ``TrainingArguments.seed`` replaces ``train.seed``.
 
     Errors found before training (an unknown or invalid key, a DeepSpeed batch size or accumulation that
     disagrees with the ``TrainingArguments``, a plan file naming layers the model lacks, a model without
-    Llama-style decoder linears) are raised from ``Trainer(...)`` as :class:`~snip_ds.snip_config.ConfigError`
+    Llama-style decoder linears) are raised from ``Trainer(...)`` as :class:`~snip_ds.settings.ConfigError`
     or ``ValueError`` with one line naming the field or file.
 
     Attributes:

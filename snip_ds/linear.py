@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from snip_ds.backend import layer_backends
-from snip_ds.config import QuantConfig
-from snip_ds.precision import GemmPrecision, LayerPrecision
+from snip_ds.quant_config import QuantConfig
+from snip_ds.types import GemmPrecision, LayerPrecision
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -88,12 +88,12 @@ class SnipLinear(nn.Linear):
     Attributes:
         precision: the layer's precision; reading it gives a name when all three GEMMs agree, else a
             ``{gemm: precision}`` dict. Assign either form.
-        quant_config: the :class:`~snip_ds.config.QuantConfig` used for quantized GEMMs.
+        quant_config: the :class:`~snip_ds.quant_config.QuantConfig` used for quantized GEMMs.
         generator: the ``torch.Generator`` driving stochastic rounding of FP4 gradients (and the random
             Hadamard signs), or None for torch's default generator.
         fqn: the layer's fully qualified name in its model, when it was swapped in by :func:`swap_linears`.
         input_grad_only: at ``bf16``, back-propagate to the input only (no weight or bias gradient); set
-            by :func:`snip_ds.collect.collect_statistics` for its passes, False otherwise.
+            by :func:`snip_ds.stats.collect_statistics` for its passes, False otherwise.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,

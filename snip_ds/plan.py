@@ -1,7 +1,7 @@
 """The precision plan: an explicit, frozen, JSON-serialisable map fqn -> precision.
 
 A plan says, for every linear layer of the model (named by its fully qualified module name, the ``fqn``),
-which precision its GEMMs run in (SNIP.md section 1). Two shapes are supported:
+which precision its GEMMs run in. Two shapes are supported:
 
 * per-layer: ``{"model.layers.0.self_attn.q_proj": "fp4", ...}``
 * per-GEMM:  ``{"model.layers.0.self_attn.q_proj": {"fprop": "fp4", "dgrad": "fp8", "wgrad": "fp8"}, ...}``
@@ -21,13 +21,9 @@ import os
 from types import MappingProxyType
 
 from snip_ds.fileio import atomic_write_text
+from snip_ds.types import GEMMS, PRECISIONS
 from typing import Any, Iterable, Mapping
 
-PRECISIONS = ("bf16", "fp8", "fp4")
-GEMMS = ("fprop", "dgrad", "wgrad")
-# The operands of a linear Y = X·Wᵀ (x: input, w: weight, g: output gradient) and which two each GEMM quantizes.
-OPERANDS = ("x", "w", "g")
-GEMM_OPERANDS = {"fprop": ("x", "w"), "dgrad": ("g", "w"), "wgrad": ("g", "x")}
 PLAN_FORMAT = "snip_ds.plan/1"
 
 # How many leading / trailing names an error message lists before it only gives a count.
@@ -95,7 +91,7 @@ def _gemm_view(value: Any) -> Mapping[str, str]:
 def fp4_share(assignment: Mapping[str, Any], flops: Mapping[str, float]) -> float:
     """FP4 share of the linear-GEMM FLOPs of an assignment.
 
-    Each GEMM (fprop, dgrad, wgrad) is one third of a layer's FLOPs (SNIP.md section 1: 2Tkn each).
+    Each GEMM (fprop, dgrad, wgrad) is one third of a layer's FLOPs (2·T·k·n each, T tokens, k inputs, n outputs).
 
     Args:
         assignment: fqn -> precision, or fqn -> {gemm: precision}.

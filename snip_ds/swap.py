@@ -1,27 +1,21 @@
 """Swapping a Llama-family model's decoder linears for :class:`~snip_ds.linear.SnipLinear`.
 
 The 7 linears of every decoder block (q, k, v, o, gate, up, down) are swapped; ``lm_head``, embeddings,
-norms and attention's own matmuls stay as they are (SNIP.md section 1).
+norms and attention's own matmuls stay as they are.
 """
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
-from snip_ds.config import QuantConfig
+from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
-from snip_ds.precision import LayerPrecision
+from snip_ds.types import BLOCK_NAME_RE, LAYER_KINDS, LAYER_PARENT, LayerPrecision, block_index
 
-LAYER_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-_BLOCK_NAME_RE = re.compile(r"^(?:.*\.)?layers\.\d+$")
 
 
 @dataclass(frozen=True)
@@ -39,14 +33,6 @@ class LayerInfo:
         return 6.0 * tokens_per_step * self.in_features * self.out_features
 
 
-def block_index(fqn: str) -> int:
-    """The decoder block number in a name like ``model.layers.3.self_attn.q_proj``."""
-    match = _BLOCK_RE.search(fqn)
-    if match is None:
-        raise ValueError(f"layer {fqn!r}: no decoder block index ('layers.<i>.') in its name")
-    return int(match.group(1))
-
-
 def find_decoder_linears(model: nn.Module) -> List[str]:
     """Fully qualified names of the decoder linears, in block order and q, k, v, o, gate, up, down order.
 
@@ -54,14 +40,14 @@ def find_decoder_linears(model: nn.Module) -> List[str]:
         ValueError: if the model has no decoder blocks, or a block lacks one of the 7 projections.
     """
     modules = dict(model.named_modules())
-    blocks = sorted((name for name in modules if _BLOCK_NAME_RE.match(name)), key=block_index)
+    blocks = sorted((name for name in modules if BLOCK_NAME_RE.match(name)), key=block_index)
     if not blocks:
         raise ValueError("model: no decoder blocks found (expected modules named '...layers.<i>' as in "
                          "Hugging Face Llama-family models)")
     names = []
     for prefix in blocks:
         for kind in LAYER_KINDS:
-            fqn = f"{prefix}.{_PARENT[kind]}.{kind}"
+            fqn = f"{prefix}.{LAYER_PARENT[kind]}.{kind}"
             if not isinstance(modules.get(fqn), nn.Linear):
                 raise ValueError(f"model: decoder block {prefix!r} has no nn.Linear {fqn!r}; snip_ds swaps the "
                                  f"7 linears {', '.join(LAYER_KINDS)} of Llama-family blocks")

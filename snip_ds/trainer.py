@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from snip_ds import console, faults
-from snip_ds.ds_config import resolve_ds_config, validate_with_deepspeed
-from snip_ds.metrics import config_text, make_logger
-from snip_ds.snip_config import ConfigError, SnipSettings, load_ds_config, with_overrides
+from snip_ds.deepspeed_config import resolve_ds_config, validate_with_deepspeed
+from snip_ds.tensorboard import config_text, make_logger
+from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, with_overrides
 
 # torch, transformers and DeepSpeed are imported inside train() and main(), so that `--help` answers at once.
 

@@ -12,10 +12,10 @@ from snip_ds import backend as backend_pkg
 from snip_ds.backend import (BackendError, EmulatedBackend, TorchBackend, check_backend, get_backend,
                              reference_operands, resolve)
 from snip_ds.backend import base, torch_native
-from snip_ds.config import QuantConfig
+from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 from snip_ds.quant import stochastic_moments
-from snip_ds.snip_config import ConfigError, parse_snip_section
+from snip_ds.settings import ConfigError, parse_snip_section
 from tests.reference_quant import GRIDS, assert_bitwise_equal
 
 BACKENDS_HERE = ["torch"]  # every backend that runs on this machine besides the emulated reference

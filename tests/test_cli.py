@@ -6,7 +6,8 @@ import pytest
 
 from snip_ds.cli import main, render_plan
 from snip_ds.plan import Plan, fp4_share
-from snip_ds.planner import block_index, costs_from_stats, solve_plan
+from snip_ds.planner import SolverSettings, costs_from_stats, solve_plan
+from snip_ds.types import block_index
 
 NAMES = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
          ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
@@ -52,7 +53,7 @@ def test_plan_lambda_pin_and_methods(stats_file, tmp_path):
     assert plan.assignment[pin] == "fp4" and plan.meta["lambda"] == 0.0
     stats = _stats()
     sc = costs_from_stats(stats, 0.0)
-    assert plan.digest() == solve_plan(sc.costs, sc.flops, 0.3, pinned={pin: "fp4"}).digest()
+    assert plan.digest() == solve_plan(sc.costs, sc.flops, 0.3, SolverSettings(pinned={pin: "fp4"})).digest()
     assert main(["plan", str(stats_file), "--efficiency-saving", "0.3", "--method", "first_last_fp8",
                  "-o", str(out)]) == 0
     fl = Plan.load(out)

@@ -1,4 +1,5 @@
-"""snip_ds.collect on a tiny Llama: no trace left, independent per-layer references, reduction, artifact."""
+"""snip_ds.stats (the collector) on a tiny Llama: no trace left, independent per-layer references, reduction,
+artifact."""
 import json
 from dataclasses import replace
 
@@ -9,9 +10,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
-from snip_ds.collect import adam_precond, collect_statistics, save_stats
-from snip_ds.planner import costs_from_stats, load_stats
+from snip_ds.planner import costs_from_stats
+from snip_ds.stats import CollectSettings, adam_precond, collect_statistics
+from snip_ds.stats.artifact import load_stats, save_stats
 from snip_ds.swap import snip_layers, swap_linears
+from tests import reference_divergence as refdiv
 
 LAYER = "model.layers.1.mlp.down_proj"
 
@@ -88,7 +91,8 @@ def test_leaves_no_trace(model):
         rng=torch.get_rng_state())
     pc = adam_precond(model, opt)
     for est in ("mc_fisher", "isotropic"):
-        collect_statistics(model, _batches(2), lr=1e-3, precond=pc.precond, estimator=est, bwd_propagated=True)
+        collect_statistics(model, _batches(2), CollectSettings(estimator=est, bwd_propagated=True), lr=1e-3,
+                           precond=pc.precond)
     for k, v in model.named_parameters():
         assert torch.equal(v, before["params"][k]), k
         assert torch.equal(v.grad, before["grads"][k]), k
@@ -116,7 +120,8 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
     pre = {f: torch.rand(m.weight.shape, generator=torch.Generator().manual_seed(5)) + 0.5
            for f, m in snip_layers(model).items()}
     lr = 3e-3
-    stats = collect_statistics(model, [batch], lr=lr, precond=pre, estimator="empirical", bwd_rounding="nearest")
+    stats = collect_statistics(model, [batch], CollectSettings(estimator="empirical", bwd_rounding="nearest"), lr=lr,
+                               precond=pre)
     rec = stats["layers"][LAYER]
     # Tolerances: the reference sees bitwise the same X, G_Y and quantized operands (same forward, same
     # backend), so no element can round differently; only the order of the FP32 sums differs. A K-deep
@@ -129,16 +134,16 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
         assert stats["tokens"] == ref["n"] and stats["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         assert rec["first_order"][p] == pytest.approx((ref["gy"] * ref["e"]).sum().item(), rel=1e-3, abs=1e-9)
         # abs=0: these numbers are far below pytest.approx's default absolute tolerance (1e-12)
-        assert rec["bwd_drift"][p] == pytest.approx(dv.bwd_direct(ref["dgw"], pre[LAYER], lr).item(), rel=1e-4,
+        assert rec["bwd_drift"][p] == pytest.approx(refdiv.bwd_direct(ref["dgw"], pre[LAYER], lr).item(), rel=1e-4,
                                                     abs=0)
-        fld = dv.fld_from_tensors(ref["e"], ref["gy"] * ref["n"], ref["n"])
+        fld = refdiv.fld_from_tensors(ref["e"], ref["gy"] * ref["n"], ref["n"])
         assert rec["fld_channel"][p] == pytest.approx(fld.item(), rel=1e-4, abs=0)
         # sequence form (the default): Σ over the batch's rows of (Σ_t g_t·E_t)², g on the per-token scale
         per_row = ((ref["gy"] * ref["n"]) * ref["e"]).sum(1).reshape(batch.shape[0], -1).sum(1)
         fld_seq = (per_row ** 2).sum() / (2 * ref["n"])
         assert rec["fld_sequence"][p] == pytest.approx(fld_seq.item(), rel=1e-4, abs=0)
         assert rec["fld"][p] == rec["fld_sequence"][p]
-        bwd = dv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[LAYER], dv.channel_sq_mean(ref["gy"] * ref["n"]),
+        bwd = refdiv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[LAYER], refdiv.channel_sq_mean(ref["gy"] * ref["n"]),
                              ref["n"])
         assert rec["bwd"][p] == pytest.approx(bwd.item(), rel=1e-4, abs=0)
         assert rec["bwd_bias"][p] == rec["bwd"][p] and rec["bwd_drift_bias"][p] == rec["bwd_drift"][p]
@@ -171,7 +176,7 @@ def test_recipe_rounding_is_the_exact_expectation_over_stochastic_rounding(model
            if row_constant else torch.rand(m.weight.shape, generator=gen) + 0.5
            for f, m in snip_layers(model).items()}
     lr = 3e-3
-    stats = collect_statistics(model, [batch], lr=lr, precond=pre, estimator="empirical")
+    stats = collect_statistics(model, [batch], CollectSettings(estimator="empirical"), lr=lr, precond=pre)
     assert stats["bwd_rounding"] == "recipe"
     rec = stats["layers"][LAYER]
     ref = _reference(model, batch, LAYER, "fp4", pre[LAYER])
@@ -186,7 +191,7 @@ def test_recipe_rounding_is_the_exact_expectation_over_stochastic_rounding(model
     assert rec["bwd_drift_bias"]["fp4"] == pytest.approx(drift_bias.item(), rel=1e-4, abs=0)
     assert rec["bwd_drift"]["fp4"] == pytest.approx((drift_bias + drift_noise).item(), rel=1e-4, abs=0)
     # loss units: Σ_j m_j E[Σ_t (x_t·D_j)²] / 2N with D = lr·ΔG_W⊙P and m_j = mean_t g_tj²
-    m = dv.channel_sq_mean(ref["gy"] * ref["n"]).double()
+    m = refdiv.channel_sq_mean(ref["gy"] * ref["n"]).double()
     noise_ch = torch.stack([(g_var[j] * ((x @ (p_mat[j] * xq.t()).t()) ** 2).sum(0)).sum()
                             for j in range(bias.shape[0])])  # Σ_s Var[G_Y]_sj Σ_t (x_t·(P_j⊙Q(X)_s))²
     bias_ch = ((x @ (bias * p_mat).t()) ** 2).sum(0)
@@ -208,7 +213,7 @@ def test_mc_fisher_sequence_form_matches_exact_gauss_newton(model):
     import copy
     batch = _batches(1, seed=4)[0]
     probes = 96
-    stats = collect_statistics(model, [batch], lr=1e-3, num_probes=probes, seed=3)
+    stats = collect_statistics(model, [batch], CollectSettings(num_probes=probes, seed=3), lr=1e-3)
     m64 = copy.deepcopy(model).double()
     for m in snip_layers(m64).values():
         m.precision = "bf16"
@@ -238,10 +243,10 @@ def test_mc_fisher_sequence_form_matches_exact_gauss_newton(model):
 
 def test_mc_fisher_is_seeded_and_close_to_empirical(model):
     b = _batches(2)
-    s1 = collect_statistics(model, b, lr=1e-3, seed=0)
-    s2 = collect_statistics(model, b, lr=1e-3, seed=0)
-    s3 = collect_statistics(model, b, lr=1e-3, seed=1)
-    emp = collect_statistics(model, b, lr=1e-3, estimator="empirical")
+    s1 = collect_statistics(model, b, CollectSettings(seed=0), lr=1e-3)
+    s2 = collect_statistics(model, b, CollectSettings(seed=0), lr=1e-3)
+    s3 = collect_statistics(model, b, CollectSettings(seed=1), lr=1e-3)
+    emp = collect_statistics(model, b, CollectSettings(estimator="empirical"), lr=1e-3)
     assert s1 == s2 and s1["layers"][LAYER]["fld"] != s3["layers"][LAYER]["fld"]
     # at initialisation the model's labels are as uncertain as the data: both Fisher forms agree within 3x
     # (per channel: the sequence form of 4 rows is a sum of 4 squares, too noisy for a 3x band)
@@ -259,16 +264,18 @@ def test_reduce_over_simulated_ranks_matches_pooled_single_rank(model):
         captured["rank1"] = t.clone()
         return t
 
-    collect_statistics(model, [b1], lr=1e-3, estimator="empirical", precond_fallback="ones", reduce=capture)
+    collect_statistics(model, [b1], CollectSettings(estimator="empirical", precond_fallback="ones"), lr=1e-3,
+                       reduce=capture)
     calls = []
 
     def reduce(t):
         calls.append(1)
         return t + captured["rank1"]
 
-    two = collect_statistics(model, [b0], lr=1e-3, estimator="empirical", precond_fallback="ones", reduce=reduce,
-                             world_size=2)
-    one = collect_statistics(model, [b0, b1], lr=1e-3, estimator="empirical", precond_fallback="ones")
+    two = collect_statistics(model, [b0], CollectSettings(estimator="empirical", precond_fallback="ones"), lr=1e-3,
+                             reduce=reduce, world_size=2)
+    one = collect_statistics(model, [b0, b1], CollectSettings(estimator="empirical", precond_fallback="ones"),
+                             lr=1e-3)
     assert calls == [1] and two["tokens"] == one["tokens"]
     # the same per-batch sums added in another order (one addition each): 1e-5 ≫ 2^-24; first_order is
     # signed and cancels, so 1e-4 relative plus 1e-12 absolute
@@ -293,8 +300,8 @@ def test_callable_precond_matches_tensor(model):
         calls.append(fqn)
         return ((t * pre[fqn]) ** 2).sum()
 
-    a = collect_statistics(model, b, lr=1e-3, precond=pre, estimator="empirical")
-    c = collect_statistics(model, b, lr=1e-3, precond=partial_sum, estimator="empirical")
+    a = collect_statistics(model, b, CollectSettings(estimator="empirical"), lr=1e-3, precond=pre)
+    c = collect_statistics(model, b, CollectSettings(estimator="empirical"), lr=1e-3, precond=partial_sum)
     # per layer: fp8's drift, fp4's systematic part and fp4's stochastic-rounding noise
     assert c["precond"] == "callable" and a["precond"] == "tensor" and len(calls) == 3 * len(pre)
     # the same products, summed per layer by the callable instead of inside the collector: 1e-5 ≫ log2(n)·u
@@ -307,7 +314,8 @@ def test_callable_precond_matches_tensor(model):
 def test_artifact_loads_in_planner_and_flags_nonfinite(model, tmp_path):
     pre = {f: torch.ones(m.weight.shape) for f, m in snip_layers(model).items()}
     pre[LAYER] = torch.full_like(pre[LAYER], float("inf"))
-    stats = collect_statistics(model, _batches(1), lr=1e-3, precond=pre, lam=100.0, bwd_propagated=True, step=7)
+    stats = collect_statistics(model, _batches(1), CollectSettings(lam=100.0, bwd_propagated=True), lr=1e-3,
+                               precond=pre, step=7)
     path = tmp_path / "stats.json"
     save_stats(stats, str(path))
     loaded = load_stats(str(path))
@@ -336,7 +344,7 @@ def test_empty_precond_mapping_means_no_optimizer_state(model):
 
 
 def test_isotropic_records_alpha(model):
-    s = collect_statistics(model, _batches(1), lr=1e-3, estimator="isotropic")
+    s = collect_statistics(model, _batches(1), CollectSettings(estimator="isotropic"), lr=1e-3)
     assert s["alpha"] > 0 and 2.0 < s["quadratic_ratio"] < 6.0
     assert all(r["fld"]["fp4"] > 0 for r in s["layers"].values())
 
@@ -344,9 +352,9 @@ def test_isotropic_records_alpha(model):
 def test_bad_arguments(model):
     b = _batches(1)
     with pytest.raises(ValueError, match="valid: mc_fisher, empirical, isotropic"):
-        collect_statistics(model, b, lr=1e-3, estimator="hessian")
+        collect_statistics(model, b, CollectSettings(estimator="hessian"), lr=1e-3)
     with pytest.raises(ValueError, match="fld_form: unknown form 'token'; valid: sequence, channel"):
-        collect_statistics(model, b, lr=1e-3, fld_form="token")
+        collect_statistics(model, b, CollectSettings(fld_form="token"), lr=1e-3)
     with pytest.raises(ValueError, match="not SnipLinear"):
         collect_statistics(model, b, lr=1e-3, layers=["model.lm_head"])
     with pytest.raises(ValueError, match="shape"):
@@ -354,7 +362,7 @@ def test_bad_arguments(model):
     with pytest.raises(ValueError, match="empty"):
         collect_statistics(model, [], lr=1e-3)
     with pytest.raises(ValueError, match="precisions"):
-        collect_statistics(model, b, lr=1e-3, precisions=("bf16",))
+        collect_statistics(model, b, CollectSettings(precisions=("bf16",)), lr=1e-3)
     with pytest.raises(ValueError, match="input_ids"):
         collect_statistics(model, [[1, 2, 3]], lr=1e-3)
     with pytest.raises(ValueError, match="SnipLinear"):
@@ -371,8 +379,8 @@ def test_dgrad_estimate_matches_an_independent_reference(model):
     layers = snip_layers(model)
     gen = torch.Generator().manual_seed(11)
     pre = {f: torch.rand(m.weight.shape, generator=gen) + 0.5 for f, m in layers.items()}
-    stats = collect_statistics(model, batches, lr=1e-3, precond=pre, bwd_propagated=True,
-                               bwd_rounding="nearest")
+    stats = collect_statistics(model, batches, CollectSettings(bwd_propagated=True, bwd_rounding="nearest"), lr=1e-3,
+                               precond=pre)
     names = list(layers)
     upstream = names[:names.index(LAYER)]  # every layer before down_proj (none shares its input)
     e_sq, up, gx_sq = 0.0, {m: 0.0 for m in upstream}, 0.0
@@ -435,14 +443,14 @@ def test_input_groups_are_the_layers_that_share_an_input():
     """q/k/v share one input, gate/up another; o_proj and down_proj have their own. Groups are found by the
     input tensor's id within a forward, so no input may be freed (and its id recycled) before the forward ends:
     on this 4-block model that once merged two blocks' groups."""
-    from snip_ds.collect import QUANTIZED, _Collector, _preserved
+    from snip_ds.stats.collector import Collector, _preserved
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
     model = LlamaForCausalLM(cfg)
     swap_linears(model, "fp8", seed=3)
     layers = snip_layers(model)
-    col = _Collector(model, layers, QUANTIZED, None, "grad_sq", "mc_fisher", True, 0)
+    col = Collector(model, layers, CollectSettings(bwd_propagated=True), None)
     g = torch.Generator().manual_seed(1)
     with _preserved(model, layers), col.hooks():
         for _ in range(3):
@@ -470,7 +478,8 @@ def test_forward_drift_matches_a_brute_force_linear_response(model):
     layers = snip_layers(model)
     pre = {f: torch.rand(m.weight.shape, generator=gen) + 0.5 for f, m in layers.items()}
     lr, seed = 1e-2, 5
-    stats = collect_statistics(model, [batch], lr=lr, precond=pre, num_probes=1, seed=seed, forward_drift=True)
+    stats = collect_statistics(model, [batch], CollectSettings(num_probes=1, seed=seed, forward_drift=True), lr=lr,
+                               precond=pre)
     assert stats["forward_drift"] is True
     fqns = sorted(layers)
     saved = {f: m.precision for f, m in layers.items()}
@@ -534,9 +543,10 @@ def test_forward_drift_matches_a_brute_force_linear_response(model):
 def test_forward_drift_bad_settings(model):
     b = _batches(1)
     with pytest.raises(ValueError, match="forward_drift needs estimator='mc_fisher'"):
-        collect_statistics(model, b, lr=1e-3, estimator="empirical", forward_drift=True)
+        collect_statistics(model, b, CollectSettings(estimator="empirical", forward_drift=True), lr=1e-3)
     with pytest.raises(ValueError, match="forward_drift needs weight-shaped preconditioners"):
-        collect_statistics(model, b, lr=1e-3, forward_drift=True, precond=lambda fqn, t: (t * t).sum())
+        collect_statistics(model, b, CollectSettings(forward_drift=True), lr=1e-3,
+                           precond=lambda fqn, t: (t * t).sum())
     stats = collect_statistics(model, b, lr=1e-3)
     assert stats["forward_drift"] is False and "fwd" not in stats["layers"][LAYER]
     with pytest.raises(ValueError, match="lack field 'fwd': forward_drift needs statistics collected with"):

@@ -1,4 +1,5 @@
-"""Tests for snip_ds.data: byte tokenizer, stdlib corpus, blocks, user text, and the resumable stream."""
+"""Tests for snip_ds.corpus and snip_ds.data: byte tokenizer, stdlib corpus, blocks, user text, and the resumable
+stream."""
 
 import hashlib
 import json
@@ -8,16 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from snip_ds.data import (
-    BYTE_EOS_ID,
-    BlockDataset,
-    ByteTokenizer,
-    DataStream,
-    load_dataset_blocks,
-    make_loader,
-    split_block_indices,
-    stdlib_corpus,
-)
+from snip_ds.corpus import BYTE_EOS_ID, ByteTokenizer, split_block_indices, stdlib_corpus
+from snip_ds.data import BlockDataset, DataStream, load_dataset_blocks, make_loader
 
 SMALL = {"max_bytes": 40_000, "max_validation_bytes": 8_000}  # keep the real-stdlib tests fast
 

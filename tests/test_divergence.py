@@ -1,10 +1,12 @@
-"""snip_ds.divergence against closed-form truths (quadratic losses, linear maps, a softmax head, Adam)."""
+"""snip_ds.divergence and tests/reference_divergence.py against closed-form truths (quadratic losses, linear
+maps, a softmax head, Adam)."""
 import math
 
 import pytest
 import torch
 
 from snip_ds import divergence as dv
+from tests import reference_divergence as refdiv
 
 
 def _gen(seed=0):
@@ -18,7 +20,7 @@ def _symmetrised(loss_fn, y, e):
 def test_channel_reductions_shapes_and_values():
     t = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)  # [B, L, n] -> rows 6
     assert torch.equal(dv.channel_sq_sum(t), (t.reshape(6, 4) ** 2).sum(0))
-    assert torch.allclose(dv.channel_sq_mean(t), (t.reshape(6, 4) ** 2).mean(0))
+    assert torch.allclose(refdiv.channel_sq_mean(t), (t.reshape(6, 4) ** 2).mean(0))
 
 
 def test_fld_exact_on_diagonal_quadratic():
@@ -37,7 +39,7 @@ def test_fld_exact_on_diagonal_quadratic():
     # Fisher probes of a Gaussian per-token loss: g_t = a^½ ξ_t with Rademacher ξ -> mean_t g² = a exactly
     xi = torch.randint(0, 2, (T, n), generator=g).double() * 2 - 1
     probe = a.sqrt() * xi
-    est = dv.fld_from_tensors(e, probe, T)
+    est = refdiv.fld_from_tensors(e, probe, T)
     assert est.item() == pytest.approx(truth.item(), rel=1e-5)
 
 
@@ -58,7 +60,7 @@ def test_fld_linear_map_known_jacobian_mc_probes():
     v = torch.randn(probes, T, d, generator=g, dtype=torch.float64)  # v ~ N(0, I) at z (Hessian there is I)
     (gy,) = torch.autograd.grad(z, yv, grad_outputs=v, is_grads_batched=True)  # [R, T, n]
     acc = (gy ** 2).mean((0, 1))
-    est = dv.fld_estimate(dv.channel_sq_sum(e).double(), acc, T)
+    est = refdiv.fld_estimate(dv.channel_sq_sum(e).double(), acc, T)
     assert est.item() == pytest.approx(truth.item(), rel=0.05)
 
 
@@ -84,8 +86,8 @@ def test_mc_fisher_probes_match_exact_softmax_fisher():
     assert rel < 0.05
     # and the per-channel probe statistic converges to the Fisher diagonal
     e = 0.05 * torch.randn(T, n, generator=g, dtype=torch.float64)
-    est = dv.fld_estimate(dv.channel_sq_sum(e).double(), (grads ** 2).mean((0, 1)), T)
-    diag_ref = dv.fld_estimate(dv.channel_sq_sum(e).double(), torch.diagonal(exact, dim1=1, dim2=2).mean(0), T)
+    est = refdiv.fld_estimate(dv.channel_sq_sum(e).double(), (grads ** 2).mean((0, 1)), T)
+    diag_ref = refdiv.fld_estimate(dv.channel_sq_sum(e).double(), torch.diagonal(exact, dim1=1, dim2=2).mean(0), T)
     assert est.item() == pytest.approx(diag_ref.item(), rel=0.05)
 
 
@@ -124,21 +126,21 @@ def test_sequence_form_is_the_gauss_newton_form_where_the_channel_form_is_not():
     r = (p.reshape(-1, 1, V) - torch.nn.functional.one_hot(labels, V).double()).reshape(B, L, probes, V)
     gy = torch.einsum("st,bsrv,nv->rbtn", a, r, m).reshape(probes, N, n)  # ∂Σ_s CE_s/∂Y_t per probe
     seq = sum(dv.sequence_sq_sum(gy[i], e.reshape(N, n), B) for i in range(probes)) / probes / (2 * N)
-    chan = dv.fld_estimate(dv.channel_sq_sum(e).double(), (gy ** 2).mean((0, 1)), N)
+    chan = refdiv.fld_estimate(dv.channel_sq_sum(e).double(), (gy ** 2).mean((0, 1)), N)
     assert seq.item() == pytest.approx(gn.item(), rel=0.1)
     assert chan.item() < 0.5 * gn.item()  # 0.26-0.39 over four seeds of this set-up
 
 
 def test_fld_estimate_validates():
     with pytest.raises(ValueError, match="n_tokens"):
-        dv.fld_estimate(torch.ones(3), torch.ones(3), 0)
+        refdiv.fld_estimate(torch.ones(3), torch.ones(3), 0)
     with pytest.raises(ValueError, match="same shape"):
-        dv.fld_estimate(torch.ones(3), torch.ones(4), 1)
+        refdiv.fld_estimate(torch.ones(3), torch.ones(4), 1)
 
 
 def test_first_order():
     gy, e = torch.randn(4, 3, generator=_gen(4)), torch.randn(4, 3, generator=_gen(5))
-    assert dv.first_order(gy, e).item() == pytest.approx((gy * e).sum().item())
+    assert refdiv.first_order(gy, e).item() == pytest.approx((gy * e).sum().item())
 
 
 def test_isotropic_alpha_quadratic_ratio_and_fld():
@@ -157,7 +159,7 @@ def test_isotropic_alpha_quadratic_ratio_and_fld():
     assert dv.quadratic_ratio(l0, lp, l2, lm) == pytest.approx(4.0, rel=1e-6)
     # the layer output is z itself (J = I): probes u = v back-propagated -> mean u² = 1
     e = 0.2 * torch.randn(3, d, generator=g, dtype=torch.float64)
-    est = dv.fld_isotropic(dv.channel_sq_sum(e).double(), torch.ones(d, dtype=torch.float64), alpha_true)
+    est = refdiv.fld_isotropic(dv.channel_sq_sum(e).double(), torch.ones(d, dtype=torch.float64), alpha_true)
     truth = sum(_symmetrised(lambda zz: loss(zz), z, e[t]) for t in range(3))
     assert est.item() == pytest.approx(truth, rel=1e-6)
     with pytest.raises(ValueError):
@@ -212,8 +214,8 @@ def test_bwd_direct_matches_one_adam_step():
     d_ref, pre, c = step_with(grad)
     d_q, _, _ = step_with(grad + delta)
     truth = ((d_q - d_ref) ** 2).sum().item()
-    assert dv.bwd_direct(delta, pre, lr, c).item() == pytest.approx(truth, rel=0.03)
-    assert dv.bwd_direct(delta, pre, lr).item() == pytest.approx(truth / c ** 2, rel=0.03)
+    assert refdiv.bwd_direct(delta, pre, lr, c).item() == pytest.approx(truth, rel=0.03)
+    assert refdiv.bwd_direct(delta, pre, lr).item() == pytest.approx(truth / c ** 2, rel=0.03)
 
 
 def test_bwd_fisher_single_probe_exact_and_mc_expectation():
@@ -222,15 +224,15 @@ def test_bwd_fisher_single_probe_exact_and_mc_expectation():
     pg = torch.randn(4, 3, generator=g)
     lr, n = 0.1, 10
     want = ((pg * lr * dgw * pre).sum() ** 2) / (2 * n)
-    assert dv.bwd_fisher([pg], dgw, pre, lr, n).item() == pytest.approx(want.item(), rel=1e-5)
+    assert refdiv.bwd_fisher([pg], dgw, pre, lr, n).item() == pytest.approx(want.item(), rel=1e-5)
     # probes with independent entries of variance s²: E⟨G, d⟩² = Σ s² d²
     s = torch.rand(4, 3, generator=g) + 0.2
     probes = [s * torch.randn(4, 3, generator=g) for _ in range(20000)]
     d = lr * dgw * pre
     expect = (s ** 2 * d ** 2).sum() / (2 * n)
-    assert dv.bwd_fisher(probes, dgw, pre, lr, n).item() == pytest.approx(expect.item(), rel=0.05)
+    assert refdiv.bwd_fisher(probes, dgw, pre, lr, n).item() == pytest.approx(expect.item(), rel=0.05)
     with pytest.raises(ValueError, match="probe"):
-        dv.bwd_fisher([], dgw, pre, lr, n)
+        refdiv.bwd_fisher([], dgw, pre, lr, n)
 
 
 def test_bwd_channel_exact_on_diagonal_quadratic():
@@ -246,13 +248,13 @@ def test_bwd_channel_exact_on_diagonal_quadratic():
         return 0.5 * ((x @ ww.t()) ** 2 * a).sum() / T
 
     truth = (loss(w + dmat) + loss(w - dmat) - 2 * loss(w)) / 2
-    assert dv.bwd_channel(x, dmat, a, T).item() == pytest.approx(truth.item(), rel=1e-6)
+    assert refdiv.bwd_channel(x, dmat, a, T).item() == pytest.approx(truth.item(), rel=1e-6)
 
 
 def test_bwd_propagated_formula():
-    assert dv.bwd_propagated(2.0, 3.0, 4.0, lr=0.1, step_scale=0.5) == pytest.approx(0.05 ** 2 * 2 * 3 / 4)
-    assert dv.bwd_propagated(2.0, 3.0, 0.0, lr=0.1) == 0.0
-    assert math.isfinite(dv.bwd_propagated(0.0, 0.0, 1.0, lr=1.0))
+    assert refdiv.bwd_propagated(2.0, 3.0, 4.0, lr=0.1, step_scale=0.5) == pytest.approx(0.05 ** 2 * 2 * 3 / 4)
+    assert refdiv.bwd_propagated(2.0, 3.0, 0.0, lr=0.1) == 0.0
+    assert math.isfinite(refdiv.bwd_propagated(0.0, 0.0, 1.0, lr=1.0))
 
 
 @pytest.mark.rounding

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from snip_ds.cli import main
-from snip_ds.data import BYTE_EOS_ID, ByteTokenizer
+from snip_ds.corpus import BYTE_EOS_ID, ByteTokenizer
 
 
 def _error_line(capsys) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from snip_ds.backend import get_backend
-from snip_ds.config import QuantConfig
+from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 from snip_ds.quant import RECIPES, fake_quantize
 

@@ -161,7 +161,7 @@ def _variant(tmp_path, edit) -> str:
 
 
 def test_unknown_key_in_snip_section(tmp_path):
-    from snip_ds.snip_config import ConfigError
+    from snip_ds.settings import ConfigError
 
     path = _variant(tmp_path, lambda c: c["snip"].update(replan_evry=3))
     with pytest.raises(ConfigError, match=rf"{path}: snip: unknown key\(s\) 'replan_evry'"):
@@ -170,14 +170,14 @@ def test_unknown_key_in_snip_section(tmp_path):
 
 def test_unknown_key_in_settings_argument(tmp_path):
     from snip_ds.hf import SnipCallback
-    from snip_ds.snip_config import ConfigError
+    from snip_ds.settings import ConfigError
 
     with pytest.raises(ConfigError, match=r"SnipCallback\(settings=...\): snip.quant: unknown key\(s\) 'fp5'"):
         _trainer(tmp_path, callback=SnipCallback(settings={"plan": "adaptive", "quant": {"fp5": 1}}))
 
 
 def test_gradient_accumulation_disagrees(tmp_path):
-    from snip_ds.snip_config import ConfigError
+    from snip_ds.settings import ConfigError
 
     path = _variant(tmp_path, lambda c: c.update(gradient_accumulation_steps=2))
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps is 2 but TrainingArguments"
@@ -187,7 +187,7 @@ def test_gradient_accumulation_disagrees(tmp_path):
 
 def test_settings_in_two_places(tmp_path):
     from snip_ds.hf import SnipCallback
-    from snip_ds.snip_config import ConfigError
+    from snip_ds.settings import ConfigError
 
     path = _variant(tmp_path, lambda c: None)
     with pytest.raises(ConfigError, match="give them in one place"):
@@ -196,7 +196,7 @@ def test_settings_in_two_places(tmp_path):
 
 def test_plan_file_naming_missing_layers(tmp_path):
     from snip_ds.hf import SnipCallback
-    from snip_ds.snip_config import ConfigError
+    from snip_ds.settings import ConfigError
 
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"model.layers.7.mlp.up_proj": "fp4"}))

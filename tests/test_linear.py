@@ -5,7 +5,7 @@ from torch import nn
 
 from reference_quant import ref_mx_rows, ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor
 from snip_ds import backend
-from snip_ds.config import QuantConfig
+from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 
 T, K, N = 48, 32, 64  # tokens, in, out: multiples of 16 but not of 32 along T, so MX blocks are partial

@@ -5,7 +5,8 @@ import os
 import pytest
 
 from snip_ds import plan as plan_mod
-from snip_ds.plan import GEMMS, PRECISIONS, Plan, fp4_share
+from snip_ds.plan import Plan, fp4_share
+from snip_ds.types import GEMMS, PRECISIONS
 
 FQNS = [f"model.layers.{b}.mlp.{n}" for b in range(2) for n in ("up_proj", "down_proj")]
 FLOPS = {fqn: float(i + 1) for i, fqn in enumerate(FQNS)}  # 1, 2, 3, 4 -> total 10

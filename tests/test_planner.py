@@ -8,10 +8,12 @@ import time
 import mip
 import pytest
 
-import snip_ds.planner as planner
-from snip_ds.plan import GEMMS, fp4_share
-from snip_ds.planner import (GEMM_COST, METHODS, block_index, costs_from_stats, load_stats, quant_err_costs,
-                             solve_baseline, solve_plan, validate_stats)
+import snip_ds.planner.ilp as ilp
+from snip_ds.plan import fp4_share
+from snip_ds.planner import (GEMM_COST, METHODS, CostSettings, SolverSettings, costs_from_stats, quant_err_costs,
+                             solve_baseline, solve_plan)
+from snip_ds.stats.artifact import load_stats, validate_stats
+from snip_ds.types import GEMMS, block_index
 
 TOL = 1e-9  # FP64 FLOP shares: sums of ≤ 36 terms err by ≤ 36·2^-53 ≈ 4e-15; 1e-9 only absorbs that
 NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -108,7 +110,7 @@ def test_three_precisions_one_hot_matches_brute_force(seed):
     costs, flops = _instance(7, seed)
     allowed = ("bf16", "fp8", "fp4")
     for target, budget in [(0.4, None), (0.2, 0.45), (0.0, 0.3)]:
-        plan = solve_plan(costs, flops, target, allowed=allowed, compute_budget=budget)
+        plan = solve_plan(costs, flops, target, SolverSettings(allowed=allowed, compute_budget=budget))
         ref, _ = _brute_force(costs, flops, target, allowed, compute_budget=budget)
         assert plan.objective == pytest.approx(ref, abs=1e-9)
         _assert_valid(plan, flops, target)
@@ -128,8 +130,9 @@ def test_equal_flops_classes_match_brute_force(seed):
     pinned = {fqns[0]: "fp4", fqns[1]: "fp8"}
     for allowed in (("fp8", "fp4"), ("bf16", "fp8", "fp4")):
         for target, max_share in ((0.35, None), (0.5, 0.55)):
-            plan = solve_plan(costs, flops, target, allowed=allowed, pinned=pinned, previous=previous,
-                              flip_penalty=0.7, max_share=max_share)
+            plan = solve_plan(costs, flops, target,
+                              SolverSettings(allowed=allowed, pinned=pinned, flip_penalty=0.7, max_share=max_share),
+                              previous=previous)
             ref, _ = _brute_force(costs, flops, target, allowed, pinned=pinned, previous=previous,
                                   flip_penalty=0.7, max_share=max_share)
             assert plan.status == "optimal"
@@ -146,7 +149,8 @@ def test_symmetric_llama_instance_is_solved_to_optimality_fast():
     rng = random.Random(2)
     costs = {f: {p: {g: rng.random() for g in GEMMS} for p in ("bf16", "fp8", "fp4")} for f in flops}
     start = time.perf_counter()
-    plan = solve_plan(costs, flops, 0.75, allowed=("bf16", "fp8", "fp4"), per_gemm=True, time_limit=5.0)
+    plan = solve_plan(costs, flops, 0.75, SolverSettings(allowed=("bf16", "fp8", "fp4"), time_limit=5.0),
+                      per_gemm=True)
     assert plan.status == "optimal" and time.perf_counter() - start < 2.0
     _assert_valid(plan, flops, 0.75)
     # Exchange check: within a class, every fp4 GEMM costs no more to switch than any non-fp4 one.
@@ -165,7 +169,7 @@ def test_three_precisions_uses_bf16_when_cheapest():
     fqns = _fqns(4)
     flops = {f: 1.0 for f in fqns}
     costs = {f: {"bf16": 0.0, "fp8": 1.0, "fp4": 5.0} for f in fqns}
-    plan = solve_plan(costs, flops, 0.5, allowed=("bf16", "fp8", "fp4"))
+    plan = solve_plan(costs, flops, 0.5, SolverSettings(allowed=("bf16", "fp8", "fp4")))
     assert sorted(plan.assignment.values()) == ["bf16", "bf16", "fp4", "fp4"]
 
 
@@ -197,7 +201,7 @@ def test_max_share_pins_the_share():
     # Costs that make fp4 cheaper everywhere: without an upper bound every layer goes fp4.
     cheap4 = {f: {"fp8": 1.0, "fp4": 0.0} for f in costs}
     assert solve_plan(cheap4, flops, 0.5).fp4_share == pytest.approx(1.0)
-    plan = solve_plan(cheap4, flops, 0.5, max_share=0.6)
+    plan = solve_plan(cheap4, flops, 0.5, SolverSettings(max_share=0.6))
     _assert_valid(plan, flops, 0.5, max_share=0.6)
     ref, _ = _brute_force(cheap4, flops, 0.5, ("fp8", "fp4"), max_share=0.6)
     assert plan.objective == pytest.approx(ref)
@@ -210,7 +214,7 @@ def test_pinned_layers_are_respected_and_optimal():
     costs, flops = _instance(10, 4)
     fqns = sorted(costs)
     pinned = {fqns[0]: "fp4", fqns[3]: "fp8", fqns[5]: "bf16"}  # bf16 is outside allowed: still fine
-    plan = solve_plan(costs, flops, 0.5, pinned=pinned)
+    plan = solve_plan(costs, flops, 0.5, SolverSettings(pinned=pinned))
     for f, p in pinned.items():
         assert plan.assignment[f] == p
     ref, _ = _brute_force(costs, flops, 0.5, ("fp8", "fp4"), pinned=pinned)
@@ -225,7 +229,7 @@ def test_flip_penalty_matches_brute_force_and_reduces_flips():
     previous = {f: rng.choice(["fp8", "fp4"]) for f in fqns}
     flips = []
     for penalty in (0.0, 0.5, 2.0, 1000.0):
-        plan = solve_plan(costs, flops, 0.5, previous=previous, flip_penalty=penalty)
+        plan = solve_plan(costs, flops, 0.5, SolverSettings(flip_penalty=penalty), previous=previous)
         ref, _ = _brute_force(costs, flops, 0.5, ("fp8", "fp4"), previous=previous, flip_penalty=penalty)
         assert plan.objective == pytest.approx(ref, abs=1e-9)
         n = sum(plan.assignment[f] != previous[f] for f in fqns)
@@ -239,7 +243,7 @@ def test_huge_flip_penalty_keeps_a_feasible_previous_plan():
     previous = solve_plan(costs, flops, 0.7)
     new_costs, _ = _instance(12, 60)
     assert solve_plan(new_costs, flops, 0.7).digest() != previous.digest()
-    kept = solve_plan(new_costs, flops, 0.7, previous=previous, flip_penalty=1e6)
+    kept = solve_plan(new_costs, flops, 0.7, SolverSettings(flip_penalty=1e6), previous=previous)
     assert kept.digest() == previous.digest()
 
 
@@ -249,8 +253,8 @@ def test_huge_flip_penalty_keeps_a_feasible_previous_plan():
 def test_greedy_fallback_when_solver_finds_nothing(monkeypatch):
     costs, flops = _instance(12, 8)
     optimal = solve_plan(costs, flops, 0.6)
-    monkeypatch.setattr(planner, "_optimize", lambda model, t: mip.OptimizationStatus.NO_SOLUTION_FOUND)
-    plan = solve_plan(costs, flops, 0.6, max_share=0.8)
+    monkeypatch.setattr(ilp, "_optimize", lambda model, t: mip.OptimizationStatus.NO_SOLUTION_FOUND)
+    plan = solve_plan(costs, flops, 0.6, SolverSettings(max_share=0.8))
     assert plan.status == "greedy_fallback"
     _assert_valid(plan, flops, 0.6, max_share=0.8)
     assert plan.objective >= optimal.objective - 1e-12
@@ -264,7 +268,7 @@ def test_greedy_is_optimal_for_equal_flops(monkeypatch):
     flops = {f: 2.0 for f in fqns}
     costs = {f: {"fp8": rng.random(), "fp4": rng.random()} for f in fqns}
     optimal = solve_plan(costs, flops, 0.5)
-    monkeypatch.setattr(planner, "_optimize", lambda model, t: mip.OptimizationStatus.ERROR)
+    monkeypatch.setattr(ilp, "_optimize", lambda model, t: mip.OptimizationStatus.ERROR)
     greedy = solve_plan(costs, flops, 0.5)
     assert greedy.status == "greedy_fallback"
     assert greedy.objective == pytest.approx(optimal.objective)
@@ -273,8 +277,8 @@ def test_greedy_is_optimal_for_equal_flops(monkeypatch):
 
 def test_greedy_respects_compute_budget(monkeypatch):
     costs, flops = _instance(7, 2)
-    monkeypatch.setattr(planner, "_optimize", lambda model, t: mip.OptimizationStatus.NO_SOLUTION_FOUND)
-    plan = solve_plan(costs, flops, 0.2, allowed=("bf16", "fp8", "fp4"), compute_budget=0.4)
+    monkeypatch.setattr(ilp, "_optimize", lambda model, t: mip.OptimizationStatus.NO_SOLUTION_FOUND)
+    plan = solve_plan(costs, flops, 0.2, SolverSettings(allowed=("bf16", "fp8", "fp4"), compute_budget=0.4))
     compute = sum(flops[f] * GEMM_COST[p] for f, p in plan.assignment.items()) / sum(flops.values())
     assert plan.status == "greedy_fallback" and compute <= 0.4 + TOL
     _assert_valid(plan, flops, 0.2)
@@ -287,7 +291,7 @@ def test_time_limit_keeps_feasible_solution(monkeypatch):
         model.optimize(max_seconds=t)
         return mip.OptimizationStatus.FEASIBLE  # what CBC reports when it stops with an incumbent
 
-    monkeypatch.setattr(planner, "_optimize", stopped)
+    monkeypatch.setattr(ilp, "_optimize", stopped)
     plan = solve_plan(costs, flops, 0.5)
     assert plan.status == "time_limit_feasible"
     _assert_valid(plan, flops, 0.5)
@@ -295,7 +299,8 @@ def test_time_limit_keeps_feasible_solution(monkeypatch):
 
 def test_real_tiny_time_limit_still_returns_a_valid_plan():
     costs, flops = _instance(560, 12, per_gemm=True)
-    plan = solve_plan(costs, flops, 0.75, per_gemm=True, allowed=("bf16", "fp8", "fp4"), time_limit=1e-4)
+    plan = solve_plan(costs, flops, 0.75, SolverSettings(allowed=("bf16", "fp8", "fp4"), time_limit=1e-4),
+                      per_gemm=True)
     assert plan.status in ("optimal", "time_limit_feasible", "greedy_fallback")
     _assert_valid(plan, flops, 0.75)
 
@@ -325,22 +330,22 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="different layers"):
         solve_plan(costs, {f: 1.0 for f in fqns[:-1]}, 0.5)
     with pytest.raises(ValueError, match="unreachable"):
-        solve_plan(costs, flops, 0.9, pinned={fqns[0]: "fp8", fqns[1]: "fp8", fqns[2]: "fp8"})
+        solve_plan(costs, flops, 0.9, SolverSettings(pinned={fqns[0]: "fp8", fqns[1]: "fp8", fqns[2]: "fp8"}))
     with pytest.raises(ValueError, match="unreachable"):
-        solve_plan(costs, flops, 0.5, allowed=("bf16", "fp8"))
+        solve_plan(costs, flops, 0.5, SolverSettings(allowed=("bf16", "fp8")))
     with pytest.raises(ValueError, match="valid precisions are bf16, fp8, fp4"):
-        solve_plan(costs, flops, 0.5, allowed=("fp8", "int4"))
+        solve_plan(costs, flops, 0.5, SolverSettings(allowed=("fp8", "int4")))
     with pytest.raises(ValueError, match="not in the cost table"):
-        solve_plan(costs, flops, 0.5, pinned={"model.layers.9.q_proj": "fp8"})
+        solve_plan(costs, flops, 0.5, SolverSettings(pinned={"model.layers.9.q_proj": "fp8"}))
     with pytest.raises(ValueError, match="'max_share'"):
-        solve_plan(costs, flops, 0.5, max_share=0.4)
+        solve_plan(costs, flops, 0.5, SolverSettings(max_share=0.4))
     with pytest.raises(ValueError, match="positive finite"):
         solve_plan(costs, {**flops, fqns[0]: 0.0}, 0.5)
     no_fp4 = {**costs, fqns[0]: {"fp8": 1.0}}
     with pytest.raises(ValueError, match=f"layer '{fqns[0]}' precision 'fp4' must be a finite number"):
         solve_plan(no_fp4, flops, 0.5)
     with pytest.raises(ValueError, match="infeasible"):
-        solve_plan(costs, flops, 0.9, allowed=("bf16", "fp8", "fp4"), compute_budget=0.2)
+        solve_plan(costs, flops, 0.9, SolverSettings(allowed=("bf16", "fp8", "fp4"), compute_budget=0.2))
     with pytest.raises(ValueError, match="per_gemm=True"):
         solve_plan(costs, flops, 0.5, per_gemm=True)
 
@@ -360,13 +365,6 @@ def make_stats(n_blocks=3, seed=0, lam=10.0):
             layers[f"model.layers.{b}.{part}.{name}"] = rec
     return {"format": "snip_ds.stats/1", "step": 100, "lr": 3e-4, "world_size": 2, "estimator": "mc_fisher",
             "lambda": lam, "layers": layers}
-
-
-def test_block_index():
-    assert block_index("model.layers.3.self_attn.q_proj") == 3
-    assert block_index("transformer.h.17.mlp.c_fc") == 17
-    with pytest.raises(ValueError, match="no block index"):
-        block_index("lm_head")
 
 
 def test_costs_from_stats_formula_and_lambda_default():
@@ -449,12 +447,12 @@ def test_quant_err_per_gemm_prices_each_gemm_by_its_two_operands():
                                                       "wgrad": (g + x) / 2})
             assert sum(sc.costs[fqn][p].values()) == pytest.approx(rec[field][p])
         assert quant_err_costs(stats, field).costs[fqn]["fp4"] == rec[field]["fp4"]  # per layer: the sum
-        plan = solve_baseline(field, stats, 0.4, per_gemm=True)[0]
+        plan = solve_baseline(field, stats, 0.4, cost=CostSettings(per_gemm=True))[0]
         assert plan.per_gemm
         assert plan.digest() == solve_plan(sc.costs, sc.flops, 0.4, per_gemm=True).digest()
     del stats["layers"][fqn]["quant_err_g"]
     with pytest.raises(ValueError, match=r"lack quant_err_g, needed for per-GEMM quant_err"):
-        solve_baseline("quant_err", stats, 0.4, per_gemm=True)
+        solve_baseline("quant_err", stats, 0.4, cost=CostSettings(per_gemm=True))
     solve_baseline("quant_err", stats, 0.4)  # per layer needs only the sum
     stats["layers"][fqn]["rel_quant_err_w"] = {"fp4": "big"}
     with pytest.raises(ValueError, match=r"rel_quant_err_w.fp4 must be a number"):
@@ -469,7 +467,7 @@ def test_first_last_unreachable_target_is_an_error():
 
 def test_baselines_same_share_with_max_share():
     stats = make_stats(n_blocks=4)
-    shares = [solve_baseline(m, stats, 0.5, max_share=0.52)[0].fp4_share
+    shares = [solve_baseline(m, stats, 0.5, solver=SolverSettings(max_share=0.52))[0].fp4_share
               for m in ("best", "quant_err", "rel_quant_err", "random")]
     assert all(0.5 - TOL <= s <= 0.52 + TOL for s in shares)
 
@@ -516,7 +514,7 @@ def test_dgrad_upstream_prices_dgrad_by_its_own_estimate():
     assert g == pytest.approx({"fprop": rec["fld"]["fp4"], "wgrad": 100.0 * rec["bwd"]["fp4"],
                                "dgrad": 25.0 * rec["bwd_dgrad"]["fp4"]})
     # dgrad far cheaper than the rest: at a share of 1/3 every dgrad GEMM and nothing else runs in FP4
-    (plan,) = solve_baseline("best", stats, 1 / 3, lam=100.0, per_gemm=True, dgrad="upstream")
+    (plan,) = solve_baseline("best", stats, 1 / 3, cost=CostSettings(lam=100.0, per_gemm=True, dgrad="upstream"))
     assert all(a == {"fprop": "fp8", "dgrad": "fp4", "wgrad": "fp8"} for a in plan.assignment.values())
     assert plan.meta["dgrad"] == "upstream" and plan.meta["dgrad_calibration"] == 1.0
     with pytest.raises(ValueError, match="needs per_gemm=True"):
@@ -527,7 +525,7 @@ def test_dgrad_upstream_prices_dgrad_by_its_own_estimate():
         costs_from_stats(stats, per_gemm=True, dgrad="upstream", dgrad_calibration=0.0)
     del stats["layers"][fqn]["bwd_dgrad"]
     with pytest.raises(ValueError, match=r"lack field 'bwd_dgrad'.*collected with bwd_propagated=True"):
-        solve_baseline("best", stats, 0.3, per_gemm=True, dgrad="upstream")
+        solve_baseline("best", stats, 0.3, cost=CostSettings(per_gemm=True, dgrad="upstream"))
 
 
 def test_systematic_bwd_prices_only_the_persistent_part():
@@ -544,9 +542,9 @@ def test_systematic_bwd_prices_only_the_persistent_part():
     assert sc.costs[fqn]["fp8"] == pytest.approx(rec["fld"]["fp8"] + 100.0 * rec["bwd_bias"]["fp8"])
     g = costs_from_stats(stats, 100.0, per_gemm=True, bwd_key="bwd_bias").costs[fqn]["fp4"]
     assert g["dgrad"] == pytest.approx(50.0 * rec["bwd_bias"]["fp4"]) == pytest.approx(g["wgrad"])
-    (plan,) = solve_baseline("best", stats, 0.5, lam=100.0, bwd_key="bwd_bias")
+    (plan,) = solve_baseline("best", stats, 0.5, cost=CostSettings(lam=100.0, bwd_key="bwd_bias"))
     assert plan.meta["bwd_key"] == "bwd_bias"
-    (brute,) = solve_baseline("best", stats, 0.5, lam=100.0)
+    (brute,) = solve_baseline("best", stats, 0.5, cost=CostSettings(lam=100.0))
     assert "bwd_key" not in brute.meta
     with pytest.raises(ValueError, match="bwd_key must be one of bwd, bwd_bias, bwd_propagated"):
         costs_from_stats(stats, bwd_key="bwd_noise")

@@ -5,7 +5,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from snip_ds.linear import SnipLinear
-from snip_ds.swap import LAYER_KINDS, block_index, find_decoder_linears, snip_layers, swap_linears
+from snip_ds.swap import find_decoder_linears, snip_layers, swap_linears
+from snip_ds.types import LAYER_KINDS, block_index
 
 
 def tiny_llama(layers=3, seed=0):

@@ -28,8 +28,8 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from snip_ds.config import BACKENDS, QuantConfig
-from snip_ds.precision import GemmPrecision
+from snip_ds.quant_config import BACKENDS, QuantConfig
+from snip_ds.types import GemmPrecision
 
 log = logging.getLogger("snip_ds.backend")
 
@@ -43,7 +43,7 @@ class GemmBackend(ABC):
     """One way of computing the three GEMMs of a quantized linear layer.
 
     Every GEMM takes the high-precision operands, the precision (``bf16``, ``fp8``, ``fp4``) and the
-    :class:`~snip_ds.config.QuantConfig`, and returns its result in ``out_dtype`` (accumulated in FP32).
+    :class:`~snip_ds.quant_config.QuantConfig`, and returns its result in ``out_dtype`` (accumulated in FP32).
     ``generator`` is the source of stochastic rounding (FP4 G_Y) and of the random Hadamard signs: a backend
     whose kernels take a seed and an offset draws them from it (:func:`seed_offset`), so the generator's
     state, which checkpoints save, fixes the rounding of a resumed run in every backend.

@@ -1,8 +1,8 @@
 """The emulated backend: quantize->dequantize every operand in FP32, then an FP32 GEMM.
 
-It quantizes each operand (SNIP.md section 2) and multiplies in FP32; it runs on any device and is the
-numerical reference of every other backend. The statistics (:mod:`snip_ds.collect`) always use it, whatever
-backend trains, through its :meth:`~EmulatedBackend.quantize` and ``*_moments`` methods.
+It quantizes each operand with its recipe (:func:`operand_recipes`) and multiplies in FP32; it runs on any
+device and is the numerical reference of every other backend. The statistics (:mod:`snip_ds.stats`) always
+use it, whatever backend trains, through its :meth:`~EmulatedBackend.quantize` and ``*_moments`` methods.
 
 Operands and the axis each is quantized along: see :mod:`snip_ds.backend.base`.
 """
@@ -14,7 +14,8 @@ from typing import Optional, Tuple
 import torch
 
 from snip_ds.backend.base import GemmBackend
-from snip_ds.config import QuantConfig
+from snip_ds.quant_config import QuantConfig
+from snip_ds.types import GEMM_OPERAND_AXES, GEMM_OPERANDS, GEMMS
 from snip_ds.quant import (QuantParts, fake_quantize, get_recipe, hadamard_transform, quantize_parts, random_signs,
                            stochastic_moments)
 
@@ -30,7 +31,10 @@ class OperandRecipes:
 
 
 def operand_recipes(precision: str, cfg: QuantConfig) -> OperandRecipes:
-    """The recipes a precision uses for each operand role, per SNIP.md section 2."""
+    """The recipes a precision uses for each operand role (x, w, g) and whether g rounds stochastically:
+    fp8 ``fp8_hybrid`` is E4M3 for x and w, E5M2 for g; ``mxfp8`` MXFP8 for all three; fp4 ``nvfp4`` is NVFP4
+    (the weight in 2-D blocks with ``weight_2d``), ``mxfp4`` MXFP4; FP4 rounds g stochastically when
+    ``stochastic_rounding`` is set (docs/method.md)."""
     if precision == "fp8":
         if cfg.fp8_recipe == "fp8_hybrid":
             return OperandRecipes("fp8_e4m3", "fp8_e4m3", "fp8_e5m2", False)
@@ -248,19 +252,19 @@ def _hadamard_pair(g: torch.Tensor, x: torch.Tensor,
 
 
 # Operand roles and quantization axes of each GEMM: (role, axis) of the first and the second operand.
-GEMM_OPERANDS = {"fprop": (("x", -1), ("w", -1)), "dgrad": (("g", -1), ("w", 0)), "wgrad": (("g", 0), ("x", 0))}
+OPERAND_ROLES_AXES = {g: tuple(zip(GEMM_OPERANDS[g], GEMM_OPERAND_AXES[g])) for g in GEMMS}
 
 
 def reference_operands(gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig,
                        generator: Optional[torch.Generator] = None) -> Tuple[QuantParts, QuantParts]:
     """The reference split of ``gemm``'s quantized operands (see :meth:`EmulatedBackend.quantized_operands`);
     at ``bf16`` the operands in FP32 with a tensor scale of 1."""
-    if gemm not in GEMM_OPERANDS:
-        raise ValueError(f"gemm: unknown GEMM {gemm!r}; valid: {', '.join(GEMM_OPERANDS)}")
+    if gemm not in OPERAND_ROLES_AXES:
+        raise ValueError(f"gemm: unknown GEMM {gemm!r}; valid: {', '.join(GEMMS)}")
     if gemm == "wgrad" and precision == "fp4" and cfg.hadamard:
         a, b = _hadamard_pair(a, b, generator)
     out = []
-    for t, (role, axis) in zip((a, b), GEMM_OPERANDS[gemm]):
+    for t, (role, axis) in zip((a, b), OPERAND_ROLES_AXES[gemm]):
         if precision == "bf16":
             out.append(QuantParts(_fp32(t).clone(), torch.ones((), dtype=torch.float32, device=t.device)))
             continue

@@ -29,8 +29,8 @@ from typing import Optional, Tuple
 import torch
 
 from snip_ds.backend.base import BackendError, GemmBackend, recipe_words, seed_offset
-from snip_ds.backend.emulated import GEMM_OPERANDS, _hadamard_pair, operand_recipes, reference_operands
-from snip_ds.config import QuantConfig
+from snip_ds.backend.emulated import OPERAND_ROLES_AXES, _hadamard_pair, operand_recipes, reference_operands
+from snip_ds.quant_config import QuantConfig
 from snip_ds.quant import QuantParts, quantize_parts
 
 log = logging.getLogger("snip_ds.backend")
@@ -91,14 +91,14 @@ class TorchBackend(GemmBackend):
                            generator: Optional[torch.Generator] = None) -> Tuple[QuantParts, QuantParts]:
         """The two operands of ``gemm`` (``(x, w)``, ``(g, w)`` or ``(g, x)``) as this backend's GEMMs
         multiply them: values (FP32 here; the GEMMs hold them in FP8 or BF16, exactly) and tensor scales."""
-        if precision == "bf16" or gemm not in GEMM_OPERANDS:
+        if precision == "bf16" or gemm not in OPERAND_ROLES_AXES:
             return reference_operands(gemm, a, b, precision, cfg, generator)  # the operands as they are (or
             # the error naming the GEMM)
         if gemm == "wgrad" and precision == "fp4" and cfg.hadamard:
             a, b = _hadamard_pair(a, b, generator)
         recipes = operand_recipes(precision, cfg)
         out = []
-        for t, (role, axis) in zip((a, b), GEMM_OPERANDS[gemm]):
+        for t, (role, axis) in zip((a, b), OPERAND_ROLES_AXES[gemm]):
             stochastic = role == "g" and recipes.stochastic_g
             out.append(self.quantize_parts(t, getattr(recipes, role), axis, stochastic,
                                            generator if stochastic else None))

@@ -21,13 +21,14 @@ import torch
 from snip_ds import distributed as sdist
 from snip_ds import divergence as dv
 from snip_ds import faults
-from snip_ds.collect import collect_statistics
+from snip_ds.stats import CollectSettings, collect_statistics
 from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
-from snip_ds.planner import BWD_ESTIMATES, solve_baseline
-from snip_ds.snip_config import ConfigError
+from snip_ds.planner import BWD_ESTIMATES, CostSettings, SolverSettings, solve_baseline
+from snip_ds.planner.costs import predicted_divergence
+from snip_ds.settings import ConfigError
 
 
 class AdaptivePlanner:
@@ -71,12 +72,11 @@ class AdaptivePlanner:
             raise ValueError("statistics: no private stream and no micro-batches to collect on")
         dev = next(iter(eng.layers.values())).weight.device
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
-        stats = collect_statistics(
-            eng.ds.module, batches, layers=list(eng.layers), lr=eng.lr(), precond=precond,
-            estimator=s.estimator, num_probes=s.num_probes, fld_form=s.fld_form, seed=s.train.seed + eng.step,
-            reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size(), lam=s.bwd_lambda,
-            retain_graph=eng.zero_stage < 3, bwd_propagated=s.dgrad_cost == "upstream",
-            bwd_rounding=s.bwd_rounding)
+        how = CollectSettings(estimator=s.estimator, num_probes=s.num_probes, fld_form=s.fld_form,
+                              seed=s.train.seed + eng.step, lam=s.bwd_lambda, retain_graph=eng.zero_stage < 3,
+                              bwd_propagated=s.dgrad_cost == "upstream", bwd_rounding=s.bwd_rounding)
+        stats = collect_statistics(eng.ds.module, batches, how, layers=list(eng.layers), lr=eng.lr(), precond=precond,
+                                   reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size())
         stats["precond_source"] = source
         return stats
 
@@ -84,21 +84,20 @@ class AdaptivePlanner:
         """The plan for ``stats``: solved on rank 0, broadcast as JSON, the same object on every rank.
 
         If rank 0 cannot solve, every rank learns why: a re-plan returns None (the caller keeps the plan in
-        force); the first adaptive plan raises :class:`~snip_ds.snip_config.ConfigError` with the reason.
+        force); the first adaptive plan raises :class:`~snip_ds.settings.ConfigError` with the reason.
         """
         s = self.settings
         payload = None
         if sdist.rank() == 0:
             try:
                 with preserve_torch_threads():  # CBC would leave torch single-threaded
-                    plan = solve_baseline(s.method, stats, s.efficiency_saving, lam=s.bwd_lambda,
-                                          seed=s.plan_seed, pinned=dict(s.pinned) or None,
-                                          previous=self.engine.plan, flip_penalty=s.flip_penalty,
-                                          per_gemm=s.per_gemm, time_limit=s.solver_time_limit,
-                                          dgrad=s.dgrad_cost, dgrad_calibration=s.dgrad_calibration,
-                                          allowed=s.allowed, compute_budget=s.compute_budget,
-                                          max_share=s.max_share,
-                                          bwd_key=BWD_ESTIMATES[s.bwd_estimate])[0]
+                    cost = CostSettings(lam=s.bwd_lambda, per_gemm=s.per_gemm, dgrad=s.dgrad_cost,
+                                        dgrad_calibration=s.dgrad_calibration, bwd_key=BWD_ESTIMATES[s.bwd_estimate])
+                    solver = SolverSettings(allowed=s.allowed, pinned=dict(s.pinned) or None,
+                                            flip_penalty=s.flip_penalty, max_share=s.max_share,
+                                            compute_budget=s.compute_budget, time_limit=s.solver_time_limit)
+                    plan = solve_baseline(s.method, stats, s.efficiency_saving, cost, solver, seed=s.plan_seed,
+                                          previous=self.engine.plan)[0]
                 payload = {"plan": plan.to_dict()}
             except (ValueError, RuntimeError) as err:  # no plan reaches the target: tell every rank
                 payload = {"error": str(err)}
@@ -164,12 +163,8 @@ class AdaptivePlanner:
         """Σ over layers of the predicted FLD at the precision the plan gives their fprop."""
         if self.last_stats is None or self.engine.plan is None:
             return float("nan")
-        total = 0.0
-        for fqn, rec in self.last_stats["layers"].items():
-            p = self.engine.plan.precision_of(fqn, "fprop")
-            if p != "bf16" and rec["fld"].get(p) is not None:
-                total += rec["fld"][p]
-        return total
+        layers, plan = self.last_stats["layers"], self.engine.plan
+        return predicted_divergence(layers, {fqn: plan.assignment[fqn] for fqn in layers})[0]
 
     # ------------------------------------------------------------------ measured divergence
     @torch.no_grad()

@@ -16,12 +16,13 @@ from torch import nn
 from snip_ds import distributed as sdist
 from snip_ds import faults
 from snip_ds.backend import check_backend
-from snip_ds.ds_config import resolve_ds_config
+from snip_ds.deepspeed_config import resolve_ds_config
 from snip_ds.engine import checkpoint as ckpt
-from snip_ds.metrics import NullLogger, precision_map_image
+from snip_ds.tensorboard import NullLogger, precision_map_image
 from snip_ds.plan import Plan, fp4_share
-from snip_ds.snip_config import SnipSettings, parse_snip_section
-from snip_ds.swap import LayerInfo, block_index, snip_layers, swap_linears
+from snip_ds.settings import SnipSettings, parse_snip_section
+from snip_ds.swap import LayerInfo, snip_layers, swap_linears
+from snip_ds.types import block_index
 
 
 def _free_port() -> int:
@@ -278,7 +279,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
             validated: unknown keys are errors) when ``settings`` is None.
         settings: the validated ``"snip"`` section; None reads ``config["snip"]`` (defaults if absent).
         tokens_per_step: tokens per optimizer step on one rank (scales FLOPs; shares do not depend on it).
-        logger: a TensorBoard logger on the logging rank (see :mod:`snip_ds.metrics`), else None.
+        logger: a TensorBoard logger on the logging rank (see :mod:`snip_ds.tensorboard`), else None.
         seed: seeds the stochastic-rounding generators.
         plan: the starting plan; None: :func:`initial_plan` of the settings.
         statistics_stream: adaptive runs only: an object whose ``next_batch()`` returns a micro-batch (a

@@ -12,17 +12,18 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping
 
 from torch import nn
 
-from snip_ds.collect import adam_precond, collect_statistics
+from snip_ds.stats import CollectSettings, adam_precond, collect_statistics
 from snip_ds.data import DataStream
 from snip_ds.experiments.grid import KIND_PLANS, SOLVED, UNIFORM, snip_label
 from snip_ds.experiments.training import TrainSettings, load_checkpoint, make_optimizer
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import GEMMS, Plan
-from snip_ds.planner import DGRAD_COSTS, solve_baseline
+from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
+from snip_ds.planner.costs import predicted_divergence  # noqa: F401  (the product's cost model; imported from here too)
 from snip_ds.swap import snip_layers
 
 
@@ -37,10 +38,10 @@ def collect_phase_stats(model, ckpt: Path, train_ds, settings: TrainSettings, ar
     pc = adam_precond(model, opt)
     stream = DataStream(train_ds, settings.batch_size, seed=args.seed + 777)
     batches = [stream.next_batch()["input_ids"] for _ in range(args.stat_batches)]
-    return collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, estimator="mc_fisher",
-                              num_probes=1, seed=args.seed, step=pc.step, lam=args.lambda_default,
-                              bwd_propagated=args.dgrad_cost == "upstream" or args.bwd_key == "bwd_propagated",
-                              bwd_rounding=args.bwd_rounding, forward_drift=args.forward_drift)
+    how = CollectSettings(estimator="mc_fisher", num_probes=1, seed=args.seed, lam=args.lambda_default,
+                          bwd_propagated=args.dgrad_cost == "upstream" or args.bwd_key == "bwd_propagated",
+                          bwd_rounding=args.bwd_rounding, forward_drift=args.forward_drift)
+    return collect_statistics(model, batches, how, lr=pc.lr, precond=pc.precond, step=pc.step)
 
 
 def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
@@ -68,12 +69,12 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
                 label = method if "lam" not in v or method != "best" else snip_label(v["lam"])
                 try:
                     with preserve_torch_threads():  # CBC would leave torch single-threaded
-                        solved = solve_baseline(method, stats, share, lam=v.get("lam"), seed=args.seed,
-                                                num_random=args.num_random, max_share=min(share + 1e-9, 1.0),
-                                                per_gemm=args.per_gemm, dgrad=args.dgrad_cost,
-                                                dgrad_calibration=args.dgrad_calibration,
-                                                bwd_key=args.bwd_key, forward_drift=args.forward_drift,
-                                                fwd_lambda=args.fwd_lambda)
+                        cost = CostSettings(lam=v.get("lam"), per_gemm=args.per_gemm, dgrad=args.dgrad_cost,
+                                            dgrad_calibration=args.dgrad_calibration, bwd_key=args.bwd_key,
+                                            forward_drift=args.forward_drift, fwd_lambda=args.fwd_lambda)
+                        solver = SolverSettings(max_share=min(share + 1e-9, 1.0))
+                        solved = solve_baseline(method, stats, share, cost, solver, seed=args.seed,
+                                                num_random=args.num_random)
                 except ValueError as err:
                     skipped.append(dict(method=method, label=label, rho=rho, reason=str(err)))
                     continue
@@ -127,56 +128,6 @@ def bf16_forward(model: nn.Module) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------------
 # Predictions
 # --------------------------------------------------------------------------------------------------------
-def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Mapping[str, Any],
-                         bwd_key: str = "bwd", forward_drift: bool = False,
-                         fwd_weight: Optional[float] = None, dgrad: str = "split",
-                         dgrad_calibration: float = 1.0) -> Tuple[float, float]:
-    """A plan's predicted ``(FLD, BWD)``: the sums over its layers of the statistics at each layer's precision.
-
-    A per-GEMM layer's FLD is its fprop GEMM's. Its BWD is priced as :func:`snip_ds.planner.costs_from_stats`
-    priced the plan: with ``dgrad="split"``, half at the dgrad GEMM's precision and half at the wgrad GEMM's;
-    with ``dgrad="upstream"``, the whole BWD at the wgrad GEMM's precision plus ``bwd_dgrad`` /
-    ``dgrad_calibration`` at the dgrad GEMM's. bf16 and missing (non-finite) values count 0.
-
-    Args:
-        layers: the statistics artifact's ``layers`` (``{fqn: {"fld": {precision: x}, "bwd": {...}}}``).
-        assignment: ``{fqn: precision}`` or ``{fqn: {gemm: precision}}``.
-        bwd_key: which BWD to sum (``"bwd"``, the expected drift, or ``"bwd_bias"``, its systematic part):
-            the one the plans were priced with.
-        forward_drift: add each layer's ``fwd`` at its fprop precision to the second number (the plan's
-            predicted drift in loss units, the part λ multiplies), as plans priced with FWD were.
-        fwd_weight: with ``forward_drift``, FWD's own weight μ (plans priced FLD + μ·FWD + λ·BWD): μ·FWD then
-            joins the first number instead, so that FLD + λ·BWD stays the objective.
-        dgrad: how per-GEMM plans priced dgrad, one of :data:`snip_ds.planner.DGRAD_COSTS` (the planner's
-            ``dgrad``).
-        dgrad_calibration: with ``dgrad="upstream"``, what ``bwd_dgrad`` was divided by.
-    """
-    if dgrad not in DGRAD_COSTS:
-        raise ValueError(f"dgrad must be one of {', '.join(DGRAD_COSTS)}, got {dgrad!r}")
-    def at(table: Mapping[str, Any], precision: str) -> float:
-        value = None if precision == "bf16" else table.get(precision)
-        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
-
-    fld = bwd = 0.0
-    for fqn, value in assignment.items():
-        rec = layers[fqn]
-        if isinstance(value, str):
-            fld += at(rec["fld"], value)
-            bwd += at(rec[bwd_key], value)
-        else:
-            fld += at(rec["fld"], value["fprop"])
-            if dgrad == "split":
-                bwd += 0.5 * (at(rec[bwd_key], value["dgrad"]) + at(rec[bwd_key], value["wgrad"]))
-            else:
-                bwd += at(rec[bwd_key], value["wgrad"]) + at(rec["bwd_dgrad"], value["dgrad"]) / dgrad_calibration
-        if forward_drift:
-            fwd = at(rec["fwd"], value if isinstance(value, str) else value["fprop"])
-            if fwd_weight is None:
-                bwd += fwd
-            else:
-                fld += fwd_weight * fwd
-    return fld, bwd
-
 
 def attainable_share(flops: Mapping[str, float], target: float, tol: float = 1e-9) -> float:
     """The smallest FP4 share ``>= target`` that some set of whole layers reaches exactly.

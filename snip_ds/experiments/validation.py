@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from snip_ds.collect import adam_precond, collect_statistics
+from snip_ds.stats import CollectSettings, adam_precond, collect_statistics
 from snip_ds.experiments.scores import print_table, read_truth_table, score, variants
 from snip_ds.experiments.training import lm_loss
 from snip_ds.experiments.truths import Measured, bwd_truth, fld_truth, fwd_truth
@@ -132,9 +132,10 @@ def measure(model, opt, batches: List[torch.Tensor], fqns: List[str], args, tabl
     preds, timing = {}, {}
     for est in ("mc_fisher", "empirical", "isotropic"):
         t = time.perf_counter()
-        preds[est] = collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, estimator=est,
-                                        step_scale=pc.step_scale, bwd_propagated=(est == "mc_fisher"),
-                                        seed=args.seed, step=pc.step, bwd_rounding=args.bwd_rounding)
+        how = CollectSettings(estimator=est, bwd_propagated=(est == "mc_fisher"), seed=args.seed,
+                              bwd_rounding=args.bwd_rounding)
+        preds[est] = collect_statistics(model, batches, how, lr=pc.lr, precond=pc.precond,
+                                        step_scale=pc.step_scale, step=pc.step)
         timing[est] = time.perf_counter() - t
     t = time.perf_counter()
     if table is not None:  # re-score against the truths an earlier run printed (their means only)
@@ -154,9 +155,9 @@ def measure(model, opt, batches: List[torch.Tensor], fqns: List[str], args, tabl
     fwd, fwd_pred, t_fwd = None, None, 0.0
     if args.fwd_truth:
         t = time.perf_counter()
-        fwd_stats = collect_statistics(model, batches, lr=pc.lr, precond=pc.precond, step_scale=pc.step_scale,
-                                       seed=args.seed, step=pc.step, bwd_rounding=args.bwd_rounding,
-                                       forward_drift=True)
+        how = CollectSettings(seed=args.seed, bwd_rounding=args.bwd_rounding, forward_drift=True)
+        fwd_stats = collect_statistics(model, batches, how, lr=pc.lr, precond=pc.precond,
+                                       step_scale=pc.step_scale, step=pc.step)
         timing["forward_drift"] = time.perf_counter() - t
         fwd_pred = [fwd_stats["layers"][f]["fwd"]["fp4"] for f in fqns]
         t = time.perf_counter()

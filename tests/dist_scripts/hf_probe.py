@@ -21,7 +21,7 @@ from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.engine.core import init_distributed, initialize  # noqa: E402
 from snip_ds.hf import STATS_SEED_OFFSET, SnipCallback, share_cpu_ranks_with_accelerate  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
-from snip_ds.snip_config import load_ds_config  # noqa: E402
+from snip_ds.settings import load_ds_config  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--deepspeed", required=True)

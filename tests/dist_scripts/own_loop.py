@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import snip_ds  # noqa: E402
 from snip_ds import distributed as sdist  # noqa: E402
 from snip_ds.engine import init_distributed  # noqa: E402
-from snip_ds.snip_config import ConfigError  # noqa: E402
+from snip_ds.settings import ConfigError  # noqa: E402
 
 
 def main() -> int:

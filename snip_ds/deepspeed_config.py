@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, Mapping, Optional
 
-from snip_ds.snip_config import ConfigError
+from snip_ds.settings import ConfigError
 
 
 # What "auto" means to launch/train.py when no flag sets it (Hugging Face TrainingArguments name in brackets).

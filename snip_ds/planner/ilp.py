@@ -1,4 +1,4 @@
-"""The SNIP plan solver: an integer linear program (python-mip / CBC) and the baselines (SNIP.md section 5).
+"""The SNIP plan solver: an integer linear program (python-mip / CBC) over given costs.
 
 Decision units are layers (per-layer plans) or (layer, GEMM) pairs (per-GEMM plans; each GEMM carries one
 third of its layer's FLOPs). With two allowed precisions a unit has one binary x (1 = fp4); with more, a
@@ -20,36 +20,27 @@ plan is (``"greedy_fallback"``).
 Cost key scheme: per-layer ``costs[fqn][precision] = float``; per-GEMM (``per_gemm=True``)
 ``costs[fqn][precision] = {"fprop": float, "dgrad": float, "wgrad": float}``.
 
+The costs come from :mod:`snip_ds.planner.costs`; :mod:`snip_ds.planner.baselines` solves each method.
 This module is pure data: no torch, no torch.distributed.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import random
 import time
-import warnings
+from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import mip
 
-from snip_ds.plan import GEMM_OPERANDS, GEMMS, OPERANDS, PRECISIONS, Plan, fp4_share, _listed
+from snip_ds.plan import Plan, fp4_share, _listed
+from snip_ds.types import GEMMS, PRECISIONS, QUANTIZED
 
 # Relative cost of one GEMM FLOP per precision (BF16 = 1): tensor-core throughput doubles per halving of
 # the operand width. Used only for the optional compute-budget constraint.
 GEMM_COST = {"bf16": 1.0, "fp8": 0.5, "fp4": 0.25}
 
-DEFAULT_ALLOWED = ("fp8", "fp4")
-METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
-STATS_FORMAT = "snip_ds.stats/1"
+DEFAULT_ALLOWED = QUANTIZED
 
-# Per-layer fields of a stats file that map precision -> number.
-_PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_bias", "bwd_propagated", "bwd_dgrad", "fwd",
-                     "first_order",
-                     "quant_err", "rel_quant_err") + tuple(
-                         f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS)
-_REQUIRED_LAYER_FIELDS = ("flops", "fld", "bwd")
 _SHARE_TOL = 1e-9  # share constraints are checked to this absolute tolerance
 
 Unit = Any  # fqn (per-layer) or (fqn, gemm) (per-GEMM)
@@ -58,18 +49,6 @@ Unit = Any  # fqn (per-layer) or (fqn, gemm) (per-GEMM)
 # --------------------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------------------
-def block_index(fqn: str) -> int:
-    """Decoder-block index of a layer: the first all-digit component of its fqn.
-
-    >>> block_index("model.layers.3.self_attn.q_proj")
-    3
-    """
-    for part in fqn.split("."):
-        if part.isdigit():
-            return int(part)
-    raise ValueError(f"layer {fqn!r} has no block index (no all-digit component in its name)")
-
-
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -389,13 +368,38 @@ def _greedy(prob: _Problem, target, max_share, gemm_cost, compute_budget) -> dic
 # --------------------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------------------
-def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float], target: float, *,
-               allowed: Sequence[str] | None = None, pinned: Mapping[str, Any] | None = None,
-               previous: Plan | Mapping[str, Any] | None = None, flip_penalty: float = 0.0,
-               time_limit: float = 10.0, max_share: float | None = None, per_gemm: bool = False,
-               gemm_cost: Mapping[str, float] | None = None, compute_budget: float | None = None,
-               method: str = "best", meta: Mapping[str, Any] | None = None) -> Plan:
-    """Solves the SNIP plan ILP (SNIP.md section 5).
+@dataclass(frozen=True)
+class SolverSettings:
+    """The constraints and limits of a solve, whatever its costs. :func:`solve_plan` checks them and names a
+    bad one.
+
+    Attributes:
+        allowed: Precisions a layer may take (default ``("fp8", "fp4")``: one binary per unit; with three, a
+            one-hot per unit).
+        pinned: ``{fqn: precision}`` (or ``{fqn: {gemm: precision}}`` with per_gemm) fixed layers; a pinned
+            precision need not be in ``allowed`` and its cost may be absent (then 0).
+        flip_penalty: Penalty for flipping all FLOPs away from the previous plan, in cost units (>= 0).
+        max_share: Optional upper bound on the FP4 share (so every method lands on the same share).
+        compute_budget: Optional bound ``Σ_u (F_u/ΣF)·gemm_cost[p_u] <= compute_budget`` (all-BF16 = 1.0).
+        gemm_cost: Relative cost of a GEMM FLOP per precision for ``compute_budget`` (default
+            :data:`GEMM_COST`).
+        time_limit: CBC time limit in seconds.
+    """
+
+    allowed: Sequence[str] | None = None
+    pinned: Mapping[str, Any] | None = None
+    flip_penalty: float = 0.0
+    max_share: float | None = None
+    compute_budget: float | None = None
+    gemm_cost: Mapping[str, float] | None = None
+    time_limit: float = 10.0
+
+
+def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float], target: float,
+               solver: SolverSettings | None = None, *, per_gemm: bool = False,
+               previous: Plan | Mapping[str, Any] | None = None, method: str = "best",
+               meta: Mapping[str, Any] | None = None) -> Plan:
+    """Solves the plan ILP of the module docstring for the given costs.
 
     Args:
         costs: Per-layer costs ``{fqn: {precision: C}}``; with ``per_gemm=True``
@@ -403,20 +407,11 @@ def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float
             finite cost for every unpinned layer.
         flops: ``{fqn: F}``, FLOPs per step of the layer's three GEMMs; same keys as ``costs``.
         target: Minimum FP4 share of the FLOPs, in [0, 1] (ρ).
-        allowed: Precisions a layer may take (default ``("fp8", "fp4")``: one binary per unit; with three, a
-            one-hot per unit).
-        pinned: ``{fqn: precision}`` (or ``{fqn: {gemm: precision}}`` with per_gemm) fixed layers; a pinned
-            precision need not be in ``allowed`` and its cost may be absent (then 0).
+        solver: The constraints and limits (:class:`SolverSettings`); default its defaults.
+        per_gemm: Decide each GEMM (fprop, dgrad, wgrad) separately.
         previous: The previous plan (Plan or mapping); each unit whose precision differs costs
             ``flip_penalty · F_u/ΣF`` (a per-layer plan against a per-GEMM previous counts a third per GEMM).
             Layers the previous plan lacks cost nothing.
-        flip_penalty: Penalty for flipping all FLOPs, in cost units (>= 0).
-        time_limit: CBC time limit in seconds.
-        max_share: Optional upper bound on the FP4 share (so every method lands on the same share).
-        per_gemm: Decide each GEMM (fprop, dgrad, wgrad) separately.
-        gemm_cost: Relative cost of a GEMM FLOP per precision for ``compute_budget`` (default
-            :data:`GEMM_COST`).
-        compute_budget: Optional bound ``Σ_u (F_u/ΣF)·gemm_cost[p_u] <= compute_budget`` (all-BF16 = 1.0).
         method: Recorded in the plan.
         meta: Extra JSON scalars recorded in ``plan.meta``.
 
@@ -428,6 +423,10 @@ def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float
         ValueError: empty or inconsistent inputs, a target outside [0, 1], an unreachable share or budget.
     """
     start = time.perf_counter()
+    solver = SolverSettings() if solver is None else solver
+    allowed, pinned, flip_penalty = solver.allowed, solver.pinned, solver.flip_penalty
+    max_share, compute_budget, gemm_cost, time_limit = (solver.max_share, solver.compute_budget, solver.gemm_cost,
+                                                        solver.time_limit)
     allowed = _check_allowed(allowed)
     target = _check_share(target, "target")
     if max_share is not None:
@@ -479,304 +478,3 @@ def _make_plan(prob: _Problem, choice: dict, flops, per_gemm, status, method, st
             "flipped_gemms": int(round(flips)), **solver_meta, **dict(meta or {})}
     return Plan(assignment=assignment, fp4_share=fp4_share(assignment, flops), objective=objective,
                 status=status, method=method, meta=info)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Statistics files and baselines
-# --------------------------------------------------------------------------------------------------------
-class StatsCosts(NamedTuple):
-    """Costs for :func:`solve_plan` derived from a statistics artifact."""
-
-    costs: dict    # {fqn: {precision: C}} or per-GEMM {fqn: {precision: {gemm: C}}}
-    flops: dict    # {fqn: F}
-    pinned: dict   # {fqn: "fp8"} for layers whose statistics are not finite
-
-
-def validate_stats(stats: Any, source: str = "<stats>") -> dict:
-    """Checks a decoded statistics artifact; returns it. Messages name ``source`` and the field."""
-    if not isinstance(stats, Mapping):
-        raise ValueError(f"{source}: statistics must be a JSON object, got {type(stats).__name__}")
-    if stats.get("format") != STATS_FORMAT:
-        raise ValueError(f"{source}: field 'format' is {stats.get('format')!r}; expected {STATS_FORMAT!r}")
-    for field, types in (("step", (int,)), ("world_size", (int,)), ("lr", (int, float)),
-                         ("lambda", (int, float)), ("estimator", (str,))):
-        if field in stats and (not isinstance(stats[field], types) or isinstance(stats[field], bool)):
-            raise ValueError(f"{source}: field '{field}' must be {' or '.join(t.__name__ for t in types)}, "
-                             f"got {stats[field]!r}")
-    layers = stats.get("layers")
-    if not isinstance(layers, Mapping) or not layers:
-        raise ValueError(f"{source}: field 'layers' must be a non-empty object {{fqn: {{...}}}}")
-    for fqn, rec in layers.items():
-        where = f"{source}: layers[{fqn!r}]"
-        if not isinstance(rec, Mapping):
-            raise ValueError(f"{where} must be an object, got {type(rec).__name__}")
-        for field in _REQUIRED_LAYER_FIELDS:
-            if field not in rec:
-                raise ValueError(f"{where} lacks field '{field}'")
-        f = rec["flops"]
-        if not _is_number(f) or not math.isfinite(f) or f <= 0:
-            raise ValueError(f"{where}.flops must be a positive finite number, got {f!r}")
-        for field in _PRECISION_FIELDS:
-            if field not in rec:
-                continue
-            table = rec[field]
-            if not isinstance(table, Mapping):
-                raise ValueError(f"{where}.{field} must be an object {{precision: number}}, got {table!r}")
-            for p, v in table.items():
-                if p not in PRECISIONS:
-                    raise ValueError(f"{where}.{field} has unknown precision {p!r}; valid: {', '.join(PRECISIONS)}")
-                if v is not None and not _is_number(v):
-                    raise ValueError(f"{where}.{field}.{p} must be a number, got {v!r}")
-            if field in ("fld", "bwd"):
-                lacking = [p for p in ("fp8", "fp4") if p not in table]
-                if lacking:
-                    raise ValueError(f"{where}.{field} lacks precision(s) {', '.join(lacking)}")
-        if "nonfinite" in rec and not isinstance(rec["nonfinite"], bool):
-            raise ValueError(f"{where}.nonfinite must be true or false, got {rec['nonfinite']!r}")
-    return dict(stats)
-
-
-def load_stats(path: str) -> dict:
-    """Reads and validates a statistics artifact (``snip_ds.stats/1`` JSON).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: not JSON or a bad field; the message names the file and the field.
-    """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"statistics file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return validate_stats(data, source=path)
-
-
-def _finite(x: Any) -> bool:
-    return _is_number(x) and math.isfinite(x)
-
-
-def _metric_costs(stats: Mapping, fields: Mapping[str, float], per_gemm: bool,
-                  gemm_split: Mapping[str, Mapping[str, float]] | None = None) -> StatsCosts:
-    """Costs C(p) = Σ_field weight·layers[fqn][field][p]; bf16 costs 0 (no quantization).
-
-    ``gemm_split[field][gemm]`` says which fraction of a field's cost each GEMM carries (per-GEMM plans).
-    Layers flagged ``nonfinite`` or with non-finite values are pinned to fp8 (with one warning).
-    """
-    costs, flops, pinned = {}, {}, {}
-    for fqn, rec in stats["layers"].items():
-        flops[fqn] = float(rec["flops"])
-        for field in fields:
-            if field not in rec:
-                raise ValueError(f"statistics layers[{fqn!r}] lack field '{field}' needed for these costs")
-        bad = rec.get("nonfinite", False) or not all(
-            _finite(rec[field].get(p)) for field in fields for p in ("fp8", "fp4"))
-        table: dict = {}
-        for p in PRECISIONS:
-            if p == "bf16":
-                per_field = {field: 0.0 for field in fields}
-            elif bad:
-                per_field = {field: 0.0 for field in fields}
-            else:
-                per_field = {field: w * float(rec[field][p]) for field, w in fields.items()}
-            if per_gemm:
-                split = gemm_split or {field: {g: 1.0 / len(GEMMS) for g in GEMMS} for field in fields}
-                table[p] = {g: sum(per_field[fl] * split[fl][g] for fl in fields) for g in GEMMS}
-            else:
-                table[p] = sum(per_field.values())
-        costs[fqn] = table
-        if bad:
-            pinned[fqn] = "fp8"
-    if pinned:
-        warnings.warn(f"{len(pinned)} layer(s) have non-finite statistics and are pinned to fp8: "
-                      f"{_listed(pinned)}", RuntimeWarning, stacklevel=3)
-    return StatsCosts(costs, flops, pinned)
-
-
-DGRAD_COSTS = ("split", "upstream")
-"""How a per-GEMM SNIP plan prices the dgrad GEMM (:func:`costs_from_stats`)."""
-BWD_KEYS = ("bwd", "bwd_bias", "bwd_propagated")
-"""Which backward estimate of a statistics artifact SNIP's costs use (:func:`costs_from_stats`)."""
-BWD_ESTIMATES = {"expected": "bwd", "systematic": "bwd_bias"}
-"""The ``"snip"`` section's and the CLI's names for the BWD fields a plan may be priced with."""
-
-
-def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool = False,
-                     bwd_key: str = "bwd", dgrad: str = "split", dgrad_calibration: float = 1.0,
-                     forward_drift: bool = False, fwd_lambda: float | None = None) -> StatsCosts:
-    """SNIP costs C(p) = FLD(p) + λ·BWD(p) from a statistics artifact (SNIP.md sections 3-5).
-
-    Args:
-        stats: A validated statistics dict (:func:`load_stats` / :func:`validate_stats`).
-        lam: λ, the BWD weight; default the artifact's ``"lambda"``.
-        per_gemm: Per-GEMM costs: fprop carries FLD; the backward GEMMs as ``dgrad`` says.
-        bwd_key: Which backward estimate to use (one of :data:`BWD_KEYS`): ``"bwd"`` (direct, default: the
-            expected drift under the training recipe's rounding), ``"bwd_bias"`` (only its systematic part,
-            which persists from step to step; stochastic rounding's noise left out) or ``"bwd_propagated"``
-            (ablation).
-        dgrad: Per GEMM only. ``"split"`` (default): dgrad and wgrad each carry half of λ·BWD (the direct BWD
-            measures the wgrad GEMM; nothing prices dgrad on its own). ``"upstream"``: wgrad carries the
-            direct λ·BWD, dgrad carries λ·``bwd_dgrad`` / ``dgrad_calibration``, the upstream weights' drift
-            that the dgrad error causes (statistics collected with ``bwd_propagated=True``).
-        dgrad_calibration: What ``bwd_dgrad`` overstates the measured dgrad-only drift by
-            (``launch/validate_metrics.py --bwd_truth_per_gemm`` measures it).
-        forward_drift: Also price the update drift that the fprop GEMM's output error causes, λ·``fwd``
-            (statistics collected with ``forward_drift=True``), on the fprop GEMM: C(p) = FLD(p) +
-            λ·(FWD(p) + BWD(p)). λ is the horizon of a one-step drift, whichever GEMM caused it.
-        fwd_lambda: With ``forward_drift``: FWD's own weight μ in place of λ, C(p) = FLD(p) + μ·FWD(p) + λ·BWD(p).
-
-    Returns:
-        :class:`StatsCosts` ``(costs, flops, pinned)``; layers with non-finite statistics are pinned to fp8
-        (a RuntimeWarning names them), their costs are 0 placeholders. bf16 costs 0.
-    """
-    if lam is None:
-        if "lambda" not in stats:
-            raise ValueError("statistics have no field 'lambda' and no λ was given")
-        lam = stats["lambda"]
-    if not _finite(lam) or lam < 0:
-        raise ValueError(f"λ must be a finite number >= 0, got {lam!r}")
-    if bwd_key not in BWD_KEYS:
-        raise ValueError(f"bwd_key must be one of {', '.join(BWD_KEYS)}, got {bwd_key!r}")
-    if dgrad not in DGRAD_COSTS:
-        raise ValueError(f"dgrad must be one of {', '.join(DGRAD_COSTS)}, got {dgrad!r}")
-    if fwd_lambda is not None and not forward_drift:
-        raise ValueError("fwd_lambda weighs FWD: it needs forward_drift=True")
-    if fwd_lambda is not None and (not _finite(fwd_lambda) or fwd_lambda < 0):
-        raise ValueError(f"fwd_lambda must be a finite number >= 0, got {fwd_lambda!r}")
-    fwd_split = {"fwd": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0}} if forward_drift else {}
-    fwd_weight = {"fwd": float(lam if fwd_lambda is None else fwd_lambda)} if forward_drift else {}
-    if forward_drift:
-        lacking = sorted(fqn for fqn, rec in stats["layers"].items() if "fwd" not in rec)
-        if lacking:
-            raise ValueError(f"statistics layers[{lacking[0]!r}] (and {len(lacking) - 1} more) lack field 'fwd': "
-                             f"forward_drift needs statistics collected with forward_drift=True")
-    if dgrad == "split":
-        split = {"fld": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0},
-                 bwd_key: {"fprop": 0.0, "dgrad": 0.5, "wgrad": 0.5}, **fwd_split}
-        return _metric_costs(stats, {"fld": 1.0, bwd_key: float(lam), **fwd_weight}, per_gemm, split)
-    if not per_gemm:
-        raise ValueError("dgrad='upstream' prices the dgrad GEMM on its own: it needs per_gemm=True")
-    if bwd_key == "bwd_propagated":
-        raise ValueError("dgrad='upstream' uses the direct BWD for wgrad: bwd_key must be 'bwd' or 'bwd_bias'")
-    if not _finite(dgrad_calibration) or dgrad_calibration <= 0:
-        raise ValueError(f"dgrad_calibration must be a finite number > 0, got {dgrad_calibration!r}")
-    split = {"fld": {"fprop": 1.0, "dgrad": 0.0, "wgrad": 0.0},
-             bwd_key: {"fprop": 0.0, "dgrad": 0.0, "wgrad": 1.0},
-             "bwd_dgrad": {"fprop": 0.0, "dgrad": 1.0, "wgrad": 0.0}, **fwd_split}
-    weights = {"fld": 1.0, bwd_key: float(lam), "bwd_dgrad": float(lam) / float(dgrad_calibration), **fwd_weight}
-    lacking = sorted(fqn for fqn, rec in stats["layers"].items() if "bwd_dgrad" not in rec)
-    if lacking:
-        raise ValueError(f"statistics layers[{lacking[0]!r}] (and {len(lacking) - 1} more) lack field 'bwd_dgrad': "
-                         f"dgrad='upstream' needs statistics collected with bwd_propagated=True")
-    return _metric_costs(stats, weights, per_gemm, split)
-
-
-def quant_err_costs(stats: Mapping, field: str = "quant_err", *, per_gemm: bool = False) -> StatsCosts:
-    """The quantization-error baselines' costs: ``field`` (``quant_err`` or ``rel_quant_err``) per layer.
-
-    Per-GEMM, each GEMM carries the errors of the two operands it quantizes (fprop X and W, dgrad G_Y and W,
-    wgrad G_Y and X), halved so that a layer's three GEMMs sum to its per-layer cost; this needs the
-    artifact's per-operand fields ``{field}_x``, ``{field}_w``, ``{field}_g``.
-    """
-    if field not in ("quant_err", "rel_quant_err"):
-        raise ValueError(f"field must be 'quant_err' or 'rel_quant_err', got {field!r}")
-    sc = _metric_costs(stats, {field: 1.0}, per_gemm)
-    if not per_gemm:
-        return sc
-    for fqn, rec in stats["layers"].items():
-        if fqn in sc.pinned:
-            continue
-        missing = [f"{field}_{o}" for o in OPERANDS if f"{field}_{o}" not in rec]
-        if missing:
-            raise ValueError(f"statistics layers[{fqn!r}] lack {', '.join(missing)}, needed for per-GEMM {field} "
-                             f"costs (statistics collected by an older snip_ds have only the per-layer sum)")
-        for p in ("fp8", "fp4"):
-            part = {o: rec[f"{field}_{o}"].get(p) for o in OPERANDS}
-            if not all(_finite(v) for v in part.values()):
-                raise ValueError(f"statistics layers[{fqn!r}].{field}_x/_w/_g.{p} must be finite numbers, got {part}")
-            sc.costs[fqn][p] = {g: 0.5 * sum(float(part[o]) for o in GEMM_OPERANDS[g]) for g in GEMMS}
-    return sc
-
-
-def _random_costs(fqns: Sequence[str], seed: int, per_gemm: bool) -> dict:
-    rng = random.Random(seed)
-    costs = {}
-    for fqn in sorted(fqns):
-        if per_gemm:
-            costs[fqn] = {p: {g: rng.random() for g in GEMMS} for p in PRECISIONS}
-        else:
-            costs[fqn] = {p: rng.random() for p in PRECISIONS}
-    return costs
-
-
-def solve_baseline(method: str, stats: Mapping, target: float, *, lam: float | None = None, seed: int = 0,
-                   num_random: int = 1, allowed: Sequence[str] | None = None,
-                   pinned: Mapping[str, Any] | None = None, previous: Plan | Mapping | None = None,
-                   flip_penalty: float = 0.0, max_share: float | None = None, per_gemm: bool = False,
-                   time_limit: float = 10.0, compute_budget: float | None = None, dgrad: str = "split",
-                   dgrad_calibration: float = 1.0, bwd_key: str = "bwd",
-                   forward_drift: bool = False, fwd_lambda: float | None = None) -> list[Plan]:
-    """Solves one of :data:`METHODS` from a statistics artifact with the same ILP and share constraint.
-
-    ``allowed``, ``max_share`` and ``compute_budget`` (GEMM cost relative to all-BF16, with
-    :data:`GEMM_COST`; it is what makes fp8 worth choosing when bf16 is allowed too) are passed to
-    :func:`solve_plan` for every method but the uniform ones.
-
-    Methods:
-        best: SNIP costs FLD + λ·BWD (:func:`costs_from_stats`, with ``dgrad``, ``dgrad_calibration``,
-            ``bwd_key``, ``forward_drift`` and ``fwd_lambda``).
-        random: seeded uniform random costs; ``num_random`` plans for seeds ``seed, seed+1, ...``.
-        quant_err / rel_quant_err: costs from the artifact's ``quant_err`` / ``rel_quant_err``
-            (:func:`quant_err_costs`; per-GEMM from the per-operand errors).
-        uniform_fp8 / uniform_fp4: every layer at that precision (``target`` is not enforced; recorded).
-        first_last_fp8: first and last decoder blocks pinned to fp8; the rest solved with the SNIP costs
-            (so it differs from ``best`` only by the pin rule).
-
-    Returns:
-        A list of plans (one, or ``num_random`` for ``random``). Layers with non-finite statistics are
-        pinned to fp8 in every method except the uniform ones.
-    """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
-    if not isinstance(num_random, int) or num_random < 1:
-        raise ValueError(f"'num_random' must be a positive integer, got {num_random!r}")
-    fqns = sorted(stats["layers"])
-    flops = {fqn: float(stats["layers"][fqn]["flops"]) for fqn in fqns}
-    meta = {"rho": float(target), "step": stats.get("step")}
-
-    if method in ("uniform_fp8", "uniform_fp4"):
-        precision = method.split("_")[1]
-        plan = Plan.uniform(fqns, precision, flops)
-        return [Plan(assignment=plan.assignment, fp4_share=plan.fp4_share, objective=None, status="fixed",
-                     method=method, meta=meta)]
-
-    if method in ("best", "first_last_fp8"):
-        sc = costs_from_stats(stats, lam, per_gemm=per_gemm, dgrad=dgrad, dgrad_calibration=dgrad_calibration,
-                              bwd_key=bwd_key, forward_drift=forward_drift, fwd_lambda=fwd_lambda)
-        meta["lambda"] = float(stats["lambda"] if lam is None else lam)
-        if bwd_key != "bwd":
-            meta["bwd_key"] = bwd_key
-        if forward_drift:
-            meta["forward_drift"] = True
-        if fwd_lambda is not None:
-            meta["fwd_lambda"] = float(fwd_lambda)
-        if dgrad != "split":
-            meta.update(dgrad=dgrad, dgrad_calibration=float(dgrad_calibration))
-    elif method in ("quant_err", "rel_quant_err"):
-        sc = quant_err_costs(stats, method, per_gemm=per_gemm)
-    else:
-        sc = _metric_costs(stats, {"fld": 0.0}, per_gemm)  # only for the flops and non-finite pins
-    pins = {**sc.pinned, **dict(pinned or {})}
-    if method == "first_last_fp8":
-        blocks = {fqn: block_index(fqn) for fqn in fqns}
-        ends = {min(blocks.values()), max(blocks.values())}
-        pins = {**{fqn: "fp8" for fqn, b in blocks.items() if b in ends}, **pins}
-
-    common = dict(allowed=allowed, pinned=pins, previous=previous, flip_penalty=flip_penalty,
-                  time_limit=time_limit, max_share=max_share, per_gemm=per_gemm, method=method,
-                  compute_budget=compute_budget)
-    if method != "random":
-        return [solve_plan(sc.costs, sc.flops, target, meta=meta, **common)]
-    return [solve_plan(_random_costs(fqns, s, per_gemm), sc.flops, target, meta={**meta, "seed": s}, **common)
-            for s in range(seed, seed + num_random)]

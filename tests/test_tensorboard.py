@@ -3,9 +3,9 @@ precision, with the step and FP4 share in its title and a legend."""
 import numpy as np
 import pytest
 
-from snip_ds.metrics import PRECISION_COLOURS, precision_map_figure, precision_map_image
+from snip_ds.tensorboard import PRECISION_COLOURS, precision_map_figure, precision_map_image
 from snip_ds.plan import fp4_share
-from snip_ds.planner import block_index
+from snip_ds.types import block_index
 
 KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

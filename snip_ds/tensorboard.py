@@ -12,9 +12,8 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from snip_ds.precision import GEMMS
+from snip_ds.types import GEMMS, LAYER_KINDS
 
-LAYER_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PRECISION_COLOURS = {  # RGB
     "bf16": (158, 158, 158),  # grey
     "fp8": (33, 113, 181),    # blue

@@ -1,8 +1,8 @@
 """Quantization settings of the linear layers, and the names of the statistics' estimator choices.
 
-The ``"snip"`` section of a DeepSpeed JSON is parsed by :mod:`snip_ds.snip_config`; this module holds only
+The ``"snip"`` section of a DeepSpeed JSON is parsed by :mod:`snip_ds.settings`; this module holds only
 the small frozen dataclass the quantized linear needs (and the choice lists that both the parser and
-:mod:`snip_ds.collect` check against), so the numerics do not depend on the trainer.
+:mod:`snip_ds.stats` check against), so the numerics do not depend on the trainer.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ FP8_RECIPES = ("fp8_hybrid", "mxfp8")
 FP4_RECIPES = ("nvfp4", "mxfp4")
 ESTIMATORS = ("mc_fisher", "empirical", "isotropic")  # where the FLD's output sensitivities come from
 FLD_FORMS = ("sequence", "channel")  # which quadratic form prices a layer's output error
-BWD_ROUNDINGS = ("recipe", "nearest")  # how the backward statistics round G_Y (snip_ds.collect)
+BWD_ROUNDINGS = ("recipe", "nearest")  # how the backward statistics round G_Y (snip_ds.stats)
 BACKENDS = ("auto", "emulated", "torch", "te")  # how the quantized GEMMs run (snip_ds.backend)
 
 

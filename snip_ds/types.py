@@ -1,18 +1,51 @@
-"""Precision names and per-GEMM precision triples.
+"""The words every module shares: precisions, GEMMs and their operands, layer kinds, the block index.
 
 A layer's precision is one of ``bf16`` (no quantization), ``fp8`` or ``fp4``, either for the whole layer or
-separately for each of its three GEMMs (fprop, dgrad, wgrad). Everything in the package normalises to a
-:class:`GemmPrecision` triple.
+separately for each of its three GEMMs (fprop, dgrad, wgrad); :class:`GemmPrecision` is that triple.
+The swapped layers are the 7 linears of a Llama-family decoder block, named
+``...layers.<i>.self_attn.{q,k,v,o}_proj`` and ``...layers.<i>.mlp.{gate,up,down}_proj``.
+
+This module is pure data: no torch, no torch.distributed.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Mapping, Union
 
 PRECISIONS = ("bf16", "fp8", "fp4")
+QUANTIZED = ("fp8", "fp4")  # the precisions that quantize (bf16 runs the GEMM as it is)
 GEMMS = ("fprop", "dgrad", "wgrad")
 
+# The operands of a linear Y = X·Wᵀ (x: input, w: weight, g: output gradient) and which two each GEMM
+# quantizes, first operand first.
+OPERANDS = ("x", "w", "g")
+GEMM_OPERANDS = {"fprop": ("x", "w"), "dgrad": ("g", "w"), "wgrad": ("g", "x")}
+# The axis each of those two operands is quantized along (the GEMM's reduction axis).
+GEMM_OPERAND_AXES = {"fprop": (-1, -1), "dgrad": (-1, 0), "wgrad": (0, 0)}
+
 LayerPrecision = Union[str, Mapping[str, str]]
+
+# The 7 swapped linears of a decoder block, in block order, and the submodule each lives in.
+LAYER_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYER_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+BLOCK_NAME_RE = re.compile(r"^(?:.*\.)?layers\.\d+$")  # a decoder block's own module name
+
+
+def block_index(fqn: str) -> int:
+    """The decoder block number in a name like ``model.layers.3.self_attn.q_proj``: the ``<i>`` of the
+    first ``layers.<i>`` component (so wrappers such as ``module.`` or ``module.0.`` in front do not matter).
+
+    Raises:
+        ValueError: the name has no ``layers.<i>`` component.
+    """
+    match = _BLOCK_RE.search(fqn)
+    if match is None:
+        raise ValueError(f"layer {fqn!r}: no decoder block index ('layers.<i>.') in its name")
+    return int(match.group(1))
 
 
 def check_precision(name: object, field: str = "precision") -> str:

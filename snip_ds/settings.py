@@ -25,13 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from snip_ds.config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS, QuantConfig
-from snip_ds.precision import PRECISIONS
+from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS, QuantConfig
+from snip_ds.planner.costs import BWD_ESTIMATES, DGRAD_COSTS, METHODS
+from snip_ds.types import PRECISIONS
 
 PLAN_KINDS = PRECISIONS + ("adaptive",)
-DGRAD_COSTS = ("split", "upstream")  # snip_ds.planner.DGRAD_COSTS (this module imports no planner)
-BWD_ESTIMATES = ("expected", "systematic")  # keys of snip_ds.planner.BWD_ESTIMATES
-METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
 # Switches that exist to compare variants of the method in studies; the JSON holds them under "snip.research".
 RESEARCH_KEYS = ("estimator", "fld_form", "bwd_rounding", "bwd_estimate", "dgrad_cost", "dgrad_calibration",
                  "max_share")

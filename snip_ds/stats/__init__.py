@@ -1,0 +1,30 @@
+"""One SNIP statistics collection and the ``snip_ds.stats/1`` artifact it produces.
+
+* :mod:`~snip_ds.stats.collector`: :func:`collect_statistics`, the hooks and passes of one collection;
+* :mod:`~snip_ds.stats.estimators`: each estimator's per-batch terms (FLD forms, BWD, forward drift);
+* :mod:`~snip_ds.stats.fields`: the artifact's per-layer fields from the all-reduced sums;
+* :mod:`~snip_ds.stats.precond`: preconditioners from Adam state, partitioned (ZeRO) states, fallbacks;
+* :mod:`~snip_ds.stats.artifact`: the JSON schema, written and read (pure, no torch: the planner imports it).
+
+Names are loaded lazily, so that ``import snip_ds.stats.artifact`` stays free of torch.
+"""
+import importlib
+
+_EXPORTS = {
+    "collect_statistics": "snip_ds.stats.collector",
+    "CollectSettings": "snip_ds.stats.collector",
+    "AdamPrecond": "snip_ds.stats.precond",
+    "adam_precond": "snip_ds.stats.precond",
+    "STATS_FORMAT": "snip_ds.stats.artifact",
+    "save_stats": "snip_ds.stats.artifact",
+    "load_stats": "snip_ds.stats.artifact",
+    "validate_stats": "snip_ds.stats.artifact",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'snip_ds.stats' has no attribute {name!r}")

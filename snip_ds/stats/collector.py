@@ -1,0 +1,426 @@
+"""One SNIP statistics collection: hooks on every :class:`~snip_ds.linear.SnipLinear` (docs/method.md).
+
+For each batch the model runs one BF16 (unquantized) forward with a graph, one backward of the training loss
+and, for the Monte-Carlo Fisher estimator, one backward per probe of ``Σ_t CE(logits_t, ŷ_t)`` with labels
+``ŷ`` sampled from the model's own softmax. Every backward is ``torch.autograd.grad`` with respect to the
+embedding output only (made a fresh leaf by a hook), so no parameter ``.grad`` is touched and no
+gradient-accumulation hook (DeepSpeed's included) fires. Hooks on each layer's output see ``G_Y`` (training)
+and ``g`` (probe) and reduce everything at once to per-channel vectors or scalars (at the end of each batch the
+per-channel vectors are priced with that batch's probes and folded into per-layer scalars, so only a few
+scalars per layer are all-reduced, whatever the model's width):
+
+* forward hook: keeps the layer's input X for its training-gradient hook;
+* training-gradient hook: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W and
+  ``⟨G_Y, E⟩`` (one E serves both), ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` with G_Y rounded as training rounds
+  it (``bwd_rounding="recipe"``: where that is stochastic, the exact expectation over the rounding, its
+  systematic part ``E[ΔG_W]`` plus the noise ``Var[G_W]``; ``"nearest"``: round to nearest),
+  ``‖ΔG_W ⊙ P‖²``, the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units, the G_Y
+  operand error and (``bwd_propagated``) the dgrad error and upstream terms;
+* probe hook: ``Σ_t g_tj²`` and, with E recomputed from the layer's saved input, ``Σ_rows (Σ_t g_t·E_t)²``
+  (the sequence-form FLD: the Gauss-Newton form of E in expectation over the probe labels).
+* ``forward_drift=True``: after each probe, two more forward and backward passes of the training loss with
+  every layer's output shifted as its weight would be by ``±ε·P ⊙ G^probe`` give, for every layer at once,
+  ``⟨P ⊙ G^probe, ΔG⟩``: how the layer's fprop error E changes the update (``fwd``,
+  :meth:`~snip_ds.stats.estimators.FwdTerms._forward_drift_passes`).
+
+The statistics of all batches are packed into one flat tensor and summed across data-parallel ranks with a
+single call of ``reduce``; then :mod:`snip_ds.divergence` turns them into the artifact that
+:func:`snip_ds.stats.artifact.load_stats` reads.
+
+Preconditioners (Adam state, the partitioned states of ZeRO, the fallback) and how they combine across
+data-parallel ranks: :mod:`snip_ds.stats.precond`. The estimators' per-batch terms:
+:mod:`snip_ds.stats.estimators`; the artifact's fields from the reduced sums: :mod:`snip_ds.stats.fields`.
+
+Limits: gradient checkpointing must be off during a collection (recomputation would re-run the forward hooks).
+Under ZeRO-3 no gathering is needed: the layer hooks run before ZeRO-3 releases a weight after forward and
+after it re-gathers it for backward.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from snip_ds import divergence as dv
+from snip_ds.backend import get_backend
+from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
+from snip_ds.linear import SnipLinear
+from snip_ds.stats.common import GLOBAL, Reduce, Sums, device_of, select_layers, targets, unpack
+from snip_ds.stats.estimators import BwdTerms, FldTerms, FwdTerms
+from snip_ds.stats.fields import finalize
+from snip_ds.stats.precond import Precond, check_precond
+from snip_ds.types import QUANTIZED, block_index
+
+
+@dataclass(frozen=True)
+class CollectSettings:
+    """How one collection estimates the statistics (the training state it reads is
+    :func:`collect_statistics`'s arguments). Bad values raise a ValueError naming the field.
+
+    Attributes:
+        estimator: ``"mc_fisher"`` (default; MC Fisher probes), ``"empirical"`` (the training G_Y, no extra
+            pass) or ``"isotropic"`` (ablation: ``N(0, I)`` probes at the last block's output times α).
+        num_probes: probes per batch (mc_fisher, isotropic).
+        fld_form: which FLD the planner gets as ``fld``: ``"sequence"`` (default; ``(1/2N)Σ_rows (Σ_t
+            g_t·E_t)²``, the Gauss-Newton form with every token and channel pair of a sequence) or
+            ``"channel"`` (ablation; ``(1/2N)Σ_j (Σ_t E_tj²)·mean_t g_tj²``, diagonal and factorised over
+            tokens). Both are recorded (``fld_sequence``, ``fld_channel``).
+        bwd_rounding: how the backward statistics round G_Y. ``"recipe"`` (default): as training does; where
+            the recipe rounds G_Y stochastically (NVFP4/MXFP4 by default) the drift is its exact expectation
+            over that rounding, the systematic part plus the rounding noise. ``"nearest"`` (ablation, the
+            behaviour before): round to nearest, deterministic, whatever the recipe. Either way the
+            systematic part alone is recorded too (``bwd_bias``, ``bwd_drift_bias``).
+        bwd_propagated: also estimate what each layer's dgrad error does to the upstream weights (the ratio
+            estimate of docs/method.md): ``bwd_dgrad`` (loss units; what per-GEMM plans with
+            ``dgrad_cost: upstream`` price dgrad by), ``bwd_drift_propagated`` (the same drift in parameter
+            units), ``bwd_propagated`` (the ablation: direct BWD + that drift priced like the gradient
+            direction) and ``dgrad_err``.
+        forward_drift: also measure ``fwd``, what each layer's fprop error does to the *update*: the drift
+            ``η·c·ΔG ⊙ P`` of the planned weights, ΔG the change of their training gradient when layer ℓ's
+            output carries E_ℓ(p), priced in loss units as BWD prices its drift (with the same probes, in the
+            full Fisher form ``(1/2N)·mean_r ⟨G^probe_r, drift⟩²``). Two more forward and backward passes per
+            probe (:meth:`~snip_ds.stats.estimators.FwdTerms._forward_drift_passes`) and one weight-sized FP32
+            tensor per layer while a batch runs. Needs ``estimator="mc_fisher"`` and weight-shaped
+            preconditioners (a mapping of tensors, or None for the fallback), not the partitioned states'
+            callable.
+        precisions: quantized precisions to measure (``fp8``, ``fp4``).
+        precond_fallback: the preconditioner where :func:`collect_statistics` gets none (no optimizer state
+            yet): ``"grad_sq"`` (Adam's first-step ``v̂ = G_W²``) or ``"ones"``.
+        seed: seed of the private generators (probe labels, isotropic noise, Hadamard signs).
+        lam: λ to record in the artifact (the BWD weight the planner uses by default).
+        retain_graph: back-propagate every probe through the first forward's retained graph (cheapest).
+            False runs one fresh forward per probe instead, so each backward is an ordinary single one:
+            needed under ZeRO-3, which releases the gathered weights after each backward.
+    """
+
+    estimator: str = "mc_fisher"
+    num_probes: int = 1
+    fld_form: str = "sequence"
+    bwd_rounding: str = "recipe"
+    bwd_propagated: bool = False
+    forward_drift: bool = False
+    precisions: Tuple[str, ...] = QUANTIZED
+    precond_fallback: str = "grad_sq"
+    seed: int = 0
+    lam: Optional[float] = None
+    retain_graph: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precisions", tuple(self.precisions))
+        if self.fld_form not in FLD_FORMS:
+            raise ValueError(f"fld_form: unknown form {self.fld_form!r}; valid: {', '.join(FLD_FORMS)}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator: unknown estimator {self.estimator!r}; valid: {', '.join(ESTIMATORS)}")
+        if self.bwd_rounding not in BWD_ROUNDINGS:
+            raise ValueError(f"bwd_rounding: unknown {self.bwd_rounding!r}; valid: {', '.join(BWD_ROUNDINGS)}")
+        bad = [p for p in self.precisions if p not in QUANTIZED]
+        if bad or not self.precisions:
+            raise ValueError(f"precisions: {list(self.precisions)!r}; choose from {', '.join(QUANTIZED)}")
+        if not isinstance(self.num_probes, int) or self.num_probes < 1:
+            raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
+        if self.precond_fallback not in dv.FALLBACKS:
+            raise ValueError(f"precond_fallback: unknown {self.precond_fallback!r}; "
+                             f"valid: {', '.join(dv.FALLBACKS)}")
+        if self.forward_drift and self.estimator != "mc_fisher":
+            raise ValueError(f"forward_drift needs estimator='mc_fisher' (its probes price the drift), "
+                             f"got {self.estimator!r}")
+
+
+class Collector(FldTerms, BwdTerms, FwdTerms):
+    """One collection's hooks, passes and sums (the module docstring); the estimators' terms are inherited
+    from :mod:`snip_ds.stats.estimators`."""
+
+    GLOBAL = GLOBAL
+
+    def __init__(self, model: nn.Module, layers: Dict[str, SnipLinear], settings: "CollectSettings",
+                 precond: Precond) -> None:
+        seed = settings.seed
+        self.model, self.layers, self.precisions = model, layers, tuple(settings.precisions)
+        self.forward_drift = settings.forward_drift
+        self.fwd_x: Dict[str, torch.Tensor] = {}  # this batch's layer inputs (forward_drift: E at the weights)
+        self.fwd_p: Dict[str, torch.Tensor] = {}  # preconditioners
+        self.fwd_w_sq: Dict[str, float] = {}  # ‖W‖², sizes the finite difference
+        self.fwd_v: Dict[str, torch.Tensor] = {}  # one probe's preconditioned weight gradient P ⊙ g_rᵀX
+        self.fwd_dot: Dict[str, Dict[str, float]] = {}  # Σ_sign sign·⟨G_Y(W + sign·ε·v), E(p)⟩
+        self.fwd_shift = 0.0
+        self.bwd_rounding = settings.bwd_rounding
+        self.precond, self.fallback = precond, settings.precond_fallback
+        self.estimator, self.propagated = settings.estimator, settings.bwd_propagated
+        self.backend = get_backend()
+        self.stats = Sums()
+        self.phase = "off"
+        self.n_local = 1.0
+        self.x: Dict[str, torch.Tensor] = {}
+        self.xp: Dict[str, torch.Tensor] = {}  # layer inputs as autograd saved them, for the probe hooks
+        self.order: Dict[str, int] = {}
+        self.group: Dict[str, str] = {}  # layer -> its input group, named by the group's first layer
+        self._group_ids: Dict[int, str] = {}  # id(input tensor) -> group, for the current forward only
+        self._group_inputs: List[torch.Tensor] = []  # keeps those ids unique: no input is freed mid-forward
+        self.emb: Optional[torch.Tensor] = None
+        self.z: Optional[torch.Tensor] = None
+        self.z_shift: Optional[torch.Tensor] = None
+        self.sources: set = set()
+        device = device_of(model)
+        self.gen = torch.Generator(device=device).manual_seed(seed)  # probe labels / isotropic noise
+        self.had_gen = torch.Generator(device=device).manual_seed(seed + 1)  # Hadamard signs (if enabled)
+        self.price_gen = torch.Generator(device=device).manual_seed(seed + 2)  # tokens pricing rounding noise
+
+    @contextmanager
+    def hooks(self) -> Iterator[None]:
+        handles = [self.model.get_input_embeddings().register_forward_hook(self._on_embedding)]
+        for fqn, mod in self.layers.items():
+            # prepend: run while ZeRO-3 still holds the gathered weight (its post-forward hook releases it),
+            # and hook the raw output, whose gradient arrives after ZeRO-3's pre-backward re-gather.
+            handles.append(mod.register_forward_hook(self._forward_hook(fqn), prepend=True))
+        if self.estimator == "isotropic":
+            handles.append(self._last_block().register_forward_hook(self._on_last_block))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _last_block(self) -> nn.Module:
+        last = max(self.layers, key=block_index)
+        prefix = last[: last.index(f"layers.{block_index(last)}") + len(f"layers.{block_index(last)}")]
+        return self.model.get_submodule(prefix)
+
+    def _on_embedding(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        if self.phase not in ("forward", "probe_forward", "fwd_pass"):
+            return output
+        self.emb = output.detach().requires_grad_(True)  # our own leaf: no gradient reaches parameters
+        return self.emb
+
+    def _on_last_block(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        z = output[0] if isinstance(output, tuple) else output
+        if self.phase in ("forward", "probe_forward"):
+            self.z = z
+        elif self.phase == "alpha" and self.z_shift is not None:
+            z = z + self.z_shift
+            return (z, *output[1:]) if isinstance(output, tuple) else z
+        return output
+
+    def _forward_hook(self, fqn: str):
+        def hook(module: SnipLinear, inputs: Any, output: torch.Tensor) -> Optional[torch.Tensor]:
+            if self.phase == "fwd_pass":
+                return self._on_fwd_forward(fqn, module, inputs[0], output)
+            if self.phase == "probe_forward":  # a fresh forward for a probe: only its output gradient counts
+                self.xp[fqn] = inputs[0].detach()
+                if output.requires_grad:
+                    output.register_hook(lambda g: self._on_output_grad(fqn, module, g))
+                return
+            if self.phase != "forward":
+                return
+            self._on_forward(fqn, module, inputs[0], output)
+        return hook
+
+    def _quant_cfg(self, module: SnipLinear):
+        return replace(module.quant_config, stochastic_rounding=False)  # RNE: deterministic, no RNG
+
+    def _on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, k]
+        self.x[fqn] = x2
+        if self.forward_drift:
+            self.fwd_x[fqn] = x2
+        if self.estimator != "empirical":
+            self.xp[fqn] = x.detach()  # the tensor autograd keeps anyway: no copy
+        if fqn not in self.order:
+            self.order[fqn] = len(self.order)
+        if self.propagated and x.requires_grad:
+            key = id(x)
+            if key not in self._group_ids:  # ids are unique only while the tensors live: reset every forward
+                self._group_ids[key] = fqn
+                self._group_inputs.append(x)
+                gid = self._group_ids[key]
+                x.register_hook(lambda g, gid=gid: self._on_input_grad(gid, g))
+            self.group[fqn] = self._group_ids[key]
+        if y.requires_grad:
+            y.register_hook(lambda g: self._on_output_grad(fqn, module, g))
+        else:  # no training gradient will arrive: the fprop statistics now (no first-order term)
+            self._fprop_stats(fqn, module, self.x.pop(fqn), None)
+
+    def _on_input_grad(self, gid: str, g: torch.Tensor) -> None:
+        if self.phase == "train":
+            self.stats.add(GLOBAL, f"gx_sq.{gid}", (g.float() ** 2).sum())
+
+    def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
+        g2 = g.detach().reshape(-1, g.shape[-1]).float()  # [T, n]
+        rows = g.shape[0] if g.dim() >= 3 else 1  # sequences: [B, L, n]
+        if self.phase in ("probe", "iso"):
+            self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2))
+            self._probe_fld(fqn, module, g2, rows)
+            if self.forward_drift and fqn in self.xp:
+                x = self.xp[fqn]
+                self.fwd_v[fqn] = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).mul_(self.fwd_p[fqn])
+        elif self.phase == "train":
+            self._on_train_grad(fqn, module, g2, rows)
+
+    def _probe_root(self, ids, mask, labels, retain: bool, last: bool):
+        """The logits to back-propagate a probe from: the retained graph's, or a fresh forward's."""
+        if retain:
+            return self._lg, not last
+        self.phase = "probe_forward"
+        lg = targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)[0]
+        return lg, False
+
+    def run_batch(self, batch: Any, num_probes: int, retain_graph: bool = True) -> int:
+        ids, mask, labels = unpack(batch)
+        device = device_of(self.model)
+        ids = ids.to(device)
+        mask = mask.to(device) if mask is not None else None
+        with torch.enable_grad():
+            self._group_ids.clear()
+            self._group_inputs.clear()
+            self.phase = "forward"
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            self.phase = "off"
+            lg, tg = targets(logits, labels)
+            n = int(tg.numel())
+            if n == 0:
+                raise ValueError("batches: a batch has no target tokens (all labels are -100)")
+            self.n_local = float(n)
+            loss = F.cross_entropy(lg, tg)
+            st = self.stats
+            st.add(GLOBAL, "n_tokens", torch.tensor(float(n)))
+            st.add(GLOBAL, "n_rows", torch.tensor(float(ids.numel())))
+            st.add(GLOBAL, "loss_sum", loss.detach() * n)
+            extra = self.estimator == "mc_fisher" or self.estimator == "isotropic"
+            self.phase = "train"
+            torch.autograd.grad(loss, self.emb, retain_graph=extra and retain_graph)
+            self.x.clear()
+            if not retain_graph:
+                self.xp.clear()  # the probes' fresh forwards record their own inputs
+            self._lg = lg
+            if self.estimator == "mc_fisher":
+                probs = torch.softmax(lg.detach(), dim=-1)
+                for r in range(num_probes):
+                    y_hat = torch.multinomial(probs, 1, generator=self.gen).squeeze(1)
+                    root, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
+                    self.phase = "probe"
+                    torch.autograd.grad(F.cross_entropy(root, y_hat, reduction="sum"), self.emb,
+                                        retain_graph=keep)
+                    if self.forward_drift:
+                        emb = self.emb
+                        self._forward_drift_passes(ids, mask, labels)
+                        self.emb = emb
+            elif self.estimator == "isotropic":
+                for r in range(num_probes):
+                    _, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
+                    self.phase = "iso"
+                    u = torch.randn(self.z.shape, generator=self.gen, device=self.z.device, dtype=self.z.dtype)
+                    torch.autograd.grad((u * self.z).sum(), self.emb, retain_graph=keep)
+            self._lg = None
+            self.xp.clear()
+            self.fwd_x.clear()
+            self.fwd_p.clear()
+            self._fold(int(ids.numel()), num_probes)
+            self.phase = "off"
+        if self.estimator == "isotropic":
+            self._alpha(ids, mask, labels, float(loss.detach()))
+        self.emb = self.z = None
+        return int(ids.numel())
+
+    def _fold(self, rows: int, num_probes: int) -> None:
+        """Turns this batch's per-channel vectors into per-layer scalars, priced with its own probes.
+
+        ``Σ_j v_j · m_j`` with ``m = Σ_t g²/(rows·probes)`` replaces keeping ``v`` and ``m`` until the end, so
+        only scalars are all-reduced (a few per layer, whatever the model's width). With one batch per rank
+        this is exactly the per-channel formula; across batches and ranks it sums per-batch products, which
+        equals it when every batch sees the same sensitivities.
+        """
+        div = float(rows * (1 if self.estimator == "empirical" else num_probes))
+        st = self.stats
+        for fqn in self.layers:
+            probe = st.pop(fqn, "probe_sq")
+            m = probe / div if probe is not None else None
+            for vec, out in ((f"err_sq.{p}", f"fld_prod.{p}") for p in self.precisions):
+                self._fold_one(fqn, vec, out, m)
+            for vec, out in ((f"drift_ch.{p}", f"drift_prod.{p}") for p in self.precisions):
+                self._fold_one(fqn, vec, out, m)
+            for vec, out in ((f"drift_ch_bias.{p}", f"drift_prod_bias.{p}") for p in self.precisions):
+                self._fold_one(fqn, vec, out, m)
+            self._fold_one(fqn, "up_ch", "up_prod", m)
+
+    def _fold_one(self, fqn: str, vec: str, out: str, m: Optional[torch.Tensor]) -> None:
+        v = self.stats.pop(fqn, vec)
+        if v is not None:
+            self.stats.add(fqn, out, (v * m).sum() if m is not None else torch.zeros(()))
+
+
+@contextmanager
+def _preserved(model: nn.Module, layers: Dict[str, SnipLinear]) -> Iterator[None]:
+    """bf16 layers that back-propagate to their input only; restores the layers' precision, the model's
+    mode and the global RNG states (CPU and CUDA)."""
+    saved_precision = {fqn: m.gemm_precision for fqn, m in layers.items()}
+    saved_grad_only = {fqn: m.input_grad_only for fqn, m in layers.items()}
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            for m in layers.values():
+                m.precision = "bf16"
+                m.input_grad_only = True  # every pass back-propagates to the embedding output only
+            yield
+        finally:
+            for fqn, m in layers.items():
+                m.precision = saved_precision[fqn]
+                m.input_grad_only = saved_grad_only[fqn]
+
+
+def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optional[CollectSettings] = None, *,
+                       lr: float, precond: Precond = None, step_scale: float = 1.0, step: int = 0,
+                       world_size: int = 1, reduce: Optional[Reduce] = None,
+                       layers: Optional[Iterable[str]] = None) -> Dict[str, Any]:
+    """One SNIP statistics collection on the given batches; leaves no trace on the model.
+
+    Args:
+        model: a Hugging Face causal LM whose decoder linears are :class:`SnipLinear`.
+        batches: LongTensor ``[B, L]`` token ids, or mappings with ``input_ids`` (optional ``attention_mask``,
+            ``labels``; ``-100`` ignored). Each batch plays one step's rank-local batch.
+        settings: how the statistics are estimated (:class:`CollectSettings`); default its defaults.
+        lr: learning rate η of the next steps.
+        precond: ``{fqn: P}`` (weight-shaped tensors, e.g. :func:`adam_precond`), or a callable
+            ``(fqn, t) -> Σ_owned (t⊙P)²`` for partitioned states (module docstring), or a mapping of such
+            callables; None (or an empty mapping: no optimizer state yet) uses ``settings.precond_fallback``
+            (``"grad_sq"``: Adam's first-step ``v̂ = G_W²``; ``"ones"``). The artifact's ``"precond"`` says
+            which was used.
+        step_scale: ``c`` in the drift ``lr·c·ΔG⊙P``: 1 = eventual drift (the planner's λ is a horizon in
+            steps); :func:`snip_ds.divergence.adam_step_scale` = one step's drift.
+        step: the training step, recorded.
+        world_size: data-parallel ranks ``W`` behind ``reduce``.
+        reduce: ``reduce(t) -> t`` summing over data-parallel ranks (called exactly once); None = identity.
+        layers: fqns to measure; default every SnipLinear.
+
+    Returns:
+        The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
+        the planner's costs), ``bwd_drift`` (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units), ``first_order``,
+        ``quant_err``, ``rel_quant_err`` (each ``{precision: number}``; summed over the operands X, W, G_Y) and
+        the same per operand (``quant_err_x`` ...  ``rel_quant_err_g``), ``bwd_bias`` and ``bwd_drift_bias``
+        (the systematic part of ``bwd`` and ``bwd_drift``: what persists from step to step), ``nonfinite``.
+        Non-finite numbers are written as null and flag the layer.
+    """
+    if settings is None:
+        settings = CollectSettings()
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    mods = select_layers(model, layers)
+    precond = check_precond(precond, mods, settings.forward_drift, settings.estimator)
+
+    col = Collector(model, mods, settings, precond)
+    rows_per_batch, n_batches = None, 0
+    with _preserved(model, mods), col.hooks():
+        for batch in batches:
+            rows = col.run_batch(batch, settings.num_probes, settings.retain_graph)
+            rows_per_batch = rows_per_batch or rows
+            n_batches += 1
+    if n_batches == 0:
+        raise ValueError("batches is empty: need at least one batch")
+    col.stats.reduce(reduce, device_of(model))
+    return finalize(col, mods, n_batches, rows_per_batch * world_size, settings, lr=float(lr), step=int(step),
+                    world_size=world_size, step_scale=float(step_scale))

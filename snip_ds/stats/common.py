@@ -1,0 +1,85 @@
+"""What every part of a statistics collection shares: the named sums, the layers, the batches' targets."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from snip_ds.linear import SnipLinear
+from snip_ds.swap import snip_layers
+
+IGNORE_INDEX = -100
+GLOBAL = "<global>"  # the Sums key of the model-wide (not per-layer) sums
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def select_layers(model: nn.Module, layers: Optional[Iterable[str]]) -> Dict[str, SnipLinear]:
+    found = snip_layers(model)
+    if not found:
+        raise ValueError("model has no SnipLinear layers; call snip_ds.swap.swap_linears(model) first")
+    if layers is None:
+        return found
+    names = list(layers)
+    unknown = [n for n in names if n not in found]
+    if unknown:
+        raise ValueError(f"layers: {unknown[:5]} are not SnipLinear layers of the model; valid names look like "
+                         f"{next(iter(found))!r} ({len(found)} in all)")
+    return {n: found[n] for n in names}
+
+
+def unpack(batch: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(input_ids, attention_mask, labels)`` from a LongTensor ``[B, L]`` or a mapping with ``input_ids``."""
+    if isinstance(batch, torch.Tensor):
+        ids, mask, labels = batch, None, None
+    elif isinstance(batch, Mapping) and "input_ids" in batch:
+        ids, mask, labels = batch["input_ids"], batch.get("attention_mask"), batch.get("labels")
+    else:
+        raise ValueError("batches: each batch must be a LongTensor [B, L] of token ids or a mapping with "
+                         f"'input_ids' (optional 'attention_mask', 'labels'); got {type(batch).__name__}")
+    if ids.dim() != 2:
+        raise ValueError(f"batches: input_ids must be [B, L], got shape {tuple(ids.shape)}")
+    if labels is None:
+        labels = ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
+    return ids, mask, labels
+
+
+def targets(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Shifted next-token logits ``[N, V]`` and targets ``[N]`` of the valid positions."""
+    lg = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    tg = labels[:, 1:].reshape(-1).to(logits.device)
+    keep = tg != IGNORE_INDEX
+    return lg[keep], tg[keep]
+
+
+def device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class Sums:
+    """Named per-layer accumulators, packed into one flat vector for a single reduction."""
+
+    def __init__(self) -> None:
+        self.data: Dict[Tuple[str, str], torch.Tensor] = {}
+
+    def add(self, fqn: str, key: str, value: torch.Tensor) -> None:
+        value = value.detach().float().reshape(-1)
+        k = (fqn, key)
+        self.data[k] = self.data[k] + value if k in self.data else value.clone()
+
+    def pop(self, fqn: str, key: str) -> Optional[torch.Tensor]:
+        return self.data.pop((fqn, key), None)
+
+    def get(self, fqn: str, key: str, default: float = 0.0) -> torch.Tensor:
+        t = self.data.get((fqn, key))
+        return torch.tensor([default]) if t is None else t
+
+    def reduce(self, reduce: Optional[Reduce], device: torch.device) -> None:
+        keys = sorted(self.data)  # the same order on every rank
+        flat = torch.cat([self.data[k].to(device) for k in keys]) if keys else torch.zeros(0, device=device)
+        if reduce is not None:
+            flat = reduce(flat)
+        sizes = [self.data[k].numel() for k in keys]
+        for k, part in zip(keys, torch.split(flat.detach().float().cpu(), sizes)):
+            self.data[k] = part

@@ -1,0 +1,119 @@
+"""The preconditioner P of the drift ``lr·c·ΔG_W ⊙ P``: from a torch Adam/AdamW optimizer's state, from a
+partitioned (ZeRO) optimizer state through a callable, or a fallback before the first optimizer step.
+
+Distributed conventions (exact for one rank; for several, rank-local quantization errors are taken as
+independent, so the error of the averaged gradient has ``1/W`` of a rank's squared norm):
+
+* ``precond={fqn: P}`` (full weight shape, e.g. from :func:`adam_precond`): every rank computes the full
+  ``‖ΔG_W,r ⊙ P‖²``; after the sum over ranks it is divided by ``W²``.
+* ``precond=callable`` (partitioned optimizer states, ZeRO 1-3; :mod:`snip_ds.engine.adam_state` builds it):
+  ``precond(fqn, t) -> 0-dim tensor`` = ``Σ (t ⊙ P)²`` over the elements of the flattened weight whose
+  optimizer state **this rank owns**, with ``P = 1/(sqrt(exp_avg_sq/(1-β₂ᵗ)) + eps)`` of that partition
+  (``t`` is a full ``[n, k]`` FP32 tensor, rank-local). The sum over ranks then covers every element once;
+  it is divided by ``W``. The loss-unit price then assumes P constant within the layer (scaled by
+  ``‖ΔG⊙P‖²/‖ΔG‖²``). A mapping may also hold such callables per fqn.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from snip_ds import divergence as dv
+from snip_ds.linear import SnipLinear
+from snip_ds.stats.common import select_layers
+
+PrecondFn = Callable[[str, torch.Tensor], torch.Tensor]
+Precond = Union[None, Mapping[str, Union[torch.Tensor, PrecondFn]], PrecondFn]
+
+
+@dataclass(frozen=True)
+class AdamPrecond:
+    """Adam preconditioners read from a torch optimizer.
+
+    Attributes:
+        precond: ``{fqn: P}`` with ``P = 1/(sqrt(v̂) + eps)``; empty when the optimizer has no state yet.
+        step: optimizer steps taken (0 before the first).
+        step_scale: ``(1-β₁)/(1-β₁^(step+1))``, the share of a gradient change in the next update.
+        lr: the learning rate of the layers' param group.
+    """
+
+    precond: Dict[str, torch.Tensor]
+    step: int
+    step_scale: float
+    lr: float
+
+
+def adam_precond(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 layers: Optional[Iterable[str]] = None) -> AdamPrecond:
+    """Reads ``exp_avg_sq`` and ``step`` of the layers' weights from a torch Adam/AdamW optimizer."""
+    mods = select_layers(model, layers)
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    precond, steps, lrs, beta1 = {}, set(), set(), None
+    for fqn, mod in mods.items():
+        group = group_of.get(id(mod.weight))
+        if group is None:
+            raise ValueError(f"optimizer: layer {fqn!r}'s weight is in no param group")
+        if "betas" not in group or "eps" not in group:
+            raise ValueError(f"optimizer: param group of {fqn!r} has no 'betas'/'eps'; expected Adam or AdamW")
+        beta1, beta2 = group["betas"]
+        lrs.add(float(group["lr"]))
+        state = optimizer.state.get(mod.weight, {})
+        if "exp_avg_sq" not in state:
+            continue
+        step = int(state["step"])
+        steps.add(step)
+        precond[fqn] = dv.adam_preconditioner(state["exp_avg_sq"], step, beta2, group["eps"])
+    step = max(steps) if steps else 0
+    if precond and len(precond) != len(mods):
+        raise ValueError(f"optimizer: only {len(precond)} of {len(mods)} layers have Adam state")
+    return AdamPrecond(precond, step, dv.adam_step_scale(step, beta1 if beta1 is not None else 0.9),
+                       max(lrs) if lrs else 0.0)
+
+
+def check_precond(precond: Precond, mods: Dict[str, SnipLinear], forward_drift: bool, estimator: str) -> Precond:
+    """Checks ``precond`` against the measured layers; returns it, or None where it is an empty mapping (no
+    optimizer state yet: the fallback). ``forward_drift`` needs weight-shaped preconditioners."""
+    if isinstance(precond, Mapping) and not precond:
+        precond = None  # no optimizer state yet (adam_precond before the first step): the fallback
+    if isinstance(precond, Mapping):
+        missing = [f for f in mods if f not in precond]
+        if missing:
+            raise ValueError(f"precond: no preconditioner for {len(missing)} layer(s), e.g. {missing[:3]}")
+        for fqn in mods:
+            e = precond[fqn]
+            if isinstance(e, torch.Tensor) and tuple(e.shape) != tuple(mods[fqn].weight.shape):
+                raise ValueError(f"precond[{fqn!r}] has shape {tuple(e.shape)}, the weight "
+                                 f"{tuple(mods[fqn].weight.shape)}")
+    elif precond is not None and not callable(precond):
+        raise ValueError(f"precond must be None, a mapping fqn -> tensor/callable, or a callable; "
+                         f"got {type(precond).__name__}")
+    if forward_drift:
+        if estimator != "mc_fisher":
+            raise ValueError(f"forward_drift needs estimator='mc_fisher' (its probes price the drift), "
+                             f"got {estimator!r}")
+        if precond is not None and (not isinstance(precond, Mapping) or
+                                    not all(isinstance(precond[f], torch.Tensor) for f in mods)):
+            raise ValueError("forward_drift needs weight-shaped preconditioners (a mapping fqn -> tensor, or None "
+                             "for the fallback); partitioned optimizer states (a callable) are not supported")
+    return precond
+
+
+def layer_precond(precond: Precond, fallback: str, fqn: str, gw: torch.Tensor,
+                  sources: set) -> Tuple[Optional[torch.Tensor], Optional[PrecondFn]]:
+    """Layer ``fqn``'s preconditioner: ``(P, None)`` for a weight-shaped one (a given tensor, or the fallback
+    computed from its weight gradient ``gw``), ``(None, fn)`` for a partitioned state's callable. Adds where
+    it came from to ``sources``."""
+    pc = precond
+    if pc is None:
+        p, source = dv.fallback_preconditioner(gw, gw.shape, fallback)
+        sources.add(source)
+        return p.to(gw.device), None
+    entry = pc if callable(pc) and not isinstance(pc, Mapping) else pc[fqn]
+    if isinstance(entry, torch.Tensor):
+        sources.add("tensor")
+        return entry.to(gw.device, torch.float32), None
+    sources.add("callable")
+    return None, entry
