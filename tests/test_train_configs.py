@@ -26,11 +26,9 @@ def _ok(proc, out=None):
     return text
 
 
-def test_help_is_fast_and_lists_the_flags():
-    start = time.perf_counter()
+def test_help_lists_the_flags_without_importing_torch():
     proc = subprocess.run([sys.executable, str(TRAIN), "--help"], cwd=REPO, env=env(), capture_output=True,
                           text=True, timeout=60)
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     for flag in ("--deepspeed", "--model_name_or_path", "--model_config", "--dataset", "--max_steps",
                  "--precision", "--plan", "--resume_from_checkpoint", "--output_dir", "--learning_rate",
@@ -42,7 +40,6 @@ def test_help_is_fast_and_lists_the_flags():
                             "print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules])"],
                            cwd=REPO, env=env(), capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr
-    assert elapsed < 5.0, elapsed
 
 
 @pytest.mark.rounding
