@@ -1,4 +1,4 @@
-"""Planner solve time on Llama layer shapes (SNIP.md section 5: a 70B model must solve in well under 1 s).
+"""Planner solve time on Llama layer shapes (target: a 70B model solves in well under 1 s).
 
 Run from the repository root:
 

@@ -1,4 +1,4 @@
-"""Compare SNIP's plans with the baselines by training from the same checkpoints (SNIP.md section 7, plan quality).
+"""Compare SNIP's plans with the baselines by training from the same checkpoints (docs/experiments.md, section 2).
 
 A model is warmed up unquantized (BF16 plan, FP32 arithmetic, torch AdamW) and checkpointed at each *phase*
 (warm-up step counts, e.g. early = 200 and late = 800). At each checkpoint SNIP's statistics are collected once

@@ -1,4 +1,4 @@
-"""Validate SNIP's statistics against measured truths on fixed batches (SNIP.md section 7, metric validity).
+"""Validate SNIP's statistics against measured truths on fixed batches (docs/experiments.md, section 1).
 
 Warms a model up (plain torch AdamW, unquantized, FP32), then for every decoder linear measures
 

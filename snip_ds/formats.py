@@ -1,6 +1,6 @@
 """Small floating-point element formats and the one routine that rounds FP32 values onto their grids.
 
-The formats are those of SNIP.md section 2: FP8 E4M3 (OCP "fn" variant, no Inf), FP8 E5M2 and FP4 E2M1
+The formats (docs/method.md, Formats and recipes): FP8 E4M3 (OCP "fn" variant, no Inf), FP8 E5M2 and FP4 E2M1
 (OCP Microscaling Formats (MX) Specification v1.0, section 5.3). Everything is emulated: values stay FP32
 and are rounded onto the format's grid, so ``round_to_format(x, E4M3)`` equals
 ``x.clamp(-448, 448).to(torch.float8_e4m3fn).float()`` bit for bit.

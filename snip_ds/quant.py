@@ -1,4 +1,4 @@
-"""Fake quantization (quantize->dequantize in FP32) for the scaling recipes of SNIP.md section 2.
+"""Fake quantization (quantize->dequantize in FP32) for the scaling recipes of docs/method.md (Formats and recipes).
 
 A :class:`Recipe` is an element format plus a scale granularity:
 
@@ -23,7 +23,7 @@ Conventions of :func:`fake_quantize` (all recipes):
   from the tensor amax). An overflowed operand thus stays visibly non-finite for overflow checks instead of
   being silently saturated. (Element-wise :func:`cast_to_format` has no scale and saturates Inf instead.)
 * Computation is in FP32; the result has ``x``'s shape and dtype and records no autograd history. The
-  straight-through gradient of SNIP.md ("the backward of a quantizer is identity") is the caller's
+  straight-through gradient ("the backward of a quantizer is identity") is the caller's
   business (the quantized linear's autograd function).
 
 :func:`quantize_parts` is the same computation stopped one step earlier, for GEMM backends that multiply the

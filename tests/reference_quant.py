@@ -1,4 +1,4 @@
-"""Slow, obviously correct reference quantizers (SNIP.md section 2), kept apart from production code.
+"""Slow, obviously correct reference quantizers, kept apart from production code.
 
 Everything here works on Python floats and NumPy float32 scalars, one element at a time: a format's grid
 is enumerated from its bit fields, rounding picks the nearest grid point by comparing distances (ties go to

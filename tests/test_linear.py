@@ -109,7 +109,7 @@ RECIPE_REFS = {
 @pytest.mark.parametrize("chunk_elements", [None, 16 * 64])
 @pytest.mark.parametrize("recipe", sorted(RECIPE_REFS))
 def test_quantized_gemms_match_reference(data, recipe, chunk_elements, monkeypatch):
-    """Each GEMM quantizes the right operands along the right axis (SNIP.md section 2's table), also when
+    """Each GEMM quantizes the right operands along the right axis (docs/method.md's recipe table), also when
     the backend streams operands in 32-row slices (chunk_elements small enough to split T=48 in two)."""
     if chunk_elements:
         monkeypatch.setattr(backend.emulated, "CHUNK_ELEMENTS", chunk_elements)

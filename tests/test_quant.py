@@ -1,4 +1,4 @@
-"""Fake quantization recipes against the slow references in tests/reference_quant.py and SNIP.md's table."""
+"""Fake quantization recipes against the slow references in tests/reference_quant.py and docs/method.md's recipe table."""
 import math
 
 import numpy as np
@@ -149,7 +149,7 @@ def test_partial_block_equals_zero_padding(recipe):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# error levels (SNIP.md section 2 table, +-40 %)
+# error levels (docs/method.md's recipe table, +-40 %)
 # ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("recipe, stochastic, expected", [

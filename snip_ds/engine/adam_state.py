@@ -1,4 +1,4 @@
-"""Adam's second moments per layer, read from DeepSpeed's real optimizer state (SNIP.md section 4).
+"""Adam's second moments per layer, read from DeepSpeed's real optimizer state (the preconditioner of BWD, docs/method.md).
 
 The backward divergence needs ``‖ΔG_W ⊙ P‖²`` with ``P = 1/(sqrt(v̂) + eps)``, ``v̂ = exp_avg_sq/(1-β₂ᵗ)``.
 Where the state lives depends on the ZeRO stage:

@@ -1,4 +1,4 @@
-"""Adaptive SNIP re-planning inside training (SNIP.md sections 5 and 6).
+"""Adaptive SNIP re-planning inside training (the plan and the schedule of docs/method.md).
 
 Before the first step and every ``replan_every`` steps (driven by :meth:`SnipEngine.train_step`): collect
 statistics on ``collect_batches`` micro-batches of a private data stream, or of the step about to be taken

@@ -1,4 +1,4 @@
-"""Research code: the plan-quality comparison and the validation of the statistics (SNIP.md section 7).
+"""Research code: the plan-quality comparison and the validation of the statistics (docs/experiments.md).
 
 Nothing in the training package imports this package; it may import anything from it. The launch scripts
 ``launch/compare_plans.py`` and ``launch/validate_metrics.py`` parse their flags and call into it.

@@ -139,7 +139,7 @@ def _random_words(s: Dict[str, Any]) -> str:
 def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) -> None:
     """Writes ``compare_plans.md`` from a result file's content and its summary."""
     s = data["settings"]
-    lines = ["# compare_plans: plan quality from paired training runs (SNIP.md section 7)", ""]
+    lines = ["# compare_plans: plan quality from paired training runs", ""]
     if s.get("note"):
         lines += [f"**{s['note']}**", ""]
     lines += [f"Command: `{s['command']}`", "",

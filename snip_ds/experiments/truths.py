@@ -73,7 +73,7 @@ def _loss_and_logits(model, ids: torch.Tensor) -> tuple:
 def fld_truth(model, batches: Sequence[torch.Tensor]) -> tuple:
     """Per layer, per batch: symmetrised FLD, its Gauss-Newton part, and the one-shot loss change (fp4 fprop).
 
-    * symmetrised: ``[ℒ(Y+E) + ℒ(Y-E) - 2ℒ(Y)]/2`` (SNIP.md section 3): ``½ Eᵀ H E`` with the full, indefinite
+    * symmetrised: ``[ℒ(Y+E) + ℒ(Y-E) - 2ℒ(Y)]/2`` : ``½ Eᵀ H E`` with the full, indefinite
       Hessian (plus 4th-order terms).
     * Gauss-Newton part, from the same two passes: ``d = [z(Y+E) - z(Y-E)]/2 = J E + O(E³)`` (z: logits) and
       ``(1/2N) Σ_t d_tᵀ (diag p_t - p_t p_tᵀ) d_t``: the PSD part that a Fisher estimator can see.

@@ -1,4 +1,4 @@
-"""validate_metrics: SNIP's statistics against measured truths on fixed batches (SNIP.md section 7, metric
+"""validate_metrics: SNIP's statistics against measured truths on fixed batches (docs/experiments.md, metric
 validity).
 
 :func:`run` warms a model up (plain torch AdamW, unquantized, FP32) or loads the warm-up; :func:`measure`
