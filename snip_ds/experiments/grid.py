@@ -12,9 +12,11 @@ import torch
 
 from snip_ds.data import load_dataset_blocks
 from snip_ds.model import build_model
+from snip_ds.planner.costs import METHODS
 from snip_ds.swap import swap_linears
 
-SOLVED = ("best", "random", "quant_err", "rel_quant_err", "first_last_fp8")
+# the planner's methods that an ILP solves (the uniform ones are plans without a solve, and so is BF16)
+SOLVED = tuple(m for m in METHODS if not m.startswith("uniform_"))
 UNIFORM = ("bf16", "uniform_fp8", "uniform_fp4")
 # one GEMM kind in FP4 in every layer, the rest FP8 (ρ-independent, opt-in): what each kind costs on its own
 KIND_PLANS = {"fp4_fprop": ("fprop",), "fp4_dgrad": ("dgrad",), "fp4_wgrad": ("wgrad",),
