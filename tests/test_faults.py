@@ -1,0 +1,124 @@
+"""Faults injected into real runs: a full disk during a checkpoint save, non-finite losses and gradients, a
+re-plan the solver cannot solve. Each run is a real process (2 ranks through the deepspeed launcher, or one
+plain process); the fault comes from an input a user can reach (a file-size limit, a config, a model).
+
+docs/reliability.md lists what each run did.
+"""
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from train_utils import REPO, assert_no_shm_left, env, launch, launch_cmd, scalars, write_configs
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _file_size_limit(limit: int):
+    """A ``preexec_fn``: writes past ``limit`` bytes of any one file fail with EFBIG in this process and its
+    children (RLIMIT_FSIZE is inherited), as a full disk makes writes fail with ENOSPC. SIGXFSZ, which the
+    kernel sends on such a write, is ignored (Python ignores it already; the launcher's children inherit
+    the disposition), so that the write raises instead of killing the process."""
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def _error_lines(text: str) -> list:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+# ------------------------------------------------------------------------------------- a full disk (unit)
+def test_plan_and_stats_writes_fail_whole_under_a_file_size_limit(tmp_path):
+    """plan.json / stats.json are written atomically: a write that fails part-way (EFBIG here, ENOSPC on a
+    full disk) leaves the previous file as it was and no temporary behind, and the run's writer stops with
+    one line naming the file and the cause."""
+    (tmp_path / "stats.json").write_text('{"previous": true}\n')
+    code = f"""
+import json, sys
+sys.path.insert(0, {str(REPO)!r})
+from snip_ds.plan import Plan
+from snip_ds.trainer import RunFault, _write_artifacts
+plan = Plan.uniform(["model.layers.0.mlp.up_proj"], "fp8", {{"model.layers.0.mlp.up_proj": 1.0}})
+stats = {{"format": "snip_ds.stats/1", "padding": "x" * 200000}}
+try:
+    _write_artifacts(__import__("pathlib").Path({str(tmp_path)!r}), plan, stats)
+except RunFault as err:
+    print("FAULT", err.code, err)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120,
+                          preexec_fn=_file_size_limit(100_000))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"FAULT 1 {tmp_path / 'stats.json'}: cannot be written (File too large [errno 27])"), line
+    assert (tmp_path / "stats.json").read_text() == '{"previous": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.json"]  # no temporary, no plan.json yet
+
+
+# ---------------------------------------------------------------------------- a full disk (2-rank runs)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-rank ZeRO-3 fp8 run of 4 steps, checkpoints at steps 2 and 4."""
+    tmp = tmp_path_factory.mktemp("faults_ref")
+    cfg = write_configs(tmp, stage=3, plan="fp8", max_steps=4, save_steps=2, eval_steps=4)
+    _ok(launch(["--deepspeed", str(cfg)], num_ranks=2))
+    return {"tmp": tmp, "cfg": cfg, "out": tmp / "out", "loss": scalars(tmp / "out" / "tensorboard")["train/loss"]}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_disk_full_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint(reference, tmp_path):
+    from snip_ds.engine.checkpoint import META_FILE, CheckpointError, resolve
+
+    ref_ckpts = reference["out"] / "checkpoints"
+    run = tmp_path / "run"  # the state of a run that has saved step_2: its checkpoint and 'latest'
+    shutil.copytree(ref_ckpts / "step_2", run / "checkpoints" / "step_2")
+    (run / "checkpoints" / "latest").write_text("step_2")
+    shards = sorted((ref_ckpts / "step_2").glob("*_optim_states.pt"))
+    largest = max(p.stat().st_size for p in shards)
+    others = [p for p in (ref_ckpts / "step_2").iterdir() if p not in shards]
+    limit = largest // 2  # the optimizer shards no longer fit; every other file of the run does
+    assert all(p.stat().st_size < limit for p in others)
+    assert all(p.stat().st_size < limit for p in (reference["out"] / "tensorboard").iterdir())
+
+    cmd = launch_cmd(["--deepspeed", str(reference["cfg"]), "--resume_from_checkpoint", str(run),
+                      "--output_dir", str(run)], num_ranks=2)
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600,
+                          preexec_fn=_file_size_limit(limit))
+    elapsed = time.monotonic() - start
+    assert_no_shm_left(cmd)
+    print(f"disk-full run: exit {proc.returncode} after {elapsed:.1f} s:", _error_lines(proc.stderr)[:1])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-5000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]  # the same line from both ranks
+    step4 = run / "checkpoints" / "step_4"
+    assert lines[0].startswith(f"error: checkpoint {step4} not saved: {step4}/"), lines[0]
+    assert "_optim_states.pt: cannot be written (File too large [errno 27])" in lines[0]
+    assert "'latest' still names step_2" in lines[0]
+
+    assert (run / "checkpoints" / "latest").read_text() == "step_2"
+    assert step4.is_dir() and not (step4 / META_FILE).exists()
+    with pytest.raises(CheckpointError, match="no snip_meta.json"):
+        resolve(step4)  # naming the half-written directory is refused
+    assert resolve(run) == run / "checkpoints" / "step_2"  # the run directory resumes from step_2
+
+    # Resuming the run directory continues from step 2 and reproduces the uninterrupted losses bit for bit.
+    _ok(launch(["--deepspeed", str(reference["cfg"]), "--resume_from_checkpoint", str(run),
+                "--output_dir", str(tmp_path / "resumed")], num_ranks=2))
+    again = scalars(tmp_path / "resumed" / "tensorboard")["train/loss"]
+    assert sorted(again) == [3, 4]
+    for step in (3, 4):
+        assert again[step] == reference["loss"][step], (step, again[step], reference["loss"][step])
