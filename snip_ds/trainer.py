@@ -273,7 +273,7 @@ def train(args: argparse.Namespace) -> int:
 
     from snip_ds import distributed as sdist
     from snip_ds.data import DataStream, load_dataset_blocks
-    from snip_ds.engine import CheckpointError, init_distributed, initialize  # imports DeepSpeed
+    from snip_ds.engine import CheckpointError, NonFiniteError, init_distributed, initialize  # imports DeepSpeed
     from snip_ds.engine.core import initial_plan
     from snip_ds.engine import checkpoint as ckpt
     from snip_ds.engine.checkpoint import CheckpointSaveError
@@ -417,7 +417,10 @@ def train(args: argparse.Namespace) -> int:
         micro_batches = [stream.next_batch() for _ in range(ga)]
         history = len(planner.history) if planner is not None else 0
         start = time.perf_counter()
-        last_loss = engine.train_step(micro_batches)  # re-plans first when due (adaptive)
+        try:
+            last_loss = engine.train_step(micro_batches)  # re-plans first when due (adaptive)
+        except NonFiniteError as err:  # snip.nonfinite "stop": before the step's update, nothing saved
+            raise RunFault(str(err)) from None
         elapsed = time.perf_counter() - start
         if planner is not None and len(planner.history) > history:  # step time without the re-plan
             elapsed -= planner.history[-1]["collect_s"] + planner.history[-1]["solve_s"]

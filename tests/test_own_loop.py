@@ -94,3 +94,34 @@ print(json.dumps({"meta": dict(engine.plan.meta), "per_gemm": engine.plan.per_ge
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["per_gemm"] and out["share"] >= cfg["snip"]["efficiency_saving"] - 1e-9  # FP64 share round-off
     assert out["meta"]["dgrad"] == "upstream" and out["meta"]["dgrad_calibration"] == 30.0
+
+
+def test_a_nonfinite_output_on_one_rank_stops_every_rank_before_the_update(tmp_path):
+    """snip.nonfinite "stop" (the default): rank 1's model.layers.1.mlp returns NaN in the second micro-batch of
+    step 3; both ranks raise NonFiniteError with the same message naming the step, the micro-batch, the rank and
+    the module, after steps 1-2 and before step 3's update."""
+    ranks = _run("nonfinite_stop", tmp_path)
+    for r in ranks:
+        assert r["error"].startswith("non-finite loss (nan) at step 3, micro-batch 2 of 2 on rank 1; first module "
+                                     "with a non-finite output: model.layers.1.mlp (LlamaMLP); the step's update "
+                                     "was not applied"), r["error"]
+    assert ranks[0]["error"] == ranks[1]["error"]
+
+
+def test_a_nonfinite_step_is_skipped_on_every_rank_and_counted(tmp_path):
+    """snip.nonfinite "skip": step 3 changes no parameter on any rank (the float64 sum of every gathered
+    parameter is the same before and after it, while every other step changes it), the steps go on to 5 with
+    finite losses, and TensorBoard counts the skip at step 3."""
+    from train_utils import scalars
+
+    ranks = _run("nonfinite_skip", tmp_path)
+    for r in ranks:
+        assert "error" not in r and r["steps"] == [1, 2, 3, 4, 5] and r["skipped"] == 1
+        sums = r["sums"]  # before step 1, after steps 1..5
+        assert sums[3] == sums[2]  # step 3: exactly no update
+        assert all(sums[i + 1] != sums[i] for i in (0, 1, 3, 4))
+        losses = r["losses"]
+        assert losses[2] != losses[2] and all(x == x for i, x in enumerate(losses) if i != 2)  # NaN only at 3
+    assert ranks[0]["sums"] == ranks[1]["sums"] and ranks[0]["losses"][3:] == ranks[1]["losses"][3:]
+    logged = scalars(tmp_path / "nonfinite_skip.tb")
+    assert logged["train/skipped_steps"] == {3: 1.0}

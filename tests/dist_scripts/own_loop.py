@@ -8,6 +8,11 @@ Run by tests/test_own_loop.py under the deepspeed launcher (2 ranks, ZeRO-3). ``
   with the same ConfigError (none may hang in the broadcast).
 * ``replan_fails``: rank 0's solver raises at the second re-plan: every rank keeps the plan in force and
   trains on.
+* ``nonfinite_stop`` / ``nonfinite_skip``: the user's own forward hook on ``model.layers.1.mlp`` turns its
+  output to NaN on rank 1 in step 3 (a custom module that overflows); with ``snip.nonfinite`` "stop" every
+  rank raises the same NonFiniteError, with "skip" step 3 leaves every parameter as it was and training goes
+  on. Writes each rank's losses, parameter sums (float64, gathered) after every step, the error or the skip
+  count.
 """
 import argparse
 import json
@@ -27,7 +32,8 @@ from snip_ds.snip_config import ConfigError  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=-1)
-    p.add_argument("--case", required=True, choices=("replan", "first_unsolvable", "replan_fails"))
+    p.add_argument("--case", required=True, choices=("replan", "first_unsolvable", "replan_fails", "nonfinite_stop",
+                                                     "nonfinite_skip"))
     p.add_argument("--out", required=True)
     args = p.parse_args()
     init_distributed()
@@ -53,11 +59,32 @@ def main() -> int:
                 raise ValueError("solver broke (injected by the test)")
             return real(*a, **k)
         adaptive.solve_baseline = flaky
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+    poison = {"on": False}
+    logger = None
+    if args.case.startswith("nonfinite"):
+        snip = {"plan": "fp8", "nonfinite": args.case.split("_")[1], "train": {"seed": 0}}
+
+        def overflow(module, inputs, output):  # the user's own module overflowing: NaN out, when switched on
+            poison["calls"] = poison.get("calls", 0) + 1
+            return output * float("nan") if poison["on"] and poison["calls"] >= 2 else output
+        model.model.layers[1].mlp.register_forward_hook(overflow)
+        from snip_ds.metrics import make_logger
+        logger = make_logger(Path(f"{args.out}.tb"), rank)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2 if logger else 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "steps_per_print": 10 ** 9, "snip": snip}
     out = {"rank": rank}
+    if args.case.startswith("nonfinite"):
+        try:
+            out.update(_nonfinite_run(model, config, logger, poison, rank))
+        except snip_ds.NonFiniteError as err:
+            out["error"] = str(err)
+        logger.close()
+        Path(f"{args.out}.{rank}").write_text(json.dumps(out))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return 0
     try:
         engine = snip_ds.initialize(model, config, tokens_per_step=2 * 16)
         gen = torch.Generator().manual_seed(1 + rank)
@@ -74,6 +101,36 @@ def main() -> int:
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0
+
+
+def _param_sum(engine) -> float:
+    """Σ of every parameter in float64 (ZeRO-3's partitions gathered): equal before and after a step only if
+    the step changed nothing."""
+    import deepspeed
+
+    params = list(engine.ds.module.parameters())
+    with deepspeed.zero.GatheredParameters(params), torch.no_grad():
+        return float(sum(p.double().sum() for p in params))
+
+
+def _nonfinite_run(model, config, logger, poison, rank) -> dict:
+    """5 steps of 2 micro-batches; on rank 1 in step 3 the hook poisons every forward from the second on (the
+    second micro-batch, and the re-run of it that locates the module)."""
+    engine = snip_ds.initialize(model, config, tokens_per_step=2 * 2 * 16, logger=logger)
+    gen = torch.Generator().manual_seed(1 + rank)
+    rec = {"losses": [], "sums": [_param_sum(engine)], "steps": []}
+    for step in range(1, 6):
+        batches = []
+        for _ in range(2):
+            ids = torch.randint(0, 64, (2, 16), generator=gen)
+            batches.append({"input_ids": ids, "labels": ids})
+        poison.update(on=rank == 1 and step == 3, calls=0)
+        rec["losses"].append(engine.train_step(batches))
+        poison["on"] = False
+        rec["sums"].append(_param_sum(engine))
+        rec["steps"].append(engine.step)
+    rec["skipped"] = engine.skipped_steps
+    return rec
 
 
 if __name__ == "__main__":
