@@ -122,3 +122,35 @@ def test_disk_full_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint
     assert sorted(again) == [3, 4]
     for step in (3, 4):
         assert again[step] == reference["loss"][step], (step, again[step], reference["loss"][step])
+
+
+# ------------------------------------------------------------------------------- non-finite numbers
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_diverging_run_stops_at_the_first_nonfinite_step_and_saves_nothing_from_it(tmp_path):
+    """--learning_rate 1e30 makes a 2-rank ZeRO-3 run diverge after the warm-up's first step (at lr 0): the
+    first step whose loss or gradient is NaN/Inf stops both ranks with the same line (exit 1), before its
+    update; every earlier step's checkpoint is complete and none exists from that step on."""
+    import re
+
+    cfg = write_configs(tmp_path, stage=3, plan="fp8", max_steps=8, save_steps=1, eval_steps=8)
+    cmd = launch_cmd(["--deepspeed", str(cfg), "--learning_rate", "1e30"], num_ranks=2)
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    elapsed = time.monotonic() - start
+    assert_no_shm_left(cmd)
+    lines = _error_lines(proc.stderr)
+    print(f"diverging run: exit {proc.returncode} after {elapsed:.1f} s:", lines[:1])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-5000:]
+    assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]
+    match = re.match(r"error: non-finite (loss|gradient) .* at step (\d+), micro-batch 1 of 1 on rank [01]; ",
+                     lines[0])
+    assert match, lines[0]
+    bad = int(match.group(2))
+    assert 2 <= bad <= 8
+    assert f"the step's update was not applied and no checkpoint was saved after step {bad - 1}" in lines[0]
+    ckpts = tmp_path / "out" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == sorted(f"step_{s}" for s in range(1, bad))
+    assert (ckpts / "latest").read_text() == f"step_{bad - 1}"
+    assert all((ckpts / f"step_{s}" / "snip_meta.json").is_file() for s in range(1, bad))
