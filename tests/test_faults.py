@@ -154,3 +154,36 @@ def test_a_diverging_run_stops_at_the_first_nonfinite_step_and_saves_nothing_fro
     assert sorted(p.name for p in ckpts.glob("step_*")) == sorted(f"step_{s}" for s in range(1, bad))
     assert (ckpts / "latest").read_text() == f"step_{bad - 1}"
     assert all((ckpts / f"step_{s}" / "snip_meta.json").is_file() for s in range(1, bad))
+
+
+def test_a_layer_with_nonfinite_statistics_stays_fp8_with_a_warning_naming_it():
+    """Statistics collected from a real model, whose Adam second moment (the BWD preconditioner) of one layer
+    overflowed to Inf: that layer's record is flagged non-finite, and the plan keeps it at fp8 (the safer of
+    the planned precisions) while meeting the FP4 target with the others; the warning names the layer."""
+    import warnings
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from snip_ds.collect import collect_statistics
+    from snip_ds.planner import solve_baseline
+    from snip_ds.swap import snip_layers, swap_linears
+
+    layer = "model.layers.1.mlp.down_proj"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         use_cache=False))
+    swap_linears(model, "fp8", seed=3)
+    precond = {f: torch.ones(m.weight.shape) for f, m in snip_layers(model).items()}
+    precond[layer] = torch.full_like(precond[layer], float("inf"))
+    batch = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(1))
+    stats = collect_statistics(model, [batch], lr=1e-3, precond=precond, lam=2.0)
+    assert stats["layers"][layer]["nonfinite"] is True
+    assert not any(r["nonfinite"] for f, r in stats["layers"].items() if f != layer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (plan,) = solve_baseline("best", stats, 0.75)
+    assert plan.assignment[layer] == "fp8" and plan.fp4_share >= 0.75 - 1e-9  # FP64 share round-off
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any("non-finite statistics" in m and layer in m for m in messages), messages
