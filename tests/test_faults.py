@@ -187,3 +187,39 @@ def test_a_layer_with_nonfinite_statistics_stays_fp8_with_a_warning_naming_it():
     assert plan.assignment[layer] == "fp8" and plan.fp4_share >= 0.75 - 1e-9  # FP64 share round-off
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert any("non-finite statistics" in m and layer in m for m in messages), messages
+
+
+# ------------------------------------------------------------------------------ a re-plan that fails
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_replan_the_solver_cannot_solve_keeps_the_plan_in_force_on_every_rank(tmp_path):
+    """A 2-rank adaptive run is resumed with a config that pins every layer to fp8, so that rank 0's solver
+    (a real solve of the statistics collected at step 2) finds no plan meeting efficiency_saving 0.75: both
+    ranks keep the checkpoint's plan and train on to step 4; the failure and its reason are said and logged."""
+    cfg = write_configs(tmp_path, stage=3, plan="adaptive", max_steps=2, save_steps=2, eval_steps=2)
+    data = json.loads(cfg.read_text())
+    data["snip"].update(replan_every=2, additional_bf16_fwd_every_n_steps=0)
+    cfg.write_text(json.dumps(data))
+    _ok(launch(["--deepspeed", str(cfg)], num_ranks=2))
+    first = json.loads((tmp_path / "out" / "checkpoints" / "step_2" / "snip_meta.json").read_text())
+    assert first["plan"]["method"] == "best" and first["planner"]["planned_at"] == 0
+
+    linears = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+    data["snip"]["pinned"] = {f"model.layers.{i}.{m}": "fp8" for i in range(2) for m in linears}
+    pinned = tmp_path / "pinned.json"
+    pinned.write_text(json.dumps(data))
+    out = tmp_path / "resumed"
+    proc = _ok(launch(["--deepspeed", str(pinned), "--resume_from_checkpoint", str(tmp_path / "out"),
+                       "--max_steps", "4", "--output_dir", str(out)], num_ranks=2))
+    assert ("snip_ds: warning: re-plan at step 2 could not be solved (target FP4 share 0.7500 is unreachable"
+            in proc.stdout), proc.stdout[-3000:]
+    assert proc.stdout.count("could not be solved") == 1 and "keeping the plan in force" in proc.stdout
+
+    last = json.loads((out / "checkpoints" / "step_4" / "snip_meta.json").read_text())
+    assert last["plan"] == first["plan"]  # steps 3-4 trained on the plan solved at step 0
+    assert [(h["step"], h["status"]) for h in last["planner"]["history"]][-1] == (2, "failed")
+    assert json.loads((out / "plan.json").read_text())["assignment"] == first["plan"]["assignment"]
+    logged = scalars(out / "tensorboard")
+    assert logged["snip/replan_failed"] == {2: 1.0}
+    assert sorted(logged["train/loss"]) == [3, 4] and all(v == v for v in logged["train/loss"].values())
