@@ -5,14 +5,12 @@ plain process); the fault comes from an input a user can reach (a file-size limi
 docs/reliability.md lists what each run did.
 """
 import json
-import os
 import resource
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -40,6 +38,7 @@ def _error_lines(text: str) -> list:
 
 
 # ------------------------------------------------------------------------------------- a full disk (unit)
+@pytest.mark.slow
 def test_plan_and_stats_writes_fail_whole_under_a_file_size_limit(tmp_path):
     """plan.json / stats.json are written atomically: a write that fails part-way (EFBIG here, ENOSPC on a
     full disk) leaves the previous file as it was and no temporary behind, and the run's writer stops with
@@ -156,6 +155,7 @@ def test_a_diverging_run_stops_at_the_first_nonfinite_step_and_saves_nothing_fro
     assert all((ckpts / f"step_{s}" / "snip_meta.json").is_file() for s in range(1, bad))
 
 
+@pytest.mark.slow
 def test_a_layer_with_nonfinite_statistics_stays_fp8_with_a_warning_naming_it():
     """Statistics collected from a real model, whose Adam second moment (the BWD preconditioner) of one layer
     overflowed to Inf: that layer's record is flagged non-finite, and the plan keeps it at fp8 (the safer of

@@ -233,7 +233,7 @@ class SnipEngine:
         value = float(loss.detach().float().cpu())
         if not math.isfinite(value):
             return {"micro_batch": index, "what": f"loss ({value})"}
-        if flags and not bool(torch.stack([f.cpu() for _, f in flags]).all()):
+        if flags and not bool(torch.stack([f.to(flags[0][1].device) for _, f in flags]).all()):  # one sync
             name = min((n for n, f in flags if not bool(f)), key=lambda n: self._param_order.get(n, 0))
             return {"micro_batch": index, "what": f"gradient (of {name}, the first such parameter in model "
                                                   f"order; the loss was finite)"}
