@@ -223,3 +223,49 @@ def test_a_replan_the_solver_cannot_solve_keeps_the_plan_in_force_on_every_rank(
     logged = scalars(out / "tensorboard")
     assert logged["snip/replan_failed"] == {2: 1.0}
     assert sorted(logged["train/loss"]) == [3, 4] and all(v == v for v in logged["train/loss"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_save_failing_on_one_rank_stops_both_with_its_line(reference, tmp_path):
+    """Only rank 1's disk is full (the ranks started as separate processes, the file-size limit on rank 1's
+    alone, as on a node-local disk): rank 0 wrote all its files, yet learns of rank 1's failure before
+    marking the checkpoint complete, and both stop with rank 1's line instead of waiting on each other."""
+    from snip_ds.engine.checkpoint import META_FILE
+    from snip_ds.engine.core import _free_port
+
+    run = tmp_path / "run"
+    shutil.copytree(reference["out"] / "checkpoints" / "step_2", run / "checkpoints" / "step_2")
+    (run / "checkpoints" / "latest").write_text("step_2")
+    limit = max(p.stat().st_size for p in (run / "checkpoints" / "step_2").glob("*_optim_states.pt")) // 2
+    port, procs = str(_free_port()), []
+    for r in range(2):
+        e = env()
+        e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen(
+            [sys.executable, str(REPO / "launch" / "train.py"), "--deepspeed", str(reference["cfg"]),
+             "--resume_from_checkpoint", str(run), "--output_dir", str(run), "--no_progress"],
+            cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_file_size_limit(limit) if r == 1 else None))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert_no_shm_left(["--master_port", port])
+    lines = []
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 1, (rank, out[-2000:], err[-3000:])
+        assert "Traceback" not in out + err, (rank, err[-3000:])
+        assert len(_error_lines(err)) == 1, (rank, err[-3000:])
+        lines.append(_error_lines(err)[0])
+    assert lines[0] == lines[1]
+    step4 = run / "checkpoints" / "step_4"
+    assert f"{step4}/zero_pp_rank_1_mp_rank_00_optim_states.pt: cannot be written (File too large" in lines[0]
+    assert (step4 / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()  # rank 0's own writes succeeded
+    assert not (step4 / META_FILE).exists() and (run / "checkpoints" / "latest").read_text() == "step_2"
