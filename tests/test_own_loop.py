@@ -108,13 +108,15 @@ def test_a_nonfinite_output_on_one_rank_stops_every_rank_before_the_update(tmp_p
     assert ranks[0]["error"] == ranks[1]["error"]
 
 
-def test_a_nonfinite_step_is_skipped_on_every_rank_and_counted(tmp_path):
-    """snip.nonfinite "skip": step 3 changes no parameter on any rank (the float64 sum of every gathered
-    parameter is the same before and after it, while every other step changes it), the steps go on to 5 with
-    finite losses, and TensorBoard counts the skip at step 3."""
+@pytest.mark.parametrize("case", ["nonfinite_skip", "nonfinite_skip_bf16"])
+def test_a_nonfinite_step_is_skipped_on_every_rank_and_counted(tmp_path, case):
+    """snip.nonfinite "skip", in FP32 and with DeepSpeed's bf16 (FP32 master weights in ZeRO-3's optimizer):
+    step 3 changes no parameter on any rank (the float64 sum of every gathered parameter is the same before and
+    after it, while every other step changes it), the steps go on to 5 with finite losses, and TensorBoard
+    counts the skip at step 3."""
     from train_utils import scalars
 
-    ranks = _run("nonfinite_skip", tmp_path)
+    ranks = _run(case, tmp_path)
     for r in ranks:
         assert "error" not in r and r["steps"] == [1, 2, 3, 4, 5] and r["skipped"] == 1
         sums = r["sums"]  # before step 1, after steps 1..5
@@ -123,5 +125,5 @@ def test_a_nonfinite_step_is_skipped_on_every_rank_and_counted(tmp_path):
         losses = r["losses"]
         assert losses[2] != losses[2] and all(x == x for i, x in enumerate(losses) if i != 2)  # NaN only at 3
     assert ranks[0]["sums"] == ranks[1]["sums"] and ranks[0]["losses"][3:] == ranks[1]["losses"][3:]
-    logged = scalars(tmp_path / "nonfinite_skip.tb")
+    logged = scalars(tmp_path / f"{case}.tb")
     assert logged["train/skipped_steps"] == {3: 1.0}

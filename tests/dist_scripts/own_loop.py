@@ -8,7 +8,7 @@ Run by tests/test_own_loop.py under the deepspeed launcher (2 ranks, ZeRO-3). ``
   with the same ConfigError (none may hang in the broadcast).
 * ``replan_fails``: rank 0's solver raises at the second re-plan: every rank keeps the plan in force and
   trains on.
-* ``nonfinite_stop`` / ``nonfinite_skip``: the user's own forward hook on ``model.layers.1.mlp`` turns its
+* ``nonfinite_stop`` / ``nonfinite_skip`` (``_bf16``: with DeepSpeed's bf16): the user's own forward hook on ``model.layers.1.mlp`` turns its
   output to NaN on rank 1 in step 3 (a custom module that overflows); with ``snip.nonfinite`` "stop" every
   rank raises the same NonFiniteError, with "skip" step 3 leaves every parameter as it was and training goes
   on. Writes each rank's losses, parameter sums (float64, gathered) after every step, the error or the skip
@@ -33,7 +33,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=-1)
     p.add_argument("--case", required=True, choices=("replan", "first_unsolvable", "replan_fails", "nonfinite_stop",
-                                                     "nonfinite_skip"))
+                                                     "nonfinite_skip", "nonfinite_skip_bf16"))
     p.add_argument("--out", required=True)
     args = p.parse_args()
     init_distributed()
@@ -74,6 +74,8 @@ def main() -> int:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "steps_per_print": 10 ** 9, "snip": snip}
+    if args.case.endswith("_bf16"):
+        config["bf16"] = {"enabled": True}
     out = {"rank": rank}
     if args.case.startswith("nonfinite"):
         try:
