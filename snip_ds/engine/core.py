@@ -103,6 +103,8 @@ class SnipEngine:
         settings: the validated ``"snip"`` section.
         planner: the :class:`~snip_ds.engine.adaptive.AdaptivePlanner` of an adaptive run (None otherwise):
             :meth:`train_step` lets it collect, solve and switch before the steps it is due.
+        skipped_steps: steps skipped for a non-finite loss or gradient (``snip.nonfinite: "skip"``; saved in
+            checkpoints).
     """
 
     def __init__(self, ds_engine, infos: Mapping[str, LayerInfo], settings: SnipSettings,
@@ -179,6 +181,10 @@ class SnipEngine:
         then the plan) give the measured forward divergence (the KL divergence of their outputs, nats per
         token), logged after the step beside the predicted one, and the loss change the plan's quantization
         causes on that micro-batch (signed).
+
+        Every micro-batch's loss and every parameter's gradient is checked for NaN/Inf; the ranks agree before
+        the update (one flag all-reduced per step). A non-finite step raises :class:`NonFiniteError` before its
+        update, or with ``snip.nonfinite: "skip"`` is skipped (:attr:`skipped_steps`; its loss is returned).
         """
         ga = self.ds.gradient_accumulation_steps()
         if len(micro_batches) != ga:
