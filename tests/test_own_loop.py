@@ -108,9 +108,10 @@ def test_a_nonfinite_output_on_one_rank_stops_every_rank_before_the_update(tmp_p
     assert ranks[0]["error"] == ranks[1]["error"]
 
 
-@pytest.mark.parametrize("case", ["nonfinite_skip", "nonfinite_skip_bf16"])
+@pytest.mark.parametrize("case", ["nonfinite_skip", "nonfinite_skip_bf16", "nonfinite_skip_z0", "nonfinite_skip_z2"])
 def test_a_nonfinite_step_is_skipped_on_every_rank_and_counted(tmp_path, case):
-    """snip.nonfinite "skip", in FP32 and with DeepSpeed's bf16 (FP32 master weights in ZeRO-3's optimizer):
+    """snip.nonfinite "skip" under ZeRO-3 in FP32 and with DeepSpeed's bf16 (FP32 master weights in the optimizer),
+    and under ZeRO-0 and ZeRO-2 (each wraps the optimizer differently):
     step 3 changes no parameter on any rank (the float64 sum of every gathered parameter is the same before and
     after it, while every other step changes it), the steps go on to 5 with finite losses, and TensorBoard
     counts the skip at step 3."""

@@ -8,7 +8,8 @@ Run by tests/test_own_loop.py under the deepspeed launcher (2 ranks, ZeRO-3). ``
   with the same ConfigError (none may hang in the broadcast).
 * ``replan_fails``: rank 0's solver raises at the second re-plan: every rank keeps the plan in force and
   trains on.
-* ``nonfinite_stop`` / ``nonfinite_skip`` (``_bf16``: with DeepSpeed's bf16): the user's own forward hook on ``model.layers.1.mlp`` turns its
+* ``nonfinite_stop`` / ``nonfinite_skip`` (``_bf16``: with DeepSpeed's bf16; ``_z0``, ``_z2``: ZeRO
+  stage 0 or 2 instead of 3): the user's own forward hook on ``model.layers.1.mlp`` turns its
   output to NaN on rank 1 in step 3 (a custom module that overflows); with ``snip.nonfinite`` "stop" every
   rank raises the same NonFiniteError, with "skip" step 3 leaves every parameter as it was and training goes
   on. Writes each rank's losses, parameter sums (float64, gathered) after every step, the error or the skip
@@ -33,7 +34,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=-1)
     p.add_argument("--case", required=True, choices=("replan", "first_unsolvable", "replan_fails", "nonfinite_stop",
-                                                     "nonfinite_skip", "nonfinite_skip_bf16"))
+                                                     "nonfinite_skip", "nonfinite_skip_bf16", "nonfinite_skip_z0",
+                                                     "nonfinite_skip_z2"))
     p.add_argument("--out", required=True)
     args = p.parse_args()
     init_distributed()
@@ -76,6 +78,8 @@ def main() -> int:
               "steps_per_print": 10 ** 9, "snip": snip}
     if args.case.endswith("_bf16"):
         config["bf16"] = {"enabled": True}
+    if args.case.endswith(("_z0", "_z2")):
+        config["zero_optimization"] = {"stage": int(args.case[-1])}
     out = {"rank": rank}
     if args.case.startswith("nonfinite"):
         try:
