@@ -292,19 +292,25 @@ def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_stat
     return tag_dir
 
 
-def _previous_words(save_dir: Path) -> str:
-    try:
-        return f"'{LATEST_FILE}' still names {(save_dir / LATEST_FILE).read_text().strip()}"
-    except OSError:
-        return f"no complete checkpoint was saved before (no '{LATEST_FILE}' file)"
-
-
 def _raise_if_any(problem: str | None, tag_dir: Path, save_dir: Path) -> None:
-    """Collective: raises :class:`CheckpointSaveError` on every rank if any rank has a ``problem``."""
-    problem = sdist.first_error(problem)
-    if problem:
-        raise CheckpointSaveError(f"checkpoint {tag_dir} not saved: {problem}; {_previous_words(save_dir)} "
-                                  f"({tag_dir.name} has no {META_FILE} and is never resumed from)")
+    """Collective: raises :class:`CheckpointSaveError` on every rank, with the same message, if any rank has a
+    ``problem`` (the lowest such rank's; what ``latest`` names as rank 0 reads it)."""
+    rank0_latest = None
+    if sdist.rank() == 0:
+        try:
+            rank0_latest = (save_dir / LATEST_FILE).read_text().strip()
+        except OSError:
+            rank0_latest = ""
+    reports = sdist.all_gather_json({"problem": problem, "latest": rank0_latest})
+    problem = next((r["problem"] for r in reports if r["problem"]), None)
+    if problem is None:
+        return
+    latest = reports[0]["latest"]
+    complete = (f"{tag_dir.name} itself is complete" if problem.startswith(str(save_dir / LATEST_FILE)) else
+                f"{tag_dir.name} has no {META_FILE} and is never resumed from")
+    previous = (f"'{LATEST_FILE}' still names {latest}" if latest else
+                f"no earlier complete checkpoint (no '{LATEST_FILE}' file)")
+    raise CheckpointSaveError(f"checkpoint {tag_dir} not saved: {problem}; {previous} ({complete})")
 
 
 RUN_CHECKPOINTS = "checkpoints"  # a training run's save directory, inside its output directory
