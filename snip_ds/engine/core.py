@@ -296,9 +296,10 @@ class SnipEngine:
         return found[0] if found else None
 
     def _skip_update(self) -> None:
-        """The step's ``ds.step()`` with the wrapped optimizer's update suppressed (DeepSpeed's own overflow
-        skip, for any ZeRO stage and precision): DeepSpeed still finishes the step -- drops the accumulated
-        gradients, advances its step counter and the scheduler -- but no parameter or optimizer state changes.
+        """The step's ``ds.step()`` with the wrapped optimizer's update suppressed (what DeepSpeed's own overflow
+        skip does, for any ZeRO stage and precision): DeepSpeed still finishes the step -- drops the accumulated
+        gradients, advances its step counter -- but no parameter or optimizer state changes. (Its scheduler
+        advances unless DeepSpeed's own check saw the non-finite gradient norm too.)
         """
         base = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # ZeRO / bf16 wrappers hold it there
         own = vars(base).get("step")  # a scheduler may have wrapped step on the instance
