@@ -41,6 +41,8 @@ def test_an_unsolvable_first_plan_stops_every_rank_with_the_reason(tmp_path):
 
 
 def test_a_failed_replan_keeps_the_plan_in_force_on_every_rank(tmp_path):
+    """A real solve that fails: the re-plan at step 2 collects non-finite statistics (a NaN output on rank 1 in
+    the collection's forward), so every layer is pinned to fp8 and the 0.5 FP4 target is out of reach."""
     ranks = _run("replan_fails", tmp_path)
     for r in ranks:
         assert [(h["step"], h["status"] == "failed") for h in r["history"]] == [(0, False), (2, True), (4, False)]

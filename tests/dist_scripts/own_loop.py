@@ -6,8 +6,10 @@ Run by tests/test_own_loop.py under the deepspeed launcher (2 ranks, ZeRO-3). ``
 * ``replan``: adaptive SNIP every 2 steps for 5 steps; writes each rank's re-plan history and plan digests.
 * ``first_unsolvable``: every layer pinned to fp8, so no plan reaches the FP4 target: every rank must stop
   with the same ConfigError (none may hang in the broadcast).
-* ``replan_fails``: rank 0's solver raises at the second re-plan: every rank keeps the plan in force and
-  trains on.
+* ``replan_fails``: at the second re-plan (step 2) the user's forward hook on ``model.layers.1.mlp`` turns
+  its output to NaN on rank 1 in the statistics' forward only: the all-reduced statistics of every layer are
+  non-finite, every layer is pinned to fp8, and rank 0's real solve cannot reach efficiency_saving 0.5: every
+  rank keeps the plan in force and trains on (the training forward is clean).
 * ``nonfinite_stop`` / ``nonfinite_skip`` (``_bf16``: with DeepSpeed's bf16; ``_z0``, ``_z2``: ZeRO
   stage 0 or 2 instead of 3): the user's own forward hook on ``model.layers.1.mlp`` turns its
   output to NaN on rank 1 in step 3 (a custom module that overflows); with ``snip.nonfinite`` "stop" every
@@ -51,16 +53,14 @@ def main() -> int:
         snip["pinned"] = {f"model.layers.{i}.{m}": "fp8" for i in range(2)
                           for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    collect_poison = {"on": False}
     if args.case == "replan_fails":
-        import snip_ds.engine.adaptive as adaptive
-        real, calls = adaptive.solve_baseline, []
-
-        def flaky(*a, **k):
-            calls.append(1)
-            if len(calls) == 2:
-                raise ValueError("solver broke (injected by the test)")
-            return real(*a, **k)
-        adaptive.solve_baseline = flaky
+        def overflow_once(module, inputs, output):  # NaN out of the next forward only, when switched on
+            if collect_poison["on"]:
+                collect_poison["on"] = False
+                return output * float("nan")
+            return output
+        model.model.layers[1].mlp.register_forward_hook(overflow_once)
     poison = {"on": False}
     logger = None
     if args.case.startswith("nonfinite"):
@@ -97,6 +97,8 @@ def main() -> int:
         digests, shares = [], []
         for _ in range(5):
             ids = torch.randint(0, 64, (2, 16), generator=gen)
+            # replan_fails: the first forward of step 3 is the statistics collection of the re-plan at step 2
+            collect_poison["on"] = args.case == "replan_fails" and rank == 1 and engine.step == 2
             engine.train_step([{"input_ids": ids, "labels": ids}])
             digests.append(engine.plan.digest())
             shares.append(engine.plan_fp4_share())
