@@ -26,6 +26,7 @@ _EXPORTS = {
     "solve_plan": "snip_ds.planner",
     # training (imports DeepSpeed)
     "initialize": "snip_ds.engine",
+    "NonFiniteError": "snip_ds.engine",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,6 +16,10 @@ the tokenizer the run used (the byte-level default as an equivalent Hugging Face
 directory beside ``OUT_DIR`` and renamed at the end, so a failed export leaves nothing behind. The SNIP
 precision plan is not part of the model: the exported model runs in plain BF16/FP32, and the plan stays in
 the checkpoint's ``snip_meta.json``.
+
+Before any shard is read, the checkpoint is checked as a resume checks it: the files ``snip_meta.json``
+records exist with their sizes and sha256 (:func:`snip_ds.engine.checkpoint.verify_files`); a checkpoint
+written before checksums were recorded is exported with a warning that its files are not verified.
 """
 from __future__ import annotations
 
@@ -296,6 +300,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     # The recorded config must rebuild the trained model (parameter names and shapes, architecture fields),
     # and every rank's files must be there.
     ckpt.validate(tag_dir, ckpt.model_fingerprint(model), world_size, ckpt.model_architecture(model))
+    if "files" in meta:  # the sizes and sha256 a resume verifies, before any shard is read
+        ckpt.verify_files(tag_dir, meta["files"])
+    else:
+        warn(f"{meta_path} records no checksums (written by an older snip_ds): its files are not verified")
     weights = master_weights(tag_dir)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in weights.items()}

@@ -258,6 +258,9 @@ class SnipCallback(TrainerCallback):
                                "[SnipCallback()])); it must act before the Trainer builds the optimizer")
         settings, source = _settings_from(args, self._given)
         _check_against_trainer(args, source)
+        if settings.nonfinite != "stop":  # the Trainer takes its own optimizer steps: none can be skipped here
+            raise ConfigError(f"{source}: snip.nonfinite {settings.nonfinite!r} acts in launch/train.py and "
+                              f"snip_ds.initialize loops only; under the Hugging Face Trainer leave it unset")
         self.settings = with_overrides(settings, seed=args.seed)
         self.trainer = trainer
         model = model if model is not None else trainer.model

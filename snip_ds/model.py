@@ -195,14 +195,16 @@ def _config_from_dict(data: dict[str, Any], source: str) -> PretrainedConfig:
     if model_type is not None and model_type not in CONFIG_MAPPING:
         raise ValueError(f"{source}: unknown model_type {model_type!r}; expected a Llama-family causal LM "
                          "such as 'llama', 'mistral', 'qwen2'")
+    from huggingface_hub.errors import StrictDataclassError  # a field's value out of its range: no ValueError
+
     try:
         if model_type is None:
             return LlamaConfig(**data)
         return AutoConfig.for_model(model_type, **data)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, StrictDataclassError) as err:
         raise ValueError(
-            f"{source}: invalid config ({err}); expected LlamaConfig fields or a 'model_type' of a "
-            "Llama-family causal LM such as 'llama', 'mistral', 'qwen2'"
+            f"{source}: invalid config ({' '.join(str(err).split())}); expected LlamaConfig fields or a "
+            "'model_type' of a Llama-family causal LM such as 'llama', 'mistral', 'qwen2'"
         ) from None
 
 

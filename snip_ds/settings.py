@@ -30,6 +30,7 @@ from snip_ds.planner.costs import BWD_ESTIMATES, DGRAD_COSTS, METHODS
 from snip_ds.types import PRECISIONS
 
 PLAN_KINDS = PRECISIONS + ("adaptive",)
+NONFINITE_ACTIONS = ("stop", "skip")
 # Switches that exist to compare variants of the method in studies; the JSON holds them under "snip.research".
 RESEARCH_KEYS = ("estimator", "fld_form", "bwd_rounding", "bwd_estimate", "dgrad_cost", "dgrad_calibration",
                  "max_share")
@@ -128,6 +129,10 @@ class SnipSettings:
     """Upper bound on the linears' GEMM cost relative to all-BF16 (fp8 costs 1/2, fp4 1/4 of bf16); None: none."""
     max_share: Optional[float] = None
     """Upper bound on the FP4 share (so that every method lands on the same share); None: none."""
+    nonfinite: str = "stop"
+    """What a NaN or Inf loss or gradient does: ``stop`` the run before the step's update (one line naming the
+    step, the micro-batch and the first module whose output went non-finite), or ``skip`` the step (no
+    optimizer update, gradients dropped, counted as ``train/skipped_steps`` in TensorBoard)."""
     train: TrainSettings = field(default_factory=TrainSettings)
 
     def __post_init__(self) -> None:
@@ -135,6 +140,7 @@ class SnipSettings:
             raise ConfigError(f"snip.plan: {self.plan!r} is neither one of {', '.join(PLAN_KINDS)} "
                               f"nor a path to a plan .json file")
         _check_choice("snip.method", self.method, METHODS)
+        _check_choice("snip.nonfinite", self.nonfinite, NONFINITE_ACTIONS)
         _check_choice("snip.research.estimator", self.estimator, ESTIMATORS)
         _check_choice("snip.research.fld_form", self.fld_form, FLD_FORMS)
         _check_choice("snip.research.bwd_rounding", self.bwd_rounding, BWD_ROUNDINGS)

@@ -30,9 +30,21 @@ class UserError(Exception):
     """A mistake in the user's input; reported as one line, no traceback (by rank 0, or with ``all_ranks``,
     for an error the ranks agreed on, by every rank)."""
 
+    code = 2
+
     def __init__(self, message: str, all_ranks: bool = False) -> None:
         super().__init__(message)
         self.all_ranks = all_ranks
+
+
+class RunFault(UserError):
+    """A fault during training (a checkpoint that cannot be written, a non-finite loss or gradient): the same
+    one line on every rank (``all_ranks``), exit code 1."""
+
+    code = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, all_ranks=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,12 +176,26 @@ class _StopFlag:
 
 
 def _write_artifacts(out_dir: Path, plan, stats: Optional[Dict[str, Any]]) -> None:
-    """``plan.json`` and (adaptive, once collected) ``stats.json`` under ``out_dir``, each atomically."""
-    from snip_ds.artifacts import write_plan, write_stats
+    """Collective: rank 0 writes ``plan.json`` and (adaptive, once collected) ``stats.json`` under ``out_dir``,
+    each atomically (a failed write leaves the previous file whole); a failure stops every rank with
+    :class:`RunFault` naming the file and the cause."""
+    from snip_ds import distributed as sdist
+    from snip_ds.artifacts import PLAN_FILE, STATS_FILE, write_plan, write_stats
 
-    if stats is not None:
-        write_stats(out_dir, stats)
-    write_plan(out_dir, plan)
+    problem = None
+    if sdist.rank() == 0:
+        name = STATS_FILE
+        try:
+            if stats is not None:
+                write_stats(out_dir, stats)
+            name = PLAN_FILE
+            write_plan(out_dir, plan)
+        except OSError as err:
+            problem = (f"{out_dir / name}: cannot be written ({err.strerror or err} [errno {err.errno}]); "
+                       f"the previous {name}, if any, is left whole")
+    problem = sdist.first_error(problem)
+    if problem:
+        raise RunFault(problem)
 
 
 def _schedule_words(scheduler: Optional[Dict[str, Any]]) -> str:
@@ -251,9 +277,10 @@ def train(args: argparse.Namespace) -> int:
 
     from snip_ds import distributed as sdist
     from snip_ds.data import DataStream, load_dataset_blocks
-    from snip_ds.engine import CheckpointError, init_distributed, initialize  # imports DeepSpeed
+    from snip_ds.engine import CheckpointError, NonFiniteError, init_distributed, initialize  # imports DeepSpeed
     from snip_ds.engine.core import initial_plan
     from snip_ds.engine import checkpoint as ckpt
+    from snip_ds.engine.checkpoint import CheckpointSaveError
     from snip_ds.model import build_model
     from snip_ds.swap import find_decoder_linears
 
@@ -373,7 +400,7 @@ def train(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"snip_ds: resumed from {args.resume_from_checkpoint} at step {engine.step}", flush=True)
             print(schedule_line, flush=True)
-    if rank == 0 and (planner is None or planner.planned_at is not None):  # not adaptive's placeholder plan
+    if planner is None or planner.planned_at is not None:  # not adaptive's placeholder plan
         _write_artifacts(out_dir, engine.plan, planner.last_stats if planner else None)
 
     stop = _StopFlag()
@@ -388,7 +415,10 @@ def train(args: argparse.Namespace) -> int:
     def save() -> None:
         extra = {"data": stream.state_dict(), "planner": planner.state_dict() if planner else None,
                  "lr_schedule": ds_cfg.get("scheduler"), "tokenizer": tokenizer}
-        path = engine.save_checkpoint(ckpt_dir, extra)
+        try:
+            path = engine.save_checkpoint(ckpt_dir, extra)
+        except CheckpointSaveError as err:
+            raise RunFault(str(err)) from None
         if rank == 0:
             console.say(f"snip_ds: checkpoint saved to {path}")
 
@@ -397,12 +427,14 @@ def train(args: argparse.Namespace) -> int:
         micro_batches = [stream.next_batch() for _ in range(ga)]
         history = len(planner.history) if planner is not None else 0
         start = time.perf_counter()
-        last_loss = engine.train_step(micro_batches)  # re-plans first when due (adaptive)
+        try:
+            last_loss = engine.train_step(micro_batches)  # re-plans first when due (adaptive)
+        except NonFiniteError as err:  # snip.nonfinite "stop": before the step's update, nothing saved
+            raise RunFault(str(err)) from None
         elapsed = time.perf_counter() - start
         if planner is not None and len(planner.history) > history:  # step time without the re-plan
             elapsed -= planner.history[-1]["collect_s"] + planner.history[-1]["solve_s"]
-            if rank == 0:
-                _write_artifacts(out_dir, engine.plan, planner.last_stats)
+            _write_artifacts(out_dir, engine.plan, planner.last_stats)
         step = engine.step
         if step % t.logging_steps == 0:
             logger.scalars({"train/loss": last_loss, "train/lr": engine.lr(), "perf/step_time_s": elapsed,
@@ -453,7 +485,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if sdist.rank() == 0 or getattr(err, "all_ranks", False):
             sys.stderr.write(f"error: {err}\n")  # one write: ranks sharing a terminal do not interleave
             sys.stderr.flush()
-        code = 2
+        code = err.code if isinstance(err, UserError) else 2
     except Exception as err:
         if not _lost_peer(err):
             raise

@@ -261,11 +261,31 @@ def test_damaged_shards_are_refused_with_one_line_and_nothing_written(zero3_run,
     line = _error_line(capsys)
     assert str(tag) in line and "optim_states" in line
 
-    tag = broken("truncated")
+    tag = broken("truncated")  # the sizes snip_meta.json records are checked before any shard is read
     shard = sorted(tag.glob("*_optim_states.pt"))[1]
     shard.write_bytes(shard.read_bytes()[:5000])
     assert main(["export", str(tag), str(out)]) == 2
     line = _error_line(capsys)
+    assert f"{shard}: 5000 bytes, but snip_meta.json records" in line and "the file is truncated" in line
+
+    tag = broken("bit_flipped")  # the size kept, the content changed: the sha256 differs
+    shard = sorted(tag.glob("*_model_states.pt"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert main(["export", str(tag), str(out)]) == 2
+    assert f"{shard}: sha256 differs from the one snip_meta.json records" in _error_line(capsys)
+
+    tag = broken("truncated_unrecorded")  # a checkpoint without checksums: the loader names the file
+    meta = json.loads((tag / "snip_meta.json").read_text())
+    del meta["files"]
+    (tag / "snip_meta.json").write_text(json.dumps(meta))
+    shard = sorted(tag.glob("*_optim_states.pt"))[1]
+    shard.write_bytes(shard.read_bytes()[:5000])
+    assert main(["export", str(tag), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "records no checksums" in err and "its files are not verified" in err
+    line = [ln for ln in err.splitlines() if ln.startswith("snip-ds: error: ")][0]
     assert f"{shard}: cannot be read" in line and "weights_only=True" in line
 
     tag = broken("no_rank_file")  # the checkpoint's own completeness check
@@ -295,10 +315,15 @@ class _Payload:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_pickle_payload_in_a_shard_is_refused(zero3_run, tmp_path, capsys):
+    from snip_ds.engine.checkpoint import file_digest
+
     tag = tmp_path / "evil" / "step_6"
     shutil.copytree(zero3_run / "checkpoints" / "step_6", tag)
     shard = sorted(tag.glob("*_optim_states.pt"))[0]
     torch.save({"optimizer_state_dict": {"payload": _Payload(tmp_path / "pwned")}}, shard)
+    meta = json.loads((tag / "snip_meta.json").read_text())  # the metadata edited to match: only the
+    meta["files"][shard.name] = file_digest(shard)  # weights_only loading stands between it and the payload
+    (tag / "snip_meta.json").write_text(json.dumps(meta))
     probe = tmp_path / "probe.pt"  # the same payload does run under a plain unpickling load
     torch.save(_Payload(tmp_path / "ran"), probe)
     torch.load(probe, weights_only=False)

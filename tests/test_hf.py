@@ -176,6 +176,15 @@ def test_unknown_key_in_settings_argument(tmp_path):
         _trainer(tmp_path, callback=SnipCallback(settings={"plan": "adaptive", "quant": {"fp5": 1}}))
 
 
+def test_nonfinite_skip_is_refused_under_the_trainer(tmp_path):
+    from snip_ds.hf import SnipCallback
+    from snip_ds.settings import ConfigError
+
+    with pytest.raises(ConfigError, match=r"snip.nonfinite 'skip' acts in launch/train.py and snip_ds.initialize "
+                                          r"loops only"):
+        _trainer(tmp_path, callback=SnipCallback(settings={"plan": "fp8", "nonfinite": "skip"}))
+
+
 def test_gradient_accumulation_disagrees(tmp_path):
     from snip_ds.settings import ConfigError
 

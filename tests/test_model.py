@@ -115,6 +115,9 @@ def test_config_and_path_errors(tmp_path):
         build_model(model_config=arr)
     with pytest.raises(ValueError, match="unknown model_type 'no-such-model'; expected a Llama-family"):
         build_model(model_config={"model_type": "no-such-model"})
+    with pytest.raises(ValueError, match=r"invalid config \(Validation error for field 'initializer_range': "
+                                         r"ValueError: Value must be greater or equal to 0\.0"):
+        build_model(model_config={**TINY, "initializer_range": 1e12})  # one line, not the library's traceback
     with pytest.raises(ValueError, match="model_type 'vit' has no causal-LM class"):
         build_model(model_config={"model_type": "vit", "hidden_size": 32, "num_hidden_layers": 1})
     with pytest.raises(FileNotFoundError, match="nope.json"):

@@ -41,6 +41,8 @@ def test_an_unsolvable_first_plan_stops_every_rank_with_the_reason(tmp_path):
 
 
 def test_a_failed_replan_keeps_the_plan_in_force_on_every_rank(tmp_path):
+    """A real solve that fails: the re-plan at step 2 collects non-finite statistics (a NaN output on rank 1 in
+    the collection's forward), so every layer is pinned to fp8 and the 0.5 FP4 target is out of reach."""
     ranks = _run("replan_fails", tmp_path)
     for r in ranks:
         assert [(h["step"], h["status"] == "failed") for h in r["history"]] == [(0, False), (2, True), (4, False)]
@@ -94,3 +96,37 @@ print(json.dumps({"meta": dict(engine.plan.meta), "per_gemm": engine.plan.per_ge
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["per_gemm"] and out["share"] >= cfg["snip"]["efficiency_saving"] - 1e-9  # FP64 share round-off
     assert out["meta"]["dgrad"] == "upstream" and out["meta"]["dgrad_calibration"] == 30.0
+
+
+def test_a_nonfinite_output_on_one_rank_stops_every_rank_before_the_update(tmp_path):
+    """snip.nonfinite "stop" (the default): rank 1's model.layers.1.mlp returns NaN in the second micro-batch of
+    step 3; both ranks raise NonFiniteError with the same message naming the step, the micro-batch, the rank and
+    the module, after steps 1-2 and before step 3's update."""
+    ranks = _run("nonfinite_stop", tmp_path)
+    for r in ranks:
+        assert r["error"].startswith("non-finite loss (nan) at step 3, micro-batch 2 of 2 on rank 1; first module "
+                                     "with a non-finite output: model.layers.1.mlp (LlamaMLP); the step's update "
+                                     "was not applied"), r["error"]
+    assert ranks[0]["error"] == ranks[1]["error"]
+
+
+@pytest.mark.parametrize("case", ["nonfinite_skip", "nonfinite_skip_bf16", "nonfinite_skip_z0", "nonfinite_skip_z2"])
+def test_a_nonfinite_step_is_skipped_on_every_rank_and_counted(tmp_path, case):
+    """snip.nonfinite "skip" under ZeRO-3 in FP32 and with DeepSpeed's bf16 (FP32 master weights in the optimizer),
+    and under ZeRO-0 and ZeRO-2 (each wraps the optimizer differently):
+    step 3 changes no parameter on any rank (the float64 sum of every gathered parameter is the same before and
+    after it, while every other step changes it), the steps go on to 5 with finite losses, and TensorBoard
+    counts the skip at step 3."""
+    from train_utils import scalars
+
+    ranks = _run(case, tmp_path)
+    for r in ranks:
+        assert "error" not in r and r["steps"] == [1, 2, 3, 4, 5] and r["skipped"] == 1
+        sums = r["sums"]  # before step 1, after steps 1..5
+        assert sums[3] == sums[2]  # step 3: exactly no update
+        assert all(sums[i + 1] != sums[i] for i in (0, 1, 3, 4))
+        losses = r["losses"]
+        assert losses[2] != losses[2] and all(x == x for i, x in enumerate(losses) if i != 2)  # NaN only at 3
+    assert ranks[0]["sums"] == ranks[1]["sums"] and ranks[0]["losses"][3:] == ranks[1]["losses"][3:]
+    logged = scalars(tmp_path / f"{case}.tb")
+    assert logged["train/skipped_steps"] == {3: 1.0}

@@ -5,6 +5,6 @@
 the current precision plan, switches it at optimizer-step boundaries and saves it with checkpoints.
 """
 from snip_ds.engine.checkpoint import CheckpointError
-from snip_ds.engine.core import SnipEngine, init_distributed, initialize
+from snip_ds.engine.core import NonFiniteError, SnipEngine, init_distributed, initialize
 
-__all__ = ["SnipEngine", "initialize", "init_distributed", "CheckpointError"]
+__all__ = ["SnipEngine", "initialize", "init_distributed", "CheckpointError", "NonFiniteError"]

@@ -14,6 +14,7 @@ beside the predicted one.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -46,6 +47,7 @@ class AdaptivePlanner:
         self.last_stats: Optional[Dict[str, Any]] = None
         self.history: List[Dict[str, Any]] = []
         self.planned_at: Optional[int] = None  # step of the last re-plan (so a resumed run does not repeat it)
+        self.last_error = ""  # why rank 0 could not solve the last failed re-plan
 
     # ------------------------------------------------------------------ schedule
     def due(self, step: int) -> bool:
@@ -89,8 +91,12 @@ class AdaptivePlanner:
         s = self.settings
         payload = None
         if sdist.rank() == 0:
+            caught: list = []
             try:
-                with preserve_torch_threads():  # CBC would leave torch single-threaded
+                # The solver's warnings (layers whose statistics are not finite, pinned to fp8) are said at every
+                # re-plan, not once per process as Python's warnings would be.
+                with preserve_torch_threads(), warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
                     cost = CostSettings(lam=s.bwd_lambda, per_gemm=s.per_gemm, dgrad=s.dgrad_cost,
                                         dgrad_calibration=s.dgrad_calibration, bwd_key=BWD_ESTIMATES[s.bwd_estimate])
                     solver = SolverSettings(allowed=s.allowed, pinned=dict(s.pinned) or None,
@@ -101,11 +107,15 @@ class AdaptivePlanner:
                 payload = {"plan": plan.to_dict()}
             except (ValueError, RuntimeError) as err:  # no plan reaches the target: tell every rank
                 payload = {"error": str(err)}
+            for w in caught:
+                say(f"snip_ds: warning: plan at step {self.engine.step}: {w.message}")
+                self.engine.logger.text("plan/warnings", f"step {self.engine.step}: {w.message}", self.engine.step)
         payload = sdist.broadcast_json(payload)
         if "error" in payload:
             if self.planned_at is None:
                 raise ConfigError(f"snip: the first adaptive plan cannot be solved at step {self.engine.step}: "
                                   f"{payload['error']}")
+            self.last_error = payload["error"]
             return None
         return Plan.from_dict(payload["plan"], source="broadcast plan")
 
@@ -128,10 +138,11 @@ class AdaptivePlanner:
                                  "fp4_share": eng.plan_fp4_share(), "changed": 0, "status": "failed",
                                  "precond": stats["precond_source"]})
             eng.logger.scalars({"snip/replan_failed": 1.0}, eng.step)
-            eng.logger.text("plan/changes", f"step {eng.step}: re-plan failed on rank 0; the plan in force "
-                            "stays", eng.step)
+            eng.logger.text("plan/changes", f"step {eng.step}: re-plan failed on rank 0 ({self.last_error}); "
+                            "the plan in force stays", eng.step)
             if sdist.rank() == 0:
-                say(f"snip_ds: warning: re-plan at step {eng.step} could not be solved; keeping the plan in force")
+                say(f"snip_ds: warning: re-plan at step {eng.step} could not be solved ({self.last_error}); keeping "
+                    f"the plan in force")
             return None
         previous = eng.plan
         changed = 0 if previous is None else sum(previous.assignment.get(f) != p for f, p in plan.assignment.items())

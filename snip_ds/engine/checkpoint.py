@@ -24,7 +24,7 @@ from typing import Any, Dict, Mapping
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save as save_bytes
 
 from snip_ds import distributed as sdist
 from snip_ds import faults
@@ -40,6 +40,27 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be resumed from; the message names the file."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a file-size limit, a read-only directory); the same
+    message on every rank, naming the file and the cause. ``latest`` still names the previous complete
+    checkpoint."""
+
+
+def _write_error(path: str | os.PathLike, err: BaseException) -> str:
+    """``"<path>: cannot be written (<cause>)"``, the cause taken from the first OSError in ``err``'s chain
+    (torch's zip writer wraps the OSError of a failed write in a RuntimeError that does not name it)."""
+    seen, e = set(), err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            cause = f"{e.strerror or e} [errno {e.errno}]" if e.errno else str(e)
+            break
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    else:
+        cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return f"{path}: cannot be written ({cause})"
+
+
 def _safe_globals() -> list:
     """Classes DeepSpeed pickles into its checkpoints that ``weights_only`` loading must accept."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
@@ -52,7 +73,31 @@ def _safe_globals() -> list:
 
 
 class SafeTorchCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True`` (no arbitrary unpickling)."""
+    """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True`` (no arbitrary unpickling).
+
+    Saving records the first failed write in :attr:`failure` instead of raising: DeepSpeed's
+    ``save_checkpoint`` runs collectives after its writes (ZeRO-3's parameter all-gather, a barrier), so a
+    rank that raised there would leave the others waiting. :func:`save` lets DeepSpeed finish, then the ranks
+    agree on the first failure. Once a write failed, later writes of the same save are skipped.
+    """
+
+    failure: str | None = None
+
+    def save(self, state_dict, path: str):
+        if self.failure is not None:
+            return
+        try:
+            with open(path, "wb") as f:  # a Python file: the OSError of a failed write stays in the chain
+                torch.save(state_dict, f, _use_new_zipfile_serialization=self.zipfile_serialization)
+        except Exception as err:  # noqa: BLE001 -- recorded and reported by every rank after the save
+            self.failure = _write_error(path, err)
+
+    def makedirs(self, path, exist_ok=False):
+        try:
+            os.makedirs(path, exist_ok=exist_ok)
+        except OSError as err:
+            if self.failure is None:
+                self.failure = _write_error(path, err)
 
     def load(self, path: str, map_location=None):
         with torch.serialization.safe_globals(_safe_globals()):
@@ -70,6 +115,16 @@ def install_safe_loader(ds_engine) -> None:
         opt = getattr(ds_engine, "optimizer", None)
         if opt is not None and hasattr(opt, "checkpoint_engine"):
             opt.checkpoint_engine = ds_engine.checkpoint_engine
+        copy_scripts = ds_engine._copy_recovery_script  # rank 0 copies zero_to_fp32.py into each checkpoint
+        engine = ds_engine.checkpoint_engine
+
+        def guarded_copy(save_path):  # its failure is recorded like a failed shard write (see save)
+            if engine.failure is None:
+                try:
+                    copy_scripts(save_path)
+                except OSError as err:
+                    engine.failure = _write_error(err.filename or save_path, err)
+        ds_engine._copy_recovery_script = guarded_copy
 
 
 # Hugging Face config fields that change a Llama-family model's arithmetic. Parameter names and shapes (the
@@ -189,29 +244,75 @@ def _barrier() -> None:
 
 def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_state: Mapping[str, Any],
          fingerprint: str, world_size: int, architecture: Mapping[str, Any] | None = None) -> Path:
-    """Writes one complete checkpoint; returns its directory. ``latest`` is updated last."""
+    """Writes one complete checkpoint; returns its directory. ``latest`` is updated last.
+
+    Raises:
+        CheckpointSaveError: on every rank, with the same message, when any rank failed to write a file
+            (DeepSpeed's shards, its per-rank file, the metadata or ``latest``): the directory is left without
+            ``snip_meta.json`` (never resumed from) and ``latest`` names the previous complete checkpoint.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
     tag_dir = save_dir / tag
+    problem = None
     if rank == 0 and (tag_dir / META_FILE).exists():  # re-saving a tag: un-mark it first
         (tag_dir / META_FILE).unlink()
     _barrier()
+    engine = ds_engine.checkpoint_engine
+    if isinstance(engine, SafeTorchCheckpointEngine):
+        engine.failure = None
     ds_engine.save_checkpoint(str(save_dir), tag=tag, save_latest=False)
     faults.pause_point("save", int(meta.get("step", -1)), rank)  # a test's fault injection; else a no-op
-    tensors = {"torch_rng": rank_state["torch_rng"].clone()}
-    for fqn, state in rank_state["generators"].items():
-        tensors[f"generator/{fqn}"] = state.clone()
-    tmp = _rank_file(tag_dir, rank).with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, _rank_file(tag_dir, rank))
-    _barrier()
-    files = record_files(tag_dir)  # collective; every rank's files are complete after the barrier
+    if isinstance(engine, SafeTorchCheckpointEngine):
+        problem = engine.failure
+    if problem is None:
+        tensors = {"torch_rng": rank_state["torch_rng"].clone()}
+        for fqn, state in rank_state["generators"].items():
+            tensors[f"generator/{fqn}"] = state.clone()
+        tmp = _rank_file(tag_dir, rank).with_suffix(".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(save_bytes(tensors))
+            os.replace(tmp, _rank_file(tag_dir, rank))
+        except OSError as err:
+            problem = _write_error(tmp, err)
+            tmp.unlink(missing_ok=True)
+    _raise_if_any(problem, tag_dir, save_dir)  # collective: every rank's files are complete after it
+    files = record_files(tag_dir)
     if rank == 0:
         full = {"format": FORMAT, "tag": tag, "world_size": world_size, "model_fingerprint": fingerprint,
                 "model_architecture": dict(architecture or {}), **meta, "files": files}
-        atomic_write_text(tag_dir / META_FILE, json.dumps(full, indent=2, sort_keys=True))
-        atomic_write_text(save_dir / LATEST_FILE, tag)
-    _barrier()
+        try:
+            atomic_write_text(tag_dir / META_FILE, json.dumps(full, indent=2, sort_keys=True))
+        except OSError as err:
+            problem = _write_error(tag_dir / META_FILE, err)
+        if problem is None:
+            try:
+                atomic_write_text(save_dir / LATEST_FILE, tag)
+            except OSError as err:
+                problem = _write_error(save_dir / LATEST_FILE, err)
+    _raise_if_any(problem, tag_dir, save_dir)
     return tag_dir
+
+
+def _raise_if_any(problem: str | None, tag_dir: Path, save_dir: Path) -> None:
+    """Collective: raises :class:`CheckpointSaveError` on every rank, with the same message, if any rank has a
+    ``problem`` (the lowest such rank's; what ``latest`` names as rank 0 reads it)."""
+    rank0_latest = None
+    if sdist.rank() == 0:
+        try:
+            rank0_latest = (save_dir / LATEST_FILE).read_text().strip()
+        except OSError:
+            rank0_latest = ""
+    reports = sdist.all_gather_json({"problem": problem, "latest": rank0_latest})
+    problem = next((r["problem"] for r in reports if r["problem"]), None)
+    if problem is None:
+        return
+    latest = reports[0]["latest"]
+    complete = (f"{tag_dir.name} itself is complete" if problem.startswith(str(save_dir / LATEST_FILE)) else
+                f"{tag_dir.name} has no {META_FILE} and is never resumed from")
+    previous = (f"'{LATEST_FILE}' still names {latest}" if latest else
+                f"no earlier complete checkpoint (no '{LATEST_FILE}' file)")
+    raise CheckpointSaveError(f"checkpoint {tag_dir} not saved: {problem}; {previous} ({complete})")
 
 
 RUN_CHECKPOINTS = "checkpoints"  # a training run's save directory, inside its output directory

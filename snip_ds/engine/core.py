@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import socket
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import deepspeed
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from snip_ds import distributed as sdist
 from snip_ds import faults
 from snip_ds.backend import check_backend
+from snip_ds.console import say
 from snip_ds.deepspeed_config import resolve_ds_config
 from snip_ds.engine import checkpoint as ckpt
 from snip_ds.tensorboard import NullLogger, precision_map_image
@@ -23,6 +25,23 @@ from snip_ds.plan import Plan, fp4_share
 from snip_ds.settings import SnipSettings, parse_snip_section
 from snip_ds.swap import LayerInfo, snip_layers, swap_linears
 from snip_ds.types import block_index
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or Inf loss or gradient stopped training (``snip.nonfinite: "stop"``), before the step's update.
+    The message, the same on every rank, names the step, the micro-batch, the rank and the first module whose
+    forward output went non-finite."""
+
+
+def _floating_tensors(out) -> list:
+    """The floating-point tensors of a module's output (a tensor, a tuple/list, or a dict / ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _floating_tensors(o)]
+    if isinstance(out, Mapping):
+        return [t for o in out.values() for t in _floating_tensors(o)]
+    return []
 
 
 def _free_port() -> int:
@@ -103,6 +122,8 @@ class SnipEngine:
         settings: the validated ``"snip"`` section.
         planner: the :class:`~snip_ds.engine.adaptive.AdaptivePlanner` of an adaptive run (None otherwise):
             :meth:`train_step` lets it collect, solve and switch before the steps it is due.
+        skipped_steps: steps skipped for a non-finite loss or gradient (``snip.nonfinite: "skip"``; saved in
+            checkpoints).
     """
 
     def __init__(self, ds_engine, infos: Mapping[str, LayerInfo], settings: SnipSettings,
@@ -117,6 +138,15 @@ class SnipEngine:
         self.plan: Optional[Plan] = None
         self.planner = None
         self.last_first_loss = float("nan")  # global mean loss of the last step's first micro-batch
+        self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient (snip.nonfinite "skip")
+        # Every trainable parameter's gradient is checked for NaN/Inf as it is computed, during train_step's
+        # backward passes only (not the statistics' own backward).
+        self._grad_flags: Optional[list] = None
+        self._param_order: Dict[str, int] = {}
+        for i, (name, p) in enumerate(ds_engine.module.named_parameters()):
+            if p.requires_grad:
+                self._param_order[name] = i
+                p.register_hook(self._grad_hook(name))
 
     # ------------------------------------------------------------------ plan
     @property
@@ -170,6 +200,10 @@ class SnipEngine:
         then the plan) give the measured forward divergence (the KL divergence of their outputs, nats per
         token), logged after the step beside the predicted one, and the loss change the plan's quantization
         causes on that micro-batch (signed).
+
+        Every micro-batch's loss and every parameter's gradient is checked for NaN/Inf; the ranks agree before
+        the update (one flag all-reduced per step). A non-finite step raises :class:`NonFiniteError` before its
+        update, or with ``snip.nonfinite: "skip"`` is skipped (:attr:`skipped_steps`; its loss is returned).
         """
         ga = self.ds.gradient_accumulation_steps()
         if len(micro_batches) != ga:
@@ -183,12 +217,25 @@ class SnipEngine:
             if planner.measure_due(self.step):
                 measured = planner.measure_forward(micro_batches[0])  # (unquantized loss, KL)
         losses = []
-        for batch in micro_batches:
+        bad = None  # this rank's first non-finite micro-batch: {"micro_batch": i, "what": ...}
+        for i, batch in enumerate(micro_batches):
             loss = self._forward_loss(batch)
-            self.ds.backward(loss)
+            self._grad_flags = []
+            try:
+                self.ds.backward(loss)
+            finally:
+                flags, self._grad_flags = self._grad_flags, None
             if not losses:
                 faults.pause_point("step", self.step, sdist.rank())  # a test's fault injection; else a no-op
-            self.ds.step()
+            if bad is None:
+                bad = self._nonfinite(i, loss, flags)
+            # Before the update (the last micro-batch's ds.step()), the ranks agree whether any saw a non-finite
+            # loss or gradient: one all-reduce of one flag per optimizer step.
+            if i == ga - 1 and sdist.dist_max_flag(bad is not None):
+                self._on_nonfinite(bad, micro_batches)  # raises NonFiniteError unless snip.nonfinite is "skip"
+                self._skip_update()
+            else:
+                self.ds.step()
             losses.append(loss.detach().double().cpu())
         local = torch.stack(losses)
         # One collective for both: the step's mean loss and the first micro-batch's (for the measured FLD).
@@ -198,6 +245,93 @@ class SnipEngine:
             self.logger.scalars({"snip/measured_fld": measured[1], "snip/predicted_fld": planner.predicted_fld(),
                                  "snip/measured_loss_change": self.last_first_loss - measured[0]}, self.step)
         return float(mean_first[0])
+
+    # ------------------------------------------------------------------ non-finite numbers
+    def _grad_hook(self, name: str):
+        def hook(grad: torch.Tensor):
+            if self._grad_flags is not None:
+                self._grad_flags.append((name, torch.isfinite(grad).all()))
+            return None
+        return hook
+
+    def _nonfinite(self, index: int, loss: torch.Tensor, flags: Sequence) -> Optional[Dict[str, Any]]:
+        """What went non-finite in micro-batch ``index`` on this rank (its loss, or the gradient of the first
+        parameter in model order whose gradient did), or None."""
+        value = float(loss.detach().float().cpu())
+        if not math.isfinite(value):
+            return {"micro_batch": index, "what": f"loss ({value})"}
+        if flags and not bool(torch.stack([f.to(flags[0][1].device) for _, f in flags]).all()):  # one sync
+            name = min((n for n, f in flags if not bool(f)), key=lambda n: self._param_order.get(n, 0))
+            return {"micro_batch": index, "what": f"gradient (of {name}, the first such parameter in model "
+                                                  f"order; the loss was finite)"}
+        return None
+
+    def _on_nonfinite(self, bad: Optional[Dict[str, Any]], micro_batches) -> None:
+        """Collective: the same report on every rank; raises :class:`NonFiniteError` (``stop``) or logs the skip.
+
+        Every rank re-runs the forward of the first bad micro-batch's index (its own micro-batch there; under
+        ZeRO-3 the forward is collective) with forward hooks, to find the first module whose output is
+        non-finite. Only on failure, so it costs nothing otherwise.
+        """
+        reports = sdist.all_gather_json(bad)
+        rank = min(r for r, rep in enumerate(reports) if rep)
+        rep = reports[rank]
+        located = sdist.all_gather_json(self._first_nonfinite_module(micro_batches[rep["micro_batch"]]))[rank]
+        ga = len(micro_batches)
+        where = (f"first module with a non-finite output: {located}" if located else
+                 "every module's forward output was finite: the backward pass went non-finite")
+        msg = (f"non-finite {rep['what']} at step {self.step + 1}, micro-batch {rep['micro_batch'] + 1} of {ga} "
+               f"on rank {rank}; {where}")
+        if self.settings.nonfinite != "skip":
+            raise NonFiniteError(f"{msg}; the step's update was not applied and no checkpoint was saved after "
+                                 f"step {self.step} (snip.nonfinite \"skip\" skips such steps instead)")
+        self.skipped_steps += 1
+        self.logger.scalar("train/skipped_steps", self.skipped_steps, self.step + 1)
+        self.logger.text("train/nonfinite", f"step {self.step + 1}: {msg}; skipped", self.step + 1)
+        if sdist.rank() == 0:
+            say(f"snip_ds: warning: {msg}; step skipped ({self.skipped_steps} so far)")
+
+    @torch.no_grad()
+    def _first_nonfinite_module(self, batch: Mapping[str, torch.Tensor]) -> Optional[str]:
+        """The name and class of the first module (in the order modules finish their forward) whose output
+        holds a NaN or Inf on ``batch``, or None. Restores the RNG state, so training is not shifted."""
+        found: List[str] = []
+
+        def hook(name):
+            def check(module, inputs, output):
+                if not found and any(not bool(torch.isfinite(t).all()) for t in _floating_tensors(output)):
+                    found.append(f"{name} ({type(module).__name__})")
+            return check
+
+        handles = [m.register_forward_hook(hook(n)) for n, m in self.ds.module.named_modules() if n]
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        try:
+            self._forward_loss(batch)
+        finally:
+            for h in handles:
+                h.remove()
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng)
+        return found[0] if found else None
+
+    def _skip_update(self) -> None:
+        """The step's ``ds.step()`` with the wrapped optimizer's update suppressed (what DeepSpeed's own overflow
+        skip does, for any ZeRO stage and precision): DeepSpeed still finishes the step -- drops the accumulated
+        gradients, advances its step counter -- but no parameter or optimizer state changes. (Its scheduler
+        advances unless DeepSpeed's own check saw the non-finite gradient norm too.)
+        """
+        base = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # ZeRO / bf16 wrappers hold it there
+        own = vars(base).get("step")  # a scheduler may have wrapped step on the instance
+        base.step = lambda *args, **kwargs: None
+        try:
+            self.ds.step()
+        finally:
+            if own is None:
+                del base.step
+            else:
+                base.step = own
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> float:
@@ -221,7 +355,8 @@ class SnipEngine:
         state = {"generators": {fqn: layer.generator.get_state() for fqn, layer in self.layers.items()
                                 if layer.generator is not None},
                  "torch_rng": torch.get_rng_state()}
-        meta = {"step": self.step, "plan": self.plan.to_dict() if self.plan else None,
+        meta = {"step": self.step, "skipped_steps": self.skipped_steps,
+                "plan": self.plan.to_dict() if self.plan else None,
                 "settings": self.settings.to_dict(), "model_config": ckpt.model_config(self.ds.module), **extra}
         return ckpt.save(self.ds, Path(save_dir), f"step_{self.step}", meta, state,
                          ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
@@ -240,6 +375,7 @@ class SnipEngine:
         for fqn, gen_state in state["generators"].items():
             self.layers[fqn].generator.set_state(gen_state)
         torch.set_rng_state(state["torch_rng"])
+        self.skipped_steps = int(meta.get("skipped_steps") or 0)
         if meta.get("plan"):
             self.set_plan(Plan.from_dict(meta["plan"], source=str(tag_dir / ckpt.META_FILE)), "restored")
         return meta

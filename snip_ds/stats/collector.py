@@ -298,6 +298,9 @@ class Collector(FldTerms, BwdTerms, FwdTerms):
             self._lg = lg
             if self.estimator == "mc_fisher":
                 probs = torch.softmax(lg.detach(), dim=-1)
+                # A row with NaN/Inf logits (an overflowing model) is sampled uniformly so that every rank reaches
+                # the statistics' all-reduce; its statistics come out non-finite and the layers are flagged.
+                probs = torch.where(torch.isfinite(probs).all(dim=-1, keepdim=True), probs, torch.ones_like(probs))
                 for r in range(num_probes):
                     y_hat = torch.multinomial(probs, 1, generator=self.gen).squeeze(1)
                     root, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)

@@ -6,8 +6,16 @@ Run by tests/test_own_loop.py under the deepspeed launcher (2 ranks, ZeRO-3). ``
 * ``replan``: adaptive SNIP every 2 steps for 5 steps; writes each rank's re-plan history and plan digests.
 * ``first_unsolvable``: every layer pinned to fp8, so no plan reaches the FP4 target: every rank must stop
   with the same ConfigError (none may hang in the broadcast).
-* ``replan_fails``: rank 0's solver raises at the second re-plan: every rank keeps the plan in force and
-  trains on.
+* ``replan_fails``: at the second re-plan (step 2) the user's forward hook on ``model.layers.1.mlp`` turns
+  its output to NaN on rank 1 in the statistics' forward only: the all-reduced statistics of every layer are
+  non-finite, every layer is pinned to fp8, and rank 0's real solve cannot reach efficiency_saving 0.5: every
+  rank keeps the plan in force and trains on (the training forward is clean).
+* ``nonfinite_stop`` / ``nonfinite_skip`` (``_bf16``: with DeepSpeed's bf16; ``_z0``, ``_z2``: ZeRO
+  stage 0 or 2 instead of 3): the user's own forward hook on ``model.layers.1.mlp`` turns its
+  output to NaN on rank 1 in step 3 (a custom module that overflows); with ``snip.nonfinite`` "stop" every
+  rank raises the same NonFiniteError, with "skip" step 3 leaves every parameter as it was and training goes
+  on. Writes each rank's losses, parameter sums (float64, gathered) after every step, the error or the skip
+  count.
 """
 import argparse
 import json
@@ -27,7 +35,9 @@ from snip_ds.settings import ConfigError  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=-1)
-    p.add_argument("--case", required=True, choices=("replan", "first_unsolvable", "replan_fails"))
+    p.add_argument("--case", required=True, choices=("replan", "first_unsolvable", "replan_fails", "nonfinite_stop",
+                                                     "nonfinite_skip", "nonfinite_skip_bf16", "nonfinite_skip_z0",
+                                                     "nonfinite_skip_z2"))
     p.add_argument("--out", required=True)
     args = p.parse_args()
     init_distributed()
@@ -43,27 +53,52 @@ def main() -> int:
         snip["pinned"] = {f"model.layers.{i}.{m}": "fp8" for i in range(2)
                           for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    collect_poison = {"on": False}
     if args.case == "replan_fails":
-        import snip_ds.engine.adaptive as adaptive
-        real, calls = adaptive.solve_baseline, []
+        def overflow_once(module, inputs, output):  # NaN out of the next forward only, when switched on
+            if collect_poison["on"]:
+                collect_poison["on"] = False
+                return output * float("nan")
+            return output
+        model.model.layers[1].mlp.register_forward_hook(overflow_once)
+    poison = {"on": False}
+    logger = None
+    if args.case.startswith("nonfinite"):
+        snip = {"plan": "fp8", "nonfinite": args.case.split("_")[1], "train": {"seed": 0}}
 
-        def flaky(*a, **k):
-            calls.append(1)
-            if len(calls) == 2:
-                raise ValueError("solver broke (injected by the test)")
-            return real(*a, **k)
-        adaptive.solve_baseline = flaky
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        def overflow(module, inputs, output):  # the user's own module overflowing: NaN out, when switched on
+            poison["calls"] = poison.get("calls", 0) + 1
+            return output * float("nan") if poison["on"] and poison["calls"] >= 2 else output
+        model.model.layers[1].mlp.register_forward_hook(overflow)
+        from snip_ds.tensorboard import make_logger
+        logger = make_logger(Path(f"{args.out}.tb"), rank)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2 if logger else 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "steps_per_print": 10 ** 9, "snip": snip}
+    if args.case.endswith("_bf16"):
+        config["bf16"] = {"enabled": True}
+    if args.case.endswith(("_z0", "_z2")):
+        config["zero_optimization"] = {"stage": int(args.case[-1])}
     out = {"rank": rank}
+    if args.case.startswith("nonfinite"):
+        try:
+            out.update(_nonfinite_run(model, config, logger, poison, rank))
+        except snip_ds.NonFiniteError as err:
+            out["error"] = str(err)
+        logger.close()
+        Path(f"{args.out}.{rank}").write_text(json.dumps(out))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return 0
     try:
         engine = snip_ds.initialize(model, config, tokens_per_step=2 * 16)
         gen = torch.Generator().manual_seed(1 + rank)
         digests, shares = [], []
         for _ in range(5):
             ids = torch.randint(0, 64, (2, 16), generator=gen)
+            # replan_fails: the first forward of step 3 is the statistics collection of the re-plan at step 2
+            collect_poison["on"] = args.case == "replan_fails" and rank == 1 and engine.step == 2
             engine.train_step([{"input_ids": ids, "labels": ids}])
             digests.append(engine.plan.digest())
             shares.append(engine.plan_fp4_share())
@@ -74,6 +109,36 @@ def main() -> int:
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0
+
+
+def _param_sum(engine) -> float:
+    """Σ of every parameter in float64 (ZeRO-3's partitions gathered): equal before and after a step only if
+    the step changed nothing."""
+    import deepspeed
+
+    params = list(engine.ds.module.parameters())
+    with deepspeed.zero.GatheredParameters(params), torch.no_grad():
+        return float(sum(p.double().sum() for p in params))
+
+
+def _nonfinite_run(model, config, logger, poison, rank) -> dict:
+    """5 steps of 2 micro-batches; on rank 1 in step 3 the hook poisons every forward from the second on (the
+    second micro-batch, and the re-run of it that locates the module)."""
+    engine = snip_ds.initialize(model, config, tokens_per_step=2 * 2 * 16, logger=logger)
+    gen = torch.Generator().manual_seed(1 + rank)
+    rec = {"losses": [], "sums": [_param_sum(engine)], "steps": []}
+    for step in range(1, 6):
+        batches = []
+        for _ in range(2):
+            ids = torch.randint(0, 64, (2, 16), generator=gen)
+            batches.append({"input_ids": ids, "labels": ids})
+        poison.update(on=rank == 1 and step == 3, calls=0)
+        rec["losses"].append(engine.train_step(batches))
+        poison["on"] = False
+        rec["sums"].append(_param_sum(engine))
+        rec["steps"].append(engine.step)
+    rec["skipped"] = engine.skipped_steps
+    return rec
 
 
 if __name__ == "__main__":
