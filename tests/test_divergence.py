@@ -19,8 +19,12 @@ def _symmetrised(loss_fn, y, e):
 
 def test_channel_reductions_shapes_and_values():
     t = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)  # [B, L, n] -> rows 6
-    assert torch.equal(dv.channel_sq_sum(t), (t.reshape(6, 4) ** 2).sum(0))
-    assert torch.allclose(refdiv.channel_sq_mean(t), (t.reshape(6, 4) ** 2).mean(0))
+    # element (b, l, j) is 12b + 4l + j, so channel j holds 4r + j for rows r = 0..5: the sum of squares is
+    # 16·Σr² + 8j·Σr + 6j² = 16·55 + 120j + 6j² (closed form, exact in FP32: every term is an integer < 2^24)
+    want = torch.tensor([880.0 + 120 * j + 6 * j * j for j in range(4)])
+    assert want.tolist() == [880.0, 1006.0, 1144.0, 1294.0]
+    assert torch.equal(dv.channel_sq_sum(t), want)
+    assert torch.allclose(refdiv.channel_sq_mean(t), want / 6)
 
 
 def test_fld_exact_on_diagonal_quadratic():
@@ -139,8 +143,22 @@ def test_fld_estimate_validates():
 
 
 def test_first_order():
-    gy, e = torch.randn(4, 3, generator=_gen(4)), torch.randn(4, 3, generator=_gen(5))
-    assert refdiv.first_order(gy, e).item() == pytest.approx((gy * e).sum().item())
+    """⟨G_Y, E⟩ is the directional derivative of the loss along E: checked against a central difference of a
+    cubic loss, (ℒ(Y+hE) - ℒ(Y-hE))/2h, whose truncation error is h²/6·|∂³ℒ[E,E,E]|."""
+    g = _gen(4)
+    c = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    e = torch.randn(4, 3, generator=_gen(5), dtype=torch.float64)
+
+    def loss(yy):
+        return ((yy - c) ** 3).sum() / 3 + (yy * c).sum()
+
+    yv = y.clone().requires_grad_(True)
+    (gy,) = torch.autograd.grad(loss(yv), yv)
+    h = 1e-4
+    central = ((loss(y + h * e) - loss(y - h * e)) / (2 * h)).item()
+    # FP32 products and a 12-term sum: rel 1e-5 ≫ 12·2^-24; the central difference's h²·Σ|E|³/3 ~ 1e-8
+    assert refdiv.first_order(gy, e).item() == pytest.approx(central, rel=1e-5, abs=1e-6)
 
 
 def test_isotropic_alpha_quadratic_ratio_and_fld():
@@ -166,11 +184,29 @@ def test_isotropic_alpha_quadratic_ratio_and_fld():
         dv.isotropic_alpha(l0, lp, lm, 0.0, 1.0)
 
 
+def _adam_update_ratio(grads, beta2, eps, lr=1e-2):
+    """torch.optim.Adam with β₁ = 0 (so m̂ = g): the last update is -lr·g·P; returns (P, exp_avg_sq, step)."""
+    w = torch.nn.Parameter(torch.zeros_like(grads[0]))
+    opt = torch.optim.Adam([w], lr=lr, betas=(0.0, beta2), eps=eps)
+    for gr in grads:
+        before = w.detach().clone()
+        w.grad = gr.clone()
+        opt.step()
+    st = opt.state[w]
+    return -(w.detach() - before) / (lr * grads[-1]), st["exp_avg_sq"], int(st["step"])
+
+
 def test_adam_preconditioner_and_step_scale():
     v = torch.tensor([4.0, 0.25, 0.0])
     p = dv.adam_preconditioner(v, step=1, beta2=0.5, eps=1e-3)
-    v_hat = v / 0.5
-    assert torch.allclose(p, 1 / (v_hat.sqrt() + 1e-3))
+    # by hand: v̂ = v/(1 - 0.5) = [8, 0.5, 0], sqrt = [2√2, 1/√2, 0]
+    assert torch.allclose(p, torch.tensor([1 / (2 * math.sqrt(2) + 1e-3), 1 / (math.sqrt(0.5) + 1e-3), 1e3]))
+    # against torch's own Adam: with β₁ = 0 the update is -lr·g/(sqrt(v̂) + eps), so P = -Δw/(lr·g)
+    g = _gen(11)
+    grads = [torch.randn(20, generator=g, dtype=torch.float64) * (1 + i) for i in range(5)]
+    want, exp_avg_sq, step = _adam_update_ratio(grads, beta2=0.9, eps=1e-3)
+    # FP32 P against FP64 Adam: a few FP32 round-offs of a value ~1: rel 1e-5 ≫ 2^-24
+    assert torch.allclose(dv.adam_preconditioner(exp_avg_sq, step, 0.9, eps=1e-3).double(), want, rtol=1e-5)
     assert dv.adam_step_scale(0, 0.9) == pytest.approx(1.0)
     assert dv.adam_step_scale(1000, 0.9) == pytest.approx(0.1)
     assert dv.adam_step_scale(1, 0.9) == pytest.approx(0.1 / 0.19)
@@ -180,8 +216,11 @@ def test_adam_preconditioner_and_step_scale():
 
 def test_fallback_preconditioner():
     gw = torch.tensor([[2.0, -0.5]])
-    p, src = dv.fallback_preconditioner(gw, gw.shape)
-    assert src == "grad_sq" and torch.allclose(p, 1 / (gw.abs() + dv.DEFAULT_ADAM_EPS))
+    p, src = dv.fallback_preconditioner(gw, gw.shape, eps=1e-3)
+    # Adam's first step (v̂₁ = g₁²) from torch's Adam: P = -Δw/(lr·g), whatever β₂
+    want, _, _ = _adam_update_ratio([gw.double()], beta2=0.99, eps=1e-3)
+    assert src == "grad_sq" and torch.allclose(p.double(), want, rtol=1e-6)  # FP32 vs FP64: rel 2^-24 ≪ 1e-6
+    assert torch.allclose(p, torch.tensor([[1 / 2.001, 1 / 0.501]]))  # by hand
     p, src = dv.fallback_preconditioner(None, (2, 3), "ones")
     assert src == "ones" and torch.equal(p, torch.ones(2, 3))
     with pytest.raises(ValueError, match="valid: grad_sq, ones"):
@@ -223,7 +262,11 @@ def test_bwd_fisher_single_probe_exact_and_mc_expectation():
     dgw, pre = torch.randn(4, 3, generator=g), torch.rand(4, 3, generator=g) + 0.5
     pg = torch.randn(4, 3, generator=g)
     lr, n = 0.1, 10
-    want = ((pg * lr * dgw * pre).sum() ** 2) / (2 * n)
+    # one probe is the rank-one Fisher F = vec(pg) vec(pg)ᵀ: the price of the drift d = lr·ΔG⊙P is ½dᵀFd/N,
+    # here as an explicit matrix-vector form in FP64 (vs the reference's FP32 inner product: rel 1e-5 ≫ 12·2^-24)
+    fisher = torch.outer(pg.double().flatten(), pg.double().flatten())
+    dvec = (lr * dgw.double() * pre.double()).flatten()
+    want = (dvec @ fisher @ dvec) / (2 * n)
     assert refdiv.bwd_fisher([pg], dgw, pre, lr, n).item() == pytest.approx(want.item(), rel=1e-5)
     # probes with independent entries of variance s²: E⟨G, d⟩² = Σ s² d²
     s = torch.rand(4, 3, generator=g) + 0.2
