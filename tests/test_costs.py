@@ -50,6 +50,15 @@ def test_costs_are_fld_plus_lambda_bwd_by_hand():
                  "fp4": rec["fld"]["fp4"] + 3.0 * rec["bwd"]["fp4"]}
     g = costs_from_stats(stats, 3.0, per_gemm=True).costs[fqn]["fp4"]
     assert g["fprop"] == rec["fld"]["fp4"] and g["dgrad"] == g["wgrad"] == 0.5 * 3.0 * rec["bwd"]["fp4"]
+    # dgrad="upstream": wgrad carries all of λ·BWD, dgrad λ·bwd_dgrad/calibration (rel 1e-15: a few FP64 roundings
+    # of 2^-53 each; k_proj of block 1 has k = 4:
+    # bwd fp4 = 0.05·2, bwd_dgrad fp4 = 0.03·4; numbers typed out, not re-derived from the record)
+    u = costs_from_stats(stats, 3.0, per_gemm=True, dgrad="upstream", dgrad_calibration=4.0).costs[fqn]["fp4"]
+    assert u == pytest.approx({"fprop": 0.8, "dgrad": 3.0 * 0.12 / 4.0, "wgrad": 3.0 * 0.1}, rel=1e-15)
+    fld, bwd = predicted_divergence(stats["layers"], {fqn: {"fprop": "bf16", "dgrad": "fp4", "wgrad": "fp8"}},
+                                    dgrad="upstream", dgrad_calibration=4.0)
+    # fp8 of k = 4: bwd 0.003·2; bwd_dgrad fp4 0.12 priced at 1/calibration
+    assert (fld, bwd) == pytest.approx((0.0, 0.006 + 0.12 / 4.0), rel=1e-15)
 
 
 def test_every_method_has_its_costs():
