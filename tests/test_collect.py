@@ -206,6 +206,7 @@ def test_recipe_rounding_is_the_exact_expectation_over_stochastic_rounding(model
 
 
 @pytest.mark.rounding
+@pytest.mark.slow
 def test_mc_fisher_sequence_form_matches_exact_gauss_newton(model):
     """Many probes: the sequence-form FLD of the tiny Llama's layers against the exact Gauss-Newton form of
     the same perturbation E, ``(1/2N)Σ_s d_sᵀ(diag p_s - p_s p_sᵀ)d_s`` with ``d = J E`` the logits' change,
@@ -241,6 +242,7 @@ def test_mc_fisher_sequence_form_matches_exact_gauss_newton(model):
         assert rec["fld"]["fp4"] == pytest.approx(gn, rel=0.4), fqn
 
 
+@pytest.mark.slow
 def test_mc_fisher_is_seeded_and_close_to_empirical(model):
     b = _batches(2)
     s1 = collect_statistics(model, b, CollectSettings(seed=0), lr=1e-3)

@@ -167,6 +167,7 @@ def test_lr_decay_reaches_the_runs_and_blocks_merging(quick_run, tmp_path):
         merge_results([str(out), str(quick_run)])
 
 
+@pytest.mark.slow
 def test_per_gemm_plans_reach_the_runs(quick_run, tmp_path):
     """--per_gemm: every solved plan is per GEMM and on one FP4 share, recorded and reported; the uniform runs
     are those of the per-layer grid, bit for bit; a per-layer grid cannot be merged with it."""
@@ -678,6 +679,7 @@ def test_apply_plan_rejects_other_layers():
         apply_plan(model, Plan.uniform(["model.layers.9.mlp.up_proj"], "fp4"))
 
 
+@pytest.mark.slow
 def test_dgrad_upstream_grid_against_a_split_grid(tmp_path):
     """--dgrad_cost upstream: recorded and reported; its SNIP is paired against the other grid's baselines
     (--versus), cell by cell; it needs --per_gemm and a positive calibration."""

@@ -205,6 +205,7 @@ def test_stochastic_rounding_of_fp4_gradients(data):
 
 
 @pytest.mark.rounding
+@pytest.mark.slow
 def test_gemm_moments_match_many_stochastic_gradients(data):
     """The backend's expectation and variance of the wgrad and dgrad GEMMs over G_Y's stochastic rounding
     (what the statistics price) against the mean and variance of many stochastic GEMMs."""
