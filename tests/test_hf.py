@@ -223,6 +223,7 @@ def test_model_without_llama_decoder_linears(tmp_path):
         _trainer(tmp_path, model=model, callback=SnipCallback(settings={"plan": "fp8"}))
 
 
+@pytest.mark.slow
 def test_cli_reports_one_line(tmp_path):
     path = _variant(tmp_path, lambda c: c["snip"].update(replan_evry=3))
     proc = subprocess.run([sys.executable, str(TRAIN_HF), "--deepspeed", path, "--output_dir", str(tmp_path / "o")],

@@ -132,6 +132,7 @@ def test_user_errors_exit_2_one_line(tokenizer_dir, inputs, tmp_path, capsys, ca
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_script_runs_as_subprocess_without_traceback(tokenizer_dir, tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), *_args(tokenizer_dir, [tmp_path / "x.txt"], tmp_path / "o")],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)

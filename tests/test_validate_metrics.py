@@ -29,6 +29,7 @@ def _in_unit(x):
     return isinstance(x, float) and -1.0 <= x <= 1.0
 
 
+@pytest.mark.slow
 def test_quick_run_prints_table_then_json(vm, capsys, tmp_path):
     ckpt = tmp_path / "warm"
     assert vm.main(["--quick", "--checkpoint", str(ckpt)]) == 0
@@ -69,6 +70,7 @@ def test_quick_run_prints_table_then_json(vm, capsys, tmp_path):
     assert rescored["repro_fld"] is None and rescored["repro_bwd"] is None
 
 
+@pytest.mark.slow
 def test_per_gemm_truths_land_where_each_gemm_acts(vm, capsys, tmp_path):
     """wgrad-only moves the layer's own weight; dgrad-only moves only what lies upstream of its input: for the
     first block's q_proj that is the embedding, no linear. --bwd_truth_per_gemm scores the per-GEMM costs."""
@@ -95,6 +97,7 @@ def test_per_gemm_truths_land_where_each_gemm_acts(vm, capsys, tmp_path):
     assert out["seconds"]["bwd_truth_per_gemm"] > 0
 
 
+@pytest.mark.slow
 def test_forward_drift_estimate_against_its_truth(vm, capsys, tmp_path):
     """--fwd_truth: the collector's linearised one-probe ``fwd`` against one real AdamW step per layer with only
     that layer's fprop at FP4, priced with 8 explicit Fisher probes: it ranks the layers (0.89 measured on this
