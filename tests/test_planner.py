@@ -52,7 +52,11 @@ def _brute_force(costs, flops, target, allowed, pinned=None, previous=None, flip
             c = costs[f].get(p, 0.0)
             obj += c[g] if per_gemm else c
             if previous and f in previous:
-                obj += flip_penalty * w * (previous[f] != p)
+                prev = previous[f]
+                if isinstance(prev, dict) and not per_gemm:  # a per-GEMM previous plan: count differing GEMMs
+                    obj += flip_penalty * w * sum(prev[gg] != p for gg in GEMMS) / len(GEMMS)
+                else:
+                    obj += flip_penalty * w * ((prev[g] if isinstance(prev, dict) else prev) != p)
         if share < target - TOL or (max_share is not None and share > max_share + TOL):
             continue
         if compute_budget is not None and compute > compute_budget + TOL:
@@ -236,6 +240,28 @@ def test_flip_penalty_matches_brute_force_and_reduces_flips():
         assert plan.meta["flipped_gemms"] == 3 * n
         flips.append(n)
     assert flips == sorted(flips, reverse=True) and flips[0] > flips[-1]
+
+
+def test_flip_penalty_against_a_per_gemm_previous_plan_counts_each_gemm_a_third():
+    """A per-layer re-plan after a per-GEMM plan: a layer flips by the share of its GEMMs whose precision
+    changes (brute force over every assignment, the flips counted GEMM by GEMM there)."""
+    costs, flops = _instance(9, 21)
+    fqns = sorted(costs)
+    rng = random.Random(13)
+    previous = {f: {g: rng.choice(["fp8", "fp4"]) for g in GEMMS} for f in fqns}
+    assert any(len(set(p.values())) == 2 for p in previous.values())  # some layers were split
+    for penalty in (0.4, 2.0):
+        plan = solve_plan(costs, flops, 0.5, SolverSettings(flip_penalty=penalty), previous=previous)
+        ref, _ = _brute_force(costs, flops, 0.5, ("fp8", "fp4"), previous=previous, flip_penalty=penalty)
+        assert plan.objective == pytest.approx(ref, abs=1e-9)
+        assert plan.meta["flipped_gemms"] == sum(previous[f][g] != plan.assignment[f] for f in fqns for g in GEMMS)
+    # a per-GEMM re-plan: each GEMM against its own previous precision
+    costs, flops = _instance(4, 22, per_gemm=True)
+    previous = {f: {g: rng.choice(["fp8", "fp4"]) for g in GEMMS} for f in sorted(costs)}
+    plan = solve_plan(costs, flops, 0.5, SolverSettings(flip_penalty=2.0), previous=previous, per_gemm=True)
+    ref, _ = _brute_force(costs, flops, 0.5, ("fp8", "fp4"), previous=previous, flip_penalty=2.0, per_gemm=True)
+    assert plan.objective == pytest.approx(ref, abs=1e-9)
+    assert plan.meta["flipped_gemms"] == sum(previous[f][g] != plan.assignment[f][g] for f in costs for g in GEMMS)
 
 
 def test_huge_flip_penalty_keeps_a_feasible_previous_plan():
