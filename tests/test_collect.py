@@ -266,17 +266,19 @@ def test_reduce_over_simulated_ranks_matches_pooled_single_rank(model):
         captured["rank1"] = t.clone()
         return t
 
-    collect_statistics(model, [b1], CollectSettings(estimator="empirical", precond_fallback="ones"), lr=1e-3,
-                       reduce=capture)
+    alone1 = collect_statistics(model, [b1], CollectSettings(estimator="empirical", precond_fallback="ones",
+                                                             bwd_propagated=True), lr=1e-3, reduce=capture)
+    alone0 = collect_statistics(model, [b0], CollectSettings(estimator="empirical", precond_fallback="ones",
+                                                             bwd_propagated=True), lr=1e-3)
     calls = []
 
     def reduce(t):
         calls.append(1)
         return t + captured["rank1"]
 
-    two = collect_statistics(model, [b0], CollectSettings(estimator="empirical", precond_fallback="ones"), lr=1e-3,
+    two = collect_statistics(model, [b0], CollectSettings(estimator="empirical", precond_fallback="ones", bwd_propagated=True), lr=1e-3,
                              reduce=reduce, world_size=2)
-    one = collect_statistics(model, [b0, b1], CollectSettings(estimator="empirical", precond_fallback="ones"),
+    one = collect_statistics(model, [b0, b1], CollectSettings(estimator="empirical", precond_fallback="ones", bwd_propagated=True),
                              lr=1e-3)
     assert calls == [1] and two["tokens"] == one["tokens"]
     # the same per-batch sums added in another order (one addition each): 1e-5 ≫ 2^-24; first_order is
@@ -290,6 +292,15 @@ def test_reduce_over_simulated_ranks_matches_pooled_single_rank(model):
             # the averaged gradient's (independent) error has 1/W of one rank's squared norm
             assert r2["bwd_drift"][p] == pytest.approx(r1["bwd_drift"][p] / 2, rel=1e-5)
             assert r2["bwd"][p] == pytest.approx(r1["bwd"][p] / 2, rel=1e-5)
+            # per-batch means of squared errors (the same two batches, summed in another order: 1e-5): the
+            # quantization errors the baselines price, and the dgrad error of the propagated estimate
+            for key in ("quant_err", "rel_quant_err", "quant_err_x", "quant_err_g", "dgrad_err"):
+                assert r2[key][p] == pytest.approx(r1[key][p], rel=1e-5), (fqn, key, p)
+            # ... and a per-batch mean: that of the two batches' own values (each one checked against whole
+            # tensors in test_layer_statistics_match_independent_reference)
+            for key in ("quant_err", "quant_err_w", "quant_err_g", "dgrad_err"):
+                mean = (alone0["layers"][fqn][key][p] + alone1["layers"][fqn][key][p]) / 2
+                assert r1[key][p] == pytest.approx(mean, rel=1e-5), (fqn, key, p)
 
 
 @pytest.mark.rounding
