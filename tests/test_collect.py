@@ -346,6 +346,31 @@ def test_artifact_loads_in_planner_and_flags_nonfinite(model, tmp_path):
     assert down["bwd_propagated"]["fp4"] > down["bwd"]["fp4"] and down["dgrad_err"]["fp4"] > 0
 
 
+def test_adam_precond_is_the_optimizers_own_update_ratio():
+    """adam_precond's P against torch's AdamW itself: with β₁ = 0 and no weight decay an update is
+    -lr·g/(sqrt(v̂) + eps), so after a step P = -Δw/(lr·g) (elements with |g| > 1e-3, where FP32's rounding of
+    w - Δw, ~2^-24·|w|/|Δw| ≤ 1e-5 relative, cannot blur the ratio)."""
+    model = _model(seed=2)
+    layers = snip_layers(model)
+    lr = 1e-2
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.0, 0.95), eps=1e-8, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        grads = {n: torch.randn(p.shape, generator=gen) * 0.1 for n, p in model.named_parameters()}
+        before = {f: m.weight.detach().clone() for f, m in layers.items()}
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()
+    pc = adam_precond(model, opt)
+    assert pc.step == 3 and pc.lr == lr and set(pc.precond) == set(layers)
+    for fqn, m in layers.items():
+        g = grads[fqn + ".weight"]
+        keep = g.abs() > 1e-3
+        want = (-(m.weight.detach() - before[fqn]) / (lr * g))[keep]
+        torch.testing.assert_close(pc.precond[fqn][keep], want, rtol=1e-4, atol=0)
+    model.zero_grad(set_to_none=True)
+
+
 def test_empty_precond_mapping_means_no_optimizer_state(model):
     """adam_precond before the first optimizer step gives {}: the fallback is used, and the artifact says so."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
