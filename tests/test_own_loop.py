@@ -1,6 +1,7 @@
 """``snip_ds.initialize`` runs SNIP inside a user's own loop: real 2-rank ZeRO-3 runs of
 tests/dist_scripts/own_loop.py through the deepspeed launcher."""
 import json
+import math
 import subprocess
 import sys
 
@@ -69,7 +70,7 @@ print(json.dumps({"loss": loss, "method": engine.plan.method, "share": engine.pl
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["method"] == "best" and out["history"] == [0] and out["share"] >= 0.75 - 1e-9  # FP64 share round-off
-    assert out["loss"] == out["loss"]  # finite, not NaN
+    assert math.isfinite(out["loss"])  # x == x let an infinite loss through
 
 
 def test_per_gemm_upstream_dgrad_plan_under_zero3_in_a_plain_process(tmp_path):
