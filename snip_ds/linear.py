@@ -6,9 +6,7 @@ the swap must not copy them). At ``bf16`` the layer runs ``F.linear`` itself and
 ``nn.Linear``, forward and backward. Otherwise one ``autograd.Function`` runs each GEMM through the backend
 :mod:`snip_ds.backend` picks for its precision (``QuantConfig.backend``), which quantizes the operands and
 decides what is kept for backward (by default what ``nn.Linear`` keeps: input and weight in high
-precision, re-quantized along the right axis in backward; the emulated backend keeps a quantized operand
-where backward would quantize it to the same values, see :meth:`EmulatedBackend.forward
-<snip_ds.backend.emulated.EmulatedBackend.forward>`).
+precision, re-quantized along the right axis in backward).
 """
 from __future__ import annotations
 
@@ -31,17 +29,12 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 prec: GemmPrecision, cfg: QuantConfig, generator: Optional[torch.Generator]) -> torch.Tensor:
         fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x_hp.device)
         x_2d = x_hp.reshape(-1, x_hp.shape[-1])  # [T, k]
-        grads = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        if fprop_be is dgrad_be is wgrad_be:  # one backend: it decides what is kept (maybe quantized operands)
-            y_2d, x_keep, w_keep, note = fprop_be.forward(x_2d, w_hp, prec, cfg, bias=bias, out_dtype=x_hp.dtype,
-                                                          grads=grads)
-            ctx.one_backend = True
-        else:  # backends differ between the GEMMs: the high-precision tensors, which every backend accepts
-            y_2d = fprop_be.fprop(x_2d, w_hp, prec.fprop, cfg, bias=bias, out_dtype=x_hp.dtype)  # [T, n]
-            x_keep, w_keep, note = x_2d, w_hp, None
-            ctx.one_backend = False
+        y_2d = fprop_be.fprop(x_2d, w_hp, prec.fprop, cfg, bias=bias, out_dtype=x_hp.dtype)  # [T, n]
+        if fprop_be is dgrad_be is wgrad_be:
+            x_keep, w_keep = fprop_be.keep_for_backward(x_2d, w_hp, prec, cfg)
+        else:  # backends differ between the GEMMs: what every backend accepts
+            x_keep, w_keep = x_2d, w_hp
         ctx.save_for_backward(x_keep, w_keep)
-        ctx.note, ctx.grads = note, grads
         ctx.has_bias = bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x_hp.shape, x_hp.dtype, w_hp.dtype
         ctx.backends = (dgrad_be, wgrad_be)
@@ -53,19 +46,17 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x_keep, w_keep = ctx.saved_tensors
         dgrad_be, wgrad_be = ctx.backends
         g_2d = g_y.reshape(-1, g_y.shape[-1])  # [T, n]
-        # asked for in forward (ctx.grads) and still wanted now
-        grads = (ctx.grads[0] and ctx.needs_input_grad[0], ctx.grads[1] and ctx.needs_input_grad[1])
-        if ctx.one_backend:
-            g_x, g_w = dgrad_be.backward(g_2d, x_keep, w_keep, ctx.note, ctx.prec, ctx.cfg, ctx.generator,
-                                         grads=grads, x_dtype=ctx.x_dtype, w_dtype=ctx.w_dtype)
-        else:
-            # grad_input (dgrad): G_X = G_Y W, contraction over n; grad_weight (wgrad): G_W = G_Y^T X, over T
-            g_x = (dgrad_be.dgrad(g_2d, w_keep, ctx.prec.dgrad, ctx.cfg, ctx.generator, out_dtype=ctx.x_dtype)
-                   if grads[0] else None)
-            g_w = (wgrad_be.wgrad(g_2d, x_keep, ctx.prec.wgrad, ctx.cfg, ctx.generator, out_dtype=ctx.w_dtype)
-                   if grads[1] else None)
-        if g_x is not None:
+
+        # ---------------- grad_input (dgrad): G_X = G_Y W, contraction over n ----------------
+        g_x = None
+        if ctx.needs_input_grad[0]:
+            g_x = dgrad_be.dgrad(g_2d, w_keep, ctx.prec.dgrad, ctx.cfg, ctx.generator, out_dtype=ctx.x_dtype)
             g_x = g_x.reshape(ctx.x_shape)
+
+        # ---------------- grad_weight (wgrad): G_W = G_Y^T X, contraction over T ----------------
+        g_w = None
+        if ctx.needs_input_grad[1]:
+            g_w = wgrad_be.wgrad(g_2d, x_keep, ctx.prec.wgrad, ctx.cfg, ctx.generator, out_dtype=ctx.w_dtype)
 
         g_b = g_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return g_x, g_w, g_b, None, None, None

@@ -3,11 +3,10 @@ import pytest
 import torch
 from torch import nn
 
-from reference_quant import assert_bitwise_equal, ref_mx_rows, ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor
+from reference_quant import ref_mx_rows, ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor
 from snip_ds import backend
 from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
-from snip_ds.quant import fake_quantize
 
 T, K, N = 48, 32, 64  # tokens, in, out: multiples of 16 but not of 32 along T, so MX blocks are partial
 
@@ -170,25 +169,20 @@ def test_saves_only_what_nn_linear_saves(data):
         packed = []
 
         def pack(t):
-            packed.append((t.data_ptr(), t.numel(), t.dtype, t))
+            packed.append((t.data_ptr(), t.numel(), t.dtype))
             return t
         xx = x.clone().requires_grad_(True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             layer(xx)
-        return sorted(packed, key=lambda p: p[:3]), xx
+        return sorted(packed), xx
 
     reference, x_ref = saved(lin)
     # nn.Linear saves the input and (a view of) the weight: the same storages, no copies.
     assert sorted(p[0] for p in reference) == sorted([x_ref.data_ptr(), lin.weight.data_ptr()])
     for precision in ("fp8", "fp4"):
         got, x_got = saved(SnipLinear.from_linear(lin, precision))
-        assert sorted(p[1:3] for p in got) == sorted(p[1:3] for p in reference)
-        assert lin.weight.data_ptr() in [p[0] for p in got]  # the weight itself, never a copy
-        kept_x = next(p[3] for p in got if p[0] != lin.weight.data_ptr())
-        if precision == "fp4":  # NVFP4 blocks lie along k in fprop, along T in wgrad: X itself
-            assert kept_x.data_ptr() == x_got.data_ptr()
-        else:  # fp8_hybrid's per-tensor Q(X) is the same along both axes: kept instead of X, same size
-            assert_bitwise_equal(kept_x, fake_quantize(x, "fp8_e4m3"))
+        assert sorted(p[0] for p in got) == sorted([x_got.data_ptr(), lin.weight.data_ptr()])
+        assert sorted(p[1:] for p in got) == sorted(p[1:] for p in reference)
 
 
 def test_stochastic_rounding_of_fp4_gradients(data):
@@ -293,29 +287,3 @@ def test_bf16_model_dtype_round_trips(data):
     y = snip(xb)
     y.backward(g.to(torch.bfloat16))
     assert y.dtype == xb.grad.dtype == snip.weight.grad.dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("chunk_elements", [None, 16 * 64])
-@pytest.mark.parametrize("fp8_recipe,fp4_recipe,hadamard", [("fp8_hybrid", "nvfp4", False),
-                                                            ("mxfp8", "mxfp4", True)])
-def test_layer_equals_its_three_separate_gemms(data, chunk_elements, fp8_recipe, fp4_recipe, hadamard,
-                                               monkeypatch):
-    """A layer that reuses quantized operands between its GEMMs (forward's Q(X), one Q(G_Y) for both backward
-    GEMMs) gives the bits of the three separate backend calls, draws included, at every precision mix."""
-    lin, x, g = data
-    if chunk_elements is not None:
-        monkeypatch.setattr(backend.emulated, "CHUNK_ELEMENTS", chunk_elements)
-    be = backend.get_backend("emulated")
-    cfg = QuantConfig(backend="emulated", fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, hadamard=hadamard)
-    w, b = lin.weight.detach(), lin.bias.detach()
-    for precision in ("fp8", "fp4", {"fprop": "fp8", "dgrad": "fp8", "wgrad": "bf16"},
-                      {"fprop": "bf16", "dgrad": "fp8", "wgrad": "fp8"}, {"fprop": "fp8", "dgrad": "bf16",
-                                                                          "wgrad": "fp8"}):
-        snip = SnipLinear.from_linear(lin, precision, cfg)
-        snip.generator = torch.Generator().manual_seed(3)
-        lin.weight.grad = lin.bias.grad = None
-        y, gx, gw, _ = _run(snip, x, g)
-        p, gen = snip.gemm_precision, torch.Generator().manual_seed(3)
-        assert_bitwise_equal(y, be.fprop(x, w, p.fprop, cfg, bias=b))
-        assert_bitwise_equal(gx, be.dgrad(g, w, p.dgrad, cfg, gen))
-        assert_bitwise_equal(gw, be.wgrad(g, x, p.wgrad, cfg, gen))

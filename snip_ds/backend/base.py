@@ -68,29 +68,13 @@ class GemmBackend(ABC):
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``G_W = Q(G_Y)^T Q(X)``, both quantized along the tokens. g: [T, n], x: [T, k] -> [n, k]."""
 
-    def forward(self, x: torch.Tensor, w: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig, *,
-                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32,
-                grads: Tuple[bool, bool] = (True, True)
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
-        """A layer's fprop plus what it keeps for backward, when one backend runs all three of its GEMMs.
-
-        ``grads`` says which gradients backward will compute (input, weight). Returns ``(y, x_keep, w_keep,
-        note)``: the fprop result, the two tensors to keep (saved by the layer) and any object the backend
-        wants back; all of it is handed to :meth:`backward`. The default keeps the high-precision tensors
-        (what ``nn.Linear`` keeps) and re-quantizes them in backward; a backend may keep quantized operands
-        instead where the backward GEMMs would quantize them to the same values."""
-        return self.fprop(x, w, prec.fprop, cfg, bias=bias, out_dtype=out_dtype), x, w, None
-
-    def backward(self, g: torch.Tensor, x_keep: torch.Tensor, w_keep: torch.Tensor, note: object,
-                 prec: GemmPrecision, cfg: QuantConfig, generator: Optional[torch.Generator] = None, *,
-                 grads: Tuple[bool, bool] = (True, True), x_dtype: torch.dtype = torch.float32,
-                 w_dtype: torch.dtype = torch.float32) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """dgrad then wgrad (each only if its entry of ``grads`` is set) from what :meth:`forward` kept:
-        ``(G_X, G_W)``, None for a gradient not asked for. The generator is used in that order (dgrad's
-        draws first), as separate calls would use it."""
-        g_x = self.dgrad(g, w_keep, prec.dgrad, cfg, generator, out_dtype=x_dtype) if grads[0] else None
-        g_w = self.wgrad(g, x_keep, prec.wgrad, cfg, generator, out_dtype=w_dtype) if grads[1] else None
-        return g_x, g_w
+    def keep_for_backward(self, x: torch.Tensor, w: torch.Tensor, prec: GemmPrecision,
+                          cfg: QuantConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+        """What the layer keeps from the forward for dgrad (``w``) and wgrad (``x``); they are passed back to
+        :meth:`dgrad` and :meth:`wgrad` as their ``w`` and ``x``. The default keeps the high-precision
+        tensors (what ``nn.Linear`` keeps) and re-quantizes them in backward; a backend may keep quantized
+        operands instead when its backward GEMMs accept them."""
+        return x, w
 
     def check(self, precision: str, cfg: QuantConfig, device: torch.device) -> None:
         """Raises :class:`BackendError` if this backend cannot run ``precision`` under ``cfg`` on

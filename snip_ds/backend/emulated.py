@@ -15,7 +15,7 @@ import torch
 
 from snip_ds.backend.base import GemmBackend
 from snip_ds.quant_config import QuantConfig
-from snip_ds.types import GEMM_OPERAND_AXES, GEMM_OPERANDS, GEMMS, GemmPrecision
+from snip_ds.types import GEMM_OPERAND_AXES, GEMM_OPERANDS, GEMMS
 from snip_ds.quant import (QuantParts, fake_quantize, get_recipe, hadamard_transform, quantize_parts, random_signs,
                            stochastic_moments)
 
@@ -154,99 +154,6 @@ class EmulatedBackend(GemmBackend):
             x_lp = self.quantize(x[tokens], precision, "x", 0, cfg, None, amax_x)
             g_w.addmm_(g_lp.t(), x_lp)
         return g_w.to(out_dtype)
-
-    # ---------------- a whole layer: quantized operands reused between its GEMMs ----------------
-    def reuse(self, prec: GemmPrecision, cfg: QuantConfig, grads: Tuple[bool, bool] = (True, True),
-              x_dtype: torch.dtype = torch.float32) -> Tuple[bool, bool]:
-        """Which quantized operands one GEMM of a layer hands to another, bit for bit: ``(x, g)`` = fprop's
-        Q(X) serves wgrad, dgrad's Q(G_Y) serves wgrad.
-
-        Only where both GEMMs run the same precision and quantize the operand to the same values along their
-        two contraction axes: per-tensor scales (``fp8_hybrid``; block recipes quantize along one axis and
-        differ between the axes), round-to-nearest, and no Hadamard transform in between. Q(X) is kept
-        instead of X, so only for FP32 inputs (the same memory; a BF16 X would double). Q(W) is not kept:
-        under ZeRO-3 it would hold an unpartitioned copy of every layer's weight from forward to backward.
-        ``grads``: which gradients backward computes (input, weight)."""
-        def same_values(gemm_a: str, gemm_b: str, role: str) -> bool:
-            precision = getattr(prec, gemm_a)
-            if precision == "bf16" or getattr(prec, gemm_b) != precision:
-                return False
-            if role == "g" and operand_recipes(precision, cfg).stochastic_g:
-                return False
-            if precision == "fp4" and cfg.hadamard:
-                return False
-            return get_recipe(getattr(operand_recipes(precision, cfg), role)).block_size == 0
-
-        need_x, need_w = grads
-        return (need_w and x_dtype == torch.float32 and same_values("fprop", "wgrad", "x"),
-                need_x and need_w and same_values("dgrad", "wgrad", "g"))
-
-    def forward(self, x: torch.Tensor, w: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig, *,
-                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32,
-                grads: Tuple[bool, bool] = (True, True)
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
-        """:meth:`fprop`, keeping Q(X) instead of X for wgrad where :meth:`reuse` allows (with the shared
-        Q(G_Y) of :meth:`backward`, ``fp8_hybrid`` quantizes 4 operands instead of 6). Same slices, same GEMM
-        calls, same results as :meth:`fprop`. Where another layer keeps the same X (e.g. the q, k and v
-        projections) a kept Q(X) is one more copy."""
-        reuse_x = self.reuse(prec, cfg, grads, x.dtype)[0]
-        if not reuse_x:
-            return super().forward(x, w, prec, cfg, bias=bias, out_dtype=out_dtype, grads=grads)
-        precision = prec.fprop
-        w_lp = self.quantize_whole(w, precision, "w", -1, cfg)
-        x_lp = self.quantize_whole(x, precision, "x", -1, cfg)  # the slices _rows_times quantizes
-        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
-        for rows in _chunks(x.shape[0], x.shape[1]):
-            torch.mm(x_lp[rows], w_lp.t(), out=y[rows])
-        del w_lp
-        if bias is not None:
-            y += bias.float()
-        return y.to(out_dtype), x_lp, w, True
-
-    def backward(self, g: torch.Tensor, x_keep: torch.Tensor, w_keep: torch.Tensor, note: object,
-                 prec: GemmPrecision, cfg: QuantConfig, generator: Optional[torch.Generator] = None, *,
-                 grads: Tuple[bool, bool] = (True, True), x_dtype: torch.dtype = torch.float32,
-                 w_dtype: torch.dtype = torch.float32) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """:meth:`dgrad` and :meth:`wgrad` from what :meth:`forward` kept (``note`` True: X was kept
-        quantized), quantizing G_Y once for both where :meth:`reuse` allows (a full-size FP32 temporary
-        instead of slices). Same slices, GEMM calls and generator draws as the two separate calls."""
-        x_is_q = note is True
-        reuse_g = self.reuse(prec, cfg, grads)[1]
-        if not (x_is_q or reuse_g):
-            return super().backward(g, x_keep, w_keep, note, prec, cfg, generator, grads=grads, x_dtype=x_dtype,
-                                    w_dtype=w_dtype)
-        g_lp = self.quantize_whole(g, prec.dgrad, "g", -1, cfg) if reuse_g else None
-        g_x = g_w = None
-        if grads[0]:
-            if g_lp is None:
-                g_x = self.dgrad(g, w_keep, prec.dgrad, cfg, generator, out_dtype=x_dtype)
-            else:
-                w_lp = self.quantize_whole(w_keep, prec.dgrad, "w", 0, cfg)
-                g_x = torch.empty(g.shape[0], w_lp.shape[1], dtype=torch.float32, device=g.device)
-                for rows in _chunks(g.shape[0], g.shape[1]):  # the slices of _rows_times
-                    torch.mm(g_lp[rows], w_lp, out=g_x[rows])
-                del w_lp
-                g_x = g_x.to(x_dtype)
-        if grads[1]:
-            if not (x_is_q or g_lp is not None):
-                g_w = self.wgrad(g, x_keep, prec.wgrad, cfg, generator, out_dtype=w_dtype)
-            else:
-                g_w = self._wgrad_kept(g, x_keep, g_lp, x_is_q, prec.wgrad, cfg, generator).to(w_dtype)
-        return g_x, g_w
-
-    def _wgrad_kept(self, g: torch.Tensor, x: torch.Tensor, g_lp: Optional[torch.Tensor], x_is_q: bool,
-                    precision: str, cfg: QuantConfig, generator: Optional[torch.Generator]) -> torch.Tensor:
-        """:meth:`wgrad` in FP32 with Q(G_Y) (``g_lp``) and/or Q(X) (``x`` when ``x_is_q``) already
-        quantized; only reached where :meth:`reuse` excludes the Hadamard transform."""
-        g_w = torch.zeros(g.shape[1], x.shape[1], dtype=torch.float32, device=g.device)
-        amax_g = tensor_amax(g) if g_lp is None else None
-        amax_x = tensor_amax(x) if not x_is_q else None
-        for tokens in _chunks(g.shape[0], g.shape[1] + x.shape[1]):
-            g_c = g_lp[tokens] if g_lp is not None else self.quantize(g[tokens], precision, "g", 0, cfg, generator,
-                                                                     amax_g)
-            x_c = x[tokens] if x_is_q else self.quantize(x[tokens], precision, "x", 0, cfg, None, amax_x)
-            g_w.addmm_(g_c.t(), x_c)
-        return g_w
 
     def quantized_operands(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig,
                            generator: Optional[torch.Generator] = None) -> Tuple[QuantParts, QuantParts]:
