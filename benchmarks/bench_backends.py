@@ -1,12 +1,16 @@
 """Forward+backward time of one SnipLinear per GEMM backend and recipe against nn.Linear, side by side.
 
     python benchmarks/bench_backends.py [--size 2048] [--repeats 3] [--dtypes float32 bfloat16] [--tag NAME]
+                                        [--threads N] [--clock wall|cpu]
 
 One layer of T = k = n = ``size`` (no bias). Every variant (nn.Linear, and each backend x recipe) runs
 round-robin, so machine load hits them alike; the median time of each is divided by nn.Linear's in the
 same dtype. Also timed once: the bare GEMM kernels the backends are built on (FP32 mm, BF16 mm,
 torch._scaled_mm on FP8), which is what ``backend: auto`` decides on for CPUs. Results go to
 benchmarks/results/bench_backends[_TAG].{json,md}.
+
+``--clock cpu`` times the process's CPU time instead of the wall clock; with ``--threads 1`` (which it
+requires: idle threads would count their spinning) that is the work itself, whatever else loads the machine.
 """
 from __future__ import annotations
 
@@ -36,10 +40,13 @@ RECIPES = {  # name -> (precision, QuantConfig fields)
 BACKENDS = ("emulated", "torch")
 
 
+_CLOCK = time.perf_counter
+
+
 def _time(fn) -> float:
-    start = time.perf_counter()
+    start = _CLOCK()
     fn()
-    return time.perf_counter() - start
+    return _CLOCK() - start
 
 
 def kernel_times(size: int, repeats: int) -> dict:
@@ -96,20 +103,32 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--kernel_size", type=int, default=512, help="size of the bare-kernel products")
     p.add_argument("--tag", default="", help="suffix of the result files (e.g. avx2)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall clock, or the process's CPU time (needs --threads 1)")
     args = p.parse_args(argv)
+    if args.threads < 0:
+        p.error(f"--threads: expected a number >= 0, got {args.threads}")
+    if args.clock == "cpu" and args.threads != 1:
+        p.error("--clock cpu: needs --threads 1 (with more threads, CPU time counts idle threads spinning)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    global _CLOCK
+    _CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     kernels = kernel_times(args.kernel_size, args.repeats)
     rows = [bench(args.size, getattr(torch, d), args.repeats) for d in args.dtypes]
     env = {k: os.environ[k] for k in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
             "cpu": platform.processor() or platform.machine(), "isa_env": env, "repeats": args.repeats,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "clock": args.clock}
     name = "bench_backends" + (f"_{args.tag}" if args.tag else "")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "kernels_s": kernels, "rows": rows},
                                                      indent=2) + "\n")
     lines = [f"# {name}: SnipLinear per backend vs nn.Linear, forward+backward on CPU", "",
              f"torch {meta['torch']}, {meta['threads']} threads, {meta['cores']} cores, capability "
-             f"{meta['cpu_capability']}{', env ' + str(env) if env else ''}; T = k = n = {args.size}, median "
+             f"{meta['cpu_capability']}{', env ' + str(env) if env else ''}; T = k = n = {args.size}, "
+             f"{'CPU time' if args.clock == 'cpu' else 'wall clock'}, median "
              f"of {args.repeats} round-robin repeats; ratios to nn.Linear in the same dtype.", "",
              "| dtype | nn.Linear (s) | recipe | emulated | torch |", "|---|---|---|---|---|"]
     for r in rows:

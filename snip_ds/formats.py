@@ -147,6 +147,26 @@ def round_magnitude_(mag: torch.Tensor, fmt: ElementFormat, *, stochastic: bool 
     return mag.div_(quantum).add_(noise).floor_().mul_(quantum)
 
 
+def round_signed_(v: torch.Tensor, fmt: ElementFormat, sign_of: torch.Tensor) -> torch.Tensor:
+    """:func:`round_magnitude_` (round to nearest, ties to even) on signed FP32 values, in place, with the
+    sign of ``sign_of`` (same shape; any tensor of ``v``'s signs, e.g. the unscaled input) for every result.
+
+    One pass fewer than rounding magnitudes (no ``abs`` copy): RNE is symmetric, and the magic number
+    ``K = 1.5 * q * 2**23`` rounds either sign, because ``|v| < 2**(e+1) <= K / 3`` keeps ``v + K`` inside
+    K's binade, whose spacing is ``q``. Only the sign of a zero result is lost (``K - K = +0``), which the
+    final ``copysign_`` restores, so the result is bit for bit ``copysign(round_magnitude_(|v|), v)``.
+
+    Returns:
+        ``v``, rounded.
+    """
+    v.clamp_(-fmt.max_normal, fmt.max_normal)
+    exp_bits = v.view(torch.int32).bitwise_and(_F32_EXP_MASK)  # |v|'s exponent (the sign bit is masked)
+    exp_bits.clamp_min_((fmt.emin + _F32_BIAS) << _F32_MANT_BITS)
+    magic = exp_bits.add_(((_F32_MANT_BITS - fmt.mbits) << _F32_MANT_BITS) | (1 << (_F32_MANT_BITS - 1)))
+    magic = magic.view(torch.float32)
+    return v.add_(magic).sub_(magic).copysign_(sign_of)
+
+
 def stochastic_moments_(mag: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     """Mean and variance of :func:`round_magnitude_`'s stochastic rounding, exactly, without drawing.
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from snip_ds.formats import E2M1, E4M3, E5M2, FORMATS, get_format, round_to_format
+from snip_ds.formats import E2M1, E4M3, E5M2, FORMATS, get_format, round_signed_, round_to_format
 from tests.reference_quant import GRIDS, assert_bitwise_equal, neighbours, round_rne
 
 TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -63,6 +63,24 @@ def test_fp8_matches_torch_cast(name, kind):
                                               generator=gen)
         x = torch.exp2(log_mag) * torch.randn(20000, generator=gen).sign()
     assert_bitwise_equal(round_to_format(x, FORMATS[name]), torch_fp8(x, name))
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e2m1"])
+def test_signed_rounding_equals_magnitude_rounding(name):
+    """round_signed_ (RNE of signed values with one magic number) against round_to_format, bit for bit:
+    the grid, its midpoints and their neighbours of both signs, signed zeros, FP32 subnormals, values past
+    the range, Inf, NaN, and random FP32 bit patterns."""
+    fmt = FORMATS[name]
+    grid = torch.as_tensor(GRIDS[name], dtype=torch.float32)
+    grid = torch.cat([grid, -grid]).unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    special = torch.tensor([0.0, -0.0, 2.0 ** -149, -(2.0 ** -149), 2.0 ** -126, fmt.max_normal * 1.01,
+                            -fmt.max_normal * 3, 1e38, math.inf, -math.inf, math.nan])
+    bits = torch.randint(-2 ** 31, 2 ** 31, (1 << 16,), generator=torch.Generator().manual_seed(2))
+    x = torch.cat([grid, mid, torch.nextafter(mid, torch.tensor(math.inf)),
+                   torch.nextafter(mid, torch.tensor(-math.inf)), special,
+                   bits.to(torch.int32).view(torch.float32)])
+    assert_bitwise_equal(round_signed_(x.clone(), fmt, x), round_to_format(x, fmt))
 
 
 @pytest.mark.parametrize("name", ["e4m3", "e5m2"])

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from reference_quant import ref_mx_rows, ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor
+from reference_quant import assert_bitwise_equal, ref_mx_rows, ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor
 from snip_ds import backend
 from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
@@ -288,3 +288,29 @@ def test_bf16_model_dtype_round_trips(data):
     y = snip(xb)
     y.backward(g.to(torch.bfloat16))
     assert y.dtype == xb.grad.dtype == snip.weight.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("chunk_elements", [None, 16 * 64])
+@pytest.mark.parametrize("fp8_recipe,fp4_recipe,hadamard", [("fp8_hybrid", "nvfp4", False),
+                                                            ("mxfp8", "mxfp4", True)])
+def test_layer_equals_its_three_separate_gemms(data, chunk_elements, fp8_recipe, fp4_recipe, hadamard,
+                                               monkeypatch):
+    """A layer gives the bits of its three separate backend calls, generator draws included (dgrad's first),
+    at every precision mix."""
+    lin, x, g = data
+    if chunk_elements is not None:
+        monkeypatch.setattr(backend.emulated, "CHUNK_ELEMENTS", chunk_elements)
+    be = backend.get_backend("emulated")
+    cfg = QuantConfig(backend="emulated", fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, hadamard=hadamard)
+    w, b = lin.weight.detach(), lin.bias.detach()
+    for precision in ("fp8", "fp4", {"fprop": "fp8", "dgrad": "fp8", "wgrad": "bf16"},
+                      {"fprop": "bf16", "dgrad": "fp8", "wgrad": "fp8"}, {"fprop": "fp8", "dgrad": "bf16",
+                                                                          "wgrad": "fp8"}):
+        snip = SnipLinear.from_linear(lin, precision, cfg)
+        snip.generator = torch.Generator().manual_seed(3)
+        lin.weight.grad = lin.bias.grad = None
+        y, gx, gw, _ = _run(snip, x, g)
+        p, gen = snip.gemm_precision, torch.Generator().manual_seed(3)
+        assert_bitwise_equal(y, be.fprop(x, w, p.fprop, cfg, bias=b))
+        assert_bitwise_equal(gx, be.dgrad(g, w, p.dgrad, cfg, gen))
+        assert_bitwise_equal(gw, be.wgrad(g, x, p.wgrad, cfg, gen))
