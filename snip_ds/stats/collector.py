@@ -50,6 +50,7 @@ from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
 from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
 from snip_ds.linear import SnipLinear
+from snip_ds.stats.artifact import check_study_fields
 from snip_ds.stats.common import GLOBAL, Reduce, Sums, device_of, select_layers, targets, unpack
 from snip_ds.stats.estimators import BwdTerms, FldTerms, FwdTerms
 from snip_ds.stats.fields import finalize
@@ -88,6 +89,14 @@ class CollectSettings:
             tensor per layer while a batch runs. Needs ``estimator="mc_fisher"`` and weight-shaped
             preconditioners (a mapping of tensors, or None for the fallback), not the partitioned states'
             callable.
+        study_fields: groups of :data:`~snip_ds.stats.artifact.STUDY_FIELDS` to record besides what a plan
+            is solved from (default none): ``"fld_forms"`` (``fld_sequence`` and ``fld_channel``; ``fld`` is
+            always the ``fld_form`` one), ``"first_order"``, ``"quant_err"`` (``quant_err``,
+            ``rel_quant_err`` and their per-operand parts: what the quant_err baselines are solved from),
+            ``"bwd_bias"`` (``bwd_bias``, ``bwd_drift_bias``: ``bwd_estimate="systematic"``) and
+            ``"bwd_drift"``. Without ``fld_forms``, ``first_order`` and ``quant_err`` the training
+            gradient's hook computes no fprop error at all (the probe's hook prices the sequence form); the
+            fields recorded either way are the same numbers.
         precisions: quantized precisions to measure (``fp8``, ``fp4``).
         precond_fallback: the preconditioner where :func:`collect_statistics` gets none (no optimizer state
             yet): ``"grad_sq"`` (Adam's first-step ``v̂ = G_W²``) or ``"ones"``.
@@ -104,6 +113,7 @@ class CollectSettings:
     bwd_rounding: str = "recipe"
     bwd_propagated: bool = False
     forward_drift: bool = False
+    study_fields: Tuple[str, ...] = ()
     precisions: Tuple[str, ...] = QUANTIZED
     precond_fallback: str = "grad_sq"
     seed: int = 0
@@ -112,6 +122,7 @@ class CollectSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precisions", tuple(self.precisions))
+        object.__setattr__(self, "study_fields", check_study_fields(self.study_fields))
         if self.fld_form not in FLD_FORMS:
             raise ValueError(f"fld_form: unknown form {self.fld_form!r}; valid: {', '.join(FLD_FORMS)}")
         if self.estimator not in ESTIMATORS:
@@ -149,6 +160,14 @@ class Collector(FldTerms, BwdTerms, FwdTerms):
         self.fwd_dot: Dict[str, Dict[str, float]] = {}  # Σ_sign sign·⟨G_Y(W + sign·ε·v), E(p)⟩
         self.fwd_shift = 0.0
         self.bwd_rounding = settings.bwd_rounding
+        study = set(settings.study_fields)
+        self.fld_sequence = settings.fld_form == "sequence" or "fld_forms" in study
+        self.fld_channel = settings.fld_form == "channel" or "fld_forms" in study
+        self.first_order, self.quant_err = "first_order" in study, "quant_err" in study
+        self.bwd_bias = "bwd_bias" in study
+        # whether the training gradient's hook needs the fprop errors E (the probe's hook recomputes them)
+        self.train_errors = (self.fld_channel or self.first_order or self.quant_err
+                             or (settings.estimator == "empirical" and self.fld_sequence))
         self.precond, self.fallback = precond, settings.precond_fallback
         self.estimator, self.propagated = settings.estimator, settings.bwd_propagated
         self.backend = get_backend()
