@@ -71,7 +71,7 @@ def check_study_fields(names: Any, where: str = "study_fields") -> tuple:
 # --------------------------------------------------------------------------------------------------------
 def stats_header(*, step: int, lr: float, world_size: int, estimator: str, num_probes: int, fld_form: str,
                  step_scale: float, bwd_rounding: str, precond: str, batches: int, tokens: int, loss: float,
-                 seed: int, forward_drift: bool, study_fields: tuple, lam: Optional[float]) -> Dict[str, Any]:
+                 seed: int, forward_drift: bool, lam: Optional[float], study_fields: tuple = ()) -> Dict[str, Any]:
     """The artifact's top-level fields, in the order the file lists them (``"lambda"`` only when given)."""
     out: Dict[str, Any] = {"format": STATS_FORMAT, "step": step, "lr": lr, "world_size": world_size,
                            "estimator": estimator, "num_probes": num_probes, "fld_form": fld_form,
@@ -129,6 +129,14 @@ def validate_stats(stats: Any, source: str = "<stats>") -> dict:
         if field in stats and (not isinstance(stats[field], types) or isinstance(stats[field], bool)):
             raise ValueError(f"{source}: field '{field}' must be {' or '.join(t.__name__ for t in types)}, "
                              f"got {stats[field]!r}")
+    if "study_fields" in stats:
+        names = stats["study_fields"]
+        if not isinstance(names, list):
+            raise ValueError(f"{source}: field 'study_fields' must be a list of group names, got {names!r}")
+        try:
+            check_study_fields(names)
+        except ValueError as err:
+            raise ValueError(f"{source}: field {err}") from None
     layers = stats.get("layers")
     if not isinstance(layers, Mapping) or not layers:
         raise ValueError(f"{source}: field 'layers' must be a non-empty object {{fqn: {{...}}}}")
