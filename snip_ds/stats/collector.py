@@ -10,12 +10,13 @@ per-channel vectors are priced with that batch's probes and folded into per-laye
 scalars per layer are all-reduced, whatever the model's width):
 
 * forward hook: keeps the layer's input X for its training-gradient hook;
-* training-gradient hook: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W and
-  ``⟨G_Y, E⟩`` (one E serves both), ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` with G_Y rounded as training rounds
-  it (``bwd_rounding="recipe"``: where that is stochastic, the exact expectation over the rounding, its
+* training-gradient hook: ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` with G_Y rounded as training rounds it
+  (``bwd_rounding="recipe"``: where that is stochastic, the exact expectation over the rounding, its
   systematic part ``E[ΔG_W]`` plus the noise ``Var[G_W]``; ``"nearest"``: round to nearest),
-  ``‖ΔG_W ⊙ P‖²``, the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units, the G_Y
-  operand error and (``bwd_propagated``) the dgrad error and upstream terms;
+  ``‖ΔG_W ⊙ P‖²``, the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units and
+  (``bwd_propagated``) the dgrad error and upstream terms; only where :class:`CollectSettings` asks for the
+  fields that need them (the study fields, the channel form, the empirical estimator), also
+  ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` and from it ``Σ_t E_tj²``, ``⟨G_Y, E⟩`` and the operand errors of X, W, G_Y;
 * probe hook: ``Σ_t g_tj²`` and, with E recomputed from the layer's saved input, ``Σ_rows (Σ_t g_t·E_t)²``
   (the sequence-form FLD: the Gauss-Newton form of E in expectation over the probe labels).
 * ``forward_drift=True``: after each probe, two more forward and backward passes of the training loss with
@@ -416,11 +417,13 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
 
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
-        the planner's costs), ``bwd_drift`` (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units), ``first_order``,
-        ``quant_err``, ``rel_quant_err`` (each ``{precision: number}``; summed over the operands X, W, G_Y) and
-        the same per operand (``quant_err_x`` ...  ``rel_quant_err_g``), ``bwd_bias`` and ``bwd_drift_bias``
-        (the systematic part of ``bwd`` and ``bwd_drift``: what persists from step to step), ``nonfinite``.
-        Non-finite numbers are written as null and flag the layer.
+        the planner's costs; each ``{precision: number}``), ``nonfinite``; with ``forward_drift`` ``fwd``,
+        with ``bwd_propagated`` ``bwd_propagated``, ``bwd_drift_propagated``, ``bwd_dgrad``, ``dgrad_err``;
+        and the groups of ``settings.study_fields``: ``fld_sequence``, ``fld_channel``; ``first_order``;
+        ``quant_err``, ``rel_quant_err`` (summed over the operands X, W, G_Y) and the same per operand
+        (``quant_err_x`` ...  ``rel_quant_err_g``); ``bwd_bias`` and ``bwd_drift_bias`` (the systematic part
+        of ``bwd`` and ``bwd_drift``: what persists from step to step); ``bwd_drift``
+        (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units). Non-finite numbers are written as null and flag the layer.
     """
     if settings is None:
         settings = CollectSettings()

@@ -50,9 +50,11 @@ class FldTerms:
 
     def _fprop_stats(self, fqn: str, module: SnipLinear, x2: torch.Tensor, g2: Optional[torch.Tensor],
                      rows: int = 1) -> None:
-        """Per precision: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W, and
-        (given the training ``G_Y``) the first-order term ``⟨G_Y, E⟩`` from the same E (and, for the empirical
-        estimator, its per-sequence square: the sequence-form FLD with ``G_Y`` as the probe)."""
+        """Per precision, as far as the collection asks for them (the collector's ``train_errors`` says whether
+        any is): ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` (the channel form), the operand errors of X and
+        W (``quant_err``), and (given the training ``G_Y``) the first-order term ``⟨G_Y, E⟩`` from the same E
+        (and, for the empirical estimator, its per-sequence square: the sequence-form FLD with ``G_Y`` as the
+        probe)."""
         st = self.stats
         w = module.weight.detach().float()  # [n, k]
         if self.train_errors:  # else nothing below needs E (only the study fields and the empirical FLD do)
@@ -182,8 +184,9 @@ class BwdTerms:
                      projected: Optional[torch.Tensor], x2: torch.Tensor, pmat: Optional[torch.Tensor],
                      pfn: Optional[PrecondFn], gram: Optional[torch.Tensor]) -> None:
         """The weight-gradient error's drift statistics: its systematic part ``dgw`` (the whole error under
-        round-to-nearest; its expectation under stochastic rounding) under ``*_bias`` keys, and with the
-        rounding noise of element-wise variance ``var`` added (its expectation) under the plain keys.
+        round-to-nearest; its expectation under stochastic rounding) under ``*_bias`` keys (with the
+        ``bwd_bias`` study fields only), and with the rounding noise of element-wise variance ``var`` added
+        (its expectation) under the plain keys.
 
         The noise's loss-unit price per output channel j is ``projected_j`` (estimated from a sample of the
         tokens, :meth:`_price_sample`) times ``P²`` averaged over the row j with weights ``var`` (exact when P
