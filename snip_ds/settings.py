@@ -26,14 +26,15 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS, QuantConfig
-from snip_ds.planner.costs import BWD_ESTIMATES, DGRAD_COSTS, METHODS
+from snip_ds.planner.costs import BWD_ESTIMATES, DGRAD_COSTS, METHODS, plan_study_fields
+from snip_ds.stats.artifact import check_study_fields
 from snip_ds.types import PRECISIONS
 
 PLAN_KINDS = PRECISIONS + ("adaptive",)
 NONFINITE_ACTIONS = ("stop", "skip")
 # Switches that exist to compare variants of the method in studies; the JSON holds them under "snip.research".
 RESEARCH_KEYS = ("estimator", "fld_form", "bwd_rounding", "bwd_estimate", "dgrad_cost", "dgrad_calibration",
-                 "max_share")
+                 "max_share", "study_fields")
 
 
 class ConfigError(ValueError):
@@ -133,6 +134,10 @@ class SnipSettings:
     """What a NaN or Inf loss or gradient does: ``stop`` the run before the step's update (one line naming the
     step, the micro-batch and the first module whose output went non-finite), or ``skip`` the step (no
     optimizer update, gradients dropped, counted as ``train/skipped_steps`` in TensorBoard)."""
+    study_fields: Tuple[str, ...] = ()
+    """Study fields each collection also records in ``stats.json`` (groups of
+    :data:`snip_ds.stats.artifact.STUDY_FIELDS`: ``fld_forms``, ``first_order``, ``quant_err``, ``bwd_bias``,
+    ``bwd_drift``); the plan's own needs are added (:attr:`collect_study_fields`). Default none."""
     train: TrainSettings = field(default_factory=TrainSettings)
 
     def __post_init__(self) -> None:
@@ -146,6 +151,10 @@ class SnipSettings:
         _check_choice("snip.research.bwd_rounding", self.bwd_rounding, BWD_ROUNDINGS)
         _check_choice("snip.research.bwd_estimate", self.bwd_estimate, BWD_ESTIMATES)
         _check_choice("snip.research.dgrad_cost", self.dgrad_cost, DGRAD_COSTS)
+        try:
+            object.__setattr__(self, "study_fields", check_study_fields(self.study_fields, "snip.research.study_fields"))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if self.dgrad_cost == "upstream" and not self.per_gemm:
             raise ConfigError("snip.research.dgrad_cost: 'upstream' prices the dgrad GEMM on its own, which needs "
                               "snip.per_gemm: true")
@@ -194,6 +203,13 @@ class SnipSettings:
     @property
     def plan_file(self) -> Optional[str]:
         return self.plan if self.plan.endswith(".json") else None
+
+    @property
+    def collect_study_fields(self) -> Tuple[str, ...]:
+        """The study-field groups a training collection computes: :attr:`study_fields` and what the plan's
+        method and BWD estimate are solved from (:func:`snip_ds.planner.costs.plan_study_fields`)."""
+        needed = plan_study_fields(self.method, BWD_ESTIMATES[self.bwd_estimate])
+        return tuple(sorted(set(self.study_fields) | set(needed)))
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-able form in the ``"snip"`` section's shape, research keys under ``"research"`` (as written into

@@ -11,12 +11,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
 from snip_ds.planner import costs_from_stats
-from snip_ds.stats import CollectSettings, adam_precond, collect_statistics
+from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics
 from snip_ds.stats.artifact import load_stats, save_stats
 from snip_ds.swap import snip_layers, swap_linears
 from tests import reference_divergence as refdiv
 
 LAYER = "model.layers.1.mlp.down_proj"
+ALL = tuple(STUDY_FIELDS)
+
+
+def _full(**kw):
+    """Collection settings that record every study field too (most tests below read some of them)."""
+    return CollectSettings(study_fields=ALL, **kw)
 
 
 def _model(seed=0):
@@ -91,7 +97,7 @@ def test_leaves_no_trace(model):
         rng=torch.get_rng_state())
     pc = adam_precond(model, opt)
     for est in ("mc_fisher", "isotropic"):
-        collect_statistics(model, _batches(2), CollectSettings(estimator=est, bwd_propagated=True), lr=1e-3,
+        collect_statistics(model, _batches(2), _full(estimator=est, bwd_propagated=True), lr=1e-3,
                            precond=pc.precond)
     for k, v in model.named_parameters():
         assert torch.equal(v, before["params"][k]), k
@@ -120,7 +126,7 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
     pre = {f: torch.rand(m.weight.shape, generator=torch.Generator().manual_seed(5)) + 0.5
            for f, m in snip_layers(model).items()}
     lr = 3e-3
-    stats = collect_statistics(model, [batch], CollectSettings(estimator="empirical", bwd_rounding="nearest"), lr=lr,
+    stats = collect_statistics(model, [batch], _full(estimator="empirical", bwd_rounding="nearest"), lr=lr,
                                precond=pre)
     rec = stats["layers"][LAYER]
     # Tolerances: the reference sees bitwise the same X, G_Y and quantized operands (same forward, same
@@ -176,7 +182,7 @@ def test_recipe_rounding_is_the_exact_expectation_over_stochastic_rounding(model
            if row_constant else torch.rand(m.weight.shape, generator=gen) + 0.5
            for f, m in snip_layers(model).items()}
     lr = 3e-3
-    stats = collect_statistics(model, [batch], CollectSettings(estimator="empirical"), lr=lr, precond=pre)
+    stats = collect_statistics(model, [batch], _full(estimator="empirical"), lr=lr, precond=pre)
     assert stats["bwd_rounding"] == "recipe"
     rec = stats["layers"][LAYER]
     ref = _reference(model, batch, LAYER, "fp4", pre[LAYER])
@@ -214,7 +220,7 @@ def test_mc_fisher_sequence_form_matches_exact_gauss_newton(model):
     import copy
     batch = _batches(1, seed=4)[0]
     probes = 96
-    stats = collect_statistics(model, [batch], CollectSettings(num_probes=probes, seed=3), lr=1e-3)
+    stats = collect_statistics(model, [batch], _full(num_probes=probes, seed=3), lr=1e-3)
     m64 = copy.deepcopy(model).double()
     for m in snip_layers(m64).values():
         m.precision = "bf16"
@@ -245,10 +251,10 @@ def test_mc_fisher_sequence_form_matches_exact_gauss_newton(model):
 @pytest.mark.slow
 def test_mc_fisher_is_seeded_and_close_to_empirical(model):
     b = _batches(2)
-    s1 = collect_statistics(model, b, CollectSettings(seed=0), lr=1e-3)
-    s2 = collect_statistics(model, b, CollectSettings(seed=0), lr=1e-3)
-    s3 = collect_statistics(model, b, CollectSettings(seed=1), lr=1e-3)
-    emp = collect_statistics(model, b, CollectSettings(estimator="empirical"), lr=1e-3)
+    s1 = collect_statistics(model, b, _full(seed=0), lr=1e-3)
+    s2 = collect_statistics(model, b, _full(seed=0), lr=1e-3)
+    s3 = collect_statistics(model, b, _full(seed=1), lr=1e-3)
+    emp = collect_statistics(model, b, _full(estimator="empirical"), lr=1e-3)
     assert s1 == s2 and s1["layers"][LAYER]["fld"] != s3["layers"][LAYER]["fld"]
     # at initialisation the model's labels are as uncertain as the data: both Fisher forms agree within 3x
     # (per channel: the sequence form of 4 rows is a sum of 4 squares, too noisy for a 3x band)
@@ -266,19 +272,19 @@ def test_reduce_over_simulated_ranks_matches_pooled_single_rank(model):
         captured["rank1"] = t.clone()
         return t
 
-    alone1 = collect_statistics(model, [b1], CollectSettings(estimator="empirical", precond_fallback="ones",
-                                                             bwd_propagated=True), lr=1e-3, reduce=capture)
-    alone0 = collect_statistics(model, [b0], CollectSettings(estimator="empirical", precond_fallback="ones",
-                                                             bwd_propagated=True), lr=1e-3)
+    alone1 = collect_statistics(model, [b1], _full(estimator="empirical", precond_fallback="ones",
+                                                   bwd_propagated=True), lr=1e-3, reduce=capture)
+    alone0 = collect_statistics(model, [b0], _full(estimator="empirical", precond_fallback="ones",
+                                                   bwd_propagated=True), lr=1e-3)
     calls = []
 
     def reduce(t):
         calls.append(1)
         return t + captured["rank1"]
 
-    two = collect_statistics(model, [b0], CollectSettings(estimator="empirical", precond_fallback="ones", bwd_propagated=True), lr=1e-3,
-                             reduce=reduce, world_size=2)
-    one = collect_statistics(model, [b0, b1], CollectSettings(estimator="empirical", precond_fallback="ones", bwd_propagated=True),
+    two = collect_statistics(model, [b0], _full(estimator="empirical", precond_fallback="ones", bwd_propagated=True),
+                             lr=1e-3, reduce=reduce, world_size=2)
+    one = collect_statistics(model, [b0, b1], _full(estimator="empirical", precond_fallback="ones", bwd_propagated=True),
                              lr=1e-3)
     assert calls == [1] and two["tokens"] == one["tokens"]
     # the same per-batch sums added in another order (one addition each): 1e-5 ≫ 2^-24; first_order is
@@ -313,8 +319,8 @@ def test_callable_precond_matches_tensor(model):
         calls.append(fqn)
         return ((t * pre[fqn]) ** 2).sum()
 
-    a = collect_statistics(model, b, CollectSettings(estimator="empirical"), lr=1e-3, precond=pre)
-    c = collect_statistics(model, b, CollectSettings(estimator="empirical"), lr=1e-3, precond=partial_sum)
+    a = collect_statistics(model, b, _full(estimator="empirical"), lr=1e-3, precond=pre)
+    c = collect_statistics(model, b, _full(estimator="empirical"), lr=1e-3, precond=partial_sum)
     # per layer: fp8's drift, fp4's systematic part and fp4's stochastic-rounding noise
     assert c["precond"] == "callable" and a["precond"] == "tensor" and len(calls) == 3 * len(pre)
     # the same products, summed per layer by the callable instead of inside the collector: 1e-5 ≫ log2(n)·u
@@ -327,7 +333,7 @@ def test_callable_precond_matches_tensor(model):
 def test_artifact_loads_in_planner_and_flags_nonfinite(model, tmp_path):
     pre = {f: torch.ones(m.weight.shape) for f, m in snip_layers(model).items()}
     pre[LAYER] = torch.full_like(pre[LAYER], float("inf"))
-    stats = collect_statistics(model, _batches(1), CollectSettings(lam=100.0, bwd_propagated=True), lr=1e-3,
+    stats = collect_statistics(model, _batches(1), _full(lam=100.0, bwd_propagated=True), lr=1e-3,
                                precond=pre, step=7)
     path = tmp_path / "stats.json"
     save_stats(stats, str(path))
@@ -382,7 +388,7 @@ def test_empty_precond_mapping_means_no_optimizer_state(model):
 
 
 def test_isotropic_records_alpha(model):
-    s = collect_statistics(model, _batches(1), CollectSettings(estimator="isotropic"), lr=1e-3)
+    s = collect_statistics(model, _batches(1), _full(estimator="isotropic"), lr=1e-3)
     assert s["alpha"] > 0 and 2.0 < s["quadratic_ratio"] < 6.0
     assert all(r["fld"]["fp4"] > 0 for r in s["layers"].values())
 
@@ -390,9 +396,9 @@ def test_isotropic_records_alpha(model):
 def test_bad_arguments(model):
     b = _batches(1)
     with pytest.raises(ValueError, match="valid: mc_fisher, empirical, isotropic"):
-        collect_statistics(model, b, CollectSettings(estimator="hessian"), lr=1e-3)
+        collect_statistics(model, b, _full(estimator="hessian"), lr=1e-3)
     with pytest.raises(ValueError, match="fld_form: unknown form 'token'; valid: sequence, channel"):
-        collect_statistics(model, b, CollectSettings(fld_form="token"), lr=1e-3)
+        collect_statistics(model, b, _full(fld_form="token"), lr=1e-3)
     with pytest.raises(ValueError, match="not SnipLinear"):
         collect_statistics(model, b, lr=1e-3, layers=["model.lm_head"])
     with pytest.raises(ValueError, match="shape"):
@@ -400,7 +406,7 @@ def test_bad_arguments(model):
     with pytest.raises(ValueError, match="empty"):
         collect_statistics(model, [], lr=1e-3)
     with pytest.raises(ValueError, match="precisions"):
-        collect_statistics(model, b, CollectSettings(precisions=("bf16",)), lr=1e-3)
+        collect_statistics(model, b, _full(precisions=("bf16",)), lr=1e-3)
     with pytest.raises(ValueError, match="input_ids"):
         collect_statistics(model, [[1, 2, 3]], lr=1e-3)
     with pytest.raises(ValueError, match="SnipLinear"):
@@ -417,7 +423,7 @@ def test_dgrad_estimate_matches_an_independent_reference(model):
     layers = snip_layers(model)
     gen = torch.Generator().manual_seed(11)
     pre = {f: torch.rand(m.weight.shape, generator=gen) + 0.5 for f, m in layers.items()}
-    stats = collect_statistics(model, batches, CollectSettings(bwd_propagated=True, bwd_rounding="nearest"), lr=1e-3,
+    stats = collect_statistics(model, batches, _full(bwd_propagated=True, bwd_rounding="nearest"), lr=1e-3,
                                precond=pre)
     names = list(layers)
     upstream = names[:names.index(LAYER)]  # every layer before down_proj (none shares its input)
@@ -488,7 +494,7 @@ def test_input_groups_are_the_layers_that_share_an_input():
     model = LlamaForCausalLM(cfg)
     swap_linears(model, "fp8", seed=3)
     layers = snip_layers(model)
-    col = Collector(model, layers, CollectSettings(bwd_propagated=True), None)
+    col = Collector(model, layers, _full(bwd_propagated=True), None)
     g = torch.Generator().manual_seed(1)
     with _preserved(model, layers), col.hooks():
         for _ in range(3):
@@ -516,7 +522,7 @@ def test_forward_drift_matches_a_brute_force_linear_response(model):
     layers = snip_layers(model)
     pre = {f: torch.rand(m.weight.shape, generator=gen) + 0.5 for f, m in layers.items()}
     lr, seed = 1e-2, 5
-    stats = collect_statistics(model, [batch], CollectSettings(num_probes=1, seed=seed, forward_drift=True), lr=lr,
+    stats = collect_statistics(model, [batch], _full(num_probes=1, seed=seed, forward_drift=True), lr=lr,
                                precond=pre)
     assert stats["forward_drift"] is True
     fqns = sorted(layers)
@@ -581,9 +587,9 @@ def test_forward_drift_matches_a_brute_force_linear_response(model):
 def test_forward_drift_bad_settings(model):
     b = _batches(1)
     with pytest.raises(ValueError, match="forward_drift needs estimator='mc_fisher'"):
-        collect_statistics(model, b, CollectSettings(estimator="empirical", forward_drift=True), lr=1e-3)
+        collect_statistics(model, b, _full(estimator="empirical", forward_drift=True), lr=1e-3)
     with pytest.raises(ValueError, match="forward_drift needs weight-shaped preconditioners"):
-        collect_statistics(model, b, CollectSettings(forward_drift=True), lr=1e-3,
+        collect_statistics(model, b, _full(forward_drift=True), lr=1e-3,
                            precond=lambda fqn, t: (t * t).sum())
     stats = collect_statistics(model, b, lr=1e-3)
     assert stats["forward_drift"] is False and "fwd" not in stats["layers"][LAYER]
@@ -591,3 +597,63 @@ def test_forward_drift_bad_settings(model):
         costs_from_stats(stats, 2.0, forward_drift=True)
     with pytest.raises(ValueError, match="fwd_lambda weighs FWD: it needs forward_drift=True"):
         costs_from_stats(stats, 2.0, fwd_lambda=0.1)
+
+
+@pytest.mark.parametrize("how", [
+    {},  # the training default: mc_fisher, sequence form, the recipe's rounding
+    {"fld_form": "channel"},
+    {"estimator": "empirical"},
+    {"estimator": "empirical", "fld_form": "channel", "bwd_propagated": True},
+    {"bwd_rounding": "nearest", "forward_drift": True},
+], ids=["default", "channel", "empirical", "empirical-channel-propagated", "nearest-forward-drift"])
+def test_study_fields_change_nothing_else(model, how):
+    """A collection without study fields records every other field exactly as one with all of them does
+    (the same sums from the same passes and generators: equal bit for bit), and no study field; each group
+    asked alone adds exactly its fields."""
+    b = _batches(1)
+    pre = {f: torch.rand(m.weight.shape, generator=torch.Generator().manual_seed(7)) + 0.5
+           for f, m in snip_layers(model).items()}
+    full = collect_statistics(model, b, _full(**how), lr=1e-3, precond=pre)
+    lean = collect_statistics(model, b, CollectSettings(**how), lr=1e-3, precond=pre)
+    assert full["study_fields"] == sorted(STUDY_FIELDS) and lean["study_fields"] == []
+    assert {k: v for k, v in lean.items() if k not in ("layers", "study_fields")} == \
+        {k: v for k, v in full.items() if k not in ("layers", "study_fields")}
+    study = {f for fields in STUDY_FIELDS.values() for f in fields}
+    for fqn, rec in full["layers"].items():
+        assert lean["layers"][fqn] == {k: v for k, v in rec.items() if k not in study}, fqn
+    assert {"fld", "bwd", "flops", "nonfinite"} <= set(lean["layers"][LAYER])
+    for group, fields in STUDY_FIELDS.items():
+        one = collect_statistics(model, b, CollectSettings(**how, study_fields=[group]), lr=1e-3, precond=pre)
+        assert one["study_fields"] == [group]
+        for fqn, rec in full["layers"].items():
+            assert one["layers"][fqn] == {k: v for k, v in rec.items() if k not in study or k in fields}, fqn
+
+
+def test_study_fields_setting_and_plan_needs():
+    from snip_ds.planner.costs import costs_from_stats, plan_study_fields, quant_err_costs
+    from snip_ds.settings import ConfigError, parse_snip_section
+    assert CollectSettings(study_fields=["quant_err", "fld_forms", "quant_err"]).study_fields == \
+        ("fld_forms", "quant_err")
+    with pytest.raises(ValueError, match="study_fields: unknown group\\(s\\) 'fld'; valid: fld_forms"):
+        CollectSettings(study_fields=["fld"])
+    with pytest.raises(ValueError, match="study_fields: expected a list of group names"):
+        CollectSettings(study_fields="quant_err")
+    assert plan_study_fields("best") == () and plan_study_fields("random") == ()
+    assert plan_study_fields("best", "bwd_bias") == ("bwd_bias",)
+    assert plan_study_fields("rel_quant_err") == ("quant_err",)
+    s = parse_snip_section({"research": {"bwd_estimate": "systematic", "study_fields": ["first_order"]}})
+    assert s.collect_study_fields == ("bwd_bias", "first_order")
+    assert parse_snip_section({"method": "quant_err"}).collect_study_fields == ("quant_err",)
+    assert parse_snip_section({}).collect_study_fields == ()
+    with pytest.raises(ConfigError, match="snip.research.study_fields: unknown group\\(s\\) 'x'"):
+        parse_snip_section({"research": {"study_fields": ["x"]}})
+    with pytest.raises(ConfigError, match="snip.research.study_fields: expected a list of strings"):
+        parse_snip_section({"research": {"study_fields": "quant_err"}})
+    # a training run's statistics lack the baselines' fields: solving one of them says why
+    lean = {"format": "snip_ds.stats/1", "study_fields": [], "lambda": 1.0,
+            "layers": {"a": {"flops": 1.0, "fld": {"fp8": 1.0, "fp4": 2.0}, "bwd": {"fp8": 1.0, "fp4": 2.0}}}}
+    with pytest.raises(ValueError, match="lack field 'quant_err' .*without study field group 'quant_err'"):
+        quant_err_costs(lean)
+    with pytest.raises(ValueError, match="lack field 'bwd_bias' .*snip.research.study_fields"):
+        costs_from_stats(lean, bwd_key="bwd_bias")
+    assert costs_from_stats(lean).costs["a"]["fp4"] == 4.0

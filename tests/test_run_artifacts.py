@@ -24,11 +24,12 @@ def _ok(proc):
 @pytest.fixture(scope="module")
 def adaptive(tmp_path_factory):
     """A 6-step adaptive run (re-plans before steps 1 and 5, checkpoints at 3 and 6) with its progress bar on,
-    stdout and stderr in one stream as a terminal shows them."""
+    stdout and stderr in one stream as a terminal shows them; its statistics record one study-field group."""
     tmp = tmp_path_factory.mktemp("adaptive")
     cfg = write_configs(tmp, stage=0, plan="adaptive")
     data = json.loads(cfg.read_text())
     data["snip"].update(replan_every=4, efficiency_saving=0.5)
+    data["snip"].setdefault("research", {})["study_fields"] = ["quant_err"]
     cfg.write_text(json.dumps(data))
     cmd = [a for a in launch_cmd(["--deepspeed", str(cfg)]) if a != "--no_progress"]
     proc = subprocess.run(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -78,6 +79,24 @@ def test_cli_reads_checkpoint_and_output_directories(adaptive, tmp_path, capsys)
     assert plans[0].assignment == plans[1].assignment == plans[2].assignment
     assert main(["diff", str(tmp / "out" / "checkpoints" / "step_3"), str(out)]) == 0
     assert "common layers differ" in capsys.readouterr().out
+
+
+def test_statistics_hold_the_plan_fields_and_the_study_fields_asked_for(adaptive, tmp_path, capsys):
+    tmp, _, _ = adaptive
+    out = tmp / "out"
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["study_fields"] == ["quant_err"]
+    for rec in stats["layers"].values():
+        assert {"flops", "fld", "bwd", "nonfinite", "quant_err", "rel_quant_err_g"} <= set(rec)
+        assert not {"first_order", "fld_channel", "bwd_bias", "bwd_drift"} & set(rec)
+    # the baseline the asked-for group serves solves from the run's statistics; one it lacks says why
+    assert main(["plan", str(out), "--efficiency-saving", "0.5", "--method", "quant_err", "--per-gemm",
+                 "-o", str(tmp_path / "q.json")]) == 0
+    capsys.readouterr()
+    assert main(["plan", str(out), "--efficiency-saving", "0.5", "--bwd-estimate", "systematic",
+                 "-o", str(tmp_path / "s.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lack field 'bwd_bias'" in err and "snip.research.study_fields" in err
 
 
 def test_console_messages_stay_off_the_progress_bar(adaptive):

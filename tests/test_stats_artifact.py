@@ -22,7 +22,7 @@ def test_header_order_and_optional_lambda():
     no_lam = stats_header(step=0, lr=0.0, world_size=1, estimator="empirical", num_probes=1, fld_form="channel",
                           step_scale=1.0, bwd_rounding="nearest", precond="none", batches=1, tokens=1, loss=1.0,
                           seed=0, forward_drift=False, lam=None)
-    assert "lambda" not in no_lam
+    assert "lambda" not in no_lam and no_lam["study_fields"] == []
 
 
 def test_clean_layer_flags_nonfinite_values():
@@ -49,3 +49,14 @@ def test_reader_names_the_bad_field(tmp_path):
         load_stats(str(tmp_path / "b.json"))
     with pytest.raises(ValueError, match="allow|JSON|Out of range"):
         save_stats({**s, "lr": math.nan}, str(tmp_path / "c.json"))
+
+
+def test_reader_names_a_bad_study_fields_header(tmp_path):
+    s = _stats()
+    for bad, msg in ((["quant_err", "fld"], r"c.json: field study_fields: unknown group\(s\) 'fld'"),
+                     ("quant_err", r"c.json: field 'study_fields' must be a list of group names")):
+        save_stats({**s, "study_fields": bad}, str(tmp_path / "c.json"))
+        with pytest.raises(ValueError, match=msg):
+            load_stats(str(tmp_path / "c.json"))
+    save_stats({**s, "study_fields": ["quant_err"]}, str(tmp_path / "d.json"))
+    assert load_stats(str(tmp_path / "d.json"))["study_fields"] == ["quant_err"]

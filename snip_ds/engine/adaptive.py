@@ -76,7 +76,8 @@ class AdaptivePlanner:
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
         how = CollectSettings(estimator=s.estimator, num_probes=s.num_probes, fld_form=s.fld_form,
                               seed=s.train.seed + eng.step, lam=s.bwd_lambda, retain_graph=eng.zero_stage < 3,
-                              bwd_propagated=s.dgrad_cost == "upstream", bwd_rounding=s.bwd_rounding)
+                              bwd_propagated=s.dgrad_cost == "upstream", bwd_rounding=s.bwd_rounding,
+                              study_fields=s.collect_study_fields)
         stats = collect_statistics(eng.ds.module, batches, how, layers=list(eng.layers), lr=eng.lr(), precond=precond,
                                    reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size())
         stats["precond_source"] = source

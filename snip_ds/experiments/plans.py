@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterator, List, Mapping
 
 from torch import nn
 
-from snip_ds.stats import CollectSettings, adam_precond, collect_statistics
+from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics
 from snip_ds.data import DataStream
 from snip_ds.experiments.grid import KIND_PLANS, SOLVED, UNIFORM, snip_label
 from snip_ds.experiments.training import TrainSettings, load_checkpoint, make_optimizer
@@ -40,7 +40,8 @@ def collect_phase_stats(model, ckpt: Path, train_ds, settings: TrainSettings, ar
     batches = [stream.next_batch()["input_ids"] for _ in range(args.stat_batches)]
     how = CollectSettings(estimator="mc_fisher", num_probes=1, seed=args.seed, lam=args.lambda_default,
                           bwd_propagated=args.dgrad_cost == "upstream" or args.bwd_key == "bwd_propagated",
-                          bwd_rounding=args.bwd_rounding, forward_drift=args.forward_drift)
+                          bwd_rounding=args.bwd_rounding, forward_drift=args.forward_drift,
+                          study_fields=tuple(STUDY_FIELDS))  # the baselines and the report read them
     return collect_statistics(model, batches, how, lr=pc.lr, precond=pc.precond, step=pc.step)
 
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from snip_ds.stats import CollectSettings, adam_precond, collect_statistics
+from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics
 from snip_ds.experiments.scores import print_table, read_truth_table, score, variants
 from snip_ds.experiments.training import lm_loss
 from snip_ds.experiments.truths import Measured, bwd_truth, fld_truth, fwd_truth
@@ -133,7 +133,7 @@ def measure(model, opt, batches: List[torch.Tensor], fqns: List[str], args, tabl
     for est in ("mc_fisher", "empirical", "isotropic"):
         t = time.perf_counter()
         how = CollectSettings(estimator=est, bwd_propagated=(est == "mc_fisher"), seed=args.seed,
-                              bwd_rounding=args.bwd_rounding)
+                              bwd_rounding=args.bwd_rounding, study_fields=tuple(STUDY_FIELDS))
         preds[est] = collect_statistics(model, batches, how, lr=pc.lr, precond=pc.precond,
                                         step_scale=pc.step_scale, step=pc.step)
         timing[est] = time.perf_counter() - t
@@ -155,7 +155,8 @@ def measure(model, opt, batches: List[torch.Tensor], fqns: List[str], args, tabl
     fwd, fwd_pred, t_fwd = None, None, 0.0
     if args.fwd_truth:
         t = time.perf_counter()
-        how = CollectSettings(seed=args.seed, bwd_rounding=args.bwd_rounding, forward_drift=True)
+        how = CollectSettings(seed=args.seed, bwd_rounding=args.bwd_rounding, forward_drift=True,
+                              study_fields=tuple(STUDY_FIELDS))
         fwd_stats = collect_statistics(model, batches, how, lr=pc.lr, precond=pc.precond,
                                        step_scale=pc.step_scale, step=pc.step)
         timing["forward_drift"] = time.perf_counter() - t

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from snip_ds.plan import _listed
+from snip_ds.stats.artifact import STUDY_FIELDS
 from snip_ds.types import GEMM_OPERANDS, GEMMS, OPERANDS, PRECISIONS, QUANTIZED
 
 METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
@@ -71,6 +72,15 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _study_hint(stats: Mapping, field: str) -> str:
+    """Where a missing study field would come from (a collection records them only when asked)."""
+    group = next((g for g, fields in STUDY_FIELDS.items() if field in fields), None)
+    if group is None or "study_fields" not in stats:
+        return ""
+    return (f" (statistics collected without study field group {group!r}: a training run records it when its "
+            f"plan needs it or when snip.research.study_fields lists it)")
+
+
 def metric_costs(stats: Mapping, fields: Mapping[str, float], per_gemm: bool,
                  gemm_split: Mapping[str, Mapping[str, float]] | None = None) -> StatsCosts:
     """Costs C(p) = Σ_field weight·layers[fqn][field][p]; bf16 costs 0 (no quantization).
@@ -83,7 +93,8 @@ def metric_costs(stats: Mapping, fields: Mapping[str, float], per_gemm: bool,
         flops[fqn] = float(rec["flops"])
         for field in fields:
             if field not in rec:
-                raise ValueError(f"statistics layers[{fqn!r}] lack field '{field}' needed for these costs")
+                raise ValueError(f"statistics layers[{fqn!r}] lack field '{field}' needed for these costs"
+                                 + _study_hint(stats, field))
         bad = rec.get("nonfinite", False) or not all(
             _finite(rec[field].get(p)) for field in fields for p in QUANTIZED)
         table: dict = {}
@@ -242,6 +253,19 @@ def method_costs(method: str, stats: Mapping, cost: CostSettings | None = None, 
     if method in METHODS:
         raise ValueError(f"method {method!r} is a fixed plan: it has no costs")
     raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
+
+
+def plan_study_fields(method: str, bwd_key: str = "bwd") -> tuple:
+    """The groups of study fields (:data:`snip_ds.stats.artifact.STUDY_FIELDS`) that a plan of ``method``,
+    priced with ``bwd_key``, is solved from: ``quant_err`` for the quantization-error baselines, ``bwd_bias``
+    for SNIP's costs on the systematic BWD; none otherwise (``fld``, ``bwd`` and ``flops`` are always
+    recorded). A collection that serves only a plan asks for exactly these."""
+    groups = set()
+    if method in ("quant_err", "rel_quant_err"):
+        groups.add("quant_err")
+    if method in ("best", "first_last_fp8") and bwd_key == "bwd_bias":
+        groups.add("bwd_bias")
+    return tuple(sorted(groups))
 
 
 def predicted_divergence(layers: Mapping[str, Mapping[str, Any]], assignment: Mapping[str, Any],

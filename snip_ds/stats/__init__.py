@@ -16,6 +16,7 @@ _EXPORTS = {
     "AdamPrecond": "snip_ds.stats.precond",
     "adam_precond": "snip_ds.stats.precond",
     "STATS_FORMAT": "snip_ds.stats.artifact",
+    "STUDY_FIELDS": "snip_ds.stats.artifact",
     "save_stats": "snip_ds.stats.artifact",
     "load_stats": "snip_ds.stats.artifact",
     "validate_stats": "snip_ds.stats.artifact",

@@ -5,6 +5,7 @@ A statistics artifact is one JSON object::
     {"format": "snip_ds.stats/1", "step": 0, "lr": 3e-4, "world_size": 2, "estimator": "mc_fisher",
      "num_probes": 1, "fld_form": "sequence", "step_scale": 1.0, "bwd_rounding": "recipe",
      "precond": "grad_sq", "batches": 1, "tokens": 1020, "loss": 5.63, "seed": 0, "forward_drift": false,
+     "study_fields": [],                              # the study-only field groups recorded (below)
      "lambda": 2.0,                                   # optional: the planner's default λ
      "alpha": ..., "quadratic_ratio": ...,            # isotropic estimator only
      "layers": {fqn: {"flops": F, "fld": {"fp8": x, "fp4": y}, "bwd": {...}, ..., "nonfinite": false}}}
@@ -14,6 +15,12 @@ where the collection gave a non-finite value (the layer is then flagged ``nonfin
 it to fp8). :data:`PRECISION_FIELDS` lists the fields the reader checks; ``fld`` and ``bwd`` are required.
 What each field measures is documented in docs/method.md and in
 :func:`snip_ds.stats.collector.collect_statistics`.
+
+Only some fields are recorded always (``flops``, ``fld``, ``bwd``, ``nonfinite``; ``fwd`` with
+``forward_drift``; the propagated ablation's fields with ``bwd_propagated``); the others belong to the groups
+of :data:`STUDY_FIELDS`, which a collection computes only when asked (``study_fields``, listed in the
+header), because only studies and the baseline methods read them. An artifact written before the groups
+existed has no ``study_fields`` header and every field.
 
 This module is pure data: no torch, no torch.distributed.
 """
@@ -36,19 +43,41 @@ PRECISION_FIELDS = ("fld", "fld_sequence", "fld_channel", "bwd", "bwd_bias", "bw
                         f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS)
 REQUIRED_LAYER_FIELDS = ("flops", "fld", "bwd")
 
+STUDY_FIELDS = {
+    "fld_forms": ("fld_sequence", "fld_channel"),
+    "first_order": ("first_order",),
+    "quant_err": ("quant_err", "rel_quant_err") + tuple(
+        f"{m}_{o}" for m in ("quant_err", "rel_quant_err") for o in OPERANDS),
+    "bwd_bias": ("bwd_bias", "bwd_drift_bias"),
+    "bwd_drift": ("bwd_drift",),
+}
+"""The per-layer fields a collection records only when asked, by group: both FLD forms (``fld`` is always the
+configured one), the first-order term, the quantization errors (the ``quant_err``/``rel_quant_err``
+baselines), BWD's systematic part (``bwd_estimate: systematic``) and the drift in parameter units."""
+
+
+def check_study_fields(names: Any, where: str = "study_fields") -> tuple:
+    """``names`` as a sorted tuple of :data:`STUDY_FIELDS` groups; a ValueError names ``where`` otherwise."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where}: expected a list of group names ({', '.join(STUDY_FIELDS)}), got {names!r}")
+    bad = [n for n in names if n not in STUDY_FIELDS]
+    if bad:
+        raise ValueError(f"{where}: unknown group(s) {', '.join(map(repr, bad))}; valid: {', '.join(STUDY_FIELDS)}")
+    return tuple(sorted(set(names)))
+
 
 # --------------------------------------------------------------------------------------------------------
 # writing
 # --------------------------------------------------------------------------------------------------------
 def stats_header(*, step: int, lr: float, world_size: int, estimator: str, num_probes: int, fld_form: str,
                  step_scale: float, bwd_rounding: str, precond: str, batches: int, tokens: int, loss: float,
-                 seed: int, forward_drift: bool, lam: Optional[float]) -> Dict[str, Any]:
+                 seed: int, forward_drift: bool, lam: Optional[float], study_fields: tuple = ()) -> Dict[str, Any]:
     """The artifact's top-level fields, in the order the file lists them (``"lambda"`` only when given)."""
     out: Dict[str, Any] = {"format": STATS_FORMAT, "step": step, "lr": lr, "world_size": world_size,
                            "estimator": estimator, "num_probes": num_probes, "fld_form": fld_form,
                            "step_scale": step_scale, "bwd_rounding": bwd_rounding, "precond": precond,
                            "batches": batches, "tokens": tokens, "loss": loss, "seed": seed,
-                           "forward_drift": forward_drift}
+                           "forward_drift": forward_drift, "study_fields": list(study_fields)}
     if lam is not None:
         out["lambda"] = float(lam)
     return out
@@ -100,6 +129,14 @@ def validate_stats(stats: Any, source: str = "<stats>") -> dict:
         if field in stats and (not isinstance(stats[field], types) or isinstance(stats[field], bool)):
             raise ValueError(f"{source}: field '{field}' must be {' or '.join(t.__name__ for t in types)}, "
                              f"got {stats[field]!r}")
+    if "study_fields" in stats:
+        names = stats["study_fields"]
+        if not isinstance(names, list):
+            raise ValueError(f"{source}: field 'study_fields' must be a list of group names, got {names!r}")
+        try:
+            check_study_fields(names)
+        except ValueError as err:
+            raise ValueError(f"{source}: field {err}") from None
     layers = stats.get("layers")
     if not isinstance(layers, Mapping) or not layers:
         raise ValueError(f"{source}: field 'layers' must be a non-empty object {{fqn: {{...}}}}")

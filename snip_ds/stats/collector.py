@@ -10,12 +10,13 @@ per-channel vectors are priced with that batch's probes and folded into per-laye
 scalars per layer are all-reduced, whatever the model's width):
 
 * forward hook: keeps the layer's input X for its training-gradient hook;
-* training-gradient hook: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W and
-  ``⟨G_Y, E⟩`` (one E serves both), ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` with G_Y rounded as training rounds
-  it (``bwd_rounding="recipe"``: where that is stochastic, the exact expectation over the rounding, its
+* training-gradient hook: ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` with G_Y rounded as training rounds it
+  (``bwd_rounding="recipe"``: where that is stochastic, the exact expectation over the rounding, its
   systematic part ``E[ΔG_W]`` plus the noise ``Var[G_W]``; ``"nearest"``: round to nearest),
-  ``‖ΔG_W ⊙ P‖²``, the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units, the G_Y
-  operand error and (``bwd_propagated``) the dgrad error and upstream terms;
+  ``‖ΔG_W ⊙ P‖²``, the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units and
+  (``bwd_propagated``) the dgrad error and upstream terms; only where :class:`CollectSettings` asks for the
+  fields that need them (the study fields, the channel form, the empirical estimator), also
+  ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` and from it ``Σ_t E_tj²``, ``⟨G_Y, E⟩`` and the operand errors of X, W, G_Y;
 * probe hook: ``Σ_t g_tj²`` and, with E recomputed from the layer's saved input, ``Σ_rows (Σ_t g_t·E_t)²``
   (the sequence-form FLD: the Gauss-Newton form of E in expectation over the probe labels).
 * ``forward_drift=True``: after each probe, two more forward and backward passes of the training loss with
@@ -50,6 +51,7 @@ from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
 from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
 from snip_ds.linear import SnipLinear
+from snip_ds.stats.artifact import check_study_fields
 from snip_ds.stats.common import GLOBAL, Reduce, Sums, device_of, select_layers, targets, unpack
 from snip_ds.stats.estimators import BwdTerms, FldTerms, FwdTerms
 from snip_ds.stats.fields import finalize
@@ -88,6 +90,14 @@ class CollectSettings:
             tensor per layer while a batch runs. Needs ``estimator="mc_fisher"`` and weight-shaped
             preconditioners (a mapping of tensors, or None for the fallback), not the partitioned states'
             callable.
+        study_fields: groups of :data:`~snip_ds.stats.artifact.STUDY_FIELDS` to record besides what a plan
+            is solved from (default none): ``"fld_forms"`` (``fld_sequence`` and ``fld_channel``; ``fld`` is
+            always the ``fld_form`` one), ``"first_order"``, ``"quant_err"`` (``quant_err``,
+            ``rel_quant_err`` and their per-operand parts: what the quant_err baselines are solved from),
+            ``"bwd_bias"`` (``bwd_bias``, ``bwd_drift_bias``: ``bwd_estimate="systematic"``) and
+            ``"bwd_drift"``. Without ``fld_forms``, ``first_order`` and ``quant_err`` the training
+            gradient's hook computes no fprop error at all (the probe's hook prices the sequence form); the
+            fields recorded either way are the same numbers.
         precisions: quantized precisions to measure (``fp8``, ``fp4``).
         precond_fallback: the preconditioner where :func:`collect_statistics` gets none (no optimizer state
             yet): ``"grad_sq"`` (Adam's first-step ``v̂ = G_W²``) or ``"ones"``.
@@ -104,6 +114,7 @@ class CollectSettings:
     bwd_rounding: str = "recipe"
     bwd_propagated: bool = False
     forward_drift: bool = False
+    study_fields: Tuple[str, ...] = ()
     precisions: Tuple[str, ...] = QUANTIZED
     precond_fallback: str = "grad_sq"
     seed: int = 0
@@ -112,6 +123,7 @@ class CollectSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precisions", tuple(self.precisions))
+        object.__setattr__(self, "study_fields", check_study_fields(self.study_fields))
         if self.fld_form not in FLD_FORMS:
             raise ValueError(f"fld_form: unknown form {self.fld_form!r}; valid: {', '.join(FLD_FORMS)}")
         if self.estimator not in ESTIMATORS:
@@ -149,6 +161,14 @@ class Collector(FldTerms, BwdTerms, FwdTerms):
         self.fwd_dot: Dict[str, Dict[str, float]] = {}  # Σ_sign sign·⟨G_Y(W + sign·ε·v), E(p)⟩
         self.fwd_shift = 0.0
         self.bwd_rounding = settings.bwd_rounding
+        study = set(settings.study_fields)
+        self.fld_sequence = settings.fld_form == "sequence" or "fld_forms" in study
+        self.fld_channel = settings.fld_form == "channel" or "fld_forms" in study
+        self.first_order, self.quant_err = "first_order" in study, "quant_err" in study
+        self.bwd_bias = "bwd_bias" in study
+        # whether the training gradient's hook needs the fprop errors E (the probe's hook recomputes them)
+        self.train_errors = (self.fld_channel or self.first_order or self.quant_err
+                             or (settings.estimator == "empirical" and self.fld_sequence))
         self.precond, self.fallback = precond, settings.precond_fallback
         self.estimator, self.propagated = settings.estimator, settings.bwd_propagated
         self.backend = get_backend()
@@ -400,11 +420,13 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
 
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
-        the planner's costs), ``bwd_drift`` (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units), ``first_order``,
-        ``quant_err``, ``rel_quant_err`` (each ``{precision: number}``; summed over the operands X, W, G_Y) and
-        the same per operand (``quant_err_x`` ...  ``rel_quant_err_g``), ``bwd_bias`` and ``bwd_drift_bias``
-        (the systematic part of ``bwd`` and ``bwd_drift``: what persists from step to step), ``nonfinite``.
-        Non-finite numbers are written as null and flag the layer.
+        the planner's costs; each ``{precision: number}``), ``nonfinite``; with ``forward_drift`` ``fwd``,
+        with ``bwd_propagated`` ``bwd_propagated``, ``bwd_drift_propagated``, ``bwd_dgrad``, ``dgrad_err``;
+        and the groups of ``settings.study_fields``: ``fld_sequence``, ``fld_channel``; ``first_order``;
+        ``quant_err``, ``rel_quant_err`` (summed over the operands X, W, G_Y) and the same per operand
+        (``quant_err_x`` ...  ``rel_quant_err_g``); ``bwd_bias`` and ``bwd_drift_bias`` (the systematic part
+        of ``bwd`` and ``bwd_drift``: what persists from step to step); ``bwd_drift``
+        (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units). Non-finite numbers are written as null and flag the layer.
     """
     if settings is None:
         settings = CollectSettings()

@@ -50,25 +50,34 @@ class FldTerms:
 
     def _fprop_stats(self, fqn: str, module: SnipLinear, x2: torch.Tensor, g2: Optional[torch.Tensor],
                      rows: int = 1) -> None:
-        """Per precision: ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ``, the operand errors of X and W, and
-        (given the training ``G_Y``) the first-order term ``⟨G_Y, E⟩`` from the same E (and, for the empirical
-        estimator, its per-sequence square: the sequence-form FLD with ``G_Y`` as the probe)."""
+        """Per precision, as far as the collection asks for them (the collector's ``train_errors`` says whether
+        any is): ``Σ_t E_tj²`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` (the channel form), the operand errors of X and
+        W (``quant_err``), and (given the training ``G_Y``) the first-order term ``⟨G_Y, E⟩`` from the same E
+        (and, for the empirical estimator, its per-sequence square: the sequence-form FLD with ``G_Y`` as the
+        probe)."""
         st = self.stats
         w = module.weight.detach().float()  # [n, k]
-        for p, e, x_lp, w_lp in self._fprop_errors(module, x2):
-            st.add(fqn, f"err_sq.{p}", dv.channel_sq_sum(e))
-            if g2 is not None:
-                st.add(fqn, f"first.{p}", (g2 * e).sum() * self.n_local)
-                if self.estimator == "empirical":
-                    st.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2 * self.n_local, e, rows))
-            st.add(fqn, f"qerr_x.{p}", ((x_lp - x2) ** 2).sum())
-            st.add(fqn, f"qerr_w.{p}", ((w_lp - w) ** 2).sum())
-            del e, x_lp, w_lp
-        st.add(fqn, "qnorm_x", (x2 * x2).sum())
-        w_sq = (w * w).sum()
-        st.add(fqn, "qnorm_w", w_sq)
-        if self.forward_drift:
-            self.fwd_w_sq[fqn] = float(w_sq)
+        if self.train_errors:  # else nothing below needs E (only the study fields and the empirical FLD do)
+            for p, e, x_lp, w_lp in self._fprop_errors(module, x2):
+                if self.fld_channel:
+                    st.add(fqn, f"err_sq.{p}", dv.channel_sq_sum(e))
+                if g2 is not None:
+                    if self.first_order:
+                        st.add(fqn, f"first.{p}", (g2 * e).sum() * self.n_local)
+                    if self.estimator == "empirical" and self.fld_sequence:
+                        st.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2 * self.n_local, e, rows))
+                if self.quant_err:
+                    st.add(fqn, f"qerr_x.{p}", ((x_lp - x2) ** 2).sum())
+                    st.add(fqn, f"qerr_w.{p}", ((w_lp - w) ** 2).sum())
+                del e, x_lp, w_lp
+        if self.quant_err:
+            st.add(fqn, "qnorm_x", (x2 * x2).sum())
+        if self.quant_err or self.forward_drift:
+            w_sq = (w * w).sum()
+            if self.quant_err:
+                st.add(fqn, "qnorm_w", w_sq)
+            if self.forward_drift:
+                self.fwd_w_sq[fqn] = float(w_sq)
 
     def _probe_fld(self, fqn: str, module: SnipLinear, g2: torch.Tensor, rows: int) -> None:
         """Sequence-form FLD: ``Σ_rows (Σ_t g_t·E_t)²`` per precision, E recomputed from the saved input.
@@ -78,7 +87,7 @@ class FldTerms:
         (sequences are independent, so their cross terms vanish in expectation and are left out).
         """
         x = self.xp.get(fqn)
-        if x is None:
+        if x is None or not self.fld_sequence:
             return
         x2 = x.reshape(-1, x.shape[-1]).float()
         for p, e, _, _ in self._fprop_errors(module, x2):
@@ -132,8 +141,10 @@ class BwdTerms:
                 dgw, var, projected = be.wgrad(g2, x2, p, cfg, self.had_gen) - gw, None, None
             self._drift_stats(fqn, p, dgw, var, projected, x2, pmat, pfn, gram)
             del dgw, var, projected
-            g_lp = be.quantize(g2, p, "g", -1, cfg)
-            st.add(fqn, f"qerr_g.{p}", ((g_lp - g2) ** 2).sum())
+            if self.quant_err:
+                g_lp = be.quantize(g2, p, "g", -1, cfg)
+                st.add(fqn, f"qerr_g.{p}", ((g_lp - g2) ** 2).sum())
+                del g_lp
             if self.propagated:
                 if sr[p]:
                     mom = be.dgrad_moments(g2, w, p, module.quant_config)
@@ -143,7 +154,8 @@ class BwdTerms:
                     e = be.dgrad(g2, w, p, cfg, self.had_gen) - g2 @ w
                     st.add(fqn, f"dgrad_sq.{p}", (e * e).sum())
                 del e
-        st.add(fqn, "qnorm_g", (g2 * g2).sum())
+        if self.quant_err:
+            st.add(fqn, "qnorm_g", (g2 * g2).sum())
         if self.estimator == "empirical":
             st.add(fqn, "probe_sq", dv.channel_sq_sum(g2 * self.n_local))
         if self.propagated:
@@ -172,8 +184,9 @@ class BwdTerms:
                      projected: Optional[torch.Tensor], x2: torch.Tensor, pmat: Optional[torch.Tensor],
                      pfn: Optional[PrecondFn], gram: Optional[torch.Tensor]) -> None:
         """The weight-gradient error's drift statistics: its systematic part ``dgw`` (the whole error under
-        round-to-nearest; its expectation under stochastic rounding) under ``*_bias`` keys, and with the
-        rounding noise of element-wise variance ``var`` added (its expectation) under the plain keys.
+        round-to-nearest; its expectation under stochastic rounding) under ``*_bias`` keys (with the
+        ``bwd_bias`` study fields only), and with the rounding noise of element-wise variance ``var`` added
+        (its expectation) under the plain keys.
 
         The noise's loss-unit price per output channel j is ``projected_j`` (estimated from a sample of the
         tokens, :meth:`_price_sample`) times ``P²`` averaged over the row j with weights ``var`` (exact when P
@@ -192,12 +205,14 @@ class BwdTerms:
             bias_sq = torch.as_tensor(pfn(fqn, dgw), dtype=torch.float32)
             bias_ch = dv.projected_sq_sum(x2, dgw, gram)
             dg_sq = (dgw * dgw).sum()
-            st.add(fqn, f"dg_sq_bias.{p}", dg_sq)
+            if self.bwd_bias:
+                st.add(fqn, f"dg_sq_bias.{p}", dg_sq)
             st.add(fqn, f"dg_sq.{p}", dg_sq + var.sum() if var is not None else dg_sq)
             noise_sq = torch.as_tensor(pfn(fqn, var.sqrt()), dtype=torch.float32) if var is not None else None
             noise_ch = projected
-        st.add(fqn, f"drift_sq_bias.{p}", bias_sq)
-        st.add(fqn, f"drift_ch_bias.{p}", bias_ch)
+        if self.bwd_bias:
+            st.add(fqn, f"drift_sq_bias.{p}", bias_sq)
+            st.add(fqn, f"drift_ch_bias.{p}", bias_ch)
         st.add(fqn, f"drift_sq.{p}", bias_sq + noise_sq if noise_sq is not None else bias_sq)
         st.add(fqn, f"drift_ch.{p}", bias_ch + noise_ch if noise_sq is not None else bias_ch)
 

@@ -1,10 +1,10 @@
 """The artifact's per-layer fields from a collection's all-reduced sums.
 
 :func:`finalize` divides the sums of :mod:`snip_ds.stats.estimators` by the token, batch and rank counts and
-prices them: ``fld`` (the sequence or the channel form, both recorded), ``bwd`` and ``bwd_bias`` (the drift's
-loss-unit price, with and without the rounding noise), ``bwd_drift`` (parameter units), ``first_order``, the
-quantization errors, ``fwd`` (``forward_drift``) and the propagated ablation's ``bwd_propagated`` and
-``bwd_dgrad`` (:func:`dgrad_cost`). The record's layout is :mod:`snip_ds.stats.artifact`'s.
+prices them: ``fld`` (the sequence or the channel form), ``bwd`` (the drift's loss-unit price), ``fwd``
+(``forward_drift``) and the propagated ablation's ``bwd_propagated`` and ``bwd_dgrad`` (:func:`dgrad_cost`),
+and the study fields asked for (``study_fields``): both FLD forms, ``bwd_bias`` (the price without the
+rounding noise), ``bwd_drift`` (parameter units), ``first_order``, the quantization errors. The record's layout is :mod:`snip_ds.stats.artifact`'s.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 from typing import TYPE_CHECKING, Any, Dict, List
 
 from snip_ds.linear import SnipLinear
-from snip_ds.stats.artifact import clean_layer, stats_header
+from snip_ds.stats.artifact import STUDY_FIELDS, clean_layer, stats_header
 from snip_ds.stats.common import GLOBAL
 from snip_ds.types import OPERANDS
 
@@ -35,7 +35,8 @@ def finalize(col: "Collector", mods: Dict[str, SnipLinear], n_batches: int, toke
                        fld_form=fld_form, step_scale=step_scale, bwd_rounding=bwd_rounding,
                        precond=",".join(sorted(col.sources)) or "none", batches=n_batches, tokens=int(n_tot),
                        loss=st.get(G, "loss_sum")[0].item() / n_tot, seed=seed, forward_drift=col.forward_drift,
-                       lam=lam)
+                       study_fields=settings.study_fields, lam=lam)
+    study = set(settings.study_fields)
     curvature = 1.0
     if col.estimator == "isotropic":
         count = float(st.get(G, "alpha_count")[0])
@@ -65,7 +66,7 @@ def finalize(col: "Collector", mods: Dict[str, SnipLinear], n_batches: int, toke
         bwd_bias, drift_bias = {}, {}
         qe_op, rqe_op = {r: {} for r in OPERANDS}, {r: {} for r in OPERANDS}
         probes = 1.0 if col.estimator == "empirical" else float(num_probes)
-        for p in col.precisions:
+        for p in col.precisions:  # (a study field not asked for comes from absent sums, 0, and is dropped)
             fld_ch[p] = curvature * float(st.get(fqn, f"fld_prod.{p}")[0]) / (2.0 * n_tot)
             fld_sq[p] = curvature * float(st.get(fqn, f"fld_seq.{p}")[0]) / probes / (2.0 * n_tot)
             fld[p] = fld_sq[p] if fld_form == "sequence" else fld_ch[p]
@@ -110,6 +111,10 @@ def finalize(col: "Collector", mods: Dict[str, SnipLinear], n_batches: int, toke
     if col.propagated:
         dgrad_cost(col, layers_out, upstream, eta2, B, W, cover)
     out["layers"] = {fqn: clean_layer(rec) for fqn, rec in layers_out.items()}
+    unasked = [f for group, fields in STUDY_FIELDS.items() if group not in study for f in fields]
+    for rec in out["layers"].values():  # computed from absent sums (0) or, bwd_drift, needed by dgrad_cost only
+        for f in unasked:
+            del rec[f]
     return out
 
 

@@ -60,13 +60,14 @@ def main() -> int:
     precond, source = layer_preconditioner(engine.ds.optimizer, weights, engine.step)
     out = {"source": source, "layers": {}}
     # One statistics collection on the same global batch, split over the ranks (retain_graph as the engine).
-    from snip_ds.stats import CollectSettings, collect_statistics
+    from snip_ds.stats import STUDY_FIELDS, CollectSettings, collect_statistics
     ids = torch.randint(0, 64, (args.global_batch, 16), generator=gen)
     mine = ids[rank * micro:(rank + 1) * micro]
 
     def collect(precond_fn):  # the collection draws its probe labels from its own seeded generator
         return collect_statistics(engine.ds.module, [{"input_ids": mine, "labels": mine}],
-                                  CollectSettings(retain_graph=engine.zero_stage < 3, num_probes=args.num_probes),
+                                  CollectSettings(retain_graph=engine.zero_stage < 3, num_probes=args.num_probes,
+                                                  study_fields=tuple(STUDY_FIELDS)),
                                   layers=list(engine.layers), lr=engine.lr(), precond=precond_fn,
                                   reduce=sdist.dist_sum, world_size=world, step=engine.step)
     out["stats"] = collect(precond)
