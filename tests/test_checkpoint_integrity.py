@@ -11,13 +11,11 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from train_utils import REPO, TRAIN, assert_no_shm_left, env, launch, write_configs
+from train_utils import launch, ranks_directly, write_configs
 
 from snip_ds.engine.checkpoint import (CheckpointError, META_FILE, file_digest, read_meta, record_files, resolve,
                                        verify_files)
@@ -193,33 +191,6 @@ DAMAGE = {
 }
 
 
-def _ranks_directly(args, num_ranks: int = 2, timeout: int = 300) -> list:
-    """Starts ``launch/train.py ARGS`` once per rank with the variables a launcher sets; returns each rank's
-    (exit code, stdout, stderr)."""
-    from snip_ds.engine.core import _free_port
-
-    port = str(_free_port())
-    procs = []
-    for r in range(num_ranks):
-        e = env()
-        e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(num_ranks), MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, str(TRAIN), *args, "--no_progress"], cwd=REPO, env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            results.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert_no_shm_left(["--master_port", port])
-    return results
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", sorted(DAMAGE))
@@ -230,7 +201,7 @@ def test_damaged_checkpoint_stops_every_rank_with_the_same_error(run, case):
         names = sorted(json.loads((run["out"] / "checkpoints" / "step_1" / META_FILE).read_text())["files"])
         assert names.index(RANK1_OPTIM) % 2 == 1
     out_dir = run["tmp"] / f"out_{case}"
-    results = _ranks_directly(["--deepspeed", str(run["cfg"]), "--resume_from_checkpoint", str(tag),
+    results = ranks_directly(["--deepspeed", str(run["cfg"]), "--resume_from_checkpoint", str(tag),
                                "--output_dir", str(out_dir), *extra])
     lines = []
     for rank, (code, out, err) in enumerate(results):

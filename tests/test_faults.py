@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from train_utils import REPO, assert_no_shm_left, env, launch, launch_cmd, scalars, write_configs
+from train_utils import REPO, assert_no_shm_left, env, launch, launch_cmd, ranks_directly, scalars, write_configs
 
 
 def _ok(proc):
@@ -232,32 +232,12 @@ def test_a_save_failing_on_one_rank_stops_both_with_its_line(reference, tmp_path
     alone, as on a node-local disk): rank 0 wrote all its files, yet learns of rank 1's failure before
     marking the checkpoint complete, and both stop with rank 1's line instead of waiting on each other."""
     from snip_ds.engine.checkpoint import META_FILE
-    from snip_ds.engine.core import _free_port
-
     run = tmp_path / "run"
     shutil.copytree(reference["out"] / "checkpoints" / "step_2", run / "checkpoints" / "step_2")
     (run / "checkpoints" / "latest").write_text("step_2")
     limit = max(p.stat().st_size for p in (run / "checkpoints" / "step_2").glob("*_optim_states.pt")) // 2
-    port, procs = str(_free_port()), []
-    for r in range(2):
-        e = env()
-        e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(REPO / "launch" / "train.py"), "--deepspeed", str(reference["cfg"]),
-             "--resume_from_checkpoint", str(run), "--output_dir", str(run), "--no_progress"],
-            cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_file_size_limit(limit) if r == 1 else None))
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=600)
-            results.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert_no_shm_left(["--master_port", port])
+    results = ranks_directly(["--deepspeed", str(reference["cfg"]), "--resume_from_checkpoint", str(run),
+                              "--output_dir", str(run)], timeout=600, preexec={1: _file_size_limit(limit)})
     lines = []
     for rank, (code, out, err) in enumerate(results):
         assert code == 1, (rank, out[-2000:], err[-3000:])

@@ -112,3 +112,32 @@ def images(log_dir: Path) -> List[str]:
     acc = EventAccumulator(str(log_dir), size_guidance={"images": 0})
     acc.Reload()
     return acc.Tags()["images"]
+
+
+def ranks_directly(args: List[str], num_ranks: int = 2, timeout: int = 300,
+                   preexec: Optional[Dict[int, Callable[[], None]]] = None) -> list:
+    """Starts ``launch/train.py ARGS`` once per rank with the variables a launcher sets (``preexec[r]`` runs in
+    rank r's child before it starts); returns each rank's (exit code, stdout, stderr)."""
+    from snip_ds.engine.core import _free_port
+
+    port = str(_free_port())
+    procs = []
+    for r in range(num_ranks):
+        e = env()
+        e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(num_ranks), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, str(TRAIN), *args, "--no_progress"], cwd=REPO, env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      preexec_fn=(preexec or {}).get(r)))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert_no_shm_left(["--master_port", port])
+    return results
