@@ -298,7 +298,7 @@ def test_registry_keeps_the_old_imports():
 
 def test_te_is_a_clear_error_naming_backend_recipe_and_device():
     with pytest.raises(BackendError, match=r"backend 'te' cannot run nvfp4 \(2-D weight blocks\) on cpu: "
-                                           r"Transformer Engine does not import"):
+                                           r"Transformer Engine runs on CUDA devices only"):
         resolve("te", "fp4", QuantConfig(backend="te"), "cpu")
     with pytest.raises(BackendError, match="backend 'te'"):
         check_backend(QuantConfig(backend="te"), "cpu")

@@ -17,7 +17,8 @@ Only this package knows how a GEMM is computed: :class:`~snip_ds.linear.SnipLine
 * ``emulated`` (:mod:`.emulated`): quantize->dequantize in FP32, FP32 GEMM. Any device; the reference.
 * ``torch`` (:mod:`.torch_native`): real FP8 GEMMs (``torch._scaled_mm``) where the device has them, else the
   exact grid values in BF16 GEMMs with FP32 accumulation. CUDA and CPU.
-* ``te``: Transformer Engine. Not implemented; choosing it is an error that says so.
+* ``te`` (:mod:`.te`, imported on first use): Transformer Engine's quantizers and GEMM, CUDA only; needs
+  Transformer Engine 2.9 - 2.19 (``pip install -e ".[te]"``). Not run on any hardware yet.
 * ``auto``: per precision, the fastest backend that exists for the device (see :func:`resolve`).
 """
 from __future__ import annotations
@@ -92,9 +93,10 @@ def register(backend: GemmBackend) -> GemmBackend:
 
 def get_backend(name: str = "emulated") -> GemmBackend:
     """The backend registered under ``name`` (not ``auto``: see :func:`resolve`); a ValueError lists the valid
-    names. ``te`` raises :class:`BackendError` saying why it cannot run."""
+    names. ``te`` is built on first use (:func:`snip_ds.backend.te.load`): a :class:`BackendError` says why
+    it cannot be (Transformer Engine does not import, or its version is not supported)."""
     if name == "te":
-        raise BackendError(f"backend 'te': {_te_unavailable()}")
+        return _te_backend("backend 'te'")
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -102,15 +104,9 @@ def get_backend(name: str = "emulated") -> GemmBackend:
         raise ValueError(f"backend: unknown backend {name!r}; valid: {valid}") from None
 
 
-def _te_unavailable() -> str:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as err:  # ImportError, or a broken install raising anything else
-        return (f"Transformer Engine does not import ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else 'no message'}); choose backend 'torch', "
-                f"'emulated' or 'auto'")
-    return ("the Transformer Engine backend is not implemented in this version; choose backend 'torch', "
-            "'emulated' or 'auto'")
+def _te_backend(prefix: str) -> GemmBackend:
+    from snip_ds.backend import te  # imported on first use: it imports Transformer Engine
+    return te.load(prefix)
 
 
 def recipe_words(precision: str, cfg: QuantConfig) -> str:
@@ -161,9 +157,13 @@ def resolve(name: str, precision: str, cfg: QuantConfig, device: Union[str, torc
                      recipe_words(precision, cfg), chosen, device.type)
         name = chosen
     if name == "te":
-        raise BackendError(f"backend 'te' cannot run {recipe_words(precision, cfg)} on {device}: "
-                           f"{_te_unavailable()}")
-    backend = get_backend(name)
+        where = f"backend 'te' cannot run {recipe_words(precision, cfg)} on {device}"
+        if device.type != "cuda":  # before importing Transformer Engine: the device rules it out anyway
+            raise BackendError(f"{where}: Transformer Engine runs on CUDA devices only; choose backend "
+                               f"'torch', 'emulated' or 'auto'")
+        backend = _te_backend(where)
+    else:
+        backend = get_backend(name)
     backend.check(precision, cfg, device)
     return backend
 
