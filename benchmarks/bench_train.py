@@ -19,6 +19,19 @@ shared 2-core box, 2 threads oversubscribed by other jobs made step times swing 
 On a CPU the FP8/FP4 GEMMs are emulated in FP32 (quantize, dequantize, FP32 matmul), so these numbers show
 the cost of the emulation, not the speed-up or memory saving of FP8/FP4 hardware.
 Results go to benchmarks/results/bench_train.{json,md}.
+
+    python benchmarks/bench_train.py --device cuda [--quick]
+
+On a CUDA GPU: tokens/s of a ~1.0B-parameter Llama (22 blocks, hidden 2048, SwiGLU 5632, GQA 32/4 heads,
+TinyLlama-1.1B's shape with the byte-level vocabulary) under the bf16, fp8, fp4 and adaptive plans, each a
+run of launch/train.py through the deepspeed launcher on one GPU with the shipped ds_configs/zero3.json (ZeRO-3,
+BF16, ``backend: auto``), micro-batch 8 x 1024 tokens; only the model, the batch, the run's length, the
+re-planning cadence of the adaptive run, evaluation (once, at the end) and the output directory differ from
+the shipped file. From each run's TensorBoard: the median step time (the first two steps left out as warm-up,
+and the steps carrying the extra BF16 forward that measures the plan's divergence), and for the adaptive run
+the medians of the collection and the solve, from which SNIP's share of training time follows at the shipped
+``replan_every`` (see :func:`summarize_run`). Results go to benchmarks/results/bench_train_cuda.{json,md}.
+Without CUDA, ``--device cuda`` is an error (exit 2).
 """
 from __future__ import annotations
 
@@ -30,6 +43,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +58,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PLANS = ("bf16", "fp8", "fp4")
 MICRO_BATCH, BLOCK = 4, 256  # ds_configs/*.json: train_micro_batch_size_per_gpu, snip.train.block_size
 ADAMW = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # ds_configs/*.json: optimizer.params
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_CONFIG = REPO / "ds_configs" / "zero3.json"
+GPU_PLANS = ("bf16", "fp8", "fp4", "adaptive")
+GPU_MODEL = {"model_type": "llama", "vocab_size": 264, "hidden_size": 2048, "intermediate_size": 5632,
+             "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+             "max_position_embeddings": 2048, "tie_word_embeddings": False}
+GPU_MICRO_BATCH, GPU_BLOCK = 8, 1024
+GPU_STEPS, GPU_REPLAN_EVERY = 30, 10  # the adaptive run collects at steps 0, 10 and 20
 
 
 def build(precision: str, micro_batch: int = MICRO_BATCH):
@@ -124,6 +147,135 @@ def bench(steps: int, micro_batch: int, threads: int) -> dict:
     return {"parameters": n_params, "tokens_per_step": tokens, "rows": rows}
 
 
+# ------------------------------------------------------------------------------------------------------
+# --device cuda: launch/train.py runs through the deepspeed launcher, read back from their TensorBoard
+# ------------------------------------------------------------------------------------------------------
+
+def llama_parameters(cfg: dict) -> int:
+    """Parameters of a Llama config (q, k, v, o; gate, up, down; two RMSNorms per block; untied embeddings and
+    head; the final norm)."""
+    h, inter, layers, vocab = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
+                               cfg["vocab_size"])
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    per_block = 2 * h * h + 2 * h * kv + 3 * h * inter + 2 * h
+    return layers * per_block + 2 * vocab * h + h
+
+
+def gpu_run_config(plan: str, model_config: Path, out_dir: Path, steps: int = GPU_STEPS,
+                   replan_every: int = GPU_REPLAN_EVERY, micro_batch: int = GPU_MICRO_BATCH,
+                   block: int = GPU_BLOCK) -> dict:
+    """The shipped ds_configs/zero3.json with the benchmark's model, batch, plan and run length (module
+    docstring); BF16 and ``backend: auto`` stated explicitly."""
+    cfg = json.loads(SHIPPED_CONFIG.read_text())
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    cfg["gradient_accumulation_steps"] = 1
+    cfg["bf16"] = {"enabled": True}
+    snip = cfg["snip"]
+    snip["plan"] = plan
+    snip["replan_every"] = replan_every
+    snip["quant"]["backend"] = "auto"
+    snip["train"].update(model_config=str(model_config), block_size=block, max_steps=steps, eval_steps=steps,
+                         eval_batches=1, save_steps=0, logging_steps=1, output_dir=str(out_dir))
+    return cfg
+
+
+def summarize_run(series: dict, tokens_per_step: int, measure_every: int, shipped_replan_every: int) -> dict:
+    """One run's figures from its TensorBoard series (``{tag: {step: value}}``).
+
+    Step time: the median of ``perf/step_time_s`` (which leaves out a re-plan's collection and solve) over the
+    steps after the second, without the steps ``s`` with ``s % measure_every == 0``, which carry the extra
+    no-grad BF16 forward that measures the plan's divergence (logged at the step it precedes). tokens/s follows
+    from it. With a collection in the series (adaptive): SNIP's overhead per ``K = shipped_replan_every`` steps
+    is one collection, one solve (with its broadcast) and ``K / measure_every`` BF16 forwards, and its share of
+    training time is ``overhead / (K * step + overhead)``.
+    """
+    times = series["perf/step_time_s"]
+    n = measure_every
+    plain = [v for s, v in times.items() if s > 2 and not (n and s % n == 0)]
+    measured = [v for s, v in times.items() if s > 2 and n and s % n == 0]
+    step = statistics.median(plain)
+    row = {"step_time_s": step, "tokens_per_s": tokens_per_step / step, "steps_timed": len(plain)}
+    if series.get("snip/collect_time_s"):
+        k = shipped_replan_every
+        collect = statistics.median(series["snip/collect_time_s"].values())
+        solve = statistics.median(series["snip/solve_time_s"].values())
+        bf16_forward = statistics.median(measured) - step if measured else 0.0
+        overhead = collect + solve + (k / n if n else 0) * bf16_forward
+        row.update(collect_s=collect, solve_s=solve, bf16_measure_forward_s=bf16_forward,
+                   collections=len(series["snip/collect_time_s"]), snip_overhead_share=overhead / (k * step + overhead),
+                   tokens_per_s_with_snip=k * tokens_per_step / (k * step + overhead))
+    return row
+
+
+def _launch_run(plan: str, steps: int, replan_every: int) -> dict:
+    """One launch/train.py run on one GPU; its TensorBoard series."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model.json"
+        model.write_text(json.dumps(GPU_MODEL))
+        path = Path(tmp) / f"bench_{plan}.json"
+        path.write_text(json.dumps(gpu_run_config(plan, model, Path(tmp) / "out", steps, replan_every)))
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", str(REPO / "launch" / "train.py"),
+               "--deepspeed", str(path), "--no_progress"]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"plan {plan}: launch/train.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        acc = EventAccumulator(str(Path(tmp) / "out" / "tensorboard"), size_guidance={"scalars": 0})
+        acc.Reload()
+        tags = set(acc.Tags()["scalars"])
+        return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in
+                ("perf/step_time_s", "snip/collect_time_s", "snip/solve_time_s") if tag in tags}
+
+
+def bench_cuda(steps: int, replan_every: int) -> dict:
+    shipped = json.loads(SHIPPED_CONFIG.read_text())["snip"]
+    rows = {}
+    for plan in GPU_PLANS:
+        series = _launch_run(plan, steps, replan_every)
+        rows[plan] = summarize_run(series, GPU_MICRO_BATCH * GPU_BLOCK, shipped["additional_bf16_fwd_every_n_steps"],
+                                   shipped["replan_every"])
+        print(f"{plan:>8}: {rows[plan]['tokens_per_s']:.0f} tokens/s", flush=True)
+    for r in rows.values():
+        r["tokens_per_s_ratio_vs_bf16"] = r["tokens_per_s"] / rows["bf16"]["tokens_per_s"]
+    return {"parameters": llama_parameters(GPU_MODEL), "tokens_per_step": GPU_MICRO_BATCH * GPU_BLOCK,
+            "replan_every_shipped": shipped["replan_every"], "rows": rows}
+
+
+def main_cuda(quick: bool) -> int:
+    steps, replan_every = (8, 4) if quick else (GPU_STEPS, GPU_REPLAN_EVERY)
+    start = time.perf_counter()
+    res = bench_cuda(steps, replan_every)
+    rows, gpu = res["rows"], torch.cuda.get_device_name(0)
+    lines = [f"# bench_train --device cuda: {res['parameters'] / 1e9:.2f}B-parameter Llama, ZeRO-3, BF16, one GPU",
+             "", f"{gpu}, torch {torch.__version__}, micro-batch {GPU_MICRO_BATCH} x {GPU_BLOCK} tokens, "
+             f"{steps} steps per plan (launch/train.py, ds_configs/zero3.json, backend auto). tokens/s: median step "
+             "time after two warm-up steps, the steps with the plan-divergence BF16 forward left out.", "",
+             "| plan | step time (s) | tokens/s | vs bf16 |", "|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['step_time_s']:.3f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['tokens_per_s_ratio_vs_bf16']:.2f}x |")
+    a = rows["adaptive"]
+    if "snip_overhead_share" in a:
+        lines += ["", f"SNIP (adaptive): collection {a['collect_s']:.2f} s, solve {a['solve_s']:.2f} s (medians of "
+                  f"{a['collections']}), BF16 measuring forward {a['bf16_measure_forward_s']:.3f} s; at replan_every "
+                  f"{res['replan_every_shipped']}: {100 * a['snip_overhead_share']:.1f} % of training time, "
+                  f"{a['tokens_per_s_with_snip']:.0f} tokens/s with it."]
+    print("\n".join(lines) + f"\n({time.perf_counter() - start:.0f} s)")
+    if quick:
+        return 0
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"gpu": gpu, "torch": torch.__version__, "steps": steps, "replan_every": replan_every,
+            "micro_batch": GPU_MICRO_BATCH, "block_size": GPU_BLOCK, "model": GPU_MODEL,
+            "wall_s": time.perf_counter() - start}
+    (RESULTS / "bench_train_cuda.json").write_text(json.dumps({"meta": meta, **res}, indent=2) + "\n")
+    (RESULTS / "bench_train_cuda.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / 'bench_train_cuda.json'} and .md")
+    return 0
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
 
@@ -132,9 +284,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3, help="timed steps per plan (after one warm-up step)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (here and in the memory probes)")
-    p.add_argument("--quick", action="store_true", help="micro-batch 1, 1 timed step, results not written")
+    p.add_argument("--quick", action="store_true", help="micro-batch 1, 1 timed step, results not written (cuda: 8 "
+                   "steps per plan)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: the default model (below); cuda: a ~1B Llama under ZeRO-3 on one GPU (module docstring)")
     p.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("error: --device cuda: torch finds no CUDA device here (torch.cuda.is_available() is False); "
+                  "run on a machine with a GPU, or without --device for the CPU benchmark", file=sys.stderr)
+            return 2
+        return main_cuda(args.quick)
     if args._memory:
         print(json.dumps(_memory_child(args._memory[0], int(args._memory[1]), int(args._memory[2]))))
         return 0

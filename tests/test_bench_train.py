@@ -1,0 +1,94 @@
+"""benchmarks/bench_train.py --device cuda: its error without a GPU, and the pure pieces of its GPU path (the
+run's config, the model's size, the figures read back from a run's TensorBoard). The GPU runs themselves need
+a GPU; their figures are not checked here."""
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from train_utils import REPO, TINY_MODEL
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "benchmarks" / "bench_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cuda_without_a_gpu_is_one_error_line_and_exit_2(monkeypatch, capsys):
+    bench = _bench()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--device", "cuda"]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--device cuda" in errors[0] and "no CUDA device" in errors[0], captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_llama_parameters_counts_what_build_model_builds():
+    from snip_ds.model import build_model, count_parameters
+
+    bench = _bench()
+    assert bench.llama_parameters(TINY_MODEL) == count_parameters(build_model(model_config=TINY_MODEL))
+    assert 0.9e9 < bench.llama_parameters(bench.GPU_MODEL) < 1.1e9  # the "~1B" model
+
+
+def test_gpu_run_config_is_the_shipped_zero3_with_the_benchmark_s_changes(tmp_path):
+    from snip_ds.deepspeed_config import resolve_ds_config
+    from snip_ds.settings import parse_snip_section
+
+    bench = _bench()
+    shipped = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    for plan in bench.GPU_PLANS:
+        cfg = bench.gpu_run_config(plan, tmp_path / "model.json", tmp_path / "out", steps=12, replan_every=4)
+        settings = parse_snip_section(cfg["snip"], "bench")
+        assert settings.plan == plan and settings.replan_every == 4 and settings.quant.backend == "auto"
+        t = settings.train
+        assert (t.model_config, t.block_size, t.max_steps, t.eval_steps, t.output_dir) == (
+            str(tmp_path / "model.json"), bench.GPU_BLOCK, 12, 12, str(tmp_path / "out"))
+        deepspeed_part = {k: v for k, v in cfg.items() if k != "snip"}  # as load_ds_config splits it
+        ds = resolve_ds_config(deepspeed_part, max_steps=12, on_gpu=True, source="bench")
+        assert ds["bf16"] == {"enabled": True} and ds["zero_optimization"] == shipped["zero_optimization"]
+        assert ds["train_micro_batch_size_per_gpu"] == bench.GPU_MICRO_BATCH
+        assert ds["optimizer"]["type"] == shipped["optimizer"]["type"]
+        untouched = {k for k in shipped["snip"] if k not in ("plan", "replan_every", "quant", "train")}
+        assert {k: cfg["snip"][k] for k in untouched} == {k: shipped["snip"][k] for k in untouched}
+
+
+def test_summarize_run_reads_step_time_and_snip_overhead():
+    bench = _bench()
+    # steps 1..12: warm-up 1, 2 left out; steps 5 and 10 carry the BF16 measuring forward (+0.5 s)
+    steps = {s: (9.0 if s <= 2 else 2.0 + (0.5 if s % 5 == 0 else 0.0) + 0.01 * (s % 2)) for s in range(1, 13)}
+    series = {"perf/step_time_s": steps, "snip/collect_time_s": {0: 6.0, 4: 6.0, 8: 7.0},
+              "snip/solve_time_s": {0: 1.0, 4: 1.0, 8: 1.0}}
+    row = bench.summarize_run(series, tokens_per_step=1000, measure_every=5, shipped_replan_every=100)
+    plain = sorted(2.0 + 0.01 * (s % 2) for s in range(3, 13) if s % 5)  # 8 steps: 4 x 2.00, 4 x 2.01
+    assert row["steps_timed"] == 8 and row["step_time_s"] == pytest.approx((plain[3] + plain[4]) / 2)
+    assert row["tokens_per_s"] == pytest.approx(1000 / row["step_time_s"])
+    assert row["collect_s"] == 6.0 and row["solve_s"] == 1.0 and row["collections"] == 3
+    measured = (2.51 + 2.5) / 2  # steps 5 and 10
+    assert row["bf16_measure_forward_s"] == pytest.approx(measured - row["step_time_s"])
+    overhead = 6.0 + 1.0 + 100 / 5 * row["bf16_measure_forward_s"]
+    assert row["snip_overhead_share"] == pytest.approx(overhead / (100 * row["step_time_s"] + overhead))
+    assert row["tokens_per_s_with_snip"] == pytest.approx(100 * 1000 / (100 * row["step_time_s"] + overhead))
+    uniform = bench.summarize_run({"perf/step_time_s": steps}, 1000, 5, 100)
+    assert "snip_overhead_share" not in uniform and uniform["step_time_s"] == row["step_time_s"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_gpu_run_s_path_on_the_cpu_at_a_tiny_size(monkeypatch):
+    """The --device cuda path (the generated config through the deepspeed launcher, launch/train.py, its
+    TensorBoard read back) on the CPU with the tiny model: an adaptive run yields step times and collections."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "GPU_MODEL", TINY_MODEL)
+    monkeypatch.setattr(bench, "GPU_BLOCK", 64)
+    monkeypatch.setattr(bench, "GPU_MICRO_BATCH", 2)
+    series = bench._launch_run("adaptive", steps=8, replan_every=4)
+    assert sorted(series["perf/step_time_s"]) == list(range(1, 9))
+    assert sorted(series["snip/collect_time_s"]) == sorted(series["snip/solve_time_s"]) and \
+        len(series["snip/collect_time_s"]) == 2  # steps 0 and 4
+    row = bench.summarize_run(series, 2 * 64, measure_every=10, shipped_replan_every=200)
+    assert row["tokens_per_s"] > 0 and 0 < row["snip_overhead_share"] < 1
