@@ -32,9 +32,9 @@ class QuantConfig:
         weight_2d: NVFP4 weights in 16x16 blocks, so one quantized weight serves fprop and dgrad.
         backend: how the quantized GEMMs of training run: ``"emulated"`` (quantize->dequantize, FP32 GEMM;
             the numerical reference), ``"torch"`` (real FP8 GEMMs where the device has them, otherwise the
-            exact grid values in BF16 GEMMs), ``"te"`` (Transformer Engine; not available yet) or ``"auto"``
-            (the fastest that exists for the device, per precision). The statistics always use the emulated
-            numerics.
+            exact grid values in BF16 GEMMs), ``"te"`` (Transformer Engine 2.9 - 2.19, CUDA only;
+            :mod:`snip_ds.backend.te`) or ``"auto"`` (the fastest that exists for the device, per precision).
+            The statistics always use the emulated numerics.
     """
 
     fp8_recipe: str = "fp8_hybrid"

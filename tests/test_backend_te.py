@@ -91,7 +91,7 @@ def test_a_supported_version_whose_pytorch_part_does_not_import_is_an_error(monk
     monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace(__version__="2.9.0"))
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)  # import raises ImportError
     with pytest.raises(BackendError, match=r"^backend 'te': Transformer Engine 2.9.0 does not import "
-                                           r"\((ModuleNotFound|Import)Error: import of transformer_engine.pytorch halted"):
+                                           r"\((ModuleNotFound|Import)Error: import of transformer_engine"):
         get_backend("te")
 
 
@@ -142,8 +142,9 @@ def test_train_with_backend_te_exits_2_with_one_error_line(tmp_path, capsys, mon
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 2, err
+    why = "Transformer Engine does not import" if torch.cuda.is_available() else "runs on CUDA devices only"
     assert len(errors) == 1 and "snip.quant.backend" in errors[0] and "backend 'te' cannot run fp8_hybrid on" \
-        in errors[0], err
+        in errors[0] and why in errors[0], err
     assert "Traceback" not in err
 
 

@@ -1,7 +1,8 @@
 """How each of a linear layer's three GEMMs is computed at a given precision (see :mod:`.base`).
 
-One module per backend: :mod:`.emulated` (the numerical reference, also what the statistics use) and
-:mod:`.torch_native` (``torch``); :mod:`.base` holds the interface, the registry and ``auto``.
+One module per backend: :mod:`.emulated` (the numerical reference, also what the statistics use),
+:mod:`.torch_native` (``torch``) and :mod:`.te` (``te``, Transformer Engine: imported only when chosen,
+through :func:`get_backend` / :func:`resolve`); :mod:`.base` holds the interface, the registry and ``auto``.
 """
 from snip_ds.backend.base import (BackendError, GemmBackend, check_backend, get_backend, layer_backends,
                                   register, resolve, seed_offset)
