@@ -500,7 +500,7 @@ def test_input_groups_are_the_layers_that_share_an_input():
         for _ in range(3):
             col.run_batch(torch.randint(0, 257, (2, 64), generator=g), 1)
     groups = {}
-    for fqn, gid in col.group.items():
+    for fqn, gid in col.groups.group.items():
         groups.setdefault(gid, []).append(fqn)
     expected = []
     for b in range(4):
