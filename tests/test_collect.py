@@ -390,6 +390,7 @@ def test_empty_precond_mapping_means_no_optimizer_state(model):
     assert s == collect_statistics(model, _batches(1), lr=1e-3, precond=None)
 
 
+@pytest.mark.rounding
 def test_isotropic_alpha_is_the_curvature_along_its_direction():
     """α (the isotropic ablation) is a central second difference of the FP32 mean loss along v at the last
     block's output z; against the exact directional curvature vᵀ(∂²ℒ/∂z²)v / ‖v‖², a Hessian-vector product
