@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from snip_ds import console, faults
+from snip_ds import console, faults, resume
 from snip_ds.deepspeed_config import resolve_ds_config, validate_with_deepspeed
 from snip_ds.tensorboard import config_text, make_logger
 from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, with_overrides
@@ -198,72 +198,6 @@ def _write_artifacts(out_dir: Path, plan, stats: Optional[Dict[str, Any]]) -> No
         raise RunFault(problem)
 
 
-def _schedule_words(scheduler: Optional[Dict[str, Any]]) -> str:
-    if not scheduler:
-        return "none (the optimizer's constant lr)"
-    params = scheduler.get("params") or {}
-    return f"{scheduler.get('type')} " + " ".join(f"{k}={v}" for k, v in sorted(params.items()))
-
-
-def _checkpoint_schedule(meta: Dict[str, Any], raw_cfg: Dict[str, Any], args: argparse.Namespace, on_gpu: bool,
-                         world: int) -> Optional[Dict[str, Any]]:
-    """The resolved scheduler section a checkpoint was trained with. Checkpoints written before it was
-    recorded (no ``lr_schedule``) get this run's config resolved with the checkpoint's ``max_steps``."""
-    if "lr_schedule" in meta:
-        return meta["lr_schedule"]
-    max_steps = ((meta.get("settings") or {}).get("train") or {}).get("max_steps")
-    if not isinstance(max_steps, int):
-        return None
-    return resolve_ds_config(raw_cfg, max_steps=max_steps, on_gpu=on_gpu, source=args.deepspeed,
-                             micro_batch_size=args.per_device_train_batch_size,
-                             gradient_accumulation_steps=args.gradient_accumulation_steps,
-                             learning_rate=args.learning_rate, world_size=world).get("scheduler")
-
-
-def _resume_schedule(ds_cfg: Dict[str, Any], saved: Optional[Dict[str, Any]],
-                     reset: bool) -> tuple[Dict[str, Any], str]:
-    """The config a resumed run trains with, and the line saying which learning-rate schedule it follows.
-
-    DeepSpeed's schedulers restore only their position (``last_batch_iteration``) from a checkpoint; their
-    shape (``total_num_steps``, warm-up, ...) comes from the config, which ``"auto"`` resolves from this run's
-    ``max_steps``. So unless ``reset``, the checkpoint's scheduler section replaces this run's.
-    """
-    current = ds_cfg.get("scheduler")
-    if reset:
-        return ds_cfg, (f"snip_ds: lr schedule: this run's, {_schedule_words(current)} (--reset_lr_schedule; the "
-                        f"checkpoint's was {_schedule_words(saved)})")
-    if saved == current:
-        return ds_cfg, f"snip_ds: lr schedule: the checkpoint's, {_schedule_words(saved)} (the same as this run's)"
-    cfg = dict(ds_cfg)
-    if saved is None:
-        cfg.pop("scheduler", None)
-    else:
-        cfg["scheduler"] = saved
-    return cfg, (f"snip_ds: lr schedule: the checkpoint's, {_schedule_words(saved)} (this run's config would give "
-                 f"{_schedule_words(current)}; pass --reset_lr_schedule to follow it)")
-
-
-def _check_resumed_plan(tag_dir: Path, meta: Dict[str, Any], plan, settings: SnipSettings) -> None:
-    """A fixed-plan run (uniform precision or plan file) resumes only a checkpoint trained on that plan; an
-    adaptive run takes over the checkpoint's plan (and re-plans)."""
-    from snip_ds.engine import CheckpointError
-    from snip_ds.engine.checkpoint import META_FILE
-    from snip_ds.plan import Plan
-
-    if settings.is_adaptive or not meta.get("plan"):
-        return
-    path = tag_dir / META_FILE
-    try:
-        saved = Plan.from_dict(meta["plan"], source=str(path))
-    except ValueError as err:
-        raise CheckpointError(f"{path}: field 'plan' is not a plan ({err})") from None
-    if saved.digest() != plan.digest():
-        trained = (meta.get("settings") or {}).get("plan", saved.method)
-        raise CheckpointError(f"{path}: the checkpoint was trained on another plan (snip.plan {trained!r}, "
-                              f"method {saved.method}) than this run's snip.plan {settings.plan!r}; resume with "
-                              f"the checkpoint's plan, or with snip.plan 'adaptive'")
-
-
 def _eval_batches(val_ds, micro_bs: int, n_batches: int, rank: int, world: int) -> List[dict]:
     from snip_ds.data import DataStream
 
@@ -355,7 +289,7 @@ def train(args: argparse.Namespace) -> int:
         try:
             tag_dir, ckpt_meta = ckpt.check_resumable(Path(args.resume_from_checkpoint), ckpt.model_fingerprint(model),
                                                       world, rank, ckpt.model_architecture(model))
-            _check_resumed_plan(tag_dir, ckpt_meta, plan, settings)
+            resume.check_resumed_plan(tag_dir, ckpt_meta, plan, settings)
         except CheckpointError as err:
             problem = str(err)
         problem = sdist.first_error(problem)
@@ -364,8 +298,8 @@ def train(args: argparse.Namespace) -> int:
         if rank == 0 and "files" not in ckpt_meta:
             print(f"snip_ds: {tag_dir / ckpt.META_FILE} records no checksums (written by an older snip_ds): "
                   f"its files are not verified", flush=True)
-        saved = _checkpoint_schedule(ckpt_meta, raw_cfg, args, on_gpu, world)
-        ds_cfg, schedule_line = _resume_schedule(ds_cfg, saved, args.reset_lr_schedule)
+        saved = resume.checkpoint_schedule(ckpt_meta, raw_cfg, args, on_gpu, world)
+        ds_cfg, schedule_line = resume.resume_schedule(ds_cfg, saved, args.reset_lr_schedule)
 
     out_dir = Path(t.output_dir)
     logger = make_logger(out_dir / "tensorboard", rank)

@@ -1,7 +1,6 @@
 """Tests for snip_ds.corpus and snip_ds.data: byte tokenizer, stdlib corpus, blocks, user text, and the resumable
 stream."""
 
-import hashlib
 import json
 
 import numpy as np
@@ -62,14 +61,46 @@ def _expected_stream(files, rels):
     return np.array(out, dtype=np.int32)
 
 
+def _split_of(corpus, files):
+    """``{rel: "train" | "validation"}`` read back from the corpus' two streams (each file's bytes are unique)."""
+    by_bytes = {data: rel for rel, data in files.items()}
+    where = {}
+    for name, stream in (("train", corpus.train), ("validation", corpus.validation)):
+        for doc in np.split(stream, np.flatnonzero(stream == BYTE_EOS_ID) + 1):
+            if len(doc):
+                rel = by_bytes[bytes(doc[:-1].astype(np.uint8))]  # KeyError: a skipped or unknown file
+                assert rel not in where, f"{rel} in both splits or twice"
+                where[rel] = name
+    return where
+
+
 def test_stdlib_corpus_selects_splits_and_joins_files(tmp_path):
     files = _fake_stdlib(tmp_path)
-    is_val = {r: int.from_bytes(hashlib.sha256(r.encode()).digest()[:8], "big") % 20 == 0 for r in files}
-    assert 0 < sum(is_val.values()) < len(files)  # the fixture exercises both splits
     corpus = stdlib_corpus(max_bytes=None, max_validation_bytes=None, root=tmp_path)
-    np.testing.assert_array_equal(corpus.train, _expected_stream(files, [r for r in files if not is_val[r]]))
-    np.testing.assert_array_equal(corpus.validation, _expected_stream(files, [r for r in files if is_val[r]]))
+    where = _split_of(corpus, files)
+    assert set(where) == set(files)  # every included file exactly once, no skipped file
+    val = [r for r in files if where[r] == "validation"]
+    assert 0 < len(val) < len(files) / 4  # both splits, validation a small share (1 in 20 expected)
+    # each split is its files joined in path order, each followed by EOS
+    np.testing.assert_array_equal(corpus.train, _expected_stream(files, [r for r in files if r not in val]))
+    np.testing.assert_array_equal(corpus.validation, _expected_stream(files, val))
     assert corpus.info["stdlib_files"] == len(files)
+
+
+def test_stdlib_split_is_a_property_of_each_path(tmp_path):
+    """A file's split depends on its path alone: removing other files or editing a file's contents (a new
+    Python version's stdlib) moves no file from one split to the other."""
+    files = _fake_stdlib(tmp_path)
+    before = _split_of(stdlib_corpus(None, None, root=tmp_path), files)
+    kept = {}
+    for i, rel in enumerate(sorted(files)):
+        if i % 2 and before[rel] == "train":
+            (tmp_path / rel).unlink()
+        else:
+            kept[rel] = files[rel] + f"# edited {i}\n".encode()
+            (tmp_path / rel).write_bytes(kept[rel])
+    after = _split_of(stdlib_corpus(None, None, root=tmp_path), kept)
+    assert len(after) < len(before) and after == {rel: before[rel] for rel in kept}
 
 
 def test_stdlib_corpus_cap_is_exact_and_deterministic(tmp_path):
@@ -142,14 +173,35 @@ def test_text_files_tokenize_block_and_split(tmp_path):
     for t in texts:
         stream += list(t.encode()) + [BYTE_EOS_ID]
     blocks = np.array(stream[: len(stream) // 16 * 16]).reshape(-1, 16)
-    t_idx, v_idx = split_block_indices(len(blocks), 0.25, 3)
-    assert len(v_idx) == round(len(blocks) * 0.25) and len(t_idx) + len(v_idx) == len(blocks)
-    assert set(t_idx.tolist()).isdisjoint(v_idx.tolist())
-    np.testing.assert_array_equal(train.blocks.numpy(), blocks[t_idx])
-    np.testing.assert_array_equal(val.blocks.numpy(), blocks[v_idx])
+    # 30 x 19 + 1 and 40 x 16 + 1 bytes ("é" is 2 bytes, "✓" 3): 1212 tokens, 75 blocks of 16; a quarter of
+    # them, 18.75, rounds to 19 validation blocks and leaves 56 for training
+    assert len(stream) == 1212 and len(blocks) == 75
+    assert len(val) == 19 and len(train) == 56
+    # the two splits are the blocks dealt out in order: an interleaving of the two keeps every block once
+    t_rows, v_rows = [tuple(r) for r in train.blocks.tolist()], [tuple(r) for r in val.blocks.tolist()]
+    rows = [tuple(r) for r in blocks.tolist()]
+    reach = {(0, 0)}  # (train rows, validation rows) used after each block, every way that works
+    for row in rows:
+        reach = ({(i + 1, j) for i, j in reach if i < len(t_rows) and t_rows[i] == row}
+                 | {(i, j + 1) for i, j in reach if j < len(v_rows) and v_rows[j] == row})
+    assert (len(t_rows), len(v_rows)) in reach
     assert vocab == 257 and info["documents"] == 2 and info["tokens"] == len(stream)
     other_train, _, _, _ = load_dataset_blocks(paths, block_size=16, validation_split=0.25, seed=4)
     assert not torch.equal(other_train.blocks, train.blocks)
+
+
+def test_split_block_indices_counts_and_partition():
+    # max(1, round(n * split)) validation blocks, at most n - 1: counts worked out by hand
+    for n, split, n_val in ((2, 0.01, 1), (4, 0.5, 2), (10, 0.99, 9), (75, 0.25, 19), (1000, 0.05, 50)):
+        t_idx, v_idx = split_block_indices(n, split, seed=0)
+        assert len(v_idx) == n_val, (n, split)
+        assert sorted(t_idx.tolist() + v_idx.tolist()) == list(range(n))  # a partition of the blocks
+        assert t_idx.tolist() == sorted(t_idx.tolist()) and v_idx.tolist() == sorted(v_idx.tolist())
+    a, b, c = (split_block_indices(1000, 0.05, seed)[1] for seed in (3, 3, 4))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)  # seeded
+    for n, split in ((1, 0.5), (10, 0.0), (10, 1.0)):
+        with pytest.raises(ValueError):
+            split_block_indices(n, split, seed=0)
 
 
 def test_jsonl_records_are_documents(tmp_path):

@@ -1,5 +1,4 @@
 """snip_ds.stats.artifact: the statistics file's bytes, the non-finite flag and the reader's checks."""
-import json
 import math
 
 import pytest
@@ -31,13 +30,50 @@ def test_clean_layer_flags_nonfinite_values():
     assert clean_layer({"flops": 1.0, "fld": {"fp8": 0.5}})["nonfinite"] is False
 
 
+# _stats() as its file holds it, written out by hand: the header in its documented order, one space per level,
+# numbers as Python writes the shortest round-tripping decimal, false/[] as JSON spells them.
+EXPECTED_TEXT = """{
+ "format": "snip_ds.stats/1",
+ "step": 3,
+ "lr": 0.001,
+ "world_size": 2,
+ "estimator": "mc_fisher",
+ "num_probes": 1,
+ "fld_form": "sequence",
+ "step_scale": 1.0,
+ "bwd_rounding": "recipe",
+ "precond": "tensor",
+ "batches": 1,
+ "tokens": 64,
+ "loss": 5.5,
+ "seed": 0,
+ "forward_drift": false,
+ "study_fields": [],
+ "lambda": 2.0,
+ "layers": {
+  "model.layers.0.mlp.up_proj": {
+   "flops": 6.0,
+   "fld": {
+    "fp8": 1e-07,
+    "fp4": 2e-06
+   },
+   "bwd": {
+    "fp8": 0.0,
+    "fp4": 1e-09
+   },
+   "nonfinite": false
+  }
+ }
+}"""
+
+
 def test_file_bytes_and_round_trip(tmp_path):
     s = _stats()
     save_stats(s, str(tmp_path / "a.json"))
     write_stats(tmp_path / "run", s)
     bare = (tmp_path / "a.json").read_text(encoding="utf-8")
-    assert bare == json.dumps(s, indent=1)                        # a bare file: no final newline
-    assert (tmp_path / "run" / "stats.json").read_text(encoding="utf-8") == bare + "\n"  # a run's: one
+    assert bare == EXPECTED_TEXT                                  # a bare file: no final newline
+    assert (tmp_path / "run" / "stats.json").read_text(encoding="utf-8") == EXPECTED_TEXT + "\n"  # a run's: one
     assert load_stats(str(tmp_path / "a.json")) == s
 
 

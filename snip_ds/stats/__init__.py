@@ -1,7 +1,10 @@
 """One SNIP statistics collection and the ``snip_ds.stats/1`` artifact it produces.
 
-* :mod:`~snip_ds.stats.collector`: :func:`collect_statistics`, the hooks and passes of one collection;
-* :mod:`~snip_ds.stats.estimators`: each estimator's per-batch terms (FLD forms, BWD, forward drift);
+* :mod:`~snip_ds.stats.collector`: :func:`collect_statistics`, the hooks and passes of one collection, which
+  hand what they see to the estimators, one module each: :mod:`~snip_ds.stats.fld` (the FLD forms and the
+  fprop operand errors), :mod:`~snip_ds.stats.bwd` (the BWD drift, its noise and price, the propagated
+  ablation), :mod:`~snip_ds.stats.fwd` (``forward_drift``), :mod:`~snip_ds.stats.isotropic` (the isotropic
+  ablation's probes and α); they add named sums to one :class:`~snip_ds.stats.common.Sums`;
 * :mod:`~snip_ds.stats.fields`: the artifact's per-layer fields from the all-reduced sums;
 * :mod:`~snip_ds.stats.precond`: preconditioners from Adam state, partitioned (ZeRO) states, fallbacks;
 * :mod:`~snip_ds.stats.artifact`: the JSON schema, written and read (pure, no torch: the planner imports it).

@@ -9,28 +9,24 @@ and ``g`` (probe) and reduce everything at once to per-channel vectors or scalar
 per-channel vectors are priced with that batch's probes and folded into per-layer scalars, so only a few
 scalars per layer are all-reduced, whatever the model's width):
 
-* forward hook: keeps the layer's input X for its training-gradient hook;
-* training-gradient hook: ``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` with G_Y rounded as training rounds it
-  (``bwd_rounding="recipe"``: where that is stochastic, the exact expectation over the rounding, its
-  systematic part ``E[ΔG_W]`` plus the noise ``Var[G_W]``; ``"nearest"``: round to nearest),
-  ``‖ΔG_W ⊙ P‖²``, the per-channel ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` that prices the drift in loss units and
-  (``bwd_propagated``) the dgrad error and upstream terms; only where :class:`CollectSettings` asks for the
-  fields that need them (the study fields, the channel form, the empirical estimator), also
-  ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` and from it ``Σ_t E_tj²``, ``⟨G_Y, E⟩`` and the operand errors of X, W, G_Y;
-* probe hook: ``Σ_t g_tj²`` and, with E recomputed from the layer's saved input, ``Σ_rows (Σ_t g_t·E_t)²``
-  (the sequence-form FLD: the Gauss-Newton form of E in expectation over the probe labels).
-* ``forward_drift=True``: after each probe, two more forward and backward passes of the training loss with
-  every layer's output shifted as its weight would be by ``±ε·P ⊙ G^probe`` give, for every layer at once,
-  ``⟨P ⊙ G^probe, ΔG⟩``: how the layer's fprop error E changes the update (``fwd``,
-  :meth:`~snip_ds.stats.estimators.FwdTerms._forward_drift_passes`).
+* forward hook: keeps the layer's input X for its training-gradient and probe hooks;
+* training-gradient hook (``G_Y``): the BWD terms, :class:`~snip_ds.stats.bwd.BwdEstimator` (``ΔG_W =
+  Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` with G_Y rounded as training rounds it, preconditioned and priced per channel;
+  the dgrad error with ``bwd_propagated``), and the FLD terms that need ``G_Y`` or the channel form,
+  :meth:`~snip_ds.stats.fld.FldEstimator.on_output` (only where :class:`CollectSettings` asks for them);
+* probe hook (g): ``Σ_t g_tj²``, which prices the per-channel terms, and the sequence-form FLD
+  ``Σ_rows (Σ_t g_t·E_t)²``, :meth:`~snip_ds.stats.fld.FldEstimator.on_probe`, with E's reference product XWᵀ
+  taken from the forward's own FP32 output where autograd saves that output anyway (a pack hook sees it);
+* ``forward_drift=True``: after each probe, two more forward and backward passes of the training loss
+  (:meth:`~snip_ds.stats.fwd.ForwardDrift.passes`) give how each layer's fprop error changes the update;
+* ``estimator="isotropic"``: probes from the last block's output and four forward passes for the curvature α
+  (:mod:`snip_ds.stats.isotropic`).
 
-The statistics of all batches are packed into one flat tensor and summed across data-parallel ranks with a
-single call of ``reduce``; then :mod:`snip_ds.divergence` turns them into the artifact that
-:func:`snip_ds.stats.artifact.load_stats` reads.
-
-Preconditioners (Adam state, the partitioned states of ZeRO, the fallback) and how they combine across
-data-parallel ranks: :mod:`snip_ds.stats.precond`. The estimators' per-batch terms:
-:mod:`snip_ds.stats.estimators`; the artifact's fields from the reduced sums: :mod:`snip_ds.stats.fields`.
+Each estimator is its own module and adds named sums to one :class:`~snip_ds.stats.common.Sums`. The sums of
+all batches are packed into one flat tensor and summed across data-parallel ranks with a single call of
+``reduce``; then :func:`snip_ds.stats.fields.finalize` turns them into the artifact that
+:func:`snip_ds.stats.artifact.load_stats` reads. Preconditioners (Adam state, the partitioned states of ZeRO,
+the fallback) and how they combine across data-parallel ranks: :mod:`snip_ds.stats.precond`.
 
 Limits: gradient checkpointing must be off during a collection (recomputation would re-run the forward hooks).
 Under ZeRO-3 no gathering is needed: the layer hooks run before ZeRO-3 releases a weight after forward and
@@ -39,9 +35,10 @@ after it re-gathers it for backward.
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -52,11 +49,14 @@ from snip_ds.backend import get_backend
 from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
 from snip_ds.linear import SnipLinear
 from snip_ds.stats.artifact import check_study_fields
-from snip_ds.stats.common import GLOBAL, Reduce, Sums, device_of, select_layers, targets, unpack
-from snip_ds.stats.estimators import BwdTerms, FldTerms, FwdTerms
+from snip_ds.stats.bwd import BwdEstimator, InputGroups
+from snip_ds.stats.common import GLOBAL, Reduce, Shared, Sums, device_of, flat, select_layers, targets, unpack
 from snip_ds.stats.fields import finalize
+from snip_ds.stats.fld import FldEstimator
+from snip_ds.stats.fwd import ForwardDrift
+from snip_ds.stats.isotropic import IsotropicProbe
 from snip_ds.stats.precond import Precond, check_precond
-from snip_ds.types import QUANTIZED, block_index
+from snip_ds.types import QUANTIZED
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class CollectSettings:
             ``η·c·ΔG ⊙ P`` of the planned weights, ΔG the change of their training gradient when layer ℓ's
             output carries E_ℓ(p), priced in loss units as BWD prices its drift (with the same probes, in the
             full Fisher form ``(1/2N)·mean_r ⟨G^probe_r, drift⟩²``). Two more forward and backward passes per
-            probe (:meth:`~snip_ds.stats.estimators.FwdTerms._forward_drift_passes`) and one weight-sized FP32
+            probe (:meth:`~snip_ds.stats.fwd.ForwardDrift.passes`) and one weight-sized FP32
             tensor per layer while a batch runs. Needs ``estimator="mc_fisher"`` and weight-shaped
             preconditioners (a mapping of tensors, or None for the fallback), not the partitioned states'
             callable.
@@ -143,52 +143,39 @@ class CollectSettings:
                              f"got {self.estimator!r}")
 
 
-class Collector(FldTerms, BwdTerms, FwdTerms):
-    """One collection's hooks, passes and sums (the module docstring); the estimators' terms are inherited
-    from :mod:`snip_ds.stats.estimators`."""
-
-    GLOBAL = GLOBAL
+class Collector:
+    """One collection's hooks, passes and sums (the module docstring). It runs the passes and routes what each
+    hook sees to the estimators it composes, which share one :class:`~snip_ds.stats.common.Shared`:
+    ``fld`` (:class:`~snip_ds.stats.fld.FldEstimator`), ``bwd`` (:class:`~snip_ds.stats.bwd.BwdEstimator`,
+    with ``groups`` for ``bwd_propagated``), ``fwd`` (:class:`~snip_ds.stats.fwd.ForwardDrift`, with
+    ``forward_drift``) and ``iso`` (:class:`~snip_ds.stats.isotropic.IsotropicProbe`, the isotropic ablation)."""
 
     def __init__(self, model: nn.Module, layers: Dict[str, SnipLinear], settings: "CollectSettings",
                  precond: Precond) -> None:
-        seed = settings.seed
         self.model, self.layers, self.precisions = model, layers, tuple(settings.precisions)
-        self.forward_drift = settings.forward_drift
-        self.fwd_x: Dict[str, torch.Tensor] = {}  # this batch's layer inputs (forward_drift: E at the weights)
-        self.fwd_p: Dict[str, torch.Tensor] = {}  # preconditioners
-        self.fwd_w_sq: Dict[str, float] = {}  # ‖W‖², sizes the finite difference
-        self.fwd_v: Dict[str, torch.Tensor] = {}  # one probe's preconditioned weight gradient P ⊙ g_rᵀX
-        self.fwd_dot: Dict[str, Dict[str, float]] = {}  # Σ_sign sign·⟨G_Y(W + sign·ε·v), E(p)⟩
-        self.fwd_shift = 0.0
-        self.bwd_rounding = settings.bwd_rounding
-        study = set(settings.study_fields)
-        self.fld_sequence = settings.fld_form == "sequence" or "fld_forms" in study
-        self.fld_channel = settings.fld_form == "channel" or "fld_forms" in study
-        self.first_order, self.quant_err = "first_order" in study, "quant_err" in study
-        self.bwd_bias = "bwd_bias" in study
-        # whether the training gradient's hook needs the fprop errors E (the probe's hook recomputes them)
-        self.train_errors = (self.fld_channel or self.first_order or self.quant_err
-                             or (settings.estimator == "empirical" and self.fld_sequence))
-        self.precond, self.fallback = precond, settings.precond_fallback
         self.estimator, self.propagated = settings.estimator, settings.bwd_propagated
-        self.backend = get_backend()
-        self.stats = Sums()
-        self.phase = "off"
-        self.n_local = 1.0
-        self.x: Dict[str, torch.Tensor] = {}
-        self.xp: Dict[str, torch.Tensor] = {}  # layer inputs as autograd saved them, for the probe hooks
-        self.order: Dict[str, int] = {}
-        self.group: Dict[str, str] = {}  # layer -> its input group, named by the group's first layer
-        self._group_ids: Dict[int, str] = {}  # id(input tensor) -> group, for the current forward only
-        self._group_inputs: List[torch.Tensor] = []  # keeps those ids unique: no input is freed mid-forward
-        self.emb: Optional[torch.Tensor] = None
-        self.z: Optional[torch.Tensor] = None
-        self.z_shift: Optional[torch.Tensor] = None
-        self.sources: set = set()
+        self.forward_drift = settings.forward_drift
+        self.shared = Shared(Sums(), get_backend(), self.precisions)
+        self.stats = self.shared.stats
         device = device_of(model)
-        self.gen = torch.Generator(device=device).manual_seed(seed)  # probe labels / isotropic noise
-        self.had_gen = torch.Generator(device=device).manual_seed(seed + 1)  # Hadamard signs (if enabled)
-        self.price_gen = torch.Generator(device=device).manual_seed(seed + 2)  # tokens pricing rounding noise
+        self.gen = torch.Generator(device=device).manual_seed(settings.seed)  # probe labels / isotropic noise
+        self.fld = FldEstimator(self.shared, settings)
+        self.bwd = BwdEstimator(self.shared, settings, precond, device)
+        self.groups = InputGroups() if self.propagated else None
+        self.fwd = ForwardDrift(self.shared, self.fld) if self.forward_drift else None
+        self.iso = IsotropicProbe(self.shared, self.gen) if self.estimator == "isotropic" else None
+        self.phase = "off"
+        self.x: Dict[str, torch.Tensor] = {}  # layer inputs ([T, k] FP32) until their training gradient
+        self.xp: Dict[str, torch.Tensor] = {}  # layer inputs as autograd saved them, for the probe hooks
+        # FP32 layer outputs XWᵀ that autograd keeps anyway (their consumers saved them): the probe hooks take
+        # them as the FLD's reference product instead of recomputing it (the same kernel: the same bits)
+        self.y: Dict[str, torch.Tensor] = {}
+        # the current forward's FP32 outputs by storage: {address: (layer, weak reference)}; a weak one, so that
+        # no output outlives the forward because of it (and a dead one's address, reusable, is never matched)
+        self._outputs: Dict[int, Tuple[str, weakref.ref]] = {}
+        self._last_probe = True
+        self.emb: Optional[torch.Tensor] = None
+        self._lg: Optional[torch.Tensor] = None
 
     @contextmanager
     def hooks(self) -> Iterator[None]:
@@ -197,18 +184,14 @@ class Collector(FldTerms, BwdTerms, FwdTerms):
             # prepend: run while ZeRO-3 still holds the gathered weight (its post-forward hook releases it),
             # and hook the raw output, whose gradient arrives after ZeRO-3's pre-backward re-gather.
             handles.append(mod.register_forward_hook(self._forward_hook(fqn), prepend=True))
-        if self.estimator == "isotropic":
-            handles.append(self._last_block().register_forward_hook(self._on_last_block))
+        if self.iso is not None:
+            block = self.iso.last_block(self.model, self.layers)
+            handles.append(block.register_forward_hook(self.iso.on_block_output))
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
-
-    def _last_block(self) -> nn.Module:
-        last = max(self.layers, key=block_index)
-        prefix = last[: last.index(f"layers.{block_index(last)}") + len(f"layers.{block_index(last)}")]
-        return self.model.get_submodule(prefix)
 
     def _on_embedding(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
         if self.phase not in ("forward", "probe_forward", "fwd_pass"):
@@ -216,77 +199,106 @@ class Collector(FldTerms, BwdTerms, FwdTerms):
         self.emb = output.detach().requires_grad_(True)  # our own leaf: no gradient reaches parameters
         return self.emb
 
-    def _on_last_block(self, module: nn.Module, inputs: Any, output: Any) -> Any:
-        z = output[0] if isinstance(output, tuple) else output
-        if self.phase in ("forward", "probe_forward"):
-            self.z = z
-        elif self.phase == "alpha" and self.z_shift is not None:
-            z = z + self.z_shift
-            return (z, *output[1:]) if isinstance(output, tuple) else z
-        return output
-
     def _forward_hook(self, fqn: str):
         def hook(module: SnipLinear, inputs: Any, output: torch.Tensor) -> Optional[torch.Tensor]:
             if self.phase == "fwd_pass":
-                return self._on_fwd_forward(fqn, module, inputs[0], output)
+                return self.fwd.shifted_output(fqn, module, inputs[0], output)
             if self.phase == "probe_forward":  # a fresh forward for a probe: only its output gradient counts
                 self.xp[fqn] = inputs[0].detach()
+                self._keep_output(fqn, module, output)
                 if output.requires_grad:
                     output.register_hook(lambda g: self._on_output_grad(fqn, module, g))
                 return
             if self.phase != "forward":
                 return
+            self._keep_output(fqn, module, output)
             self._on_forward(fqn, module, inputs[0], output)
         return hook
 
-    def _quant_cfg(self, module: SnipLinear):
-        return replace(module.quant_config, stochastic_rounding=False)  # RNE: deterministic, no RNG
+    def _keep_output(self, fqn: str, module: SnipLinear, y: torch.Tensor) -> None:
+        if y.dtype == torch.float32 and module.bias is None and self.estimator != "empirical":
+            self._outputs[y.untyped_storage().data_ptr()] = (fqn, weakref.ref(y))
+
+    def _on_saved(self, t: torch.Tensor) -> torch.Tensor:
+        """Pack hook of the forwards: where autograd saves a layer's output (or a view of it) while that output
+        is alive, ``y`` takes it; ``t`` itself is saved as it is."""
+        if self._outputs and t.layout == torch.strided and t.device.type != "meta":
+            entry = self._outputs.get(t.untyped_storage().data_ptr())
+            y = entry[1]() if entry is not None else None
+            if y is not None and entry[0] not in self.y:
+                self.y[entry[0]] = y.detach()
+        return t
+
+    def _forward_pass(self, ids, mask) -> torch.Tensor:
+        """The model's logits; afterwards ``y`` holds the layer outputs that autograd saved."""
+        self._outputs.clear()
+        self.y = {}
+        with torch.autograd.graph.saved_tensors_hooks(self._on_saved, _unpacked):
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+        self._outputs.clear()
+        return logits
 
     def _on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor) -> None:
-        x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, k]
+        x2 = flat(x)  # [T, k]
         self.x[fqn] = x2
-        if self.forward_drift:
-            self.fwd_x[fqn] = x2
+        if self.fwd is not None:
+            self.fwd.on_forward(fqn, x2)
         if self.estimator != "empirical":
             self.xp[fqn] = x.detach()  # the tensor autograd keeps anyway: no copy
-        if fqn not in self.order:
-            self.order[fqn] = len(self.order)
-        if self.propagated and x.requires_grad:
-            key = id(x)
-            if key not in self._group_ids:  # ids are unique only while the tensors live: reset every forward
-                self._group_ids[key] = fqn
-                self._group_inputs.append(x)
-                gid = self._group_ids[key]
+        if self.groups is not None:
+            gid = self.groups.see(fqn, x)
+            if gid is not None:
                 x.register_hook(lambda g, gid=gid: self._on_input_grad(gid, g))
-            self.group[fqn] = self._group_ids[key]
         if y.requires_grad:
             y.register_hook(lambda g: self._on_output_grad(fqn, module, g))
         else:  # no training gradient will arrive: the fprop statistics now (no first-order term)
-            self._fprop_stats(fqn, module, self.x.pop(fqn), None)
+            self.fld.on_output(fqn, module, self.x.pop(fqn), None)
+            if self.fwd is not None:
+                self.fwd.on_weights(fqn, module, None)
 
     def _on_input_grad(self, gid: str, g: torch.Tensor) -> None:
         if self.phase == "train":
-            self.stats.add(GLOBAL, f"gx_sq.{gid}", (g.float() ** 2).sum())
+            self.bwd.on_input_grad(gid, g)
 
     def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
-        g2 = g.detach().reshape(-1, g.shape[-1]).float()  # [T, n]
+        g2 = flat(g)  # [T, n]
         rows = g.shape[0] if g.dim() >= 3 else 1  # sequences: [B, L, n]
         if self.phase in ("probe", "iso"):
             self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2))
-            self._probe_fld(fqn, module, g2, rows)
-            if self.forward_drift and fqn in self.xp:
-                x = self.xp[fqn]
-                self.fwd_v[fqn] = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).mul_(self.fwd_p[fqn])
+            y = self.y.pop(fqn, None) if self._last_probe else self.y.get(fqn)
+            self.fld.on_probe(fqn, module, self.xp.get(fqn), g2, rows, y)
+            if self.fwd is not None and fqn in self.xp:
+                self.fwd.on_probe(fqn, self.xp[fqn], g2)
         elif self.phase == "train":
-            self._on_train_grad(fqn, module, g2, rows)
+            x2 = self.x.pop(fqn)
+            self.fld.on_output(fqn, module, x2, g2, rows)
+            pmat = self.bwd.on_train_grad(fqn, module, x2, g2)
+            if self.fwd is not None:
+                self.fwd.on_weights(fqn, module, pmat)
+            if self.estimator == "empirical":  # the training gradient is this estimator's probe
+                self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2 * self.shared.n_local))
 
     def _probe_root(self, ids, mask, labels, retain: bool, last: bool):
         """The logits to back-propagate a probe from: the retained graph's, or a fresh forward's."""
         if retain:
             return self._lg, not last
         self.phase = "probe_forward"
-        lg = targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)[0]
+        lg = targets(self._forward_pass(ids, mask), labels)[0]
         return lg, False
+
+    def _drift_pass(self, ids, mask, labels) -> None:
+        """One forward_drift pass: a forward whose layers are shifted, and the training loss's backward."""
+        self.phase = "fwd_pass"
+        lg, tg = targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)
+        self.phase = "fwd_backward"
+        torch.autograd.grad(F.cross_entropy(lg, tg), self.emb)
+
+    def _mean_loss(self, ids, mask, labels) -> float:
+        lg, tg = targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)
+        return float(F.cross_entropy(lg, tg))
+
+    def _set_alpha_phase(self, running: bool) -> None:
+        self.phase = "alpha" if running else "off"
 
     def run_batch(self, batch: Any, num_probes: int, retain_graph: bool = True) -> int:
         ids, mask, labels = unpack(batch)
@@ -294,16 +306,16 @@ class Collector(FldTerms, BwdTerms, FwdTerms):
         ids = ids.to(device)
         mask = mask.to(device) if mask is not None else None
         with torch.enable_grad():
-            self._group_ids.clear()
-            self._group_inputs.clear()
+            if self.groups is not None:
+                self.groups.new_forward()
             self.phase = "forward"
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            logits = self._forward_pass(ids, mask)
             self.phase = "off"
             lg, tg = targets(logits, labels)
             n = int(tg.numel())
             if n == 0:
                 raise ValueError("batches: a batch has no target tokens (all labels are -100)")
-            self.n_local = float(n)
+            self.shared.n_local = float(n)
             loss = F.cross_entropy(lg, tg)
             st = self.stats
             st.add(GLOBAL, "n_tokens", torch.tensor(float(n)))
@@ -314,7 +326,8 @@ class Collector(FldTerms, BwdTerms, FwdTerms):
             torch.autograd.grad(loss, self.emb, retain_graph=extra and retain_graph)
             self.x.clear()
             if not retain_graph:
-                self.xp.clear()  # the probes' fresh forwards record their own inputs
+                self.xp.clear()  # the probes' fresh forwards record their own inputs and outputs
+                self.y.clear()
             self._lg = lg
             if self.estimator == "mc_fisher":
                 probs = torch.softmax(lg.detach(), dim=-1)
@@ -322,30 +335,33 @@ class Collector(FldTerms, BwdTerms, FwdTerms):
                 # the statistics' all-reduce; its statistics come out non-finite and the layers are flagged.
                 probs = torch.where(torch.isfinite(probs).all(dim=-1, keepdim=True), probs, torch.ones_like(probs))
                 for r in range(num_probes):
+                    self._last_probe = not retain_graph or r == num_probes - 1
                     y_hat = torch.multinomial(probs, 1, generator=self.gen).squeeze(1)
                     root, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
                     self.phase = "probe"
                     torch.autograd.grad(F.cross_entropy(root, y_hat, reduction="sum"), self.emb,
                                         retain_graph=keep)
-                    if self.forward_drift:
+                    if self.fwd is not None:
                         emb = self.emb
-                        self._forward_drift_passes(ids, mask, labels)
+                        self.fwd.passes(lambda: self._drift_pass(ids, mask, labels))
                         self.emb = emb
-            elif self.estimator == "isotropic":
+            elif self.iso is not None:
                 for r in range(num_probes):
+                    self._last_probe = not retain_graph or r == num_probes - 1
                     _, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
                     self.phase = "iso"
-                    u = torch.randn(self.z.shape, generator=self.gen, device=self.z.device, dtype=self.z.dtype)
-                    torch.autograd.grad((u * self.z).sum(), self.emb, retain_graph=keep)
+                    torch.autograd.grad(self.iso.probe_loss(), self.emb, retain_graph=keep)
             self._lg = None
             self.xp.clear()
-            self.fwd_x.clear()
-            self.fwd_p.clear()
+            self.y.clear()
+            if self.fwd is not None:
+                self.fwd.end_batch()
             self._fold(int(ids.numel()), num_probes)
             self.phase = "off"
-        if self.estimator == "isotropic":
-            self._alpha(ids, mask, labels, float(loss.detach()))
-        self.emb = self.z = None
+        if self.iso is not None:
+            self.iso.alpha(lambda: self._mean_loss(ids, mask, labels), self._set_alpha_phase)
+            self.iso.end_batch()
+        self.emb = None
         return int(ids.numel())
 
     def _fold(self, rows: int, num_probes: int) -> None:
@@ -373,6 +389,10 @@ class Collector(FldTerms, BwdTerms, FwdTerms):
         v = self.stats.pop(fqn, vec)
         if v is not None:
             self.stats.add(fqn, out, (v * m).sum() if m is not None else torch.zeros(()))
+
+
+def _unpacked(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 @contextmanager

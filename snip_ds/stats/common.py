@@ -1,12 +1,15 @@
 """What every part of a statistics collection shares: the named sums, the layers, the batches' targets."""
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
+from snip_ds.backend import GemmBackend
 from snip_ds.linear import SnipLinear
+from snip_ds.quant_config import QuantConfig
 from snip_ds.swap import snip_layers
 
 IGNORE_INDEX = -100
@@ -83,3 +86,26 @@ class Sums:
         sizes = [self.data[k].numel() for k in keys]
         for k, part in zip(keys, torch.split(flat.detach().float().cpu(), sizes)):
             self.data[k] = part
+
+
+@dataclass
+class Shared:
+    """What the estimators of one collection share: the named sums they add to, the GEMM backend that
+    quantizes and multiplies, the precisions measured, and the current batch's target-token count (the
+    training loss is their mean, so ``G_Y`` carries a factor ``1/n_local``)."""
+
+    stats: Sums
+    backend: GemmBackend
+    precisions: Tuple[str, ...]
+    n_local: float = 1.0
+
+
+def rne_config(module: SnipLinear) -> QuantConfig:
+    """The layer's quantization with round-to-nearest everywhere: the statistics' own rounding draws nothing
+    (where training rounds G_Y stochastically the BWD estimator takes the exact expectation instead)."""
+    return replace(module.quant_config, stochastic_rounding=False)
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """``[..., n] -> [T, n]`` in FP32, detached (no copy when already FP32)."""
+    return t.detach().reshape(-1, t.shape[-1]).float()

@@ -1,7 +1,7 @@
 """The artifact's per-layer fields from a collection's all-reduced sums.
 
-:func:`finalize` divides the sums of :mod:`snip_ds.stats.estimators` by the token, batch and rank counts and
-prices them: ``fld`` (the sequence or the channel form), ``bwd`` (the drift's loss-unit price), ``fwd``
+:func:`finalize` divides the estimators' sums (:mod:`snip_ds.stats.collector`) by the token, batch and rank
+counts and prices them: ``fld`` (the sequence or the channel form), ``bwd`` (the drift's loss-unit price), ``fwd``
 (``forward_drift``) and the propagated ablation's ``bwd_propagated`` and ``bwd_dgrad`` (:func:`dgrad_cost`),
 and the study fields asked for (``study_fields``): both FLD forms, ``bwd_bias`` (the price without the
 rounding noise), ``bwd_drift`` (parameter units), ``first_order``, the quantization errors. The record's layout is :mod:`snip_ds.stats.artifact`'s.
@@ -28,12 +28,12 @@ def finalize(col: "Collector", mods: Dict[str, SnipLinear], n_batches: int, toke
     fld_form, bwd_rounding = settings.fld_form, settings.bwd_rounding
     st, G, W, B = col.stats, GLOBAL, float(world_size), float(n_batches)
     n_tot = float(st.get(G, "n_tokens")[0])
-    callable_mode = "callable" in col.sources
+    callable_mode = "callable" in col.bwd.sources
     cover = 1.0 if callable_mode else W  # how many times the reduced P-weighted norms cover each element
     eta2 = (lr * step_scale) ** 2
     out = stats_header(step=step, lr=lr, world_size=world_size, estimator=col.estimator, num_probes=num_probes,
                        fld_form=fld_form, step_scale=step_scale, bwd_rounding=bwd_rounding,
-                       precond=",".join(sorted(col.sources)) or "none", batches=n_batches, tokens=int(n_tot),
+                       precond=",".join(sorted(col.bwd.sources)) or "none", batches=n_batches, tokens=int(n_tot),
                        loss=st.get(G, "loss_sum")[0].item() / n_tot, seed=seed, forward_drift=col.forward_drift,
                        study_fields=settings.study_fields, lam=lam)
     study = set(settings.study_fields)
@@ -47,12 +47,13 @@ def finalize(col: "Collector", mods: Dict[str, SnipLinear], n_batches: int, toke
     # upstream sums for the propagated ablation: layers run before the first layer sharing ℓ's input
     upstream: Dict[str, List[str]] = {}
     if col.propagated:
+        order, group = col.groups.order, col.groups.group
         first_of_group: Dict[str, int] = {}
-        for fqn, gid in col.group.items():
-            first_of_group[gid] = min(first_of_group.get(gid, 10 ** 9), col.order[fqn])
+        for fqn, gid in group.items():
+            first_of_group[gid] = min(first_of_group.get(gid, 10 ** 9), order[fqn])
         for fqn in mods:
-            start = first_of_group.get(col.group.get(fqn, ""), col.order.get(fqn, 0))
-            upstream[fqn] = [m for m in mods if col.order.get(m, 10 ** 9) < start]
+            start = first_of_group.get(group.get(fqn, ""), order.get(fqn, 0))
+            upstream[fqn] = [m for m in mods if order.get(m, 10 ** 9) < start]
 
     def iso_factor(fqn: str, num: str, den: str) -> float:
         """‖ΔG⊙P‖²/‖ΔG‖² (callable mode: the loss price assumes P constant within the layer)."""
@@ -93,7 +94,7 @@ def finalize(col: "Collector", mods: Dict[str, SnipLinear], n_batches: int, toke
         for r in OPERANDS:  # per operand, for per-GEMM quant_err plans (each GEMM quantizes two of them)
             rec[f"quant_err_{r}"], rec[f"rel_quant_err_{r}"] = qe_op[r], rqe_op[r]
         if col.propagated:
-            gx = float(st.get(G, f"gx_sq.{col.group.get(fqn, '')}")[0])
+            gx = float(st.get(G, f"gx_sq.{col.groups.group.get(fqn, '')}")[0])
             up_sq = sum(float(st.get(u, "up_sq")[0]) for u in upstream[fqn]) * W / cover
             up_price = 0.0
             for u in upstream[fqn]:
@@ -128,7 +129,7 @@ def dgrad_cost(col: "Collector", layers_out: Dict[str, Dict[str, Any]], upstream
     are ~3×.)"""
     st, G = col.stats, GLOBAL
     for fqn, rec in layers_out.items():
-        gx = float(st.get(G, f"gx_sq.{col.group.get(fqn, '')}")[0])
+        gx = float(st.get(G, f"gx_sq.{col.groups.group.get(fqn, '')}")[0])
         cost = {}
         for p in col.precisions:
             e_glob = eta2 * float(st.get(fqn, f"dgrad_sq.{p}")[0]) / (B * W * W)  # as in _finalize

@@ -1,0 +1,175 @@
+"""The backward weight drift (BWD): one estimator of a collection.
+
+With the training gradient ``G_Y`` of a layer and its input X, the weight-gradient error
+``ΔG_W = Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` with G_Y rounded as training rounds it (``bwd_rounding="recipe"``: where that
+is stochastic, the exact expectation over the rounding, its systematic part ``E[ΔG_W]`` plus the noise
+``Var[G_W]``; ``"nearest"``: round to nearest), preconditioned by the optimizer state P (:mod:`snip_ds.stats.precond`)
+and priced per output channel: ``‖ΔG_W ⊙ P‖²`` (``drift_sq``) and ``Σ_t (X (ΔG_W ⊙ P)ᵀ)²`` (``drift_ch``, priced
+by the probes at the end of the batch). With ``bwd_propagated``, also the dgrad error ``Q_p(G_Y)Q_p(W) - G_Y W``
+and the upstream terms of the ratio estimate, for which :class:`InputGroups` finds the layers that share an input.
+With the ``quant_err`` study fields, the operand error of G_Y.
+
+docs/method.md derives the terms; :mod:`snip_ds.stats.fields` turns the sums into the artifact's fields.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+import torch
+
+from snip_ds import divergence as dv
+from snip_ds.linear import SnipLinear
+from snip_ds.stats.common import GLOBAL, Shared, rne_config
+from snip_ds.stats.precond import Precond, PrecondFn, layer_precond
+
+if TYPE_CHECKING:
+    from snip_ds.stats.collector import CollectSettings
+
+PRICE_TOKENS_MIN = 256  # tokens that price stochastic rounding's noise: at least this many (all, if fewer)
+
+
+class InputGroups:
+    """``bwd_propagated``: the order in which the layers run and which of them share one input tensor (q/k/v,
+    gate/up), each group named by its first layer."""
+
+    def __init__(self) -> None:
+        self.order: Dict[str, int] = {}
+        self.group: Dict[str, str] = {}  # layer -> its input group
+        self._ids: Dict[int, str] = {}  # id(input tensor) -> group, for the current forward only
+        self._inputs: List[torch.Tensor] = []  # keeps those ids unique: no input is freed mid-forward
+
+    def new_forward(self) -> None:
+        """Ids are unique only while the tensors live: forget the last forward's."""
+        self._ids.clear()
+        self._inputs.clear()
+
+    def see(self, fqn: str, x: torch.Tensor) -> Optional[str]:
+        """Records layer ``fqn`` with input ``x``; returns the group's name when ``x`` is an input not seen
+        before in this forward (the caller hooks its gradient), else None."""
+        if fqn not in self.order:
+            self.order[fqn] = len(self.order)
+        if not x.requires_grad:
+            return None
+        key = id(x)
+        new = key not in self._ids
+        if new:
+            self._ids[key] = fqn
+            self._inputs.append(x)
+        self.group[fqn] = self._ids[key]
+        return self._ids[key] if new else None
+
+
+class BwdEstimator:
+    """The BWD sums of one collection (the module docstring): the weight-gradient error's drift, its noise and
+    its price."""
+
+    def __init__(self, shared: Shared, settings: "CollectSettings", precond: Precond,
+                 device: torch.device) -> None:
+        self.shared = shared
+        self.rounding, self.propagated = settings.bwd_rounding, settings.bwd_propagated
+        self.bias = "bwd_bias" in settings.study_fields
+        self.quant_err = "quant_err" in settings.study_fields
+        self.precond, self.fallback = precond, settings.precond_fallback
+        self.sources: set = set()  # where the preconditioners came from (the artifact's "precond")
+        self.had_gen = torch.Generator(device=device).manual_seed(settings.seed + 1)  # Hadamard signs (if on)
+        self.price_gen = torch.Generator(device=device).manual_seed(settings.seed + 2)  # tokens pricing noise
+
+    def on_input_grad(self, gid: str, g: torch.Tensor) -> None:
+        """The training gradient of an input group's shared input (``bwd_propagated``)."""
+        self.shared.stats.add(GLOBAL, f"gx_sq.{gid}", (g.float() ** 2).sum())
+
+    def on_train_grad(self, fqn: str, module: SnipLinear, x2: torch.Tensor,
+                      g2: torch.Tensor) -> Optional[torch.Tensor]:
+        """The layer's terms from its input ``x2`` (``[T, k]``) and training gradient ``g2`` (``[T, n]``), both
+        FP32; returns its weight-shaped preconditioner (None for a partitioned state's callable)."""
+        st, cfg, be = self.shared.stats, rne_config(module), self.shared.backend
+        precisions = self.shared.precisions
+        w = module.weight.detach().float() if self.propagated else None
+        gw = g2.t() @ x2  # [n, k], BF16-pass weight gradient (mean loss)
+        pmat, pfn = layer_precond(self.precond, self.fallback, fqn, gw, self.sources)
+        sr = {p: self._expects_sr(module, p) for p in precisions}
+        uses = len(precisions) + int(self.propagated)  # projections of X below
+        gram = x2.t() @ x2 if dv.gram_pays(x2.shape[0], x2.shape[1], gw.shape[0], uses) else None
+        for p in precisions:
+            if sr[p]:  # training rounds G_Y stochastically: the exact expectation over that rounding
+                sample = self._price_sample(x2.shape[0], gw.shape[0])
+                mom = be.wgrad_moments(g2, x2, p, module.quant_config, self.had_gen, sample)
+                dgw, var, projected = mom.mean.sub_(gw), mom.var, mom.projected
+                del mom
+            else:
+                dgw, var, projected = be.wgrad(g2, x2, p, cfg, self.had_gen) - gw, None, None
+            self._drift_stats(fqn, p, dgw, var, projected, x2, pmat, pfn, gram)
+            del dgw, var, projected
+            if self.quant_err:
+                g_lp = be.quantize(g2, p, "g", -1, cfg)
+                st.add(fqn, f"qerr_g.{p}", ((g_lp - g2) ** 2).sum())
+                del g_lp
+            if self.propagated:
+                if sr[p]:
+                    mom = be.dgrad_moments(g2, w, p, module.quant_config)
+                    e = mom.mean - g2 @ w
+                    st.add(fqn, f"dgrad_sq.{p}", (e * e).sum() + mom.var.sum())
+                else:
+                    e = be.dgrad(g2, w, p, cfg, self.had_gen) - g2 @ w
+                    st.add(fqn, f"dgrad_sq.{p}", (e * e).sum())
+                del e
+        if self.quant_err:
+            st.add(fqn, "qnorm_g", (g2 * g2).sum())
+        if self.propagated:
+            if pfn is None:
+                up = gw * pmat
+                st.add(fqn, "up_sq", (up * up).sum())
+            else:
+                up = gw
+                st.add(fqn, "up_sq", torch.as_tensor(pfn(fqn, gw), dtype=torch.float32))
+                st.add(fqn, "gw_sq", (gw * gw).sum())
+            st.add(fqn, "up_ch", dv.projected_sq_sum(x2, up, gram))
+        return pmat
+
+    def _price_sample(self, tokens: int, n: int) -> torch.Tensor:
+        """Tokens whose inputs price the rounding noise (:meth:`EmulatedBackend.wgrad_moments`): all of them
+        up to PRICE_TOKENS_MIN, else ``n / 4`` of them (which keeps that price near a quarter of the wgrad
+        GEMM's cost), drawn from a generator of their own."""
+        m = min(tokens, max(PRICE_TOKENS_MIN, n // 4))
+        if m == tokens:
+            return torch.arange(tokens)
+        return torch.randperm(tokens, generator=self.price_gen, device=self.price_gen.device)[:m]
+
+    def _expects_sr(self, module: SnipLinear, p: str) -> bool:
+        return self.rounding == "recipe" and self.shared.backend.rounds_g_stochastically(p, module.quant_config)
+
+    def _drift_stats(self, fqn: str, p: str, dgw: torch.Tensor, var: Optional[torch.Tensor],
+                     projected: Optional[torch.Tensor], x2: torch.Tensor, pmat: Optional[torch.Tensor],
+                     pfn: Optional[PrecondFn], gram: Optional[torch.Tensor]) -> None:
+        """The weight-gradient error's drift statistics: its systematic part ``dgw`` (the whole error under
+        round-to-nearest; its expectation under stochastic rounding) under ``*_bias`` keys (with the
+        ``bwd_bias`` study fields only), and with the rounding noise of element-wise variance ``var`` added
+        (its expectation) under the plain keys.
+
+        The noise's loss-unit price per output channel j is ``projected_j`` (estimated from a sample of the
+        tokens, :meth:`_price_sample`) times ``P²`` averaged over the row j with weights ``var`` (exact when P
+        is constant within a row)."""
+        st = self.shared.stats
+        if pfn is None:
+            drift = dgw.mul_(pmat)  # dgw is ours to overwrite
+            bias_sq, bias_ch = (drift * drift).sum(), dv.projected_sq_sum(x2, drift, gram)
+            noise_sq = None
+            if var is not None:
+                row_var = var.sum(dim=1)
+                weighted = var.mul_(pmat).mul_(pmat)  # P²·Var, in place
+                noise_sq = weighted.sum()
+                noise_ch = weighted.sum(dim=1).div_(torch.where(row_var > 0, row_var, 1.0)).mul_(projected)
+        else:
+            bias_sq = torch.as_tensor(pfn(fqn, dgw), dtype=torch.float32)
+            bias_ch = dv.projected_sq_sum(x2, dgw, gram)
+            dg_sq = (dgw * dgw).sum()
+            if self.bias:
+                st.add(fqn, f"dg_sq_bias.{p}", dg_sq)
+            st.add(fqn, f"dg_sq.{p}", dg_sq + var.sum() if var is not None else dg_sq)
+            noise_sq = torch.as_tensor(pfn(fqn, var.sqrt()), dtype=torch.float32) if var is not None else None
+            noise_ch = projected
+        if self.bias:
+            st.add(fqn, f"drift_sq_bias.{p}", bias_sq)
+            st.add(fqn, f"drift_ch_bias.{p}", bias_ch)
+        st.add(fqn, f"drift_sq.{p}", bias_sq + noise_sq if noise_sq is not None else bias_sq)
+        st.add(fqn, f"drift_ch.{p}", bias_ch + noise_ch if noise_sq is not None else bias_ch)

@@ -1,0 +1,97 @@
+"""The forward loss divergence (FLD) of each layer's quantized fprop: one estimator of a collection.
+
+A layer's fprop error at precision p is ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` (round to nearest). The collector
+(:mod:`snip_ds.stats.collector`) hands this estimator a layer's input X and, as they arrive, the training
+gradient ``G_Y`` and each probe's output gradient g; it adds, as far as the collection asks for them:
+
+* the sequence form ``Σ_rows (Σ_t g_t·E_t)²`` with the probe's g (``fld_seq``; with the empirical estimator
+  ``G_Y`` plays the probe), the Gauss-Newton form of E in expectation over the probe labels;
+* the channel form's ``Σ_t E_tj²`` per output channel (``err_sq``, priced per channel by the probes at the
+  end of the batch);
+* the study fields: the first-order term ``⟨G_Y, E⟩`` (``first``) and the operand errors of X and W
+  (``qerr_x``, ``qerr_w`` with their norms ``qnorm_x``, ``qnorm_w``: the quant_err baselines).
+
+docs/method.md derives the forms; :mod:`snip_ds.stats.fields` turns the sums into the artifact's fields.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator, Optional, Tuple
+
+import torch
+
+from snip_ds import divergence as dv
+from snip_ds.linear import SnipLinear
+from snip_ds.stats.common import Shared, rne_config
+
+if TYPE_CHECKING:
+    from snip_ds.stats.collector import CollectSettings
+
+
+class FldEstimator:
+    """The FLD sums of one collection (the module docstring)."""
+
+    def __init__(self, shared: Shared, settings: "CollectSettings") -> None:
+        study = set(settings.study_fields)
+        self.shared = shared
+        self.sequence = settings.fld_form == "sequence" or "fld_forms" in study
+        self.channel = settings.fld_form == "channel" or "fld_forms" in study
+        self.first_order, self.quant_err = "first_order" in study, "quant_err" in study
+        self.empirical = settings.estimator == "empirical"
+        # whether the training gradient's hook needs the fprop errors E (else only the probe's hook does)
+        self.train_errors = self.channel or self.first_order or self.quant_err or (self.empirical and self.sequence)
+
+    def errors(self, module: SnipLinear, x2: torch.Tensor,
+               y_ref: Optional[torch.Tensor] = None) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per precision ``(p, E, Q_p(X), Q_p(W))`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` (RNE), one at a time;
+        ``x2`` is the layer's input as ``[T, k]`` FP32, ``y_ref`` its unquantized FP32 output ``XWᵀ`` where the
+        forward's own is at hand (``F.linear``'s kernel, the product below), else computed here."""
+        be, cfg = self.shared.backend, rne_config(module)
+        w = module.weight.detach().float()  # [n, k]
+        y_ref = x2 @ w.t() if y_ref is None else y_ref.reshape(-1, y_ref.shape[-1])  # [T, n]
+        for p in self.shared.precisions:
+            x_lp = be.quantize(x2, p, "x", -1, cfg)
+            w_lp = be.quantize(w, p, "w", -1, cfg)
+            yield p, x_lp @ w_lp.t() - y_ref, x_lp, w_lp
+
+    def on_output(self, fqn: str, module: SnipLinear, x2: torch.Tensor, g2: Optional[torch.Tensor],
+                  rows: int = 1) -> None:
+        """The terms of the layer's output: called with the training gradient ``g2 = G_Y`` (``[T, n]`` FP32,
+        ``rows`` sequences) when it arrives, or with None for an output no gradient will reach (then no
+        first-order term). Per precision ``Σ_t E_tj²`` (the channel form), the operand errors of X and W
+        (``quant_err``), and the first-order term ``⟨G_Y, E⟩`` from the same E (and, for the empirical
+        estimator, its per-sequence square: the sequence form with ``G_Y`` as the probe)."""
+        st, n_local = self.shared.stats, self.shared.n_local
+        w = module.weight.detach().float()  # [n, k]
+        if self.train_errors:  # else nothing below needs E (only the study fields and the empirical FLD do)
+            for p, e, x_lp, w_lp in self.errors(module, x2):
+                if self.channel:
+                    st.add(fqn, f"err_sq.{p}", dv.channel_sq_sum(e))
+                if g2 is not None:
+                    if self.first_order:
+                        st.add(fqn, f"first.{p}", (g2 * e).sum() * n_local)
+                    if self.empirical and self.sequence:
+                        st.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2 * n_local, e, rows))
+                if self.quant_err:
+                    st.add(fqn, f"qerr_x.{p}", ((x_lp - x2) ** 2).sum())
+                    st.add(fqn, f"qerr_w.{p}", ((w_lp - w) ** 2).sum())
+                del e, x_lp, w_lp
+        if self.quant_err:
+            st.add(fqn, "qnorm_x", (x2 * x2).sum())
+            st.add(fqn, "qnorm_w", (w * w).sum())
+
+    def on_probe(self, fqn: str, module: SnipLinear, x: Optional[torch.Tensor], g2: torch.Tensor,
+                 rows: int, y: Optional[torch.Tensor] = None) -> None:
+        """Sequence form: ``Σ_rows (Σ_t g_t·E_t)²`` per precision with one probe's output gradient ``g2``, E
+        recomputed from the layer's saved input ``x`` (None: not saved, nothing to add) and, where given, its
+        unquantized output ``y``.
+
+        With probe labels drawn from the model's softmax, ``E_ŷ[(g·E)²] = Eᵀ(Σ_s J_sᵀF_sJ_s)E``: the exact
+        Gauss-Newton quadratic form of the perturbation, cross-token and cross-channel terms included
+        (sequences are independent, so their cross terms vanish in expectation and are left out).
+        """
+        if x is None or not self.sequence:
+            return
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        for p, e, _, _ in self.errors(module, x2, y):
+            self.shared.stats.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2, e, rows))
+            del e
