@@ -532,32 +532,6 @@ def _dgrad_reference(model, layers, batch, pre, upstream):
     return float(e.pow(2).sum()), up, float(flat(x_in.grad).pow(2).sum())
 
 
-@pytest.mark.rounding
-@pytest.mark.parametrize("retain_graph", [True, False], ids=["retained", "fresh_forwards"])
-def test_reference_product_from_the_forward_changes_no_bit(model, monkeypatch, retain_graph):
-    """The probe hooks take XWᵀ from the forward's output where autograd keeps it anyway (gate, up: the MLP's
-    activation and product save them; v: attention saves it), and recompute it for the others; the statistics
-    are bit for bit those of recomputing it everywhere (the layer's F.linear and the hook's product are one
-    kernel on the same operands)."""
-    from snip_ds.stats.collector import Collector
-    batches, settings = _batches(1), CollectSettings(num_probes=2, retain_graph=retain_graph)
-    kept = []
-    forward_pass = Collector._forward_pass
-
-    def counting(self, ids, mask):
-        out = forward_pass(self, ids, mask)
-        kept.append(sorted(self.y))
-        return out
-
-    monkeypatch.setattr(Collector, "_forward_pass", counting)
-    reused = collect_statistics(model, batches, settings, lr=1e-3)
-    expected = sorted(f"model.layers.{b}.{m}" for b in range(2)
-                      for m in ("self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"))
-    assert kept and all(k == expected for k in kept)
-    monkeypatch.setattr(Collector, "_keep_output", lambda *a: None)
-    assert collect_statistics(model, batches, settings, lr=1e-3) == reused
-
-
 def test_input_groups_are_the_layers_that_share_an_input():
     """q/k/v share one input, gate/up another; o_proj and down_proj have their own. Groups are found by the
     input tensor's id within a forward, so no input may be freed (and its id recycled) before the forward ends:

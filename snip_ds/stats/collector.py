@@ -15,8 +15,7 @@ scalars per layer are all-reduced, whatever the model's width):
   the dgrad error with ``bwd_propagated``), and the FLD terms that need ``G_Y`` or the channel form,
   :meth:`~snip_ds.stats.fld.FldEstimator.on_output` (only where :class:`CollectSettings` asks for them);
 * probe hook (g): ``Σ_t g_tj²``, which prices the per-channel terms, and the sequence-form FLD
-  ``Σ_rows (Σ_t g_t·E_t)²``, :meth:`~snip_ds.stats.fld.FldEstimator.on_probe`, with E's reference product XWᵀ
-  taken from the forward's own FP32 output where autograd saves that output anyway (a pack hook sees it);
+  ``Σ_rows (Σ_t g_t·E_t)²``, :meth:`~snip_ds.stats.fld.FldEstimator.on_probe`;
 * ``forward_drift=True``: after each probe, two more forward and backward passes of the training loss
   (:meth:`~snip_ds.stats.fwd.ForwardDrift.passes`) give how each layer's fprop error changes the update;
 * ``estimator="isotropic"``: probes from the last block's output and four forward passes for the curvature α
@@ -35,7 +34,6 @@ after it re-gathers it for backward.
 from __future__ import annotations
 
 import math
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
@@ -167,13 +165,6 @@ class Collector:
         self.phase = "off"
         self.x: Dict[str, torch.Tensor] = {}  # layer inputs ([T, k] FP32) until their training gradient
         self.xp: Dict[str, torch.Tensor] = {}  # layer inputs as autograd saved them, for the probe hooks
-        # FP32 layer outputs XWᵀ that autograd keeps anyway (their consumers saved them): the probe hooks take
-        # them as the FLD's reference product instead of recomputing it (the same kernel: the same bits)
-        self.y: Dict[str, torch.Tensor] = {}
-        # the current forward's FP32 outputs by storage: {address: (layer, weak reference)}; a weak one, so that
-        # no output outlives the forward because of it (and a dead one's address, reusable, is never matched)
-        self._outputs: Dict[int, Tuple[str, weakref.ref]] = {}
-        self._last_probe = True
         self.emb: Optional[torch.Tensor] = None
         self._lg: Optional[torch.Tensor] = None
 
@@ -205,38 +196,13 @@ class Collector:
                 return self.fwd.shifted_output(fqn, module, inputs[0], output)
             if self.phase == "probe_forward":  # a fresh forward for a probe: only its output gradient counts
                 self.xp[fqn] = inputs[0].detach()
-                self._keep_output(fqn, module, output)
                 if output.requires_grad:
                     output.register_hook(lambda g: self._on_output_grad(fqn, module, g))
                 return
             if self.phase != "forward":
                 return
-            self._keep_output(fqn, module, output)
             self._on_forward(fqn, module, inputs[0], output)
         return hook
-
-    def _keep_output(self, fqn: str, module: SnipLinear, y: torch.Tensor) -> None:
-        if y.dtype == torch.float32 and module.bias is None and self.estimator != "empirical":
-            self._outputs[y.untyped_storage().data_ptr()] = (fqn, weakref.ref(y))
-
-    def _on_saved(self, t: torch.Tensor) -> torch.Tensor:
-        """Pack hook of the forwards: where autograd saves a layer's output (or a view of it) while that output
-        is alive, ``y`` takes it; ``t`` itself is saved as it is."""
-        if self._outputs and t.layout == torch.strided and t.device.type != "meta":
-            entry = self._outputs.get(t.untyped_storage().data_ptr())
-            y = entry[1]() if entry is not None else None
-            if y is not None and entry[0] not in self.y:
-                self.y[entry[0]] = y.detach()
-        return t
-
-    def _forward_pass(self, ids, mask) -> torch.Tensor:
-        """The model's logits; afterwards ``y`` holds the layer outputs that autograd saved."""
-        self._outputs.clear()
-        self.y = {}
-        with torch.autograd.graph.saved_tensors_hooks(self._on_saved, _unpacked):
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
-        self._outputs.clear()
-        return logits
 
     def _on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         x2 = flat(x)  # [T, k]
@@ -265,8 +231,7 @@ class Collector:
         rows = g.shape[0] if g.dim() >= 3 else 1  # sequences: [B, L, n]
         if self.phase in ("probe", "iso"):
             self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2))
-            y = self.y.pop(fqn, None) if self._last_probe else self.y.get(fqn)
-            self.fld.on_probe(fqn, module, self.xp.get(fqn), g2, rows, y)
+            self.fld.on_probe(fqn, module, self.xp.get(fqn), g2, rows)
             if self.fwd is not None and fqn in self.xp:
                 self.fwd.on_probe(fqn, self.xp[fqn], g2)
         elif self.phase == "train":
@@ -283,7 +248,7 @@ class Collector:
         if retain:
             return self._lg, not last
         self.phase = "probe_forward"
-        lg = targets(self._forward_pass(ids, mask), labels)[0]
+        lg = targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)[0]
         return lg, False
 
     def _drift_pass(self, ids, mask, labels) -> None:
@@ -309,7 +274,7 @@ class Collector:
             if self.groups is not None:
                 self.groups.new_forward()
             self.phase = "forward"
-            logits = self._forward_pass(ids, mask)
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
             self.phase = "off"
             lg, tg = targets(logits, labels)
             n = int(tg.numel())
@@ -326,8 +291,7 @@ class Collector:
             torch.autograd.grad(loss, self.emb, retain_graph=extra and retain_graph)
             self.x.clear()
             if not retain_graph:
-                self.xp.clear()  # the probes' fresh forwards record their own inputs and outputs
-                self.y.clear()
+                self.xp.clear()  # the probes' fresh forwards record their own inputs
             self._lg = lg
             if self.estimator == "mc_fisher":
                 probs = torch.softmax(lg.detach(), dim=-1)
@@ -335,7 +299,6 @@ class Collector:
                 # the statistics' all-reduce; its statistics come out non-finite and the layers are flagged.
                 probs = torch.where(torch.isfinite(probs).all(dim=-1, keepdim=True), probs, torch.ones_like(probs))
                 for r in range(num_probes):
-                    self._last_probe = not retain_graph or r == num_probes - 1
                     y_hat = torch.multinomial(probs, 1, generator=self.gen).squeeze(1)
                     root, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
                     self.phase = "probe"
@@ -347,13 +310,11 @@ class Collector:
                         self.emb = emb
             elif self.iso is not None:
                 for r in range(num_probes):
-                    self._last_probe = not retain_graph or r == num_probes - 1
                     _, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
                     self.phase = "iso"
                     torch.autograd.grad(self.iso.probe_loss(), self.emb, retain_graph=keep)
             self._lg = None
             self.xp.clear()
-            self.y.clear()
             if self.fwd is not None:
                 self.fwd.end_batch()
             self._fold(int(ids.numel()), num_probes)
@@ -389,10 +350,6 @@ class Collector:
         v = self.stats.pop(fqn, vec)
         if v is not None:
             self.stats.add(fqn, out, (v * m).sum() if m is not None else torch.zeros(()))
-
-
-def _unpacked(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 @contextmanager

@@ -40,14 +40,13 @@ class FldEstimator:
         # whether the training gradient's hook needs the fprop errors E (else only the probe's hook does)
         self.train_errors = self.channel or self.first_order or self.quant_err or (self.empirical and self.sequence)
 
-    def errors(self, module: SnipLinear, x2: torch.Tensor,
-               y_ref: Optional[torch.Tensor] = None) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def errors(self, module: SnipLinear, x2: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor]]:
         """Per precision ``(p, E, Q_p(X), Q_p(W))`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` (RNE), one at a time;
-        ``x2`` is the layer's input as ``[T, k]`` FP32, ``y_ref`` its unquantized FP32 output ``XWᵀ`` where the
-        forward's own is at hand (``F.linear``'s kernel, the product below), else computed here."""
+        ``x2`` is the layer's input as ``[T, k]`` FP32."""
         be, cfg = self.shared.backend, rne_config(module)
         w = module.weight.detach().float()  # [n, k]
-        y_ref = x2 @ w.t() if y_ref is None else y_ref.reshape(-1, y_ref.shape[-1])  # [T, n]
+        y_ref = x2 @ w.t()  # [T, n]
         for p in self.shared.precisions:
             x_lp = be.quantize(x2, p, "x", -1, cfg)
             w_lp = be.quantize(w, p, "w", -1, cfg)
@@ -80,10 +79,9 @@ class FldEstimator:
             st.add(fqn, "qnorm_w", (w * w).sum())
 
     def on_probe(self, fqn: str, module: SnipLinear, x: Optional[torch.Tensor], g2: torch.Tensor,
-                 rows: int, y: Optional[torch.Tensor] = None) -> None:
+                 rows: int) -> None:
         """Sequence form: ``Σ_rows (Σ_t g_t·E_t)²`` per precision with one probe's output gradient ``g2``, E
-        recomputed from the layer's saved input ``x`` (None: not saved, nothing to add) and, where given, its
-        unquantized output ``y``.
+        recomputed from the layer's saved input ``x`` (None: not saved, nothing to add).
 
         With probe labels drawn from the model's softmax, ``E_ŷ[(g·E)²] = Eᵀ(Σ_s J_sᵀF_sJ_s)E``: the exact
         Gauss-Newton quadratic form of the perturbation, cross-token and cross-channel terms included
@@ -92,6 +90,6 @@ class FldEstimator:
         if x is None or not self.sequence:
             return
         x2 = x.reshape(-1, x.shape[-1]).float()
-        for p, e, _, _ in self.errors(module, x2, y):
+        for p, e, _, _ in self.errors(module, x2):
             self.shared.stats.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2, e, rows))
             del e
