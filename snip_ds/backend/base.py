@@ -128,7 +128,7 @@ def recipe_words(precision: str, cfg: QuantConfig) -> str:
 
 # CUDA: the torch backend (FP8 tensor cores through torch._scaled_mm, BF16 tensor cores for the block
 # recipes). Not measured yet: no GPU was available when it was written.
-_AUTO_CUDA = "torch"
+_AUTO_TORCH_DEVICES = ("cuda", "cpu")
 _logged: set = set()
 
 
@@ -150,8 +150,8 @@ def resolve(name: str, precision: str, cfg: QuantConfig, device: Union[str, torc
     if name == "auto":
         if precision == "bf16":
             chosen = "emulated"  # an FP32 GEMM of the high-precision operands either way
-        elif device.type == "cuda":
-            chosen = _AUTO_CUDA
+        elif device.type in _AUTO_TORCH_DEVICES:
+            chosen = "torch"
         else:
             chosen = "emulated"
         key = (device.type, precision, recipe_words(precision, cfg), chosen)

@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from snip_ds.backend import cpu as cpu_kernels
 from snip_ds.backend.base import BackendError, GemmBackend, recipe_words, seed_offset
 from snip_ds.backend.emulated import OPERAND_ROLES_AXES, _hadamard_pair, operand_recipes, reference_operands
 from snip_ds.quant_config import QuantConfig
@@ -81,7 +82,13 @@ class TorchBackend(GemmBackend):
                        generator: Optional[torch.Generator] = None) -> QuantParts:
         """One whole operand, through the Triton kernels on CUDA when they are available, else
         :func:`snip_ds.quant.quantize_parts`."""
-        k = kernels() if t.device.type in KERNEL_DEVICES else None
+        if t.device.type in KERNEL_DEVICES:
+            k = kernels()
+        elif t.device.type == "cpu" and t.ndim == 2 and cpu_kernels.available():
+            k = cpu_kernels
+            t = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
+        else:
+            k = None
         if k is not None:
             seed, offset = seed_offset(generator) if stochastic else (0, 0)
             return k.quantize_parts(t, recipe, axis, stochastic=stochastic, seed=seed, offset=offset)
