@@ -1,8 +1,13 @@
 """The ``torch`` backend: low-precision GEMMs with plain torch, no extra dependency (CUDA and CPU).
 
-Each operand is quantized by :func:`snip_ds.quant.quantize_parts` (or, on CUDA, by the Triton kernels of
-``snip_ds.backend.kernels`` when that module exists and says it is available: same contract, bit for bit
-with stochastic rounding off), along the axes and from the same generator draws as the emulated backend.
+Each operand is quantized along the axes of the emulated backend: on CUDA by the Triton kernels of
+``snip_ds.backend.kernels`` when that module exists and says it is available, on the CPU by the fused C++
+kernels of :mod:`snip_ds.backend.cpu` when they built, else by :func:`snip_ds.quant.quantize_parts` (same
+contract, bit for bit with stochastic rounding off; the kernels draw stochastic rounding from a (seed,
+offset) pair taken from the generator, :func:`~snip_ds.backend.base.seed_offset`, the fallback from the
+generator itself as the emulated backend does). On the CPU the streamed operand of each GEMM (X or G_Y along
+rows, both wgrad operands along the tokens) is quantized slice by slice with the whole operand's amax, as the
+emulated backend does, which gives the whole operand's values and draws while keeping temporaries small.
 Then:
 
 * ``fp8`` with ``fp8_hybrid`` on a CUDA device that has FP8 tensor cores (compute capability >= 8.9) and
@@ -16,8 +21,10 @@ Then:
   subnormals times the block scale fall below BF16's smallest subnormal 2**-133, does not occur in
   training). On CUDA the GEMM returns FP32 (``torch.mm(..., out_dtype=torch.float32)``).
   torch has no such CPU kernel: on CPU an FP32 result (``out_dtype`` FP32) comes from an FP32 GEMM of the
-  same exact values, and a BF16/FP16 result from a BF16 GEMM whose FP32 sum is rounded once to BF16 before
-  the FP32 tensor scales are applied (at most one more BF16 rounding than the emulated backend's).
+  same exact values, and a BF16/FP16 result, where oneDNN has native BF16 (AVX512-BF16, AMX), from a BF16
+  GEMM whose FP32 sum is rounded once to BF16 before the FP32 tensor scales are applied (at most one more
+  BF16 rounding than the emulated backend's); without native BF16 (where a BF16 GEMM is many times slower)
+  from the FP32 GEMM.
 * ``bf16``: a GEMM in the operands' own dtype.
 """
 from __future__ import annotations
