@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -325,31 +326,44 @@ void run_task_base(const In* x, Out* out, int64_t C, int64_t r0, int64_t r1, int
 
 constexpr int64_t COL_CHUNK = 1024;  // strip tasks span this many columns (a strip of 32 x 1024 FP32: 128 KiB)
 
+// Threads: torch's (at::get_num_threads()), tasks handed out dynamically, so that a thread slowed down by other
+// processes on its core takes fewer of them (a static split would wait for its half).
+INLINE int threads_for(int64_t n_tasks) {
+  return (n_tasks > 1 && !omp_in_parallel()) ? int(std::min<int64_t>(at::get_num_threads(), n_tasks)) : 1;
+}
+
 template <typename In, typename Out>
 void run(const In* x, Out* out, int64_t R, int64_t C, const Params& p, int64_t isa) {
   auto task = isa >= 2 ? run_task_avx512<In, Out> : isa == 1 ? run_task_avx2<In, Out> : run_task_base<In, Out>;
   const bool strips = p.kind == NVFP4_2D || (p.kind != PER_TENSOR && p.axis == 0);
-  if (!strips) {  // tasks: rows
+  if (!strips) {  // tasks: groups of rows, about 32 Ki elements each
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(C, 1));
-    at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+    const int64_t n_tasks = (R + grain - 1) / grain;
+#pragma omp parallel num_threads(threads_for(n_tasks))
+    {
       std::vector<float> D(C), VM(C);
-      task(x, out, C, begin, end, 0, C, p, D.data(), VM.data(), nullptr);
-    });
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < n_tasks; ++t)
+        task(x, out, C, t * grain, std::min(R, (t + 1) * grain), 0, C, p, D.data(), VM.data(), nullptr);
+    }
     return;
   }
   const int64_t bs = p.block;
   const int64_t n_strips = (R + bs - 1) / bs;
   const int64_t n_chunks = (C + COL_CHUNK - 1) / COL_CHUNK;  // COL_CHUNK is a multiple of every tile edge
-  at::parallel_for(0, n_strips * n_chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t n_tasks = n_strips * n_chunks;
+#pragma omp parallel num_threads(threads_for(n_tasks))
+  {
     const int64_t w = std::min(C, COL_CHUNK);
     std::vector<float> D(w), VM(w);
     std::vector<uint32_t> colmax(w);
-    for (int64_t t = begin; t < end; ++t) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n_tasks; ++t) {
       int64_t s = t / n_chunks, c = t % n_chunks;
       task(x, out, C, s * bs, std::min(R, (s + 1) * bs), c * COL_CHUNK, std::min(C, (c + 1) * COL_CHUNK), p,
            D.data(), VM.data(), colmax.data());
     }
-  });
+  }
 }
 
 template <typename In>
@@ -378,9 +392,18 @@ uint32_t amax_span_base(const In* x, int64_t begin, int64_t end, uint32_t acc) {
 template <typename In>
 uint32_t amax_bits(const In* x, int64_t n, int64_t isa) {
   auto span = isa >= 2 ? amax_span_avx512<In> : isa == 1 ? amax_span_avx2<In> : amax_span_base<In>;
-  return at::parallel_reduce(
-      0, n, 65536, uint32_t(0), [&](int64_t begin, int64_t end, uint32_t acc) { return span(x, begin, end, acc); },
-      [](uint32_t a, uint32_t b) { return a > b ? a : b; });
+  constexpr int64_t GRAIN = 65536;
+  const int64_t n_tasks = (n + GRAIN - 1) / GRAIN;
+  uint32_t result = 0;
+#pragma omp parallel num_threads(threads_for(n_tasks))
+  {
+    uint32_t acc = 0;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t t = 0; t < n_tasks; ++t) acc = span(x, t * GRAIN, std::min(n, (t + 1) * GRAIN), acc);
+#pragma omp critical
+    result = acc > result ? acc : result;
+  }
+  return result;
 }
 
 void check_input(const at::Tensor& x) {
