@@ -394,3 +394,21 @@ def test_torch_backend_operands_with_and_without_the_kernels(recipe, fallback, r
                             reference_operands(gemm, a, b, precision, cfg)):
             assert_bitwise_equal(got.values, ref.values)
             assert_bitwise_equal(got.tensor_scale, ref.tensor_scale)
+
+
+def test_results_do_not_depend_on_the_thread_count(kernels):
+    """Tasks are handed out dynamically to torch's threads; every element is computed on its own (and the amax
+    is a max), so one thread and two give the same bits, stochastic draws included."""
+    x = wide_sample((100, 2100), seed=18)
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append([cpu.quantize_parts(x, recipe, axis, stochastic=sr, seed=7).values
+                            for recipe in ("fp8_e4m3", "mxfp4", "nvfp4_2d") for axis in (0, 1) for sr in (False, True)]
+                           + [cpu.tensor_amax(x)])
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(*results):
+        assert_bitwise_equal(a, b)
