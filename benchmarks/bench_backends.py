@@ -1,7 +1,7 @@
 """Forward+backward time of one SnipLinear per GEMM backend and recipe against nn.Linear, side by side.
 
     python benchmarks/bench_backends.py [--size 2048] [--repeats 3] [--dtypes float32 bfloat16] [--tag NAME]
-                                        [--threads N] [--clock wall|cpu]
+                                        [--threads N] [--clock wall|cpu] [--stat median|min]
 
 One layer of T = k = n = ``size`` (no bias). Every variant (nn.Linear, and each backend x recipe) runs
 round-robin, so machine load hits them alike; the median time of each is divided by nn.Linear's in the
@@ -44,6 +44,7 @@ BACKENDS = ("emulated", "torch")
 
 
 _CLOCK = time.perf_counter
+_STAT = statistics.median
 
 
 def _time(fn) -> float:
@@ -94,7 +95,7 @@ def bench(size: int, dtype: torch.dtype, repeats: int) -> dict:
     for _ in range(repeats):
         for name, layer in layers.items():
             times[name].append(_time(lambda: step(layer)))
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+    med = {name: _STAT(ts) for name, ts in times.items()}
     auto = {recipe: resolve("auto", precision, QuantConfig(**fields), "cpu").name
             for recipe, (precision, fields) in RECIPES.items()}
     return {"dtype": str(dtype).replace("torch.", ""), "size": size, "time_s": med,
@@ -122,6 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall clock, or the process's CPU time (needs --threads 1)")
+    p.add_argument("--stat", choices=["median", "min"], default="median",
+                   help="per variant, the median of the repeats or the fastest (least disturbed by other load)")
     args = p.parse_args(argv)
     if args.threads < 0:
         p.error(f"--threads: expected a number >= 0, got {args.threads}")
@@ -131,6 +134,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     global _CLOCK
     _CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    global _STAT
+    _STAT = min if args.stat == "min" else statistics.median
+    load_start = os.getloadavg()
     build = kernel_build()
     kernels = kernel_times(args.kernel_size, args.repeats)
     rows = [bench(args.size, getattr(torch, d), args.repeats) for d in args.dtypes]
@@ -138,7 +144,8 @@ def main(argv=None) -> int:
            if k in os.environ}
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
             "cpu": platform.processor() or platform.machine(), "isa_env": env, "repeats": args.repeats,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "clock": args.clock}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "clock": args.clock, "stat": args.stat,
+            "load_average_start": load_start, "load_average": os.getloadavg()}
     name = "bench_backends" + (f"_{args.tag}" if args.tag else "")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "cpu_quant_kernels": build,
@@ -146,8 +153,9 @@ def main(argv=None) -> int:
     lines = [f"# {name}: SnipLinear per backend vs nn.Linear, forward+backward on CPU", "",
              f"torch {meta['torch']}, {meta['threads']} threads, {meta['cores']} cores, capability "
              f"{meta['cpu_capability']}{', env ' + str(env) if env else ''}; T = k = n = {args.size}, "
-             f"{'CPU time' if args.clock == 'cpu' else 'wall clock'}, median "
-             f"of {args.repeats} round-robin repeats; ratios to nn.Linear in the same dtype.", "",
+             f"{'CPU time' if args.clock == 'cpu' else 'wall clock'}, {args.stat} "
+             f"of {args.repeats} round-robin repeats; ratios to nn.Linear in the same dtype; machine load average "
+             f"(1 min) {load_start[0]:.2f} at the start, {meta['load_average'][0]:.2f} at the end.", "",
              "Fused CPU quantization kernels: " + (
                  f"{'loaded from the cache' if build['cached'] else 'compiled'} in {build['seconds']:.1f} s, "
                  f"{build['isa_variant']} variant" if build["available"] else f"unavailable ({build['error']})")
