@@ -24,7 +24,7 @@ RECIPES = list(quant.RECIPES)
 # awkward shapes: single rows and columns, not multiples of 16 or 32; 70 x 2100 spans several column chunks
 # (1024) and threads, with partial blocks along both axes
 SHAPES = [(1, 45), (37, 1), (33, 70), (16, 32), (70, 17), (70, 2100)]
-ISAS = [level for level in (0, 1, 2)]
+ISAS = [0, 1, 2]  # baseline, AVX2, AVX-512
 
 
 @pytest.fixture(scope="module")

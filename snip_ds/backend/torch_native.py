@@ -41,6 +41,7 @@ from snip_ds.backend.emulated import (OPERAND_ROLES_AXES, _chunks, _hadamard_pai
                                       tensor_amax)
 from snip_ds.quant_config import QuantConfig
 from snip_ds.quant import QuantParts, get_recipe, quantize_parts
+from snip_ds.types import GEMM_OPERANDS
 
 log = logging.getLogger("snip_ds.backend")
 
@@ -124,7 +125,7 @@ class TorchBackend(GemmBackend):
               bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
             return _finish(torch.mm(x, w.to(x.dtype).t()), bias, out_dtype)
-        if self._streams("fprop", x, w, precision, cfg, out_dtype):
+        if self._streams("fprop", x, w, precision, cfg):
             return self._cpu_fprop(x, w, precision, cfg, bias, out_dtype)
         px, pw = self.quantized_operands("fprop", x, w, precision, cfg)
         return self._mm("fprop", px.values, pw.values.t(), px.tensor_scale, pw.tensor_scale,
@@ -135,7 +136,7 @@ class TorchBackend(GemmBackend):
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
             return _finish(torch.mm(g, w.to(g.dtype)), None, out_dtype)
-        if self._streams("dgrad", g, w, precision, cfg, out_dtype):
+        if self._streams("dgrad", g, w, precision, cfg):
             return self._cpu_dgrad(g, w, precision, cfg, generator, out_dtype)
         pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator)
         return self._mm("dgrad", pg.values, pw.values, pg.tensor_scale, pw.tensor_scale,
@@ -146,19 +147,18 @@ class TorchBackend(GemmBackend):
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
             return _finish(torch.mm(g.t(), x.to(g.dtype)), None, out_dtype)
-        if self._streams("wgrad", g, x, precision, cfg, out_dtype) and not _cpu_bf16_gemm(out_dtype):
+        if self._streams("wgrad", g, x, precision, cfg) and not _cpu_bf16_gemm(out_dtype):
             return self._cpu_wgrad(g, x, precision, cfg, generator, out_dtype)
         pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator)
         return self._mm("wgrad", pg.values.t(), px.values, pg.tensor_scale, px.tensor_scale,
                         self._fp8_pair("g", "x", precision, cfg), None, out_dtype)
 
     # ---------------- CPU: operands streamed slice by slice, as the emulated backend does ----------------
-    def _streams(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig,
-                 out_dtype: torch.dtype) -> bool:
+    def _streams(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig) -> bool:
         """Whether this GEMM takes the CPU path that quantizes its streamed operand slice by slice."""
         if a.device.type != "cpu" or a.device.type in KERNEL_DEVICES or a.numel() == 0 or b.numel() == 0:
             return False
-        roles = GEMM_ROLES[gemm]
+        roles = GEMM_OPERANDS[gemm]
         fp8 = self._fp8_pair(roles[0], roles[1], precision, cfg)
         return fp8 is None or not _scaled_mm_ok(gemm, a, b, fp8)
 
@@ -231,7 +231,6 @@ class TorchBackend(GemmBackend):
         return _finish(y.mul_(scale_a * scale_b), bias, out_dtype)
 
 
-GEMM_ROLES = {"fprop": ("x", "w"), "dgrad": ("g", "w"), "wgrad": ("g", "x")}
 _fast_bf16: Optional[bool] = None
 
 
@@ -260,7 +259,7 @@ class _Streamed:
     def __init__(self, t: torch.Tensor, recipe: str, axis: int, stochastic: bool = False,
                  generator: Optional[torch.Generator] = None):
         self.fused = cpu_kernels.available()
-        self.t = t if t.dtype == torch.float32 or (self.fused and t.dtype == torch.bfloat16) else t.float()
+        self.t = t if not self.fused or t.dtype in (torch.float32, torch.bfloat16) else t.float()
         self.recipe = get_recipe(recipe)
         self.axis = axis
         self.stochastic = stochastic
