@@ -412,3 +412,33 @@ def test_results_do_not_depend_on_the_thread_count(kernels):
         torch.set_num_threads(previous)
     for a, b in zip(*results):
         assert_bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_bf16_results_with_and_without_a_native_bf16_gemm(fast_bf16, monkeypatch):
+    """A BF16 result on the CPU comes from a BF16 GEMM only where oneDNN has native BF16, else from the FP32
+    GEMM of the same exact values; either way the product of the operands within FP32 accumulation (at most
+    40 terms) plus two BF16 roundings (the BF16 GEMM's result, then the output after the tensor scales)."""
+    from snip_ds.backend import torch_native
+
+    monkeypatch.setattr(torch_native, "_fast_bf16", fast_bf16)
+    dtypes = set()
+    real_mm, real_addmm = torch.mm, torch.Tensor.addmm_
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: dtypes.add(a.dtype) or real_mm(a, b, **kw))
+    monkeypatch.setattr(torch.Tensor, "addmm_",
+                        lambda self, a, b, **kw: dtypes.add(a.dtype) or real_addmm(self, a, b, **kw))
+    cfg = QuantConfig(fp4_recipe="nvfp4", stochastic_rounding=False)
+    gen = torch.Generator().manual_seed(19)
+    x, w = torch.randn(70, 40, generator=gen), torch.randn(24, 40, generator=gen)
+    g = torch.randn(70, 24, generator=gen)
+    be = TorchBackend()
+    for gemm, (a, b) in {"fprop": (x, w), "dgrad": (g, w), "wgrad": (g, x)}.items():
+        pa, pb = be.quantized_operands(gemm, a, b, "fp4", cfg)
+        da, db = pa.values.double() * pa.tensor_scale.double(), pb.values.double() * pb.tensor_scale.double()
+        prod = {"fprop": lambda u, v: u @ v.t(), "dgrad": lambda u, v: u @ v, "wgrad": lambda u, v: u.t() @ v}[gemm]
+        ref, mag = prod(da, db), prod(da.abs(), db.abs())
+        got = getattr(be, gemm)(a, b, "fp4", cfg, out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        rel = 100 * 2.0 ** -24 + 2 * 2.0 ** -8
+        assert ((got.double() - ref).abs() <= mag * rel + ref.abs() * rel).all(), gemm
+    assert dtypes == ({torch.bfloat16} if fast_bf16 else {torch.float32})
