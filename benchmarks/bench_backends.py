@@ -1,13 +1,15 @@
 """Forward+backward time of one SnipLinear per GEMM backend and recipe against nn.Linear, side by side.
 
     python benchmarks/bench_backends.py [--size 2048] [--repeats 3] [--dtypes float32 bfloat16] [--tag NAME]
-                                        [--threads N] [--clock wall|cpu]
+                                        [--threads N] [--clock wall|cpu] [--stat median|min]
 
 One layer of T = k = n = ``size`` (no bias). Every variant (nn.Linear, and each backend x recipe) runs
 round-robin, so machine load hits them alike; the median time of each is divided by nn.Linear's in the
-same dtype. Also timed once: the bare GEMM kernels the backends are built on (FP32 mm, BF16 mm,
-torch._scaled_mm on FP8), which is what ``backend: auto`` decides on for CPUs. Results go to
-benchmarks/results/bench_backends[_TAG].{json,md}.
+same dtype. The ``auto`` column is the backend ``backend: auto`` picks for the recipe here (its ratio, from the
+same runs). The torch backend quantizes on CPU with snip_ds's fused C++ kernels (snip_ds/backend/cpu): their
+build (compile, or load from the cache) is timed first and reported, with the instruction-set variant they
+run. Also timed once: the bare GEMM kernels the backends are built on (FP32 mm, BF16 mm, torch._scaled_mm on
+FP8). Results go to benchmarks/results/bench_backends[_TAG].{json,md}.
 
 ``--clock cpu`` times the process's CPU time instead of the wall clock; with ``--threads 1`` (which it
 requires: idle threads would count their spinning) that is the work itself, whatever else loads the machine.
@@ -29,6 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from snip_ds.quant_config import QuantConfig  # noqa: E402
 from snip_ds.linear import SnipLinear  # noqa: E402
+from snip_ds.backend import cpu as cpu_kernels, resolve  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RECIPES = {  # name -> (precision, QuantConfig fields)
@@ -41,6 +44,7 @@ BACKENDS = ("emulated", "torch")
 
 
 _CLOCK = time.perf_counter
+_STAT = statistics.median
 
 
 def _time(fn) -> float:
@@ -91,9 +95,22 @@ def bench(size: int, dtype: torch.dtype, repeats: int) -> dict:
     for _ in range(repeats):
         for name, layer in layers.items():
             times[name].append(_time(lambda: step(layer)))
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+    med = {name: _STAT(ts) for name, ts in times.items()}
+    auto = {recipe: resolve("auto", precision, QuantConfig(**fields), "cpu").name
+            for recipe, (precision, fields) in RECIPES.items()}
     return {"dtype": str(dtype).replace("torch.", ""), "size": size, "time_s": med,
-            "ratio": {name: med[name] / med["nn.Linear"] for name in med}}
+            "ratio": {name: med[name] / med["nn.Linear"] for name in med}, "auto": auto}
+
+
+def kernel_build() -> dict:
+    """Builds (or loads from the cache) the fused CPU quantization kernels; what it took."""
+    from torch.utils import cpp_extension
+    build_dir = cpp_extension._get_build_directory(cpu_kernels.EXTENSION_NAME, verbose=False)
+    cached = os.path.exists(os.path.join(build_dir, f"{cpu_kernels.EXTENSION_NAME}.so"))
+    ok = cpu_kernels.load()
+    return {"available": ok, "seconds": cpu_kernels.load_seconds(), "cached": cached,
+            "isa_variant": {2: "AVX-512", 1: "AVX2", 0: "baseline"}[cpu_kernels.isa_level()] if ok else None,
+            "error": cpu_kernels.unavailable_reason()}
 
 
 def main(argv=None) -> int:
@@ -106,6 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall clock, or the process's CPU time (needs --threads 1)")
+    p.add_argument("--stat", choices=["median", "min"], default="median",
+                   help="per variant, the median of the repeats or the fastest (least disturbed by other load)")
     args = p.parse_args(argv)
     if args.threads < 0:
         p.error(f"--threads: expected a number >= 0, got {args.threads}")
@@ -115,26 +134,39 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     global _CLOCK
     _CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    global _STAT
+    _STAT = min if args.stat == "min" else statistics.median
+    load_start = os.getloadavg()
+    build = kernel_build()
     kernels = kernel_times(args.kernel_size, args.repeats)
     rows = [bench(args.size, getattr(torch, d), args.repeats) for d in args.dtypes]
-    env = {k: os.environ[k] for k in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+    env = {k: os.environ[k] for k in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+           if k in os.environ}
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
             "cpu": platform.processor() or platform.machine(), "isa_env": env, "repeats": args.repeats,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "clock": args.clock}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "clock": args.clock, "stat": args.stat,
+            "load_average_start": load_start, "load_average": os.getloadavg()}
     name = "bench_backends" + (f"_{args.tag}" if args.tag else "")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "kernels_s": kernels, "rows": rows},
-                                                     indent=2) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "cpu_quant_kernels": build,
+                                                      "kernels_s": kernels, "rows": rows}, indent=2) + "\n")
     lines = [f"# {name}: SnipLinear per backend vs nn.Linear, forward+backward on CPU", "",
              f"torch {meta['torch']}, {meta['threads']} threads, {meta['cores']} cores, capability "
              f"{meta['cpu_capability']}{', env ' + str(env) if env else ''}; T = k = n = {args.size}, "
-             f"{'CPU time' if args.clock == 'cpu' else 'wall clock'}, median "
-             f"of {args.repeats} round-robin repeats; ratios to nn.Linear in the same dtype.", "",
-             "| dtype | nn.Linear (s) | recipe | emulated | torch |", "|---|---|---|---|---|"]
+             f"{'CPU time' if args.clock == 'cpu' else 'wall clock'}, {args.stat} "
+             f"of {args.repeats} round-robin repeats; ratios to nn.Linear in the same dtype; machine load average "
+             f"(1 min) {load_start[0]:.2f} at the start, {meta['load_average'][0]:.2f} at the end.", "",
+             "Fused CPU quantization kernels: " + (
+                 f"{'loaded from the cache' if build['cached'] else 'compiled'} in {build['seconds']:.1f} s, "
+                 f"{build['isa_variant']} variant" if build["available"] else f"unavailable ({build['error']})")
+             + ".", "",
+             "| dtype | nn.Linear (s) | recipe | emulated | torch | auto |", "|---|---|---|---|---|---|"]
     for r in rows:
         for recipe in RECIPES:
+            chosen = r["auto"][recipe]
             lines.append(f"| {r['dtype']} | {r['time_s']['nn.Linear']:.3f} | {recipe} | "
-                         + " | ".join(f"{r['ratio'][f'{b}/{recipe}']:.2f}x" for b in BACKENDS) + " |")
+                         + " | ".join(f"{r['ratio'][f'{b}/{recipe}']:.2f}x" for b in BACKENDS)
+                         + f" | {chosen}: {r['ratio'][f'{chosen}/{recipe}']:.2f}x |")
     lines += ["", f"Bare kernels, one {args.kernel_size}^3 product (best of {args.repeats}):", "",
               "| kernel | seconds |", "|---|---|"]
     lines += [f"| {k} | {v if isinstance(v, str) else f'{v:.4f}'} |" for k, v in kernels.items()]

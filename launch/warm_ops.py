@@ -1,17 +1,25 @@
-"""Builds DeepSpeed's JIT-compiled ops once, so later runs (and tests) do not each pay for the compile.
+"""Builds the JIT-compiled ops once, so later runs (and tests) do not each pay for the compile.
 
-Usage: ``python launch/warm_ops.py``. On a CPU machine DeepSpeed compiles its shared-memory collectives
-(``deepspeed_shm_comm``), ``fused_adam`` (used when a JSON names an Adam optimizer) and ``cpu_adam`` (used by
-ZeRO-Offload); on a GPU machine the accelerator's own builders are used. Compiled ops are cached under
-``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``).
+Usage: ``python launch/warm_ops.py``. snip_ds's own fused CPU quantization kernels (``snip_ds_cpu_quant``,
+used by the torch backend on CPU, the default there) are built first. On a CPU machine DeepSpeed compiles its
+shared-memory collectives (``deepspeed_shm_comm``), ``fused_adam`` (used when a JSON names an Adam optimizer)
+and ``cpu_adam`` (used by ZeRO-Offload); on a GPU machine the accelerator's own builders are used. Compiled ops
+are cached under ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``).
 """
 import sys
 import time
 
 from deepspeed.accelerator import get_accelerator
 
+from snip_ds.backend import cpu as cpu_kernels
+
 
 def main() -> int:
+    if cpu_kernels.load():
+        print(f"warm_ops: {cpu_kernels.EXTENSION_NAME} ready in {cpu_kernels.load_seconds():.1f} s", flush=True)
+    else:
+        print(f"warm_ops: {cpu_kernels.EXTENSION_NAME} did not build ({cpu_kernels.unavailable_reason()}); the "
+              f"torch backend quantizes with plain torch ops on CPU", flush=True)
     accel = get_accelerator()
     names = ["FusedAdamBuilder", "CPUAdamBuilder"]
     if accel.device_name() == "cpu":

@@ -12,6 +12,7 @@ from snip_ds import backend as backend_pkg
 from snip_ds.backend import (BackendError, EmulatedBackend, TorchBackend, check_backend, get_backend,
                              reference_operands, resolve)
 from snip_ds.backend import base, torch_native
+from snip_ds.backend import cpu as cpu_kernels
 from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 from snip_ds.quant import stochastic_moments
@@ -225,8 +226,13 @@ def _run_layer(lin, x, g_y, backend, precision, cfg, seed=7):
 @pytest.mark.parametrize("name", BACKENDS_HERE)
 @pytest.mark.parametrize("case", sorted(CASES) + ["nvfp4_sr", "mxfp4_sr_hadamard", "per_gemm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_snip_linear_matches_emulated(name, case, dtype):
-    """Outputs and all gradients within 40 dB SQNR of the emulated backend's (same stochastic-rounding seed)."""
+def test_snip_linear_matches_emulated(name, case, dtype, monkeypatch):
+    """Outputs and all gradients within 40 dB SQNR of the emulated backend's (same stochastic-rounding seed).
+    With stochastic rounding, the torch backend's CPU path without the fused kernels, which draws from the
+    generator as the emulated backend does (the fused kernels draw Philox from a seed: tests/test_cpu_quant.py
+    and test_streamed_cpu_gemms_draw_as_the_whole_operands)."""
+    if case in ("nvfp4_sr", "mxfp4_sr_hadamard"):
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     if case == "nvfp4_sr":
         precision, cfg = "fp4", QuantConfig(fp4_recipe="nvfp4", stochastic_rounding=True)
     elif case == "mxfp4_sr_hadamard":
@@ -313,19 +319,21 @@ def test_torch_backend_refuses_other_devices():
     assert resolve("auto", "fp8", QuantConfig(), "meta").name == "emulated"
 
 
-def test_auto_is_torch_on_cuda_and_emulated_on_cpu_and_logs_once(monkeypatch, caplog):
+def test_auto_is_torch_on_cuda_and_cpu_and_logs_once(monkeypatch, caplog):
     cfg = QuantConfig()
-    assert resolve("auto", "fp4", cfg, "cpu").name == "emulated"
+    assert resolve("auto", "fp4", cfg, "cpu").name == "torch"
     assert resolve("auto", "fp8", cfg, "cuda").name == "torch"
     assert resolve("auto", "bf16", cfg, "cpu").name == "emulated"
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)  # a rule of the device, not of the build
+    assert resolve("auto", "fp8", cfg, "cpu").name == "torch"
     monkeypatch.setattr(base, "_logged", set())
     with caplog.at_level(logging.INFO, logger="snip_ds.backend"):
         for _ in range(3):
             resolve("auto", "fp4", cfg, "cpu")
             resolve("auto", "fp8", cfg, "cpu")
     lines = [r.getMessage() for r in caplog.records if r.name == "snip_ds.backend"]
-    assert lines == ["backend auto: fp4 (nvfp4 (2-D weight blocks)) runs on the 'emulated' backend on cpu",
-                     "backend auto: fp8 (fp8_hybrid) runs on the 'emulated' backend on cpu"]
+    assert lines == ["backend auto: fp4 (nvfp4 (2-D weight blocks)) runs on the 'torch' backend on cpu",
+                     "backend auto: fp8 (fp8_hybrid) runs on the 'torch' backend on cpu"]
 
 
 def test_kernel_dispatch_without_the_kernels_module(monkeypatch):
@@ -386,10 +394,11 @@ def test_seed_offset_follows_the_generator():
 @pytest.mark.rounding
 @pytest.mark.parametrize("gemm", ["dgrad", "wgrad"])
 def test_stochastic_draws_match_the_emulated_gemms(gemm, monkeypatch):
-    """The emulated GEMMs draw stochastic rounding slice by slice (here 4 slices of 32 tokens), the other
-    backends for the whole operand at once: the draws are the same, so with one seed both multiply the same
-    operands. Tolerance: FP32 accumulation of at most 100 terms, 100 * 2**-24 of the sum of |terms|; with
-    another seed the results differ far beyond it."""
+    """The emulated GEMMs draw stochastic rounding slice by slice (here 4 slices of 32 tokens), the torch
+    backend without the fused CPU kernels for the whole operand at once: the draws are the same, so with one
+    seed both multiply the same operands. Tolerance: FP32 accumulation of at most 100 terms, 100 * 2**-24 of
+    the sum of |terms|; with another seed the results differ far beyond it."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     monkeypatch.setattr(backend_pkg.emulated, "CHUNK_ELEMENTS", 32 * 48)
     assert len(backend_pkg.emulated._chunks(100, 48)) == 4
     cfg = QuantConfig(fp4_recipe="nvfp4", stochastic_rounding=True)
@@ -404,6 +413,36 @@ def test_stochastic_draws_match_the_emulated_gemms(gemm, monkeypatch):
         da, db = pa.values.double() * pa.tensor_scale.double(), pb.values.double() * pb.tensor_scale.double()
         close = ((out.double() - prod(da, db)).abs() <= prod(da.abs(), db.abs()) * 100 * 2.0 ** -24).all()
         assert bool(close) == same
+
+
+@pytest.mark.rounding
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+def test_streamed_cpu_gemms_draw_as_the_whole_operands(gemm, fused, monkeypatch):
+    """On the CPU the torch backend quantizes its streamed operands slice by slice (here 4 slices of 32 rows
+    or tokens), with the fused kernels or without them; its GEMMs multiply exactly the operands that
+    quantized_operands gives for the whole tensors from the same generator state (stochastic draws
+    included: slices draw at their own offsets, or in turn from the generator). Tolerance as above."""
+    if fused and not cpu_kernels.available():
+        pytest.skip(f"the fused CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+    if not fused:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(torch_native, "_chunks", lambda length, width: [slice(s, min(s + 32, length))
+                                                                        for s in range(0, length, 32)])
+    cfg = QuantConfig(fp4_recipe="nvfp4", stochastic_rounding=True, hadamard=True)
+    gen = torch.Generator().manual_seed(0)
+    g, w, x = torch.randn(100, 48, generator=gen), torch.randn(48, 80, generator=gen), torch.randn(100, 80,
+                                                                                                  generator=gen)
+    a, b = {"fprop": (x, w), "dgrad": (g, w), "wgrad": (g, x)}[gemm]
+    prod = {"fprop": lambda u, v: u @ v.t(), "dgrad": lambda u, v: u @ v, "wgrad": lambda u, v: u.t() @ v}[gemm]
+    be = TorchBackend()
+    gen3 = {} if gemm == "fprop" else {"generator": torch.Generator().manual_seed(3)}
+    out = getattr(be, gemm)(a, b, "fp4", cfg, **gen3)
+    for seed, same in ((3, True), (4, False)):
+        pa, pb = be.quantized_operands(gemm, a, b, "fp4", cfg, torch.Generator().manual_seed(seed))
+        da, db = pa.values.double() * pa.tensor_scale.double(), pb.values.double() * pb.tensor_scale.double()
+        close = ((out.double() - prod(da, db)).abs() <= prod(da.abs(), db.abs()) * 100 * 2.0 ** -24).all()
+        assert bool(close) == (same or gemm == "fprop")  # fprop rounds nothing stochastically
 
 
 def test_fp8_fallback_is_said_once(monkeypatch, caplog):

@@ -323,6 +323,22 @@ def test_stochastic_rounding_is_reproducible(recipe):
                      kq.quantize_parts(x16.float(), recipe, 1, stochastic=True, seed=3).values.to(torch.bfloat16))
 
 
+def test_cpu_kernels_round_as_these_kernels():
+    """snip_ds.backend.cpu (the fused C++ CPU quantizer) draws the same Philox stream from (seed, offset,
+    element index): with stochastic rounding on too, both give the same bits, so a run rounds alike on CPU
+    and GPU."""
+    from snip_ds.backend import cpu
+    if not cpu.available():
+        pytest.skip(f"the CPU quantization kernels are unavailable here: {cpu.unavailable_reason()}")
+    x = wide_sample((40, 70), seed=16)
+    for recipe in ["fp8_e5m2", "mxfp8", "mxfp4", "nvfp4", "nvfp4_2d"]:
+        for axis in AXES:
+            for stochastic in (False, True):
+                kw = dict(stochastic=stochastic, seed=2 ** 40 + 7, offset=123)
+                assert_same_bits(cpu.quantize_parts(x, recipe, axis, **kw).values,
+                                 kq.quantize_parts(x, recipe, axis, **kw).values)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_e4m3", "mxfp8", "nvfp4_2d"])
 def test_stochastic_special_values(recipe):
     """Scales are round-to-nearest-even, so poisoning is the reference's: NaN exactly where it has NaN; and

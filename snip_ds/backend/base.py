@@ -16,10 +16,12 @@ Only this package knows how a GEMM is computed: :class:`~snip_ds.linear.SnipLine
 
 * ``emulated`` (:mod:`.emulated`): quantize->dequantize in FP32, FP32 GEMM. Any device; the reference.
 * ``torch`` (:mod:`.torch_native`): real FP8 GEMMs (``torch._scaled_mm``) where the device has them, else the
-  exact grid values in BF16 GEMMs with FP32 accumulation. CUDA and CPU.
+  exact grid values in BF16 GEMMs with FP32 accumulation (on a CPU: FP32 GEMMs for FP32 results). CUDA and
+  CPU; quantization through fused kernels (Triton on CUDA, :mod:`.cpu`'s C++ on the CPU).
 * ``te`` (:mod:`.te`, imported on first use): Transformer Engine's quantizers and GEMM, CUDA only; needs
   Transformer Engine 2.9 - 2.19 (``pip install -e ".[te]"``). Not run on any hardware yet.
-* ``auto``: per precision, the fastest backend that exists for the device (see :func:`resolve`).
+* ``auto``: per precision, the fastest backend that exists for the device (see :func:`resolve`): ``torch``
+  on CUDA and on the CPU.
 """
 from __future__ import annotations
 
@@ -123,20 +125,24 @@ def recipe_words(precision: str, cfg: QuantConfig) -> str:
 # ------------------------------------------------------------------------------------------------------
 
 # CUDA: the torch backend (FP8 tensor cores through torch._scaled_mm, BF16 tensor cores for the block
-# recipes). Not measured yet: no GPU was available when it was written.
-_AUTO_CUDA = "torch"
+# recipes; not measured yet). CPU: the torch backend with the fused CPU quantization kernels
+# (benchmarks/results/bench_backends*.md).
+_AUTO_TORCH_DEVICES = ("cuda", "cpu")
 _logged: set = set()
 
 
 def resolve(name: str, precision: str, cfg: QuantConfig, device: Union[str, torch.device]) -> GemmBackend:
     """The backend that runs ``precision`` on ``device`` for the setting ``name``.
 
-    ``auto``: ``torch`` on CUDA; ``emulated`` on the CPU and other devices. On the CPU, where training runs
-    in FP32, both backends run FP32 GEMMs and benchmarks/results/bench_backends.md measures no difference
-    beyond run-to-run noise; the torch backend halves the time only of BF16 layers on CPUs with AMX or
-    AVX512-BF16 (and is 75x slower with AVX2 alone), so a BF16 run on such a CPU names ``torch`` itself.
-    A fixed rule, not a timing taken at start-up, keeps every rank and every resumed run on the same
-    numerics.
+    ``auto``: ``torch`` for ``fp8`` and ``fp4`` on CUDA and on the CPU, ``emulated`` on other devices and for
+    ``bf16`` (an FP32 GEMM of the high-precision operands either way). On the CPU the torch backend quantizes
+    with the fused kernels of :mod:`snip_ds.backend.cpu` and streams its operands as the emulated backend does:
+    benchmarks/results/bench_backends*.md measure it faster than the emulated backend for every recipe, at the
+    same peak memory. The rule depends on the device type and the precision only -- not on a timing taken at
+    start-up, nor on whether the fused kernels built -- so every rank and every resumed run pick the same
+    backend; where the kernels did not build, the torch backend quantizes with :mod:`snip_ds.quant` (the same
+    values with stochastic rounding off; stochastic rounding then draws from the layer's generator as the
+    emulated backend does, instead of the kernels' Philox stream).
     The choice is logged once per device and precision. A named backend is checked, never swapped.
 
     Raises:
@@ -146,8 +152,8 @@ def resolve(name: str, precision: str, cfg: QuantConfig, device: Union[str, torc
     if name == "auto":
         if precision == "bf16":
             chosen = "emulated"  # an FP32 GEMM of the high-precision operands either way
-        elif device.type == "cuda":
-            chosen = _AUTO_CUDA
+        elif device.type in _AUTO_TORCH_DEVICES:
+            chosen = "torch"
         else:
             chosen = "emulated"
         key = (device.type, precision, recipe_words(precision, cfg), chosen)

@@ -1,8 +1,13 @@
 """The ``torch`` backend: low-precision GEMMs with plain torch, no extra dependency (CUDA and CPU).
 
-Each operand is quantized by :func:`snip_ds.quant.quantize_parts` (or, on CUDA, by the Triton kernels of
-``snip_ds.backend.kernels`` when that module exists and says it is available: same contract, bit for bit
-with stochastic rounding off), along the axes and from the same generator draws as the emulated backend.
+Each operand is quantized along the axes of the emulated backend: on CUDA by the Triton kernels of
+``snip_ds.backend.kernels`` when that module exists and says it is available, on the CPU by the fused C++
+kernels of :mod:`snip_ds.backend.cpu` when they built, else by :func:`snip_ds.quant.quantize_parts` (same
+contract, bit for bit with stochastic rounding off; the kernels draw stochastic rounding from a (seed,
+offset) pair taken from the generator, :func:`~snip_ds.backend.base.seed_offset`, the fallback from the
+generator itself as the emulated backend does). On the CPU the streamed operand of each GEMM (X or G_Y along
+rows, both wgrad operands along the tokens) is quantized slice by slice with the whole operand's amax, as the
+emulated backend does, which gives the whole operand's values and draws while keeping temporaries small.
 Then:
 
 * ``fp8`` with ``fp8_hybrid`` on a CUDA device that has FP8 tensor cores (compute capability >= 8.9) and
@@ -16,8 +21,10 @@ Then:
   subnormals times the block scale fall below BF16's smallest subnormal 2**-133, does not occur in
   training). On CUDA the GEMM returns FP32 (``torch.mm(..., out_dtype=torch.float32)``).
   torch has no such CPU kernel: on CPU an FP32 result (``out_dtype`` FP32) comes from an FP32 GEMM of the
-  same exact values, and a BF16/FP16 result from a BF16 GEMM whose FP32 sum is rounded once to BF16 before
-  the FP32 tensor scales are applied (at most one more BF16 rounding than the emulated backend's).
+  same exact values, and a BF16/FP16 result, where oneDNN has native BF16 (AVX512-BF16, AMX), from a BF16
+  GEMM whose FP32 sum is rounded once to BF16 before the FP32 tensor scales are applied (at most one more
+  BF16 rounding than the emulated backend's); without native BF16 (where a BF16 GEMM is many times slower)
+  from the FP32 GEMM.
 * ``bf16``: a GEMM in the operands' own dtype.
 """
 from __future__ import annotations
@@ -28,10 +35,13 @@ from typing import Optional, Tuple
 
 import torch
 
+from snip_ds.backend import cpu as cpu_kernels
 from snip_ds.backend.base import BackendError, GemmBackend, recipe_words, seed_offset
-from snip_ds.backend.emulated import OPERAND_ROLES_AXES, _hadamard_pair, operand_recipes, reference_operands
+from snip_ds.backend.emulated import (OPERAND_ROLES_AXES, _chunks, _hadamard_pair, operand_recipes, reference_operands,
+                                      tensor_amax)
 from snip_ds.quant_config import QuantConfig
-from snip_ds.quant import QuantParts, quantize_parts
+from snip_ds.quant import QuantParts, get_recipe, quantize_parts
+from snip_ds.types import GEMM_OPERANDS
 
 log = logging.getLogger("snip_ds.backend")
 
@@ -81,7 +91,13 @@ class TorchBackend(GemmBackend):
                        generator: Optional[torch.Generator] = None) -> QuantParts:
         """One whole operand, through the Triton kernels on CUDA when they are available, else
         :func:`snip_ds.quant.quantize_parts`."""
-        k = kernels() if t.device.type in KERNEL_DEVICES else None
+        if t.device.type in KERNEL_DEVICES:
+            k = kernels()
+        elif t.device.type == "cpu" and t.ndim == 2 and cpu_kernels.available():
+            k = cpu_kernels
+            t = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
+        else:
+            k = None
         if k is not None:
             seed, offset = seed_offset(generator) if stochastic else (0, 0)
             return k.quantize_parts(t, recipe, axis, stochastic=stochastic, seed=seed, offset=offset)
@@ -109,6 +125,8 @@ class TorchBackend(GemmBackend):
               bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
             return _finish(torch.mm(x, w.to(x.dtype).t()), bias, out_dtype)
+        if self._streams("fprop", x, w, precision, cfg):
+            return self._cpu_fprop(x, w, precision, cfg, bias, out_dtype)
         px, pw = self.quantized_operands("fprop", x, w, precision, cfg)
         return self._mm("fprop", px.values, pw.values.t(), px.tensor_scale, pw.tensor_scale,
                         self._fp8_pair("x", "w", precision, cfg), bias, out_dtype)
@@ -118,6 +136,8 @@ class TorchBackend(GemmBackend):
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
             return _finish(torch.mm(g, w.to(g.dtype)), None, out_dtype)
+        if self._streams("dgrad", g, w, precision, cfg):
+            return self._cpu_dgrad(g, w, precision, cfg, generator, out_dtype)
         pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator)
         return self._mm("dgrad", pg.values, pw.values, pg.tensor_scale, pw.tensor_scale,
                         self._fp8_pair("g", "w", precision, cfg), None, out_dtype)
@@ -127,9 +147,51 @@ class TorchBackend(GemmBackend):
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
             return _finish(torch.mm(g.t(), x.to(g.dtype)), None, out_dtype)
+        if self._streams("wgrad", g, x, precision, cfg) and not _cpu_bf16_gemm(out_dtype):
+            return self._cpu_wgrad(g, x, precision, cfg, generator, out_dtype)
         pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator)
         return self._mm("wgrad", pg.values.t(), px.values, pg.tensor_scale, px.tensor_scale,
                         self._fp8_pair("g", "x", precision, cfg), None, out_dtype)
+
+    # ---------------- CPU: operands streamed slice by slice, as the emulated backend does ----------------
+    def _streams(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig) -> bool:
+        """Whether this GEMM takes the CPU path that quantizes its streamed operand slice by slice."""
+        if a.device.type != "cpu" or a.device.type in KERNEL_DEVICES or a.numel() == 0 or b.numel() == 0:
+            return False
+        roles = GEMM_OPERANDS[gemm]
+        fp8 = self._fp8_pair(roles[0], roles[1], precision, cfg)
+        return fp8 is None or not _scaled_mm_ok(gemm, a, b, fp8)
+
+    def _cpu_fprop(self, x, w, precision, cfg, bias, out_dtype):
+        recipes = operand_recipes(precision, cfg)
+        op_dtype = torch.bfloat16 if _cpu_bf16_gemm(out_dtype) else torch.float32
+        pw = _Streamed(w, recipes.w, -1).whole(op_dtype)
+        qx = _Streamed(x, recipes.x, -1)
+        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        for rows in _chunks(x.shape[0], x.shape[1]):
+            _mm_into(y[rows], qx.rows(rows, op_dtype).values, pw.values.t())
+        return _finish(y.mul_(qx.tensor_scale * pw.tensor_scale), bias, out_dtype)
+
+    def _cpu_dgrad(self, g, w, precision, cfg, generator, out_dtype):
+        recipes = operand_recipes(precision, cfg)
+        op_dtype = torch.bfloat16 if _cpu_bf16_gemm(out_dtype) else torch.float32
+        pw = _Streamed(w, recipes.w, 0).whole(op_dtype)
+        qg = _Streamed(g, recipes.g, -1, recipes.stochastic_g, generator)
+        out = torch.empty(g.shape[0], w.shape[1], dtype=torch.float32)
+        for rows in _chunks(g.shape[0], g.shape[1]):
+            _mm_into(out[rows], qg.rows(rows, op_dtype).values, pw.values)
+        return _finish(out.mul_(qg.tensor_scale * pw.tensor_scale), None, out_dtype)
+
+    def _cpu_wgrad(self, g, x, precision, cfg, generator, out_dtype):
+        if precision == "fp4" and cfg.hadamard:
+            g, x = _hadamard_pair(g, x, generator)
+        recipes = operand_recipes(precision, cfg)
+        qg = _Streamed(g, recipes.g, 0, recipes.stochastic_g, generator)
+        qx = _Streamed(x, recipes.x, 0)
+        g_w = torch.zeros(g.shape[1], x.shape[1], dtype=torch.float32)
+        for tokens in _chunks(g.shape[0], g.shape[1] + x.shape[1]):
+            g_w.addmm_(qg.rows(tokens).values.t(), qx.rows(tokens).values)
+        return _finish(g_w.mul_(qg.tensor_scale * qx.tensor_scale), None, out_dtype)
 
     def check(self, precision: str, cfg: QuantConfig, device: torch.device) -> None:
         if torch.device(device).type not in DEVICES:
@@ -162,11 +224,76 @@ class TorchBackend(GemmBackend):
             return y if bias is None or fused_bias else _finish(y, bias, out_dtype)
         if a.device.type == "cuda":
             y = _bf16_mm_fp32(a.to(torch.bfloat16), b.to(torch.bfloat16))
-        elif out_dtype == torch.float32:
-            y = torch.mm(a, b)  # CPU, FP32 result wanted: the exact values in an FP32 GEMM (no BF16 -> FP32 kernel)
+        elif not _cpu_bf16_gemm(out_dtype):
+            y = torch.mm(a, b)  # CPU, FP32 result wanted (or no fast BF16 GEMM): the exact values in an FP32 GEMM
         else:  # CPU: BF16 GEMM, its FP32 sum rounded once to BF16 (the result is rounded to out_dtype anyway)
             y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
         return _finish(y.mul_(scale_a * scale_b), bias, out_dtype)
+
+
+_fast_bf16: Optional[bool] = None
+
+
+def _cpu_bf16_gemm(out_dtype: torch.dtype) -> bool:
+    """Whether a CPU GEMM whose result is wanted in ``out_dtype`` runs in BF16: only for a BF16/FP16 result
+    and only where oneDNN has native BF16 (AVX512-BF16 or AMX); elsewhere a BF16 GEMM is many times slower
+    than FP32, and the FP32 GEMM of the same exact values is the more accurate result anyway."""
+    global _fast_bf16
+    if out_dtype == torch.float32:
+        return False
+    if _fast_bf16 is None:
+        try:
+            _fast_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            _fast_bf16 = False
+    return _fast_bf16
+
+
+class _Streamed:
+    """One CPU operand quantized slice by slice along its rows with the whole operand's amax (exactly the
+    whole operand's quantization, stochastic draws included): through the fused kernels of
+    :mod:`snip_ds.backend.cpu` when they are built (stochastic rounding from one seed drawn from
+    ``generator``, each slice at its first element's offset), else :func:`snip_ds.quant.quantize_parts`
+    (drawing from ``generator`` slice by slice, as the emulated backend does)."""
+
+    def __init__(self, t: torch.Tensor, recipe: str, axis: int, stochastic: bool = False,
+                 generator: Optional[torch.Generator] = None):
+        self.fused = cpu_kernels.available()
+        self.t = t if not self.fused or t.dtype in (torch.float32, torch.bfloat16) else t.float()
+        self.recipe = get_recipe(recipe)
+        self.axis = axis
+        self.stochastic = stochastic
+        self.generator = generator if stochastic else None
+        self.seed = seed_offset(generator)[0] if stochastic and self.fused else 0
+        self.amax = None
+        if self.recipe.scale != "e8m0":  # MX has no tensor-level scale
+            self.amax = cpu_kernels.tensor_amax(self.t) if self.fused else tensor_amax(self.t)
+        self.tensor_scale = torch.ones((), dtype=torch.float32)
+
+    def rows(self, rows: slice, out_dtype: torch.dtype = torch.float32) -> QuantParts:
+        part = self.t[rows]
+        if self.fused:
+            p = cpu_kernels.quantize_parts(part, self.recipe, self.axis, tensor_amax=self.amax,
+                                           stochastic=self.stochastic, seed=self.seed,
+                                           offset=rows.start * self.t.shape[1], out_dtype=out_dtype)
+        else:
+            p = quantize_parts(part, self.recipe, axis=self.axis, stochastic=self.stochastic,
+                               generator=self.generator, tensor_amax=self.amax)
+            if out_dtype != torch.float32:
+                p = QuantParts(p.values.to(out_dtype), p.tensor_scale)
+        self.tensor_scale = p.tensor_scale
+        return p
+
+    def whole(self, out_dtype: torch.dtype = torch.float32) -> QuantParts:
+        return self.rows(slice(0, self.t.shape[0]), out_dtype)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` (FP32 ``out``; a BF16 product is rounded to BF16 once, then widened exactly)."""
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b))
 
 
 def _bf16_mm_fp32(a16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:

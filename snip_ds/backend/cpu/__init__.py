@@ -1,0 +1,177 @@
+"""Fused CPU quantization of GEMM operands: a C++ extension of this package, compiled on first use.
+
+:func:`quantize_parts` is :func:`snip_ds.quant.quantize_parts` for 2-D CPU operands in at most two passes
+over memory (the tensor amax, then one pass computing block amaxes and scales, rounding and writing the
+values), bit for bit equal to the reference with stochastic rounding off. Stochastic rounding draws
+Philox-4x32-10 from a (seed, offset) pair, the draws of the Triton kernels' ``tl.randint`` for the same
+element index, so a tensor quantized slice by slice gets the draws it would get at once.
+
+The source (``quantize.cpp``, shipped in the package) is compiled by ``torch.utils.cpp_extension.load``
+(``-O3 -fopenmp``, no fast-math and no floating-point contraction, so FP32 arithmetic is torch's) into
+``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) the first time :func:`available` is asked,
+and loaded from there afterwards; ``python launch/warm_ops.py`` pays the compile ahead of time. When there is
+no compiler or the build fails, :func:`available` is false after one logged warning and callers quantize with
+:mod:`snip_ds.quant` instead (the same values with stochastic rounding off).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional, Union
+
+import torch
+
+from snip_ds.formats import E2M1, E4M3
+from snip_ds.quant import QuantParts, Recipe, get_recipe
+
+log = logging.getLogger("snip_ds.backend")
+
+EXTENSION_NAME = "snip_ds_cpu_quant"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quantize.cpp")
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
+_NVFP4_TENSOR_DIVISOR = E4M3.max_normal * E2M1.max_normal  # S = amax / (448 * 6)
+_ISA = {"AVX512": 2, "AVX2": 1}  # torch.backends.cpu.get_cpu_capability() -> the kernels' variant
+
+_ops = None
+_error: Optional[str] = None
+_build_seconds: Optional[float] = None
+
+
+def load(verbose: bool = False) -> bool:
+    """Compile (first time) or load the extension; True when its ops are ready. A failure is logged once
+    as a warning and remembered: later calls return False at once."""
+    global _ops, _error, _build_seconds
+    if _ops is not None or _error is not None:
+        return _ops is not None
+    start = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+        cpp_extension.load(name=EXTENSION_NAME, sources=[SOURCE], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                           is_python_module=False, verbose=verbose)
+        _ops = torch.ops.snip_ds_cpu
+        _ops.supported_isa()  # the library answers
+    except Exception as err:  # no compiler, a failed build, a stale or broken cached library
+        _ops = None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "no message"
+        _error = f"{type(err).__name__}: {first}"
+        log.warning("snip_ds CPU quantization kernels are unavailable (%s); the torch backend quantizes with "
+                    "plain torch ops on CPU (same values, slower)", _error)
+        return False
+    _build_seconds = time.perf_counter() - start
+    return True
+
+
+def available() -> bool:
+    """Whether the fused kernels run here (compiling them on the first call)."""
+    return load()
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the last :func:`load` failed (None: it did not, or was not tried)."""
+    return _error
+
+
+def load_seconds() -> Optional[float]:
+    """Seconds the successful :func:`load` took (the compile, when nothing was cached); None before."""
+    return _build_seconds
+
+
+def isa_level() -> int:
+    """The instruction-set variant the kernels run: 2 AVX-512, 1 AVX2, 0 baseline -- torch's own CPU
+    capability (``ATEN_CPU_CAPABILITY`` limits both), within what the CPU supports."""
+    level = _ISA.get(torch.backends.cpu.get_cpu_capability(), 0)
+    return min(level, int(_ops.supported_isa())) if _ops is not None else level
+
+
+def _require() -> None:
+    if not load():
+        raise RuntimeError(f"CPU quantization kernels: unavailable ({_error})")
+
+
+def _kind(recipe: Recipe) -> int:
+    if recipe.block_size == 0:
+        return 0
+    if recipe.scale == "e8m0":
+        return 1
+    return 3 if recipe.block_2d else 2
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``x.abs().amax()`` as a 0-d FP32 tensor (NaN if ``x`` holds one; 0 when empty), in one parallel pass;
+    ``x``: 2-D FP32 or BF16 on the CPU."""
+    _require()
+    _check_x(x)
+    return _ops.tensor_amax(x.contiguous(), isa_level())
+
+
+def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
+                   tensor_amax: Optional[torch.Tensor] = None, stochastic: bool = False, seed: int = 0,
+                   offset: int = 0, out_dtype: torch.dtype = torch.float32) -> QuantParts:
+    """:func:`snip_ds.quant.quantize_parts` for a 2-D CPU ``x`` (FP32 or BF16), fused.
+
+    With ``stochastic=False`` the values (converted to ``out_dtype``) and the tensor scale equal the
+    reference's bit for bit. Stochastic rounding of element ``(i, j)`` draws Philox-4x32-10 at index
+    ``offset + i * cols + j`` with key ``seed`` (Triton's ``tl.randint``): reproducible from
+    ``(seed, offset)``, and a slice of rows from ``r0`` quantized with ``offset = r0 * cols`` and the whole
+    tensor's ``tensor_amax`` gets the draws of the whole. Scales are always round-to-nearest-even.
+
+    Args:
+        x: 2-D FP32 or BF16 CPU tensor (a non-contiguous one is copied first).
+        recipe: a :data:`snip_ds.quant.RECIPES` name or a :class:`~snip_ds.quant.Recipe`.
+        axis: the block axis, 0 or 1 (or -2, -1).
+        tensor_amax: amax of the whole tensor ``x`` is a slice of (per-tensor FP8, NVFP4); None: ``x``'s own.
+        stochastic, seed, offset: stochastic element rounding.
+        out_dtype: ``torch.float32`` or ``torch.bfloat16`` (the FP32 values rounded to nearest even).
+
+    Raises:
+        RuntimeError: the kernels are unavailable (see :func:`available`).
+        ValueError / TypeError: a bad argument; the message names it.
+    """
+    _require()
+    recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
+    _check_x(x)
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -2 <= axis <= 1:
+        raise ValueError(f"axis: expected 0 or 1 (or -2, -1) for a 2-D tensor, got {axis!r}")
+    if tensor_amax is not None and (not isinstance(tensor_amax, torch.Tensor) or tensor_amax.numel() != 1
+                                    or not tensor_amax.is_floating_point()):
+        raise ValueError(f"tensor_amax: expected a one-element floating-point tensor, got {tensor_amax!r}")
+    for name, value in (("seed", seed), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 63:
+            raise ValueError(f"{name}: expected an int in [0, 2**63), got {value!r}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype!r}")
+    x = x.contiguous()
+    kind = _kind(recipe)
+    if kind == 1 or x.numel() == 0:
+        amax = torch.zeros((), dtype=torch.float32)  # unused (MX), or nothing to quantize
+    elif tensor_amax is not None:
+        amax = tensor_amax.detach().to(device="cpu", dtype=torch.float32).reshape(())
+    else:
+        amax = _ops.tensor_amax(x, isa_level())
+    element = recipe.element
+    values, scale = _ops.quantize(
+        x, amax, kind, axis % 2, recipe.block_size, element.mbits, element.emin, element.emax,
+        element.max_normal, _NVFP4_TENSOR_DIVISOR if kind in (2, 3) else element.max_normal, bool(stochastic),
+        seed, offset, out_dtype == torch.bfloat16, isa_level())
+    if x.numel() == 0:
+        scale = torch.ones((), dtype=torch.float32)
+    return QuantParts(values, scale)
+
+
+def philox_draws(seed: int, offset: int, n: int) -> torch.Tensor:
+    """The 32-bit draws (int64 tensor) that stochastic rounding uses at indices ``offset .. offset + n - 1``."""
+    _require()
+    return _ops.philox_draws(seed, offset, n)
+
+
+def _check_x(x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"x: the CPU quantizer takes float32 or bfloat16, got {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"x: the CPU quantizer takes a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"x: the CPU quantizer needs a CPU tensor, got device {x.device}")
