@@ -2,7 +2,11 @@
 
 It quantizes each operand with its recipe (:func:`operand_recipes`) and multiplies in FP32; it runs on any
 device and is the numerical reference of every other backend. The statistics (:mod:`snip_ds.stats`) always
-use it, whatever backend trains, through its :meth:`~EmulatedBackend.quantize` and ``*_moments`` methods.
+use its numerics, whatever backend trains, through its :meth:`~EmulatedBackend.quantize`, GEMM and ``*_moments``
+methods on :func:`statistics_backend`: an instance that rounds to nearest through the fused CPU kernels
+(:func:`snip_ds.backend.cpu.fake_quantize`, the same FP32 values bit for bit) where they are built and the
+operand is a 2-D CPU tensor, and through :mod:`snip_ds.quant` otherwise. The registered ``emulated`` backend
+(training, and the reference the other backends are tested against) always quantizes with :mod:`snip_ds.quant`.
 
 Operands and the axis each is quantized along: see :mod:`snip_ds.backend.base`.
 """
@@ -13,6 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from snip_ds.backend import cpu as cpu_kernels
 from snip_ds.backend.base import GemmBackend
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GEMM_OPERAND_AXES, GEMM_OPERANDS, GEMMS
@@ -80,6 +85,12 @@ class EmulatedBackend(GemmBackend):
 
     name = "emulated"
 
+    def __init__(self, fused_rne: bool = False) -> None:
+        """``fused_rne``: round-to-nearest quantization of 2-D FP32/BF16 CPU operands through the fused CPU
+        kernels when they are built (the values of :mod:`snip_ds.quant` bit for bit, faster); the statistics'
+        instance (:func:`statistics_backend`) sets it, the registered reference does not."""
+        self.fused_rne = fused_rne
+
     def quantize(self, t: torch.Tensor, precision: str, role: str, axis: int, cfg: QuantConfig,
                  generator: Optional[torch.Generator] = None,
                  amax: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -91,6 +102,8 @@ class EmulatedBackend(GemmBackend):
             return _fp32(t)
         recipes = operand_recipes(precision, cfg)
         stochastic = role == "g" and recipes.stochastic_g
+        if not stochastic and self.fused_rne and _fusable(t):
+            return cpu_kernels.fake_quantize(t, getattr(recipes, role), axis, tensor_amax=amax)
         return fake_quantize(_fp32(t), getattr(recipes, role), axis=axis, stochastic=stochastic,
                              generator=generator if stochastic else None, tensor_amax=amax)
 
@@ -230,6 +243,21 @@ class EmulatedBackend(GemmBackend):
             torch.mm(g_mean, w_lp, out=mean[rows])
             torch.mm(g_var, w_sq, out=var[rows])
         return GemmMoments(mean, var, None)
+
+
+def _fusable(t: torch.Tensor) -> bool:
+    """Whether the fused CPU kernels take ``t`` (checked before asking whether they are built)."""
+    return (t.device.type == "cpu" and t.ndim == 2 and t.dtype in (torch.float32, torch.bfloat16)
+            and cpu_kernels.available())
+
+
+_STATISTICS = EmulatedBackend(fused_rne=True)
+
+
+def statistics_backend() -> EmulatedBackend:
+    """The emulated backend the statistics quantize and multiply with: the reference's values, rounding to
+    nearest through the fused CPU kernels where they run (:class:`EmulatedBackend`, ``fused_rne``)."""
+    return _STATISTICS
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from snip_ds import divergence as dv
-from snip_ds.backend import get_backend
+from snip_ds.backend import statistics_backend
 from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
 from snip_ds.linear import SnipLinear
 from snip_ds.stats.artifact import check_study_fields
@@ -153,7 +153,7 @@ class Collector:
         self.model, self.layers, self.precisions = model, layers, tuple(settings.precisions)
         self.estimator, self.propagated = settings.estimator, settings.bwd_propagated
         self.forward_drift = settings.forward_drift
-        self.shared = Shared(Sums(), get_backend(), self.precisions)
+        self.shared = Shared(Sums(), statistics_backend(), self.precisions)
         self.stats = self.shared.stats
         device = device_of(model)
         self.gen = torch.Generator(device=device).manual_seed(settings.seed)  # probe labels / isotropic noise

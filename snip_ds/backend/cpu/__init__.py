@@ -1,6 +1,7 @@
 """Fused CPU quantization of GEMM operands: a C++ extension of this package, compiled on first use.
 
-:func:`quantize_parts` is :func:`snip_ds.quant.quantize_parts` for 2-D CPU operands in at most two passes
+:func:`quantize_parts` is :func:`snip_ds.quant.quantize_parts` (and :func:`fake_quantize`
+:func:`snip_ds.quant.fake_quantize` with round-to-nearest) for 2-D CPU operands in at most two passes
 over memory (the tensor amax, then one pass computing block amaxes and scales, rounding and writing the
 values), bit for bit equal to the reference with stochastic rounding off. Stochastic rounding draws
 Philox-4x32-10 from a (seed, offset) pair, the draws of the Triton kernels' ``tl.randint`` for the same
@@ -129,6 +130,19 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
         RuntimeError: the kernels are unavailable (see :func:`available`).
         ValueError / TypeError: a bad argument; the message names it.
     """
+    return _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype, False)
+
+
+def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
+                  tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`snip_ds.quant.fake_quantize` of ``x`` (as FP32) with round-to-nearest, fused: the FP32
+    dequantized tensor, bit for bit, its tensor-level scale multiplied in as the reference multiplies it
+    (NVFP4: ``fl(q * fl(s_b * S))``, not the split's ``fl((q * s_b) * S)``). ``x``, ``recipe``, ``axis`` and
+    ``tensor_amax`` as in :func:`quantize_parts`; raises as it does."""
+    return _quantize(x, recipe, axis, tensor_amax, False, 0, 0, torch.float32, True).values
+
+
+def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype, dequantize) -> QuantParts:
     _require()
     recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     _check_x(x)
@@ -154,7 +168,7 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
     values, scale = _ops.quantize(
         x, amax, kind, axis % 2, recipe.block_size, element.mbits, element.emin, element.emax,
         element.max_normal, _NVFP4_TENSOR_DIVISOR if kind in (2, 3) else element.max_normal, bool(stochastic),
-        seed, offset, out_dtype == torch.bfloat16, isa_level())
+        seed, offset, out_dtype == torch.bfloat16, dequantize, isa_level())
     if x.numel() == 0:
         scale = torch.ones((), dtype=torch.float32)
     return QuantParts(values, scale)

@@ -176,6 +176,7 @@ struct Params {
   int32_t emax;
   float six;  // the element format's max_normal (NVFP4: s_b = E4M3(amax_b / (S * 6)))
   float scale;  // per-tensor scale, or NVFP4's S
+  bool dequantize;  // values times the tensor scale, in snip_ds.quant.fake_quantize's order
   bool stochastic;
   uint64_t seed;
   int64_t offset;
@@ -195,7 +196,7 @@ INLINE void block_scales(uint32_t amax_bits, const Params& p, float& d, float& v
     float sb = round_rne(u2f(amax_bits) / (p.scale * p.six), p.e4m3);
     float mul = sb * p.scale;
     d = mul == 0.0f ? std::numeric_limits<float>::infinity() : mul;
-    vm = sb;
+    vm = p.dequantize ? mul : sb;  // fake_quantize: fl(q * fl(s_b * S)); the split: q * s_b (exact)
   }
 }
 
@@ -262,7 +263,8 @@ INLINE void run_task(const In* x, Out* out, int64_t C, int64_t r0, int64_t r1, i
   const int64_t w = c1 - c0;
   const int64_t bs = p.block;
   if (p.kind == PER_TENSOR) {
-    for (int64_t j = 0; j < w; ++j) { D[j] = p.scale; VM[j] = 1.0f; }
+    const float vm = p.dequantize ? p.scale : 1.0f;  // fake_quantize: fl(q * s)
+    for (int64_t j = 0; j < w; ++j) { D[j] = p.scale; VM[j] = vm; }
     for (int64_t r = r0; r < r1; ++r)
       quantize_span<ISA>(x + r * C + c0, out + r * C + c0, D, VM, w, p, uint64_t(p.offset + r * C + c0));
     return;
@@ -421,12 +423,13 @@ at::Tensor tensor_amax(const at::Tensor& x, int64_t isa) {
   return at::full({}, u2f(bits), x.options().dtype(at::kFloat));
 }
 
-// values (R x C, out_dtype) and the 0-d FP32 tensor scale. amax: the tensor amax (FP32 0-d), needed by the
+// values (R x C, out_dtype) and the 0-d FP32 tensor scale; with dequantize, the values already carry the tensor
+// scale (snip_ds.quant.fake_quantize's result, its multiplications in its order). amax: the tensor amax (FP32 0-d), needed by the
 // per-tensor and NVFP4 kinds. grid = (mbits, emin, max_normal, emax) of the element format.
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tensor& amax, int64_t kind, int64_t axis,
                                             int64_t block, int64_t mbits, int64_t emin, int64_t emax,
                                             double max_normal, double divisor, bool stochastic, int64_t seed,
-                                            int64_t offset, bool out_bf16, int64_t isa) {
+                                            int64_t offset, bool out_bf16, bool dequantize, int64_t isa) {
   check_input(x);
   TORCH_CHECK(kind >= PER_TENSOR && kind <= NVFP4_2D, "kind: expected 0..3, got ", kind);
   TORCH_CHECK(axis == 0 || axis == 1, "axis: expected 0 or 1, got ", axis);
@@ -442,6 +445,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tenso
   p.emax = int32_t(emax);
   p.six = float(max_normal);
   p.stochastic = stochastic;
+  p.dequantize = dequantize;
   p.seed = uint64_t(seed);
   p.offset = offset;
   p.scale = 1.0f;
@@ -485,7 +489,8 @@ int64_t supported_isa() {
 TORCH_LIBRARY(snip_ds_cpu, m) {
   m.def("tensor_amax(Tensor x, int isa) -> Tensor", &tensor_amax);
   m.def("quantize(Tensor x, Tensor amax, int kind, int axis, int block, int mbits, int emin, int emax, "
-        "float max_normal, float divisor, bool stochastic, int seed, int offset, bool out_bf16, int isa) "
+        "float max_normal, float divisor, bool stochastic, int seed, int offset, bool out_bf16, bool dequantize, "
+        "int isa) "
         "-> (Tensor, Tensor)",
         &quantize);
   m.def("philox_draws(int seed, int offset, int n) -> Tensor", &philox_draws);
