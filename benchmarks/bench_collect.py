@@ -4,7 +4,9 @@
     python benchmarks/bench_collect.py --threads 1 --clock cpu    # one thread's CPU time: steady under load
 
 - time: one collection (collect_batches = 1 and 2) in training-step equivalents; the step is forward +
-  backward + AdamW of the same micro-batch under a uniform fp8 plan (measured side by side, round-robin).
+  backward + AdamW of the same micro-batch under a uniform fp8 plan (backend ``auto``: on the CPU the torch
+  backend with the fused CPU quantization kernels, which the collection's round-to-nearest quantization uses
+  too), measured side by side, round-robin.
   A training re-plan's collection records only what the plan is solved from; the same collection with every
   study field (``study_fields``: what a collection computed before they became optional, and what the
   studies ask for) is timed beside it on the same batches.
@@ -255,7 +257,8 @@ def main(argv=None) -> int:
     lines = ["# bench_collect: one SNIP statistics collection vs a training step (default model, CPU, FP32)", "",
              f"Micro-batch {mb}x{block} tokens, {torch.get_num_threads()} threads, "
              f"{'wall' if args.clock == 'wall' else 'process CPU'} time, median of {repeats} "
-             "round-robin repeats; training step = fp8 plan forward+backward+AdamW.", "",
+             "round-robin repeats; training step = fp8 plan forward+backward+AdamW (backend auto: on the CPU the "
+             "torch backend with the fused CPU quantization kernels; the collection quantizes through them too).", "",
              "| measure | value | target |", "|---|---|---|",
              f"| collection, collect_batches=1 | {ce['collect_batches=1']:.2f} step equivalents | <= 3 |",
              f"| collection, collect_batches=2 | {ce['collect_batches=2']:.2f} step equivalents | |",
