@@ -3,7 +3,8 @@
 Three groups:
 
 * errors, on any machine: Transformer Engine that does not import, a version outside the supported range, a
-  device that is not CUDA, a recipe TE cannot express, and ``launch/train.py`` stopping with one error line;
+  device that is not CUDA and a recipe TE cannot express (``launch/train.py`` stopping with one error line is
+  tests/test_train_errors.py's ``snip_quant_backend_te`` case);
 * wiring, on any machine: the backend driven by a stand-in for Transformer Engine whose quantizers are the
   reference's (snip_ds.quant) and whose GEMM follows ``general_gemm``'s documented layout convention (A, B,
   "TN"/"NN"/"NT", column-major; transformer_engine/pytorch/cpp_extensions/gemm.py and module/linear.py,
@@ -17,7 +18,6 @@ Three groups:
 """
 import contextlib
 import dataclasses
-import json
 import math
 import sys
 import types
@@ -124,28 +124,6 @@ def test_a_recipe_the_gpu_lacks_is_refused_with_te_s_reason(monkeypatch):
                                            r"compute capability 10.0"):
         backend.check("fp4", QuantConfig(), torch.device("cuda:0"))
     backend.check("fp8", QuantConfig(), torch.device("cuda:0"))  # fp8_hybrid: available
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available() and _te_imports(), reason="the te backend can run here")
-def test_train_with_backend_te_exits_2_with_one_error_line(tmp_path, capsys, monkeypatch):
-    from train_utils import write_configs
-    from snip_ds.trainer import main
-
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)  # main() sets them in-process; monkeypatch restores them
-    cfg = write_configs(tmp_path, stage=2, plan="fp8")
-    data = json.loads(cfg.read_text())
-    data["snip"]["quant"]["backend"] = "te"
-    cfg.write_text(json.dumps(data))
-    code = main(["--deepspeed", str(cfg), "--output_dir", str(tmp_path / "out"), "--no_progress"])
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert code == 2, err
-    why = "Transformer Engine does not import" if torch.cuda.is_available() else "runs on CUDA devices only"
-    assert len(errors) == 1 and "snip.quant.backend" in errors[0] and "backend 'te' cannot run fp8_hybrid on" \
-        in errors[0] and why in errors[0], err
-    assert "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------------------------------------
