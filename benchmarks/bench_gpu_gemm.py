@@ -13,6 +13,8 @@ memory of the forward+backward over BF16's:
 * ``torch_<recipe>``: SnipLinear in BF16 on the ``torch`` backend for ``fp8_hybrid`` (``_scaled_mm``),
   ``mxfp8``, ``nvfp4`` and ``mxfp4`` (exact grid values in BF16 GEMMs); targets: fp8 <= 0.8x, mxfp8 <= 1.2x,
   nvfp4 / mxfp4 <= 1.3x BF16's forward+backward, peak memory <= 1.1x;
+* ``te_<recipe>``: SnipLinear in BF16 on the ``te`` backend (Transformer Engine) for ``fp8_hybrid``, ``mxfp8``
+  and ``nvfp4`` where it can run them here; the report names each one it could not run and why;
 * ``emulated_fp8`` / ``emulated_fp4``: the emulated backend in FP32 (quantize->dequantize, FP32 GEMM), the
   numerical reference.
 
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from snip_ds.quant_config import QuantConfig  # noqa: E402
 from snip_ds.linear import SnipLinear  # noqa: E402
+from snip_ds.backend import BackendError, resolve  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in k, out n): attention, MLP up/gate, MLP down
@@ -42,6 +45,11 @@ TORCH_RECIPES = {  # variant: (precision, QuantConfig)
     "torch_mxfp8": ("fp8", QuantConfig(backend="torch", fp8_recipe="mxfp8")),
     "torch_nvfp4": ("fp4", QuantConfig(backend="torch")),
     "torch_mxfp4": ("fp4", QuantConfig(backend="torch", fp4_recipe="mxfp4")),
+}
+TE_RECIPES = {  # the te backend where it can run the recipe here (Transformer Engine installed, the GPU has it)
+    "te_fp8_hybrid": ("fp8", QuantConfig(backend="te")),
+    "te_mxfp8": ("fp8", QuantConfig(backend="te", fp8_recipe="mxfp8")),
+    "te_nvfp4": ("fp4", QuantConfig(backend="te")),
 }
 TARGETS = {"torch_fp8_hybrid": 0.8, "torch_mxfp8": 1.2, "torch_nvfp4": 1.3, "torch_mxfp4": 1.3}
 
@@ -95,6 +103,15 @@ def bench_shape(tokens: int, k: int, n: int, repeats: int, device: str = "cuda")
         snip = SnipLinear.from_linear(layer16, precision, cfg)
         snip.generator = torch.Generator(device=device).manual_seed(0)
         measure(variant, snip, x16, g16)
+    for variant, (precision, cfg) in TE_RECIPES.items():
+        try:
+            resolve("te", precision, cfg, device)
+        except BackendError as err:  # no Transformer Engine, or not this recipe on this GPU: named in the report
+            row.setdefault("not_run", {})[variant] = str(err)
+            continue
+        snip = SnipLinear.from_linear(layer16, precision, cfg)
+        snip.generator = torch.Generator(device=device).manual_seed(0)
+        measure(variant, snip, x16, g16)
     for precision in ("fp8", "fp4"):
         snip = SnipLinear.from_linear(layer32, precision, QuantConfig(backend="emulated"))
         snip.generator = torch.Generator(device=device).manual_seed(0)
@@ -125,6 +142,9 @@ def write_markdown(result: dict, path: Path) -> None:
         fr = r["forward_vs_bf16"]
         lines.append(f"| {r['k']} | {r['n']} | {r['forward_ms']['bf16']:.3f} | {fr.get('fp8_tensor_core', float('nan')):.2f}× | "
                      + " | ".join(f"{fr[v]:.2f}×" for v in variants) + " |")
+    not_run = {v: why for r in result["rows"] for v, why in r.get("not_run", {}).items()}
+    if not_run:
+        lines += ["", "Not run here:", ""] + [f"- {v}: {why}" for v, why in sorted(not_run.items())]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 

@@ -30,6 +30,9 @@ def test_every_variant_runs_and_the_report_has_them(tmp_path):
     assert text.count("| 64 | 32 |") == 2 and text.count("| 32 | 64 |") == 2  # both tables
     for variant in variants[1:]:
         assert variant in text
+    for variant in bench.TE_RECIPES:  # the te backend cannot run on a CPU: each is named, with the reason
+        assert all("CUDA devices only" in row["not_run"][variant] for row in rows)
+        assert f"- {variant}: backend 'te' cannot run" in text
 
 
 def test_without_cuda_it_says_so(capsys):
