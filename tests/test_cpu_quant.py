@@ -19,6 +19,7 @@ from snip_ds.backend import TorchBackend, reference_operands
 from snip_ds.backend import cpu
 from snip_ds.quant_config import QuantConfig
 from tests.reference_quant import GRIDS, assert_bitwise_equal
+from tests.quant_inputs import known_scale_input, neighbours, wide_sample
 
 RECIPES = list(quant.RECIPES)
 # awkward shapes: single rows and columns, not multiples of 16 or 32; 70 x 2100 spans several column chunks
@@ -41,14 +42,6 @@ def isa(request, kernels, monkeypatch):
         pytest.skip("this CPU lacks the instructions of that variant")
     monkeypatch.setattr(cpu, "isa_level", lambda: request.param)
     return request.param
-
-
-def wide_sample(shape, seed, dtype=torch.float32):
-    """Normal values spread over ~25 binades: elements land in every part of the grids (subnormal ranges,
-    flushes to zero, saturation under the block scales)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randn(shape, generator=gen) * 4)
-    return x.to(dtype)
 
 
 def assert_matches_reference(x, recipe, axis, tensor_amax=None, out_dtype=torch.float32):
@@ -212,45 +205,6 @@ def test_philox_draws(kernels):
     for seed, offset in ((0, 0), (12345, 7), (2 ** 61 + 3, 2 ** 32 - 3), (2 ** 40, 2 ** 45)):
         got = cpu.philox_draws(seed, offset, 6).tolist()
         assert got == [philox_reference(seed, offset + i) for i in range(6)]
-
-
-def known_scale_input(recipe_name, rows, cols, seed):
-    """(x, tensor_amax, d): an input whose dequantization multiplier ``d`` per element is known by
-    construction (per-tensor: amax = max_normal gives s = 1; MX: each block holds 2**emax * X; NVFP4: amax
-    2688 gives S = 1 and each block holds 6 * s_b), the others uniform in magnitude below the block amax."""
-    recipe = quant.get_recipe(recipe_name)
-    gen = torch.Generator().manual_seed(seed)
-    element = recipe.element
-    if recipe.block_size == 0:
-        d = torch.ones(rows, cols)
-        top, amax = element.max_normal, torch.tensor(element.max_normal)
-    elif recipe.scale == "e8m0":
-        choices = torch.tensor([2.0 ** -3, 0.5, 1.0, 4.0])
-        d = choices[torch.randint(0, 4, (rows, cols // 32), generator=gen)].repeat_interleave(32, 1)
-        top, amax = 2.0 ** element.emax, None
-    else:
-        choices = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.5])  # E4M3 values
-        tiles = torch.randint(0, 5, (rows // 16 if recipe.block_2d else rows, cols // 16), generator=gen)
-        d = choices[tiles].repeat_interleave(16, 1)
-        if recipe.block_2d:
-            d = d.repeat_interleave(16, 0)
-        top, amax = element.max_normal, torch.tensor(448.0 * 6.0)
-    signs = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, -1.0, 1.0)
-    x = torch.rand(rows, cols, generator=gen) * top * d * signs
-    if recipe.block_size:
-        step = 16 if recipe.block_2d else 1
-        x[::step, ::recipe.block_size] = top * d[::step, ::recipe.block_size]
-    return x, amax, d
-
-
-def neighbours(x, d, fmt):
-    """(lo, hi): the grid points of ``fmt`` times ``d`` just below and above |x| (float64, exact)."""
-    grid = torch.tensor([v for v, _ in GRIDS[fmt]], dtype=torch.float64)
-    scaled = grid[None, :] * d.double().reshape(-1, 1)
-    mag = x.double().abs().reshape(-1, 1)
-    lo = torch.where(scaled <= mag, scaled, -1.0).amax(1)
-    hi = torch.where(scaled >= mag, scaled, math.inf).amin(1)
-    return lo.reshape(x.shape), hi.reshape(x.shape)
 
 
 STOCHASTIC_RECIPES = ["fp8_e4m3", "fp8_e5m2", "mxfp8", "mxfp4", "nvfp4", "nvfp4_2d"]

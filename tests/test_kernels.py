@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from reference_quant import GRIDS
+from quant_inputs import known_scale_input, neighbours, wide_sample
 from snip_ds import quant
 from snip_ds.backend import kernels
 
@@ -57,14 +58,6 @@ RECIPES = list(quant.RECIPES)
 AXES = [0, 1]
 # awkward shapes: single rows and columns, not multiples of 16 or 32, a tile edge crossed (64)
 SHAPES = [(1, 45), (37, 1), (33, 70), (16, 32), (70, 17)]
-
-
-def wide_sample(shape, seed, dtype=torch.float32):
-    """Normal values spread over ~25 binades, so elements land in every part of the grids (subnormal
-    ranges, flushes to zero, saturation under the block scales)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randn(shape, generator=gen) * 4)
-    return x.to(dtype)
 
 
 def assert_same_bits(actual, expected):
@@ -208,48 +201,6 @@ def test_empty_tensor():
 # ----------------------------------------------------------------------------------------------------------
 # stochastic rounding: on the two neighbouring grid points, unbiased, reproducible
 # ----------------------------------------------------------------------------------------------------------
-
-def known_scale_input(recipe_name, rows, cols, seed):
-    """(x, tensor_amax, d): an input whose dequantization multiplier ``d`` (per element) is known by
-    construction, so the grid each element rounds onto is ``grid * d`` with no appeal to the code under
-    test. Per-tensor: tensor amax = max_normal gives s = 1. MX: each block (along axis 1) holds one element
-    of magnitude ``2**emax * X``, so its E8M0 scale is X (a power of two picked per block). NVFP4: tensor
-    amax 2688 = 448 * 6 gives S = 1, and each block (16 along axis 1, or 16x16) holds one element of
-    magnitude ``6 * s_b`` for an E4M3 value s_b, so its block scale is s_b. The other elements are uniform
-    in magnitude below the block's amax."""
-    recipe = quant.get_recipe(recipe_name)
-    gen = torch.Generator().manual_seed(seed)
-    element = recipe.element
-    if recipe.block_size == 0:
-        d = torch.ones(rows, cols)
-        top, amax = element.max_normal, torch.tensor(element.max_normal)
-    elif recipe.scale == "e8m0":
-        choices = torch.tensor([2.0 ** -3, 0.5, 1.0, 4.0])
-        d = choices[torch.randint(0, 4, (rows, cols // 32), generator=gen)].repeat_interleave(32, 1)
-        top, amax = 2.0 ** element.emax, None
-    else:
-        choices = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.5])  # E4M3 values
-        tiles = torch.randint(0, 5, (rows // 16 if recipe.block_2d else rows, cols // 16), generator=gen)
-        d = choices[tiles].repeat_interleave(16, 1)
-        if recipe.block_2d:
-            d = d.repeat_interleave(16, 0)
-        top, amax = element.max_normal, torch.tensor(448.0 * 6.0)
-    signs = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, -1.0, 1.0)
-    x = torch.rand(rows, cols, generator=gen) * top * d * signs
-    if recipe.block_size:
-        x[::16 if recipe.block_2d else 1, ::recipe.block_size] = top * d[::16 if recipe.block_2d else 1,
-                                                                         ::recipe.block_size]
-    return x, amax, d
-
-
-def neighbours(x, d, fmt):
-    """(lo, hi): the grid points of ``fmt`` scaled by ``d`` just below and above |x| (float64, exact)."""
-    grid = torch.tensor([v for v, _ in GRIDS[fmt]], dtype=torch.float64)
-    scaled = grid[None, :] * d.double().reshape(-1, 1)
-    mag = x.double().abs().reshape(-1, 1)
-    lo = torch.where(scaled <= mag, scaled, -1.0).amax(1)
-    hi = torch.where(scaled >= mag, scaled, math.inf).amin(1)
-    return lo.reshape(x.shape), hi.reshape(x.shape)
 
 
 STOCHASTIC_RECIPES = ["fp8_e4m3", "fp8_e5m2", "mxfp8", "mxfp4", "nvfp4", "nvfp4_2d"]

@@ -195,3 +195,18 @@ def seed_offset(generator: Optional[torch.Generator]) -> Tuple[int, int]:
     device = generator.device if generator is not None else "cpu"
     seed = int(torch.randint(0, 2 ** 62, (), generator=generator, device=device))
     return seed, 0
+
+
+def check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype) -> None:
+    """The arguments the fused quantization kernels (CPU and Triton) share, checked alike: ValueError naming
+    the field."""
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -2 <= axis <= 1:
+        raise ValueError(f"axis: expected 0 or 1 (or -2, -1) for a 2-D tensor, got {axis!r}")
+    if tensor_amax is not None and (not isinstance(tensor_amax, torch.Tensor) or tensor_amax.numel() != 1
+                                    or not tensor_amax.is_floating_point()):
+        raise ValueError(f"tensor_amax: expected a one-element floating-point tensor, got {tensor_amax!r}")
+    for name, value in (("seed", seed), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 63:
+            raise ValueError(f"{name}: expected an int in [0, 2**63), got {value!r}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype!r}")

@@ -25,6 +25,7 @@ import torch
 
 from snip_ds.formats import E2M1, E4M3
 from snip_ds.quant import QuantParts, Recipe, get_recipe
+from snip_ds.backend.base import check_kernel_arguments
 
 log = logging.getLogger("snip_ds.backend")
 
@@ -146,16 +147,7 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
     _require()
     recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     _check_x(x)
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -2 <= axis <= 1:
-        raise ValueError(f"axis: expected 0 or 1 (or -2, -1) for a 2-D tensor, got {axis!r}")
-    if tensor_amax is not None and (not isinstance(tensor_amax, torch.Tensor) or tensor_amax.numel() != 1
-                                    or not tensor_amax.is_floating_point()):
-        raise ValueError(f"tensor_amax: expected a one-element floating-point tensor, got {tensor_amax!r}")
-    for name, value in (("seed", seed), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 63:
-            raise ValueError(f"{name}: expected an int in [0, 2**63), got {value!r}")
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype!r}")
+    check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype)
     x = x.contiguous()
     kind = _kind(recipe)
     if kind == 1 or x.numel() == 0:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from snip_ds.backend.base import check_kernel_arguments
 from snip_ds.backend.kernels import grid as g
 from snip_ds.formats import E2M1, E4M3
 from snip_ds.quant import QuantParts, Recipe, get_recipe
@@ -220,15 +221,6 @@ def _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, interp
         raise ValueError(f"x: the Triton quantizer takes a 2-D tensor, got shape {tuple(x.shape)}")
     if not interpreting and x.device.type != "cuda":
         raise ValueError(f"x: the Triton quantizer needs a CUDA tensor, got device {x.device}")
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -2 <= axis <= 1:
-        raise ValueError(f"axis: expected 0 or 1 (or -2, -1) for a 2-D tensor, got {axis!r}")
-    if tensor_amax is not None and (not isinstance(tensor_amax, torch.Tensor) or tensor_amax.numel() != 1
-                                    or not tensor_amax.is_floating_point()):
-        raise ValueError(f"tensor_amax: expected a one-element floating-point tensor, got {tensor_amax!r}")
-    for name, value in (("seed", seed), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 63:
-            raise ValueError(f"{name}: expected an int in [0, 2**63), got {value!r}")
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype!r}")
+    check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype)
     if not isinstance(transpose, bool):
         raise ValueError(f"transpose: expected true or false, got {transpose!r}")

@@ -1,0 +1,56 @@
+"""Inputs and exact bounds shared by the quantizer tests (the CPU kernels' and the Triton kernels'): samples
+over a wide range of magnitudes, inputs whose per-element scale is known by construction, and the grid points
+either side of a value."""
+import math
+
+import torch
+
+from reference_quant import GRIDS
+from snip_ds import quant
+
+
+def wide_sample(shape, seed, dtype=torch.float32):
+    """Normal values spread over ~25 binades: elements land in every part of the grids (subnormal ranges,
+    flushes to zero, saturation under the block scales)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randn(shape, generator=gen) * 4)
+    return x.to(dtype)
+
+
+def known_scale_input(recipe_name, rows, cols, seed):
+    """(x, tensor_amax, d): an input whose dequantization multiplier ``d`` per element is known by
+    construction (per-tensor: amax = max_normal gives s = 1; MX: each block holds 2**emax * X; NVFP4: amax
+    2688 gives S = 1 and each block holds 6 * s_b), the others uniform in magnitude below the block amax."""
+    recipe = quant.get_recipe(recipe_name)
+    gen = torch.Generator().manual_seed(seed)
+    element = recipe.element
+    if recipe.block_size == 0:
+        d = torch.ones(rows, cols)
+        top, amax = element.max_normal, torch.tensor(element.max_normal)
+    elif recipe.scale == "e8m0":
+        choices = torch.tensor([2.0 ** -3, 0.5, 1.0, 4.0])
+        d = choices[torch.randint(0, 4, (rows, cols // 32), generator=gen)].repeat_interleave(32, 1)
+        top, amax = 2.0 ** element.emax, None
+    else:
+        choices = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.5])  # E4M3 values
+        tiles = torch.randint(0, 5, (rows // 16 if recipe.block_2d else rows, cols // 16), generator=gen)
+        d = choices[tiles].repeat_interleave(16, 1)
+        if recipe.block_2d:
+            d = d.repeat_interleave(16, 0)
+        top, amax = element.max_normal, torch.tensor(448.0 * 6.0)
+    signs = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, -1.0, 1.0)
+    x = torch.rand(rows, cols, generator=gen) * top * d * signs
+    if recipe.block_size:
+        step = 16 if recipe.block_2d else 1
+        x[::step, ::recipe.block_size] = top * d[::step, ::recipe.block_size]
+    return x, amax, d
+
+
+def neighbours(x, d, fmt):
+    """(lo, hi): the grid points of ``fmt`` times ``d`` just below and above |x| (float64, exact)."""
+    grid = torch.tensor([v for v, _ in GRIDS[fmt]], dtype=torch.float64)
+    scaled = grid[None, :] * d.double().reshape(-1, 1)
+    mag = x.double().abs().reshape(-1, 1)
+    lo = torch.where(scaled <= mag, scaled, -1.0).amax(1)
+    hi = torch.where(scaled >= mag, scaled, math.inf).amin(1)
+    return lo.reshape(x.shape), hi.reshape(x.shape)
