@@ -54,10 +54,11 @@ def projected_sq_sum(x: torch.Tensor, d: torch.Tensor, gram: Optional[torch.Tens
     return ((d @ gram) * d).sum(1)
 
 
-def gram_pays(tokens: int, k: int, n: int, uses: int) -> bool:
-    """Whether ``uses`` calls of :func:`projected_sq_sum` on ``[tokens, k]`` by ``[n, k]`` cost fewer
-    multiply-adds through one shared Gram matrix (``T·k² + uses·n·k²``) than directly (``uses·T·n·k``)."""
-    return tokens * k + uses * n * k < uses * tokens * n
+def gram_pays(tokens: int, k: int, rows: int) -> bool:
+    """Whether projecting ``rows`` vectors of length k onto the ``tokens`` rows of an input ``[tokens, k]``
+    (``Σ_t (x_t·d)²`` for each, :func:`projected_sq_sum`) costs fewer multiply-adds through one shared Gram
+    matrix (``T·k² + rows·k²``) than directly (``rows·T·k``)."""
+    return tokens * k + rows * k < rows * tokens
 
 
 def sequence_sq_sum(g: torch.Tensor, e: torch.Tensor, rows: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ precision, re-quantized along the right axis in backward).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -68,18 +68,34 @@ class _InputGradOnlyLinearFn(torch.autograd.Function):
     For statistics passes, which back-propagate to the input alone. Plain ``F.linear`` already skips the
     weight gradient there, but under ZeRO-3 DeepSpeed replaces ``F.linear`` with an autograd function that
     always computes it: one wasted GEMM per layer and backward.
+
+    When the layer has an ``input_grad_observer`` at backward time, it is called with the output's gradient
+    ``G_Y`` and the layer's own input gradient ``G_Y W`` in FP32 (a low-precision ``G_Y`` is multiplied in FP32
+    and the product rounded once to its dtype to propagate; an FP32 one exactly as without an observer).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                layer: "SnipLinear") -> torch.Tensor:
         ctx.save_for_backward(w)
+        ctx.layer = layer
         return torch._C._nn.linear(x, w, bias)
 
     @staticmethod
     def backward(ctx, g_y: torch.Tensor):
         (w,) = ctx.saved_tensors
-        g_x = g_y @ w.to(g_y.dtype) if ctx.needs_input_grad[0] else None
-        return g_x, None, None
+        observer = ctx.layer.input_grad_observer
+        if not ctx.needs_input_grad[0]:
+            g_x = None
+        elif observer is None or g_y.dtype == torch.float32:
+            g_x = g_y @ w.to(g_y.dtype)
+        else:
+            g_x = g_y.float() @ w.float()
+        if observer is not None:
+            observer(g_y, g_x)
+        if g_x is not None:
+            g_x = g_x.to(g_y.dtype)
+        return g_x, None, None, None
 
 
 class SnipLinear(nn.Linear):
@@ -94,6 +110,9 @@ class SnipLinear(nn.Linear):
         fqn: the layer's fully qualified name in its model, when it was swapped in by :func:`swap_linears`.
         input_grad_only: at ``bf16``, back-propagate to the input only (no weight or bias gradient); set
             by :func:`snip_ds.stats.collect_statistics` for its passes, False otherwise.
+        input_grad_observer: with ``input_grad_only``, None or a callable ``(G_Y, G_X)`` that each backward
+            through the layer calls with the output's gradient and the layer's own input gradient ``G_Y W``
+            (FP32; None where the input needs no gradient); set by the statistics collection.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
@@ -107,6 +126,7 @@ class SnipLinear(nn.Linear):
         self.generator: Optional[torch.Generator] = None
         self.fqn: str = ""
         self.input_grad_only = False
+        self.input_grad_observer: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], None]] = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, precision: LayerPrecision = "fp8",
@@ -140,7 +160,7 @@ class SnipLinear(nn.Linear):
         prec = self._gemm_precision
         if prec.uniform == "bf16":
             if self.input_grad_only:
-                return _InputGradOnlyLinearFn.apply(x, self.weight, self.bias)
+                return _InputGradOnlyLinearFn.apply(x, self.weight, self.bias, self)
             return F.linear(x, self.weight, self.bias)
         return _QuantizedLinearFn.apply(x, self.weight, self.bias, prec, self.quant_config, self.generator)
 

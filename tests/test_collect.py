@@ -119,9 +119,11 @@ def test_leaves_no_trace(model):
 
 @pytest.mark.rounding
 @pytest.mark.parametrize("gram", [False, True], ids=["direct", "gram"])
-def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
+@pytest.mark.parametrize("layer", [LAYER, "model.layers.1.self_attn.k_proj"], ids=["down", "k"])
+def test_layer_statistics_match_independent_reference(model, gram, layer, monkeypatch):
     """Every statistic of one layer against a reference built from whole tensors; the drift's loss price
-    both through the direct product and through the shared Gram matrix (forced either way)."""
+    both through the direct product and through the Gram matrix (forced either way), which k_proj shares with
+    q_proj and v_proj (one input)."""
     monkeypatch.setattr(dv, "gram_pays", lambda *a: gram)
     batch = _batches(1)[0]
     pre = {f: torch.rand(m.weight.shape, generator=torch.Generator().manual_seed(5)) + 0.5
@@ -129,7 +131,7 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
     lr = 3e-3
     stats = collect_statistics(model, [batch], _full(estimator="empirical", bwd_rounding="nearest"), lr=lr,
                                precond=pre)
-    rec = stats["layers"][LAYER]
+    rec = stats["layers"][layer]
     # Tolerances: the reference sees bitwise the same X, G_Y and quantized operands (same forward, same
     # backend), so no element can round differently; only the order of the FP32 sums differs. A K-deep
     # product and a sum of n terms err by at most K·u and n·u relative (u = 2^-24): K = 128 and n = 62·64
@@ -137,11 +139,11 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
     # the sums of squares and 1e-5 for the loss and the per-operand errors (one elementwise square, then a
     # sum). The first-order term is a signed sum that cancels: 1e-3 relative, 1e-9 absolute.
     for p in ("fp8", "fp4"):
-        ref = _reference(model, batch, LAYER, p, pre[LAYER])
+        ref = _reference(model, batch, layer, p, pre[layer])
         assert stats["tokens"] == ref["n"] and stats["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         assert rec["first_order"][p] == pytest.approx((ref["gy"] * ref["e"]).sum().item(), rel=1e-3, abs=1e-9)
         # abs=0: these numbers are far below pytest.approx's default absolute tolerance (1e-12)
-        assert rec["bwd_drift"][p] == pytest.approx(refdiv.bwd_direct(ref["dgw"], pre[LAYER], lr).item(), rel=1e-4,
+        assert rec["bwd_drift"][p] == pytest.approx(refdiv.bwd_direct(ref["dgw"], pre[layer], lr).item(), rel=1e-4,
                                                     abs=0)
         fld = refdiv.fld_from_tensors(ref["e"], ref["gy"] * ref["n"], ref["n"])
         assert rec["fld_channel"][p] == pytest.approx(fld.item(), rel=1e-4, abs=0)
@@ -150,15 +152,15 @@ def test_layer_statistics_match_independent_reference(model, gram, monkeypatch):
         fld_seq = (per_row ** 2).sum() / (2 * ref["n"])
         assert rec["fld_sequence"][p] == pytest.approx(fld_seq.item(), rel=1e-4, abs=0)
         assert rec["fld"][p] == rec["fld_sequence"][p]
-        bwd = refdiv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[LAYER], refdiv.channel_sq_mean(ref["gy"] * ref["n"]),
+        bwd = refdiv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[layer], refdiv.channel_sq_mean(ref["gy"] * ref["n"]),
                              ref["n"])
         assert rec["bwd"][p] == pytest.approx(bwd.item(), rel=1e-4, abs=0)
         assert rec["bwd_bias"][p] == rec["bwd"][p] and rec["bwd_drift_bias"][p] == rec["bwd_drift"][p]
         # per-operand quantization errors (per-GEMM quant_err plans): X, W and the reference's own G_Y (the
         # gradient of the mean loss, as training quantizes it) against the backend's quantizer (test_quant
         # checks that one against the table-driven reference), each along its rows, round to nearest
-        cfg = replace(snip_layers(model)[LAYER].quant_config, stochastic_rounding=False)
-        for o, t in (("x", ref["x"]), ("w", snip_layers(model)[LAYER].weight.detach().float()), ("g", ref["gy"])):
+        cfg = replace(snip_layers(model)[layer].quant_config, stochastic_rounding=False)
+        for o, t in (("x", ref["x"]), ("w", snip_layers(model)[layer].weight.detach().float()), ("g", ref["gy"])):
             err = ((get_backend().quantize(t, p, o, -1, cfg) - t) ** 2).sum().item()
             assert err > 0, (o, p)  # the operand is not already on the grid: the check below can fail
             assert rec[f"quant_err_{o}"][p] == pytest.approx(err, rel=1e-5)
@@ -706,3 +708,44 @@ def test_study_fields_setting_and_plan_needs():
     with pytest.raises(ValueError, match="lack field 'bwd_bias' .*snip.research.study_fields"):
         costs_from_stats(lean, bwd_key="bwd_bias")
     assert costs_from_stats(lean).costs["a"]["fp4"] == 4.0
+
+
+@pytest.mark.rounding
+def test_sequence_fld_from_the_layers_input_gradient_matches_fp64():
+    """The probe's sequence-form FLD, ``Σ_rows (Σ_t g_t·E_t)²`` with ``E = Q(X)Q(W)ᵀ - XWᵀ``: from the layer's
+    own input gradient ``gW`` (what the probe's backward hands over) and, without it, from XWᵀ itself; both
+    against the same sums in FP64 on the same quantized operands. Tolerance: each row's sum in FP32 errs by
+    at most γ·Σ|terms| (γ = (n + L·k + 4)·u: an n-deep product, then L·k summed terms), bounded from the
+    operands' magnitudes; FLD is a sum of squares of these sums."""
+    from snip_ds.backend import statistics_backend
+    from snip_ds.linear import SnipLinear
+    from snip_ds.stats.common import Shared, Sums
+    from snip_ds.stats.fld import FldEstimator
+    gen = torch.Generator().manual_seed(3)
+    rows, L, k, n = 3, 8, 16, 16  # small sums: the worst-case bound stays far below the FLD it checks
+    layer = SnipLinear(k, n, precision="bf16")
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.2)
+    x = torch.randn(rows, L, k, generator=gen)
+    g = torch.randn(rows * L, n, generator=gen)
+    w = layer.weight.detach()
+    be = statistics_backend()
+    cfg = replace(layer.quant_config, stochastic_rounding=False)
+    u = 2.0 ** -24
+    got = {}
+    for with_dx in (True, False):
+        shared = Shared(Sums(), be, ("fp8", "fp4"))
+        FldEstimator(shared, CollectSettings()).on_probe("l", layer, x, g, rows, g @ w if with_dx else None)
+        got[with_dx] = {p: float(shared.stats.get("l", f"fld_seq.{p}")[0]) for p in ("fp8", "fp4")}
+    x2 = x.reshape(-1, k)
+    for p in ("fp8", "fp4"):
+        xq, wq = be.quantize(x2, p, "x", -1, cfg).double(), be.quantize(w, p, "w", -1, cfg).double()
+        g64, x64, w64 = g.double(), x2.double(), w.double()
+        s = (g64 * (xq @ wq.t() - x64 @ w64.t())).sum(1).reshape(rows, -1).sum(1)
+        mag = ((g64.abs() @ wq.abs()) * xq.abs() + (g64.abs() @ w64.abs()) * x64.abs()).sum(1)
+        err = (n + L * k + 4) * u * mag.reshape(rows, -1).sum(1)  # |δs| per row, both forms
+        assert float(err.max()) < 0.05 * float(s.abs().min())  # the bound is small against what it checks
+        ref = float((s * s).sum())
+        tol = float((2 * s.abs() * err + err * err).sum())
+        for with_dx in (True, False):
+            assert abs(got[with_dx][p] - ref) <= tol, (p, with_dx)

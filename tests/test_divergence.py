@@ -318,10 +318,12 @@ def test_projected_sq_sum_gram_equals_direct_product():
 
 
 def test_gram_pays_compares_multiply_adds():
-    # T*k + uses*n*k < uses*T*n
-    assert dv.gram_pays(tokens=1024, k=384, n=1024, uses=2)  # 393k + 786k < 2.1M
-    assert not dv.gram_pays(tokens=1024, k=1024, n=384, uses=2)  # 1.05M + 786k > 786k
-    assert not dv.gram_pays(tokens=16, k=64, n=64, uses=2)  # few tokens: the direct product is cheaper
+    # T*k^2 + rows*k^2 < rows*T*k, i.e. T*k + rows*k < rows*T
+    assert dv.gram_pays(tokens=1024, k=384, rows=2 * 1024)  # gate_proj, 2 precisions: 393k + 786k < 2.1M
+    assert not dv.gram_pays(tokens=1024, k=1024, rows=2 * 384)  # down_proj: 1.05M + 786k > 786k
+    assert not dv.gram_pays(tokens=16, k=64, rows=2 * 64)  # few tokens: the direct product is cheaper
+    assert not dv.gram_pays(tokens=1024, k=384, rows=2 * 128)  # k_proj alone: 393k + 98k > 262k
+    assert dv.gram_pays(tokens=1024, k=384, rows=2 * (384 + 128 + 128))  # q, k, v sharing one input
 
 
 def test_next_token_kl_matches_torch_and_skips_ignored_positions():

@@ -70,6 +70,31 @@ def test_input_grad_only_gives_nn_linear_output_and_input_grad_and_no_weight_gra
     assert gw is None and gb is None
 
 
+@pytest.mark.rounding
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_grad_observer_sees_the_output_grad_and_the_layers_own_input_grad(data, dtype):
+    """The observer gets G_Y and this layer's G_Y·W in FP32, and what propagates is that product in the input's
+    dtype: for FP32 the same G_X as without an observer; for BF16 its one rounding of the FP32 product."""
+    lin, x, g = data
+    snip = SnipLinear.from_linear(lin, "bf16").to(dtype)
+    snip.input_grad_only = True
+    x, g = x.to(dtype), g.to(dtype)
+    _, gx_plain, _, _ = _run(snip, x, g)
+    seen = []
+    snip.input_grad_observer = lambda gy, gx: seen.append((gy, gx))
+    _, gx, gw, _ = _run(snip, x, g)
+    (gy_seen, gx_seen), = seen
+    assert gw is None and torch.equal(gy_seen, g)
+    assert gx_seen.dtype == torch.float32 and torch.equal(gx, gx_seen.to(dtype))
+    ref = g.double() @ snip.weight.detach().double()  # the FP32 product of the same operands: K-term sums
+    bound = N * 2.0 ** -24 * (g.double().abs() @ snip.weight.detach().double().abs())  # |error| <= n·u·Σ|g||w|
+    assert ((gx_seen.double() - ref).abs() <= bound).all()
+    if dtype == torch.float32:
+        assert torch.equal(gx, gx_plain)
+    else:  # BF16 (8 significant bits): one rounding, at most 2^-8 relative, of the FP32 product
+        assert ((gx.double() - ref).abs() <= 2.0 ** -8 * (ref.abs() + bound) + bound).all()
+
+
 def test_input_grad_only_applies_to_bf16_only(data):
     """A quantized layer keeps its full backward whatever the flag says (training never sets it)."""
     lin, x, g = data
@@ -240,6 +265,38 @@ def test_gemm_moments_match_many_stochastic_gradients(data):
     assert torch.equal(be.wgrad_moments(g, x, "fp4", cfg, price_tokens=torch.arange(5)).mean, wm.mean)
     with pytest.raises(ValueError, match="does not round G_Y stochastically"):
         be.wgrad_moments(g, x, "fp8", cfg)
+
+
+@pytest.mark.rounding
+def test_noise_price_through_the_gram_matrix_is_the_direct_one(data):
+    """``gram = XᵀX`` prices each sampled token as Q(X)_s XᵀX Q(X)_sᵀ instead of ‖X Q(X)_sᵀ‖²: the same number
+    in exact arithmetic, so the two prices differ by no more than both FP32 computations can err (bounds from
+    the operands' magnitudes, in FP64); the mean and variance are untouched. Ignored with the Hadamard
+    transform, whose operands are rotated."""
+    lin, x, g = data
+    be = backend.get_backend()
+    cfg = QuantConfig()
+    sample = torch.arange(0, T, 3)
+    direct = be.wgrad_moments(g, x, "fp4", cfg, price_tokens=sample)
+    via = be.wgrad_moments(g, x, "fp4", cfg, price_tokens=sample, gram=x.t() @ x)
+    assert torch.equal(via.mean, direct.mean) and torch.equal(via.var, direct.var)
+    u = 2.0 ** -24
+    x64 = x.double()
+    q = be.quantize(x, "fp4", "x", 0, cfg).double()[sample]  # [|S|, K]
+    d, a = x64 @ q.t(), x64.abs() @ q.abs().t()  # [T, |S|]: x_t·q_s and Σ|x_t||q_s|
+    h = (d * d).sum(0)
+    err_direct = (2 * d.abs() * K * u * a + (K * u * a) ** 2).sum(0) + T * u * h
+    err_gram = (T * u * ((q.abs() @ (x64.abs().t() @ x64.abs())) * q.abs()).sum(1)
+                + 2 * K * u * ((q.abs() @ (x64.t() @ x64).abs()) * q.abs()).sum(1))
+    # each channel's price is a sum of non-negative terms Var·h_s: its relative error is the worst h_s's
+    rel = float(((err_direct + err_gram) / h).max()) + 2 * len(sample) * u
+    assert rel < 1e-3  # the bound is tight enough to mean something
+    diff = (via.projected.double() - direct.projected.double()).abs()
+    assert (diff <= rel * direct.projected.double()).all()
+    had = QuantConfig(hadamard=True)
+    assert torch.equal(be.wgrad_moments(g, x, "fp4", had, torch.Generator().manual_seed(2), sample,
+                                        gram=x.t() @ x).projected,
+                       be.wgrad_moments(g, x, "fp4", had, torch.Generator().manual_seed(2), sample).projected)
 
 
 def test_gemm_moments_with_hadamard_are_those_of_the_transformed_operands(data):

@@ -187,7 +187,8 @@ class EmulatedBackend(GemmBackend):
 
     def wgrad_moments(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
                       generator: Optional[torch.Generator] = None,
-                      price_tokens: Optional[torch.Tensor] = None) -> "GemmMoments":
+                      price_tokens: Optional[torch.Tensor] = None,
+                      gram: Optional[torch.Tensor] = None) -> "GemmMoments":
         """Mean and element-wise variance of ``G_W = Q(G_Y)^T Q(X)`` over G_Y's stochastic rounding.
 
         The elements of G_Y round independently (deterministic scales), so ``E[G_W] = E[Q(G_Y)]^T Q(X)`` and
@@ -197,12 +198,15 @@ class EmulatedBackend(GemmBackend):
         ``(T/|S|) Σ_{s∈S} ...`` (each sampled token costs a ``[T, k]`` by ``[k]`` product; all of them: exact).
         The Hadamard transform (``cfg.hadamard``, FP4) is applied to both operands first, with signs drawn
         from ``generator`` as :meth:`wgrad` draws them (the price is the same in either basis: the transform
-        is orthogonal along the tokens). Requires a precision that rounds G_Y stochastically.
+        is orthogonal along the tokens). With ``gram = XᵀX`` (``[k, k]`` FP32) and no Hadamard transform, each
+        sampled token is priced as ``Q(X)_s (XᵀX) Q(X)_sᵀ`` instead (``k²`` multiply-adds, not ``T·k``; the same
+        number in exact arithmetic). Requires a precision that rounds G_Y stochastically.
         """
         if not self.rounds_g_stochastically(precision, cfg):
             raise ValueError(f"precision {precision!r} does not round G_Y stochastically under this config")
         if precision == "fp4" and cfg.hadamard:
             g, x = _hadamard_pair(g, x, generator)
+            gram = None
         tokens, n, k = g.shape[0], g.shape[1], x.shape[1]
         mean = torch.zeros(n, k, dtype=torch.float32, device=g.device)
         var = torch.zeros(n, k, dtype=torch.float32, device=g.device)
@@ -221,7 +225,11 @@ class EmulatedBackend(GemmBackend):
             del g_mean
             if projected is not None:
                 pick = sampled[chunk]
-                if pick.any():
+                if pick.any() and gram is not None:
+                    q = x_lp[pick]
+                    h = (q @ gram).mul_(q).sum(dim=1)  # [|S ∩ chunk|]: Q(X)_s XᵀX Q(X)_sᵀ = ‖X Q(X)_sᵀ‖²
+                    projected.addmv_(g_var[pick].t(), h, alpha=scale)
+                elif pick.any():
                     h = (x32 @ x_lp[pick].t()).square_().sum(dim=0)  # [|S ∩ chunk|]: ‖X Q(X)_sᵀ‖²
                     projected.addmv_(g_var[pick].t(), h, alpha=scale)
             var.addmm_(g_var.t(), x_lp.square_())

@@ -13,7 +13,7 @@ docs/method.md derives the terms; :mod:`snip_ds.stats.fields` turns the sums int
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
@@ -45,11 +45,9 @@ class InputGroups:
 
     def see(self, fqn: str, x: torch.Tensor) -> Optional[str]:
         """Records layer ``fqn`` with input ``x``; returns the group's name when ``x`` is an input not seen
-        before in this forward (the caller hooks its gradient), else None."""
+        before in this forward (the caller may hook its gradient), else None."""
         if fqn not in self.order:
             self.order[fqn] = len(self.order)
-        if not x.requires_grad:
-            return None
         key = id(x)
         new = key not in self._ids
         if new:
@@ -73,6 +71,54 @@ class BwdEstimator:
         self.sources: set = set()  # where the preconditioners came from (the artifact's "precond")
         self.had_gen = torch.Generator(device=device).manual_seed(settings.seed + 1)  # Hadamard signs (if on)
         self.price_gen = torch.Generator(device=device).manual_seed(settings.seed + 2)  # tokens pricing noise
+        # The layers that share one input (q/k/v, gate/up) share its Gram matrix XᵀX, in this batch:
+        self.inputs = InputGroups()
+        self._rows: Dict[str, int] = {}  # input group -> the vectors its layers project onto it (gram_pays)
+        self._gram: Optional[Tuple[str, Optional[torch.Tensor]]] = None  # (group, its Gram matrix or None)
+
+    def begin_forward(self) -> None:
+        self.inputs.new_forward()
+        self._rows.clear()
+        self._gram = None
+
+    def on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor) -> Optional[str]:
+        """Layer ``fqn`` ran on input ``x`` in the batch's forward: which layers share an input (and so its
+        Gram matrix) and how many vectors they all project onto it. Returns the input's group when ``x`` is
+        new in this forward (:meth:`InputGroups.see`)."""
+        new = self.inputs.see(fqn, x)
+        group = self.inputs.group[fqn]
+        self._rows[group] = self._rows.get(group, 0) + self._projected_rows(module, x.numel() // x.shape[-1])
+        return new
+
+    def end_forward(self) -> None:
+        self.inputs.new_forward()  # the groups are known; let the inputs go
+
+    def _projected_rows(self, module: SnipLinear, tokens: int) -> int:
+        """The vectors :meth:`on_train_grad` projects onto the layer's input: each precision's drift (and the
+        upstream term with ``bwd_propagated``) per output channel, and the tokens that price stochastic
+        rounding's noise (through the Gram matrix where there is no Hadamard transform)."""
+        n = module.out_features
+        rows = (len(self.shared.precisions) + int(self.propagated)) * n
+        for p in self.shared.precisions:
+            if self._expects_sr(module, p) and not (p == "fp4" and module.quant_config.hadamard):
+                rows += min(tokens, max(PRICE_TOKENS_MIN, n // 4))
+        return rows
+
+    def _gram_for(self, fqn: str, module: SnipLinear, x2: torch.Tensor) -> Optional[torch.Tensor]:
+        """``x2ᵀx2`` where it saves multiply-adds (:func:`~snip_ds.divergence.gram_pays`) over all the layers
+        that share this input, computed once for them when they come one after another (as siblings do in a
+        backward), else None."""
+        gid = self.inputs.group.get(fqn)
+        if gid not in self._rows:  # not seen in this batch's forward: the layer alone
+            gid = None
+        if gid is not None and self._gram is not None and self._gram[0] == gid:
+            return self._gram[1]
+        tokens, k = x2.shape
+        rows = self._rows[gid] if gid is not None else self._projected_rows(module, tokens)
+        gram = x2.t() @ x2 if dv.gram_pays(tokens, k, rows) else None
+        if gid is not None:
+            self._gram = (gid, gram)
+        return gram
 
     def on_input_grad(self, gid: str, g: torch.Tensor) -> None:
         """The training gradient of an input group's shared input (``bwd_propagated``)."""
@@ -88,12 +134,11 @@ class BwdEstimator:
         gw = g2.t() @ x2  # [n, k], BF16-pass weight gradient (mean loss)
         pmat, pfn = layer_precond(self.precond, self.fallback, fqn, gw, self.sources)
         sr = {p: self._expects_sr(module, p) for p in precisions}
-        uses = len(precisions) + int(self.propagated)  # projections of X below
-        gram = x2.t() @ x2 if dv.gram_pays(x2.shape[0], x2.shape[1], gw.shape[0], uses) else None
+        gram = self._gram_for(fqn, module, x2)
         for p in precisions:
             if sr[p]:  # training rounds G_Y stochastically: the exact expectation over that rounding
                 sample = self._price_sample(x2.shape[0], gw.shape[0])
-                mom = be.wgrad_moments(g2, x2, p, module.quant_config, self.had_gen, sample)
+                mom = be.wgrad_moments(g2, x2, p, module.quant_config, self.had_gen, sample, gram)
                 dgw, var, projected = mom.mean.sub_(gw), mom.var, mom.projected
                 del mom
             else:

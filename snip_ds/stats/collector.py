@@ -9,13 +9,16 @@ and ``g`` (probe) and reduce everything at once to per-channel vectors or scalar
 per-channel vectors are priced with that batch's probes and folded into per-layer scalars, so only a few
 scalars per layer are all-reduced, whatever the model's width):
 
-* forward hook: keeps the layer's input X for its training-gradient and probe hooks;
+* forward hook: keeps the layer's input X for its training-gradient and probe hooks, and tells BWD which layers
+  share an input (q/k/v, gate/up), so that they share its Gram matrix XᵀX;
 * training-gradient hook (``G_Y``): the BWD terms, :class:`~snip_ds.stats.bwd.BwdEstimator` (``ΔG_W =
   Q_p(G_Y)ᵀQ_p(X) - G_YᵀX`` with G_Y rounded as training rounds it, preconditioned and priced per channel;
   the dgrad error with ``bwd_propagated``), and the FLD terms that need ``G_Y`` or the channel form,
   :meth:`~snip_ds.stats.fld.FldEstimator.on_output` (only where :class:`CollectSettings` asks for them);
-* probe hook (g): ``Σ_t g_tj²``, which prices the per-channel terms, and the sequence-form FLD
-  ``Σ_rows (Σ_t g_t·E_t)²``, :meth:`~snip_ds.stats.fld.FldEstimator.on_probe`;
+* probe hook (g): ``Σ_t g_tj²``, which prices the per-channel terms; then, in the layer's own backward (its
+  ``input_grad_observer``, which sees g and the layer's input gradient ``gW``), the sequence-form FLD
+  ``Σ_rows (Σ_t g_t·E_t)²``, :meth:`~snip_ds.stats.fld.FldEstimator.on_probe`, whose reference term
+  ``Σ_t g_t·(XWᵀ)_t = Σ_t (g_t W)·x_t`` comes from that gradient instead of a product XWᵀ;
 * ``forward_drift=True``: after each probe, two more forward and backward passes of the training loss
   (:meth:`~snip_ds.stats.fwd.ForwardDrift.passes`) give how each layer's fprop error changes the update;
 * ``estimator="isotropic"``: probes from the last block's output and four forward passes for the curvature α
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
@@ -47,7 +51,7 @@ from snip_ds.backend import statistics_backend
 from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
 from snip_ds.linear import SnipLinear
 from snip_ds.stats.artifact import check_study_fields
-from snip_ds.stats.bwd import BwdEstimator, InputGroups
+from snip_ds.stats.bwd import BwdEstimator
 from snip_ds.stats.common import GLOBAL, Reduce, Shared, Sums, device_of, flat, select_layers, targets, unpack
 from snip_ds.stats.fields import finalize
 from snip_ds.stats.fld import FldEstimator
@@ -159,7 +163,7 @@ class Collector:
         self.gen = torch.Generator(device=device).manual_seed(settings.seed)  # probe labels / isotropic noise
         self.fld = FldEstimator(self.shared, settings)
         self.bwd = BwdEstimator(self.shared, settings, precond, device)
-        self.groups = InputGroups() if self.propagated else None
+        self.groups = self.bwd.inputs if self.propagated else None
         self.fwd = ForwardDrift(self.shared, self.fld) if self.forward_drift else None
         self.iso = IsotropicProbe(self.shared, self.gen) if self.estimator == "isotropic" else None
         self.phase = "off"
@@ -207,14 +211,13 @@ class Collector:
     def _on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         x2 = flat(x)  # [T, k]
         self.x[fqn] = x2
+        gid = self.bwd.on_forward(fqn, module, x)
         if self.fwd is not None:
             self.fwd.on_forward(fqn, x2)
         if self.estimator != "empirical":
             self.xp[fqn] = x.detach()  # the tensor autograd keeps anyway: no copy
-        if self.groups is not None:
-            gid = self.groups.see(fqn, x)
-            if gid is not None:
-                x.register_hook(lambda g, gid=gid: self._on_input_grad(gid, g))
+        if self.groups is not None and gid is not None and x.requires_grad:
+            x.register_hook(lambda g, gid=gid: self._on_input_grad(gid, g))
         if y.requires_grad:
             y.register_hook(lambda g: self._on_output_grad(fqn, module, g))
         else:  # no training gradient will arrive: the fprop statistics now (no first-order term)
@@ -229,9 +232,8 @@ class Collector:
     def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
         g2 = flat(g)  # [T, n]
         rows = g.shape[0] if g.dim() >= 3 else 1  # sequences: [B, L, n]
-        if self.phase in ("probe", "iso"):
+        if self.phase in ("probe", "iso"):  # the FLD follows in the layer's backward (_on_layer_backward)
             self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2))
-            self.fld.on_probe(fqn, module, self.xp.get(fqn), g2, rows)
             if self.fwd is not None and fqn in self.xp:
                 self.fwd.on_probe(fqn, self.xp[fqn], g2)
         elif self.phase == "train":
@@ -242,6 +244,13 @@ class Collector:
                 self.fwd.on_weights(fqn, module, pmat)
             if self.estimator == "empirical":  # the training gradient is this estimator's probe
                 self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2 * self.shared.n_local))
+
+    def on_layer_backward(self, fqn: str, module: SnipLinear, g: torch.Tensor, gx: Optional[torch.Tensor]) -> None:
+        """A probe's backward through layer ``fqn``: its output gradient g and its own input gradient ``gW``
+        (None where the input needs none), for the sequence-form FLD."""
+        if self.phase in ("probe", "iso"):
+            rows = g.shape[0] if g.dim() >= 3 else 1
+            self.fld.on_probe(fqn, module, self.xp.get(fqn), flat(g), rows, flat(gx) if gx is not None else None)
 
     def _probe_root(self, ids, mask, labels, retain: bool, last: bool):
         """The logits to back-propagate a probe from: the retained graph's, or a fresh forward's."""
@@ -271,10 +280,10 @@ class Collector:
         ids = ids.to(device)
         mask = mask.to(device) if mask is not None else None
         with torch.enable_grad():
-            if self.groups is not None:
-                self.groups.new_forward()
             self.phase = "forward"
+            self.bwd.begin_forward()
             logits = self.model(input_ids=ids, attention_mask=mask).logits
+            self.bwd.end_forward()
             self.phase = "off"
             lg, tg = targets(logits, labels)
             n = int(tg.numel())
@@ -353,22 +362,29 @@ class Collector:
 
 
 @contextmanager
-def _preserved(model: nn.Module, layers: Dict[str, SnipLinear]) -> Iterator[None]:
-    """bf16 layers that back-propagate to their input only; restores the layers' precision, the model's
-    mode and the global RNG states (CPU and CUDA)."""
+def _preserved(model: nn.Module, layers: Dict[str, SnipLinear],
+               collector: Optional[Collector] = None) -> Iterator[None]:
+    """bf16 layers that back-propagate to their input only (each backward through them reported to
+    ``collector``); restores the layers' precision, mode and observer and the global RNG states (CPU and
+    CUDA)."""
     saved_precision = {fqn: m.gemm_precision for fqn, m in layers.items()}
     saved_grad_only = {fqn: m.input_grad_only for fqn, m in layers.items()}
+    saved_observer = {fqn: m.input_grad_observer for fqn, m in layers.items()}
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         try:
             for m in layers.values():
                 m.precision = "bf16"
                 m.input_grad_only = True  # every pass back-propagates to the embedding output only
+            if collector is not None:
+                for fqn, m in layers.items():
+                    m.input_grad_observer = partial(collector.on_layer_backward, fqn, m)
             yield
         finally:
             for fqn, m in layers.items():
                 m.precision = saved_precision[fqn]
                 m.input_grad_only = saved_grad_only[fqn]
+                m.input_grad_observer = saved_observer[fqn]
 
 
 def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optional[CollectSettings] = None, *,
@@ -416,7 +432,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
 
     col = Collector(model, mods, settings, precond)
     rows_per_batch, n_batches = None, 0
-    with _preserved(model, mods), col.hooks():
+    with _preserved(model, mods, col), col.hooks():
         for batch in batches:
             rows = col.run_batch(batch, settings.num_probes, settings.retain_graph)
             rows_per_batch = rows_per_batch or rows

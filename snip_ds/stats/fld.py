@@ -79,9 +79,14 @@ class FldEstimator:
             st.add(fqn, "qnorm_w", (w * w).sum())
 
     def on_probe(self, fqn: str, module: SnipLinear, x: Optional[torch.Tensor], g2: torch.Tensor,
-                 rows: int) -> None:
-        """Sequence form: ``Σ_rows (Σ_t g_t·E_t)²`` per precision with one probe's output gradient ``g2``, E
-        recomputed from the layer's saved input ``x`` (None: not saved, nothing to add).
+                 rows: int, dx: Optional[torch.Tensor] = None) -> None:
+        """Sequence form: ``Σ_rows (Σ_t g_t·E_t)²`` per precision with one probe's output gradient ``g2``
+        (``[T, n]`` FP32) and the layer's saved input ``x`` (None: not saved, nothing to add).
+
+        Each row's ``Σ_t g_t·E_t`` is ``Σ_t (g_t Q_p(W))·Q_p(x_t) - (g_t W)·x_t``, and ``g_t W`` is the layer's own
+        input gradient, which the probe's backward computes anyway: with it (``dx``, ``[T, k]`` FP32) one
+        product per precision suffices instead of two, and the terms cancel element by element as in E
+        itself (without ``dx``, E is formed from XWᵀ and the quantized product).
 
         With probe labels drawn from the model's softmax, ``E_ŷ[(g·E)²] = Eᵀ(Σ_s J_sᵀF_sJ_s)E``: the exact
         Gauss-Newton quadratic form of the perturbation, cross-token and cross-channel terms included
@@ -90,6 +95,16 @@ class FldEstimator:
         if x is None or not self.sequence:
             return
         x2 = x.reshape(-1, x.shape[-1]).float()
-        for p, e, _, _ in self.errors(module, x2):
-            self.shared.stats.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2, e, rows))
-            del e
+        st = self.shared.stats
+        if dx is None:
+            for p, e, _, _ in self.errors(module, x2):
+                st.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2, e, rows))
+                del e
+            return
+        be, cfg = self.shared.backend, rne_config(module)
+        w = module.weight.detach().float()  # [n, k]
+        for p in self.shared.precisions:
+            terms = (g2 @ be.quantize(w, p, "w", -1, cfg)).mul_(be.quantize(x2, p, "x", -1, cfg))
+            s = terms.addcmul_(dx, x2, value=-1.0).reshape(rows, -1).sum(1)  # per row Σ_t g_t·E_t
+            del terms
+            st.add(fqn, f"fld_seq.{p}", (s * s).sum())
