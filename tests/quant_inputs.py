@@ -54,3 +54,28 @@ def neighbours(x, d, fmt):
     lo = torch.where(scaled <= mag, scaled, -1.0).amax(1)
     hi = torch.where(scaled >= mag, scaled, math.inf).amin(1)
     return lo.reshape(x.shape), hi.reshape(x.shape)
+
+
+def assert_stochastic_rounding_unbiased(quantize_parts, recipe_name, seeds, copies=64):
+    """The mean of N = copies x seeds stochastic draws is x. ``quantize_parts`` is a fused quantizer's
+    function (``x, recipe, axis, tensor_amax=, stochastic=, seed=``); the copies of x are stacked along the
+    rows, so they draw at other offsets. Each draw of an element is lo or hi with P(hi) = f,
+    f = (|x| - lo) / (hi - lo), so its mean over N draws has variance (hi - |x|)(|x| - lo) / N. Checked two
+    ways: every element within the Hoeffding bound (hi - lo) * sqrt(ln(2 n / delta) / (2 N)), delta = 1e-6
+    over all n elements; and the sum of all errors within 5 standard deviations of the sum (a normal tail of
+    6e-7). The kernels round fl(|x| / d), which differs from |x| / d by 2**-24 relative: far below either
+    bound."""
+    x, amax, d = known_scale_input(recipe_name, 16, 32, seed=14)
+    lo, hi = neighbours(x, d, quant.get_recipe(recipe_name).element.name)
+    total = torch.zeros(x.shape, dtype=torch.float64)
+    for seed in range(seeds):
+        values = quantize_parts(x.repeat(copies, 1), recipe_name, 1, tensor_amax=amax, stochastic=True,
+                                seed=seed).values
+        total += values.double().abs().view(copies, *x.shape).sum(0)
+    n_draws = copies * seeds
+    error = total / n_draws - x.double().abs()
+    var = (hi - x.double().abs()) * (x.double().abs() - lo) / n_draws
+    bound = (hi - lo) * math.sqrt(math.log(2 * x.numel() / 1e-6) / (2 * n_draws))
+    assert (error.abs() <= bound).all()
+    assert abs(error.sum().item()) <= 5 * math.sqrt(var.sum().item())
+    assert var.sum() > 0  # the test exercised rounding between grid points

@@ -19,7 +19,7 @@ from snip_ds.backend import TorchBackend, reference_operands
 from snip_ds.backend import cpu
 from snip_ds.quant_config import QuantConfig
 from tests.reference_quant import GRIDS, assert_bitwise_equal
-from tests.quant_inputs import known_scale_input, neighbours, wide_sample
+from tests.quant_inputs import assert_stochastic_rounding_unbiased, known_scale_input, neighbours, wide_sample
 
 RECIPES = list(quant.RECIPES)
 # awkward shapes: single rows and columns, not multiples of 16 or 32; 70 x 2100 spans several column chunks
@@ -228,28 +228,8 @@ def test_stochastic_outputs_are_neighbouring_grid_points(recipe, isa):
 
 @pytest.mark.parametrize("recipe", ["fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"])
 def test_stochastic_rounding_is_unbiased(recipe, kernels):
-    """The mean of N = 2048 draws (64 copies of x stacked along the rows, which draw at other offsets, times
-    32 seeds) is x. Each draw is lo or hi with P(hi) = f = (|x| - lo) / (hi - lo), so the mean's variance is
-    (hi - |x|)(|x| - lo) / N. Checked per element within the Hoeffding bound
-    (hi - lo) * sqrt(ln(2 n / delta) / (2 N)), delta = 1e-6 over all n elements, and for the sum of all
-    errors within 5 standard deviations (a normal tail of 6e-7). The kernel rounds fl(|x| / d), which
-    differs from |x| / d by 2**-24 relative: far below either bound."""
-    x, amax, d = known_scale_input(recipe, 16, 32, seed=14)
-    fmt = quant.get_recipe(recipe).element.name
-    lo, hi = neighbours(x, d, fmt)
-    copies, seeds = 64, 32
-    total = torch.zeros(x.shape, dtype=torch.float64)
-    for seed in range(seeds):
-        values = cpu.quantize_parts(x.repeat(copies, 1), recipe, 1, tensor_amax=amax, stochastic=True,
-                                    seed=seed).values
-        total += values.double().abs().view(copies, *x.shape).sum(0)
-    n_draws = copies * seeds
-    error = total / n_draws - x.double().abs()
-    var = (hi - x.double().abs()) * (x.double().abs() - lo) / n_draws
-    bound = (hi - lo) * math.sqrt(math.log(2 * x.numel() / 1e-6) / (2 * n_draws))
-    assert (error.abs() <= bound).all()
-    assert abs(error.sum().item()) <= 5 * math.sqrt(var.sum().item())
-    assert var.sum() > 0  # the test exercised rounding between grid points
+    """The mean of 64 copies x 32 seeds = 2048 draws is x (tests/quant_inputs.py has the bounds)."""
+    assert_stochastic_rounding_unbiased(cpu.quantize_parts, recipe, seeds=32)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"])

@@ -197,6 +197,19 @@ def seed_offset(generator: Optional[torch.Generator]) -> Tuple[int, int]:
     return seed, 0
 
 
+def check_kernel_input(x, quantizer: str, device: Optional[str]) -> None:
+    """The input of a fused quantization kernel: a 2-D float32 or bfloat16 tensor on ``device`` (None: any),
+    else TypeError/ValueError naming ``x`` and the ``quantizer`` ("CPU", "Triton")."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"x: the {quantizer} quantizer takes float32 or bfloat16, got {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"x: the {quantizer} quantizer takes a 2-D tensor, got shape {tuple(x.shape)}")
+    if device is not None and x.device.type != device:
+        raise ValueError(f"x: the {quantizer} quantizer needs a {device.upper()} tensor, got device {x.device}")
+
+
 def check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype) -> None:
     """The arguments the fused quantization kernels (CPU and Triton) share, checked alike: ValueError naming
     the field."""

@@ -225,12 +225,9 @@ class EmulatedBackend(GemmBackend):
             del g_mean
             if projected is not None:
                 pick = sampled[chunk]
-                if pick.any() and gram is not None:
-                    q = x_lp[pick]
-                    h = (q @ gram).mul_(q).sum(dim=1)  # [|S ∩ chunk|]: Q(X)_s XᵀX Q(X)_sᵀ = ‖X Q(X)_sᵀ‖²
-                    projected.addmv_(g_var[pick].t(), h, alpha=scale)
-                elif pick.any():
-                    h = (x32 @ x_lp[pick].t()).square_().sum(dim=0)  # [|S ∩ chunk|]: ‖X Q(X)_sᵀ‖²
+                if pick.any():
+                    q = x_lp[pick]  # [|S ∩ chunk|, k]; h_s = ‖X Q(X)_sᵀ‖² = Q(X)_s XᵀX Q(X)_sᵀ
+                    h = (q @ gram).mul_(q).sum(dim=1) if gram is not None else (x32 @ q.t()).square_().sum(dim=0)
                     projected.addmv_(g_var[pick].t(), h, alpha=scale)
             var.addmm_(g_var.t(), x_lp.square_())
         return GemmMoments(mean, var, projected)

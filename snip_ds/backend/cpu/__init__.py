@@ -25,7 +25,7 @@ import torch
 
 from snip_ds.formats import E2M1, E4M3
 from snip_ds.quant import QuantParts, Recipe, get_recipe
-from snip_ds.backend.base import check_kernel_arguments
+from snip_ds.backend.base import check_kernel_arguments, check_kernel_input
 
 log = logging.getLogger("snip_ds.backend")
 
@@ -104,7 +104,7 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """``x.abs().amax()`` as a 0-d FP32 tensor (NaN if ``x`` holds one; 0 when empty), in one parallel pass;
     ``x``: 2-D FP32 or BF16 on the CPU."""
     _require()
-    _check_x(x)
+    check_kernel_input(x, "CPU", "cpu")
     return _ops.tensor_amax(x.contiguous(), isa_level())
 
 
@@ -146,7 +146,7 @@ def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *
 def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype, dequantize) -> QuantParts:
     _require()
     recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
-    _check_x(x)
+    check_kernel_input(x, "CPU", "cpu")
     check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype)
     x = x.contiguous()
     kind = _kind(recipe)
@@ -170,14 +170,3 @@ def philox_draws(seed: int, offset: int, n: int) -> torch.Tensor:
     """The 32-bit draws (int64 tensor) that stochastic rounding uses at indices ``offset .. offset + n - 1``."""
     _require()
     return _ops.philox_draws(seed, offset, n)
-
-
-def _check_x(x) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"x: the CPU quantizer takes float32 or bfloat16, got {x.dtype}")
-    if x.ndim != 2:
-        raise ValueError(f"x: the CPU quantizer takes a 2-D tensor, got shape {tuple(x.shape)}")
-    if x.device.type != "cpu":
-        raise ValueError(f"x: the CPU quantizer needs a CPU tensor, got device {x.device}")

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from snip_ds.backend.base import check_kernel_arguments
+from snip_ds.backend.base import check_kernel_arguments, check_kernel_input
 from snip_ds.backend.kernels import grid as g
 from snip_ds.formats import E2M1, E4M3
 from snip_ds.quant import QuantParts, Recipe, get_recipe
@@ -213,14 +213,7 @@ INTERPRETED = isinstance(_quantize_kernel, InterpretedFunction)  # TRITON_INTERP
 
 
 def _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, interpreting: bool) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"x: the Triton quantizer takes float32 or bfloat16, got {x.dtype}")
-    if x.ndim != 2:
-        raise ValueError(f"x: the Triton quantizer takes a 2-D tensor, got shape {tuple(x.shape)}")
-    if not interpreting and x.device.type != "cuda":
-        raise ValueError(f"x: the Triton quantizer needs a CUDA tensor, got device {x.device}")
+    check_kernel_input(x, "Triton", None if interpreting else "cuda")
     check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype)
     if not isinstance(transpose, bool):
         raise ValueError(f"transpose: expected true or false, got {transpose!r}")
