@@ -357,10 +357,13 @@ def test_kernel_dispatch_with_a_kernels_module(monkeypatch):
 
     calls = []
 
-    def fake_quantize_parts(x, recipe, axis, *, tensor_amax=None, stochastic=False, seed=0, offset=0):
-        calls.append((recipe, axis, stochastic, seed, offset))
+    def fake_quantize_parts(x, recipe, axis, *, tensor_amax=None, stochastic=False, seed=0, offset=0,
+                            out_dtype=torch.float32, transpose=False):
+        calls.append((recipe, axis, stochastic, seed, offset, transpose))
         gen = torch.Generator().manual_seed(seed) if stochastic else None
-        return quantize_parts(x, recipe, axis=axis, stochastic=stochastic, generator=gen, tensor_amax=tensor_amax)
+        p = quantize_parts(x, recipe, axis=axis, stochastic=stochastic, generator=gen, tensor_amax=tensor_amax)
+        values = p.values.to(out_dtype)
+        return type(p)(values.t().contiguous() if transpose else values, p.tensor_scale)
 
     fake = types.ModuleType("snip_ds.backend.kernels")
     fake.available = lambda: True
@@ -379,8 +382,9 @@ def test_kernel_dispatch_with_a_kernels_module(monkeypatch):
     assert torch.equal(be.dgrad(g, w, "fp4", cfg, gen), first)
     be.fprop(x, w, "fp4", cfg)
     seed = base.seed_offset(torch.Generator().manual_seed(4))[0]
-    assert calls[:2] == [("nvfp4", -1, True, seed, 0), ("nvfp4_2d", 0, False, 0, 0)]
-    assert calls[4:] == [("nvfp4", -1, False, 0, 0), ("nvfp4_2d", -1, False, 0, 0)]
+    # dgrad's W is quantized along axis 0 and written transposed: the contraction axis contiguous
+    assert calls[:2] == [("nvfp4", -1, True, seed, 0, False), ("nvfp4_2d", 0, False, 0, 0, True)]
+    assert calls[4:] == [("nvfp4", -1, False, 0, 0, False), ("nvfp4_2d", -1, False, 0, 0, False)]
 
 
 def test_seed_offset_follows_the_generator():

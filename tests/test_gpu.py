@@ -8,8 +8,17 @@ unquantized product, and lose exactly as much against it. Then every recipe's qu
 for bit what it gives on the CPU, stochastic rounding must stay unbiased with a CUDA generator, and a
 SnipLinear must train on CUDA as it does on the CPU.
 
+The torch backend (compiled Triton kernels, ``torch._scaled_mm``, BF16 GEMMs with FP32 output) is held to the
+emulated reference recipe by recipe in tests/test_torch_backend_kernels.py, which runs on CUDA where there is a
+GPU; here it must train a SnipLinear in FP32, BF16 and FP16 with the compiled kernels, not the interpreter.
+
 Skipped without CUDA (CI has none); the FP8 GEMM tests also need compute capability 8.9 or newer.
 """
+import os
+import sys
+
+import math
+
 import pytest
 import torch
 
@@ -107,20 +116,23 @@ def test_stochastic_rounding_unbiased_with_cuda_generator():
     assert mean_err < 0.2 * (rne - x).abs().mean(), "stochastic rounding on CUDA is biased"
 
 
-def fit(device: str, precision: str, steps: int = 60, seed: int = 0):
+def fit(device: str, precision: str, steps: int = 60, seed: int = 0, backend: str = "auto",
+        dtype: torch.dtype = torch.float32):
     """Training losses of a 2-layer SnipLinear MLP fitting a linear teacher (the same data on every device)."""
     torch.manual_seed(3)
     x = torch.randn(256, 64)
     target = x @ (torch.randn(64, 64) / 8)
-    layers = [SnipLinear(64, 128, precision=precision), SnipLinear(128, 64, precision=precision)]
-    net = torch.nn.Sequential(layers[0], torch.nn.GELU(), layers[1]).to(device)
+    cfg = QuantConfig(backend=backend)
+    layers = [SnipLinear(64, 128, precision=precision, quant_config=cfg),
+              SnipLinear(128, 64, precision=precision, quant_config=cfg)]
+    net = torch.nn.Sequential(layers[0], torch.nn.GELU(), layers[1]).to(device=device, dtype=dtype)
     for layer in layers:  # stochastic rounding of FP4 gradients drawn on the device
         layer.generator = torch.Generator(device=device).manual_seed(seed)
-    x, target = x.to(device), target.to(device)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    x, target = x.to(device=device, dtype=dtype), target.to(device=device, dtype=dtype)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2, eps=1e-4 if dtype == torch.float16 else 1e-8)
     losses = []
     for _ in range(steps):
-        loss = torch.nn.functional.mse_loss(net(x), target)
+        loss = torch.nn.functional.mse_loss(net(x).float(), target.float())
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -140,3 +152,18 @@ def test_snip_linear_trains_on_cuda():
         cpu_layer.weight.copy_(layer.weight.cpu())
         cpu_layer.bias.copy_(layer.bias.cpu())
         assert sqnr_db(cpu_layer(x.cpu()), layer(x).cpu()) > 100
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_torch_backend_trains_with_compiled_kernels(precision, dtype):
+    """The torch backend on CUDA: a SnipLinear MLP in FP32, BF16 and FP16 trains as the emulated backend's
+    does, its operands quantized by compiled Triton kernels (never the interpreter)."""
+    from snip_ds.backend import kernels, torch_native
+    losses, _, _ = fit("cuda", precision, backend="torch", dtype=dtype)
+    reference, _, _ = fit("cuda", precision, backend="emulated", dtype=dtype)
+    assert all(map(math.isfinite, losses)) and losses[-1] < 0.2 * losses[0], losses
+    assert abs(losses[-1] - reference[-1]) < 0.25 * reference[-1], (losses[-1], reference[-1])
+    assert torch_native.kernels() is kernels and not kernels.interpreting()
+    assert not sys.modules["snip_ds.backend.kernels.quantize"].INTERPRETED
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1"

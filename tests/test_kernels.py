@@ -1,12 +1,14 @@
 """The fused Triton quantization kernels (snip_ds/backend/kernels) against snip_ds.quant.quantize_parts.
 
-The kernels run on CPU tensors through Triton's interpreter: ``TRITON_INTERPRET=1`` is set while triton
-and the kernels are imported and while these tests run, so no other test sees it. Deterministic results
-must equal the reference bit for bit (NaN compared by position: its sign and payload are not part of the
-contract). Stochastic rounding is held to independent facts instead: every output is one of the two grid
-points around the input, the mean over many draws is the input, and the draws are a function of (seed,
-offset, element index) only. A GPU test repeats the bit-for-bit comparison with compiled kernels on CUDA,
-in a subprocess without the interpreter, and checks that they draw what the interpreter draws.
+Where there is a CUDA GPU (and ``TRITON_INTERPRET`` is not set to 1), the kernels are compiled and every test
+runs on CUDA tensors: the module checks that they really are compiled. Elsewhere they run on CPU tensors
+through Triton's interpreter: ``TRITON_INTERPRET=1`` is set while triton and the kernels are imported and
+while these tests run, so no other test sees it. Deterministic results must equal the reference bit for bit
+(NaN compared by position: its sign and payload are not part of the contract). Stochastic rounding is held
+to independent facts instead: every output is one of the two grid points around the input, the mean over
+many draws is the input, and the draws are a function of (seed, offset, element index) only -- the same
+under the interpreter and compiled (a subprocess runs the other mode), under every supported Triton, and in
+the fused CPU kernels.
 """
 import math
 import os
@@ -20,38 +22,10 @@ from reference_quant import GRIDS
 from quant_inputs import assert_stochastic_rounding_unbiased, known_scale_input, neighbours, wide_sample
 from snip_ds import quant
 from snip_ds.backend import kernels
+from triton_mode import DEVICE, SKIP_REASON, amax, interpreter_on, kq, on_cuda, q  # noqa: F401 (a fixture)
 
-def _set_interpret(value):
-    """Set TRITON_INTERPRET to ``value`` (None: unset); returns the previous value."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    if value is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = value
-    return previous
-
-
-# Triton decides interpreted vs compiled when a function is defined (its own library functions when triton is
-# imported, ours when the kernels module is), and imports some modules lazily during a call: so the variable
-# is set while triton and the kernels are imported and while this module's tests run, and nowhere else.
-_previous = _set_interpret("1")
-try:
-    pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
-    from triton.language import random as triton_random
-    from triton.runtime.interpreter import InterpretedFunction
-    from snip_ds.backend.kernels import quantize as kq
-finally:
-    _set_interpret(_previous)
-if not (kq.INTERPRETED and isinstance(triton_random.randint, InterpretedFunction)):
-    pytest.skip("triton was imported earlier in this process without its interpreter; run this file in a "
-                "process of its own", allow_module_level=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpreter_on():
-    previous = _set_interpret("1")
-    yield
-    _set_interpret(previous)
+if SKIP_REASON:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
 
 
 RECIPES = list(quant.RECIPES)
@@ -74,8 +48,8 @@ def assert_same_bits(actual, expected):
 
 
 def assert_matches_reference(x, recipe, axis, tensor_amax=None, **kw):
-    parts = kq.quantize_parts(x, recipe, axis, tensor_amax=tensor_amax, **kw)
-    ref = quant.quantize_parts(x, recipe, axis, tensor_amax=tensor_amax)
+    parts = q(x, recipe, axis, tensor_amax=tensor_amax, **kw)
+    ref = quant.quantize_parts(x.cpu(), recipe, axis, tensor_amax=tensor_amax)
     expected = ref.values.to(kw.get("out_dtype", torch.float32))
     assert_same_bits(parts.values, expected.t().contiguous() if kw.get("transpose") else expected)
     assert parts.tensor_scale.shape == () and parts.tensor_scale.dtype == torch.float32
@@ -156,10 +130,10 @@ def test_bf16_output_transposed_output_and_strided_input(recipe):
     assert_matches_reference(x, recipe, 1, out_dtype=torch.bfloat16)
     assert_matches_reference(x, recipe, 0, transpose=True)
     assert_matches_reference(x, recipe, 1, out_dtype=torch.bfloat16, transpose=True)
-    strided = wide_sample((70, 45), seed=10).t()  # a transposed view: column-major
+    strided = wide_sample((70, 45), seed=10).to(DEVICE).t()  # a transposed view: column-major
     assert not strided.is_contiguous()
     assert_matches_reference(strided, recipe, 0)
-    sliced = wide_sample((45, 140), seed=11)[:, ::2]  # column stride 2
+    sliced = wide_sample((45, 140), seed=11).to(DEVICE)[:, ::2]  # column stride 2
     assert_matches_reference(sliced, recipe, 1)
 
 
@@ -167,14 +141,14 @@ def test_bf16_output_transposed_output_and_strided_input(recipe):
 def test_result_does_not_depend_on_the_tiling(recipe, monkeypatch):
     """Large tiles (one program) and the smallest ones (many programs, atomics across them) agree."""
     x = wide_sample((70, 50), seed=12)
-    big = kq.quantize_parts(x, recipe, 1)
+    big = q(x, recipe, 1)
     monkeypatch.setattr(kq, "MAX_TILE", 16)
-    small = kq.quantize_parts(x, recipe, 1)
+    small = q(x, recipe, 1)
     assert_same_bits(small.values, big.values)
     assert_same_bits(small.tensor_scale, big.tensor_scale)
-    draws = [kq.quantize_parts(x, recipe, 1, stochastic=True, seed=5).values]
+    draws = [q(x, recipe, 1, stochastic=True, seed=5).values]
     monkeypatch.setattr(kq, "MAX_TILE", 64)
-    draws.append(kq.quantize_parts(x, recipe, 1, stochastic=True, seed=5).values)
+    draws.append(q(x, recipe, 1, stochastic=True, seed=5).values)
     assert_same_bits(draws[0], draws[1])
 
 
@@ -183,18 +157,18 @@ def test_tensor_amax_pass():
     x = wide_sample((70, 45), seed=17)
     x[3, 4] = -1e-45  # a subnormal never wins, but must not break the integer max
     for t in (x, x.to(torch.bfloat16), x.t(), x[:1], x[:, :1]):
-        assert_same_bits(kq.tensor_amax(t), t.float().abs().amax())
+        assert_same_bits(amax(t), t.float().abs().amax())
     x[10, 20] = -math.inf
-    assert kq.tensor_amax(x).item() == math.inf
+    assert amax(x).item() == math.inf
     x[60, 1] = math.nan
-    assert kq.tensor_amax(x).isnan()
-    assert kq.tensor_amax(torch.empty(0, 5)).item() == 0.0
-    assert kernels.tensor_amax(torch.full((2, 3), -0.0)).item() == 0.0
+    assert amax(x).isnan()
+    assert amax(torch.empty(0, 5)).item() == 0.0
+    assert kernels.tensor_amax(torch.full((2, 3), -0.0, device=DEVICE)).item() == 0.0
 
 
 def test_empty_tensor():
     for recipe in ("fp8_e4m3", "nvfp4"):
-        parts = kq.quantize_parts(torch.empty(0, 32), recipe, 1, transpose=True)
+        parts = q(torch.empty(0, 32), recipe, 1, transpose=True)
         assert parts.values.shape == (32, 0) and parts.tensor_scale.item() == 1.0
 
 
@@ -212,15 +186,15 @@ def test_stochastic_outputs_are_neighbouring_grid_points(recipe):
     fmt = quant.get_recipe(recipe).element.name
     lo, hi = neighbours(x, d, fmt)
     for seed in range(3):
-        parts = kq.quantize_parts(x, recipe, 1, tensor_amax=amax, stochastic=True, seed=seed)
+        parts = q(x, recipe, 1, tensor_amax=amax, stochastic=True, seed=seed)
         # the same blocks along axis 0 of the transposed input, written back transposed
-        across = kq.quantize_parts(x.t().contiguous(), recipe, 0, tensor_amax=amax, stochastic=True,
+        across = q(x.t().contiguous(), recipe, 0, tensor_amax=amax, stochastic=True,
                                    seed=seed, transpose=True)
         # per-tensor values are unscaled grid values and d = 1; block recipes' values carry the block scale
         for out in (parts.values.double(), across.values.double()):
             assert ((out.abs() == lo) | (out.abs() == hi)).all()
             assert (torch.signbit(out) == torch.signbit(x)).all()
-    rne = kq.quantize_parts(x, recipe, 1, tensor_amax=amax).values.double().abs()
+    rne = q(x, recipe, 1, tensor_amax=amax).values.double().abs()
     assert ((rne == lo) | (rne == hi)).all()  # the construction gives the scales it claims
 
 
@@ -228,7 +202,7 @@ def test_stochastic_outputs_are_neighbouring_grid_points(recipe):
                                     pytest.param("nvfp4_2d", marks=pytest.mark.slow)])
 def test_stochastic_rounding_is_unbiased(recipe):
     """The mean of 64 copies x 8 seeds = 512 draws is x (tests/quant_inputs.py has the bounds)."""
-    assert_stochastic_rounding_unbiased(kq.quantize_parts, recipe, seeds=8)
+    assert_stochastic_rounding_unbiased(q, recipe, seeds=8)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_e5m2", "mxfp4", "nvfp4"])
@@ -237,21 +211,21 @@ def test_stochastic_rounding_is_reproducible(recipe):
     offset of its first element (and the whole tensor's amax) gets the draws of the whole."""
     x = wide_sample((48, 64), seed=15)
     amax = x.abs().max()
-    first = kq.quantize_parts(x, recipe, 1, stochastic=True, seed=3)
-    assert_same_bits(kq.quantize_parts(x, recipe, 1, stochastic=True, seed=3).values, first.values)
-    assert not torch.equal(kq.quantize_parts(x, recipe, 1, stochastic=True, seed=4).values, first.values)
-    assert not torch.equal(kq.quantize_parts(x, recipe, 1, stochastic=True, seed=3, offset=1).values,
+    first = q(x, recipe, 1, stochastic=True, seed=3)
+    assert_same_bits(q(x, recipe, 1, stochastic=True, seed=3).values, first.values)
+    assert not torch.equal(q(x, recipe, 1, stochastic=True, seed=4).values, first.values)
+    assert not torch.equal(q(x, recipe, 1, stochastic=True, seed=3, offset=1).values,
                            first.values)
     rows = 17
-    tail = kq.quantize_parts(x[rows:], recipe, 1, tensor_amax=amax, stochastic=True, seed=3,
+    tail = q(x[rows:], recipe, 1, tensor_amax=amax, stochastic=True, seed=3,
                              offset=rows * x.shape[1])
     assert_same_bits(tail.values, first.values[rows:])
     # the draws follow the element, not the layout written or the dtype read
-    transposed = kq.quantize_parts(x, recipe, 1, stochastic=True, seed=3, transpose=True)
+    transposed = q(x, recipe, 1, stochastic=True, seed=3, transpose=True)
     assert_same_bits(transposed.values, first.values.t().contiguous())
     x16 = x.to(torch.bfloat16)
-    assert_same_bits(kq.quantize_parts(x16, recipe, 1, stochastic=True, seed=3, out_dtype=torch.bfloat16).values,
-                     kq.quantize_parts(x16.float(), recipe, 1, stochastic=True, seed=3).values.to(torch.bfloat16))
+    assert_same_bits(q(x16, recipe, 1, stochastic=True, seed=3, out_dtype=torch.bfloat16).values,
+                     q(x16.float(), recipe, 1, stochastic=True, seed=3).values.to(torch.bfloat16))
 
 
 def test_cpu_kernels_round_as_these_kernels():
@@ -264,10 +238,10 @@ def test_cpu_kernels_round_as_these_kernels():
     x = wide_sample((40, 70), seed=16)
     for recipe in ["fp8_e5m2", "mxfp8", "mxfp4", "nvfp4", "nvfp4_2d"]:
         for axis in AXES:
-            for stochastic in (False, True):
-                kw = dict(stochastic=stochastic, seed=2 ** 40 + 7, offset=123)
+            for stochastic, offset in ((False, 0), (True, 123), (True, 2 ** 33 + 123)):  # past 2**32 too
+                kw = dict(stochastic=stochastic, seed=2 ** 40 + 7, offset=offset)
                 assert_same_bits(cpu.quantize_parts(x, recipe, axis, **kw).values,
-                                 kq.quantize_parts(x, recipe, axis, **kw).values)
+                                 q(x, recipe, axis, **kw).values)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_e4m3", "mxfp8", "nvfp4_2d"])
@@ -276,7 +250,7 @@ def test_stochastic_special_values(recipe):
     zeros stay zeros with their sign."""
     for name, x in special_inputs().items():
         ref = quant.quantize_parts(x, recipe, 1).values
-        out = kq.quantize_parts(x, recipe, 1, stochastic=True, seed=9).values
+        out = q(x, recipe, 1, stochastic=True, seed=9).values
         assert torch.equal(out.isnan(), ref.isnan()), name
         zero = x == 0
         assert (out[zero] == 0).all() and torch.equal(out[zero].signbit(), x[zero].signbit()), name
@@ -287,7 +261,7 @@ def test_stochastic_exact_values_stay():
     grid = torch.tensor([v for v, _ in GRIDS["e4m3"]])
     x = torch.cat([grid, -grid]).reshape(2, -1)
     for seed in range(4):
-        values = kq.quantize_parts(x, "fp8_e4m3", 1, tensor_amax=torch.tensor(448.0), stochastic=True,
+        values = q(x, "fp8_e4m3", 1, tensor_amax=torch.tensor(448.0), stochastic=True,
                                    seed=seed).values
         assert_same_bits(values, x)
 
@@ -316,14 +290,15 @@ def test_bad_arguments_name_the_field(kwargs, error, match):
     args.update(kwargs)
     x, recipe, axis = args.pop("x"), args.pop("recipe"), args.pop("axis")
     with pytest.raises(error, match=match):
-        kq.quantize_parts(x, recipe, axis, **args)
+        q(x, recipe, axis, **args)
 
 
 def test_available_and_package_entry_point():
-    assert kernels.available()  # triton imports and the kernels are interpreted
-    assert kernels.interpreting()
+    assert kernels.available()  # triton imports, and there is a GPU or the kernels are interpreted
+    assert kernels.interpreting() == (DEVICE == "cpu") == kq.INTERPRETED
     x = wide_sample((5, 40), seed=16)
-    assert_same_bits(kernels.quantize_parts(x, "mxfp8", 1).values, quant.quantize_parts(x, "mxfp8", 1).values)
+    assert_same_bits(kernels.quantize_parts(x.to(DEVICE), "mxfp8", 1).values.cpu(),
+                     quant.quantize_parts(x, "mxfp8", 1).values)
 
 
 def test_without_triton_a_clear_error(monkeypatch):
@@ -373,7 +348,7 @@ for name in ("fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"):
                      TRANSPOSE=bf16, IN_BF16=bf16, OUT_BF16=bf16, BR=64, BC=64)
         sig = {"x_ptr": ptr_bits[bf16], "out_ptr": "*i16" if bf16 else "*fp32", "amax_ptr": "*fp32",
                "scale_out_ptr": "*fp32", "R": "i32", "C": "i32", "stride_r": "i32", "stride_c": "i32",
-               "seed": "i64", "offset": "i64", **{k: "constexpr" for k in const}}
+               "seed_ptr": "*i64", "offset": "i64", **{k: "constexpr" for k in const}}
         ptx = triton.compile(ASTSource(kq._quantize_kernel, sig, constexprs=const), target=target).asm["ptx"]
         where = (name, stochastic, bf16, axis)
         assert not re.search(r"div\.(full|approx)|\.ftz", ptx), where  # IEEE division, subnormals kept
@@ -404,43 +379,18 @@ def test_kernels_compile_for_cuda_without_a_gpu():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# compiled, on a CUDA GPU
+# the same draws interpreted and compiled; beyond 2**31 elements and 65535 column tiles (CUDA GPU)
 # ----------------------------------------------------------------------------------------------------------
 
-GPU_CHECK = r"""
-import math, sys, torch
+DRAWS = r"""
+import sys, torch
 from snip_ds import quant
 from snip_ds.backend.kernels import quantize as kq
-assert not kq.INTERPRETED
-gen = torch.Generator().manual_seed(0)
-for shape in [(1, 45), (37, 1), (333, 270), (1024, 4096)]:
-    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randn(shape, generator=gen) * 4)
-    x.view(-1)[:: 97] = 0.0
-    x.view(-1)[5 :: 101] = 1e-40
-    for special in (None, math.nan, math.inf):
-        if special is not None:
-            x.view(-1)[x.numel() // 2] = special
-        for dtype in (torch.float32, torch.bfloat16):
-            xd = x.to(dtype)
-            amax = kq.tensor_amax(xd.cuda()).cpu()
-            assert (amax.isnan() and xd.float().abs().amax().isnan()) or torch.equal(amax, xd.float().abs().amax())
-            for recipe in quant.RECIPES:
-                for axis in (0, 1):
-                    ref = quant.quantize_parts(xd, recipe, axis)
-                    for transpose in (False, True):
-                        got = kq.quantize_parts(xd.cuda(), recipe, axis, out_dtype=dtype, transpose=transpose)
-                        want = ref.values.to(dtype)
-                        want = want.t().contiguous() if transpose else want
-                        v, nan = got.values.cpu(), want.isnan()
-                        where = (shape, special, recipe, axis, dtype, transpose)
-                        assert torch.equal(v.isnan(), nan), where
-                        view = torch.int16 if dtype == torch.bfloat16 else torch.int32
-                        assert torch.equal(v.masked_fill(nan, 0).view(view), want.masked_fill(nan, 0).view(view)), where
-                        s, t = got.tensor_scale.cpu(), ref.tensor_scale
-                        assert (s.isnan() and t.isnan()) or torch.equal(s.view(torch.int32), t.view(torch.int32)), where
-x = torch.load(sys.argv[1], weights_only=True).cuda()
-draws = {r: kq.quantize_parts(x, r, 1, stochastic=True, seed=11, offset=7).values.cpu() for r in quant.RECIPES}
-torch.save(draws, sys.argv[2])
+device = "cpu" if kq.INTERPRETED else "cuda"
+x = torch.load(sys.argv[1], weights_only=True).to(device)
+draws = {r: kq.quantize_parts(x, r, 1, stochastic=True, seed=11, offset=2 ** 32 + 7).values.cpu()
+         for r in quant.RECIPES}
+torch.save({"interpreted": kq.INTERPRETED, "draws": draws}, sys.argv[2])
 print("ok")
 """
 
@@ -448,17 +398,83 @@ print("ok")
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_kernels_match_reference_on_cuda(tmp_path):
-    """Compiled on a GPU (div.rn, subnormals kept, Philox as interpreted): every recipe bit for bit against
-    the reference, and stochastic rounding draws exactly what the interpreter draws for the same seed."""
+def test_interpreted_and_compiled_kernels_draw_alike(tmp_path):
+    """Stochastic rounding draws the same bits compiled on a GPU and under the interpreter for the same
+    (seed, offset), offsets past 2**32 included (the counter's high word): a subprocess runs the mode this
+    process does not."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if DEVICE == "cuda":
+        env["TRITON_INTERPRET"] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     x = wide_sample((40, 64), seed=18)
     torch.save(x, tmp_path / "x.pt")
-    result = subprocess.run([sys.executable, "-c", GPU_CHECK, str(tmp_path / "x.pt"), str(tmp_path / "draws.pt")],
+    result = subprocess.run([sys.executable, "-c", DRAWS, str(tmp_path / "x.pt"), str(tmp_path / "draws.pt")],
                             env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
-    draws = torch.load(tmp_path / "draws.pt", weights_only=True)
-    for recipe, values in draws.items():
-        assert_same_bits(values, kq.quantize_parts(x, recipe, 1, stochastic=True, seed=11, offset=7).values)
+    other = torch.load(tmp_path / "draws.pt", weights_only=True)
+    assert other["interpreted"] == (DEVICE == "cuda")
+    for recipe, values in other["draws"].items():
+        assert_same_bits(values, q(x, recipe, 1, stochastic=True, seed=11, offset=2 ** 32 + 7).values)
+
+
+@pytest.mark.gpu
+@on_cuda
+@pytest.mark.parametrize("shape", [(333, 270), (1024, 4096), (4096, 1024)])
+def test_compiled_kernels_large_shapes_and_specials(shape):
+    """Compiled kernels on shapes with many tiles of each kind, specials included: bit for bit, every recipe,
+    both axes, FP32 and BF16 in and out, transposed or not."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randn(shape, generator=gen) * 4)
+    x.view(-1)[::97] = 0.0
+    x.view(-1)[5::101] = 1e-40
+    for special in (None, math.nan, math.inf):
+        if special is not None:
+            x.view(-1)[x.numel() // 2] = special
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            got_amax, want_amax = amax(xd), xd.float().abs().amax()
+            assert (got_amax.isnan() and want_amax.isnan()) or torch.equal(got_amax, want_amax)
+            for recipe in quant.RECIPES:
+                for axis in (0, 1):
+                    for transpose in (False, True):
+                        try:
+                            assert_matches_reference(xd, recipe, axis, out_dtype=dtype, transpose=transpose)
+                        except AssertionError as err:
+                            raise AssertionError(f"{(special, dtype, recipe, axis, transpose)}: {err}") from None
+
+
+@pytest.mark.gpu
+@on_cuda
+def test_more_than_2_31_elements_and_65535_column_tiles():
+    """One BF16 operand of 512 x (2**22 + 64) elements (2**31 + 2**15): its last columns lie past element
+    2**31, and its 65537 column tiles of 64 pass the 65535 a CUDA grid allows in its second dimension.
+    Checked against the reference on slices (per-row blocks, the whole tensor's amax), and its stochastic
+    draws past 2**31 against the same rows quantized alone at their offset."""
+    rows, cols = 512, 2 ** 22 + 64
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x[-1, -1] = 7.5  # the amax sits in the very last element
+    whole_amax = kq.tensor_amax(x)
+    assert whole_amax.item() == 7.5
+    for recipe in ("nvfp4", "mxfp8", "fp8_e4m3"):
+        parts = kq.quantize_parts(x, recipe, 1, out_dtype=torch.bfloat16)
+        for sl in (slice(0, 4096), slice(cols - 4096, cols)):
+            ref = quant.quantize_parts(x[:, sl].cpu(), recipe, 1, tensor_amax=whole_amax.cpu())
+            assert_same_bits(parts.values[:, sl].cpu(), ref.values.to(torch.bfloat16))
+            assert_same_bits(parts.tensor_scale.cpu(), ref.tensor_scale)
+        del parts
+    whole = kq.quantize_parts(x, "nvfp4", 1, stochastic=True, seed=5, out_dtype=torch.bfloat16).values[-1:, :]
+    alone = kq.quantize_parts(x[-1:], "nvfp4", 1, tensor_amax=whole_amax, stochastic=True, seed=5,
+                              offset=(rows - 1) * cols, out_dtype=torch.bfloat16).values
+    assert_same_bits(whole.cpu(), alone.cpu())
+
+
+def test_seed_as_a_device_tensor():
+    """A seed given as a one-element int64 tensor on the kernels' device draws what the same int draws."""
+    x = wide_sample((24, 48), seed=19)
+    for recipe in ("fp8_e5m2", "nvfp4"):
+        as_int = q(x, recipe, 1, stochastic=True, seed=2 ** 40 + 3, offset=5).values
+        assert_same_bits(q(x, recipe, 1, stochastic=True, seed=torch.tensor(2 ** 40 + 3), offset=5).values, as_int)
+    with pytest.raises(ValueError, match="^seed: expected an int or a one-element int64 tensor"):
+        q(x, "nvfp4", 1, stochastic=True, seed=torch.tensor([1, 2]))

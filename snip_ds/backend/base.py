@@ -197,6 +197,16 @@ def seed_offset(generator: Optional[torch.Generator]) -> Tuple[int, int]:
     return seed, 0
 
 
+def kernel_seed(generator: Optional[torch.Generator]) -> Union[int, torch.Tensor]:
+    """The seed of a fused quantization kernel's stochastic rounding, drawn from ``generator`` (or torch's
+    default CPU generator) as :func:`seed_offset` draws it: an int from a CPU generator; from a generator on
+    another device a one-element int64 tensor on that device, which the kernel reads itself, so drawing it
+    never waits for the device. The generator advances either way: a restored state gives the same seed."""
+    if generator is None or generator.device.type == "cpu":
+        return seed_offset(generator)[0]
+    return torch.randint(0, 2 ** 62, (), generator=generator, device=generator.device)
+
+
 def check_kernel_input(x, quantizer: str, device: Optional[str]) -> None:
     """The input of a fused quantization kernel: a 2-D float32 or bfloat16 tensor on ``device`` (None: any),
     else TypeError/ValueError naming ``x`` and the ``quantizer`` ("CPU", "Triton")."""
@@ -218,8 +228,13 @@ def check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype) -> None:
     if tensor_amax is not None and (not isinstance(tensor_amax, torch.Tensor) or tensor_amax.numel() != 1
                                     or not tensor_amax.is_floating_point()):
         raise ValueError(f"tensor_amax: expected a one-element floating-point tensor, got {tensor_amax!r}")
-    for name, value in (("seed", seed), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 63:
-            raise ValueError(f"{name}: expected an int in [0, 2**63), got {value!r}")
+    if isinstance(seed, torch.Tensor):  # its value is not read here: that would wait for a GPU
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise ValueError(f"seed: expected an int or a one-element int64 tensor, got a tensor of dtype "
+                             f"{seed.dtype} and shape {tuple(seed.shape)}")
+    elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed: expected an int in [0, 2**63), got {seed!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2 ** 63:
+        raise ValueError(f"offset: expected an int in [0, 2**63), got {offset!r}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype!r}")

@@ -3,9 +3,13 @@
 Each operand is quantized along the axes of the emulated backend: on CUDA by the Triton kernels of
 ``snip_ds.backend.kernels`` when that module exists and says it is available, on the CPU by the fused C++
 kernels of :mod:`snip_ds.backend.cpu` when they built, else by :func:`snip_ds.quant.quantize_parts` (same
-contract, bit for bit with stochastic rounding off; the kernels draw stochastic rounding from a (seed,
-offset) pair taken from the generator, :func:`~snip_ds.backend.base.seed_offset`, the fallback from the
-generator itself as the emulated backend does). On the CPU the streamed operand of each GEMM (X or G_Y along
+contract, bit for bit with stochastic rounding off; the kernels draw stochastic rounding from a seed taken
+from the generator, :func:`~snip_ds.backend.base.kernel_seed` -- on a CUDA generator a device tensor the
+kernel reads, so no quantization waits for the GPU -- the fallback from the generator itself as the
+emulated backend does). FP16 operands are widened to FP32 (exactly) for the kernels, which read FP32 and
+BF16. On CUDA the kernels write the values in BF16, which holds them exactly, and an operand quantized along
+axis 0 transposed, so that every GEMM reads both operands with the contraction axis contiguous, without a
+copy. On the CPU the streamed operand of each GEMM (X or G_Y along
 rows, both wgrad operands along the tokens) is quantized slice by slice with the whole operand's amax, as the
 emulated backend does, which gives the whole operand's values and draws while keeping temporaries small.
 Then:
@@ -20,8 +24,8 @@ Then:
   exponent within BF16's range; the one exception, MXFP8 blocks whose amax is below 2**-116, where E4M3
   subnormals times the block scale fall below BF16's smallest subnormal 2**-133, does not occur in
   training). On CUDA the GEMM returns FP32 (``torch.mm(..., out_dtype=torch.float32)``).
-  torch has no such CPU kernel: on CPU an FP32 result (``out_dtype`` FP32) comes from an FP32 GEMM of the
-  same exact values, and a BF16/FP16 result, where oneDNN has native BF16 (AVX512-BF16, AMX), from a BF16
+  torch has no such CPU kernel: on CPU an FP32 or FP16 result comes from an FP32 GEMM of the
+  same exact values, and a BF16 result, where oneDNN has native BF16 (AVX512-BF16, AMX), from a BF16
   GEMM whose FP32 sum is rounded once to BF16 before the FP32 tensor scales are applied (at most one more
   BF16 rounding than the emulated backend's); without native BF16 (where a BF16 GEMM is many times slower)
   from the FP32 GEMM.
@@ -36,7 +40,7 @@ from typing import Optional, Tuple
 import torch
 
 from snip_ds.backend import cpu as cpu_kernels
-from snip_ds.backend.base import BackendError, GemmBackend, recipe_words, seed_offset
+from snip_ds.backend.base import BackendError, GemmBackend, kernel_seed, recipe_words, seed_offset
 from snip_ds.backend.emulated import (OPERAND_ROLES_AXES, _chunks, _hadamard_pair, operand_recipes, reference_operands,
                                       tensor_amax)
 from snip_ds.quant_config import QuantConfig
@@ -81,6 +85,12 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+def _values_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the GEMMs' quantized operand values are written in: BF16 where the Triton kernels quantize
+    (CUDA: every GEMM there reads them as BF16 or FP8, both exact from BF16), FP32 elsewhere."""
+    return torch.bfloat16 if t.device.type in KERNEL_DEVICES else torch.float32
+
+
 class TorchBackend(GemmBackend):
     """Real FP8 GEMMs where the device has them, BF16-exact GEMMs for every other recipe (module docstring)."""
 
@@ -88,25 +98,38 @@ class TorchBackend(GemmBackend):
 
     # ---------------- quantization ----------------
     def quantize_parts(self, t: torch.Tensor, recipe: str, axis: int, stochastic: bool = False,
-                       generator: Optional[torch.Generator] = None) -> QuantParts:
-        """One whole operand, through the Triton kernels on CUDA when they are available, else
-        :func:`snip_ds.quant.quantize_parts`."""
-        if t.device.type in KERNEL_DEVICES:
+                       generator: Optional[torch.Generator] = None, *, out_dtype: torch.dtype = torch.float32,
+                       transpose: bool = False) -> QuantParts:
+        """One whole operand, through the fused kernels (Triton on CUDA, C++ on the CPU) when they are
+        available, else :func:`snip_ds.quant.quantize_parts`. ``values`` in ``out_dtype`` (FP32 or BF16);
+        with ``transpose`` the Triton kernels write them as ``[cols, rows]`` and the result is the transposed
+        view of that (``t``'s shape, column-major: the contraction axis contiguous, as GEMMs read it); the
+        other quantizers ignore ``transpose``. Inputs other than FP32 and BF16 (FP16) are widened to FP32
+        first, exactly."""
+        if t.ndim == 2 and t.device.type in KERNEL_DEVICES:
             k = kernels()
-        elif t.device.type == "cpu" and t.ndim == 2 and cpu_kernels.available():
-            k = cpu_kernels
-            t = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
+        elif t.ndim == 2 and t.device.type == "cpu" and cpu_kernels.available():
+            k, transpose = cpu_kernels, False
         else:
             k = None
-        if k is not None:
-            seed, offset = seed_offset(generator) if stochastic else (0, 0)
-            return k.quantize_parts(t, recipe, axis, stochastic=stochastic, seed=seed, offset=offset)
-        return quantize_parts(t, recipe, axis=axis, stochastic=stochastic, generator=generator)
+        if k is None:
+            p = quantize_parts(t, recipe, axis=axis, stochastic=stochastic, generator=generator)
+            return p if out_dtype == torch.float32 else QuantParts(p.values.to(out_dtype), p.tensor_scale)
+        t = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
+        seed = kernel_seed(generator) if stochastic else 0
+        kw = dict(stochastic=stochastic, seed=seed, offset=0, out_dtype=out_dtype)
+        if not transpose:
+            return k.quantize_parts(t, recipe, axis, **kw)
+        p = k.quantize_parts(t, recipe, axis, transpose=True, **kw)
+        return QuantParts(p.values.t(), p.tensor_scale)
 
     def quantized_operands(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig,
-                           generator: Optional[torch.Generator] = None) -> Tuple[QuantParts, QuantParts]:
+                           generator: Optional[torch.Generator] = None, *,
+                           values_dtype: torch.dtype = torch.float32) -> Tuple[QuantParts, QuantParts]:
         """The two operands of ``gemm`` (``(x, w)``, ``(g, w)`` or ``(g, x)``) as this backend's GEMMs
-        multiply them: values (FP32 here; the GEMMs hold them in FP8 or BF16, exactly) and tensor scales."""
+        multiply them: values (in ``values_dtype``, FP32 or BF16, which hold them exactly) and tensor scales.
+        On CUDA an operand quantized along its rows' axis 0 comes back column-major (see
+        :meth:`quantize_parts`), the layout the GEMMs read without a copy."""
         if precision == "bf16" or gemm not in OPERAND_ROLES_AXES:
             return reference_operands(gemm, a, b, precision, cfg, generator)  # the operands as they are (or
             # the error naming the GEMM)
@@ -117,7 +140,8 @@ class TorchBackend(GemmBackend):
         for t, (role, axis) in zip((a, b), OPERAND_ROLES_AXES[gemm]):
             stochastic = role == "g" and recipes.stochastic_g
             out.append(self.quantize_parts(t, getattr(recipes, role), axis, stochastic,
-                                           generator if stochastic else None))
+                                           generator if stochastic else None, out_dtype=values_dtype,
+                                           transpose=axis == 0))
         return out[0], out[1]
 
     # ---------------- the three GEMMs ----------------
@@ -127,7 +151,7 @@ class TorchBackend(GemmBackend):
             return _finish(torch.mm(x, w.to(x.dtype).t()), bias, out_dtype)
         if self._streams("fprop", x, w, precision, cfg):
             return self._cpu_fprop(x, w, precision, cfg, bias, out_dtype)
-        px, pw = self.quantized_operands("fprop", x, w, precision, cfg)
+        px, pw = self.quantized_operands("fprop", x, w, precision, cfg, values_dtype=_values_dtype(x))
         return self._mm("fprop", px.values, pw.values.t(), px.tensor_scale, pw.tensor_scale,
                         self._fp8_pair("x", "w", precision, cfg), bias, out_dtype)
 
@@ -138,7 +162,7 @@ class TorchBackend(GemmBackend):
             return _finish(torch.mm(g, w.to(g.dtype)), None, out_dtype)
         if self._streams("dgrad", g, w, precision, cfg):
             return self._cpu_dgrad(g, w, precision, cfg, generator, out_dtype)
-        pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator)
+        pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator, values_dtype=_values_dtype(g))
         return self._mm("dgrad", pg.values, pw.values, pg.tensor_scale, pw.tensor_scale,
                         self._fp8_pair("g", "w", precision, cfg), None, out_dtype)
 
@@ -149,7 +173,7 @@ class TorchBackend(GemmBackend):
             return _finish(torch.mm(g.t(), x.to(g.dtype)), None, out_dtype)
         if self._streams("wgrad", g, x, precision, cfg) and not _cpu_bf16_gemm(out_dtype):
             return self._cpu_wgrad(g, x, precision, cfg, generator, out_dtype)
-        pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator)
+        pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator, values_dtype=_values_dtype(g))
         return self._mm("wgrad", pg.values.t(), px.values, pg.tensor_scale, px.tensor_scale,
                         self._fp8_pair("g", "x", precision, cfg), None, out_dtype)
 
@@ -224,8 +248,8 @@ class TorchBackend(GemmBackend):
             return y if bias is None or fused_bias else _finish(y, bias, out_dtype)
         if a.device.type == "cuda":
             y = _bf16_mm_fp32(a.to(torch.bfloat16), b.to(torch.bfloat16))
-        elif not _cpu_bf16_gemm(out_dtype):
-            y = torch.mm(a, b)  # CPU, FP32 result wanted (or no fast BF16 GEMM): the exact values in an FP32 GEMM
+        elif not _cpu_bf16_gemm(out_dtype):  # CPU, FP32 result wanted (or no fast BF16 GEMM): the exact values
+            y = torch.mm(_fp32(a), _fp32(b))  # in an FP32 GEMM
         else:  # CPU: BF16 GEMM, its FP32 sum rounded once to BF16 (the result is rounded to out_dtype anyway)
             y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
         return _finish(y.mul_(scale_a * scale_b), bias, out_dtype)
@@ -235,11 +259,12 @@ _fast_bf16: Optional[bool] = None
 
 
 def _cpu_bf16_gemm(out_dtype: torch.dtype) -> bool:
-    """Whether a CPU GEMM whose result is wanted in ``out_dtype`` runs in BF16: only for a BF16/FP16 result
-    and only where oneDNN has native BF16 (AVX512-BF16 or AMX); elsewhere a BF16 GEMM is many times slower
-    than FP32, and the FP32 GEMM of the same exact values is the more accurate result anyway."""
+    """Whether a CPU GEMM whose result is wanted in ``out_dtype`` runs in BF16: only for a BF16 result (an
+    FP16 result has 3 more significant bits than a BF16 GEMM's) and only where oneDNN has native BF16
+    (AVX512-BF16 or AMX); elsewhere a BF16 GEMM is many times slower than FP32, and the FP32 GEMM of the same
+    exact values is the more accurate result anyway."""
     global _fast_bf16
-    if out_dtype == torch.float32:
+    if out_dtype != torch.bfloat16:
         return False
     if _fast_bf16 is None:
         try:

@@ -4,7 +4,7 @@
 :func:`snip_ds.quant.fake_quantize` with round-to-nearest) for 2-D CPU operands in at most two passes
 over memory (the tensor amax, then one pass computing block amaxes and scales, rounding and writing the
 values), bit for bit equal to the reference with stochastic rounding off. Stochastic rounding draws
-Philox-4x32-10 from a (seed, offset) pair, the draws of the Triton kernels' ``tl.randint`` for the same
+Philox-4x32-10 from a (seed, offset) pair, the draws of the Triton kernels (``_draw``) for the same
 element index, so a tensor quantized slice by slice gets the draws it would get at once.
 
 The source (``quantize.cpp``, shipped in the package) is compiled by ``torch.utils.cpp_extension.load``
@@ -115,7 +115,7 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
 
     With ``stochastic=False`` the values (converted to ``out_dtype``) and the tensor scale equal the
     reference's bit for bit. Stochastic rounding of element ``(i, j)`` draws Philox-4x32-10 at index
-    ``offset + i * cols + j`` with key ``seed`` (Triton's ``tl.randint``): reproducible from
+    ``offset + i * cols + j`` with key ``seed`` (the Triton kernels' stream): reproducible from
     ``(seed, offset)``, and a slice of rows from ``r0`` quantized with ``offset = r0 * cols`` and the whole
     tensor's ``tensor_amax`` gets the draws of the whole. Scales are always round-to-nearest-even.
 
@@ -148,6 +148,7 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
     recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     check_kernel_input(x, "CPU", "cpu")
     check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype)
+    seed = int(seed) if isinstance(seed, torch.Tensor) else seed  # a CPU tensor: reading it waits for nothing
     x = x.contiguous()
     kind = _kind(recipe)
     if kind == 1 or x.numel() == 0:

@@ -8,6 +8,17 @@ Pass 2: one program per tile loads ``x`` once, computes its block amaxes (the sa
 (:mod:`.grid`), rounds every element and writes ``values`` -- in FP32 or BF16, in ``x``'s layout or
 transposed -- and the first program writes ``tensor_scale``. Tiles hold whole blocks along the block axis;
 masked loads read the partial last block as zeros, which is the reference's zero padding.
+
+Both passes run on a 1-D grid (tile ``pid`` is row tile ``pid // n_col_tiles``, column tile
+``pid % n_col_tiles``): CUDA caps a grid's second dimension at 65535 programs, which a 2-D grid of
+64-wide tiles would pass at about 4.2M columns. Offsets are 64-bit, so tensors of more than 2**31
+elements are quantized whole.
+
+Stochastic rounding draws Philox-4x32-10 (:func:`_draw`) with the 64-bit element index split into two
+32-bit counter words, written out here rather than through ``tl.randint``, whose 64-bit offsets changed
+meaning in Triton 3.4 (older releases run Philox-4x64 on them): the draws are the same under every
+supported Triton, and :mod:`snip_ds.backend.cpu` draws the same stream. The seed is read from a one-element
+int64 tensor on the device, so a seed drawn from a CUDA generator never waits for the device.
 """
 from __future__ import annotations
 
@@ -33,10 +44,31 @@ _NVFP4_TENSOR_DIVISOR = E4M3.max_normal * E2M1.max_normal  # S = amax / (448 * 6
 
 
 @triton.jit
+def _tile_index(C, BC: tl.constexpr):
+    """(row tile, column tile) of this program on the 1-D grid, as int64."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_col_tiles = tl.cdiv(C, BC)
+    return pid // n_col_tiles, pid % n_col_tiles
+
+
+@triton.jit
+def _draw(seed, idx):
+    """Uniform 32-bit draws (int32 bit patterns) for the int64 element indices ``idx``: Philox-4x32-10 with
+    key ``seed`` (uint64) and counter (low word of idx, high word of idx, 0, 0), its first output word --
+    ``tl.randint``'s stream for int64 offsets from Triton 3.4 on, independent of the Triton release."""
+    lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((idx >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    zero = lo * 0
+    r, _, _, _ = tl.philox(seed.to(tl.uint64), lo, hi, zero, zero)
+    return r.to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _amax_kernel(x_ptr, amax_bits_ptr, R, C, stride_r, stride_c, IN_BF16: tl.constexpr, BR: tl.constexpr,
                  BC: tl.constexpr):
-    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    cols = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
+    pid_r, pid_c = _tile_index(C, BC)
+    rows = pid_r * BR + tl.arange(0, BR).to(tl.int64)
+    cols = pid_c * BC + tl.arange(0, BC).to(tl.int64)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     bits = g.load_bits(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask, IN_BF16)
     mag_bits = bits & 0x7FFFFFFF
@@ -61,15 +93,14 @@ def _block_amax_bits(mag_bits, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.co
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, stride_c, seed, offset,
+def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, stride_c, seed_ptr, offset,
                      KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr, MBITS: tl.constexpr,
                      EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr, TENSOR_DIVISOR: tl.constexpr,
                      STOCHASTIC: tl.constexpr, TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr,
                      OUT_BF16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)
-    cols = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)
+    pid_r, pid_c = _tile_index(C, BC)
+    rows = pid_r * BR + tl.arange(0, BR).to(tl.int64)
+    cols = pid_c * BC + tl.arange(0, BC).to(tl.int64)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     bits = g.load_bits(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask, IN_BF16)
     mag_bits = bits & 0x7FFFFFFF
@@ -98,7 +129,7 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
 
     if STOCHASTIC:
         idx = rows[:, None] * C + cols[None, :] + offset
-        q = g.round_stochastic(scaled, tl.randint(seed, idx), MBITS, EMIN, MAXN)
+        q = g.round_stochastic(scaled, _draw(tl.load(seed_ptr), idx), MBITS, EMIN, MAXN)
     else:
         q = g.round_rne(scaled, MBITS, EMIN, MAXN)
     if KIND != PER_TENSOR:
@@ -129,13 +160,15 @@ def _tile(length: int, block: int) -> int:
 
 
 def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
-                   tensor_amax: Optional[torch.Tensor] = None, stochastic: bool = False, seed: int = 0,
-                   offset: int = 0, out_dtype: torch.dtype = torch.float32, transpose: bool = False) -> QuantParts:
+                   tensor_amax: Optional[torch.Tensor] = None, stochastic: bool = False,
+                   seed: Union[int, torch.Tensor] = 0, offset: int = 0, out_dtype: torch.dtype = torch.float32,
+                   transpose: bool = False) -> QuantParts:
     """:func:`snip_ds.quant.quantize_parts` for a 2-D ``x``, in at most two passes over memory.
 
     With ``stochastic=False`` the result equals the reference bit for bit (``values`` converted to
-    ``out_dtype`` and, with ``transpose``, transposed). Stochastic rounding draws ``tl.randint(seed,
-    offset + i * cols + j)`` for element ``(i, j)``: reproducible from ``(seed, offset)`` whatever the tiling,
+    ``out_dtype`` and, with ``transpose``, transposed). Stochastic rounding draws Philox at index
+    ``offset + i * cols + j`` for element ``(i, j)`` (:func:`_draw`): reproducible from ``(seed, offset)``
+    whatever the tiling,
     so a tensor quantized slice by slice (rows ``r0:``, ``offset = r0 * cols``, the whole ``tensor_amax``)
     gets the draws it would get at once. It cannot match torch's generator.
 
@@ -147,7 +180,9 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
             recipes give the same result for both.
         tensor_amax: amax of the whole tensor ``x`` is a slice of (per-tensor FP8 and NVFP4); skips the amax
             pass. None: ``x``'s own amax.
-        stochastic, seed, offset: stochastic element rounding (scales stay round-to-nearest-even).
+        stochastic, seed, offset: stochastic element rounding (scales stay round-to-nearest-even). ``seed``:
+            an int in [0, 2**63), or a one-element int64 tensor holding one (on ``x``'s device: read by the
+            kernel, so a seed drawn on the GPU costs no host synchronisation).
         out_dtype: ``torch.float32`` or ``torch.bfloat16`` (exact for the values of every recipe except
             where an MX scale pushes a value into BF16's subnormal range, where BF16 rounds).
         transpose: write ``values`` as ``[cols, rows]`` (contiguous), the layout of the transposed operand.
@@ -173,7 +208,7 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
     bs = recipe.block_size
     br = _tile(rows, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 0) else 1)
     bc = _tile(cols, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 1) else 1)
-    launch = (triton.cdiv(rows, br), triton.cdiv(cols, bc))
+    launch = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     if kind == MX:
         amax = scale  # unused
     elif tensor_amax is not None:
@@ -182,7 +217,7 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
         amax = _amax(x_bits, in_bf16, br, bc, launch)
     element = recipe.element
     _quantize_kernel[launch](
-        x_bits, out_bits, amax, scale, rows, cols, x.stride(0), x.stride(1), seed, offset,
+        x_bits, out_bits, amax, scale, rows, cols, x.stride(0), x.stride(1), _seed_tensor(seed, x.device), offset,
         KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin, EMAX=element.emax,
         MAXN=element.max_normal, TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D)
         else element.max_normal, STOCHASTIC=bool(stochastic), TRANSPOSE=transpose, IN_BF16=in_bf16,
@@ -199,7 +234,7 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     in_bf16 = x.dtype == torch.bfloat16
     br, bc = _tile(x.shape[0], 1), _tile(x.shape[1], 1)
     return _amax(x.view(torch.int16 if in_bf16 else torch.int32), in_bf16, br, bc,
-                 (triton.cdiv(x.shape[0], br), triton.cdiv(x.shape[1], bc)))
+                 (triton.cdiv(x.shape[0], br) * triton.cdiv(x.shape[1], bc),))
 
 
 def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, launch) -> torch.Tensor:
@@ -207,6 +242,14 @@ def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, launch) -> torc
     _amax_kernel[launch](x_bits, amax_bits, x_bits.shape[0], x_bits.shape[1], x_bits.stride(0), x_bits.stride(1),
                          IN_BF16=in_bf16, BR=br, BC=bc)
     return amax_bits.view(torch.float32)
+
+
+def _seed_tensor(seed: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The seed as the one-element int64 tensor on ``device`` that the kernel reads (an int becomes one by a
+    fill kernel, which needs no host synchronisation either)."""
+    if isinstance(seed, torch.Tensor):
+        return seed.reshape(()).to(device=device, non_blocking=True)
+    return torch.full((), seed, dtype=torch.int64, device=device)
 
 
 INTERPRETED = isinstance(_quantize_kernel, InterpretedFunction)  # TRITON_INTERPRET=1 was set at import

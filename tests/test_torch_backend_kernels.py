@@ -1,0 +1,160 @@
+"""The ``torch`` backend on the path it takes where the Triton kernels quantize, against the emulated reference.
+
+On a CUDA GPU this is the backend as users run it: compiled Triton kernels writing BF16 values (operands
+quantized along axis 0 written transposed), ``torch._scaled_mm`` for per-tensor FP8 where every dimension is
+a multiple of 16, BF16 GEMMs with FP32 output for the other recipes. Without a GPU the same code path runs on
+CPU tensors, the kernels under Triton's interpreter (``tests/triton_mode.py``), the GEMMs in FP32: everything
+but the CUDA GEMMs is exercised here on every machine.
+
+Every recipe x fprop/dgrad/wgrad x FP32/BF16/FP16 operands x shapes with K or N not a multiple of 16.
+Stochastic rounding is off where results are compared with the emulated backend (its draws come from torch's
+generator, the kernels' from Philox); it is checked for bias separately.
+
+Tolerances, from the round-off each comparison must absorb (|t| the sum of |terms| of an output element):
+* both results sum the same exact products of grid values in FP32, in different orders, the emulated one
+  with the scales multiplied into the operands: each within ``K * 2**-24 * |t|``, so the difference within
+  ``2 * K * 2**-24 * |t|`` (K <= 256 terms here);
+* on CUDA, a BF16 tensor-core GEMM with FP32 accumulation is held to the same bound; the FP8 GEMM
+  (``torch._scaled_mm``) accumulates in the tensor cores at reduced precision between its FP32 promotions,
+  each promotion interval (128 terms at most) within ``2**-13 * |t|`` per term added: ``K * 2**-13 * |t|``
+  elementwise, and the whole result within 60 dB of the reference (measured 71-80 dB on an H100);
+* a BF16 or FP16 result is rounded once on each side: ``2 * 2**-8`` (BF16) or ``2 * 2**-11`` (FP16) of the
+  result, plus FP16's subnormal spacing 2**-24.
+"""
+import math
+
+import pytest
+import torch
+
+from snip_ds.backend import EmulatedBackend, TorchBackend, torch_native
+from snip_ds.backend import kernels
+from snip_ds.quant_config import QuantConfig
+from snip_ds.quant import stochastic_moments
+from triton_mode import DEVICE, SKIP_REASON, interpreter_on  # noqa: F401 (a fixture)
+
+if SKIP_REASON:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+pytestmark = pytest.mark.rounding
+
+CASES = {
+    "fp8_hybrid": ("fp8", QuantConfig(fp8_recipe="fp8_hybrid")),
+    "mxfp8": ("fp8", QuantConfig(fp8_recipe="mxfp8")),
+    "nvfp4_2d": ("fp4", QuantConfig(fp4_recipe="nvfp4", weight_2d=True, stochastic_rounding=False)),
+    "nvfp4": ("fp4", QuantConfig(fp4_recipe="nvfp4", weight_2d=False, stochastic_rounding=False)),
+    "mxfp4": ("fp4", QuantConfig(fp4_recipe="mxfp4", stochastic_rounding=False)),
+    "mxfp4_hadamard": ("fp4", QuantConfig(fp4_recipe="mxfp4", stochastic_rounding=False, hadamard=True)),
+}
+# (tokens T, in_features K, out_features N): all multiples of 16 (the FP8 GEMM's case), then K and N not
+SHAPES = [(64, 96, 80), (48, 100, 72), (33, 70, 45)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+OUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2 * 2.0 ** -8, torch.float16: 2 * 2.0 ** -11}
+
+
+@pytest.fixture
+def through_kernels(monkeypatch):
+    """The torch backend with the Triton kernels quantizing on DEVICE (on a CPU: the interpreted kernels)."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(torch_native, "KERNEL_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(torch_native, "_kernels_checked", False)
+    monkeypatch.setattr(torch_native, "_kernels_module", None)
+    assert torch_native.kernels() is kernels  # the real kernels, in the mode DEVICE says
+    assert kernels.interpreting() == (DEVICE == "cpu")
+    return TorchBackend()
+
+
+def _data(shape, dtype, seed):
+    t, k, n = shape
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.exp2(torch.randint(-3, 4, (t, 1), generator=gen).float())  # tokens of different magnitudes
+    x = torch.randn(t, k, generator=gen) * rows
+    w = torch.randn(n, k, generator=gen) / math.sqrt(k)
+    g = torch.randn(t, n, generator=gen) * 1e-2
+    return [v.to(dtype=dtype, device=DEVICE) for v in (x, w, g)]
+
+
+def _abs_product(gemm, a, b):
+    a, b = a.double().abs(), b.double().abs()
+    return {"fprop": lambda: a @ b.t(), "dgrad": lambda: a @ b, "wgrad": lambda: a.t() @ b}[gemm]()
+
+
+def _scaled_mm_runs(case, shape) -> bool:
+    return (DEVICE == "cuda" and case == "fp8_hybrid" and torch.cuda.get_device_capability() >= (8, 9)
+            and all(d % 16 == 0 for d in shape))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gemms_match_the_emulated_backend(through_kernels, case, dtype, shape):
+    precision, cfg = CASES[case]
+    x, w, g = _data(shape, dtype, seed=sum(shape))
+    emulated = EmulatedBackend()
+    k_terms = max(shape)
+    fp8_gemm = _scaled_mm_runs(case, shape)
+    for gemm, (a, b) in {"fprop": (x, w), "dgrad": (g, w), "wgrad": (g, x)}.items():
+        gens = [torch.Generator(device=DEVICE).manual_seed(5) for _ in range(2)]  # the same Hadamard signs
+        kwargs = [{} if gemm == "fprop" else {"generator": gen} for gen in gens]
+        got = getattr(through_kernels, gemm)(a, b, precision, cfg, out_dtype=dtype, **kwargs[0])
+        ref = getattr(emulated, gemm)(a, b, precision, cfg, out_dtype=dtype, **kwargs[1])
+        assert got.dtype == dtype and got.shape == ref.shape and got.device == ref.device
+        terms = _abs_product(gemm, a, b)
+        acc = (k_terms * 2.0 ** -13) if fp8_gemm else 2 * k_terms * 2.0 ** -24
+        bound = terms * acc + ref.double().abs() * OUT_ROUNDING[dtype] + (2.0 ** -24 if dtype == torch.float16 else 0)
+        diff = (got.double() - ref.double()).abs()
+        assert torch.isfinite(got).all(), (gemm, case)
+        worst = (diff - bound).max().item()
+        assert worst <= 0, f"{gemm} {case}: exceeds its bound by {worst:.3g} (max diff {diff.max().item():.3g})"
+        if fp8_gemm:
+            noise = (got.double() - ref.double()).pow(2).sum()
+            assert noise == 0 or 10 * math.log10(ref.double().pow(2).sum() / noise) > 60, (gemm, case)
+
+
+@pytest.mark.parametrize("case", ["fp8_hybrid", "nvfp4_2d"])
+def test_bias_and_layer_dtypes(through_kernels, case):
+    """fprop with a bias in the operands' dtype, as nn.Linear holds it: the emulated backend's result."""
+    precision, cfg = CASES[case]
+    for dtype in DTYPES:
+        x, w, _ = _data((64, 96, 80), dtype, seed=1)
+        bias = torch.linspace(-1, 1, 80, device=DEVICE).to(dtype)
+        got = through_kernels.fprop(x, w, precision, cfg, bias=bias, out_dtype=dtype)
+        ref = EmulatedBackend().fprop(x, w, precision, cfg, bias=bias, out_dtype=dtype)
+        bound = (_abs_product("fprop", x, w) * 96 * 2.0 ** -13 + ref.double().abs() * OUT_ROUNDING[dtype]
+                 + 2.0 ** -24 * 4)
+        assert ((got.double() - ref.double()).abs() <= bound).all(), (case, dtype)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_stochastic_rounding_unbiased_from_every_dtype(through_kernels, recipe, dtype):
+    """The dgrad operand G_Y rounded stochastically (seeds from a generator on DEVICE, read by the kernel):
+    the mean over 200 draws is its exact expectation within 6 standard errors; the draws differ."""
+    cfg = QuantConfig(fp4_recipe=recipe, stochastic_rounding=True)
+    _, w, g = _data((32, 64, 48), dtype, seed=2)
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    total = torch.zeros(g.shape, dtype=torch.float64)
+    first = None
+    draws = 200
+    for _ in range(draws):
+        pg, _ = through_kernels.quantized_operands("dgrad", g, w, "fp4", cfg, gen)
+        value = pg.values.double().cpu() * pg.tensor_scale.double().cpu()
+        first = value if first is None else first
+        total += value
+    assert not torch.equal(first, value)
+    mean, var = stochastic_moments(g.float().cpu(), recipe, axis=-1)
+    err = (total / draws - mean.double()).abs()
+    assert (err <= 6 * (var.double() / draws).sqrt() + mean.double().abs() * 2.0 ** -22).all()
+
+
+def test_gemm_operands_are_written_for_the_gemm(through_kernels):
+    """The GEMMs' operand values are BF16 where the kernels quantize, and an operand quantized along axis 0
+    comes back column-major (contraction axis contiguous): what the FP8 GEMM reads without a copy."""
+    x, w, g = _data((64, 96, 80), torch.float32, seed=3)
+    precision, cfg = CASES["fp8_hybrid"]
+    pg, pw = through_kernels.quantized_operands("dgrad", g, w, precision, cfg, values_dtype=torch.bfloat16)
+    assert pg.values.dtype == pw.values.dtype == torch.bfloat16
+    assert pg.values.is_contiguous() and pw.values.t().is_contiguous()
+    pg, px = through_kernels.quantized_operands("wgrad", g, x, precision, cfg, values_dtype=torch.bfloat16)
+    assert pg.values.t().is_contiguous() and px.values.t().is_contiguous()
+    ref = EmulatedBackend().quantized_operands("wgrad", g, x, precision, cfg)
+    assert torch.equal(px.values.float().cpu(), ref[1].values.cpu())
