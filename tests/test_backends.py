@@ -403,8 +403,8 @@ def test_stochastic_draws_match_the_emulated_gemms(gemm, monkeypatch):
     seed both multiply the same operands. Tolerance: FP32 accumulation of at most 100 terms, 100 * 2**-24 of
     the sum of |terms|; with another seed the results differ far beyond it."""
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    monkeypatch.setattr(backend_pkg.emulated, "CHUNK_ELEMENTS", 32 * 48)
-    assert len(backend_pkg.emulated._chunks(100, 48)) == 4
+    monkeypatch.setattr(backend_pkg.operands, "CHUNK_ELEMENTS", 32 * 48)
+    assert len(backend_pkg.operands.chunks(100, 48)) == 4
     cfg = QuantConfig(fp4_recipe="nvfp4", stochastic_rounding=True)
     gen = torch.Generator().manual_seed(0)
     g, w, x = torch.randn(100, 48, generator=gen), torch.randn(48, 80, generator=gen), torch.randn(100, 80,
@@ -431,8 +431,8 @@ def test_streamed_cpu_gemms_draw_as_the_whole_operands(gemm, fused, monkeypatch)
         pytest.skip(f"the fused CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
     if not fused:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    monkeypatch.setattr(torch_native, "_chunks", lambda length, width: [slice(s, min(s + 32, length))
-                                                                        for s in range(0, length, 32)])
+    monkeypatch.setattr(backend_pkg.operands, "chunks", lambda length, width: [slice(s, min(s + 32, length))
+                                                                               for s in range(0, length, 32)])
     cfg = QuantConfig(fp4_recipe="nvfp4", stochastic_rounding=True, hadamard=True)
     gen = torch.Generator().manual_seed(0)
     g, w, x = torch.randn(100, 48, generator=gen), torch.randn(48, 80, generator=gen), torch.randn(100, 80,
@@ -463,3 +463,57 @@ def test_fp8_fallback_is_said_once(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "snip_ds.backend"]
     assert lines == ["torch backend: FP8 GEMMs on cpu run as exact BF16 GEMMs (torch._scaled_mm is not a "
                      "hardware FP8 GEMM there)"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one resolution of a precision into operands; the registry's lazy entries; layer backends resolved once
+# ----------------------------------------------------------------------------------------------------------
+
+def test_gemm_recipe_resolves_every_gemm_once():
+    """Each GEMM's operands in the order it multiplies them, along its contraction axis; stochastic rounding on
+    G_Y alone; the Hadamard transform on FP4 wgrad alone; bad names are errors naming the field."""
+    from snip_ds.backend import gemm_recipe
+    cfg = QuantConfig(fp4_recipe="nvfp4", weight_2d=True, stochastic_rounding=True, hadamard=True)
+    seen = {}
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        for precision in ("fp8", "fp4"):
+            r = gemm_recipe(gemm, precision, cfg)
+            seen[gemm, precision] = [(o.role, o.recipe, o.axis, o.stochastic) for o in r.operands], r.hadamard
+    assert seen["fprop", "fp4"] == ([("x", "nvfp4", -1, False), ("w", "nvfp4_2d", -1, False)], False)
+    assert seen["dgrad", "fp4"] == ([("g", "nvfp4", -1, True), ("w", "nvfp4_2d", 0, False)], False)
+    assert seen["wgrad", "fp4"] == ([("g", "nvfp4", 0, True), ("x", "nvfp4", 0, False)], True)
+    assert seen["wgrad", "fp8"] == ([("g", "fp8_e5m2", 0, False), ("x", "fp8_e4m3", 0, False)], False)
+    assert gemm_recipe("dgrad", "fp4", cfg) is gemm_recipe("dgrad", "fp4", QuantConfig(**cfg.__dict__))  # cached
+    with pytest.raises(ValueError, match="^gemm: unknown GEMM 'xgrad'"):
+        gemm_recipe("xgrad", "fp4", cfg)
+    with pytest.raises(ValueError, match="^precision: no quantized recipes for 'bf16'"):
+        gemm_recipe("fprop", "bf16", cfg)
+
+
+def test_lazy_backend_is_built_on_first_use_and_refuses_other_devices(monkeypatch):
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    built = []
+
+    def load(prefix):
+        built.append(prefix)
+        return EmulatedBackend()
+
+    base.register(base.LazyBackend("te", ("cuda",), "it runs on CUDA devices only", load))
+    with pytest.raises(BackendError, match="^backend 'te' cannot run nvfp4 .*on cpu: it runs on CUDA devices only; "
+                                           "choose backend 'torch', 'emulated' or 'auto'"):
+        resolve("te", "fp4", QuantConfig(), "cpu")
+    assert built == []  # refused before building anything
+    assert isinstance(get_backend("te"), EmulatedBackend) and built == ["backend 'te'"]
+
+
+def test_layer_backends_resolved_once_until_the_registry_changes(monkeypatch):
+    from snip_ds.types import GemmPrecision
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.setattr(base, "_LAYER_BACKENDS", {})
+    prec, cfg = GemmPrecision("fp8", "fp4", "bf16"), QuantConfig(backend="torch")
+    first = base.layer_backends(prec, cfg, "cpu")
+    assert [b.name for b in first] == ["torch", "torch", "torch"]
+    assert base.layer_backends(prec, cfg, torch.device("cpu")) is first
+    replacement = TorchBackend()
+    base.register(replacement)
+    assert base.layer_backends(prec, cfg, "cpu") == (replacement,) * 3

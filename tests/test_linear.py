@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from reference_quant import assert_bitwise_equal, ref_mx_rows, ref_nvfp4_2d, ref_nvfp4_rows, ref_per_tensor
-from snip_ds import backend
+from snip_ds import backend, quant
 from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 
@@ -137,8 +137,8 @@ def test_quantized_gemms_match_reference(data, recipe, chunk_elements, monkeypat
     """Each GEMM quantizes the right operands along the right axis (docs/method.md's recipe table), also when
     the backend streams operands in 32-row slices (chunk_elements small enough to split T=48 in two)."""
     if chunk_elements:
-        monkeypatch.setattr(backend.emulated, "CHUNK_ELEMENTS", chunk_elements)
-        assert len(backend._chunks(T, N)) == 2
+        monkeypatch.setattr(backend.operands, "CHUNK_ELEMENTS", chunk_elements)
+        assert len(backend.chunks(T, N)) == 2
     lin, x, g = data
     cfg, precision, q_x, q_w, q_g, w_2d = RECIPE_REFS[recipe]
     w = lin.weight.detach()
@@ -305,8 +305,8 @@ def test_gemm_moments_with_hadamard_are_those_of_the_transformed_operands(data):
     lin, x, g = data
     be = backend.get_backend()
     had = be.wgrad_moments(g, x, "fp4", QuantConfig(hadamard=True), torch.Generator().manual_seed(7))
-    signs = backend.random_signs(T, generator=torch.Generator().manual_seed(7))
-    gt, xt = (backend.hadamard_transform(t, axis=0, signs=signs) for t in (g, x))
+    signs = quant.random_signs(T, generator=torch.Generator().manual_seed(7))
+    gt, xt = (quant.hadamard_transform(t, axis=0, signs=signs) for t in (g, x))
     plain = be.wgrad_moments(gt, xt, "fp4", QuantConfig())
     assert torch.equal(had.mean, plain.mean) and torch.equal(had.var, plain.var)
     assert not torch.equal(had.var, be.wgrad_moments(g, x, "fp4", QuantConfig()).var)
@@ -356,7 +356,7 @@ def test_layer_equals_its_three_separate_gemms(data, chunk_elements, fp8_recipe,
     at every precision mix."""
     lin, x, g = data
     if chunk_elements is not None:
-        monkeypatch.setattr(backend.emulated, "CHUNK_ELEMENTS", chunk_elements)
+        monkeypatch.setattr(backend.operands, "CHUNK_ELEMENTS", chunk_elements)
     be = backend.get_backend("emulated")
     cfg = QuantConfig(backend="emulated", fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, hadamard=hadamard)
     w, b = lin.weight.detach(), lin.bias.detach()

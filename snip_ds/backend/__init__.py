@@ -2,20 +2,27 @@
 
 One module per backend: :mod:`.emulated` (the numerical reference; the statistics use its numerics through
 :func:`statistics_backend`), :mod:`.torch_native` (``torch``) and :mod:`.te` (``te``, Transformer Engine:
-imported only when chosen, through :func:`get_backend` / :func:`resolve`); :mod:`.base` holds the interface,
-the registry and ``auto``.
+registered as a :class:`LazyBackend`, imported only when chosen); :mod:`.base` holds the interface, the
+registry and ``auto``; :mod:`.operands` resolves a precision into each GEMM's operand recipes for all of them.
 """
-from snip_ds.backend.base import (BackendError, GemmBackend, check_backend, get_backend, layer_backends,
-                                  register, resolve, seed_offset)
-from snip_ds.backend.emulated import (CHUNK_ELEMENTS, EmulatedBackend, GemmMoments, OperandRecipes,  # noqa: F401
-                                      _chunks, operand_recipes, reference_operands, statistics_backend,
-                                      tensor_amax)
+from snip_ds.backend.base import (BackendError, GemmBackend, LazyBackend, check_backend, get_backend,
+                                  kernel_seed, layer_backends, register, resolve, seed_offset)
+from snip_ds.backend.emulated import EmulatedBackend, GemmMoments, reference_operands, statistics_backend
+from snip_ds.backend.operands import (CHUNK_ELEMENTS, GemmRecipe, Operand, OperandRecipes, chunks, gemm_recipe,
+                                      operand_recipes, tensor_amax)
 from snip_ds.backend.torch_native import TorchBackend
-from snip_ds.quant import hadamard_transform, random_signs  # noqa: F401  (as before the split)
+
+
+def _load_te(prefix: str) -> GemmBackend:
+    from snip_ds.backend import te  # imported on first use: it imports Transformer Engine
+    return te.load(prefix)
+
 
 register(EmulatedBackend())
 register(TorchBackend())
+register(LazyBackend("te", ("cuda",), "Transformer Engine runs on CUDA devices only", _load_te))
 
-__all__ = ["BackendError", "GemmBackend", "EmulatedBackend", "TorchBackend", "GemmMoments", "OperandRecipes",
-           "CHUNK_ELEMENTS", "check_backend", "get_backend", "layer_backends", "operand_recipes",
-           "reference_operands", "register", "resolve", "seed_offset", "statistics_backend", "tensor_amax"]
+__all__ = ["BackendError", "GemmBackend", "LazyBackend", "EmulatedBackend", "TorchBackend", "GemmMoments",
+           "GemmRecipe", "Operand", "OperandRecipes", "CHUNK_ELEMENTS", "check_backend", "chunks", "gemm_recipe",
+           "get_backend", "kernel_seed", "layer_backends", "operand_recipes", "reference_operands", "register",
+           "resolve", "seed_offset", "statistics_backend", "tensor_amax"]

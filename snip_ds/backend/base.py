@@ -18,7 +18,8 @@ Only this package knows how a GEMM is computed: :class:`~snip_ds.linear.SnipLine
 * ``torch`` (:mod:`.torch_native`): real FP8 GEMMs (``torch._scaled_mm``) where the device has them, else the
   exact grid values in BF16 GEMMs with FP32 accumulation (on a CPU: FP32 GEMMs for FP32 results). CUDA and
   CPU; quantization through fused kernels (Triton on CUDA, :mod:`.cpu`'s C++ on the CPU).
-* ``te`` (:mod:`.te`, imported on first use): Transformer Engine's quantizers and GEMM, CUDA only; needs
+* ``te`` (:mod:`.te`, a :class:`LazyBackend`: imported on first use): Transformer Engine's quantizers and GEMM,
+  CUDA only; needs
   Transformer Engine 2.9 - 2.19 (``pip install -e ".[te]"``). Not run on any hardware yet.
 * ``auto``: per precision, the fastest backend that exists for the device (see :func:`resolve`): ``torch``
   on CUDA and on the CPU.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -84,21 +85,30 @@ class GemmBackend(ABC):
         ``device``; the default runs everything everywhere."""
 
 
-_REGISTRY: Dict[str, GemmBackend] = {}
+class LazyBackend:
+    """A registered backend built on first use, because building it imports something large or optional
+    (``te``: Transformer Engine). ``load(prefix)`` builds it or raises :class:`BackendError` starting with
+    ``prefix``; ``devices`` are the device types it can run on at all, so that :func:`resolve` refuses another
+    device before importing anything, with ``device_note`` as the reason."""
+
+    def __init__(self, name: str, devices: Tuple[str, ...], device_note: str,
+                 load: Callable[[str], GemmBackend]) -> None:
+        self.name, self.devices, self.device_note, self.load = name, devices, device_note, load
 
 
-def register(backend: GemmBackend) -> GemmBackend:
-    """Adds ``backend`` to the registry under its ``name`` (replacing one of the same name)."""
+_REGISTRY: Dict[str, Union[GemmBackend, LazyBackend]] = {}
+_LAYER_BACKENDS: Dict[tuple, Tuple[GemmBackend, GemmBackend, GemmBackend]] = {}
+
+
+def register(backend: Union[GemmBackend, LazyBackend]) -> Union[GemmBackend, LazyBackend]:
+    """Adds ``backend`` (or a :class:`LazyBackend`) to the registry under its ``name``, replacing one of the
+    same name."""
     _REGISTRY[backend.name] = backend
+    _LAYER_BACKENDS.clear()
     return backend
 
 
-def get_backend(name: str = "emulated") -> GemmBackend:
-    """The backend registered under ``name`` (not ``auto``: see :func:`resolve`); a ValueError lists the valid
-    names. ``te`` is built on first use (:func:`snip_ds.backend.te.load`): a :class:`BackendError` says why
-    it cannot be (Transformer Engine does not import, or its version is not supported)."""
-    if name == "te":
-        return _te_backend("backend 'te'")
+def _entry(name: str) -> Union[GemmBackend, LazyBackend]:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -106,9 +116,12 @@ def get_backend(name: str = "emulated") -> GemmBackend:
         raise ValueError(f"backend: unknown backend {name!r}; valid: {valid}") from None
 
 
-def _te_backend(prefix: str) -> GemmBackend:
-    from snip_ds.backend import te  # imported on first use: it imports Transformer Engine
-    return te.load(prefix)
+def get_backend(name: str = "emulated") -> GemmBackend:
+    """The backend registered under ``name`` (not ``auto``: see :func:`resolve`); a ValueError lists the valid
+    names. A :class:`LazyBackend` (``te``) is built on first use: a :class:`BackendError` says why it cannot
+    be (for ``te``: Transformer Engine does not import, or its version is not supported)."""
+    entry = _entry(name)
+    return entry.load(f"backend {name!r}") if isinstance(entry, LazyBackend) else entry
 
 
 def recipe_words(precision: str, cfg: QuantConfig) -> str:
@@ -162,16 +175,14 @@ def resolve(name: str, precision: str, cfg: QuantConfig, device: Union[str, torc
             log.info("backend auto: %s (%s) runs on the %r backend on %s", precision,
                      recipe_words(precision, cfg), chosen, device.type)
         name = chosen
-    if name == "te":
-        where = f"backend 'te' cannot run {recipe_words(precision, cfg)} on {device}"
-        if device.type != "cuda":  # before importing Transformer Engine: the device rules it out anyway
-            raise BackendError(f"{where}: Transformer Engine runs on CUDA devices only; choose backend "
-                               f"'torch', 'emulated' or 'auto'")
-        backend = _te_backend(where)
-    else:
-        backend = get_backend(name)
-    backend.check(precision, cfg, device)
-    return backend
+    entry = _entry(name)
+    if isinstance(entry, LazyBackend):
+        where = f"backend {name!r} cannot run {recipe_words(precision, cfg)} on {device}"
+        if device.type not in entry.devices:  # before building it: the device rules it out anyway
+            raise BackendError(f"{where}: {entry.device_note}; choose backend 'torch', 'emulated' or 'auto'")
+        entry = entry.load(where)
+    entry.check(precision, cfg, device)
+    return entry
 
 
 def check_backend(cfg: QuantConfig, device: Union[str, torch.device]) -> None:
@@ -183,9 +194,16 @@ def check_backend(cfg: QuantConfig, device: Union[str, torch.device]) -> None:
 
 def layer_backends(prec: GemmPrecision, cfg: QuantConfig,
                    device: Union[str, torch.device]) -> Tuple[GemmBackend, GemmBackend, GemmBackend]:
-    """The backends of a layer's fprop, dgrad and wgrad."""
-    return (resolve(cfg.backend, prec.fprop, cfg, device), resolve(cfg.backend, prec.dgrad, cfg, device),
-            resolve(cfg.backend, prec.wgrad, cfg, device))
+    """The backends of a layer's fprop, dgrad and wgrad: resolved once per (precisions, config, device) --
+    every argument is immutable and :func:`resolve` depends on nothing else -- and remembered, so a forward
+    does not resolve again (:func:`register` forgets the answers)."""
+    key = (prec, cfg, torch.device(device))
+    found = _LAYER_BACKENDS.get(key)
+    if found is None:
+        found = _LAYER_BACKENDS[key] = (resolve(cfg.backend, prec.fprop, cfg, device),
+                                        resolve(cfg.backend, prec.dgrad, cfg, device),
+                                        resolve(cfg.backend, prec.wgrad, cfg, device))
+    return found
 
 
 def seed_offset(generator: Optional[torch.Generator]) -> Tuple[int, int]:

@@ -18,60 +18,17 @@ from typing import Optional, Tuple
 import torch
 
 from snip_ds.backend import cpu as cpu_kernels
+from snip_ds.backend import operands
 from snip_ds.backend.base import GemmBackend
+from snip_ds.backend.operands import (gemm_recipe, hadamard_pair, hadamard_wgrad, operand_recipes,
+                                      tensor_amax)
 from snip_ds.quant_config import QuantConfig
-from snip_ds.types import GEMM_OPERAND_AXES, GEMM_OPERANDS, GEMMS
-from snip_ds.quant import (QuantParts, fake_quantize, get_recipe, hadamard_transform, quantize_parts, random_signs,
-                           stochastic_moments)
-
-
-@dataclass(frozen=True)
-class OperandRecipes:
-    """Recipe names for the input X, the weight W and the output gradient G_Y at one precision."""
-
-    x: str
-    w: str
-    g: str
-    stochastic_g: bool
-
-
-def operand_recipes(precision: str, cfg: QuantConfig) -> OperandRecipes:
-    """The recipes a precision uses for each operand role (x, w, g) and whether g rounds stochastically:
-    fp8 ``fp8_hybrid`` is E4M3 for x and w, E5M2 for g; ``mxfp8`` MXFP8 for all three; fp4 ``nvfp4`` is NVFP4
-    (the weight in 2-D blocks with ``weight_2d``), ``mxfp4`` MXFP4; FP4 rounds g stochastically when
-    ``stochastic_rounding`` is set (docs/method.md)."""
-    if precision == "fp8":
-        if cfg.fp8_recipe == "fp8_hybrid":
-            return OperandRecipes("fp8_e4m3", "fp8_e4m3", "fp8_e5m2", False)
-        return OperandRecipes("mxfp8", "mxfp8", "mxfp8", False)
-    if precision == "fp4":
-        if cfg.fp4_recipe == "nvfp4":
-            return OperandRecipes("nvfp4", "nvfp4_2d" if cfg.weight_2d else "nvfp4", "nvfp4",
-                                  cfg.stochastic_rounding)
-        return OperandRecipes("mxfp4", "mxfp4", "mxfp4", cfg.stochastic_rounding)
-    raise ValueError(f"precision: no quantized recipes for {precision!r}; valid: fp8, fp4")
+from snip_ds.types import GEMMS
+from snip_ds.quant import QuantParts, fake_quantize, get_recipe, quantize_parts, stochastic_moments
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
-
-
-# Quantization works on slices of about this many elements, so its temporaries stay small next to the GEMM
-# operands (peak memory); slices along the token axis are whole multiples of every block size.
-CHUNK_ELEMENTS = 3 << 18  # 3 MiB in FP32: measured best balance of GEMM speed and temporaries
-_ALIGN = 32
-
-
-def _chunks(length: int, width: int):
-    """Slices of ``range(length)`` covering about CHUNK_ELEMENTS / width rows each, multiples of 32."""
-    rows = max(_ALIGN, (CHUNK_ELEMENTS // max(width, 1)) // _ALIGN * _ALIGN)
-    return [slice(start, min(start + rows, length)) for start in range(0, length, rows)]
-
-
-def tensor_amax(t: torch.Tensor) -> torch.Tensor:
-    """max |t| without a full-size temporary (NaN propagates)."""
-    lo, hi = torch.aminmax(t)
-    return torch.maximum(-lo, hi).float()
 
 
 class EmulatedBackend(GemmBackend):
@@ -117,10 +74,10 @@ class EmulatedBackend(GemmBackend):
         recipe = get_recipe(getattr(operand_recipes(precision, cfg), role))
         # Per-tensor scales and 16x16 tiles give the same result along either axis: take contiguous rows.
         if axis in (-1, 1) or recipe.block_size == 0 or recipe.block_2d:  # (2-D tiles: multiples of 32 rows)
-            for rows in _chunks(t.shape[0], t.shape[1]):
+            for rows in operands.chunks(t.shape[0], t.shape[1]):
                 out[rows] = self.quantize(t[rows], precision, role, -1, cfg, None, amax)
         else:  # blocks along columns: slices of columns
-            for cols in _chunks(t.shape[1], t.shape[0]):
+            for cols in operands.chunks(t.shape[1], t.shape[0]):
                 out[:, cols] = self.quantize(t[:, cols], precision, role, 0, cfg, None, amax)
         return out
 
@@ -131,7 +88,7 @@ class EmulatedBackend(GemmBackend):
             return _fp32(a) @ b_lp
         out = torch.empty(a.shape[0], b_lp.shape[1], dtype=torch.float32, device=a.device)
         amax = tensor_amax(a)
-        for rows in _chunks(a.shape[0], a.shape[1]):
+        for rows in operands.chunks(a.shape[0], a.shape[1]):
             torch.mm(self.quantize(a[rows], precision, role, -1, cfg, generator, amax), b_lp, out=out[rows])
         return out
 
@@ -158,11 +115,11 @@ class EmulatedBackend(GemmBackend):
         g: [T, n], x: [T, k] -> [n, k]."""
         if precision == "bf16":
             return (_fp32(g).t() @ _fp32(x)).to(out_dtype)
-        if precision == "fp4" and cfg.hadamard:
-            g, x = _hadamard_pair(g, x, generator)
+        if hadamard_wgrad(precision, cfg):
+            g, x = hadamard_pair(g, x, generator)
         g_w = torch.zeros(g.shape[1], x.shape[1], dtype=torch.float32, device=g.device)
         amax_g, amax_x = tensor_amax(g), tensor_amax(x)
-        for tokens in _chunks(g.shape[0], g.shape[1] + x.shape[1]):
+        for tokens in operands.chunks(g.shape[0], g.shape[1] + x.shape[1]):
             g_lp = self.quantize(g[tokens], precision, "g", 0, cfg, generator, amax_g)
             x_lp = self.quantize(x[tokens], precision, "x", 0, cfg, None, amax_x)
             g_w.addmm_(g_lp.t(), x_lp)
@@ -204,8 +161,8 @@ class EmulatedBackend(GemmBackend):
         """
         if not self.rounds_g_stochastically(precision, cfg):
             raise ValueError(f"precision {precision!r} does not round G_Y stochastically under this config")
-        if precision == "fp4" and cfg.hadamard:
-            g, x = _hadamard_pair(g, x, generator)
+        if hadamard_wgrad(precision, cfg):
+            g, x = hadamard_pair(g, x, generator)
             gram = None
         tokens, n, k = g.shape[0], g.shape[1], x.shape[1]
         mean = torch.zeros(n, k, dtype=torch.float32, device=g.device)
@@ -218,7 +175,7 @@ class EmulatedBackend(GemmBackend):
             scale = tokens / max(int(sampled.sum()), 1)
         amax_g, amax_x = tensor_amax(g), tensor_amax(x)
         x32 = _fp32(x)
-        for chunk in _chunks(tokens, n + k):
+        for chunk in operands.chunks(tokens, n + k):
             g_mean, g_var = self._g_moments(g[chunk], precision, cfg, 0, amax_g)
             x_lp = self.quantize(x[chunk], precision, "x", 0, cfg, None, amax_x)
             mean.addmm_(g_mean.t(), x_lp)
@@ -243,7 +200,7 @@ class EmulatedBackend(GemmBackend):
         mean = torch.empty(g.shape[0], w.shape[1], dtype=torch.float32, device=g.device)
         var = torch.empty_like(mean)
         amax = tensor_amax(g)
-        for rows in _chunks(g.shape[0], g.shape[1]):
+        for rows in operands.chunks(g.shape[0], g.shape[1]):
             g_mean, g_var = self._g_moments(g[rows], precision, cfg, -1, amax)
             torch.mm(g_mean, w_lp, out=mean[rows])
             torch.mm(g_var, w_sq, out=var[rows])
@@ -276,33 +233,18 @@ class GemmMoments:
     projected: Optional[torch.Tensor]
 
 
-def _hadamard_pair(g: torch.Tensor, x: torch.Tensor,
-                   generator: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Both wgrad operands through the same random Hadamard transform along the tokens (signs drawn from
-    ``generator`` before any stochastic rounding draws)."""
-    signs = random_signs(g.shape[0], generator=generator, device=g.device)
-    return hadamard_transform(_fp32(g), axis=0, signs=signs), hadamard_transform(_fp32(x), axis=0, signs=signs)
-
-
-# Operand roles and quantization axes of each GEMM: (role, axis) of the first and the second operand.
-OPERAND_ROLES_AXES = {g: tuple(zip(GEMM_OPERANDS[g], GEMM_OPERAND_AXES[g])) for g in GEMMS}
-
-
 def reference_operands(gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig,
                        generator: Optional[torch.Generator] = None) -> Tuple[QuantParts, QuantParts]:
     """The reference split of ``gemm``'s quantized operands (see :meth:`EmulatedBackend.quantized_operands`);
     at ``bf16`` the operands in FP32 with a tensor scale of 1."""
-    if gemm not in OPERAND_ROLES_AXES:
+    if gemm not in GEMMS:
         raise ValueError(f"gemm: unknown GEMM {gemm!r}; valid: {', '.join(GEMMS)}")
-    if gemm == "wgrad" and precision == "fp4" and cfg.hadamard:
-        a, b = _hadamard_pair(a, b, generator)
-    out = []
-    for t, (role, axis) in zip((a, b), OPERAND_ROLES_AXES[gemm]):
-        if precision == "bf16":
-            out.append(QuantParts(_fp32(t).clone(), torch.ones((), dtype=torch.float32, device=t.device)))
-            continue
-        recipes = operand_recipes(precision, cfg)
-        stochastic = role == "g" and recipes.stochastic_g
-        out.append(quantize_parts(t, getattr(recipes, role), axis=axis, stochastic=stochastic,
-                                  generator=generator if stochastic else None))
-    return out[0], out[1]
+    if precision == "bf16":
+        return tuple(QuantParts(_fp32(t).clone(), torch.ones((), dtype=torch.float32, device=t.device))
+                     for t in (a, b))
+    recipe = gemm_recipe(gemm, precision, cfg)
+    if recipe.hadamard:
+        a, b = hadamard_pair(a, b, generator)
+    return tuple(quantize_parts(t, op.recipe, axis=op.axis, stochastic=op.stochastic,
+                                generator=generator if op.stochastic else None)
+                 for t, op in zip((a, b), recipe.operands))

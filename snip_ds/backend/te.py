@@ -70,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from snip_ds.backend.base import BackendError, GemmBackend, recipe_words, seed_offset
-from snip_ds.backend.emulated import _hadamard_pair
+from snip_ds.backend.operands import hadamard_pair, hadamard_wgrad, operand_recipes
 from snip_ds.quant_config import QuantConfig
 
 log = logging.getLogger("snip_ds.backend")
@@ -156,6 +156,12 @@ class _TEModules:
             self.get_workspace = get_workspace
 
 
+# Our recipe name -> the TE quantizer that computes it: (kind, FP8 format) or (kind, 2-D blocks); an NVFP4
+# quantizer's spec gets the operand's stochastic rounding appended. mxfp4 has no TE quantizer.
+_TE_SPECS = {"fp8_e4m3": ("fp8_current", "e4m3"), "fp8_e5m2": ("fp8_current", "e5m2"), "mxfp8": ("mxfp8", "e4m3"),
+             "nvfp4": ("nvfp4", False), "nvfp4_2d": ("nvfp4", True)}
+
+
 class TEBackend(GemmBackend):
     """The three GEMMs through Transformer Engine (module docstring). Build it with :func:`load`."""
 
@@ -222,8 +228,8 @@ class TEBackend(GemmBackend):
         if precision == "bf16" or _empty(g, x):
             return _finish(torch.mm(g.t(), x.to(g.dtype)), None, out_dtype)
         n, k = g.shape[1], x.shape[1]
-        if precision == "fp4" and cfg.hadamard:  # the reference's transform and draws (signs first)
-            g, x = _hadamard_pair(g, x, generator)
+        if hadamard_wgrad(precision, cfg):  # the reference's transform and draws (signs first)
+            g, x = hadamard_pair(g, x, generator)
         gq = self.quantize(g, precision, cfg, "g", rowwise=False, generator=generator)
         xq = self.quantize(x, precision, cfg, "x", rowwise=False)
         return _crop(self._gemm(xq, gq, "NT", out_dtype, g.device, grad=True), n, k)
@@ -248,13 +254,12 @@ class TEBackend(GemmBackend):
         device and by every setting the quantizer is built from, so a plan or recipe change picks the
         quantizer of the new setting (a TE quantizer never changes its recipe)."""
         index = _index(device)
-        if precision == "fp8" and cfg.fp8_recipe == "fp8_hybrid":
-            spec: tuple = ("fp8_current", "e5m2" if role == "g" else "e4m3")
-        elif precision == "fp8" and cfg.fp8_recipe == "mxfp8":
-            spec = ("mxfp8", "e4m3")
-        elif precision == "fp4" and cfg.fp4_recipe == "nvfp4":
-            spec = ("nvfp4", role == "w" and cfg.weight_2d, role == "g" and cfg.stochastic_rounding)
-        else:
+        recipes = operand_recipes(precision, cfg)  # the recipe each operand gets (snip_ds.backend.operands)
+        recipe, stochastic = getattr(recipes, role), role == "g" and recipes.stochastic_g
+        spec = _TE_SPECS.get(recipe)
+        if spec is not None and spec[0] == "nvfp4":
+            spec = spec + (stochastic,)
+        if spec is None:
             raise BackendError(f"backend 'te' cannot run {recipe_words(precision, cfg)} on {device}: "
                                f"Transformer Engine {self.version} has no quantizer for it; {_GENERIC_CHOICE}")
         key = (index, rowwise) + spec

@@ -41,8 +41,9 @@ import torch
 
 from snip_ds.backend import cpu as cpu_kernels
 from snip_ds.backend.base import BackendError, GemmBackend, kernel_seed, recipe_words, seed_offset
-from snip_ds.backend.emulated import (OPERAND_ROLES_AXES, _chunks, _hadamard_pair, operand_recipes, reference_operands,
-                                      tensor_amax)
+from snip_ds.backend import operands
+from snip_ds.backend.emulated import reference_operands
+from snip_ds.backend.operands import gemm_recipe, hadamard_pair, tensor_amax
 from snip_ds.quant_config import QuantConfig
 from snip_ds.quant import QuantParts, get_recipe, quantize_parts
 from snip_ds.types import GEMM_OPERANDS
@@ -130,19 +131,14 @@ class TorchBackend(GemmBackend):
         multiply them: values (in ``values_dtype``, FP32 or BF16, which hold them exactly) and tensor scales.
         On CUDA an operand quantized along its rows' axis 0 comes back column-major (see
         :meth:`quantize_parts`), the layout the GEMMs read without a copy."""
-        if precision == "bf16" or gemm not in OPERAND_ROLES_AXES:
-            return reference_operands(gemm, a, b, precision, cfg, generator)  # the operands as they are (or
-            # the error naming the GEMM)
-        if gemm == "wgrad" and precision == "fp4" and cfg.hadamard:
-            a, b = _hadamard_pair(a, b, generator)
-        recipes = operand_recipes(precision, cfg)
-        out = []
-        for t, (role, axis) in zip((a, b), OPERAND_ROLES_AXES[gemm]):
-            stochastic = role == "g" and recipes.stochastic_g
-            out.append(self.quantize_parts(t, getattr(recipes, role), axis, stochastic,
-                                           generator if stochastic else None, out_dtype=values_dtype,
-                                           transpose=axis == 0))
-        return out[0], out[1]
+        if precision == "bf16":
+            return reference_operands(gemm, a, b, precision, cfg, generator)  # the operands as they are
+        recipe = gemm_recipe(gemm, precision, cfg)
+        if recipe.hadamard:
+            a, b = hadamard_pair(a, b, generator)
+        return tuple(self.quantize_parts(t, op.recipe, op.axis, op.stochastic, generator if op.stochastic else None,
+                                         out_dtype=values_dtype, transpose=op.axis == 0)
+                     for t, op in zip((a, b), recipe.operands))
 
     # ---------------- the three GEMMs ----------------
     def fprop(self, x: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig, *,
@@ -187,33 +183,32 @@ class TorchBackend(GemmBackend):
         return fp8 is None or not _scaled_mm_ok(gemm, a, b, fp8)
 
     def _cpu_fprop(self, x, w, precision, cfg, bias, out_dtype):
-        recipes = operand_recipes(precision, cfg)
+        ox, ow = gemm_recipe("fprop", precision, cfg).operands
         op_dtype = torch.bfloat16 if _cpu_bf16_gemm(out_dtype) else torch.float32
-        pw = _Streamed(w, recipes.w, -1).whole(op_dtype)
-        qx = _Streamed(x, recipes.x, -1)
+        pw = _Streamed(w, ow).whole(op_dtype)
+        qx = _Streamed(x, ox)
         y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-        for rows in _chunks(x.shape[0], x.shape[1]):
+        for rows in operands.chunks(x.shape[0], x.shape[1]):
             _mm_into(y[rows], qx.rows(rows, op_dtype).values, pw.values.t())
         return _finish(y.mul_(qx.tensor_scale * pw.tensor_scale), bias, out_dtype)
 
     def _cpu_dgrad(self, g, w, precision, cfg, generator, out_dtype):
-        recipes = operand_recipes(precision, cfg)
+        og, ow = gemm_recipe("dgrad", precision, cfg).operands
         op_dtype = torch.bfloat16 if _cpu_bf16_gemm(out_dtype) else torch.float32
-        pw = _Streamed(w, recipes.w, 0).whole(op_dtype)
-        qg = _Streamed(g, recipes.g, -1, recipes.stochastic_g, generator)
+        pw = _Streamed(w, ow).whole(op_dtype)
+        qg = _Streamed(g, og, generator)
         out = torch.empty(g.shape[0], w.shape[1], dtype=torch.float32)
-        for rows in _chunks(g.shape[0], g.shape[1]):
+        for rows in operands.chunks(g.shape[0], g.shape[1]):
             _mm_into(out[rows], qg.rows(rows, op_dtype).values, pw.values)
         return _finish(out.mul_(qg.tensor_scale * pw.tensor_scale), None, out_dtype)
 
     def _cpu_wgrad(self, g, x, precision, cfg, generator, out_dtype):
-        if precision == "fp4" and cfg.hadamard:
-            g, x = _hadamard_pair(g, x, generator)
-        recipes = operand_recipes(precision, cfg)
-        qg = _Streamed(g, recipes.g, 0, recipes.stochastic_g, generator)
-        qx = _Streamed(x, recipes.x, 0)
+        recipe = gemm_recipe("wgrad", precision, cfg)
+        if recipe.hadamard:
+            g, x = hadamard_pair(g, x, generator)
+        qg, qx = _Streamed(g, recipe.a, generator), _Streamed(x, recipe.b)
         g_w = torch.zeros(g.shape[1], x.shape[1], dtype=torch.float32)
-        for tokens in _chunks(g.shape[0], g.shape[1] + x.shape[1]):
+        for tokens in operands.chunks(g.shape[0], g.shape[1] + x.shape[1]):
             g_w.addmm_(qg.rows(tokens).values.t(), qx.rows(tokens).values)
         return _finish(g_w.mul_(qg.tensor_scale * qx.tensor_scale), None, out_dtype)
 
@@ -230,7 +225,7 @@ class TorchBackend(GemmBackend):
         """The FP8 dtypes of a GEMM's two operands when it is a per-tensor FP8 GEMM, else None."""
         if precision != "fp8" or cfg.fp8_recipe != "fp8_hybrid":
             return None
-        recipes = operand_recipes(precision, cfg)
+        recipes = operands.operand_recipes(precision, cfg)
         return _FP8_DTYPES[getattr(recipes, role_a)], _FP8_DTYPES[getattr(recipes, role_b)]
 
     def _mm(self, gemm: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -281,13 +276,12 @@ class _Streamed:
     ``generator``, each slice at its first element's offset), else :func:`snip_ds.quant.quantize_parts`
     (drawing from ``generator`` slice by slice, as the emulated backend does)."""
 
-    def __init__(self, t: torch.Tensor, recipe: str, axis: int, stochastic: bool = False,
-                 generator: Optional[torch.Generator] = None):
+    def __init__(self, t: torch.Tensor, operand: operands.Operand, generator: Optional[torch.Generator] = None):
         self.fused = cpu_kernels.available()
         self.t = t if not self.fused or t.dtype in (torch.float32, torch.bfloat16) else t.float()
-        self.recipe = get_recipe(recipe)
-        self.axis = axis
-        self.stochastic = stochastic
+        self.recipe = get_recipe(operand.recipe)
+        self.axis = operand.axis
+        stochastic = self.stochastic = operand.stochastic
         self.generator = generator if stochastic else None
         self.seed = seed_offset(generator)[0] if stochastic and self.fused else 0
         self.amax = None
