@@ -41,6 +41,7 @@ def resolve_ds_config(config: Mapping[str, Any], *, max_steps: int, on_gpu: bool
         ConfigError: naming ``source`` and the field, for values DeepSpeed would reject later and less clearly.
     """
     cfg = copy.deepcopy(dict(config))
+    refuse_module_replacement(cfg, source)
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
         _set_auto(cfg, key, AUTO_DEFAULTS[key])
     if cfg.get("train_batch_size") == "auto":
@@ -86,6 +87,29 @@ def resolve_ds_config(config: Mapping[str, Any], *, max_steps: int, on_gpu: bool
     if leftover:
         raise ConfigError(f"{source}: cannot resolve \"auto\" for {leftover}")
     return cfg
+
+
+# DeepSpeed features that replace the model's modules inside deepspeed.initialize: (section, key, what it does).
+# snip_ds's quantized layers would be swapped for DeepSpeed's own, which train unquantized while the plan and
+# the logs say otherwise, so a config that turns one on is refused until snip_ds quantizes those layers.
+_REPLACING = (("tensor_parallel", "autotp_size", "tensor parallelism (AutoTP) replaces the decoder linears with "
+               "its own sharded layers"),
+              ("expert_parallel", "autoep_size", "expert parallelism (AutoEP) replaces the experts modules with "
+               "its own"))
+
+
+def refuse_module_replacement(config: Mapping[str, Any], source: str) -> None:
+    """Raises :class:`ConfigError` naming the field when ``config`` asks DeepSpeed to replace the model's layers
+    (``tensor_parallel.autotp_size`` or ``expert_parallel.autoep_size`` above 1): snip_ds does not yet run
+    those layers quantized, and would otherwise train unquantized under a plan that says FP8/FP4."""
+    for section, key, what in _REPLACING:
+        part = config.get(section)
+        value = part.get(key) if isinstance(part, Mapping) else None
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool)
+                                                 and value <= 1):
+            continue
+        raise ConfigError(f"{source}: {section}.{key}: {value!r}: {what}, which snip_ds does not quantize yet "
+                          f"(they would train unquantized); remove {section!r} or set {key} to 1")
 
 
 def _find_auto(obj: Any, path: str = "") -> Optional[str]:

@@ -97,3 +97,16 @@ def swap_linears(model: nn.Module, precision: LayerPrecision = "fp8",
 def snip_layers(model: nn.Module) -> Dict[str, SnipLinear]:
     """The model's :class:`SnipLinear` layers by fully qualified name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, SnipLinear)}
+
+
+def check_still_swapped(model: nn.Module, fqns, when: str) -> None:
+    """Raises RuntimeError unless every layer in ``fqns`` is still a :class:`SnipLinear` of ``model``: something
+    (``when``, e.g. ``deepspeed.initialize`` injecting its own layers) replaced it, and it would train
+    unquantized under a plan that says otherwise. The message names the first such layer and what it became."""
+    modules = dict(model.named_modules())
+    for fqn in fqns:
+        found = modules.get(fqn)
+        if not isinstance(found, SnipLinear):
+            what = "removed" if found is None else f"replaced by {type(found).__module__}.{type(found).__name__}"
+            raise RuntimeError(f"layer {fqn}: {when} {what} snip_ds's quantized layer, which would train "
+                               f"unquantized; snip_ds cannot run this configuration")

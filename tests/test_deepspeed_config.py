@@ -38,3 +38,14 @@ def test_unknown_auto_is_named():
     with pytest.raises(ConfigError, match=r"x: cannot resolve \"auto\" for zero_optimization.stage"):
         resolve_ds_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": "auto"}},
                           max_steps=1, on_gpu=False, source="x")
+
+
+@pytest.mark.parametrize("section, key", [("tensor_parallel", "autotp_size"), ("expert_parallel", "autoep_size")])
+def test_layer_replacing_parallelism_is_refused(section, key):
+    """DeepSpeed's AutoTP/AutoEP would swap snip_ds's quantized layers for its own unquantized ones: refused
+    with the field named; a degree of 1 (or 0, DeepSpeed's default) replaces nothing and passes."""
+    base = {"train_micro_batch_size_per_gpu": 1}
+    with pytest.raises(ConfigError, match=rf"^x: {section}\.{key}: 2: .*snip_ds does not quantize yet"):
+        resolve_ds_config({**base, section: {key: 2}}, max_steps=1, on_gpu=False, source="x")
+    for degree in (0, 1):
+        resolve_ds_config({**base, section: {key: degree}}, max_steps=1, on_gpu=False, source="x")

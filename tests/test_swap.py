@@ -5,7 +5,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from snip_ds.linear import SnipLinear
-from snip_ds.swap import find_decoder_linears, snip_layers, swap_linears
+from snip_ds.swap import check_still_swapped, find_decoder_linears, snip_layers, swap_linears
 from snip_ds.types import LAYER_KINDS, block_index
 
 
@@ -59,3 +59,21 @@ def test_block_index_and_errors():
     model.model.layers[0].mlp.up_proj = nn.Identity()
     with pytest.raises(ValueError, match="up_proj"):
         swap_linears(model)
+
+
+def test_a_layer_replaced_after_the_swap_is_an_error_naming_it():
+    """What deepspeed.initialize's AutoTP does to a model: a swapped layer replaced by another module (or
+    removed) is found, named, and is an error instead of an unquantized run."""
+    model = tiny_llama(layers=2)
+    infos = swap_linears(model, "fp8")
+    check_still_swapped(model, infos, "deepspeed.initialize")  # untouched: passes
+    attn = model.model.layers[1].self_attn
+    attn.o_proj = nn.Linear(32, 32, bias=False)
+    with pytest.raises(RuntimeError, match=r"^layer model\.layers\.1\.self_attn\.o_proj: deepspeed\.initialize "
+                                           r"replaced by torch\.nn\.modules\.linear\.Linear snip_ds's quantized"):
+        check_still_swapped(model, infos, "deepspeed.initialize")
+    model = tiny_llama(layers=2)
+    infos = swap_linears(model, "fp8")
+    del model.model.layers[1].mlp.down_proj
+    with pytest.raises(RuntimeError, match=r"down_proj: deepspeed\.initialize removed snip_ds's quantized layer"):
+        check_still_swapped(model, infos, "deepspeed.initialize")

@@ -138,6 +138,9 @@ CASES = {
                                            ["step_1/snip_meta.json", "different model",
                                             "model_architecture.num_attention_heads is 4 there and 8 here",
                                             "model_architecture.num_key_value_heads is 2 there and 4 here"]),
+    "tensor_parallel": (lambda r: ["--deepspeed", _variant(r, "tp", lambda d: d.update(
+                            tensor_parallel={"autotp_size": 2}))],
+                        ["tp.json", "tensor_parallel.autotp_size: 2", "does not quantize yet"]),
     "checkpoint_interrupted_tag": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
                                               _interrupted(r) + "/step_1"],
                                    ["interrupted/step_1", "not a snip_ds checkpoint", "interrupted while saving"]),

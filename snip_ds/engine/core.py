@@ -23,7 +23,7 @@ from snip_ds.engine import checkpoint as ckpt
 from snip_ds.tensorboard import NullLogger, precision_map_image
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.settings import SnipSettings, parse_snip_section
-from snip_ds.swap import LayerInfo, snip_layers, swap_linears
+from snip_ds.swap import LayerInfo, check_still_swapped, snip_layers, swap_linears
 from snip_ds.types import block_index
 
 
@@ -451,6 +451,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         plan = initial_plan(list(infos), {f: info.flops(tokens_per_step) for f, info in infos.items()}, settings)
     params = [p for p in model.parameters() if p.requires_grad]
     ds_engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    check_still_swapped(ds_engine.module, infos, "deepspeed.initialize")
     ckpt.install_safe_loader(ds_engine)
     engine = SnipEngine(ds_engine, infos, settings, tokens_per_step, logger)
     engine.set_plan(plan, "initial plan")
