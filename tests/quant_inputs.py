@@ -1,12 +1,22 @@
 """Inputs and exact bounds shared by the quantizer tests (the CPU kernels' and the Triton kernels'): samples
 over a wide range of magnitudes, inputs whose per-element scale is known by construction, and the grid points
-either side of a value."""
+either side of a value; and the recipe cases the backend tests run."""
 import math
 
 import torch
 
 from reference_quant import GRIDS
 from snip_ds import quant
+from snip_ds.quant_config import QuantConfig
+
+# (precision, QuantConfig) for each quantized recipe; stochastic rounding off unless a test turns it on
+RECIPE_CASES = {
+    "fp8_hybrid": ("fp8", QuantConfig(fp8_recipe="fp8_hybrid")),
+    "mxfp8": ("fp8", QuantConfig(fp8_recipe="mxfp8")),
+    "nvfp4_2d": ("fp4", QuantConfig(fp4_recipe="nvfp4", weight_2d=True, stochastic_rounding=False)),
+    "nvfp4": ("fp4", QuantConfig(fp4_recipe="nvfp4", weight_2d=False, stochastic_rounding=False)),
+    "mxfp4": ("fp4", QuantConfig(fp4_recipe="mxfp4", stochastic_rounding=False)),
+}
 
 
 def wide_sample(shape, seed, dtype=torch.float32):

@@ -17,18 +17,12 @@ from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 from snip_ds.quant import stochastic_moments
 from snip_ds.settings import ConfigError, parse_snip_section
+from tests.quant_inputs import RECIPE_CASES
 from tests.reference_quant import GRIDS, assert_bitwise_equal
 
 BACKENDS_HERE = ["torch"]  # every backend that runs on this machine besides the emulated reference
 # (precision, QuantConfig) for each recipe; stochastic rounding off unless a test turns it on
-CASES = {
-    "fp8_hybrid": ("fp8", QuantConfig(fp8_recipe="fp8_hybrid")),
-    "mxfp8": ("fp8", QuantConfig(fp8_recipe="mxfp8")),
-    "nvfp4_2d": ("fp4", QuantConfig(fp4_recipe="nvfp4", weight_2d=True, stochastic_rounding=False)),
-    "nvfp4": ("fp4", QuantConfig(fp4_recipe="nvfp4", weight_2d=False, stochastic_rounding=False)),
-    "mxfp4": ("fp4", QuantConfig(fp4_recipe="mxfp4", stochastic_rounding=False)),
-    "bf16": ("bf16", QuantConfig()),
-}
+CASES = {**RECIPE_CASES, "bf16": ("bf16", QuantConfig())}
 T, K, N = 96, 80, 48  # tokens, in_features, out_features: partial MX blocks along k and n
 
 

@@ -30,6 +30,7 @@ from snip_ds.backend import EmulatedBackend, TorchBackend, torch_native
 from snip_ds.backend import kernels
 from snip_ds.quant_config import QuantConfig
 from snip_ds.quant import stochastic_moments
+from quant_inputs import RECIPE_CASES
 from triton_mode import DEVICE, SKIP_REASON, interpreter_on  # noqa: F401 (a fixture)
 
 if SKIP_REASON:
@@ -37,14 +38,8 @@ if SKIP_REASON:
 
 pytestmark = pytest.mark.rounding
 
-CASES = {
-    "fp8_hybrid": ("fp8", QuantConfig(fp8_recipe="fp8_hybrid")),
-    "mxfp8": ("fp8", QuantConfig(fp8_recipe="mxfp8")),
-    "nvfp4_2d": ("fp4", QuantConfig(fp4_recipe="nvfp4", weight_2d=True, stochastic_rounding=False)),
-    "nvfp4": ("fp4", QuantConfig(fp4_recipe="nvfp4", weight_2d=False, stochastic_rounding=False)),
-    "mxfp4": ("fp4", QuantConfig(fp4_recipe="mxfp4", stochastic_rounding=False)),
-    "mxfp4_hadamard": ("fp4", QuantConfig(fp4_recipe="mxfp4", stochastic_rounding=False, hadamard=True)),
-}
+CASES = {**RECIPE_CASES,
+         "mxfp4_hadamard": ("fp4", QuantConfig(fp4_recipe="mxfp4", stochastic_rounding=False, hadamard=True))}
 # (tokens T, in_features K, out_features N): all multiples of 16 (the FP8 GEMM's case), then K and N not
 SHAPES = [(64, 96, 80), (48, 100, 72), (33, 70, 45)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
