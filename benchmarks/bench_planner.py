@@ -1,4 +1,5 @@
-"""Planner solve time on Llama layer shapes (target: a 70B model solves in well under 1 s).
+"""Planner solve time on Llama layer shapes (target: a 70B model solves in well under 1 s) and on a
+DeepSeek-V3-shaped Mixture-of-Experts layer list (~30k layers; target: within 0.1 % of the optimum in <= 10 s).
 
 Run from the repository root:
 
@@ -9,6 +10,12 @@ Costs are seeded uniform random positive numbers (solve time depends on the inst
 not on where the costs came from); FLOPs are the real per-layer shares F = 6·T·k·n of each model. The
 target FP4 share is ρ = 0.75. Each configuration is solved once to warm up, then ``--repeats`` times with
 different cost seeds; the table reports the median and the maximum wall time of ``solve_plan``.
+
+The MoE list follows DeepSeek-V3's shapes: 61 blocks of MLA attention (q_a, q_b, kv_a, kv_b, o), the first 3
+with a dense MLP, the other 58 with one shared expert and 256 routed experts (fused gate_up and down each),
+every expert's FLOPs from the tokens routed to it (T tokens, top-8, a seeded skewed routing in which some
+experts get none). Its rows also report the plan's distance above the LP relaxation's optimum (computed
+here, independently of CBC, as a fractional knapsack), an upper bound on its distance from the optimum.
 """
 from __future__ import annotations
 
@@ -58,6 +65,88 @@ SHAPES = (
     LlamaShape("Llama-2-7B", 32, 4096, 11008, 4096),
     LlamaShape("Llama-2-70B", 80, 8192, 28672, 1024),
 )
+@dataclass(frozen=True)
+class MoEShape:
+    """DeepSeek-V3-shaped decoder: MLA attention, dense first blocks, shared + routed experts."""
+
+    name: str = "DeepSeek-V3-shaped MoE"
+    blocks: int = 61
+    dense_blocks: int = 3
+    hidden: int = 7168
+    dense_intermediate: int = 18432
+    expert_intermediate: int = 2048
+    experts: int = 256
+    top_k: int = 8
+
+    def layer_flops(self, seed: int = 0) -> dict[str, float]:
+        """fqn -> 6·T·k·n FLOPs per step, an expert's T being the tokens routed to it."""
+        rng = random.Random(seed)
+        h, t = self.hidden, TOKENS_PER_STEP
+        attention = {"q_a_proj": (h, 1536), "q_b_proj": (1536, 128 * 192), "kv_a_proj_with_mqa": (h, 576),
+                     "kv_b_proj": (512, 128 * 256), "o_proj": (128 * 128, h)}
+        flops = {}
+        for b in range(self.blocks):
+            for name, (k, n) in attention.items():
+                flops[f"model.layers.{b}.self_attn.{name}"] = 6.0 * t * k * n
+            if b < self.dense_blocks:
+                i = self.dense_intermediate
+                for name, (k, n) in {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}.items():
+                    flops[f"model.layers.{b}.mlp.{name}"] = 6.0 * t * k * n
+                continue
+            i = self.expert_intermediate
+            flops[f"model.layers.{b}.mlp.shared_experts.gate_up_proj"] = 6.0 * t * h * 2 * i
+            flops[f"model.layers.{b}.mlp.shared_experts.down_proj"] = 6.0 * t * i * h
+            popularity = [rng.paretovariate(1.5) for _ in range(self.experts)]
+            for e in rng.sample(range(self.experts), self.experts // 16):
+                popularity[e] = 0.0  # experts this step routed nothing to
+            total = sum(popularity)
+            routed = [round(t * self.top_k * p / total) for p in popularity]
+            for e in range(self.experts):
+                flops[f"model.layers.{b}.mlp.experts.{e}.gate_up_proj"] = 6.0 * routed[e] * h * 2 * i
+                flops[f"model.layers.{b}.mlp.experts.{e}.down_proj"] = 6.0 * routed[e] * i * h
+        return flops
+
+
+def lp_bound_regret(costs, flops, target) -> float:
+    """The LP relaxation's optimum of a per-layer fp8/fp4 instance, as regret above each layer's cheaper
+    precision: a fractional knapsack filled by cost per FLOP (a lower bound on the integer optimum)."""
+    total = sum(flops.values())
+    share, bound, rest = 0.0, 0.0, []
+    for f, c in costs.items():
+        delta, w = c["fp4"] - c["fp8"], flops[f] / total
+        if delta <= 0:
+            share += w
+        elif w > 0:
+            rest.append((delta / w, delta, w))
+    for _, delta, w in sorted(rest):
+        if share >= target:
+            break
+        take = min(1.0, (target - share) / w)
+        bound, share = bound + take * delta, share + take * w
+    return bound
+
+
+def bench_moe(shape: MoEShape, repeats: int) -> dict:
+    flops = shape.layer_flops()
+    fqns = sorted(flops)
+    allowed = ("fp8", "fp4")
+    solve_plan(random_costs(fqns, allowed, False, -1), flops, RHO, SolverSettings(allowed=allowed))
+    times, statuses, shares, gaps = [], set(), [], []
+    for seed in range(repeats):
+        costs = random_costs(fqns, allowed, False, seed)
+        start = time.perf_counter()
+        plan = solve_plan(costs, flops, RHO, SolverSettings(allowed=allowed))
+        times.append(time.perf_counter() - start)
+        statuses.add(plan.status)
+        shares.append(plan.fp4_share)
+        regret = sum(costs[f][p] - min(costs[f].values()) for f, p in plan.assignment.items())
+        gaps.append((regret - lp_bound_regret(costs, flops, RHO)) / regret)
+    return {"model": shape.name, "layers": len(fqns), "decision_units": len(fqns), "naive_binaries": len(fqns),
+            "zero_flop_layers": sum(1 for f in flops.values() if f == 0), "median_s": statistics.median(times),
+            "max_s": max(times), "repeats": repeats, "statuses": sorted(statuses), "min_fp4_share": min(shares),
+            "mip_gap": plan.meta.get("mip_gap"), "max_gap_above_lp_bound": max(gaps)}
+
+
 CONFIGS = (
     ("per-layer fp8/fp4", ("fp8", "fp4"), False),
     ("per-layer bf16/fp8/fp4", ("bf16", "fp8", "fp4"), False),
@@ -112,6 +201,15 @@ def to_markdown(rows, env) -> str:
         lines.append(f"| {r['model']} | {r['config']} | {r['layers']} | {r['decision_units']} | {r['naive_binaries']} | "
                      f"{r['median_s']:.3f} | {r['max_s']:.3f} | {', '.join(r['statuses'])} | "
                      f"{r['min_fp4_share']:.4f} |")
+    moe = [r for r in rows if "max_gap_above_lp_bound" in r]
+    if moe:
+        lines += ["", "Mixture-of-Experts rows: CBC's relative gap for instances of this size, and the plan's largest "
+                  "distance above the LP relaxation's optimum (so at most that far above the optimum):", "",
+                  "| model | layers | of them with 0 FLOPs | CBC gap | max distance above the LP bound |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in moe:
+            lines.append(f"| {r['model']} | {r['layers']} | {r['zero_flop_layers']} | {r['mip_gap']} | "
+                         f"{100 * r['max_gap_above_lp_bound']:.4f} % |")
     return "\n".join(lines) + "\n"
 
 
@@ -123,6 +221,11 @@ def main() -> None:
     env = {"machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
            "mip": metadata.version("mip")}
     rows = []
+    row = {"config": "per-layer fp8/fp4", **bench_moe(MoEShape(), args.repeats)}
+    print(f"{row['model']:<15} per-layer fp8/fp4  layers {row['layers']:>5}  median {row['median_s']:.3f}s  "
+          f"max {row['max_s']:.3f}s  {','.join(row['statuses'])}  {100 * row['max_gap_above_lp_bound']:.4f} % "
+          f"above the LP bound", flush=True)
+    moe_row = row
     for shape in SHAPES:
         for config, allowed, per_gemm in CONFIGS:
             row = {"config": config, **bench(shape, allowed, per_gemm, args.repeats)}
@@ -130,6 +233,7 @@ def main() -> None:
             print(f"{row['model']:<15} {config:<24} units {row['decision_units']:>5}  "
                   f"median {row['median_s']:.3f}s  max {row['max_s']:.3f}s  {','.join(row['statuses'])}",
                   flush=True)
+    rows.append(moe_row)
     md = to_markdown(rows, env)
     print()
     print(md)

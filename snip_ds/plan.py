@@ -101,7 +101,8 @@ def fp4_share(assignment: Mapping[str, Any], flops: Mapping[str, float]) -> floa
         The share in [0, 1].
 
     Raises:
-        ValueError: if the keys differ or the FLOPs are not positive and finite.
+        ValueError: if the keys differ, a layer's FLOPs are negative or not finite, or all are 0 (a layer may
+            have 0 FLOPs: an expert that received no tokens).
     """
     missing = set(assignment) - set(flops)
     extra = set(flops) - set(assignment)
@@ -113,10 +114,12 @@ def fp4_share(assignment: Mapping[str, Any], flops: Mapping[str, float]) -> floa
     fp4 = 0.0
     for fqn, value in assignment.items():
         f = float(flops[fqn])
-        if not math.isfinite(f) or f <= 0:
-            raise ValueError(f"flops of layer {fqn!r} must be positive and finite, got {flops[fqn]!r}")
+        if not math.isfinite(f) or f < 0:
+            raise ValueError(f"flops of layer {fqn!r} must be finite and >= 0, got {flops[fqn]!r}")
         total += f
         fp4 += f * sum(p == "fp4" for p in _gemm_view(value).values()) / len(GEMMS)
+    if not total > 0:
+        raise ValueError("flops: every layer has 0 FLOPs; the FP4 share of nothing is undefined")
     return fp4 / total
 
 

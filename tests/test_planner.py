@@ -365,8 +365,10 @@ def test_bad_inputs():
         solve_plan(costs, flops, 0.5, SolverSettings(pinned={"model.layers.9.q_proj": "fp8"}))
     with pytest.raises(ValueError, match="'max_share'"):
         solve_plan(costs, flops, 0.5, SolverSettings(max_share=0.4))
-    with pytest.raises(ValueError, match="positive finite"):
-        solve_plan(costs, {**flops, fqns[0]: 0.0}, 0.5)
+    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+        solve_plan(costs, {**flops, fqns[0]: -1.0}, 0.5)
+    with pytest.raises(ValueError, match="every layer has 0 FLOPs"):
+        solve_plan(costs, {f: 0.0 for f in flops}, 0.5)
     no_fp4 = {**costs, fqns[0]: {"fp8": 1.0}}
     with pytest.raises(ValueError, match=f"layer '{fqns[0]}' precision 'fp4' must be a finite number"):
         solve_plan(no_fp4, flops, 0.5)
@@ -577,3 +579,49 @@ def test_systematic_bwd_prices_only_the_persistent_part():
     del stats["layers"][fqn]["bwd_bias"]
     with pytest.raises(ValueError, match="lack field 'bwd_bias'"):
         costs_from_stats(stats, bwd_key="bwd_bias")
+
+
+def _lp_bound_regret(costs, flops, target):
+    """The LP relaxation's optimum of a per-layer fp8/fp4 instance in regret terms (cost above each layer's
+    cheaper precision), computed independently of CBC: a fractional knapsack, filled by cost per FLOP."""
+    total = sum(flops.values())
+    share, bound, rest = 0.0, 0.0, []
+    for f, c in costs.items():
+        delta, w = c["fp4"] - c["fp8"], flops[f] / total
+        if delta <= 0:
+            share += w  # fp4 is free or better: taken, regret 0
+        elif w > 0:  # a layer of no FLOPs and dearer fp4 never helps the share
+            rest.append((delta / w, delta, w))
+    for ratio, delta, w in sorted(rest):
+        if share >= target:
+            break
+        take = min(1.0, (target - share) / w)
+        bound += take * delta
+        share += take * w
+    return bound
+
+
+def test_moe_scale_instance_solves_within_the_large_instance_gap():
+    """Thousands of layers of distinct FLOPs (experts with their routed tokens, some with none) are solved to
+    LARGE_INSTANCE_GAP: the plan's regret is within that relative distance of the LP bound, which is below the
+    optimum; the gap is recorded in the plan. Smaller instances stay exact and record nothing new."""
+    from snip_ds.planner import ilp
+    rng = random.Random(5)
+    n = ilp.LARGE_INSTANCE + 904
+    flops = {f"model.layers.{i // 64}.mlp.experts.{i % 64}.down":
+             float(0 if rng.random() < 0.05 else rng.randint(1, 10 ** 6)) for i in range(n)}
+    costs = {f: {"fp8": rng.uniform(0, 1), "fp4": rng.uniform(0, 2)} for f in flops}
+    plan = solve_plan(costs, flops, 0.75)
+    assert plan.status == "optimal" and plan.meta["mip_gap"] == ilp.LARGE_INSTANCE_GAP
+    assert plan.fp4_share >= 0.75 - 1e-9
+    regret = sum(costs[f][p] - min(costs[f].values()) for f, p in plan.assignment.items())
+    bound = _lp_bound_regret(costs, flops, 0.75)
+    assert bound <= regret <= bound + ilp.LARGE_INSTANCE_GAP * regret + 1e-9
+    for f, p in plan.assignment.items():  # a layer with no FLOPs takes its cheaper precision
+        if flops[f] == 0:
+            assert costs[f][p] == min(costs[f].values())
+    small = dict(list(flops.items())[:200])
+    small_plan = solve_plan({f: costs[f] for f in small}, small, 0.75)
+    assert "mip_gap" not in small_plan.meta and small_plan.status == "optimal"
+    with pytest.raises(ValueError, match="'mip_gap' must be a number in \\(0, 1\\)"):
+        solve_plan(costs, flops, 0.75, SolverSettings(mip_gap=0.0))

@@ -13,9 +13,17 @@ one-hot x_p. The program is
 It is a knapsack. Units with equal FLOPs and choices are interchangeable, so each such class is solved as
 one integer count (its cheapest switches are taken; exact, and it spares CBC the permutations that stall
 it on MHA models), and without a compute budget three precisions reduce exactly to two (cheapest non-fp4
-vs fp4). A 560-layer (Llama-2-70B) instance solves in tens of milliseconds. If CBC stops at its time limit
-the best feasible solution is used (status ``"time_limit_feasible"``); if it finds none, a greedy knapsack
-plan is (``"greedy_fallback"``).
+vs fp4). A 560-layer (Llama-2-70B) instance solves in tens of milliseconds, to optimality. An instance of
+more than :data:`LARGE_INSTANCE` free decision units (a Mixture-of-Experts model: ~30k layers for
+DeepSeek-V3, its experts' FLOPs following their routed tokens) is solved to a relative gap of
+:data:`LARGE_INSTANCE_GAP` unless ``SolverSettings.mip_gap`` says otherwise: proving the last 0.1 % of a
+30k-item knapsack costs CBC far more than the planning budget, and the plan it returns then is at most that
+far above the optimum (``plan.meta["mip_gap"]`` records it). If CBC stops at its time limit the best
+feasible solution is used (status ``"time_limit_feasible"``); if it finds none, a greedy knapsack plan is
+(``"greedy_fallback"``).
+
+A layer may have zero FLOPs (an expert that received no tokens): the share constraints do not see it, so it
+takes its cheapest precision.
 
 Cost key scheme: per-layer ``costs[fqn][precision] = float``; per-GEMM (``per_gemm=True``)
 ``costs[fqn][precision] = {"fprop": float, "dgrad": float, "wgrad": float}``.
@@ -42,6 +50,9 @@ GEMM_COST = {"bf16": 1.0, "fp8": 0.5, "fp4": 0.25}
 DEFAULT_ALLOWED = QUANTIZED
 
 _SHARE_TOL = 1e-9  # share constraints are checked to this absolute tolerance
+EXACT_GAP = 1e-9  # CBC's relative gap for ordinary instances: optimal
+LARGE_INSTANCE = 4096  # free decision units above which an instance is solved to LARGE_INSTANCE_GAP
+LARGE_INSTANCE_GAP = 1e-3
 
 Unit = Any  # fqn (per-layer) or (fqn, gemm) (per-GEMM)
 
@@ -105,8 +116,10 @@ def _setup(costs, flops, target, allowed, pinned, previous, flip_penalty, per_ge
         raise ValueError(f"costs and flops name different layers: no FLOPs for {len(missing)} [{_listed(missing)}], "
                          f"no costs for {len(extra)} [{_listed(extra)}]")
     for fqn, f in flops.items():
-        if not _is_number(f) or not math.isfinite(f) or f <= 0:
-            raise ValueError(f"flops of layer {fqn!r} must be a positive finite number, got {f!r}")
+        if not _is_number(f) or not math.isfinite(f) or f < 0:
+            raise ValueError(f"flops of layer {fqn!r} must be a finite number >= 0, got {f!r}")
+    if not sum(flops.values()) > 0:
+        raise ValueError("flops: every layer has 0 FLOPs; the FP4 share of nothing is undefined")
     if not _is_number(flip_penalty) or not math.isfinite(flip_penalty) or flip_penalty < 0:
         raise ValueError(f"'flip_penalty' must be a finite number >= 0, got {flip_penalty!r}")
 
@@ -236,8 +249,8 @@ def _binary_classes(prob: _Problem, compute_budget) -> tuple[dict, list]:
     return classes, onehot
 
 
-def _solve_ilp(prob: _Problem, target, max_share, gemm_cost, compute_budget, time_limit):
-    """Returns (choice per unit or None, mip status).
+def _solve_ilp(prob: _Problem, target, max_share, gemm_cost, compute_budget, time_limit, mip_gap):
+    """Returns (choice per unit or None, mip status, the relative gap CBC was given).
 
     Each class of interchangeable binary units (:func:`_binary_classes`) becomes one integer count n_c and
     continuous switches x_i in [0, 1] with Σ x_i = n_c: sorted by switch cost, the LP fills the cheapest
@@ -247,7 +260,6 @@ def _solve_ilp(prob: _Problem, target, max_share, gemm_cost, compute_budget, tim
     model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     model.verbose = 0
     model.threads = 1
-    model.max_mip_gap = 1e-9
     model.max_mip_gap_abs = 1e-12
     model.infeas_tol = 1e-9
     # Optimise the regret over each unit's cheapest choice (a constant shift), scaled to O(1): CBC's gap and
@@ -257,6 +269,10 @@ def _solve_ilp(prob: _Problem, target, max_share, gemm_cost, compute_budget, tim
     scale = max(regret.values(), default=1.0) or 1.0
 
     classes, onehot = _binary_classes(prob, compute_budget)
+    if mip_gap is None:
+        free = sum(len(units) for units in classes.values()) + len(onehot)
+        mip_gap = LARGE_INSTANCE_GAP if free > LARGE_INSTANCE else EXACT_GAP
+    model.max_mip_gap = mip_gap
     sel: dict = {}  # (unit, precision) -> LinExpr or variable
     counts = {}
     for key, units in classes.items():
@@ -293,9 +309,15 @@ def _solve_ilp(prob: _Problem, target, max_share, gemm_cost, compute_budget, tim
                     if len(prob.choices[u]) == 1)
         model += mip.xsum(prob.weight[u] * gemm_cost[p] * v for (u, p), v in sel.items()) <= compute_budget - fixed
 
+    if mip_gap != EXACT_GAP:
+        time_limit = _bound_the_gap(model, mip_gap, time_limit)
+        # CBC starts from the greedy plan: on a large instance it may find no plan of its own in time
+        start = _greedy(prob, target, max_share, gemm_cost, compute_budget)
+        if start is not None:
+            model.start = _start_values(start, classes, counts, onehot_vars, prob)
     status = _optimize(model, time_limit)
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) or model.num_solutions == 0:
-        return None, status
+        return None, status, mip_gap
     choice = {u: prob.choices[u][0] for u in prob.units if len(prob.choices[u]) == 1}
     for key, units in classes.items():
         ch = key[1]
@@ -304,7 +326,29 @@ def _solve_ilp(prob: _Problem, target, max_share, gemm_cost, compute_budget, tim
             choice[u] = ch[1] if i < n else ch[0]
     for u, xs in onehot_vars.items():
         choice[u] = prob.choices[u][max(range(len(xs)), key=lambda i: xs[i].x)]
-    return choice, status
+    return choice, status, mip_gap
+
+
+def _bound_the_gap(model: mip.Model, mip_gap: float, time_limit: float) -> float:
+    """Makes CBC stop within ``mip_gap`` of the optimum, relative to the objective (the regret over each unit's
+    cheapest choice); returns the time left. CBC's own relative gap is taken on its objective without the
+    model's constant (the ``1 - x`` terms), which can be far larger than the regret, so the gap is set as an
+    absolute one: ``mip_gap`` times the LP relaxation's optimum, a lower bound on the optimum."""
+    start = time.perf_counter()
+    if model.optimize(relax=True, max_seconds=time_limit) == mip.OptimizationStatus.OPTIMAL:
+        model.max_mip_gap_abs = max(mip_gap * model.objective_value, 1e-12)
+    model.max_mip_gap = EXACT_GAP
+    return max(time_limit - (time.perf_counter() - start), 1e-3)
+
+
+def _start_values(choice: dict, classes: dict, counts: dict, onehot_vars: dict, prob: _Problem) -> list:
+    """A plan as CBC start values for :func:`_solve_ilp`'s integer variables: each class's count of switches
+    as the plan has (CBC completes the continuous switches: its cheapest ones, the same share at no more
+    cost); one-hots as chosen."""
+    values = [(counts[key], float(sum(choice[u] == key[1][1] for u in units))) for key, units in classes.items()]
+    for u, xs in onehot_vars.items():
+        values += [(x, float(p == choice[u])) for x, p in zip(xs, prob.choices[u])]
+    return values
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -319,19 +363,28 @@ def _greedy(prob: _Problem, target, max_share, gemm_cost, compute_budget) -> dic
     share = sum(w[u] for u in prob.units if choice[u] == "fp4")
 
     if share < target - _SHARE_TOL:
-        moves = sorted((u for u in prob.units if choice[u] != "fp4" and "fp4" in prob.choices[u]),
+        moves = sorted((u for u in prob.units if choice[u] != "fp4" and "fp4" in prob.choices[u] and w[u] > 0),
                        key=lambda u: (prob.cost[u, "fp4"] - prob.cost[u, choice[u]]) / w[u])
+        added = []
         for u in moves:
             if share >= target - _SHARE_TOL:
                 break
+            added.append((u, choice[u]))
             choice[u] = "fp4"
             share += w[u]
+        # the last move may overshoot the target by more than earlier moves weigh: undo those the share no
+        # longer needs, the dearest first
+        for u, before in sorted(added[:-1], key=lambda m: prob.cost[m[0], "fp4"] - prob.cost[m],
+                                reverse=True):
+            if share - w[u] >= target - _SHARE_TOL:
+                choice[u] = before
+                share -= w[u]
 
     if max_share is not None and share > max_share + _SHARE_TOL:
         def back_cost(u):
             alts = [p for p in prob.choices[u] if p != "fp4"]
             return min(alts, key=lambda p: prob.cost[u, p]) if alts else None
-        moves = sorted((u for u in prob.units if choice[u] == "fp4" and back_cost(u)),
+        moves = sorted((u for u in prob.units if choice[u] == "fp4" and back_cost(u) and w[u] > 0),
                        key=lambda u: (prob.cost[u, back_cost(u)] - prob.cost[u, "fp4"]) / w[u])
         for u in moves:
             if share <= max_share + _SHARE_TOL:
@@ -384,6 +437,8 @@ class SolverSettings:
         gemm_cost: Relative cost of a GEMM FLOP per precision for ``compute_budget`` (default
             :data:`GEMM_COST`).
         time_limit: CBC time limit in seconds.
+        mip_gap: The relative optimality gap CBC stops at; None: optimal (:data:`EXACT_GAP`) up to
+            :data:`LARGE_INSTANCE` free decision units, :data:`LARGE_INSTANCE_GAP` above.
     """
 
     allowed: Sequence[str] | None = None
@@ -393,6 +448,7 @@ class SolverSettings:
     compute_budget: float | None = None
     gemm_cost: Mapping[str, float] | None = None
     time_limit: float = 10.0
+    mip_gap: float | None = None
 
 
 def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float], target: float,
@@ -442,11 +498,15 @@ def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float
             raise ValueError(f"'gemm_cost' lacks relative cost(s) for {', '.join(missing)}")
     if not _is_number(time_limit) or time_limit <= 0:
         raise ValueError(f"'time_limit' must be a positive number of seconds, got {time_limit!r}")
+    mip_gap = solver.mip_gap
+    if mip_gap is not None and (not _is_number(mip_gap) or not 0 < mip_gap < 1):
+        raise ValueError(f"'mip_gap' must be a number in (0, 1) (a relative gap), got {mip_gap!r}")
 
     prob = _setup(costs, flops, target, allowed, pinned, previous, flip_penalty, per_gemm)
     _check_reachable(prob, target, max_share)
 
-    choice, mip_status = _solve_ilp(prob, target, max_share, gemm_cost, compute_budget, time_limit)
+    choice, mip_status, used_gap = _solve_ilp(prob, target, max_share, gemm_cost, compute_budget, time_limit,
+                                              mip_gap)
     if choice is not None:
         status = "optimal" if mip_status == mip.OptimizationStatus.OPTIMAL else "time_limit_feasible"
     elif mip_status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
@@ -459,9 +519,10 @@ def solve_plan(costs: Mapping[str, Mapping[str, Any]], flops: Mapping[str, float
                              f"target {target}, max_share {max_share}, compute_budget {compute_budget}")
         status = "greedy_fallback"
 
+    gap_meta = {} if used_gap == EXACT_GAP else {"mip_gap": used_gap}  # plans of ordinary size: as before
     return _make_plan(prob, choice, flops, per_gemm, status, method, start, meta,
                       target=target, max_share=max_share, flip_penalty=float(flip_penalty),
-                      time_limit=float(time_limit), solver_status=mip_status.name)
+                      time_limit=float(time_limit), solver_status=mip_status.name, **gap_meta)
 
 
 def _make_plan(prob: _Problem, choice: dict, flops, per_gemm, status, method, start, meta, **solver_meta) -> Plan:
