@@ -48,9 +48,8 @@ from torch import nn
 
 from snip_ds import divergence as dv
 from snip_ds.backend import statistics_backend
-from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
+from snip_ds.options import check_fields, reads
 from snip_ds.linear import SnipLinear
-from snip_ds.stats.artifact import check_study_fields
 from snip_ds.stats.bwd import BwdEstimator
 from snip_ds.stats.common import GLOBAL, Reduce, Shared, Sums, device_of, flat, select_layers, targets, unpack
 from snip_ds.stats.fields import finalize
@@ -110,33 +109,25 @@ class CollectSettings:
             needed under ZeRO-3, which releases the gathered weights after each backward.
     """
 
-    estimator: str = "mc_fisher"
-    num_probes: int = 1
-    fld_form: str = "sequence"
-    bwd_rounding: str = "recipe"
+    estimator: str = reads("estimator")
+    num_probes: int = reads("num_probes")
+    fld_form: str = reads("fld_form")
+    bwd_rounding: str = reads("bwd_rounding")
     bwd_propagated: bool = False
     forward_drift: bool = False
-    study_fields: Tuple[str, ...] = ()
+    study_fields: Tuple[str, ...] = reads("study_fields")
     precisions: Tuple[str, ...] = QUANTIZED
     precond_fallback: str = "grad_sq"
     seed: int = 0
-    lam: Optional[float] = None
+    lam: Optional[float] = reads("bwd_lambda", default=None)
     retain_graph: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precisions", tuple(self.precisions))
-        object.__setattr__(self, "study_fields", check_study_fields(self.study_fields))
-        if self.fld_form not in FLD_FORMS:
-            raise ValueError(f"fld_form: unknown form {self.fld_form!r}; valid: {', '.join(FLD_FORMS)}")
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator: unknown estimator {self.estimator!r}; valid: {', '.join(ESTIMATORS)}")
-        if self.bwd_rounding not in BWD_ROUNDINGS:
-            raise ValueError(f"bwd_rounding: unknown {self.bwd_rounding!r}; valid: {', '.join(BWD_ROUNDINGS)}")
+        check_fields(self)  # the fields that read a setting, checked as the "snip" section checks it
         bad = [p for p in self.precisions if p not in QUANTIZED]
         if bad or not self.precisions:
             raise ValueError(f"precisions: {list(self.precisions)!r}; choose from {', '.join(QUANTIZED)}")
-        if not isinstance(self.num_probes, int) or self.num_probes < 1:
-            raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
         if self.precond_fallback not in dv.FALLBACKS:
             raise ValueError(f"precond_fallback: unknown {self.precond_fallback!r}; "
                              f"valid: {', '.join(dv.FALLBACKS)}")
