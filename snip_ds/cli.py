@@ -20,7 +20,7 @@ from typing import Sequence
 
 from snip_ds.artifacts import load_plan, load_stats
 from snip_ds.plan import Plan
-from snip_ds.options import BWD_ESTIMATES, OPTIONS, add_flags
+from snip_ds.options import BWD_ESTIMATES, OPTIONS, add_flags, plain
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.types import GEMMS, PRECISIONS, block_index
 
@@ -186,9 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-random", type=int, default=1,
                    help="number of random plans (seeds seed..seed+N-1; files OUT.seedS.json when N > 1)")
     p.add_argument("--pin", action="append", metavar="FQN=PRECISION",
-                   help=f"fix a layer (repeatable); {OPTIONS['pinned'].help}")
+                   help=f"fix a layer (repeatable): {plain(OPTIONS['pinned'].help)}")
     p.add_argument("--allowed", default=",".join(OPTIONS["allowed"].default),
-                   help=f"comma-separated; {OPTIONS['allowed'].help}")
+                   help=f"comma-separated: {plain(OPTIONS['allowed'].help)}")
     p.add_argument("--previous", default=None, help="previous plan JSON or checkpoint directory (for --flip-penalty)")
     p.add_argument("-o", "--output", required=True, help="plan JSON to write")
     p.set_defaults(func=_cmd_plan)

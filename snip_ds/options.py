@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -261,12 +262,17 @@ def check_fields(obj: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ command line
+def plain(text: str) -> str:
+    """A help text for a terminal: ````code```` as ``'code'``."""
+    return re.sub(r"``([^`]*)``", r"'\1'", text)
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of every setting that ``snip-ds plan`` takes (:attr:`Option.flag`), in the table's order."""
     for o in OPTIONS.values():
         if o.flag is None:
             continue
-        kwargs: Dict[str, Any] = {"dest": o.flag.dest or o.name, "help": o.flag.help or o.help}
+        kwargs: Dict[str, Any] = {"dest": o.flag.dest or o.name, "help": o.flag.help or plain(o.help)}
         if o.type is bool:
             kwargs["action"] = "store_true"
         else:

@@ -111,3 +111,11 @@ def test_cli_plan_flags_default_to_the_settings():
         assert getattr(args, name) == OPTIONS[name].default, name
     assert (args.seed, args.time_limit, args.flip_penalty) == (0, 10.0, 0.0)
     assert args.lam is None  # the statistics file's λ, unlike the section
+
+
+def test_cli_plan_help_reads_as_plain_text(capsys):
+    from snip_ds.cli import main
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "--dgrad-cost" in out and "``" not in out and "'best' (SNIP)" in out
