@@ -20,7 +20,8 @@ from typing import Sequence
 
 from snip_ds.artifacts import load_plan, load_stats
 from snip_ds.plan import Plan
-from snip_ds.planner import BWD_ESTIMATES, DGRAD_COSTS, METHODS, CostSettings, SolverSettings, solve_baseline
+from snip_ds.options import BWD_ESTIMATES, OPTIONS, add_flags, plain
+from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.types import GEMMS, PRECISIONS, block_index
 
 # Column order and headers for the Llama decoder block; other layer names get their own columns after these.
@@ -181,32 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="solve a plan from a statistics file")
     p.add_argument("stats", help="statistics JSON (format snip_ds.stats/1), a run's output directory (its "
                    "stats.json) or a checkpoint directory of an adaptive run")
-    p.add_argument("--efficiency-saving", "--rho", dest="efficiency_saving", type=float, required=True,
-                   help="minimum FP4 share of the linear-GEMM FLOPs, in [0, 1]")
-    p.add_argument("--method", choices=METHODS, default="best")
-    p.add_argument("--lambda", dest="lam", type=float, default=None,
-                   help="BWD weight λ (default: the statistics file's 'lambda')")
-    p.add_argument("--seed", type=int, default=0, help="first seed for --method random")
+    add_flags(p)  # --efficiency-saving, --method, --lambda ...: the "snip" section's settings that a solve takes
     p.add_argument("--num-random", type=int, default=1,
                    help="number of random plans (seeds seed..seed+N-1; files OUT.seedS.json when N > 1)")
-    p.add_argument("--pin", action="append", metavar="FQN=PRECISION", help="fix a layer (repeatable)")
-    p.add_argument("--allowed", default="fp8,fp4", help="comma-separated precisions a layer may take")
-    p.add_argument("--max-share", type=float, default=None, help="upper bound on the FP4 share")
-    p.add_argument("--compute-budget", type=float, default=None,
-                   help="upper bound on the GEMM cost relative to all-BF16 (fp8 1/2, fp4 1/4); with "
-                        "--allowed bf16,fp8,fp4 it decides which layers may stay in bf16")
-    p.add_argument("--per-gemm", action="store_true", help="decide fprop, dgrad, wgrad separately")
-    p.add_argument("--dgrad-cost", choices=DGRAD_COSTS, default="split",
-                   help="with --per-gemm, how SNIP prices dgrad: 'split' (half of λ·BWD, like wgrad) or 'upstream' "
-                        "(λ·bwd_dgrad / --dgrad-calibration; statistics collected with bwd_propagated)")
-    p.add_argument("--bwd-estimate", choices=tuple(BWD_ESTIMATES), default="expected",
-                   help="which BWD SNIP's costs use: 'expected' (the expected one-step drift) or 'systematic' "
-                        "(ablation: only the part that persists from step to step)")
-    p.add_argument("--dgrad-calibration", type=float, default=1.0,
-                   help="with --dgrad-cost upstream: what bwd_dgrad overstates the dgrad-only drift by")
+    p.add_argument("--pin", action="append", metavar="FQN=PRECISION",
+                   help=f"fix a layer (repeatable): {plain(OPTIONS['pinned'].help)}")
+    p.add_argument("--allowed", default=",".join(OPTIONS["allowed"].default),
+                   help=f"comma-separated: {plain(OPTIONS['allowed'].help)}")
     p.add_argument("--previous", default=None, help="previous plan JSON or checkpoint directory (for --flip-penalty)")
-    p.add_argument("--flip-penalty", type=float, default=0.0, help="cost of flipping all FLOPs vs --previous")
-    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
     p.add_argument("-o", "--output", required=True, help="plan JSON to write")
     p.set_defaults(func=_cmd_plan)
 

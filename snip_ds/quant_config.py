@@ -1,18 +1,18 @@
-"""Quantization settings of the linear layers, and the names of the statistics' estimator choices.
+"""Quantization settings of the linear layers.
 
 The ``"snip"`` section of a DeepSpeed JSON is parsed by :mod:`snip_ds.settings`; this module holds only
-the small frozen dataclass the quantized linear needs (and the choice lists that both the parser and
-:mod:`snip_ds.stats` check against), so the numerics do not depend on the trainer.
+the small frozen dataclass the quantized linear needs, so the numerics do not depend on the trainer. (The
+statistics' estimator choices, ``ESTIMATORS``, ``FLD_FORMS`` and ``BWD_ROUNDINGS``, are defined with the
+other settings in :mod:`snip_ds.options` and imported here by older callers.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from snip_ds.options import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS  # noqa: F401 (re-exported)
+
 FP8_RECIPES = ("fp8_hybrid", "mxfp8")
 FP4_RECIPES = ("nvfp4", "mxfp4")
-ESTIMATORS = ("mc_fisher", "empirical", "isotropic")  # where the FLD's output sensitivities come from
-FLD_FORMS = ("sequence", "channel")  # which quadratic form prices a layer's output error
-BWD_ROUNDINGS = ("recipe", "nearest")  # how the backward statistics round G_Y (snip_ds.stats)
 BACKENDS = ("auto", "emulated", "torch", "te")  # how the quantized GEMMs run (snip_ds.backend)
 
 

@@ -12,8 +12,10 @@ every bad field by its dotted path (``snip.train.max_steps``)::
       "research": {"fld_form": "sequence", "dgrad_cost": "split", ...}   # ablations: variants for studies
     }
 
-:class:`SnipSettings` keeps every key as a flat attribute (``settings.fld_form``); only the JSON shape (and
-:meth:`SnipSettings.to_dict`) nests the :data:`RESEARCH_KEYS` under ``"research"``.
+Every key of the section (but ``quant`` and ``train``) is defined once, in :data:`snip_ds.options.OPTIONS`;
+:class:`SnipSettings` is built from that table and checks each value with the table's checks, then the ones that
+relate settings to one another. It keeps every key as a flat attribute (``settings.fld_form``); only the JSON
+shape (and ``SnipSettings.to_dict``) nests the :data:`RESEARCH_KEYS` under ``"research"``.
 """
 from __future__ import annotations
 
@@ -25,16 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS, QuantConfig
-from snip_ds.planner.costs import BWD_ESTIMATES, DGRAD_COSTS, METHODS, plan_study_fields
-from snip_ds.stats.artifact import check_study_fields
-from snip_ds.types import PRECISIONS
-
-PLAN_KINDS = PRECISIONS + ("adaptive",)
-NONFINITE_ACTIONS = ("stop", "skip")
-# Switches that exist to compare variants of the method in studies; the JSON holds them under "snip.research".
-RESEARCH_KEYS = ("estimator", "fld_form", "bwd_rounding", "bwd_estimate", "dgrad_cost", "dgrad_calibration",
-                 "max_share", "study_fields")
+from snip_ds.options import BWD_ESTIMATES, DGRAD_COSTS, OPTIONS, RESEARCH_KEYS  # noqa: F401 (re-exported)
+from snip_ds.planner.costs import plan_study_fields
+from snip_ds.quant_config import QuantConfig
 
 
 class ConfigError(ValueError):
@@ -73,116 +68,23 @@ class TrainSettings:
     """Cap on the embedded stdlib corpus (train + validation), to keep the default run short."""
 
 
-@dataclass(frozen=True)
-class SnipSettings:
-    """Everything in the ``"snip"`` section. The :data:`RESEARCH_KEYS` come from its ``"research"`` object."""
-
-    plan: str = "fp8"
-    """``bf16``/``fp8``/``fp4`` (uniform), ``adaptive`` (SNIP re-planning) or a plan JSON file."""
-    quant: QuantConfig = field(default_factory=QuantConfig)
-    efficiency_saving: float = 0.75
-    """Minimum share of linear-GEMM FLOPs in FP4 (SNIP's rho)."""
-    method: str = "best"
-    """How the adaptive plan is chosen: ``best`` (SNIP) or one of the baselines."""
-    replan_every: int = 200
-    """Collect statistics and re-solve every this many optimizer steps."""
-    collect_batches: int = 1
-    """Micro-batches averaged per collection."""
-    estimator: str = "mc_fisher"
-    """FLD estimator: ``mc_fisher`` (default), ``empirical`` (Fisher from the training G_Y) or ``isotropic``
-    (ablations)."""
-    num_probes: int = 1
-    """Monte-Carlo Fisher probes per collection batch."""
-    fld_form: str = "sequence"
-    """FLD quadratic form: ``sequence`` (default; every token and channel pair of a sequence) or ``channel``
-    (ablation: diagonal, factorised over tokens)."""
-    bwd_rounding: str = "recipe"
-    """How the statistics round G_Y for BWD: ``recipe`` (default; as training does, so under stochastic
-    rounding BWD is the expected drift, systematic part plus rounding noise) or ``nearest`` (ablation)."""
-    bwd_estimate: str = "expected"
-    """Which BWD the plan's cost uses: ``expected`` (default; the expected one-step drift) or ``systematic``
-    (ablation: only the part that persists from step to step, stochastic rounding's noise left out)."""
-    bwd_lambda: float = 2.0
-    """Weight of the backward divergence in the plan's cost. 2: the λ at which the statistics price the forward
-    and the backward GEMMs in the ratio that training with only one of them in FP4 measured, and the per-GEMM
-    λ sweep's choice (docs/experiments.md, "What each GEMM kind costs")."""
-    additional_bf16_fwd_every_n_steps: int = 10
-    """Every n steps, one extra no-grad bf16 forward measures the plan's forward divergence (0: never)."""
-    pinned: Mapping[str, str] = field(default_factory=dict)
-    """Layers held at a fixed precision: ``{fqn: precision}``."""
-    per_gemm: bool = False
-    """Decide fprop, dgrad and wgrad separately."""
-    dgrad_cost: str = "split"
-    """Per GEMM: how SNIP prices dgrad. ``split``: dgrad and wgrad each carry half of λ·BWD; ``upstream``: dgrad
-    carries λ·bwd_dgrad / dgrad_calibration (the upstream drift its error causes; collected with the
-    statistics), wgrad the whole λ·BWD."""
-    dgrad_calibration: float = 1.0
-    """With ``dgrad_cost: upstream``: what bwd_dgrad overstates the measured dgrad-only drift by."""
-    flip_penalty: float = 0.0
-    """Cost added per layer that changes precision between consecutive plans."""
-    solver_time_limit: float = 10.0
-    """Seconds python-mip may spend per solve before the best feasible plan is taken."""
-    plan_seed: int = 0
-    """Seed of the ``random`` baseline."""
-    allowed: Tuple[str, ...] = ("fp8", "fp4")
-    """Precisions the plan may give a layer; with ``bf16`` among them a layer has one-hot choices."""
-    compute_budget: Optional[float] = None
-    """Upper bound on the linears' GEMM cost relative to all-BF16 (fp8 costs 1/2, fp4 1/4 of bf16); None: none."""
-    max_share: Optional[float] = None
-    """Upper bound on the FP4 share (so that every method lands on the same share); None: none."""
-    nonfinite: str = "stop"
-    """What a NaN or Inf loss or gradient does: ``stop`` the run before the step's update (one line naming the
-    step, the micro-batch and the first module whose output went non-finite), or ``skip`` the step (no
-    optimizer update, gradients dropped, counted as ``train/skipped_steps`` in TensorBoard)."""
-    study_fields: Tuple[str, ...] = ()
-    """Study fields each collection also records in ``stats.json`` (groups of
-    :data:`snip_ds.stats.artifact.STUDY_FIELDS`: ``fld_forms``, ``first_order``, ``quant_err``, ``bwd_bias``,
-    ``bwd_drift``); the plan's own needs are added (:attr:`collect_study_fields`). Default none."""
-    train: TrainSettings = field(default_factory=TrainSettings)
+class _SnipSettingsMethods:
+    """What :class:`SnipSettings` does besides holding the :data:`~snip_ds.options.OPTIONS`: the checks that
+    relate settings to one another, and the section's JSON shape."""
 
     def __post_init__(self) -> None:
-        if self.plan not in PLAN_KINDS and not self.plan.endswith(".json"):
-            raise ConfigError(f"snip.plan: {self.plan!r} is neither one of {', '.join(PLAN_KINDS)} "
-                              f"nor a path to a plan .json file")
-        _check_choice("snip.method", self.method, METHODS)
-        _check_choice("snip.nonfinite", self.nonfinite, NONFINITE_ACTIONS)
-        _check_choice("snip.research.estimator", self.estimator, ESTIMATORS)
-        _check_choice("snip.research.fld_form", self.fld_form, FLD_FORMS)
-        _check_choice("snip.research.bwd_rounding", self.bwd_rounding, BWD_ROUNDINGS)
-        _check_choice("snip.research.bwd_estimate", self.bwd_estimate, BWD_ESTIMATES)
-        _check_choice("snip.research.dgrad_cost", self.dgrad_cost, DGRAD_COSTS)
-        try:
-            object.__setattr__(self, "study_fields", check_study_fields(self.study_fields, "snip.research.study_fields"))
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        for name, option in OPTIONS.items():
+            try:
+                value = option.validate(_path(name), getattr(self, name))
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            object.__setattr__(self, name, value)  # as the setting holds it (study_fields: sorted)
         if self.dgrad_cost == "upstream" and not self.per_gemm:
             raise ConfigError("snip.research.dgrad_cost: 'upstream' prices the dgrad GEMM on its own, which needs "
                               "snip.per_gemm: true")
-        if not (self.dgrad_calibration > 0 and self.dgrad_calibration != float("inf")):
-            raise ConfigError(f"snip.research.dgrad_calibration: must be a finite number > 0, "
-                              f"got {self.dgrad_calibration}")
-        if not 0.0 <= self.efficiency_saving <= 1.0:
-            raise ConfigError(f"snip.efficiency_saving: must lie in [0, 1], got {self.efficiency_saving}")
-        for name in ("replan_every", "collect_batches", "num_probes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"snip.{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("bwd_lambda", "flip_penalty", "additional_bf16_fwd_every_n_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"snip.{name}: must not be negative, got {getattr(self, name)}")
-        if self.solver_time_limit <= 0:
-            raise ConfigError(f"snip.solver_time_limit: must be positive, got {self.solver_time_limit}")
-        for fqn, prec in self.pinned.items():
-            _check_choice(f"snip.pinned[{fqn!r}]", prec, PRECISIONS)
-        if not self.allowed:
-            raise ConfigError(f"snip.allowed: must name at least one of {', '.join(PRECISIONS)}")
-        for prec in self.allowed:
-            _check_choice("snip.allowed", prec, PRECISIONS)
         if self.efficiency_saving > 0 and "fp4" not in self.allowed:
             raise ConfigError(f"snip.allowed: {list(self.allowed)} has no fp4, so efficiency_saving "
                               f"{self.efficiency_saving} cannot be met")
-        if self.compute_budget is not None and not 0.0 < self.compute_budget <= 1.0:
-            raise ConfigError(f"snip.compute_budget: must lie in (0, 1] (GEMM cost relative to all-BF16), "
-                              f"got {self.compute_budget}")
         if self.max_share is not None and not self.efficiency_saving <= self.max_share <= 1.0:
             raise ConfigError(f"snip.research.max_share: must lie in [efficiency_saving, 1] = "
                               f"[{self.efficiency_saving}, 1], got {self.max_share}")
@@ -206,8 +108,8 @@ class SnipSettings:
 
     @property
     def collect_study_fields(self) -> Tuple[str, ...]:
-        """The study-field groups a training collection computes: :attr:`study_fields` and what the plan's
-        method and BWD estimate are solved from (:func:`snip_ds.planner.costs.plan_study_fields`)."""
+        """The study-field groups a training collection computes: ``study_fields`` and what the plan's method
+        and BWD estimate are solved from (:func:`snip_ds.planner.costs.plan_study_fields`)."""
         needed = plan_study_fields(self.method, BWD_ESTIMATES[self.bwd_estimate])
         return tuple(sorted(set(self.study_fields) | set(needed)))
 
@@ -219,9 +121,30 @@ class SnipSettings:
         return {**flat, "research": research}
 
 
-def _check_choice(name: str, value: object, valid) -> None:
-    if value not in valid:
-        raise ConfigError(f"{name}: unknown value {value!r}; valid: {', '.join(valid)}")
+def _path(name: str) -> str:
+    """A setting's dotted path in the JSON, as errors name it."""
+    return f"snip.research.{name}" if name in RESEARCH_KEYS else f"snip.{name}"
+
+
+def _option_field(option) -> Tuple[str, Any, Any]:
+    default = option.default
+    made = (field(default_factory=lambda: type(default)(default)) if isinstance(default, (dict, list))
+            else field(default=default))
+    return option.name, option.type, made
+
+
+_FIELDS = [_option_field(o) for o in OPTIONS.values()]
+SnipSettings = dataclasses.make_dataclass(
+    "SnipSettings",
+    _FIELDS[:1] + [("quant", QuantConfig, field(default_factory=QuantConfig))] + _FIELDS[1:]
+    + [("train", TrainSettings, field(default_factory=TrainSettings))],
+    bases=(_SnipSettingsMethods,), frozen=True)
+SnipSettings.__module__ = __name__
+SnipSettings.__doc__ = ("Everything in the ``\"snip\"`` section: ``quant`` "
+                        "(:class:`~snip_ds.quant_config.QuantConfig`), ``train`` (:class:`TrainSettings`) and one "
+                        "field per :data:`~snip_ds.options.OPTIONS` entry (the :data:`RESEARCH_KEYS` come from its "
+                        "``\"research\"`` object):\n\n"
+                        + "\n".join(f"* ``{o.name}`` (default ``{o.default!r}``): {o.help}" for o in OPTIONS.values()))
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

@@ -448,7 +448,7 @@ def test_bad_arguments(model):
     b = _batches(1)
     with pytest.raises(ValueError, match="valid: mc_fisher, empirical, isotropic"):
         collect_statistics(model, b, _full(estimator="hessian"), lr=1e-3)
-    with pytest.raises(ValueError, match="fld_form: unknown form 'token'; valid: sequence, channel"):
+    with pytest.raises(ValueError, match="fld_form: unknown value 'token'; valid: sequence, channel"):
         collect_statistics(model, b, _full(fld_form="token"), lr=1e-3)
     with pytest.raises(ValueError, match="not SnipLinear"):
         collect_statistics(model, b, lr=1e-3, layers=["model.lm_head"])

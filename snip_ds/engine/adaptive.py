@@ -27,7 +27,8 @@ from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
-from snip_ds.planner import BWD_ESTIMATES, CostSettings, SolverSettings, solve_baseline
+from snip_ds.options import build
+from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.planner.costs import predicted_divergence
 from snip_ds.settings import ConfigError
 
@@ -74,10 +75,8 @@ class AdaptivePlanner:
             raise ValueError("statistics: no private stream and no micro-batches to collect on")
         dev = next(iter(eng.layers.values())).weight.device
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
-        how = CollectSettings(estimator=s.estimator, num_probes=s.num_probes, fld_form=s.fld_form,
-                              seed=s.train.seed + eng.step, lam=s.bwd_lambda, retain_graph=eng.zero_stage < 3,
-                              bwd_propagated=s.dgrad_cost == "upstream", bwd_rounding=s.bwd_rounding,
-                              study_fields=s.collect_study_fields)
+        how = build(CollectSettings, s, seed=s.train.seed + eng.step, retain_graph=eng.zero_stage < 3,
+                    bwd_propagated=s.dgrad_cost == "upstream", study_fields=s.collect_study_fields)
         stats = collect_statistics(eng.ds.module, batches, how, layers=list(eng.layers), lr=eng.lr(), precond=precond,
                                    reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size())
         stats["precond_source"] = source
@@ -98,13 +97,8 @@ class AdaptivePlanner:
                 # re-plan, not once per process as Python's warnings would be.
                 with preserve_torch_threads(), warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    cost = CostSettings(lam=s.bwd_lambda, per_gemm=s.per_gemm, dgrad=s.dgrad_cost,
-                                        dgrad_calibration=s.dgrad_calibration, bwd_key=BWD_ESTIMATES[s.bwd_estimate])
-                    solver = SolverSettings(allowed=s.allowed, pinned=dict(s.pinned) or None,
-                                            flip_penalty=s.flip_penalty, max_share=s.max_share,
-                                            compute_budget=s.compute_budget, time_limit=s.solver_time_limit)
-                    plan = solve_baseline(s.method, stats, s.efficiency_saving, cost, solver, seed=s.plan_seed,
-                                          previous=self.engine.plan)[0]
+                    plan = solve_baseline(s.method, stats, s.efficiency_saving, build(CostSettings, s),
+                                          build(SolverSettings, s), seed=s.plan_seed, previous=self.engine.plan)[0]
                 payload = {"plan": plan.to_dict()}
             except (ValueError, RuntimeError) as err:  # no plan reaches the target: tell every rank
                 payload = {"error": str(err)}

@@ -23,18 +23,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from snip_ds.options import BWD_ESTIMATES, DGRAD_COSTS, METHODS, reads
 from snip_ds.plan import _listed
 from snip_ds.stats.artifact import STUDY_FIELDS
 from snip_ds.types import GEMM_OPERANDS, GEMMS, OPERANDS, PRECISIONS, QUANTIZED
 
-METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
-"""How a plan is chosen: ``best`` (SNIP's costs) or one of the baselines (:func:`method_costs`)."""
-DGRAD_COSTS = ("split", "upstream")
-"""How a per-GEMM SNIP plan prices the dgrad GEMM (:func:`costs_from_stats`)."""
 BWD_KEYS = ("bwd", "bwd_bias", "bwd_propagated")
 """Which backward estimate of a statistics artifact SNIP's costs use (:func:`costs_from_stats`)."""
-BWD_ESTIMATES = {"expected": "bwd", "systematic": "bwd_bias"}
-"""The ``"snip"`` section's and the CLI's names for the BWD fields a plan may be priced with."""
 
 
 @dataclass(frozen=True)
@@ -51,11 +46,11 @@ class CostSettings:
         fwd_lambda: With ``forward_drift``: FWD's own weight μ in place of λ.
     """
 
-    lam: float | None = None
-    per_gemm: bool = False
-    bwd_key: str = "bwd"
-    dgrad: str = "split"
-    dgrad_calibration: float = 1.0
+    lam: float | None = reads("bwd_lambda", default=None)
+    per_gemm: bool = reads("per_gemm")
+    bwd_key: str = reads("bwd_estimate", default="bwd", convert=BWD_ESTIMATES.__getitem__)
+    dgrad: str = reads("dgrad_cost")
+    dgrad_calibration: float = reads("dgrad_calibration")
     forward_drift: bool = False
     fwd_lambda: float | None = None
 

@@ -40,6 +40,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import mip
 
+from snip_ds.options import reads
 from snip_ds.plan import Plan, fp4_share, _listed
 from snip_ds.types import GEMMS, PRECISIONS, QUANTIZED
 
@@ -421,6 +422,11 @@ def _greedy(prob: _Problem, target, max_share, gemm_cost, compute_budget) -> dic
 # --------------------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------------------
+def _none_if_empty(pinned: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ``"snip"`` section's ``pinned`` (``{}``: none) as :class:`SolverSettings` takes it."""
+    return dict(pinned) or None
+
+
 @dataclass(frozen=True)
 class SolverSettings:
     """The constraints and limits of a solve, whatever its costs. :func:`solve_plan` checks them and names a
@@ -441,13 +447,13 @@ class SolverSettings:
             :data:`LARGE_INSTANCE` free decision units, :data:`LARGE_INSTANCE_GAP` above.
     """
 
-    allowed: Sequence[str] | None = None
-    pinned: Mapping[str, Any] | None = None
-    flip_penalty: float = 0.0
-    max_share: float | None = None
-    compute_budget: float | None = None
+    allowed: Sequence[str] | None = reads("allowed", default=None)
+    pinned: Mapping[str, Any] | None = reads("pinned", default=None, convert=_none_if_empty)
+    flip_penalty: float = reads("flip_penalty")
+    max_share: float | None = reads("max_share")
+    compute_budget: float | None = reads("compute_budget")
     gemm_cost: Mapping[str, float] | None = None
-    time_limit: float = 10.0
+    time_limit: float = reads("solver_time_limit")
     mip_gap: float | None = None
 
 

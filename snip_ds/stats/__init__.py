@@ -4,8 +4,10 @@
   hand what they see to the estimators, one module each: :mod:`~snip_ds.stats.fld` (the FLD forms and the
   fprop operand errors), :mod:`~snip_ds.stats.bwd` (the BWD drift, its noise and price, the propagated
   ablation), :mod:`~snip_ds.stats.fwd` (``forward_drift``), :mod:`~snip_ds.stats.isotropic` (the isotropic
-  ablation's probes and α); they add named sums to one :class:`~snip_ds.stats.common.Sums`;
-* :mod:`~snip_ds.stats.fields`: the artifact's per-layer fields from the all-reduced sums;
+  ablation's probes and α); each names the sums it adds to one :class:`~snip_ds.stats.common.Sums` and prices
+  them;
+* :mod:`~snip_ds.stats.fields`: the artifact's per-layer fields, composed from the estimators' prices of the
+  all-reduced sums;
 * :mod:`~snip_ds.stats.precond`: preconditioners from Adam state, partitioned (ZeRO) states, fallbacks;
 * :mod:`~snip_ds.stats.artifact`: the JSON schema, written and read (pure, no torch: the planner imports it).
 

@@ -9,23 +9,42 @@ by the probes at the end of the batch). With ``bwd_propagated``, also the dgrad 
 and the upstream terms of the ratio estimate, for which :class:`InputGroups` finds the layers that share an input.
 With the ``quant_err`` study fields, the operand error of G_Y.
 
-docs/method.md derives the terms; :mod:`snip_ds.stats.fields` turns the sums into the artifact's fields.
+This module names those sums (:class:`~snip_ds.stats.common.SumField`) and prices them: :func:`price` (``bwd``,
+``bwd_drift`` and their systematic parts), :func:`price_propagated` and :func:`dgrad_cost` (the propagated
+ablation); docs/method.md derives the terms, and :func:`snip_ds.stats.fields.finalize` composes the artifact.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+import math
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from snip_ds import divergence as dv
 from snip_ds.linear import SnipLinear
-from snip_ds.stats.common import GLOBAL, Shared, rne_config
+from snip_ds.stats.common import GLOBAL, Pricing, Shared, SumField, rne_config
 from snip_ds.stats.precond import Precond, PrecondFn, layer_precond
 
 if TYPE_CHECKING:
     from snip_ds.stats.collector import CollectSettings
 
 PRICE_TOKENS_MIN = 256  # tokens that price stochastic rounding's noise: at least this many (all, if fewer)
+
+# Per precision: the drift ‖ΔG_W⊙P‖², its per-channel projection Σ_t (X (ΔG_W⊙P)ᵀ)² and that priced with the
+# batch's probes, and (callable preconditioners) ‖ΔG_W‖²; the *_BIAS twins hold the systematic part alone.
+DRIFT_PROD, DRIFT_PROD_BIAS = SumField("drift_prod"), SumField("drift_prod_bias")
+DRIFT_SQ, DRIFT_SQ_BIAS = SumField("drift_sq"), SumField("drift_sq_bias")
+DRIFT_CH = SumField("drift_ch", folded_into=DRIFT_PROD)
+DRIFT_CH_BIAS = SumField("drift_ch_bias", folded_into=DRIFT_PROD_BIAS)
+DG_SQ, DG_SQ_BIAS = SumField("dg_sq"), SumField("dg_sq_bias")
+QERR_G, QNORM_G = SumField("qerr_g"), SumField("qnorm_g")  # ‖Q_p(G_Y) - G_Y‖² per precision, ‖G_Y‖²
+# bwd_propagated: the dgrad error ‖Q_p(G_Y)Q_p(W) - G_Y W‖² per precision; per layer the upstream terms
+# ‖G_W⊙P‖² (UP_SQ; ‖G_W‖² in GW_SQ with callable preconditioners) and their projection, priced with the probes;
+# per input group (GLOBAL, suffix the group) the input gradient's ‖G_X‖².
+DGRAD_SQ, UP_SQ, GW_SQ, UP_PROD, GX_SQ = (SumField(n) for n in ("dgrad_sq", "up_sq", "gw_sq", "up_prod", "gx_sq"))
+UP_CH = SumField("up_ch", folded_into=UP_PROD)
+FOLDS = (DRIFT_CH, DRIFT_CH_BIAS)  # per precision
+LAYER_FOLDS = (UP_CH,)  # one per layer
 
 
 class InputGroups:
@@ -122,7 +141,7 @@ class BwdEstimator:
 
     def on_input_grad(self, gid: str, g: torch.Tensor) -> None:
         """The training gradient of an input group's shared input (``bwd_propagated``)."""
-        self.shared.stats.add(GLOBAL, f"gx_sq.{gid}", (g.float() ** 2).sum())
+        self.shared.stats.add(GLOBAL, GX_SQ.key(gid), (g.float() ** 2).sum())
 
     def on_train_grad(self, fqn: str, module: SnipLinear, x2: torch.Tensor,
                       g2: torch.Tensor) -> Optional[torch.Tensor]:
@@ -147,28 +166,28 @@ class BwdEstimator:
             del dgw, var, projected
             if self.quant_err:
                 g_lp = be.quantize(g2, p, "g", -1, cfg)
-                st.add(fqn, f"qerr_g.{p}", ((g_lp - g2) ** 2).sum())
+                st.add(fqn, QERR_G.key(p), ((g_lp - g2) ** 2).sum())
                 del g_lp
             if self.propagated:
                 if sr[p]:
                     mom = be.dgrad_moments(g2, w, p, module.quant_config)
                     e = mom.mean - g2 @ w
-                    st.add(fqn, f"dgrad_sq.{p}", (e * e).sum() + mom.var.sum())
+                    st.add(fqn, DGRAD_SQ.key(p), (e * e).sum() + mom.var.sum())
                 else:
                     e = be.dgrad(g2, w, p, cfg, self.had_gen) - g2 @ w
-                    st.add(fqn, f"dgrad_sq.{p}", (e * e).sum())
+                    st.add(fqn, DGRAD_SQ.key(p), (e * e).sum())
                 del e
         if self.quant_err:
-            st.add(fqn, "qnorm_g", (g2 * g2).sum())
+            st.add(fqn, QNORM_G.key(), (g2 * g2).sum())
         if self.propagated:
             if pfn is None:
                 up = gw * pmat
-                st.add(fqn, "up_sq", (up * up).sum())
+                st.add(fqn, UP_SQ.key(), (up * up).sum())
             else:
                 up = gw
-                st.add(fqn, "up_sq", torch.as_tensor(pfn(fqn, gw), dtype=torch.float32))
-                st.add(fqn, "gw_sq", (gw * gw).sum())
-            st.add(fqn, "up_ch", dv.projected_sq_sum(x2, up, gram))
+                st.add(fqn, UP_SQ.key(), torch.as_tensor(pfn(fqn, gw), dtype=torch.float32))
+                st.add(fqn, GW_SQ.key(), (gw * gw).sum())
+            st.add(fqn, UP_CH.key(), dv.projected_sq_sum(x2, up, gram))
         return pmat
 
     def _price_sample(self, tokens: int, n: int) -> torch.Tensor:
@@ -209,12 +228,96 @@ class BwdEstimator:
             bias_ch = dv.projected_sq_sum(x2, dgw, gram)
             dg_sq = (dgw * dgw).sum()
             if self.bias:
-                st.add(fqn, f"dg_sq_bias.{p}", dg_sq)
-            st.add(fqn, f"dg_sq.{p}", dg_sq + var.sum() if var is not None else dg_sq)
+                st.add(fqn, DG_SQ_BIAS.key(p), dg_sq)
+            st.add(fqn, DG_SQ.key(p), dg_sq + var.sum() if var is not None else dg_sq)
             noise_sq = torch.as_tensor(pfn(fqn, var.sqrt()), dtype=torch.float32) if var is not None else None
             noise_ch = projected
         if self.bias:
-            st.add(fqn, f"drift_sq_bias.{p}", bias_sq)
-            st.add(fqn, f"drift_ch_bias.{p}", bias_ch)
-        st.add(fqn, f"drift_sq.{p}", bias_sq + noise_sq if noise_sq is not None else bias_sq)
-        st.add(fqn, f"drift_ch.{p}", bias_ch + noise_ch if noise_sq is not None else bias_ch)
+            st.add(fqn, DRIFT_SQ_BIAS.key(p), bias_sq)
+            st.add(fqn, DRIFT_CH_BIAS.key(p), bias_ch)
+        st.add(fqn, DRIFT_SQ.key(p), bias_sq + noise_sq if noise_sq is not None else bias_sq)
+        st.add(fqn, DRIFT_CH.key(p), bias_ch + noise_ch if noise_sq is not None else bias_ch)
+
+
+# ------------------------------------------------------------------------------------------------ pricing
+def _iso_factor(px: Pricing, fqn: str, num: SumField, den: SumField, suffix: Optional[str] = None) -> float:
+    """‖ΔG⊙P‖²/‖ΔG‖² (callable mode: the loss price assumes P constant within the layer)."""
+    d = px.value(fqn, den, suffix) / px.ranks
+    return px.value(fqn, num, suffix) / px.cover / d if d > 0 else 0.0
+
+
+def _drift_price(px: Pricing, fqn: str, drift_sq: SumField, drift_prod: SumField,
+                 dg_sq: SumField) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """Per precision the loss-unit price of a drift and the drift itself (parameter units)."""
+    bwd, drift = {}, {}
+    for p in px.precisions:
+        drift[p] = px.eta2 * px.value(fqn, drift_sq, p) / px.cover / px.batches / px.ranks
+        loss_price = px.curvature * px.value(fqn, drift_prod, p) / (2.0 * px.tokens) / px.ranks
+        scale = _iso_factor(px, fqn, drift_sq, dg_sq, p) if px.callable_mode else 1.0
+        bwd[p] = px.eta2 * loss_price * scale
+    return bwd, drift
+
+
+def price(px: Pricing, fqn: str) -> Dict[str, Dict[str, float]]:
+    """A layer's ``bwd`` and ``bwd_drift`` (the expected drift) and ``bwd_bias`` and ``bwd_drift_bias`` (its
+    systematic part; from absent sums, 0, without the ``bwd_bias`` study fields)."""
+    bwd, drift = _drift_price(px, fqn, DRIFT_SQ, DRIFT_PROD, DG_SQ)
+    bwd_bias, drift_bias = _drift_price(px, fqn, DRIFT_SQ_BIAS, DRIFT_PROD_BIAS, DG_SQ_BIAS)
+    return {"bwd": bwd, "bwd_drift": drift, "bwd_bias": bwd_bias, "bwd_drift_bias": drift_bias}
+
+
+def upstream_layers(groups: InputGroups, fqns: Iterable[str]) -> Dict[str, List[str]]:
+    """``bwd_propagated``: per layer, the layers that run before the first layer sharing its input."""
+    fqns = list(fqns)
+    order, group = groups.order, groups.group
+    first_of_group: Dict[str, int] = {}
+    for fqn, gid in group.items():
+        first_of_group[gid] = min(first_of_group.get(gid, 10 ** 9), order[fqn])
+    upstream: Dict[str, List[str]] = {}
+    for fqn in fqns:
+        start = first_of_group.get(group.get(fqn, ""), order.get(fqn, 0))
+        upstream[fqn] = [m for m in fqns if order.get(m, 10 ** 9) < start]
+    return upstream
+
+
+def price_propagated(px: Pricing, fqn: str, groups: InputGroups, upstream: List[str],
+                     bwd: Dict[str, float]) -> Dict[str, Dict[str, float]]:
+    """``bwd_propagated`` (the direct ``bwd`` plus the upstream drift of the dgrad error, priced like the
+    gradient direction), ``bwd_drift_propagated`` (that drift, parameter units) and ``dgrad_err``."""
+    gx = px.value(GLOBAL, GX_SQ, groups.group.get(fqn, ""))
+    up_sq = sum(px.value(u, UP_SQ) for u in upstream) * px.ranks / px.cover
+    up_price = 0.0
+    for u in upstream:
+        pr = px.curvature * px.value(u, UP_PROD) / (2.0 * px.tokens) * px.batches * px.ranks  # Σ of local prices
+        up_price += pr * (_iso_factor(px, u, UP_SQ, GW_SQ) if px.callable_mode else 1.0)
+    prop, prop_drift, derr = {}, {}, {}
+    for p in px.precisions:
+        e_sq = px.value(fqn, DGRAD_SQ, p)
+        derr[p] = e_sq / (px.batches * px.ranks)
+        e_glob = px.eta2 * derr[p] / px.ranks
+        prop_drift[p] = e_glob * up_sq / gx if gx > 0 else 0.0
+        prop[p] = bwd[p] + (e_glob * up_price / gx if gx > 0 else 0.0)
+    return {"bwd_propagated": prop, "bwd_drift_propagated": prop_drift, "dgrad_err": derr}
+
+
+def dgrad_cost(px: Pricing, groups: InputGroups, layers_out: Dict[str, Dict[str, Any]],
+               upstream: Dict[str, List[str]]) -> None:
+    """``bwd_dgrad``: the upstream drift that ℓ's dgrad error causes (``bwd_drift_propagated``, split over the
+    upstream layers u as the ratio estimate splits it, ∝ ‖G_W,u⊙P_u‖²), each part priced in loss units at
+    u's own rate for a noise-like drift, ``bwd_u / bwd_drift_u``. (``bwd_propagated`` prices the same drift as
+    if it pointed along the gradient, whose Fisher price per unit is far higher: in a one-off check on the
+    4-block compare model, not a committed benchmark, it made dgrad ~23× wgrad in loss units where the drifts
+    are ~3×.)"""
+    W = px.ranks
+    for fqn, rec in layers_out.items():
+        gx = px.value(GLOBAL, GX_SQ, groups.group.get(fqn, ""))
+        cost = {}
+        for p in px.precisions:
+            e_glob = px.eta2 * px.value(fqn, DGRAD_SQ, p) / (px.batches * W * W)  # as in price_propagated
+            total = 0.0
+            for u in upstream[fqn]:
+                own_loss, own_drift = layers_out[u]["bwd"][p], layers_out[u]["bwd_drift"][p]
+                if gx > 0 and own_drift > 0 and math.isfinite(own_loss / own_drift):
+                    total += e_glob * px.value(u, UP_SQ) * W / px.cover / gx * (own_loss / own_drift)
+            cost[p] = total
+        rec["bwd_dgrad"] = cost

@@ -24,9 +24,11 @@ scalars per layer are all-reduced, whatever the model's width):
 * ``estimator="isotropic"``: probes from the last block's output and four forward passes for the curvature α
   (:mod:`snip_ds.stats.isotropic`).
 
-Each estimator is its own module and adds named sums to one :class:`~snip_ds.stats.common.Sums`. The sums of
-all batches are packed into one flat tensor and summed across data-parallel ranks with a single call of
-``reduce``; then :func:`snip_ds.stats.fields.finalize` turns them into the artifact that
+Each estimator is its own module, which names the sums it adds to one :class:`~snip_ds.stats.common.Sums`
+(:class:`~snip_ds.stats.common.SumField`: which of them are folded at the end of each batch) and prices them.
+The passes run in the :class:`~snip_ds.stats.common.Phase` each hook checks. The sums of all batches are packed
+into one flat tensor and summed across data-parallel ranks with a single call of ``reduce``; then
+:func:`snip_ds.stats.fields.finalize` composes the estimators' prices into the artifact that
 :func:`snip_ds.stats.artifact.load_stats` reads. Preconditioners (Adam state, the partitioned states of ZeRO,
 the fallback) and how they combine across data-parallel ranks: :mod:`snip_ds.stats.precond`.
 
@@ -48,11 +50,12 @@ from torch import nn
 
 from snip_ds import divergence as dv
 from snip_ds.backend import statistics_backend
-from snip_ds.quant_config import BWD_ROUNDINGS, ESTIMATORS, FLD_FORMS
+from snip_ds.options import check_fields, reads
 from snip_ds.linear import SnipLinear
-from snip_ds.stats.artifact import check_study_fields
+from snip_ds.stats import bwd, fld
 from snip_ds.stats.bwd import BwdEstimator
-from snip_ds.stats.common import GLOBAL, Reduce, Shared, Sums, device_of, flat, select_layers, targets, unpack
+from snip_ds.stats.common import (GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, PROBE_SQ, Phase, Reduce, Shared, Sums,
+                                  device_of, flat, select_layers, targets, unpack)
 from snip_ds.stats.fields import finalize
 from snip_ds.stats.fld import FldEstimator
 from snip_ds.stats.fwd import ForwardDrift
@@ -110,33 +113,25 @@ class CollectSettings:
             needed under ZeRO-3, which releases the gathered weights after each backward.
     """
 
-    estimator: str = "mc_fisher"
-    num_probes: int = 1
-    fld_form: str = "sequence"
-    bwd_rounding: str = "recipe"
+    estimator: str = reads("estimator")
+    num_probes: int = reads("num_probes")
+    fld_form: str = reads("fld_form")
+    bwd_rounding: str = reads("bwd_rounding")
     bwd_propagated: bool = False
     forward_drift: bool = False
-    study_fields: Tuple[str, ...] = ()
+    study_fields: Tuple[str, ...] = reads("study_fields")
     precisions: Tuple[str, ...] = QUANTIZED
     precond_fallback: str = "grad_sq"
     seed: int = 0
-    lam: Optional[float] = None
+    lam: Optional[float] = reads("bwd_lambda", default=None)
     retain_graph: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precisions", tuple(self.precisions))
-        object.__setattr__(self, "study_fields", check_study_fields(self.study_fields))
-        if self.fld_form not in FLD_FORMS:
-            raise ValueError(f"fld_form: unknown form {self.fld_form!r}; valid: {', '.join(FLD_FORMS)}")
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator: unknown estimator {self.estimator!r}; valid: {', '.join(ESTIMATORS)}")
-        if self.bwd_rounding not in BWD_ROUNDINGS:
-            raise ValueError(f"bwd_rounding: unknown {self.bwd_rounding!r}; valid: {', '.join(BWD_ROUNDINGS)}")
+        check_fields(self)  # the fields that read a setting, checked as the "snip" section checks it
         bad = [p for p in self.precisions if p not in QUANTIZED]
         if bad or not self.precisions:
             raise ValueError(f"precisions: {list(self.precisions)!r}; choose from {', '.join(QUANTIZED)}")
-        if not isinstance(self.num_probes, int) or self.num_probes < 1:
-            raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
         if self.precond_fallback not in dv.FALLBACKS:
             raise ValueError(f"precond_fallback: unknown {self.precond_fallback!r}; "
                              f"valid: {', '.join(dv.FALLBACKS)}")
@@ -166,7 +161,7 @@ class Collector:
         self.groups = self.bwd.inputs if self.propagated else None
         self.fwd = ForwardDrift(self.shared, self.fld) if self.forward_drift else None
         self.iso = IsotropicProbe(self.shared, self.gen) if self.estimator == "isotropic" else None
-        self.phase = "off"
+        self.phase = Phase.OFF
         self.x: Dict[str, torch.Tensor] = {}  # layer inputs ([T, k] FP32) until their training gradient
         self.xp: Dict[str, torch.Tensor] = {}  # layer inputs as autograd saved them, for the probe hooks
         self.emb: Optional[torch.Tensor] = None
@@ -189,21 +184,21 @@ class Collector:
                 h.remove()
 
     def _on_embedding(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-        if self.phase not in ("forward", "probe_forward", "fwd_pass"):
+        if self.phase not in (Phase.FORWARD, Phase.PROBE_FORWARD, Phase.FWD_PASS):
             return output
         self.emb = output.detach().requires_grad_(True)  # our own leaf: no gradient reaches parameters
         return self.emb
 
     def _forward_hook(self, fqn: str):
         def hook(module: SnipLinear, inputs: Any, output: torch.Tensor) -> Optional[torch.Tensor]:
-            if self.phase == "fwd_pass":
+            if self.phase is Phase.FWD_PASS:
                 return self.fwd.shifted_output(fqn, module, inputs[0], output)
-            if self.phase == "probe_forward":  # a fresh forward for a probe: only its output gradient counts
+            if self.phase is Phase.PROBE_FORWARD:  # a fresh forward for a probe: only its output gradient counts
                 self.xp[fqn] = inputs[0].detach()
                 if output.requires_grad:
                     output.register_hook(lambda g: self._on_output_grad(fqn, module, g))
                 return
-            if self.phase != "forward":
+            if self.phase is not Phase.FORWARD:
                 return
             self._on_forward(fqn, module, inputs[0], output)
         return hook
@@ -226,29 +221,29 @@ class Collector:
                 self.fwd.on_weights(fqn, module, None)
 
     def _on_input_grad(self, gid: str, g: torch.Tensor) -> None:
-        if self.phase == "train":
+        if self.phase is Phase.TRAIN:
             self.bwd.on_input_grad(gid, g)
 
     def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
         g2 = flat(g)  # [T, n]
         rows = g.shape[0] if g.dim() >= 3 else 1  # sequences: [B, L, n]
-        if self.phase in ("probe", "iso"):  # the FLD follows in the layer's backward (_on_layer_backward)
-            self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2))
+        if self.phase in (Phase.PROBE, Phase.ISO):  # the FLD follows in the layer's backward (_on_layer_backward)
+            self.stats.add(fqn, PROBE_SQ.key(), dv.channel_sq_sum(g2))
             if self.fwd is not None and fqn in self.xp:
                 self.fwd.on_probe(fqn, self.xp[fqn], g2)
-        elif self.phase == "train":
+        elif self.phase is Phase.TRAIN:
             x2 = self.x.pop(fqn)
             self.fld.on_output(fqn, module, x2, g2, rows)
             pmat = self.bwd.on_train_grad(fqn, module, x2, g2)
             if self.fwd is not None:
                 self.fwd.on_weights(fqn, module, pmat)
             if self.estimator == "empirical":  # the training gradient is this estimator's probe
-                self.stats.add(fqn, "probe_sq", dv.channel_sq_sum(g2 * self.shared.n_local))
+                self.stats.add(fqn, PROBE_SQ.key(), dv.channel_sq_sum(g2 * self.shared.n_local))
 
     def on_layer_backward(self, fqn: str, module: SnipLinear, g: torch.Tensor, gx: Optional[torch.Tensor]) -> None:
         """A probe's backward through layer ``fqn``: its output gradient g and its own input gradient ``gW``
         (None where the input needs none), for the sequence-form FLD."""
-        if self.phase in ("probe", "iso"):
+        if self.phase in (Phase.PROBE, Phase.ISO):
             rows = g.shape[0] if g.dim() >= 3 else 1
             self.fld.on_probe(fqn, module, self.xp.get(fqn), flat(g), rows, flat(gx) if gx is not None else None)
 
@@ -256,15 +251,15 @@ class Collector:
         """The logits to back-propagate a probe from: the retained graph's, or a fresh forward's."""
         if retain:
             return self._lg, not last
-        self.phase = "probe_forward"
+        self.phase = Phase.PROBE_FORWARD
         lg = targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)[0]
         return lg, False
 
     def _drift_pass(self, ids, mask, labels) -> None:
         """One forward_drift pass: a forward whose layers are shifted, and the training loss's backward."""
-        self.phase = "fwd_pass"
+        self.phase = Phase.FWD_PASS
         lg, tg = targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)
-        self.phase = "fwd_backward"
+        self.phase = Phase.FWD_BACKWARD
         torch.autograd.grad(F.cross_entropy(lg, tg), self.emb)
 
     def _mean_loss(self, ids, mask, labels) -> float:
@@ -272,7 +267,7 @@ class Collector:
         return float(F.cross_entropy(lg, tg))
 
     def _set_alpha_phase(self, running: bool) -> None:
-        self.phase = "alpha" if running else "off"
+        self.phase = Phase.ALPHA if running else Phase.OFF
 
     def run_batch(self, batch: Any, num_probes: int, retain_graph: bool = True) -> int:
         ids, mask, labels = unpack(batch)
@@ -280,11 +275,11 @@ class Collector:
         ids = ids.to(device)
         mask = mask.to(device) if mask is not None else None
         with torch.enable_grad():
-            self.phase = "forward"
+            self.phase = Phase.FORWARD
             self.bwd.begin_forward()
             logits = self.model(input_ids=ids, attention_mask=mask).logits
             self.bwd.end_forward()
-            self.phase = "off"
+            self.phase = Phase.OFF
             lg, tg = targets(logits, labels)
             n = int(tg.numel())
             if n == 0:
@@ -292,11 +287,11 @@ class Collector:
             self.shared.n_local = float(n)
             loss = F.cross_entropy(lg, tg)
             st = self.stats
-            st.add(GLOBAL, "n_tokens", torch.tensor(float(n)))
-            st.add(GLOBAL, "n_rows", torch.tensor(float(ids.numel())))
-            st.add(GLOBAL, "loss_sum", loss.detach() * n)
+            st.add(GLOBAL, N_TOKENS.key(), torch.tensor(float(n)))
+            st.add(GLOBAL, N_ROWS.key(), torch.tensor(float(ids.numel())))
+            st.add(GLOBAL, LOSS_SUM.key(), loss.detach() * n)
             extra = self.estimator == "mc_fisher" or self.estimator == "isotropic"
-            self.phase = "train"
+            self.phase = Phase.TRAIN
             torch.autograd.grad(loss, self.emb, retain_graph=extra and retain_graph)
             self.x.clear()
             if not retain_graph:
@@ -310,7 +305,7 @@ class Collector:
                 for r in range(num_probes):
                     y_hat = torch.multinomial(probs, 1, generator=self.gen).squeeze(1)
                     root, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
-                    self.phase = "probe"
+                    self.phase = Phase.PROBE
                     torch.autograd.grad(F.cross_entropy(root, y_hat, reduction="sum"), self.emb,
                                         retain_graph=keep)
                     if self.fwd is not None:
@@ -320,14 +315,14 @@ class Collector:
             elif self.iso is not None:
                 for r in range(num_probes):
                     _, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
-                    self.phase = "iso"
+                    self.phase = Phase.ISO
                     torch.autograd.grad(self.iso.probe_loss(), self.emb, retain_graph=keep)
             self._lg = None
             self.xp.clear()
             if self.fwd is not None:
                 self.fwd.end_batch()
             self._fold(int(ids.numel()), num_probes)
-            self.phase = "off"
+            self.phase = Phase.OFF
         if self.iso is not None:
             self.iso.alpha(lambda: self._mean_loss(ids, mask, labels), self._set_alpha_phase)
             self.iso.end_batch()
@@ -344,21 +339,15 @@ class Collector:
         """
         div = float(rows * (1 if self.estimator == "empirical" else num_probes))
         st = self.stats
+        folds = [(f, p) for f in fld.FOLDS + bwd.FOLDS for p in self.precisions]
+        folds += [(f, None) for f in bwd.LAYER_FOLDS]
         for fqn in self.layers:
-            probe = st.pop(fqn, "probe_sq")
+            probe = st.pop(fqn, PROBE_SQ.key())
             m = probe / div if probe is not None else None
-            for vec, out in ((f"err_sq.{p}", f"fld_prod.{p}") for p in self.precisions):
-                self._fold_one(fqn, vec, out, m)
-            for vec, out in ((f"drift_ch.{p}", f"drift_prod.{p}") for p in self.precisions):
-                self._fold_one(fqn, vec, out, m)
-            for vec, out in ((f"drift_ch_bias.{p}", f"drift_prod_bias.{p}") for p in self.precisions):
-                self._fold_one(fqn, vec, out, m)
-            self._fold_one(fqn, "up_ch", "up_prod", m)
-
-    def _fold_one(self, fqn: str, vec: str, out: str, m: Optional[torch.Tensor]) -> None:
-        v = self.stats.pop(fqn, vec)
-        if v is not None:
-            self.stats.add(fqn, out, (v * m).sum() if m is not None else torch.zeros(()))
+            for vec, suffix in folds:
+                v = st.pop(fqn, vec.key(suffix))
+                if v is not None:
+                    st.add(fqn, vec.folded_into.key(suffix), (v * m).sum() if m is not None else torch.zeros(()))
 
 
 @contextmanager
@@ -440,5 +429,6 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
     if n_batches == 0:
         raise ValueError("batches is empty: need at least one batch")
     col.stats.reduce(reduce, device_of(model))
-    return finalize(col, mods, n_batches, rows_per_batch * world_size, settings, lr=float(lr), step=int(step),
+    return finalize(col.stats, mods, settings, sources=col.bwd.sources, groups=col.bwd.inputs, n_batches=n_batches,
+                    tokens_per_step=rows_per_batch * world_size, lr=float(lr), step=int(step),
                     world_size=world_size, step_scale=float(step_scale))

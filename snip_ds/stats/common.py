@@ -1,6 +1,8 @@
-"""What every part of a statistics collection shares: the named sums, the layers, the batches' targets."""
+"""What every part of a statistics collection shares: the named sums, the layers, the batches' targets, the
+collector's phases and the pricing of the all-reduced sums."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
@@ -60,6 +62,45 @@ def device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+class Phase(enum.Enum):
+    """Which pass of a collection is running, so that each hook knows what it sees."""
+
+    OFF = "off"  # between passes: the hooks do nothing
+    FORWARD = "forward"  # the batch's first forward (with a graph)
+    TRAIN = "train"  # the backward of the training loss: G_Y
+    PROBE_FORWARD = "probe_forward"  # a fresh forward for one probe (retain_graph=False)
+    PROBE = "probe"  # a Monte-Carlo Fisher probe's backward: g
+    ISO = "iso"  # an isotropic probe's backward
+    FWD_PASS = "fwd_pass"  # forward_drift: a forward whose layer outputs are shifted
+    FWD_BACKWARD = "fwd_backward"  # forward_drift: that pass's backward
+    ALPHA = "alpha"  # the isotropic curvature's forward passes
+
+
+@dataclass(frozen=True)
+class SumField:
+    """A named sum that one estimator adds to and prices (:class:`Sums` holds it per layer, or under
+    :data:`GLOBAL`). Every sum is summed over the batches of a rank and then over the ranks, all of them in one
+    all-reduce (:meth:`Sums.reduce`).
+
+    Attributes:
+        name: the sum's name; a precision's (or an input group's) sum is ``name.suffix``.
+        folded_into: for a per-channel vector: the per-layer scalar it becomes at the end of each batch, priced
+            channel by channel with the batch's probes (``Σ_j v_j·m_j``), so that only scalars are all-reduced.
+    """
+
+    name: str
+    folded_into: Optional["SumField"] = None
+
+    def key(self, suffix: Optional[str] = None) -> str:
+        return self.name if suffix is None else f"{self.name}.{suffix}"
+
+
+# The collection's own sums: model-wide (GLOBAL) target tokens, rows and loss; per layer the probes' Σ_t g_tj²,
+# which price the estimators' per-channel vectors at the end of each batch (SumField.folded_into).
+N_TOKENS, N_ROWS, LOSS_SUM = SumField("n_tokens"), SumField("n_rows"), SumField("loss_sum")
+PROBE_SQ = SumField("probe_sq")
+
+
 class Sums:
     """Named per-layer accumulators, packed into one flat vector for a single reduction."""
 
@@ -98,6 +139,43 @@ class Shared:
     backend: GemmBackend
     precisions: Tuple[str, ...]
     n_local: float = 1.0
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What turns one collection's all-reduced sums into the artifact's numbers; each estimator prices its own
+    sums with it.
+
+    Attributes:
+        sums: the all-reduced sums.
+        precisions: the quantized precisions measured.
+        tokens: the target tokens of every batch on every rank (N).
+        batches: batches per rank (B).
+        ranks: data-parallel ranks (W).
+        cover: how many times the reduced P-weighted norms cover each element (1 with a partitioned state's
+            callable preconditioner, else W).
+        callable_mode: the preconditioners were a partitioned state's callables.
+        eta2: ``(lr·step_scale)²``.
+        curvature: α of the isotropic ablation, else 1.
+        probes: the probes per batch that priced the per-channel terms (1 for the empirical estimator).
+        num_probes: the probes per batch asked for.
+    """
+
+    sums: Sums
+    precisions: Tuple[str, ...]
+    tokens: float
+    batches: float
+    ranks: float
+    cover: float
+    callable_mode: bool
+    eta2: float
+    curvature: float
+    probes: float
+    num_probes: int
+
+    def value(self, fqn: str, field: SumField, suffix: Optional[str] = None) -> float:
+        """A reduced sum as a number (0 where nothing was added)."""
+        return float(self.sums.get(fqn, field.key(suffix))[0])
 
 
 def rne_config(module: SnipLinear) -> QuantConfig:

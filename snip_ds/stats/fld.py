@@ -11,20 +11,42 @@ gradient ``G_Y`` and each probe's output gradient g; it adds, as far as the coll
 * the study fields: the first-order term ``⟨G_Y, E⟩`` (``first``) and the operand errors of X and W
   (``qerr_x``, ``qerr_w`` with their norms ``qnorm_x``, ``qnorm_w``: the quant_err baselines).
 
-docs/method.md derives the forms; :mod:`snip_ds.stats.fields` turns the sums into the artifact's fields.
+This module names those sums (:class:`~snip_ds.stats.common.SumField`) and prices them (:func:`price`);
+docs/method.md derives the forms, and :func:`snip_ds.stats.fields.finalize` composes the artifact's fields.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from snip_ds import divergence as dv
 from snip_ds.linear import SnipLinear
-from snip_ds.stats.common import Shared, rne_config
+from snip_ds.stats.common import Pricing, Shared, SumField, rne_config
 
 if TYPE_CHECKING:
     from snip_ds.stats.collector import CollectSettings
+
+
+FLD_PROD = SumField("fld_prod")  # the channel form: ERR_SQ priced with the batch's probes
+ERR_SQ = SumField("err_sq", folded_into=FLD_PROD)  # per precision: Σ_t E_tj² per output channel
+FLD_SEQ = SumField("fld_seq")  # the sequence form Σ_rows (Σ_t g_t·E_t)²
+FIRST = SumField("first")  # the first-order term ⟨G_Y, E⟩·n_local
+QERR = {"x": SumField("qerr_x"), "w": SumField("qerr_w")}  # per precision: ‖Q_p(X) - X‖², ‖Q_p(W) - W‖²
+QNORM = {"x": SumField("qnorm_x"), "w": SumField("qnorm_w")}  # ‖X‖², ‖W‖²
+FOLDS = (ERR_SQ,)  # per precision
+
+
+def price(px: Pricing, fqn: str, fld_form: str) -> Dict[str, Dict[str, float]]:
+    """A layer's ``fld`` (the ``fld_form`` one), ``fld_sequence``, ``fld_channel`` and ``first_order``, per
+    precision: each sum over ``2N`` (the sequence form also over the probes), times the curvature."""
+    fld, fld_sq, fld_ch, first = {}, {}, {}, {}
+    for p in px.precisions:
+        fld_ch[p] = px.curvature * px.value(fqn, FLD_PROD, p) / (2.0 * px.tokens)
+        fld_sq[p] = px.curvature * px.value(fqn, FLD_SEQ, p) / px.probes / (2.0 * px.tokens)
+        fld[p] = fld_sq[p] if fld_form == "sequence" else fld_ch[p]
+        first[p] = px.value(fqn, FIRST, p) / px.tokens
+    return {"fld": fld, "fld_sequence": fld_sq, "fld_channel": fld_ch, "first_order": first}
 
 
 class FldEstimator:
@@ -64,19 +86,19 @@ class FldEstimator:
         if self.train_errors:  # else nothing below needs E (only the study fields and the empirical FLD do)
             for p, e, x_lp, w_lp in self.errors(module, x2):
                 if self.channel:
-                    st.add(fqn, f"err_sq.{p}", dv.channel_sq_sum(e))
+                    st.add(fqn, ERR_SQ.key(p), dv.channel_sq_sum(e))
                 if g2 is not None:
                     if self.first_order:
-                        st.add(fqn, f"first.{p}", (g2 * e).sum() * n_local)
+                        st.add(fqn, FIRST.key(p), (g2 * e).sum() * n_local)
                     if self.empirical and self.sequence:
-                        st.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2 * n_local, e, rows))
+                        st.add(fqn, FLD_SEQ.key(p), dv.sequence_sq_sum(g2 * n_local, e, rows))
                 if self.quant_err:
-                    st.add(fqn, f"qerr_x.{p}", ((x_lp - x2) ** 2).sum())
-                    st.add(fqn, f"qerr_w.{p}", ((w_lp - w) ** 2).sum())
+                    st.add(fqn, QERR["x"].key(p), ((x_lp - x2) ** 2).sum())
+                    st.add(fqn, QERR["w"].key(p), ((w_lp - w) ** 2).sum())
                 del e, x_lp, w_lp
         if self.quant_err:
-            st.add(fqn, "qnorm_x", (x2 * x2).sum())
-            st.add(fqn, "qnorm_w", (w * w).sum())
+            st.add(fqn, QNORM["x"].key(), (x2 * x2).sum())
+            st.add(fqn, QNORM["w"].key(), (w * w).sum())
 
     def on_probe(self, fqn: str, module: SnipLinear, x: Optional[torch.Tensor], g2: torch.Tensor,
                  rows: int, dx: Optional[torch.Tensor] = None) -> None:
@@ -98,7 +120,7 @@ class FldEstimator:
         st = self.shared.stats
         if dx is None:
             for p, e, _, _ in self.errors(module, x2):
-                st.add(fqn, f"fld_seq.{p}", dv.sequence_sq_sum(g2, e, rows))
+                st.add(fqn, FLD_SEQ.key(p), dv.sequence_sq_sum(g2, e, rows))
                 del e
             return
         be, cfg = self.shared.backend, rne_config(module)
@@ -107,4 +129,4 @@ class FldEstimator:
             terms = (g2 @ be.quantize(w, p, "w", -1, cfg)).mul_(be.quantize(x2, p, "x", -1, cfg))
             s = terms.addcmul_(dx, x2, value=-1.0).reshape(rows, -1).sum(1)  # per row Σ_t g_t·E_t
             del terms
-            st.add(fqn, f"fld_seq.{p}", (s * s).sum())
+            st.add(fqn, FLD_SEQ.key(p), (s * s).sum())

@@ -8,7 +8,8 @@ backward passes per probe at ``W ± εv`` give it for every layer at once: a cen
 gradients, contracted with the errors at ``W`` (:meth:`ForwardDrift.passes`). No parameter is touched: each
 layer's output is shifted as its weight would be. One weight-sized FP32 tensor per layer while a batch runs.
 
-docs/method.md derives it; :mod:`snip_ds.stats.fields` turns the sums (``fwd_sq``) into the ``fwd`` field.
+docs/method.md derives it; this module names its sum (:data:`FWD_SQ`) and prices it (:func:`price`, the ``fwd``
+field), and :func:`snip_ds.stats.fields.finalize` composes the artifact.
 """
 from __future__ import annotations
 
@@ -18,10 +19,17 @@ from typing import Callable, Dict, Optional
 import torch
 
 from snip_ds.linear import SnipLinear
-from snip_ds.stats.common import Shared
+from snip_ds.stats.common import Pricing, Shared, SumField
 from snip_ds.stats.fld import FldEstimator
 
 FWD_STEP = 3e-4  # the finite difference: the weight perturbation's norm relative to the weights'
+FWD_SQ = SumField("fwd_sq")  # per precision: Σ over probes of ⟨P ⊙ G^probe_r, ΔG⟩²
+
+
+def price(px: Pricing, fqn: str) -> Dict[str, float]:
+    """A layer's ``fwd`` per precision: ``(ηc)²·mean_r ⟨…⟩² / 2N``."""
+    return {p: px.eta2 * px.value(fqn, FWD_SQ, p) / float(px.num_probes) / (2.0 * px.tokens) / px.ranks
+            for p in px.precisions}
 
 
 class ForwardDrift:
@@ -92,7 +100,7 @@ class ForwardDrift:
         for fqn, dots in self.dot.items():
             for p, d in dots.items():
                 a = d / (2.0 * eps)
-                self.shared.stats.add(fqn, f"fwd_sq.{p}", torch.tensor(a * a))
+                self.shared.stats.add(fqn, FWD_SQ.key(p), torch.tensor(a * a))
         self.v.clear()
         self.dot = {}
 

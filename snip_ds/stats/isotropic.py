@@ -14,10 +14,27 @@ import torch
 from torch import nn
 
 from snip_ds import divergence as dv
-from snip_ds.stats.common import GLOBAL, Shared
+from snip_ds.stats.common import GLOBAL, Shared, Sums, SumField
 from snip_ds.types import block_index
 
 ISO_DELTA = 0.02  # δ of the forward-noise passes, relative to rms(z)
+# Model-wide (GLOBAL) sums over batches and ranks: α·n_local, the quadratic check's ratio, the batches.
+ALPHA_TOK, QUAD_RATIO, ALPHA_COUNT = SumField("alpha_tok"), SumField("quad_ratio"), SumField("alpha_count")
+
+
+def _mean(sums: Sums, field: SumField) -> float:
+    return float(sums.get(GLOBAL, field.key())[0]) / float(sums.get(GLOBAL, ALPHA_COUNT.key())[0])
+
+
+def curvature(sums: Sums) -> float:
+    """The per-token-scale curvature that turns the isotropic probes into loss units (mean over batches)."""
+    return _mean(sums, ALPHA_TOK)
+
+
+def header_fields(sums: Sums, tokens_per_batch: float) -> Dict[str, float]:
+    """The artifact's ``alpha`` (of one rank-local batch's mean loss; ``tokens_per_batch`` its target tokens)
+    and ``quadratic_ratio`` (4 where the loss is quadratic along the probes)."""
+    return {"alpha": curvature(sums) / tokens_per_batch, "quadratic_ratio": _mean(sums, QUAD_RATIO)}
 
 
 class IsotropicProbe:
@@ -67,10 +84,10 @@ class IsotropicProbe:
             passes_running(False)
         alpha = dv.isotropic_alpha(losses["0"], losses["+"], losses["-"], delta, float((v.float() ** 2).sum()))
         st = self.shared.stats
-        st.add(GLOBAL, "alpha_tok", torch.tensor(alpha * self.shared.n_local))  # per-token-scale curvature
-        st.add(GLOBAL, "quad_ratio", torch.tensor(dv.quadratic_ratio(losses["0"], losses["+"], losses["2+"],
+        st.add(GLOBAL, ALPHA_TOK.key(), torch.tensor(alpha * self.shared.n_local))  # per-token-scale curvature
+        st.add(GLOBAL, QUAD_RATIO.key(), torch.tensor(dv.quadratic_ratio(losses["0"], losses["+"], losses["2+"],
                                                                            losses["-"])))
-        st.add(GLOBAL, "alpha_count", torch.tensor(1.0))
+        st.add(GLOBAL, ALPHA_COUNT.key(), torch.tensor(1.0))
 
     def end_batch(self) -> None:
         self.z = None
