@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from snip_ds import divergence as dv
+from snip_ds.backend.operands import hadamard_wgrad
 from snip_ds.linear import SnipLinear
 from snip_ds.stats.common import GLOBAL, Pricing, Shared, SumField, rne_config
 from snip_ds.stats.precond import Precond, PrecondFn, layer_precond
@@ -119,7 +120,7 @@ class BwdEstimator:
         n = module.out_features
         rows = (len(self.shared.precisions) + int(self.propagated)) * n
         for p in self.shared.precisions:
-            if self._expects_sr(module, p) and not (p == "fp4" and module.quant_config.hadamard):
+            if self._expects_sr(module, p) and not hadamard_wgrad(p, module.quant_config):
                 rows += min(tokens, max(PRICE_TOKENS_MIN, n // 4))
         return rows
 

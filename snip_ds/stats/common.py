@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
 
-from snip_ds.backend import GemmBackend
 from snip_ds.linear import SnipLinear
 from snip_ds.quant_config import QuantConfig
 from snip_ds.swap import snip_layers
@@ -129,6 +128,33 @@ class Sums:
             self.data[k] = part
 
 
+class StatisticsBackend(Protocol):
+    """What the estimators ask of the backend that quantizes and multiplies for them
+    (:func:`snip_ds.backend.statistics_backend`, the emulated backend's numerics): one operand quantized at a
+    precision as FP32, the three GEMMs, and the exact moments of dgrad and wgrad over G_Y's stochastic
+    rounding."""
+
+    def quantize(self, t: torch.Tensor, precision: str, role: str, axis: int, cfg: QuantConfig,
+                 generator: Optional[torch.Generator] = None,
+                 amax: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+    def dgrad(self, g: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig,
+              generator: Optional[torch.Generator] = None, *,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+    def wgrad(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
+              generator: Optional[torch.Generator] = None, *,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+    def rounds_g_stochastically(self, precision: str, cfg: QuantConfig) -> bool: ...
+
+    def dgrad_moments(self, g: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig) -> Any: ...
+
+    def wgrad_moments(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
+                      generator: Optional[torch.Generator] = None, price_tokens: Optional[torch.Tensor] = None,
+                      gram: Optional[torch.Tensor] = None) -> Any: ...
+
+
 @dataclass
 class Shared:
     """What the estimators of one collection share: the named sums they add to, the GEMM backend that
@@ -136,7 +162,7 @@ class Shared:
     training loss is their mean, so ``G_Y`` carries a factor ``1/n_local``)."""
 
     stats: Sums
-    backend: GemmBackend
+    backend: StatisticsBackend
     precisions: Tuple[str, ...]
     n_local: float = 1.0
 
