@@ -335,7 +335,10 @@ class SnipCallback(TrainerCallback):
         if settings.nonfinite != "stop":  # the Trainer takes its own optimizer steps: none can be skipped here
             raise ConfigError(f"{source}: snip.nonfinite {settings.nonfinite!r} acts in launch/train.py and "
                               f"snip_ds.initialize loops only; under the Hugging Face Trainer leave it unset")
-        if _cpu_ranks_unshared(args):
+        if _cpu_ranks_unshared(args):  # the same on every rank: each unlinks its DeepSpeed buffer, then stops
+            if sdist.is_initialized():
+                from snip_ds.engine.core import release_shm_buffer
+                release_shm_buffer()
             raise ConfigError(f"{os.environ.get('WORLD_SIZE')} ranks were launched with DeepSpeed on CPUs, but "
                               f"accelerate counts {args.distributed_state.num_processes} process: every rank would "
                               f"read the same batches; call snip_ds.hf.share_cpu_ranks_with_accelerate(args) right "

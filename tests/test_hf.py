@@ -475,3 +475,99 @@ def test_run_clm_zero3_two_ranks_saves_a_loadable_model_and_snip_ds_reads_its_ch
         assert record["tokenizer"]["exported"]
         exported = _logits(tmp_path / name)
         assert exported.shape == saved.shape and bool((exported == saved).all())
+
+
+def test_plain_trainer_checkpoint_exports_its_safetensors_with_tied_weights(tmp_path, capsys):
+    """Without DeepSpeed the Trainer's checkpoint-N holds model.safetensors (a tied lm_head stored once): the
+    export loads, its logits are the checkpoint's; show/plan read the checkpoint and the output directory."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from snip_ds.cli import main
+    from snip_ds.data import load_dataset_blocks
+    from snip_ds.hf import add_snip
+    from snip_ds.model import build_model
+
+    train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=100_000, max_validation_bytes=4096)
+    model = build_model(None, dict(TINY_MODEL, tie_word_embeddings=True), vocab_size=vocab, seed=0, block_size=64)
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=4,
+                             save_steps=2, report_to="none", disable_tqdm=True, use_cpu=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator)
+    add_snip(trainer, settings={"plan": "adaptive", "replan_every": 2, "additional_bf16_fwd_every_n_steps": 100})
+    trainer.train()
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 0
+    record = json.loads((tmp_path / "hf" / "snip_export.json").read_text())
+    assert record["weights"] == "the Trainer's model.safetensors" and record["step"] == 4
+    assert not record["tokenizer"]["exported"] and "holds no tokenizer" in capsys.readouterr().err
+    exported, saved = _logits(tmp_path / "hf"), _logits(ckpt)
+    assert bool((exported == saved).all())
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "run")]) == 0  # the output directory: its last checkpoint, 4 (not 2)
+    assert capsys.readouterr().out.startswith(f"{ckpt}: method ")
+
+
+def _trainer_dirs(tmp: Path, steps, with_state=True) -> Path:
+    """An output directory of Trainer checkpoint folders as a DeepSpeed run leaves them (no weights)."""
+    from snip_ds.plan import Plan
+
+    plan = Plan({"model.layers.0.mlp.up_proj": "fp4", "model.layers.0.mlp.down_proj": "fp8"}, method="test")
+    for step in steps:
+        folder = tmp / "run" / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text("{}")
+        (folder / "latest").write_text(f"global_step{step}")
+        if with_state:
+            (folder / "snip_state.json").write_text(json.dumps(
+                {"format": "snip_ds.hf_checkpoint/1", "step": step, "world_size": 1, "plan": plan.to_dict(),
+                 "planner": None}))
+    return tmp / "run"
+
+
+def test_trainer_checkpoints_are_picked_by_step_and_wrong_ones_named(tmp_path, capsys):
+    from snip_ds.cli import main
+
+    run = _trainer_dirs(tmp_path, [2, 10, 9])
+    assert main(["show", str(run)]) == 0
+    assert capsys.readouterr().out.startswith(f"{run / 'checkpoint-10'}: method test")
+    assert main(["plan", str(run / "checkpoint-2"), "--efficiency-saving", "0.5", "-o", str(tmp_path / "p.json")]) == 2
+    assert "the checkpoint holds no statistics" in capsys.readouterr().err
+    (run / "checkpoint-10" / "snip_state.json").write_text("{not json")
+    assert main(["show", str(run / "checkpoint-10")]) == 2
+    assert f"{run / 'checkpoint-10' / 'snip_state.json'}: not valid JSON" in capsys.readouterr().err
+
+    bare = _trainer_dirs(tmp_path / "b", [5], with_state=False)
+    for cmd in (["show", str(bare / "checkpoint-5")], ["export", str(bare / "checkpoint-5"), str(tmp_path / "o")]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert f"{bare / 'checkpoint-5'}: a Trainer checkpoint without snip_state.json" in err, err
+    assert main(["show", str(bare)]) == 2
+    assert "none of its 1 checkpoint-N folder(s) holds snip_state.json" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_cpu_ranks_unknown_to_accelerate_are_refused(tmp_path):
+    """The run_clm-shaped script without share_cpu_ranks_with_accelerate, 2 CPU ranks under DeepSpeed:
+    accelerate counts one process (each rank would train on the same batches), and add_snip refuses, naming
+    the call that fixes it."""
+    from snip_ds.engine.core import _free_port
+
+    script = tmp_path / "run_clm_unshared.py"
+    text = RUN_CLM.read_text()
+    line = "    share_cpu_ranks_with_accelerate(training_args)  # SNIP (CPU ranks only; a no-op on GPUs)\n"
+    assert line in text
+    script.write_text(text.replace(line, "").replace(
+        "os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))", repr(str(REPO))))
+    inputs = _run_clm_inputs(tmp_path)
+    port = str(_free_port())
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, str(script),
+           "--deepspeed", str(inputs["ds"]), *inputs["args"], "--output_dir", str(tmp_path / "out")]
+    e = env()
+    e.update(HF_DATASETS_CACHE=str(tmp_path / "datasets_cache"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=600)
+    assert_no_shm_left(cmd)
+    assert proc.returncode != 0
+    assert ("2 ranks were launched with DeepSpeed on CPUs, but accelerate counts 1 process: every rank would read "
+            "the same batches; call snip_ds.hf.share_cpu_ranks_with_accelerate(args)") in proc.stdout + proc.stderr
+    assert not (tmp_path / "out" / "checkpoint-4").exists()
