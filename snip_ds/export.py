@@ -291,6 +291,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     out_dir = Path(out_dir)
     trainer_dir = trainer_checkpoint(Path(checkpoint))
     if trainer_dir is not None:
+        if trainer_dir != Path(checkpoint):
+            _warn_if_saved_later(Path(checkpoint), trainer_dir, warn)
         return _export_trainer_checkpoint(trainer_dir, out_dir, dtype, force, warn)
     tag_dir = ckpt.resolve(Path(checkpoint))
     meta = ckpt.read_meta(tag_dir)
@@ -387,6 +389,19 @@ def trainer_checkpoint(path: Path) -> Optional[Path]:
         return last_trainer_checkpoint(path)
     except ValueError as err:
         raise ExportError(str(err)) from None
+
+
+def _warn_if_saved_later(run: Path, folder: Path, warn: Callable[[str], None]) -> None:
+    """A Trainer output directory whose own ``trainer.save_model()`` / ``save_state()`` came after its last
+    checkpoint: the export is the checkpoint's, which ``warn`` says."""
+    try:
+        step = json.loads((run / "trainer_state.json").read_text())["global_step"]
+        saved = int(folder.name.rsplit("-", 1)[1])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return
+    if isinstance(step, int) and step > saved:
+        warn(f"{run}: the Trainer saved there at step {step}, after its last checkpoint; exporting {folder.name} "
+             f"(the weights the callback's plan and state belong to)")
 
 
 def _trainer_weights(folder: Path) -> Tuple[Dict[str, torch.Tensor], str]:

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -479,7 +480,8 @@ def test_run_clm_zero3_two_ranks_saves_a_loadable_model_and_snip_ds_reads_its_ch
 
 def test_plain_trainer_checkpoint_exports_its_safetensors_with_tied_weights(tmp_path, capsys):
     """Without DeepSpeed the Trainer's checkpoint-N holds model.safetensors (a tied lm_head stored once): the
-    export loads, its logits are the checkpoint's; show/plan read the checkpoint and the output directory."""
+    export loads, its logits are the checkpoint's; the output directory exports its last checkpoint-N (by
+    step), saying so when the Trainer saved there later."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from snip_ds.cli import main
@@ -489,20 +491,26 @@ def test_plain_trainer_checkpoint_exports_its_safetensors_with_tied_weights(tmp_
 
     train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=100_000, max_validation_bytes=4096)
     model = build_model(None, dict(TINY_MODEL, tie_word_embeddings=True), vocab_size=vocab, seed=0, block_size=64)
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=4,
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=5,
                              save_steps=2, report_to="none", disable_tqdm=True, use_cpu=True, seed=0)
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator)
     add_snip(trainer, settings={"plan": "adaptive", "replan_every": 2, "additional_bf16_fwd_every_n_steps": 100})
     trainer.train()
+    trainer.save_model()
+    trainer.save_state()
     ckpt = tmp_path / "run" / "checkpoint-4"
     assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 0
     record = json.loads((tmp_path / "hf" / "snip_export.json").read_text())
     assert record["weights"] == "the Trainer's model.safetensors" and record["step"] == 4
     assert not record["tokenizer"]["exported"] and "holds no tokenizer" in capsys.readouterr().err
-    exported, saved = _logits(tmp_path / "hf"), _logits(ckpt)
-    assert bool((exported == saved).all())
-    capsys.readouterr()
-    assert main(["show", str(tmp_path / "run")]) == 0  # the output directory: its last checkpoint, 4 (not 2)
+    assert bool((_logits(tmp_path / "hf") == _logits(ckpt)).all())
+    assert main(["show", str(tmp_path / "run")]) == 0  # the Trainer saved the last step too: checkpoint-5
+    assert capsys.readouterr().out.startswith(f"{tmp_path / 'run' / 'checkpoint-5'}: method ")
+    shutil.rmtree(tmp_path / "run" / "checkpoint-5")  # as if that save had not been kept
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf_run")]) == 0
+    assert "saved there at step 5, after its last checkpoint; exporting checkpoint-4" in capsys.readouterr().err
+    assert json.loads((tmp_path / "hf_run" / "snip_export.json").read_text())["checkpoint"] == str(ckpt.resolve())
+    assert main(["show", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().out.startswith(f"{ckpt}: method ")
 
 
