@@ -71,8 +71,10 @@ def run(settings, data, model_cfg, block, steps, seed, out):
                              adam_beta2=0.95, weight_decay=0.1, warmup_steps=0.1, logging_steps=10_000,
                              save_strategy="no", report_to="none", disable_tqdm=True, seed=seed, use_cpu=True)
     timer, snip = StepTimer(), SnipCallback(settings=settings)
-    Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
-            callbacks=[timer, snip, HookEnd(timer)]).train()
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                      callbacks=[timer, snip, HookEnd(timer)])
+    snip.attach(trainer)
+    trainer.train()
     return timer, snip
 
 

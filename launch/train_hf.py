@@ -5,6 +5,7 @@ Takes ``TrainingArguments``' own flags (``HfArgumentParser``); their defaults ar
 
     deepspeed launch/train_hf.py --deepspeed ds_configs/zero3.json --output_dir runs/hf
     torchrun --nproc_per_node 2 launch/train_hf.py --deepspeed ds_configs/zero2.json --output_dir runs/hf
+    accelerate launch --config_file ACCELERATE.yaml launch/train_hf.py   # deepspeed_config_file: a ds_configs JSON
     python launch/train_hf.py --output_dir runs/hf_adamw   # no DeepSpeed: torch AdamW, --snip_config's "snip"
 
 Model and data flags default to the config's ``snip.train`` section; the plan to its ``"snip"`` section.
@@ -66,11 +67,13 @@ def build(args: SnipTrainingArguments, data: SnipDataArguments):
     from transformers import Trainer, default_data_collator
 
     from snip_ds.data import load_dataset_blocks
-    from snip_ds.hf import SnipCallback
+    from snip_ds.hf import add_snip
     from snip_ds.model import build_model
     from snip_ds.settings import load_ds_config
 
-    cfg_path = args.deepspeed if isinstance(args.deepspeed, str) else data.snip_config
+    deepspeed = bool(args.deepspeed) or args.deepspeed_plugin is not None  # the flag, or accelerate launch's plugin
+    plugin_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if args.deepspeed_plugin is not None else None
+    cfg_path = args.deepspeed if isinstance(args.deepspeed, str) else plugin_file or data.snip_config
     raw, settings = load_ds_config(cfg_path)
     t = settings.train
     pick = lambda name: getattr(data, name) if getattr(data, name) is not None else getattr(t, name)  # noqa: E731
@@ -81,9 +84,10 @@ def build(args: SnipTrainingArguments, data: SnipDataArguments):
     n_eval = min(len(val_ds), pick("eval_batches") * args.per_device_eval_batch_size * max(args.world_size, 1))
     model = build_model(pick("model_name_or_path"), pick("model_config"), vocab_size=vocab, seed=args.seed,
                         dtype=torch.float32, block_size=block)
-    callback = SnipCallback() if args.deepspeed else SnipCallback(settings=_snip_section(data.snip_config))
-    return Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=Subset(val_ds, range(n_eval)),
-                   data_collator=default_data_collator, callbacks=[callback])
+    trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=Subset(val_ds, range(n_eval)),
+                      data_collator=default_data_collator)
+    add_snip(trainer, settings=None if deepspeed else _snip_section(data.snip_config))
+    return trainer
 
 
 def _snip_section(path: str) -> dict:

@@ -6,8 +6,11 @@ A training run writes, under its output directory (rank 0, each file atomically)
     stats.json   # adaptive runs: the statistics the last re-plan solved from (snip_ds.stats/1)
 
 and each checkpoint ``checkpoints/step_N/snip_meta.json`` (snip_ds.checkpoint/1) holds the plan and the
-adaptive planner's state, whose ``last_stats`` are statistics too. :func:`load_plan` and :func:`load_stats`
-read a plan or statistics from such a file or directory, and say what a wrong one is. No torch.
+adaptive planner's state, whose ``last_stats`` are statistics too. Under the Hugging Face Trainer,
+:class:`snip_ds.hf.SnipCallback` writes the same two into each ``checkpoint-N/snip_state.json``
+(snip_ds.hf_checkpoint/1). :func:`load_plan` and :func:`load_stats` read a plan or statistics from any such
+file or directory (a Trainer's output directory: its last ``checkpoint-N``), and say what a wrong one is.
+No torch.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ STATS_FILE = "stats.json"
 CHECKPOINT_FORMAT = "snip_ds.checkpoint/1"
 CHECKPOINT_META_FILE = "snip_meta.json"
 CHECKPOINT_LATEST_FILE = "latest"
+TRAINER_STATE_FILE = "snip_state.json"  # in a Hugging Face Trainer's checkpoint-N (snip_ds.hf.SnipCallback)
+TRAINER_STATE_FORMAT = "snip_ds.hf_checkpoint/1"
+TRAINER_CHECKPOINT_PREFIX = "checkpoint-"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -48,7 +54,7 @@ def write_stats(out_dir: str | os.PathLike, stats: Mapping[str, Any]) -> Path:
 # reading
 # --------------------------------------------------------------------------------------------------------
 _KIND_OF_FORMAT = {PLAN_FORMAT: "plan", STATS_FORMAT: "statistics",
-                   CHECKPOINT_FORMAT: "checkpoint metadata"}
+                   CHECKPOINT_FORMAT: "checkpoint metadata", TRAINER_STATE_FORMAT: "checkpoint metadata"}
 
 
 def _read_json(path: Path) -> Any:
@@ -103,24 +109,59 @@ def _not_this(path: Path, data: Any, wanted: str) -> ValueError:
 
 
 def _checkpoint_dir(path: Path) -> Path | None:
-    """The checkpoint tag directory ``path`` names (itself, or its ``latest``), else None."""
-    if (path / CHECKPOINT_META_FILE).is_file():
+    """The checkpoint directory ``path`` names (itself, or its ``latest``; a Trainer's ``checkpoint-N``), else
+    None."""
+    if (path / CHECKPOINT_META_FILE).is_file() or (path / TRAINER_STATE_FILE).is_file():
         return path
     latest = path / CHECKPOINT_LATEST_FILE
     if latest.is_file():
         tag_dir = path / latest.read_text(encoding="utf-8").strip()
         if not (tag_dir / CHECKPOINT_META_FILE).is_file():
+            if path.name.startswith(TRAINER_CHECKPOINT_PREFIX):  # DeepSpeed's 'latest' in a Trainer checkpoint
+                raise ValueError(f"{path}: a Trainer checkpoint without {TRAINER_STATE_FILE}: it was not saved by "
+                                 f"a run with snip_ds.hf's SnipCallback, or its save was interrupted")
             raise ValueError(f"{latest}: points to {tag_dir}, which is not a complete snip_ds checkpoint")
         return tag_dir
     return None
 
 
+def last_trainer_checkpoint(path: Path) -> Path | None:
+    """A Hugging Face Trainer's output directory: its ``checkpoint-N`` with the highest N that holds
+    ``snip_state.json`` (as ``transformers.trainer_utils.get_last_checkpoint`` picks, among complete ones);
+    None when ``path`` has no ``checkpoint-N`` folder."""
+    found = []
+    for child in path.iterdir() if path.is_dir() else ():
+        step = child.name[len(TRAINER_CHECKPOINT_PREFIX):]
+        if child.name.startswith(TRAINER_CHECKPOINT_PREFIX) and step.isdigit() and child.is_dir():
+            found.append((int(step), child))
+    if not found:
+        return None
+    complete = [c for n, c in sorted(found) if (c / TRAINER_STATE_FILE).is_file()]
+    if not complete:
+        raise ValueError(f"{path}: none of its {len(found)} checkpoint-N folder(s) holds {TRAINER_STATE_FILE}: "
+                         f"they were not saved by a run with snip_ds.hf's SnipCallback")
+    return complete[-1]
+
+
 def _checkpoint_meta(tag_dir: Path) -> dict:
-    path = tag_dir / CHECKPOINT_META_FILE
+    if (tag_dir / CHECKPOINT_META_FILE).is_file():
+        path = tag_dir / CHECKPOINT_META_FILE
+        meta = _read_json(path)
+        if kind_of(meta) != "checkpoint metadata":
+            raise ValueError(f"{path}: not a {CHECKPOINT_FORMAT} metadata file")
+        return meta
+    path = tag_dir / TRAINER_STATE_FILE
     meta = _read_json(path)
-    if kind_of(meta) != "checkpoint metadata":
-        raise ValueError(f"{path}: not a {CHECKPOINT_FORMAT} metadata file")
-    return meta
+    # files written before the 'format' field: the keys SnipCallback has always written
+    if not isinstance(meta, Mapping) or meta.get("format", TRAINER_STATE_FORMAT) != TRAINER_STATE_FORMAT or not {
+            "step", "plan", "planner"} <= set(meta):
+        raise ValueError(f"{path}: not a {TRAINER_STATE_FORMAT} file (SnipCallback's plan and planner state)")
+    return dict(meta)
+
+
+def _meta_file(tag_dir: Path) -> Path:
+    meta = tag_dir / CHECKPOINT_META_FILE
+    return meta if meta.is_file() else tag_dir / TRAINER_STATE_FILE
 
 
 def _resolve_dir(path: Path, run_file: str) -> Tuple[str, Path]:
@@ -132,14 +173,18 @@ def _resolve_dir(path: Path, run_file: str) -> Tuple[str, Path]:
         return "file", path / run_file
     if (path / "checkpoints").is_dir() and _checkpoint_dir(path / "checkpoints") is not None:
         return "checkpoint", _checkpoint_dir(path / "checkpoints")
+    trainer_checkpoint = last_trainer_checkpoint(path)
+    if trainer_checkpoint is not None:
+        return "checkpoint", trainer_checkpoint
     raise ValueError(f"{path}: a directory with neither {run_file} nor a snip_ds checkpoint "
-                     f"({CHECKPOINT_META_FILE}, or a '{CHECKPOINT_LATEST_FILE}' file)")
+                     f"({CHECKPOINT_META_FILE}, a '{CHECKPOINT_LATEST_FILE}' file, or a Trainer's checkpoint-N "
+                     f"with {TRAINER_STATE_FILE})")
 
 
 def load_plan(path: str | os.PathLike) -> Tuple[Plan, str]:
     """The plan in a plan file (full or bare), a run's output directory (its ``plan.json``) or a checkpoint
-    directory (``step_N``, or the ``checkpoints`` directory and its ``latest``); returns it and where it came
-    from (for messages).
+    directory (``step_N``, or the ``checkpoints`` directory and its ``latest``; a Trainer's ``checkpoint-N``
+    or output directory); returns it and where it came from (for messages).
 
     Raises:
         FileNotFoundError: no such file or directory.
@@ -152,7 +197,7 @@ def load_plan(path: str | os.PathLike) -> Tuple[Plan, str]:
         how, where = _resolve_dir(path, PLAN_FILE)
         if how == "checkpoint":
             meta = _checkpoint_meta(where)
-            source = str(where / CHECKPOINT_META_FILE)
+            source = str(_meta_file(where))
             if not isinstance(meta.get("plan"), Mapping):
                 raise ValueError(f"{source}: the checkpoint holds no plan")
             return Plan.from_dict(meta["plan"], source=f"{source}: plan"), str(where)
@@ -180,7 +225,7 @@ def load_stats(path: str | os.PathLike) -> Tuple[dict, str]:
         how, where = _resolve_dir(path, STATS_FILE)
         if how == "checkpoint":
             meta = _checkpoint_meta(where)
-            source = str(where / CHECKPOINT_META_FILE)
+            source = str(_meta_file(where))
             planner = meta.get("planner")
             stats = planner.get("last_stats") if isinstance(planner, Mapping) else None
             if stats is None:

@@ -7,6 +7,7 @@
     snip-ds show runs/zero3/checkpoints/step_120      # a checkpoint directory holds the plan and statistics
     snip-ds plan runs/zero3 --efficiency-saving 0.5 -o plan.json   # a run's output directory: its stats.json
     snip-ds export runs/zero3/checkpoints hf_model
+    snip-ds show runs/hf/checkpoint-60              # a Hugging Face Trainer's checkpoint (snip_ds.hf.SnipCallback)
 
 User errors (missing file, bad JSON, bad field, impossible target) print one line to stderr and exit 2.
 """
@@ -194,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser("show", help="print a plan as a per-block precision map")
-    s.add_argument("plan", help="plan JSON, a run's output directory (its plan.json) or a checkpoint directory")
+    s.add_argument("plan", help="plan JSON, a run's output directory (its plan.json) or a checkpoint directory "
+                   "(step_N, or a Hugging Face Trainer's checkpoint-N)")
     s.set_defaults(func=_cmd_show)
 
     d = sub.add_parser("diff", help="compare two plans")
@@ -203,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_diff)
 
     e = sub.add_parser("export", help="write a Hugging Face model directory from a training checkpoint")
-    e.add_argument("checkpoint", help="a checkpoint directory (step_N) or the checkpoints directory (its 'latest')")
+    e.add_argument("checkpoint", help="a checkpoint directory (step_N) or the checkpoints directory (its 'latest'); "
+                   "a Hugging Face Trainer's checkpoint-N or output directory (its last checkpoint-N)")
     e.add_argument("out_dir", help="the model directory to write (AutoModelForCausalLM.from_pretrained loads it)")
     e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the exported master weights")
     e.add_argument("--force", action="store_true", help="replace a previous export in OUT_DIR")

@@ -20,6 +20,13 @@ the checkpoint's ``snip_meta.json``.
 Before any shard is read, the checkpoint is checked as a resume checks it: the files ``snip_meta.json``
 records exist with their sizes and sha256 (:func:`snip_ds.engine.checkpoint.verify_files`); a checkpoint
 written before checksums were recorded is exported with a warning that its files are not verified.
+
+A Hugging Face Trainer's ``checkpoint-N`` (saved with :class:`snip_ds.hf.SnipCallback`: ``snip_state.json``
+there), or its output directory (the last such ``checkpoint-N``), exports the same way: the config is the
+Trainer's ``config.json``, the weights the FP32 masters in DeepSpeed's ``global_stepN`` folder (named by its
+``latest``) when there is one, else the Trainer's ``model.safetensors`` (read with safetensors, no
+unpickling), and the tokenizer the one the Trainer saved with it. The Trainer records no checksums, so
+those files are checked by name and shape only.
 """
 from __future__ import annotations
 
@@ -272,7 +279,8 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
 def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp32",
                       force: bool = False, warn: Callable[[str], None] = lambda msg: None) -> Dict[str, Any]:
     """Writes the Hugging Face model of ``checkpoint`` (a ``step_N`` directory, or a checkpoints directory
-    with ``latest``) to ``out_dir``; returns what :data:`EXPORT_FILE` records.
+    with ``latest``; a Trainer's ``checkpoint-N`` or output directory) to ``out_dir``; returns what
+    :data:`EXPORT_FILE` records.
 
     Raises:
         CheckpointError, ExportError: a missing, incomplete or damaged checkpoint, or an ``out_dir`` that
@@ -281,6 +289,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
+    trainer_dir = trainer_checkpoint(Path(checkpoint))
+    if trainer_dir is not None:
+        if trainer_dir != Path(checkpoint):
+            _warn_if_saved_later(Path(checkpoint), trainer_dir, warn)
+        return _export_trainer_checkpoint(trainer_dir, out_dir, dtype, force, warn)
     tag_dir = ckpt.resolve(Path(checkpoint))
     meta = ckpt.read_meta(tag_dir)
     meta_path = tag_dir / ckpt.META_FILE
@@ -321,6 +334,13 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
               "plan": f"{tag_dir.resolve() / ckpt.META_FILE} (key 'plan'); not applied by this model, "
                       f"which runs in plain {dtype}",
               "parameters": int(sum(v.numel() for k, v in model.named_parameters()))}
+    return _write_export(model, record, lambda tmp: _write_tokenizer(meta, tmp, warn), out_dir, tag_dir, force)
+
+
+def _write_export(model, record: Dict[str, Any], write_tokenizer: Callable[[Path], Dict[str, Any]],
+                  out_dir: Path, source: Path, force: bool) -> Dict[str, Any]:
+    """Saves ``model``, the tokenizer and :data:`EXPORT_FILE` into a temporary directory beside ``out_dir``,
+    then renames it into place."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     umask = os.umask(0)
@@ -332,9 +352,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     hf_logging.disable_progress_bar()
     try:
         model.save_pretrained(str(tmp))
-        record["tokenizer"] = _write_tokenizer(meta, tmp, warn)
+        record["tokenizer"] = write_tokenizer(tmp)
         (tmp / EXPORT_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        _check_out_dir(out_dir, tag_dir, force)  # again: it may have changed meanwhile
+        _check_out_dir(out_dir, source, force)  # again: it may have changed meanwhile
         _move_into_place(tmp, out_dir)
     finally:
         if bars:
@@ -342,3 +362,133 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return record
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hugging Face Trainer checkpoints (snip_ds.hf.SnipCallback)
+# --------------------------------------------------------------------------------------------------------
+def trainer_checkpoint(path: Path) -> Optional[Path]:
+    """The Trainer ``checkpoint-N`` that ``path`` names (itself, or an output directory's last one), or None
+    when ``path`` is not a Trainer's (then it is read as a snip_ds checkpoint).
+
+    Raises:
+        ExportError: a Trainer checkpoint (or output directory of them) without SnipCallback's state.
+    """
+    from snip_ds.artifacts import TRAINER_CHECKPOINT_PREFIX, TRAINER_STATE_FILE, last_trainer_checkpoint
+
+    if (path / TRAINER_STATE_FILE).is_file():
+        return path
+    if not path.is_dir() or (path / ckpt.META_FILE).is_file():
+        return None
+    if path.name.startswith(TRAINER_CHECKPOINT_PREFIX) and (path / "trainer_state.json").is_file():
+        raise ExportError(f"{path}: a Trainer checkpoint without {TRAINER_STATE_FILE}: it was not saved by a run "
+                          f"with snip_ds.hf's SnipCallback, or its save was interrupted")
+    if (path / ckpt.LATEST_FILE).exists() or (path / ckpt.RUN_CHECKPOINTS).is_dir():
+        return None
+    try:
+        return last_trainer_checkpoint(path)
+    except ValueError as err:
+        raise ExportError(str(err)) from None
+
+
+def _warn_if_saved_later(run: Path, folder: Path, warn: Callable[[str], None]) -> None:
+    """A Trainer output directory whose own ``trainer.save_model()`` / ``save_state()`` came after its last
+    checkpoint: the export is the checkpoint's, which ``warn`` says."""
+    try:
+        step = json.loads((run / "trainer_state.json").read_text())["global_step"]
+        saved = int(folder.name.rsplit("-", 1)[1])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return
+    if isinstance(step, int) and step > saved:
+        warn(f"{run}: the Trainer saved there at step {step}, after its last checkpoint; exporting {folder.name} "
+             f"(the weights the callback's plan and state belong to)")
+
+
+def _trainer_weights(folder: Path) -> Tuple[Dict[str, torch.Tensor], str]:
+    """The weights of a Trainer checkpoint and what they are: DeepSpeed's FP32 masters (``latest`` names the
+    ``global_stepN`` folder), else the Trainer's own safetensors file(s)."""
+    latest = folder / ckpt.LATEST_FILE
+    if latest.is_file():
+        tag_dir = folder / latest.read_text().strip()
+        if not tag_dir.is_dir():
+            raise ExportError(f"{latest}: names {tag_dir}, which does not exist; the checkpoint is incomplete")
+        return master_weights(tag_dir), f"DeepSpeed's FP32 master weights ({tag_dir.name})"
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ExportError(f"{index}: not a safetensors index ({_one_line(err)})") from None
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ExportError(f"{folder}: holds neither DeepSpeed's '{ckpt.LATEST_FILE}' and global_stepN folder nor "
+                          f"the Trainer's model.safetensors; the checkpoint has no weights")
+    weights: Dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            weights.update(load_file(str(folder / name), device="cpu"))
+        except (OSError, SafetensorError, ValueError) as err:
+            raise ExportError(f"{folder / name}: cannot be read ({_one_line(err)})") from None
+    return {k: v.float() for k, v in weights.items()}, f"the Trainer's {files[0] if len(files) == 1 else index.name}"
+
+
+def _export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: bool,
+                               warn: Callable[[str], None]) -> Dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snip_ds.artifacts import _checkpoint_meta
+
+    try:
+        meta = _checkpoint_meta(folder)
+    except ValueError as err:
+        raise ExportError(str(err)) from None
+    _check_out_dir(out_dir, folder, force)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ExportError(f"{config_file}: missing; the Trainer writes the model's config there when it saves")
+    try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ExportError(f"{config_file}: builds no causal LM ({_one_line(err)})") from None
+    weights, source = _trainer_weights(folder)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in weights.items()}
+    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
+    if not (extra or wrong):
+        model.load_state_dict(weights, strict=False, assign=True)
+        if missing:  # a safetensors file holds tied weights once: tie them, then nothing may be left unloaded
+            model.tie_weights()
+            missing = sorted(k for k, v in model.state_dict().items() if v.is_meta)
+    if missing or extra or wrong:
+        raise ExportError(f"{folder}: {source} do not hold the parameters of the model {config_file.name} "
+                          f"describes (missing {missing[:3]}, unexpected {extra[:3]}, other shape {wrong[:3]})")
+    model.to(DTYPES[dtype])
+    model.config.use_cache = True
+    record = {"format": FORMAT, "checkpoint": str(folder.resolve()), "step": meta.get("step"), "dtype": dtype,
+              "world_size": meta.get("world_size"), "weights": source,
+              "plan": f"{folder.resolve() / 'snip_state.json'} (key 'plan'); not applied by this model, which "
+                      f"runs in plain {dtype}",
+              "parameters": int(sum(v.numel() for k, v in model.named_parameters()))}
+    return _write_export(model, record, lambda tmp: _copy_trainer_tokenizer(folder, tmp, warn), out_dir, folder,
+                         force)
+
+
+def _copy_trainer_tokenizer(folder: Path, out: Path, warn: Callable[[str], None]) -> Dict[str, Any]:
+    if not (folder / "tokenizer_config.json").is_file():
+        reason = f"{folder} holds no tokenizer (the Trainer saves one given as processing_class)"
+        warn(f"no tokenizer exported: {reason}; copy the run's tokenizer files into the export yourself")
+        return {"kind": "unknown", "source": None, "exported": False, "note": reason}
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as err:
+        raise ExportError(f"tokenizer {folder}: cannot be loaded ({_one_line(err)})") from None
+    tok.save_pretrained(str(out))
+    return {"kind": "huggingface", "source": str(folder), "exported": True}

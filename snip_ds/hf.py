@@ -1,22 +1,34 @@
-"""SNIP in the Hugging Face ``Trainer``: one callback, ``callbacks=[SnipCallback()]``.
+"""SNIP in the Hugging Face ``Trainer``: one line after building it, ``add_snip(trainer)``.
+
+    trainer = Trainer(model=model, args=args, train_dataset=train, ...)
+    add_snip(trainer)            # or: cb = SnipCallback(); Trainer(..., callbacks=[cb]); cb.attach(trainer)
+
+The callback needs its Trainer (for ``Trainer.log``, the DeepSpeed engine and the optimizer), and
+transformers hands callbacks neither: its ``CallbackHandler`` passes ``model``, ``processing_class``,
+``optimizer`` and ``lr_scheduler`` as given to ``Trainer(...)`` (so no DeepSpeed optimizer) and the data
+loaders. Hence the explicit :func:`add_snip` / :meth:`SnipCallback.attach`; a ``SnipCallback`` that was
+never attached stops ``trainer.train()`` before the first step, saying what to call.
 
 :class:`SnipCallback` runs what :func:`snip_ds.initialize`'s engine runs, inside the Trainer's own loop:
 
-* ``on_init_end`` (the end of ``Trainer.__init__``, before DeepSpeed or the optimizer exist): reads the
-  ``"snip"`` section of the Trainer's DeepSpeed config (or the settings given to the callback), checks it
-  against the ``TrainingArguments``, and swaps the decoder linears for :class:`~snip_ds.linear.SnipLinear`
-  keeping the very same Parameters (:func:`snip_ds.swap.swap_linears`), so the optimizer and ZeRO see the
-  parameters they would have seen;
+* ``on_init_end`` or :meth:`~SnipCallback.attach`, whichever comes first (both before the Trainer builds
+  the optimizer): reads the ``"snip"`` section of the Trainer's DeepSpeed config (``TrainingArguments.
+  deepspeed``, or the config file of accelerate's DeepSpeed plugin under ``accelerate launch``) or the
+  settings given to the callback, checks it against the ``TrainingArguments``, and swaps the decoder linears
+  for :class:`~snip_ds.linear.SnipLinear` keeping the very same Parameters (:func:`snip_ds.swap.swap_linears`),
+  so the optimizer and ZeRO see the parameters they would have seen;
 * ``on_train_begin`` (the DeepSpeed engine or the torch optimizer is built): applies the starting plan, or on
-  a resumed run the plan, planner state and rounding generators saved in ``checkpoint-N``;
+  a resumed run the plan, planner state and rounding generators saved in ``checkpoint-N`` (the only plan
+  logged then is the restored one);
 * ``on_step_begin`` (the optimizer-step boundary, before the step's first micro-batch): in an adaptive run,
   before step 1 and every ``replan_every`` steps, the :class:`~snip_ds.engine.adaptive.AdaptivePlanner`
   collects statistics on a private seeded stream over the training set (the Trainer's data order is never
   touched), reads Adam's second moments from the Trainer's optimizer (DeepSpeed ZeRO 0-3 or torch AdamW,
   :mod:`snip_ds.engine.adam_state`), solves on rank 0, broadcasts and applies the plan; every
   ``additional_bf16_fwd_every_n_steps`` steps it measures the forward divergence of the plan in force;
-* ``on_save``: writes ``snip_state.json`` (plan, planner state) and one ``snip_rng_rank<r>.safetensors``
-  (stochastic-rounding generators) per rank into the Trainer's ``checkpoint-N`` folder.
+* ``on_save``: writes ``snip_state.json`` (plan, planner state; :data:`snip_ds.artifacts.TRAINER_STATE_FORMAT`)
+  and one ``snip_rng_rank<r>.safetensors`` (stochastic-rounding generators) per rank into the Trainer's
+  ``checkpoint-N`` folder, which ``snip-ds show/diff/plan/export`` then read as they read ``step_N``.
 
 Scalars go through ``Trainer.log`` (so every ``report_to`` integration receives them); the precision map and
 the plan-change notes go to TensorBoard when a ``TensorBoardCallback`` is reporting.
@@ -25,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -33,9 +44,9 @@ import torch
 from transformers import TrainerCallback
 
 from snip_ds import distributed as sdist
+from snip_ds.artifacts import TRAINER_STATE_FILE as STATE_FILE, TRAINER_STATE_FORMAT
 from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
 
-STATE_FILE = "snip_state.json"
 STATS_SEED_OFFSET = 7919  # the private statistics stream's seed is TrainingArguments.seed + this (as launch/train.py)
 MEASURE_SEED_OFFSET = 2 * 7919  # the measured-divergence stream's
 
@@ -135,34 +146,38 @@ class _TrainerLogger:
         pass
 
 
-def _find_trainer():
-    """The ``Trainer`` whose ``__init__`` is calling ``on_init_end`` (found on the call stack: the callback
-    API hands callbacks neither the Trainer nor its ``log``)."""
-    from transformers import Trainer
+def _deepspeed_config(args) -> tuple[Optional[dict], Optional[str]]:
+    """The DeepSpeed config the Trainer trains with, as ``(config, where)``; ``(None, None)`` without DeepSpeed.
 
-    frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            break
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
-        frame = frame.f_back
-    return None
+    ``TrainingArguments.deepspeed`` (a path or a dict) first; else, under ``accelerate launch`` with a DeepSpeed
+    plugin, the plugin's config (``TrainingArguments.deepspeed_plugin``, which transformers builds from
+    ``ACCELERATE_USE_DEEPSPEED``): read from its file, ``ACCELERATE_DEEPSPEED_CONFIG_FILE``, when there is one
+    (so errors name the file), else the dict accelerate holds. File errors name the file.
+    """
+    ds = getattr(args, "deepspeed", None)
+    if isinstance(ds, (str, os.PathLike)):
+        return _read_config(ds), str(ds)
+    if isinstance(ds, dict):
+        return ds, "TrainingArguments.deepspeed"
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if plugin is None:
+        return None, None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path != "none":
+        return _read_config(path), path
+    config = getattr(getattr(plugin, "hf_ds_config", None), "config", None) or getattr(plugin, "deepspeed_config", None)
+    return (dict(config) if isinstance(config, Mapping) else None), "accelerate's DeepSpeed plugin (deepspeed_config)"
+
+
+def _read_config(path) -> dict:
+    load_ds_config(path)  # file errors (missing, not JSON, not an object) and the section's, named by path
+    return json.loads(Path(path).read_text())
 
 
 def _settings_from(args, settings) -> tuple[SnipSettings, str]:
     """The validated settings and where they came from; errors name the field and the file."""
-    ds = getattr(args, "deepspeed", None)
-    section, source = None, None
-    if isinstance(ds, (str, os.PathLike)):
-        _, parsed = load_ds_config(ds)  # file errors (missing, not JSON) and the section, named by path
-        with open(ds) as f:
-            section = json.load(f).get("snip")
-        source = str(ds)
-    elif isinstance(ds, dict):
-        section, source = ds.get("snip"), "TrainingArguments.deepspeed"
-        parsed = parse_snip_section(section, source) if section is not None else None
+    config, source = _deepspeed_config(args)
+    section = None if config is None else config.get("snip")
     if settings is not None:
         if section is not None:
             raise ConfigError(f"{source}: has a 'snip' section and SnipCallback was given settings too; "
@@ -175,16 +190,16 @@ def _settings_from(args, settings) -> tuple[SnipSettings, str]:
         return parse_snip_section(dict(settings), "SnipCallback(settings=...)"), "SnipCallback(settings=...)"
     if section is None:
         raise ConfigError(f"{source or 'TrainingArguments'}: no 'snip' section; name a DeepSpeed config with one "
-                          "(TrainingArguments(deepspeed=...)) or pass SnipCallback(settings={...})")
-    return parsed, source
+                          "(TrainingArguments(deepspeed=...), or deepspeed_config_file in accelerate's config) or "
+                          "pass SnipCallback(settings={...})")
+    return parse_snip_section(section, source), source
 
 
 def _check_against_trainer(args, source: str) -> None:
     """The DeepSpeed config's batch geometry must be the Trainer's (or "auto")."""
-    ds = getattr(args, "deepspeed", None)
-    if ds is None:
+    cfg, _ = _deepspeed_config(args)
+    if cfg is None:
         return
-    cfg = ds if isinstance(ds, dict) else json.loads(Path(ds).read_text())
     for key, arg in (("gradient_accumulation_steps", "gradient_accumulation_steps"),
                      ("train_micro_batch_size_per_gpu", "per_device_train_batch_size")):
         value = cfg.get(key, "auto")
@@ -193,16 +208,29 @@ def _check_against_trainer(args, source: str) -> None:
                               f"{getattr(args, arg)!r}; make them equal or set {key} to \"auto\"")
 
 
-def share_cpu_ranks_with_accelerate(args) -> None:
-    """Several CPU ranks under DeepSpeed: tell accelerate about them (call right after ``TrainingArguments``;
-    a no-op on GPUs, for one rank, and without DeepSpeed).
+def _uses_deepspeed(args) -> bool:
+    return bool(getattr(args, "deepspeed", None)) or getattr(args, "deepspeed_plugin", None) is not None
 
-    accelerate picks a distributed backend only for accelerators (CUDA, XPU, ...), so on a CPU its state says
-    one process while the launcher started several and DeepSpeed trains them together: every rank would read
-    the same batches, and gathering evaluation losses fails. Starting DeepSpeed's process group (gloo) first and
-    recording it in accelerate's shared state gives each rank its own shard of the data, as on GPUs.
+
+def _cpu_ranks_unshared(args) -> bool:
+    """DeepSpeed on CPUs with several launched ranks, but accelerate's state counting one process."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    return (_uses_deepspeed(args) and not torch.cuda.is_available() and launched > 1
+            and int(args.distributed_state.num_processes) != launched)
+
+
+def share_cpu_ranks_with_accelerate(args) -> None:
+    """Several CPU ranks under DeepSpeed: tell accelerate about them (call right after ``TrainingArguments``,
+    before the ``Trainer``; a no-op on GPUs, for one rank, and without DeepSpeed).
+
+    accelerate (1.1 to 1.15 at least) picks a distributed backend only for accelerators (CUDA, XPU, ...): on a
+    CPU with DeepSpeed, from ``TrainingArguments(deepspeed=...)`` or ``accelerate launch`` with a DeepSpeed
+    plugin, its state says one process while the launcher started several and DeepSpeed trains them together:
+    every rank would read the same batches, and gathering evaluation losses fails. Starting DeepSpeed's process
+    group (gloo) first and recording it in accelerate's shared state gives each rank its own shard of the data,
+    as on GPUs. :class:`SnipCallback` refuses to train when it was needed and not called.
     """
-    if not args.deepspeed or torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if not _uses_deepspeed(args) or torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
     import deepspeed
     import torch.distributed as dist
@@ -218,19 +246,43 @@ def share_cpu_ranks_with_accelerate(args) -> None:
     state.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def add_snip(trainer, settings: Optional[Mapping[str, Any] | SnipSettings] = None) -> "SnipCallback":
+    """SNIP for ``trainer``: call right after ``trainer = Trainer(...)``, before ``trainer.train()``.
+
+    Attaches the ``SnipCallback`` already among the Trainer's callbacks, or adds a new one (with ``settings``:
+    see :class:`SnipCallback`); returns it.
+    """
+    from transformers import Trainer
+
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"add_snip: expected a transformers.Trainer, got {type(trainer).__name__}")
+    present = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SnipCallback)]
+    if len(present) > 1:
+        raise ConfigError("add_snip: the Trainer has several SnipCallbacks; give it one")
+    if present:
+        if settings is not None:
+            raise ConfigError("add_snip(trainer, settings=...): the Trainer already has a SnipCallback; give the "
+                              "settings to it (SnipCallback(settings=...)) or leave it out of callbacks=[...]")
+        return present[0].attach(trainer)
+    return SnipCallback(settings).attach(trainer)
+
+
 class SnipCallback(TrainerCallback):
-    """SNIP FP8/FP4 mixed precision for a ``transformers.Trainer``: ``Trainer(..., callbacks=[SnipCallback()])``.
+    """SNIP FP8/FP4 mixed precision for a ``transformers.Trainer``: ``add_snip(trainer)`` creates and attaches
+    one; or ``Trainer(..., callbacks=[cb])`` followed by ``cb.attach(trainer)``.
 
     Args:
         settings: the ``"snip"`` section as a mapping (or :class:`~snip_ds.settings.SnipSettings`), for a
-            Trainer without a DeepSpeed config; None reads the section from ``TrainingArguments.deepspeed``.
+            Trainer without a DeepSpeed config; None reads the section from the Trainer's DeepSpeed config
+            (``TrainingArguments.deepspeed``, or accelerate's DeepSpeed plugin under ``accelerate launch``).
             Its ``train`` part belongs to ``launch/train.py`` and is not used here (the Trainer's arguments
             decide), except that ``TrainingArguments.seed`` replaces ``train.seed``.
 
     Errors found before training (an unknown or invalid key, a DeepSpeed batch size or accumulation that
     disagrees with the ``TrainingArguments``, a plan file naming layers the model lacks, a model without
-    Llama-style decoder linears) are raised from ``Trainer(...)`` as :class:`~snip_ds.settings.ConfigError`
-    or ``ValueError`` with one line naming the field or file.
+    Llama-style decoder linears, CPU ranks accelerate does not know of) are raised from ``Trainer(...)`` (a
+    callback given there) or from :func:`add_snip` as :class:`~snip_ds.settings.ConfigError` or ``ValueError``
+    with one line naming the field or file.
 
     Attributes:
         engine: the :class:`~snip_ds.engine.core.SnipEngine` view of the Trainer (after ``on_train_begin``).
@@ -248,22 +300,50 @@ class SnipCallback(TrainerCallback):
         self._measure_stream = None
 
     # ------------------------------------------------------------------ before the engine exists
+    def attach(self, trainer) -> "SnipCallback":
+        """Connects the callback to ``trainer`` (call before ``trainer.train()``); adds it to the Trainer's
+        callbacks if it is not there, and then reads the settings and swaps the linears as ``on_init_end``
+        does. Returns the callback."""
+        from transformers import Trainer
+
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"SnipCallback.attach: expected a transformers.Trainer, got {type(trainer).__name__}")
+        if self.trainer is not None and self.trainer is not trainer:
+            raise ConfigError("SnipCallback.attach: already attached to another Trainer; use one SnipCallback "
+                              "per Trainer")
+        if getattr(trainer, "is_in_train", False):
+            raise ConfigError("SnipCallback.attach: the Trainer is training; attach before trainer.train()")
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        self.trainer = trainer
+        self._setup(trainer.args, trainer.model)
+        return self
+
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._setup(args, model)
+        return control
+
+    def _setup(self, args, model) -> None:
+        """Settings, checks and the swap; once (``on_init_end`` and :meth:`attach` both call it)."""
         from snip_ds.engine.core import initial_plan
         from snip_ds.swap import swap_linears
 
-        trainer = _find_trainer()
-        if trainer is None:
-            raise RuntimeError("SnipCallback: pass it to the Trainer's constructor (Trainer(..., callbacks="
-                               "[SnipCallback()])); it must act before the Trainer builds the optimizer")
+        if self.infos is not None:
+            return
         settings, source = _settings_from(args, self._given)
         _check_against_trainer(args, source)
         if settings.nonfinite != "stop":  # the Trainer takes its own optimizer steps: none can be skipped here
             raise ConfigError(f"{source}: snip.nonfinite {settings.nonfinite!r} acts in launch/train.py and "
                               f"snip_ds.initialize loops only; under the Hugging Face Trainer leave it unset")
+        if _cpu_ranks_unshared(args):  # the same on every rank: each unlinks its DeepSpeed buffer, then stops
+            if sdist.is_initialized():
+                from snip_ds.engine.core import release_shm_buffer
+                release_shm_buffer()
+            raise ConfigError(f"{os.environ.get('WORLD_SIZE')} ranks were launched with DeepSpeed on CPUs, but "
+                              f"accelerate counts {args.distributed_state.num_processes} process: every rank would "
+                              f"read the same batches; call snip_ds.hf.share_cpu_ranks_with_accelerate(args) right "
+                              f"after building TrainingArguments, before the Trainer")
         self.settings = with_overrides(settings, seed=args.seed)
-        self.trainer = trainer
-        model = model if model is not None else trainer.model
         rank = int(os.environ.get("RANK", "0")) if not sdist.is_initialized() else sdist.rank()
         self.infos = swap_linears(model, "bf16", self.settings.quant, seed=args.seed, rank=rank)
         # FLOPs per step, for the shares (which do not depend on the token count)
@@ -274,7 +354,6 @@ class SnipCallback(TrainerCallback):
             raise ConfigError(str(err)) from None
         for fqn, layer in _snip_layers(model).items():
             layer.precision = self.plan.assignment[fqn]
-        return control
 
     # ------------------------------------------------------------------ engine built
     def on_train_begin(self, args, state, control, **kwargs):
@@ -282,6 +361,10 @@ class SnipCallback(TrainerCallback):
         from snip_ds.engine.core import SnipEngine
 
         trainer, s = self.trainer, self.settings
+        if trainer is None:
+            raise RuntimeError("SnipCallback is not attached to its Trainer (transformers does not hand it to "
+                               "callbacks): after trainer = Trainer(...), call snip_ds.hf.add_snip(trainer), or "
+                               "callback.attach(trainer) for the SnipCallback in callbacks=[...]")
         if sdist.is_initialized():  # DeepSpeed's CPU all-reduce buffers are mapped by now: unlink their names
             from snip_ds.engine.core import release_shm_buffer
             release_shm_buffer()
@@ -289,7 +372,6 @@ class SnipCallback(TrainerCallback):
         block = _sequence_length(trainer.train_dataset)
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * block
         self.engine = SnipEngine(view, self.infos, s, tokens_per_step, _TrainerLogger(trainer))
-        self.engine.set_plan(self.plan, "initial plan")
         if s.is_adaptive:
             from snip_ds.engine.adaptive import AdaptivePlanner
 
@@ -303,8 +385,10 @@ class SnipCallback(TrainerCallback):
             self._measure_stream = DataStream(data, args.per_device_train_batch_size,
                                               seed=args.seed + MEASURE_SEED_OFFSET, rank=rank, world_size=world)
             self.planner = AdaptivePlanner(self.engine, stream)
-        if state.global_step > 0:
+        if state.global_step > 0:  # a resumed run: the saved plan is the first one applied and logged
             self._restore(args, state)
+        else:
+            self.engine.set_plan(self.plan, "initial plan")
         return control
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -338,7 +422,7 @@ class SnipCallback(TrainerCallback):
         rank = sdist.rank()
         _atomic(folder / _rng_file(rank), lambda tmp: save_file(gens, str(tmp)))
         if rank == 0:
-            payload = {"step": state.global_step, "world_size": sdist.world_size(),
+            payload = {"format": TRAINER_STATE_FORMAT, "step": state.global_step, "world_size": sdist.world_size(),
                        "plan": self.engine.plan.to_dict(), "settings": self.settings.to_dict(),
                        "planner": self.planner.state_dict() if self.planner else None,
                        "measure_stream": self._measure_stream.state_dict() if self._measure_stream else None}
@@ -400,4 +484,4 @@ def _atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["SnipCallback", "STATE_FILE", "share_cpu_ranks_with_accelerate"]
+__all__ = ["SnipCallback", "STATE_FILE", "add_snip", "share_cpu_ranks_with_accelerate"]

@@ -1,6 +1,8 @@
 """SnipCallback in the Hugging Face Trainer: ZeRO-3 on 1 and 2 ranks, resume, plain AdamW, bad inputs."""
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,7 +102,7 @@ def _log(run: Path, step: int):
 def test_resume_continues_on_restored_plan_bit_for_bit(tmp_path):
     cfg = _config(tmp_path)
     common = ["--deepspeed", str(cfg), "--max_steps", "6", "--save_steps", "3", "--eval_steps", "100",
-              "--report_to", "none", *SMALL]
+              "--report_to", "tensorboard", *SMALL]
     _train_hf([*common, "--output_dir", str(tmp_path / "a")])
     proc = _train_hf([*common, "--output_dir", str(tmp_path / "b"), "--resume_from_checkpoint",
                       str(tmp_path / "a" / "checkpoint-3")])
@@ -114,6 +116,38 @@ def test_resume_continues_on_restored_plan_bit_for_bit(tmp_path):
     assert sb["plan"]["assignment"] == sa["plan"]["assignment"]  # (its meta holds the solve time)
     assert sb["planner"]["last_stats"] == sa["planner"]["last_stats"]
     assert [h["step"] for h in sb["planner"]["history"]] == [0, 2, 4]
+    # The resumed run logs the plan it restored (the step-2 plan, in force at step 3), once, and no other:
+    # neither an all-FP8 "initial plan" nor its FP4 share of 0, in Trainer.log nor in TensorBoard.
+    in_force = json.loads((tmp_path / "a" / "checkpoint-3" / "snip_state.json").read_text())
+    share = in_force["planner"]["history"][-1]["fp4_share"]
+    assert in_force["planner"]["history"][-1]["step"] == 2 and share >= 0.75 - 1e-12
+    at_resume = [e["plan/fp4_share"] for e in b if e["step"] == 3 and "plan/fp4_share" in e]
+    assert at_resume == [pytest.approx(share, rel=1e-12)]
+    (events,) = {p.parent for p in (tmp_path / "b").glob("runs/**/events.out.tfevents.*")}
+    logged = _events(events)
+    assert [v for step, v in logged["scalars"]["train/plan/fp4_share"] if step == 3] == [pytest.approx(share)]
+    assert min(step for step, _ in logged["scalars"]["train/plan/fp4_share"]) == 3
+    maps = logged["images"]["plan/precision_map"]
+    assert min(maps) == 3 and maps.count(3) == 1  # the restored plan's map, then any re-plan's
+    assert [t for step, t in logged["texts"]["plan/changes"] if step == 3] == ["step 3: restored"]
+
+
+def _events(log_dir: Path) -> dict:
+    """Every scalar (step, value), image step and text (step, string) event, duplicates kept, in write order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.text import metadata as text_metadata
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    texts = {}
+    for tag in tags.get("tensors", []):
+        if acc.SummaryMetadata(tag).plugin_data.plugin_name == text_metadata.PLUGIN_NAME:
+            texts[tag.removesuffix("/text_summary")] = [
+                (e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode()) for e in acc.Tensors(tag)]
+    return {"scalars": {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags["scalars"]},
+            "images": {t: [e.step for e in acc.Images(t)] for t in tags["images"]}, "texts": texts}
 
 
 @pytest.mark.slow
@@ -134,7 +168,7 @@ def test_without_deepspeed_plain_adamw(tmp_path):
 
 
 # ---------------------------------------------------------------- bad inputs: one clear error, before training
-def _trainer(tmp_path, deepspeed=None, model=None, callback=None, ga=1):
+def _trainer(tmp_path, deepspeed=None, model=None, callback=None, ga=1, use_cpu=None):
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from snip_ds.data import BlockDataset
@@ -146,7 +180,8 @@ def _trainer(tmp_path, deepspeed=None, model=None, callback=None, ga=1):
     if model is None:
         model = build_model(None, dict(TINY_MODEL), vocab_size=257, seed=0, block_size=64)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), deepspeed=deepspeed, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=ga, max_steps=1, report_to="none", use_cpu=deepspeed is None)
+                             gradient_accumulation_steps=ga, max_steps=1, report_to="none",
+                             use_cpu=deepspeed is None if use_cpu is None else use_cpu)
     data = BlockDataset(torch.zeros(8, 64, dtype=torch.int32))
     return Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
                    callbacks=[callback or SnipCallback()])
@@ -223,6 +258,61 @@ def test_model_without_llama_decoder_linears(tmp_path):
         _trainer(tmp_path, model=model, callback=SnipCallback(settings={"plan": "fp8"}))
 
 
+def test_accelerate_plugin_config_is_read(tmp_path, monkeypatch):
+    """Under accelerate launch, TrainingArguments.deepspeed is None and the config is the DeepSpeed plugin's
+    deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE): its "snip" section is read, errors name it."""
+    from snip_ds.hf import SnipCallback
+    from snip_ds.settings import ConfigError
+
+    path = _variant(tmp_path, lambda c: c["snip"].update(replan_evry=3))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", path)
+    with pytest.raises(ConfigError, match=rf"{path}: snip: unknown key\(s\) 'replan_evry'"):
+        _trainer(tmp_path, deepspeed=None, use_cpu=False)
+    good = _variant(tmp_path, lambda c: c["snip"].update(plan="fp4"))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", good)
+    trainer = _trainer(tmp_path, deepspeed=None, use_cpu=False)
+    assert trainer.args.deepspeed is None and trainer.is_deepspeed_enabled
+    (snip,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SnipCallback)]
+    assert snip.settings.plan == "fp4" and set(snip.plan.assignment.values()) == {"fp4"}
+
+
+def test_unattached_callback_stops_training_naming_what_to_call(tmp_path):
+    from snip_ds.hf import SnipCallback
+
+    trainer = _trainer(tmp_path, callback=SnipCallback(settings={"plan": "fp8"}))
+    with pytest.raises(RuntimeError, match=r"call snip_ds.hf.add_snip\(trainer\), or callback.attach\(trainer\)"):
+        trainer.train()
+
+
+def test_add_snip_adds_or_attaches_one_callback(tmp_path):
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from snip_ds.data import BlockDataset
+    from snip_ds.hf import SnipCallback, add_snip
+    from snip_ds.linear import SnipLinear
+    from snip_ds.model import build_model
+    from snip_ds.settings import ConfigError
+
+    import torch
+
+    model = build_model(None, dict(TINY_MODEL), vocab_size=257, seed=0, block_size=64)
+    weight = model.model.layers[0].mlp.up_proj.weight
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), max_steps=2, per_device_train_batch_size=2,
+                             report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=BlockDataset(torch.randint(0, 257, (8, 64))),
+                      data_collator=default_data_collator)
+    snip = add_snip(trainer, settings={"plan": "fp4"})
+    assert [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SnipCallback)] == [snip]
+    layer = model.model.layers[0].mlp.up_proj
+    assert isinstance(layer, SnipLinear) and layer.weight is weight and layer.precision == "fp4"
+    assert add_snip(trainer) is snip  # the callback already there is attached again, not duplicated
+    with pytest.raises(ConfigError, match="already has a SnipCallback"):
+        add_snip(trainer, settings={"plan": "fp8"})
+    trainer.train()
+    assert snip.engine.plan_fp4_share() == pytest.approx(1.0) and trainer.state.global_step == 2
+
+
 @pytest.mark.slow
 def test_cli_reports_one_line(tmp_path):
     path = _variant(tmp_path, lambda c: c["snip"].update(replan_evry=3))
@@ -277,9 +367,215 @@ def test_statistics_leave_no_trace(tmp_path):
         snip = SnipCallback(settings=settings)
         trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator,
                           callbacks=[snip])
+        snip.attach(trainer)
         trainer.train()
         losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         if name == "adaptive":
             assert [h["step"] for h in snip.planner.history] == [0, 2, 4]
             assert set(snip.engine.plan.assignment.values()) == {"fp8"}
     assert len(losses["fixed"]) == 5 and losses["adaptive"] == losses["fixed"]
+
+
+# ---------------------------------------------------------------- a run_clm.py-shaped script, ZeRO-3, 2 ranks
+RUN_CLM = REPO / "tests" / "dist_scripts" / "run_clm_snip.py"
+
+
+def _run_clm_inputs(tmp: Path) -> dict:
+    """A tiny Llama config directory, the byte-level tokenizer as a Hugging Face tokenizer directory, a text file
+    of Python's standard-library sources, and the tiny adaptive ZeRO-3 config (re-plans every 2 steps)."""
+    from transformers import LlamaConfig
+
+    from snip_ds.export import byte_tokenizer
+
+    LlamaConfig(**{k: v for k, v in TINY_MODEL.items() if k != "model_type"}).save_pretrained(tmp / "config")
+    byte_tokenizer().save_pretrained(str(tmp / "tokenizer"))
+    text, size = [], 0
+    for path in sorted(Path(os.__file__).parent.glob("*.py")):
+        text.append(path.read_text(encoding="utf-8", errors="replace"))
+        size += len(text[-1])
+        if size > 60_000:
+            break
+    (tmp / "corpus.txt").write_text("".join(text))
+    return {"ds": _config(tmp), "args": [
+        "--config_name", str(tmp / "config"), "--tokenizer_name", str(tmp / "tokenizer"), "--train_file",
+        str(tmp / "corpus.txt"), "--block_size", "64", "--do_train", "--do_eval", "--max_steps", "4",
+        "--save_steps", "4", "--logging_steps", "1", "--report_to", "none", "--seed", "0", *SMALL]}
+
+
+def _run_clm(tmp: Path, launcher: str, out: Path) -> subprocess.CompletedProcess:
+    from snip_ds.engine.core import _free_port
+
+    inputs = _run_clm_inputs(tmp)
+    port = str(_free_port())
+    if launcher == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port,
+               str(RUN_CLM), "--deepspeed", str(inputs["ds"])]
+    else:  # accelerate's own DeepSpeed plugin names the config: no --deepspeed flag
+        (tmp / "accelerate.yaml").write_text(
+            "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+            f"  deepspeed_config_file: {inputs['ds']}\n  zero3_init_flag: true\nmachine_rank: 0\n"
+            "num_machines: 1\nnum_processes: 2\nuse_cpu: false\n")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp / "accelerate.yaml"),
+               "--num_processes", "2", "--main_process_port", port, str(RUN_CLM)]
+    e = env()
+    e.update(HF_DATASETS_CACHE=str(tmp / "datasets_cache"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run([*cmd, *inputs["args"], "--output_dir", str(out)], cwd=tmp, env=e, capture_output=True,
+                          text=True, timeout=900)
+    left = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    for path in left:
+        path.unlink(missing_ok=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not left, f"the run left {[p.name for p in left]} in /dev/shm"
+    return proc
+
+
+def _logits(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
+    ids = torch.arange(64).remainder(257).reshape(1, 64)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("launcher", ["deepspeed", "accelerate"])
+def test_run_clm_zero3_two_ranks_saves_a_loadable_model_and_snip_ds_reads_its_checkpoint(tmp_path, launcher):
+    """run_clm.py's shape with add_snip(trainer), ZeRO-3 on 2 CPU ranks: under the deepspeed launcher
+    (--deepspeed) and under accelerate launch (the DeepSpeed plugin's deepspeed_config_file, no --deepspeed).
+    trainer.save_model() leaves a model from_pretrained loads; snip-ds show/plan/diff/export read checkpoint-4
+    and the output directory; the export's logits are the saved model's."""
+    from snip_ds.cli import main
+
+    out = tmp_path / "out"
+    proc = _run_clm(tmp_path, launcher, out)
+    assert "step 2: plan optimal" in proc.stdout
+    ckpt = out / "checkpoint-4"
+    state = json.loads((ckpt / "snip_state.json").read_text())
+    assert state["world_size"] == 2 and state["format"] == "snip_ds.hf_checkpoint/1"
+    history = state["planner"]["history"]
+    assert [h["step"] for h in history] == [0, 2] and all(h["status"] == "optimal" for h in history)
+    assert all(h["fp4_share"] >= 0.75 - 1e-12 for h in history) and history[1]["precond"] == "zero3"
+    metrics = json.loads((out / "eval_results.json").read_text())
+    assert math.isfinite(metrics["eval_loss"])
+
+    # trainer.save_model(): ZeRO-3's 16-bit gather on save (the shipped config) writes the weights
+    saved = _logits(out)
+    # snip-ds reads the Trainer checkpoint as it reads step_N
+    assert main(["show", str(ckpt)]) == 0 and main(["show", str(out)]) == 0
+    assert main(["plan", str(ckpt), "--efficiency-saving", "0.5", "-o", str(tmp_path / "p.json")]) == 0
+    assert main(["diff", str(ckpt), str(tmp_path / "p.json")]) == 0
+    # export: DeepSpeed's FP32 masters from global_step4; the run is FP32, so they are the saved weights exactly
+    for source, name in ((ckpt, "hf_ckpt"), (out, "hf_out")):
+        assert main(["export", str(source), str(tmp_path / name)]) == 0
+        record = json.loads((tmp_path / name / "snip_export.json").read_text())
+        assert record["checkpoint"] == str(ckpt.resolve()) and record["step"] == 4
+        assert record["weights"] == "DeepSpeed's FP32 master weights (global_step4)"
+        assert record["tokenizer"]["exported"]
+        exported = _logits(tmp_path / name)
+        assert exported.shape == saved.shape and bool((exported == saved).all())
+
+
+def test_plain_trainer_checkpoint_exports_its_safetensors_with_tied_weights(tmp_path, capsys):
+    """Without DeepSpeed the Trainer's checkpoint-N holds model.safetensors (a tied lm_head stored once): the
+    export loads, its logits are the checkpoint's; the output directory exports its last checkpoint-N (by
+    step), saying so when the Trainer saved there later."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from snip_ds.cli import main
+    from snip_ds.data import load_dataset_blocks
+    from snip_ds.hf import add_snip
+    from snip_ds.model import build_model
+
+    train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=100_000, max_validation_bytes=4096)
+    model = build_model(None, dict(TINY_MODEL, tie_word_embeddings=True), vocab_size=vocab, seed=0, block_size=64)
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=5,
+                             save_steps=2, report_to="none", disable_tqdm=True, use_cpu=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator)
+    add_snip(trainer, settings={"plan": "adaptive", "replan_every": 2, "additional_bf16_fwd_every_n_steps": 100})
+    trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 0
+    record = json.loads((tmp_path / "hf" / "snip_export.json").read_text())
+    assert record["weights"] == "the Trainer's model.safetensors" and record["step"] == 4
+    assert not record["tokenizer"]["exported"] and "holds no tokenizer" in capsys.readouterr().err
+    assert bool((_logits(tmp_path / "hf") == _logits(ckpt)).all())
+    assert main(["show", str(tmp_path / "run")]) == 0  # the Trainer saved the last step too: checkpoint-5
+    assert capsys.readouterr().out.startswith(f"{tmp_path / 'run' / 'checkpoint-5'}: method ")
+    shutil.rmtree(tmp_path / "run" / "checkpoint-5")  # as if that save had not been kept
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf_run")]) == 0
+    assert "saved there at step 5, after its last checkpoint; exporting checkpoint-4" in capsys.readouterr().err
+    assert json.loads((tmp_path / "hf_run" / "snip_export.json").read_text())["checkpoint"] == str(ckpt.resolve())
+    assert main(["show", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.startswith(f"{ckpt}: method ")
+
+
+def _trainer_dirs(tmp: Path, steps, with_state=True) -> Path:
+    """An output directory of Trainer checkpoint folders as a DeepSpeed run leaves them (no weights)."""
+    from snip_ds.plan import Plan
+
+    plan = Plan({"model.layers.0.mlp.up_proj": "fp4", "model.layers.0.mlp.down_proj": "fp8"}, method="test")
+    for step in steps:
+        folder = tmp / "run" / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text("{}")
+        (folder / "latest").write_text(f"global_step{step}")
+        if with_state:
+            (folder / "snip_state.json").write_text(json.dumps(
+                {"format": "snip_ds.hf_checkpoint/1", "step": step, "world_size": 1, "plan": plan.to_dict(),
+                 "planner": None}))
+    return tmp / "run"
+
+
+def test_trainer_checkpoints_are_picked_by_step_and_wrong_ones_named(tmp_path, capsys):
+    from snip_ds.cli import main
+
+    run = _trainer_dirs(tmp_path, [2, 10, 9])
+    assert main(["show", str(run)]) == 0
+    assert capsys.readouterr().out.startswith(f"{run / 'checkpoint-10'}: method test")
+    assert main(["plan", str(run / "checkpoint-2"), "--efficiency-saving", "0.5", "-o", str(tmp_path / "p.json")]) == 2
+    assert "the checkpoint holds no statistics" in capsys.readouterr().err
+    (run / "checkpoint-10" / "snip_state.json").write_text("{not json")
+    assert main(["show", str(run / "checkpoint-10")]) == 2
+    assert f"{run / 'checkpoint-10' / 'snip_state.json'}: not valid JSON" in capsys.readouterr().err
+
+    bare = _trainer_dirs(tmp_path / "b", [5], with_state=False)
+    for cmd in (["show", str(bare / "checkpoint-5")], ["export", str(bare / "checkpoint-5"), str(tmp_path / "o")]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert f"{bare / 'checkpoint-5'}: a Trainer checkpoint without snip_state.json" in err, err
+    assert main(["show", str(bare)]) == 2
+    assert "none of its 1 checkpoint-N folder(s) holds snip_state.json" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_cpu_ranks_unknown_to_accelerate_are_refused(tmp_path):
+    """The run_clm-shaped script without share_cpu_ranks_with_accelerate, 2 CPU ranks under DeepSpeed:
+    accelerate counts one process (each rank would train on the same batches), and add_snip refuses, naming
+    the call that fixes it."""
+    from snip_ds.engine.core import _free_port
+
+    script = tmp_path / "run_clm_unshared.py"
+    text = RUN_CLM.read_text()
+    line = "    share_cpu_ranks_with_accelerate(training_args)  # SNIP (CPU ranks only; a no-op on GPUs)\n"
+    assert line in text
+    script.write_text(text.replace(line, "").replace(
+        "os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))", repr(str(REPO))))
+    inputs = _run_clm_inputs(tmp_path)
+    port = str(_free_port())
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, str(script),
+           "--deepspeed", str(inputs["ds"]), *inputs["args"], "--output_dir", str(tmp_path / "out")]
+    e = env()
+    e.update(HF_DATASETS_CACHE=str(tmp_path / "datasets_cache"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=600)
+    assert_no_shm_left(cmd)
+    assert proc.returncode != 0
+    assert ("2 ranks were launched with DeepSpeed on CPUs, but accelerate counts 1 process: every rank would read "
+            "the same batches; call snip_ds.hf.share_cpu_ranks_with_accelerate(args)") in proc.stdout + proc.stderr
+    assert not (tmp_path / "out" / "checkpoint-4").exists()

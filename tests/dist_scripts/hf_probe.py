@@ -67,6 +67,7 @@ class Grab(TrainerCallback):
 
 trainer = Trainer(model=hf_model, args=args, train_dataset=train_ds, data_collator=default_data_collator,
                   callbacks=[snip, Grab()])
+snip.attach(trainer)
 trainer.train()
 if rank == 0:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
