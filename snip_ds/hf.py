@@ -45,6 +45,7 @@ from transformers import TrainerCallback
 
 from snip_ds import distributed as sdist
 from snip_ds.artifacts import TRAINER_STATE_FILE as STATE_FILE, TRAINER_STATE_FORMAT
+from snip_ds.deepspeed_config import refuse_module_replacement
 from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
 
 STATS_SEED_OFFSET = 7919  # the private statistics stream's seed is TrainingArguments.seed + this (as launch/train.py)
@@ -331,6 +332,9 @@ class SnipCallback(TrainerCallback):
         if self.infos is not None:
             return
         settings, source = _settings_from(args, self._given)
+        config, config_source = _deepspeed_config(args)
+        if config is not None:  # AutoTP / AutoEP would replace the layers swapped below with unquantized ones
+            refuse_module_replacement(config, config_source)
         _check_against_trainer(args, source)
         if settings.nonfinite != "stop":  # the Trainer takes its own optimizer steps: none can be skipped here
             raise ConfigError(f"{source}: snip.nonfinite {settings.nonfinite!r} acts in launch/train.py and "
@@ -359,6 +363,7 @@ class SnipCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         from snip_ds.data import DataStream
         from snip_ds.engine.core import SnipEngine
+        from snip_ds.swap import check_still_swapped
 
         trainer, s = self.trainer, self.settings
         if trainer is None:
@@ -368,6 +373,7 @@ class SnipCallback(TrainerCallback):
         if sdist.is_initialized():  # DeepSpeed's CPU all-reduce buffers are mapped by now: unlink their names
             from snip_ds.engine.core import release_shm_buffer
             release_shm_buffer()
+        check_still_swapped(trainer.model, self.infos, "the Trainer's model preparation (deepspeed.initialize)")
         view = _TrainerView(trainer)
         block = _sequence_length(trainer.train_dataset)
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * block

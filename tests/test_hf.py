@@ -220,6 +220,15 @@ def test_nonfinite_skip_is_refused_under_the_trainer(tmp_path):
         _trainer(tmp_path, callback=SnipCallback(settings={"plan": "fp8", "nonfinite": "skip"}))
 
 
+def test_tensor_parallel_config_is_refused(tmp_path):
+    """DeepSpeed's AutoTP would replace the swapped layers with its own unquantized ones: refused at once."""
+    from snip_ds.settings import ConfigError
+
+    path = _variant(tmp_path, lambda c: c.update(tensor_parallel={"autotp_size": 2}))
+    with pytest.raises(ConfigError, match=rf"{path}: tensor_parallel.autotp_size: 2: .*does not quantize yet"):
+        _trainer(tmp_path, deepspeed=path)
+
+
 def test_gradient_accumulation_disagrees(tmp_path):
     from snip_ds.settings import ConfigError
 
