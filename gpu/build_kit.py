@@ -20,7 +20,8 @@ DeepSpeed is built here from its PyPI sdist with ``DS_BUILD_OPS=0 DS_ACCELERATOR
 GPU machine JIT-builds FusedAdam with its nvcc) and checked to hold no compiled file. cbcbox (mip's CBC, ~191 MB
 with its AVX2 and debug builds) is repacked with the generic x86_64 Linux build alone, which cbcbox picks at
 import when the AVX2 folder is absent; the repacked wheel's RECORD is rewritten. Downloads and builds are kept
-in the cache and reused; .kit/ is rewritten to hold exactly this kit, and .kit/kit.json describes it.
+in the cache and reused; .kit/ is rewritten to hold exactly this kit, .kit/kit.json describes it and .kit/COMMIT
+records HEAD (run it again, seconds with the cache, right before a device call: .git may not travel).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -330,6 +332,15 @@ def repo_bytes() -> int:
     return sum((REPO / p).stat().st_size for p in out.decode().split("\0") if p and (REPO / p).is_file())
 
 
+def stamp_commit(kit: Path) -> None:
+    """kit/COMMIT: HEAD and whether tracked files differ from it, for gpu/run_device.sh where .git does not travel."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    head = git("rev-parse", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    (kit / "COMMIT").write_text(f"{head}\nstamped {when}{', tracked files modified' if dirty else ''}\n")
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -369,6 +380,7 @@ def main(argv=None) -> int:
         "check_on_device": device_checks,
     }
     (args.kit / "kit.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    stamp_commit(args.kit)
     kit_bytes = sum(f.stat().st_size for f in args.kit.iterdir() if f.is_file())
     repo = repo_bytes()
     print(f"build_kit: {args.kit}: {len(carried)} wheels")
