@@ -130,7 +130,8 @@ def is_pure(wheel: Path) -> bool:
 def run_pip(args: list, what: str, env: dict | None = None) -> None:
     proc = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        tail = "; ".join((proc.stderr.strip() or proc.stdout.strip()).splitlines()[-3:])
+        lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        tail = "; ".join([line for line in lines if line.startswith("ERROR")][-3:] or lines[-3:])
         raise KitError(f"{what}: pip failed ({tail})")
 
 
