@@ -16,6 +16,7 @@
 #                           rerun what a first call did not reach: SNIP_DEVICE_STEPS=bench_train,bench_scale
 #   SNIP_DEVICE_PYTHON      the interpreter (default: python3 on the device, .venv/bin/python in a dry run)
 #   SNIP_DEVICE_DRY_RUN=1   the dry run above
+#   SNIP_DEVICE_TIMEOUT_FACTOR  multiplies every step's timeout (default 1; e.g. 3 for a dry run on a slow, shared CPU)
 #
 # Steps (each under `timeout -k 10`; pass / fail / skip / timeout / not run in the summary):
 #   env                  kit installed and importable, versions, requirement checks, a tiny CBC solve
@@ -39,12 +40,14 @@ DEADLINE_S=${SNIP_DEVICE_DEADLINE_S:-540}
 ALL_STEPS="env,gpu_tests,kernel_tests,train,bench_gpu_gemm,bench_quant_kernels,bench_train,bench_scale"
 STEPS=${SNIP_DEVICE_STEPS:-$ALL_STEPS}
 DRY=${SNIP_DEVICE_DRY_RUN:-0}
+FACTOR=${SNIP_DEVICE_TIMEOUT_FACTOR:-1}
 SUMMARY_RESERVE_S=25  # kept back at the end for the summary and the archive
 
 for s in ${STEPS//,/ }; do
     case ",$ALL_STEPS," in *",$s,"*) ;; *) echo "run_device: error: SNIP_DEVICE_STEPS names '$s'; steps are $ALL_STEPS" >&2; exit 2;; esac
 done
 case "$DEADLINE_S" in ''|*[!0-9]*) echo "run_device: error: SNIP_DEVICE_DEADLINE_S must be whole seconds, got '$DEADLINE_S'" >&2; exit 2;; esac
+case "$FACTOR" in ''|*[!0-9]*|0) echo "run_device: error: SNIP_DEVICE_TIMEOUT_FACTOR must be a positive whole number, got '$FACTOR'" >&2; exit 2;; esac
 
 if [ "$DRY" = "1" ]; then
     OUT=${OUT:-$(mktemp -d /tmp/snip_device_out.XXXXXX)}
@@ -109,7 +112,7 @@ log "commit $COMMIT ($COMMIT_SOURCE)"
 # run_step NAME TIMEOUT_S SKIP_PATTERN COMMAND: runs COMMAND (bash) under timeout -k 10, its output in logs/NAME.log.
 # rc 0 is pass (skip when SKIP_PATTERN, if not empty, is in the log); 124/137 timeout; 5 from pytest: no tests.
 run_step() {
-    local name=$1 limit=$2 skip_pattern=$3 cmd=$4
+    local name=$1 limit=$(( $2 * FACTOR )) skip_pattern=$3 cmd=$4
     case ",$STEPS," in *",$name,"*) ;; *) return 0;; esac
     local now left status rc detail t0 t1
     now=$(date +%s)
@@ -125,6 +128,11 @@ run_step() {
     timeout -k 10 "$limit" bash -c "$cmd" > "$WORK/logs/$name.log" 2>&1 < /dev/null
     rc=$?
     t1=$(date +%s.%N)
+    # A step killed while JIT-building an op leaves the build folder's `lock`; the next load of that op would wait on
+    # it for ever. Between steps no build runs, so a lock left in this call's own extensions folder is stale.
+    if [ "$DRY" != "1" ] && [ -d "${TORCH_EXTENSIONS_DIR:-}" ]; then
+        find "$TORCH_EXTENSIONS_DIR" -maxdepth 3 -name lock -type f -delete 2>/dev/null
+    fi
     case $rc in
         0) status=pass; if [ -n "$skip_pattern" ] && grep -q -- "$skip_pattern" "$WORK/logs/$name.log"; then status=skip; fi;;
         124|137) status=timeout;;
