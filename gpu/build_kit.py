@@ -41,9 +41,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from packaging.markers import Marker
 from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import time
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     env = _load(args.work / "env.json") or {}
     summary = {"finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "wall_s": round(time.time() - args.started), "deadline_s": args.deadline,
-               "dry_run": bool(int(__import__("os").environ.get("SNIP_DEVICE_DRY_RUN", "0") or 0)),
+               "dry_run": os.environ.get("SNIP_DEVICE_DRY_RUN") == "1",
                "commit": env.get("commit"), "commit_source": env.get("commit_source"),
                "machine": {k: env.get(k) for k in ("gpu", "capability", "gpu_memory_bytes", "nvidia_smi", "torch",
                                                    "cuda_runtime", "nccl", "nvcc", "python", "cpus")},
