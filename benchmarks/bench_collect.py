@@ -25,7 +25,7 @@
 Results: benchmarks/results/bench_collect.{json,md}; with ``--clock cpu``, bench_collect_cpu{threads}.{json,md}
 (process CPU time instead of wall time, so other processes on the machine barely move the figures; the default
 run, timed by its own TensorBoard in wall time, is left out). Targets: <= 3 step equivalents, <= 1.3x memory,
-< 1 MB at 70B; issue 5: <= 2 % overhead at the default replan_every.
+< 1 MB at 70B; <= 2 % overhead at the default replan_every.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ On a CPU the FP8/FP4 GEMMs are emulated in FP32 (quantize, dequantize, FP32 matm
 the cost of the emulation, not the speed-up or memory saving of FP8/FP4 hardware.
 Results go to benchmarks/results/bench_train.{json,md}.
 
-    python benchmarks/bench_train.py --device cuda [--quick]
+    python benchmarks/bench_train.py --device cuda [--quick] [--steps 30 --replan_every 10] [--output_dir DIR]
 
 On a CUDA GPU: tokens/s of a ~1.0B-parameter Llama (22 blocks, hidden 2048, SwiGLU 5632, GQA 32/4 heads,
 TinyLlama-1.1B's shape with the byte-level vocabulary) under the bf16, fp8, fp4 and adaptive plans, each a
@@ -31,6 +31,8 @@ the shipped file. From each run's TensorBoard: the median step time (the first t
 and the steps carrying the extra BF16 forward that measures the plan's divergence), and for the adaptive run
 the medians of the collection and the solve, from which SNIP's share of training time follows at the shipped
 ``replan_every`` (see :func:`summarize_run`). Results go to benchmarks/results/bench_train_cuda.{json,md}.
+``--steps`` and ``--replan_every`` shorten the runs (at least 5 steps: two warm-up steps are left out) and
+``--output_dir`` writes elsewhere (gpu/run_device.sh does both to fit its time budget).
 Without CUDA, ``--device cuda`` is an error (exit 2).
 """
 from __future__ import annotations
@@ -244,8 +246,10 @@ def bench_cuda(steps: int, replan_every: int) -> dict:
             "replan_every_shipped": shipped["replan_every"], "rows": rows}
 
 
-def main_cuda(quick: bool) -> int:
-    steps, replan_every = (8, 4) if quick else (GPU_STEPS, GPU_REPLAN_EVERY)
+def main_cuda(quick: bool, steps: int | None = None, replan_every: int | None = None,
+              output_dir: Path = RESULTS) -> int:
+    steps = steps or (8 if quick else GPU_STEPS)
+    replan_every = replan_every or (4 if quick else GPU_REPLAN_EVERY)
     start = time.perf_counter()
     res = bench_cuda(steps, replan_every)
     rows, gpu = res["rows"], torch.cuda.get_device_name(0)
@@ -266,13 +270,13 @@ def main_cuda(quick: bool) -> int:
     print("\n".join(lines) + f"\n({time.perf_counter() - start:.0f} s)")
     if quick:
         return 0
-    RESULTS.mkdir(exist_ok=True)
+    output_dir.mkdir(parents=True, exist_ok=True)
     meta = {"gpu": gpu, "torch": torch.__version__, "steps": steps, "replan_every": replan_every,
             "micro_batch": GPU_MICRO_BATCH, "block_size": GPU_BLOCK, "model": GPU_MODEL,
             "wall_s": time.perf_counter() - start}
-    (RESULTS / "bench_train_cuda.json").write_text(json.dumps({"meta": meta, **res}, indent=2) + "\n")
-    (RESULTS / "bench_train_cuda.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS / 'bench_train_cuda.json'} and .md")
+    (output_dir / "bench_train_cuda.json").write_text(json.dumps({"meta": meta, **res}, indent=2) + "\n")
+    (output_dir / "bench_train_cuda.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {output_dir / 'bench_train_cuda.json'} and .md")
     return 0
 
 
@@ -282,7 +286,12 @@ def _mib(n: float) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=3, help="timed steps per plan (after one warm-up step)")
+    p.add_argument("--steps", type=int, help=f"cpu: timed steps per plan after one warm-up step (default 3); cuda: "
+                   f"steps of each run (default {GPU_STEPS}, at least 5)")
+    p.add_argument("--replan_every", type=int, help=f"cuda: the adaptive run's re-planning cadence (default "
+                   f"{GPU_REPLAN_EVERY})")
+    p.add_argument("--output_dir", type=Path, default=RESULTS, help="cuda: where bench_train_cuda.{json,md} go "
+                   "(default benchmarks/results)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (here and in the memory probes)")
     p.add_argument("--quick", action="store_true", help="micro-batch 1, 1 timed step, results not written (cuda: 8 "
                    "steps per plan)")
@@ -290,16 +299,21 @@ def main(argv=None) -> int:
                    help="cpu: the default model (below); cuda: a ~1B Llama under ZeRO-3 on one GPU (module docstring)")
     p.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.steps is not None and args.steps < (5 if args.device == "cuda" else 1):
+        p.error(f"--steps must be at least {5 if args.device == 'cuda' else 1} with --device {args.device}, "
+                f"got {args.steps}")
+    if args.replan_every is not None and (args.device != "cuda" or args.replan_every < 1):
+        p.error(f"--replan_every: a positive number, with --device cuda only (got {args.replan_every})")
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("error: --device cuda: torch finds no CUDA device here (torch.cuda.is_available() is False); "
                   "run on a machine with a GPU, or without --device for the CPU benchmark", file=sys.stderr)
             return 2
-        return main_cuda(args.quick)
+        return main_cuda(args.quick, args.steps, args.replan_every, args.output_dir)
     if args._memory:
         print(json.dumps(_memory_child(args._memory[0], int(args._memory[1]), int(args._memory[2]))))
         return 0
-    micro_batch, steps = (1, 1) if args.quick else (MICRO_BATCH, args.steps)
+    micro_batch, steps = (1, 1) if args.quick else (MICRO_BATCH, args.steps or 3)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     res = bench(steps, micro_batch, args.threads)
