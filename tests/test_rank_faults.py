@@ -4,8 +4,9 @@
   the set time; the peer exits 1 with one ``error:`` line, the launcher exits non-zero.
 * A rank SIGKILLed mid-step, during a statistics collection and during a checkpoint save, in a 2-node run
   (two ``torchrun`` agents on this machine, one rank each): both agents exit non-zero, the survivor with one
-  ``error:`` line; ``latest`` names the last complete checkpoint, and resuming from the run's directory
-  reproduces the uninterrupted run's losses bit for bit (CPU is deterministic).
+  ``error:`` line and its TensorBoard file holding every loss it logged before the stop; ``latest`` names the
+  last complete checkpoint, and resuming from the run's directory reproduces the uninterrupted run's losses
+  bit for bit (CPU is deterministic).
 * Two nodes with node-local output directories: each file is written once, by its owner (TensorBoard, plan,
   statistics, ``snip_meta.json`` and ``latest`` by global rank 0 only; node 1's local rank 0, global rank 1,
   writes only its own shards).

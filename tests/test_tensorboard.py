@@ -1,5 +1,7 @@
 """The precision-map image TensorBoard shows: a labelled figure, one row of 7 cells per block, coloured by
-precision, with the step and FP4 share in its title and a legend."""
+precision, with the step and FP4 share in its title and a legend. The event file: records on disk as soon as
+they are logged, and a failed write (a real file-size limit in a training process) reported once while
+training goes on."""
 import numpy as np
 import pytest
 
