@@ -390,11 +390,13 @@ def test_bf16_results_with_and_without_a_native_bf16_gemm(fast_bf16, monkeypatch
 # ----------------------------------------------------------------------------------------------------------
 
 def test_build_key_changes_with_the_source_and_the_flags(tmp_path, monkeypatch):
-    """A changed source or changed flags give another key (another folder: a rebuild); the same inputs the same."""
+    """A changed source, the source in another place or changed flags give another key (another folder); the
+    same inputs the same."""
     source = tmp_path / "quantize.cpp"
     source.write_bytes(open(cpu.SOURCE, "rb").read())
     key = cpu.build_key(str(source))
     assert key == cpu.build_key(str(source)) and len(key) == 16
+    assert key != cpu.build_key()  # the same bytes in another checkout: its own folder
     source.write_bytes(source.read_bytes() + b"\n// changed\n")
     assert cpu.build_key(str(source)) != key
     source.write_bytes(open(cpu.SOURCE, "rb").read())

@@ -11,12 +11,12 @@ The source (``quantize.cpp``, shipped in the package) is compiled by ``torch.uti
 (``-O3 -fopenmp``, no fast-math and no floating-point contraction, so FP32 arithmetic is torch's) the first
 time :func:`available` is asked, and loaded afterwards; ``python launch/warm_ops.py`` pays the compile ahead
 of time. Each environment builds into its own folder, :func:`build_directory`:
-``$TORCH_EXTENSIONS_DIR/pyXY_cpu/snip_ds_cpu_quant-<key>`` (default root ``~/.cache/torch_extensions``), the key
-a hash of everything that makes a build incompatible (:func:`build_key`: the Python executable and prefix,
-torch's version and C++ ABI, the compiler, the flags, the source's bytes), so two virtual environments on one
-machine never rebuild over each other and a changed source builds anew. When there is no compiler or the
-build fails, :func:`available` is false after one logged warning and callers quantize with
-:mod:`snip_ds.quant` instead (the same values with stochastic rounding off).
+``$TORCH_EXTENSIONS_DIR/pyXY_cpu/snip_ds_cpu_quant-<key>`` (default root ``~/.cache/torch_extensions``), the
+key a hash of everything that makes a build incompatible (:func:`build_key`: the Python executable and prefix,
+torch's version and C++ ABI, the compiler, the flags, the source's bytes and path), so two virtual
+environments or checkouts on one machine never rebuild over each other and a changed source builds anew. When
+there is no compiler or the build fails, :func:`available` is false after one logged warning and callers
+quantize with :mod:`snip_ds.quant` instead (the same values with stochastic rounding off).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ _build_seconds: Optional[float] = None
 def build_key(source: str = SOURCE) -> str:
     """16 hex digits identifying a compatible build: a hash of the Python executable and prefix (a virtual
     environment), the Python and torch versions, torch's C++ ABI, the machine, the C++ compiler (``$CXX`` or
-    ``c++`` as found on ``PATH``), the compile and link flags, and the bytes of ``source``.
+    ``c++`` as found on ``PATH``), the compile and link flags, and the bytes and path of ``source``.
 
     Raises:
         OSError: ``source`` cannot be read.
@@ -66,6 +66,7 @@ def build_key(source: str = SOURCE) -> str:
         "cxx11_abi": torch.compiled_with_cxx11_abi(), "machine": platform.machine(),
         "compiler": [compiler, os.path.realpath(shutil.which(compiler) or compiler)],
         "cflags": CFLAGS, "ldflags": LDFLAGS, "source": source_hash,
+        "source_path": os.path.realpath(source),  # in the build's commands: two checkouts would rebuild in turn
     }
     return hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()[:16]
 
