@@ -104,8 +104,7 @@ def bench(size: int, dtype: torch.dtype, repeats: int) -> dict:
 
 def kernel_build() -> dict:
     """Builds (or loads from the cache) the fused CPU quantization kernels; what it took."""
-    from torch.utils import cpp_extension
-    build_dir = cpp_extension._get_build_directory(cpu_kernels.EXTENSION_NAME, verbose=False)
+    build_dir = cpu_kernels.build_directory()
     cached = os.path.exists(os.path.join(build_dir, f"{cpu_kernels.EXTENSION_NAME}.so"))
     ok = cpu_kernels.load()
     return {"available": ok, "seconds": cpu_kernels.load_seconds(), "cached": cached,

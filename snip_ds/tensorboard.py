@@ -6,13 +6,22 @@ precision, with the step and FP4 share in its title and a legend.
 """
 from __future__ import annotations
 
+import gc
 import json
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Mapping, Optional
 
 import numpy as np
+from tensorboard.compat.proto import event_pb2
+from tensorboard.summary.writer.record_writer import RecordWriter
 
+from snip_ds.console import say
 from snip_ds.types import GEMMS, LAYER_KINDS
+
+_files_opened = 0  # numbers this process's event files (two loggers in one second get two files)
 
 PRECISION_COLOURS = {  # RGB
     "bf16": (158, 158, 158),  # grey
@@ -94,14 +103,22 @@ def precision_map_figure(assignment: Mapping[str, object], block_of, *, step: Op
 
 def precision_map_image(assignment: Mapping[str, object], block_of, *, step: Optional[int] = None,
                         fp4_share: Optional[float] = None, method: Optional[str] = None) -> np.ndarray:
-    """:func:`precision_map_figure` rendered as a ``[3, H, W]`` uint8 image (720 pixels wide) for TensorBoard."""
+    """:func:`precision_map_figure` rendered as a ``[3, H, W]`` uint8 image (720 pixels wide) for TensorBoard.
+
+    A matplotlib figure is a web of reference cycles, which only a collection by Python's garbage collector
+    frees; left to the collector's own schedule (its full collections are rare in a process of a training run's
+    size), each re-plan's figure kept about 1 MiB alive, RSS rising by tens of MiB between two full
+    collections. So the figure is collected here, once its pixels are copied (one full collection per plan
+    change)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     fig = precision_map_figure(assignment, block_of, step=step, fp4_share=fp4_share, method=method)
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
-    rgb = np.asarray(canvas.buffer_rgba())[..., :3]
-    return np.ascontiguousarray(rgb.transpose(2, 0, 1))
+    chw = np.ascontiguousarray(np.asarray(canvas.buffer_rgba())[..., :3].transpose(2, 0, 1))
+    del fig, canvas
+    gc.collect()  # the figure's cycles, its pixel buffer with them
+    return chw
 
 
 class NullLogger:
@@ -127,32 +144,94 @@ class NullLogger:
 
 
 class TensorBoardLogger(NullLogger):
-    """Writes TensorBoard event files under ``log_dir``."""
+    """Writes one TensorBoard event file under ``log_dir``, in the calling thread.
+
+    Each call (``scalar``, ``scalars``, ``image``, ``text``) writes its records and flushes them to the file
+    before it returns, so whatever was logged is on disk if the process stops right after (a lost peer, a
+    kill). A write that fails (a full disk, a file-size limit, a directory removed or made read-only) is
+    reported once, as ``snip_ds: warning: TensorBoard: cannot write to <log_dir> (<cause>); ...``, and every
+    later record is dropped: training goes on, and the file keeps the records written before the failure
+    (TensorBoard reads a file up to a last, partial record). Writes are not retried, as a full disk stays full
+    and a record written after a partial one would be unreadable.
+    """
 
     def __init__(self, log_dir: str | Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self.error: Optional[str] = None  # why writing stopped; None while it works
+        self._file = None
+        self._records = None
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            global _files_opened
+            _files_opened += 1
+            name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
+                    f"{_files_opened}")
+            self._file = open(self.log_dir / name, "xb")
+            self._records = RecordWriter(self._file)
+            self._write([event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")])
+        except OSError as err:
+            self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        cause = f"{err.strerror} [errno {err.errno}]" if isinstance(err, OSError) and err.errno else str(err)
+        self.error = f"{type(err).__name__}: {cause}" if not isinstance(err, OSError) else cause
+        say(f"snip_ds: warning: TensorBoard: cannot write to {self.log_dir} ({self.error}); later TensorBoard "
+            f"records of this run are dropped, training goes on")
+        file, self._file, self._records = self._file, None, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass  # the buffered rest could not be written either
+
+    def _write(self, events) -> None:
+        if self._records is None:
+            return
+        try:
+            for event in events:
+                self._records.write(event.SerializeToString())
+            self._file.flush()
+        except OSError as err:
+            self._fail(err)
+
+    @staticmethod
+    def _event(summary, step: int):
+        return event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        self._writer.add_scalar(tag, float(value), step)
+        self.scalars({tag: value}, step)
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
-        for tag, value in values.items():
-            self.scalar(tag, value, step)
+        if self._records is not None:
+            from torch.utils.tensorboard.summary import scalar
+            self._write([self._event(scalar(tag, float(value)), step) for tag, value in values.items()])
 
     def image(self, tag: str, chw: np.ndarray, step: int) -> None:
-        self._writer.add_image(tag, chw, step, dataformats="CHW")
+        if self._records is not None:
+            from torch.utils.tensorboard.summary import image
+            self._write([self._event(image(tag, chw, dataformats="CHW"), step)])
 
     def text(self, tag: str, text: str, step: int) -> None:
-        self._writer.add_text(tag, text, step)
+        if self._records is not None:
+            from torch.utils.tensorboard.summary import text as text_summary
+            self._write([self._event(text_summary(tag, text), step)])
 
     def flush(self) -> None:
-        self._writer.flush()
+        if self._file is not None:
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except OSError as err:
+                self._fail(err)
 
     def close(self) -> None:
-        self._writer.close()
+        self.flush()
+        file, self._file, self._records = self._file, None, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
 
 
 def make_logger(log_dir: Optional[str | Path], rank: int) -> NullLogger:

@@ -302,7 +302,8 @@ def train(args: argparse.Namespace) -> int:
         ds_cfg, schedule_line = resume.resume_schedule(ds_cfg, saved, args.reset_lr_schedule)
 
     out_dir = Path(t.output_dir)
-    logger = make_logger(out_dir / "tensorboard", rank)
+    global _logger
+    logger = _logger = make_logger(out_dir / "tensorboard", rank)
     # A private stream (its own seed) feeds the statistics of an adaptive run, so collecting never shifts the
     # training data.
     collect_stream = (DataStream(train_ds, micro_bs, seed=t.seed + 7919, rank=rank, world_size=world)
@@ -398,6 +399,18 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+_logger = None  # the TensorBoard logger of the run under way in this process (closed by main, however it ends)
+
+
+def _close_logger() -> None:
+    """Flushes and closes the run's TensorBoard event file: also when the run stops on an error (a lost peer,
+    a fault), so that what it logged before the stop is on disk. Needs no other rank."""
+    global _logger
+    logger, _logger = _logger, None
+    if logger is not None:
+        logger.close()
+
+
 def _lost_peer(err: BaseException) -> bool:
     """Whether ``err`` is a collective that failed because another rank died (its connections closed) or
     stopped answering (the process group's timeout, ``--dist_timeout``)."""
@@ -423,7 +436,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as err:
         if not _lost_peer(err):
             raise
-        # Another rank died or hangs: this rank cannot go on, and every rank stops the same way (exit 1).
+        # Another rank died or hangs: this rank cannot go on, and every rank stops the same way (exit 1),
+        # its TensorBoard scalars flushed first.
+        _close_logger()
         detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         sys.stderr.write(f"error: rank {sdist.rank()}: a collective failed, another rank died or stopped answering "
                          f"({detail}); the job cannot go on: resume it from its last complete checkpoint with "
@@ -431,6 +446,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stderr.flush()
         code, lost = 1, True
     finally:
+        _close_logger()
         console.detach()  # a failed run's bar must not catch a later in-process run's messages
     if lost:  # no collective (barrier, the group's teardown) can complete without the lost rank
         return code

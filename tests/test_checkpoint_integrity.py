@@ -32,6 +32,33 @@ def _tag_dir(tmp_path: Path) -> Path:
     return tag
 
 
+def test_a_failed_save_removes_only_what_it_created(tmp_path):
+    """A new step directory goes whole; in one that existed before the save (a re-save over an interrupted
+    one) only the entries the save added go, and the checkpoint next to it is untouched."""
+    from snip_ds.engine.checkpoint import _remove_partial
+
+    previous = _tag_dir(tmp_path)
+    kept = {p.name: p.read_bytes() for p in previous.iterdir()}
+    new = tmp_path / "step_2"
+    (new / "sub").mkdir(parents=True)
+    (new / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"partial")
+    (new / "sub" / "x").write_bytes(b"x")
+    _remove_partial(new, None)
+    assert not new.exists()
+    _remove_partial(new, None)  # another rank removed it first: nothing to do, no error
+
+    again = tmp_path / "step_3"
+    again.mkdir()
+    (again / "old_shard.pt").write_bytes(b"from the interrupted save")
+    before = {p.name for p in again.iterdir()}
+    (again / "new_shard.pt").write_bytes(b"this save")
+    (again / "zero_to_fp32.d").mkdir()
+    (again / "zero_to_fp32.d" / "f").write_bytes(b"this save")
+    _remove_partial(again, before)
+    assert sorted(p.name for p in again.iterdir()) == ["old_shard.pt"]
+    assert {p.name: p.read_bytes() for p in previous.iterdir()} == kept
+
+
 def test_file_digest_streams_a_file_larger_than_its_chunk(tmp_path):
     tag = _tag_dir(tmp_path)
     data = (tag / "a.pt").read_bytes()

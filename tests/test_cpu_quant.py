@@ -8,8 +8,14 @@ every output is one of the two grid points around the input, the mean over many 
 are Philox-4x32-10 of (seed, element index) and so reproducible and slice-independent. Without a C++ compiler
 the kernel tests skip; the fallback tests run anyway.
 """
+import json
 import logging
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +27,7 @@ from snip_ds.quant_config import QuantConfig
 from tests.reference_quant import GRIDS, assert_bitwise_equal
 from tests.quant_inputs import assert_stochastic_rounding_unbiased, known_scale_input, neighbours, wide_sample
 
+REPO = Path(__file__).resolve().parents[1]
 RECIPES = list(quant.RECIPES)
 # awkward shapes: single rows and columns, not multiples of 16 or 32; 70 x 2100 spans several column chunks
 # (1024) and threads, with partial blocks along both axes
@@ -376,3 +383,78 @@ def test_bf16_results_with_and_without_a_native_bf16_gemm(fast_bf16, monkeypatch
         rel = 100 * 2.0 ** -24 + 2 * 2.0 ** -8
         assert ((got.double() - ref).abs() <= mag * rel + ref.abs() * rel).all(), gemm
     assert dtypes == ({torch.bfloat16} if fast_bf16 else {torch.float32})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the build folder: one per environment, reused by later processes
+# ----------------------------------------------------------------------------------------------------------
+
+def test_build_key_changes_with_the_source_and_the_flags(tmp_path, monkeypatch):
+    """A changed source, the source in another place or changed flags give another key (another folder); the
+    same inputs the same."""
+    source = tmp_path / "quantize.cpp"
+    source.write_bytes(open(cpu.SOURCE, "rb").read())
+    key = cpu.build_key(str(source))
+    assert key == cpu.build_key(str(source)) and len(key) == 16
+    assert key != cpu.build_key()  # the same bytes in another checkout: its own folder
+    source.write_bytes(source.read_bytes() + b"\n// changed\n")
+    assert cpu.build_key(str(source)) != key
+    source.write_bytes(open(cpu.SOURCE, "rb").read())
+    monkeypatch.setattr(cpu, "CFLAGS", cpu.CFLAGS + ["-march=native"])
+    assert cpu.build_key(str(source)) != key
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert cpu.build_directory().startswith(str(tmp_path / "ext") + "/")
+    assert os.path.basename(cpu.build_directory()) == f"snip_ds_cpu_quant-{cpu.build_key()}"
+
+
+_LOAD = ("import json, os, sys\n"
+         "from snip_ds.backend import cpu\n"
+         "ok = cpu.load(verbose=True)\n"
+         "print('RESULT', json.dumps({'ok': ok, 'dir': cpu.build_directory(), 'prefix': sys.prefix,\n"
+         "                            'error': cpu.unavailable_reason()}), flush=True)\n")
+
+
+def _load_in(python: str, ext_dir, pythonpath: str) -> dict:
+    e = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
+    proc = subprocess.run([python, "-c", _LOAD], env=e, capture_output=True, text=True, timeout=600,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result["ok"], result["error"]
+    result["log"] = proc.stdout + proc.stderr
+    return result
+
+
+def _stamps(folder: str) -> dict:
+    return {name: (os.stat(os.path.join(folder, name)).st_mtime_ns, os.stat(os.path.join(folder, name)).st_ino)
+            for name in ("quantize.o", "snip_ds_cpu_quant.so")}
+
+
+@pytest.mark.slow
+def test_two_environments_build_into_their_own_folders_and_reuse_them(tmp_path):
+    """Two virtual environments (this one, and a second made with ``python -m venv`` that imports the same
+    packages) sharing one TORCH_EXTENSIONS_DIR build into two folders; a later process of either reuses its
+    build without compiling (the object file and library untouched, ninja reports no work), also after the
+    other environment has built."""
+    if shutil.which(os.environ.get("CXX") or "c++") is None:
+        pytest.skip("no C++ compiler")
+    ext = tmp_path / "extensions"
+    site = os.path.dirname(os.path.dirname(torch.__file__))  # this environment's site-packages
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip",
+                    str(tmp_path / "env_b")], check=True, timeout=120)
+    envs = {"a": (sys.executable, str(REPO)), "b": (str(tmp_path / "env_b" / "bin" / "python"), f"{REPO}:{site}")}
+
+    first = {name: _load_in(python, ext, path) for name, (python, path) in envs.items()}
+    linked = "-o snip_ds_cpu_quant.so"  # ninja's link command, printed by the verbose loader
+    assert all(linked in r["log"] for r in first.values())  # each environment compiled once
+    assert first["a"]["prefix"] != first["b"]["prefix"]
+    assert first["a"]["dir"] != first["b"]["dir"]
+    assert sorted(os.listdir(os.path.dirname(first["a"]["dir"]))) == sorted(
+        os.path.basename(r["dir"]) for r in first.values())
+    built = {name: _stamps(r["dir"]) for name, r in first.items()}
+    for name in ("a", "b", "a"):  # alternate: neither evicts the other
+        python, path = envs[name]
+        again = _load_in(python, ext, path)
+        assert again["dir"] == first[name]["dir"]
+        assert _stamps(again["dir"]) == built[name], f"environment {name} rebuilt"
+        assert "ninja: no work to do." in again["log"] and linked not in again["log"]

@@ -67,18 +67,38 @@ except RunFault as err:
 
 # ---------------------------------------------------------------------------- a full disk (2-rank runs)
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def extensions(tmp_path_factory):
+    """A private, initially empty TORCH_EXTENSIONS_DIR for this module's runs. The reference run (no file-size
+    limit) JIT-builds there every op the runs load (DeepSpeed's and snip_ds's), so a run under RLIMIT_FSIZE
+    only loads them: a compiler under the limit would die. No other environment on the machine builds into it,
+    so the limited runs do not depend on the state of the machine's shared cache."""
+    path = tmp_path_factory.mktemp("torch_extensions")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_EXTENSIONS_DIR", str(path))  # env() copies os.environ
+        yield path
+
+
+def _build_state(folder) -> dict:
+    """Every file under a JIT build folder with its modification time (torch's transient 'lock' files left out)."""
+    return {str(p): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "lock"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, extensions):
     """An uninterrupted 2-rank ZeRO-3 fp8 run of 4 steps, checkpoints at steps 2 and 4."""
     tmp = tmp_path_factory.mktemp("faults_ref")
     cfg = write_configs(tmp, stage=3, plan="fp8", max_steps=4, save_steps=2, eval_steps=4)
     _ok(launch(["--deepspeed", str(cfg)], num_ranks=2))
+    assert any(extensions.rglob("*.so")), "the reference run built no JIT op into the private folder"
     return {"tmp": tmp, "cfg": cfg, "out": tmp / "out", "loss": scalars(tmp / "out" / "tensorboard")["train/loss"]}
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_disk_full_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint(reference, tmp_path):
-    from snip_ds.engine.checkpoint import META_FILE, CheckpointError, resolve
+def test_disk_full_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint(reference, extensions, tmp_path):
+    """The save of step 4 fails on both ranks: one error line each, the partial step_4 removed (by every rank
+    that wrote it), step_2 and 'latest' untouched, and resuming the run continues from step_2 bit for bit."""
+    from snip_ds.engine.checkpoint import CheckpointError, resolve
 
     ref_ckpts = reference["out"] / "checkpoints"
     run = tmp_path / "run"  # the state of a run that has saved step_2: its checkpoint and 'latest'
@@ -93,10 +113,13 @@ def test_disk_full_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint
 
     cmd = launch_cmd(["--deepspeed", str(reference["cfg"]), "--resume_from_checkpoint", str(run),
                       "--output_dir", str(run)], num_ranks=2)
+    step2_files = {p.name: p.read_bytes() for p in (run / "checkpoints" / "step_2").iterdir()}
+    built = _build_state(extensions)
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600,
                           preexec_fn=_file_size_limit(limit))
     elapsed = time.monotonic() - start
+    assert _build_state(extensions) == built  # the limited run compiled nothing
     assert_no_shm_left(cmd)
     print(f"disk-full run: exit {proc.returncode} after {elapsed:.1f} s:", _error_lines(proc.stderr)[:1])
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -106,12 +129,13 @@ def test_disk_full_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint
     step4 = run / "checkpoints" / "step_4"
     assert lines[0].startswith(f"error: checkpoint {step4} not saved: {step4}/"), lines[0]
     assert "_optim_states.pt: cannot be written (File too large [errno 27])" in lines[0]
-    assert "'latest' still names step_2" in lines[0]
+    assert lines[0].endswith("'latest' still names step_2 (the partial step_4 was removed)"), lines[0]
 
     assert (run / "checkpoints" / "latest").read_text() == "step_2"
-    assert step4.is_dir() and not (step4 / META_FILE).exists()
-    with pytest.raises(CheckpointError, match="no snip_meta.json"):
-        resolve(step4)  # naming the half-written directory is refused
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_2"]  # step_4 is gone
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints" / "step_2").iterdir()} == step2_files
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve(step4)
     assert resolve(run) == run / "checkpoints" / "step_2"  # the run directory resumes from step_2
 
     # Resuming the run directory continues from step 2 and reproduces the uninterrupted losses bit for bit.
@@ -230,8 +254,8 @@ def test_a_replan_the_solver_cannot_solve_keeps_the_plan_in_force_on_every_rank(
 def test_a_save_failing_on_one_rank_stops_both_with_its_line(reference, tmp_path):
     """Only rank 1's disk is full (the ranks started as separate processes, the file-size limit on rank 1's
     alone, as on a node-local disk): rank 0 wrote all its files, yet learns of rank 1's failure before
-    marking the checkpoint complete, and both stop with rank 1's line instead of waiting on each other."""
-    from snip_ds.engine.checkpoint import META_FILE
+    marking the checkpoint complete, and both stop with rank 1's line instead of waiting on each other; the
+    partial step_4, rank 0's complete shards included, is removed."""
     run = tmp_path / "run"
     shutil.copytree(reference["out"] / "checkpoints" / "step_2", run / "checkpoints" / "step_2")
     (run / "checkpoints" / "latest").write_text("step_2")
@@ -247,5 +271,5 @@ def test_a_save_failing_on_one_rank_stops_both_with_its_line(reference, tmp_path
     assert lines[0] == lines[1]
     step4 = run / "checkpoints" / "step_4"
     assert f"{step4}/zero_pp_rank_1_mp_rank_00_optim_states.pt: cannot be written (File too large" in lines[0]
-    assert (step4 / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()  # rank 0's own writes succeeded
-    assert not (step4 / META_FILE).exists() and (run / "checkpoints" / "latest").read_text() == "step_2"
+    assert lines[0].endswith("(the partial step_4 was removed)"), lines[0]
+    assert not step4.exists() and (run / "checkpoints" / "latest").read_text() == "step_2"

@@ -4,8 +4,9 @@
   the set time; the peer exits 1 with one ``error:`` line, the launcher exits non-zero.
 * A rank SIGKILLed mid-step, during a statistics collection and during a checkpoint save, in a 2-node run
   (two ``torchrun`` agents on this machine, one rank each): both agents exit non-zero, the survivor with one
-  ``error:`` line; ``latest`` names the last complete checkpoint, and resuming from the run's directory
-  reproduces the uninterrupted run's losses bit for bit (CPU is deterministic).
+  ``error:`` line and its TensorBoard file holding every loss it logged before the stop; ``latest`` names the
+  last complete checkpoint, and resuming from the run's directory reproduces the uninterrupted run's losses
+  bit for bit (CPU is deterministic).
 * Two nodes with node-local output directories: each file is written once, by its owner (TensorBoard, plan,
   statistics, ``snip_meta.json`` and ``latest`` by global rank 0 only; node 1's local rank 0, global rank 1,
   writes only its own shards).
@@ -195,10 +196,11 @@ def reference(tmp_path_factory):
     return {"tmp": tmp, "cfg": cfg, "loss": loss}
 
 
-# point -> (SNIP_DS_PAUSE_AT on rank 1, the checkpoint that must be the last complete one)
-KILLS = {"step": ("step:2:1", "step_2"),        # inside step 3, after its backward
-         "collect": ("collect:2:1", "step_2"),  # the re-plan before step 3
-         "save": ("save:4:1", "step_2")}        # step 4's checkpoint, after DeepSpeed's shards
+# point -> (SNIP_DS_PAUSE_AT on rank 1, the checkpoint that must be the last complete one, the last step whose
+# loss rank 0 logged to TensorBoard before it stopped)
+KILLS = {"step": ("step:2:1", "step_2", 2),        # inside step 3, after its backward
+         "collect": ("collect:2:1", "step_2", 2),  # the re-plan before step 3
+         "save": ("save:4:1", "step_2", 4)}        # step 4's checkpoint, after DeepSpeed's shards
 
 
 @pytest.mark.slow
@@ -206,7 +208,7 @@ KILLS = {"step": ("step:2:1", "step_2"),        # inside step 3, after its backw
 @pytest.mark.parametrize("point", sorted(KILLS))
 def test_a_killed_rank_stops_the_job_and_a_resume_reproduces_the_losses(reference, point):
     tmp, cfg = reference["tmp"], reference["cfg"]
-    spec, last = KILLS[point]
+    spec, last, logged = KILLS[point]
     out = tmp / f"killed_{point}"
     procs, logs = _torchrun_nodes(tmp, f"killed_{point}", ["--deepspeed", str(cfg), "--output_dir", str(out),
                                                           "--dist_timeout", "120"], extra_env={faults.ENV: spec})
@@ -220,6 +222,8 @@ def test_a_killed_rank_stops_the_job_and_a_resume_reproduces_the_losses(referenc
     errors = [line for line in survivor.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(f"error: rank 0: {LOST}"), survivor[-4000:]
     assert "Timed out" not in errors[0]  # noticed at once (the connection closed), not by the timeout
+    # the surviving logging rank flushed its TensorBoard file before it stopped: every loss it logged is there
+    assert scalars(out / "tensorboard")["train/loss"] == {s: reference["loss"][s] for s in range(1, logged + 1)}
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == last
     if point == "save":  # the interrupted checkpoint has DeepSpeed's files but no completion marker

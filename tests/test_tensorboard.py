@@ -1,5 +1,7 @@
 """The precision-map image TensorBoard shows: a labelled figure, one row of 7 cells per block, coloured by
-precision, with the step and FP4 share in its title and a legend."""
+precision, with the step and FP4 share in its title and a legend. The event file: records on disk as soon as
+they are logged, and a failed write (a real file-size limit in a training process) reported once while
+training goes on."""
 import numpy as np
 import pytest
 
@@ -77,3 +79,109 @@ def test_per_gemm_plans_split_cells_and_say_so():
     assert _count(img, "fp8") - legend_only["fp8"] == pytest.approx(cells / 3, rel=0.08)
     assert _count(img, "fp4") - legend_only["fp4"] == pytest.approx(cells / 3, rel=0.08)
     assert _count(img, "bf16") - _count(every["fp8"], "bf16") == pytest.approx(cells / 3, rel=0.08)
+
+
+def test_rendering_leaves_no_figure_for_the_garbage_collector():
+    """Each rendered figure is freed before the image is returned, also while the collector does not run on
+    its own (between the rare full collections of a long run): no Figure, and no pixel buffer, piles up."""
+    import gc
+
+    from matplotlib.figure import Figure
+
+    def figures():
+        return sum(isinstance(o, Figure) for o in gc.get_objects())
+
+    gc.collect()
+    before = figures()
+    gc.disable()
+    try:
+        for step in range(3):
+            precision_map_image(_plan(2, lambda b, i: "fp8"), block_index, step=step, fp4_share=0.0)
+        assert figures() == before
+    finally:
+        gc.enable()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the event file: written as logged, and a failed write reported once while training goes on
+# ----------------------------------------------------------------------------------------------------------
+
+def test_logger_records_read_back_in_tensorboard(tmp_path):
+    from train_utils import scalars
+    from snip_ds.tensorboard import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path / "tb")
+    logger.scalars({"train/loss": 2.5, "train/lr": 1e-3}, 1)
+    logger.scalar("train/loss", 2.25, 2)
+    img = precision_map_image(_plan(2, lambda b, i: "fp4" if i else "fp8"), block_index, step=3)
+    logger.image("plan/map", img, 3)
+    logger.text("run/config", "hello", 0)
+    # on disk before close: what a process that stops now would leave
+    assert scalars(tmp_path / "tb") == {"train/loss": {1: 2.5, 2: 2.25}, "train/lr": {1: np.float32(1e-3)}}
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    acc.Reload()
+    (image,) = acc.Images("plan/map")
+    assert image.step == 3 and (image.width, image.height) == (img.shape[2], img.shape[1])
+    assert logger.error is None
+
+
+_FULL_DISK_RUN = """
+import os, resource, signal, sys
+sys.path.insert(0, {repo!r})
+import torch
+import snip_ds
+from snip_ds.tensorboard import make_logger
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+tb = {tb!r}
+logger = make_logger(tb, 0)
+config = {{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-2}}}}, "zero_optimization": {{"stage": 0}},
+          "steps_per_print": 10 ** 9, "snip": {{"plan": "fp8", "train": {{"seed": 0}}}}}}
+engine = snip_ds.initialize(model, config, tokens_per_step=32, logger=logger)
+(event_file,) = os.listdir(tb)
+# Everything the run loads is loaded (JIT-built ops included). From here no file may grow past the event file's
+# size + 1200 bytes, as on a disk that fills up: the event file's writes fail after a few steps.
+limit = os.path.getsize(os.path.join(tb, event_file)) + 1200
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+gen = torch.Generator().manual_seed(1)
+for _ in range(30):
+    ids = torch.randint(0, 64, (2, 16), generator=gen)
+    loss = engine.train_step([{{"input_ids": ids, "labels": ids}}])
+    logger.scalars({{"train/loss": loss}}, engine.step)
+    print("LOSS", engine.step, repr(loss), flush=True)
+logger.close()
+print("FINISHED", engine.step, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_tensorboard_is_reported_once_and_training_goes_on(tmp_path):
+    """A real training process (snip_ds.initialize, 30 steps) whose event file stops fitting after a few steps
+    (RLIMIT_FSIZE, EFBIG as a full disk gives ENOSPC): one warning naming the directory and the cause, all 30
+    steps trained, exit 0; the event file keeps the losses logged before the failure, exactly."""
+    import subprocess
+    import sys
+
+    from train_utils import REPO, env, scalars
+
+    tb = tmp_path / "tensorboard"
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK_RUN.format(repo=str(REPO), tb=str(tb))], cwd=REPO,
+                          env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "FINISHED 30"
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "TensorBoard" in line]
+    assert warnings == [f"snip_ds: warning: TensorBoard: cannot write to {tb} (File too large [errno 27]); later "
+                        f"TensorBoard records of this run are dropped, training goes on"], warnings
+    assert "Traceback" not in proc.stderr
+    losses = {int(line.split()[1]): float(line.split()[2]) for line in proc.stdout.splitlines()
+              if line.startswith("LOSS ")}
+    logged = scalars(tb)["train/loss"]
+    assert 1 <= len(logged) < 30 and sorted(logged) == list(range(1, len(logged) + 1))
+    assert all(logged[s] == np.float32(losses[s]) for s in logged), (logged, losses)

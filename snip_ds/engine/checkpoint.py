@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Dict, Mapping
 
@@ -248,12 +249,15 @@ def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_stat
 
     Raises:
         CheckpointSaveError: on every rank, with the same message, when any rank failed to write a file
-            (DeepSpeed's shards, its per-rank file, the metadata or ``latest``): the directory is left without
-            ``snip_meta.json`` (never resumed from) and ``latest`` names the previous complete checkpoint.
+            (DeepSpeed's shards, its per-rank file, the metadata or ``latest``): ``latest`` names the previous
+            complete checkpoint, and every rank removes what this save created (see :func:`_remove_partial`)
+            unless only ``latest`` failed (the directory itself is complete then).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     tag_dir = save_dir / tag
     problem = None
+    # What this rank sees before the save (before the barrier, so before any rank writes): None, no directory.
+    before = {p.name for p in tag_dir.iterdir()} if tag_dir.is_dir() else None
     if rank == 0 and (tag_dir / META_FILE).exists():  # re-saving a tag: un-mark it first
         (tag_dir / META_FILE).unlink()
     _barrier()
@@ -276,7 +280,7 @@ def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_stat
         except OSError as err:
             problem = _write_error(tmp, err)
             tmp.unlink(missing_ok=True)
-    _raise_if_any(problem, tag_dir, save_dir)  # collective: every rank's files are complete after it
+    _raise_if_any(problem, tag_dir, save_dir, before)  # collective: every rank's files are complete after it
     files = record_files(tag_dir)
     if rank == 0:
         full = {"format": FORMAT, "tag": tag, "world_size": world_size, "model_fingerprint": fingerprint,
@@ -290,26 +294,56 @@ def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_stat
                 atomic_write_text(save_dir / LATEST_FILE, tag)
             except OSError as err:
                 problem = _write_error(save_dir / LATEST_FILE, err)
-    _raise_if_any(problem, tag_dir, save_dir)
+    _raise_if_any(problem, tag_dir, save_dir, before)
     return tag_dir
 
 
-def _raise_if_any(problem: str | None, tag_dir: Path, save_dir: Path) -> None:
+def _remove_partial(tag_dir: Path, before: set | None) -> None:
+    """Removes what a failed save created, as this rank sees it: the whole ``tag_dir`` when it did not exist
+    before the save (``before`` None), else only the entries that were not in it (``before``: their names);
+    a previous checkpoint's files are never touched. Best effort (another rank may be removing the same
+    files)."""
+    if before is None:
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        return
+    for path in sorted(tag_dir.iterdir()) if tag_dir.is_dir() else ():
+        if path.name not in before:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _removal_words(tag_dir: Path, before: set | None) -> str:
+    """What :func:`_remove_partial` does, for the error message."""
+    if before is None:
+        return f"the partial {tag_dir.name} was removed"
+    return (f"{tag_dir.name} existed before this save: the files this save created were removed, it has no "
+            f"{META_FILE} and is never resumed from")
+
+
+def _raise_if_any(problem: str | None, tag_dir: Path, save_dir: Path, before: set | None) -> None:
     """Collective: raises :class:`CheckpointSaveError` on every rank, with the same message, if any rank has a
-    ``problem`` (the lowest such rank's; what ``latest`` names as rank 0 reads it)."""
+    ``problem`` (the lowest such rank's; what ``latest`` names as rank 0 reads it). Before raising, every rank
+    removes what the save created (:func:`_remove_partial`), unless only ``latest`` failed: the checkpoint
+    directory is complete then and is kept."""
     rank0_latest = None
     if sdist.rank() == 0:
         try:
             rank0_latest = (save_dir / LATEST_FILE).read_text().strip()
         except OSError:
             rank0_latest = ""
-    reports = sdist.all_gather_json({"problem": problem, "latest": rank0_latest})
+    reports = sdist.all_gather_json({"problem": problem, "latest": rank0_latest,
+                                     "removed": _removal_words(tag_dir, before)})
     problem = next((r["problem"] for r in reports if r["problem"]), None)
     if problem is None:
         return
     latest = reports[0]["latest"]
-    complete = (f"{tag_dir.name} itself is complete" if problem.startswith(str(save_dir / LATEST_FILE)) else
-                f"{tag_dir.name} has no {META_FILE} and is never resumed from")
+    if problem.startswith(str(save_dir / LATEST_FILE)):
+        complete = f"{tag_dir.name} itself is complete"
+    else:
+        _remove_partial(tag_dir, before)
+        complete = reports[0]["removed"]  # every rank words it as rank 0 (whether the directory existed)
     previous = (f"'{LATEST_FILE}' still names {latest}" if latest else
                 f"no earlier complete checkpoint (no '{LATEST_FILE}' file)")
     raise CheckpointSaveError(f"checkpoint {tag_dir} not saved: {problem}; {previous} ({complete})")

@@ -8,16 +8,24 @@ Philox-4x32-10 from a (seed, offset) pair, the draws of the Triton kernels (``_d
 element index, so a tensor quantized slice by slice gets the draws it would get at once.
 
 The source (``quantize.cpp``, shipped in the package) is compiled by ``torch.utils.cpp_extension.load``
-(``-O3 -fopenmp``, no fast-math and no floating-point contraction, so FP32 arithmetic is torch's) into
-``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) the first time :func:`available` is asked,
-and loaded from there afterwards; ``python launch/warm_ops.py`` pays the compile ahead of time. When there is
-no compiler or the build fails, :func:`available` is false after one logged warning and callers quantize with
-:mod:`snip_ds.quant` instead (the same values with stochastic rounding off).
+(``-O3 -fopenmp``, no fast-math and no floating-point contraction, so FP32 arithmetic is torch's) the first
+time :func:`available` is asked, and loaded afterwards; ``python launch/warm_ops.py`` pays the compile ahead
+of time. Each environment builds into its own folder, :func:`build_directory`:
+``$TORCH_EXTENSIONS_DIR/pyXY_cpu/snip_ds_cpu_quant-<key>`` (default root ``~/.cache/torch_extensions``), the
+key a hash of everything that makes a build incompatible (:func:`build_key`: the Python executable and prefix,
+torch's version and C++ ABI, the compiler, the flags, the source's bytes and path), so two virtual
+environments or checkouts on one machine never rebuild over each other and a changed source builds anew. When
+there is no compiler or the build fails, :func:`available` is false after one logged warning and callers
+quantize with :mod:`snip_ds.quant` instead (the same values with stochastic rounding off).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
+import shutil
+import sys
 import time
 from typing import Optional, Union
 
@@ -41,6 +49,37 @@ _error: Optional[str] = None
 _build_seconds: Optional[float] = None
 
 
+def build_key(source: str = SOURCE) -> str:
+    """16 hex digits identifying a compatible build: a hash of the Python executable and prefix (a virtual
+    environment), the Python and torch versions, torch's C++ ABI, the machine, the C++ compiler (``$CXX`` or
+    ``c++`` as found on ``PATH``), the compile and link flags, and the bytes and path of ``source``.
+
+    Raises:
+        OSError: ``source`` cannot be read.
+    """
+    with open(source, "rb") as f:
+        source_hash = hashlib.sha256(f.read()).hexdigest()
+    compiler = os.environ.get("CXX") or "c++"
+    parts = {
+        "python": os.path.realpath(sys.executable), "prefix": os.path.realpath(sys.prefix),
+        "python_version": sys.version, "torch": torch.__version__,
+        "cxx11_abi": torch.compiled_with_cxx11_abi(), "machine": platform.machine(),
+        "compiler": [compiler, os.path.realpath(shutil.which(compiler) or compiler)],
+        "cflags": CFLAGS, "ldflags": LDFLAGS, "source": source_hash,
+        "source_path": os.path.realpath(source),  # in the build's commands: two checkouts would rebuild in turn
+    }
+    return hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()[:16]
+
+
+def build_directory() -> str:
+    """The folder this environment's build lives in (see :func:`build_key`); not created here."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return os.path.join(root, f"{python}_cpu", f"{EXTENSION_NAME}-{build_key()}")
+
+
 def load(verbose: bool = False) -> bool:
     """Compile (first time) or load the extension; True when its ops are ready. A failure is logged once
     as a warning and remembered: later calls return False at once."""
@@ -50,8 +89,11 @@ def load(verbose: bool = False) -> bool:
     start = time.perf_counter()
     try:
         from torch.utils import cpp_extension
-        cpp_extension.load(name=EXTENSION_NAME, sources=[SOURCE], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                           is_python_module=False, verbose=verbose)
+        folder = build_directory()
+        os.makedirs(folder, exist_ok=True)
+        cpp_extension.load(name=EXTENSION_NAME, sources=[SOURCE], extra_cflags=list(CFLAGS),
+                           extra_ldflags=list(LDFLAGS),
+                           build_directory=folder, is_python_module=False, verbose=verbose)
         _ops = torch.ops.snip_ds_cpu
         _ops.supported_isa()  # the library answers
     except Exception as err:  # no compiler, a failed build, a stale or broken cached library
