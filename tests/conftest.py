@@ -1,5 +1,6 @@
 """Shared test set-up: the tests directory is importable (for reference_quant), runs are single-threaded-safe,
-and no test leaves subnormals flushed for the next."""
+no test leaves subnormals flushed for the next, and Triton's mode is settled before any test module imports it."""
+import importlib.util
 import os
 import sys
 
@@ -7,6 +8,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Triton fixes interpreted vs compiled when it is first imported, and torch._dynamo imports it as a side effect of
+# many test modules' imports (transformers, DeepSpeed): were that first, the kernel tests would skip in a
+# whole-suite run. So triton and the kernels are imported here first, in the mode tests/triton_mode.py chooses
+# (compiled on a CUDA GPU, Triton's interpreter elsewhere).
+if importlib.util.find_spec("triton") is not None:
+    import triton_mode  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)
