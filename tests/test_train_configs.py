@@ -3,6 +3,7 @@ unchanged on one rank, torchrun with 2 ranks, and SIGTERM to a running 2-rank jo
 resume). Also: ``--help`` answers without importing torch."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,7 +106,8 @@ def test_sigterm_to_the_launcher_saves_and_torchrun_resumes(tmp_path):
     ckpts = tmp_path / "out" / "checkpoints"
     tag = (ckpts / "latest").read_text()
     step = int(tag.split("_")[1])
-    assert f"stopped by the exit of launcher process {proc.pid} at step {step}" in out
+    # the ranks notice the runner's exit, or (when the runner's own handler passes the signal on first) SIGTERM
+    assert re.search(rf"stopped by (the exit of launcher process \d+|SIGTERM) at step {step};", out), out[-6000:]
     assert 1 <= step < 100_000
     meta = json.loads((ckpts / tag / "snip_meta.json").read_text())
     assert meta["step"] == step and meta["world_size"] == 2
