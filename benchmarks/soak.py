@@ -205,7 +205,8 @@ def driver(args: argparse.Namespace) -> int:
     cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = MICRO_BS
     cfg["gradient_accumulation_steps"] = 1
-    cfg["snip"].update(replan_every=args.replan_every)
+    # A steady cadence (no early re-plans) and the divergence measured every 10 steps: many collectives per step.
+    cfg["snip"].update(replan_every=args.replan_every, early_replan_steps=[], additional_bf16_fwd_every_n_steps=10)
     cfg["snip"]["train"] = {"max_steps": args.steps, "seed": 0, "block_size": BLOCK}
     (work / "ds_config.json").write_text(json.dumps(cfg, indent=1))
     port = str(_free_port())

@@ -146,6 +146,12 @@ def _allowed(name: str, value: Any) -> Any:
     return value
 
 
+def _steps(name: str, value: Any) -> Any:
+    for step in value:
+        at_least(1)(name, step)
+    return tuple(sorted(set(value)))
+
+
 def _study(name: str, value: Any) -> Any:
     return check_study_fields(value, name)
 
@@ -164,8 +170,11 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            check=_share, flag=Flag(("--efficiency-saving", "--rho"), required=True)),
     Option("method", str, "best", "How the adaptive plan is chosen: ``best`` (SNIP) or one of the baselines.",
            choices=METHODS, flag=Flag(("--method",))),
-    Option("replan_every", int, 200, "Collect statistics and re-solve every this many optimizer steps.",
-           check=at_least(1)),
+    Option("replan_every", int, 250, "Collect statistics and re-solve every this many optimizer steps (and before "
+           "the first).", check=at_least(1)),
+    Option("early_replan_steps", Tuple[int, ...], (16, 32, 64, 128), "Further re-plans after these many steps, "
+           "early in training, when the weights and Adam's moments move fastest (the first plan, before step 1, has "
+           "no Adam state to price the backward divergence with). ``[]``: none.", check=_steps),
     Option("collect_batches", int, 1, "Micro-batches averaged per collection.", check=at_least(1)),
     Option("estimator", str, "mc_fisher", "FLD estimator: ``mc_fisher`` (default), ``empirical`` (Fisher from the "
            "training G_Y) or ``isotropic`` (ablations).", choices=ESTIMATORS, research=True),
@@ -185,8 +194,9 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            "kind costs\").", check=not_negative,
            flag=Flag(("--lambda",), dest="lam", default=None,
                      help="BWD weight λ (default: the statistics file's 'lambda')")),
-    Option("additional_bf16_fwd_every_n_steps", int, 10, "Every n steps, one extra no-grad bf16 forward measures "
-           "the plan's forward divergence (0: never).", check=not_negative),
+    Option("additional_bf16_fwd_every_n_steps", int, 250, "Every n steps, and right after every re-plan, extra "
+           "no-grad forwards (bf16, then the plan) measure the plan's forward divergence (0: never).",
+           check=not_negative),
     Option("pinned", Mapping[str, str], {}, "Layers held at a fixed precision: ``{fqn: precision}``.",
            check=_pinned),
     Option("per_gemm", bool, False, "Decide fprop, dgrad and wgrad separately.", flag=Flag(("--per-gemm",))),

@@ -7,7 +7,7 @@ every bad field by its dotted path (``snip.train.max_steps``)::
       "plan": "adaptive",                 # bf16 | fp8 | fp4 (uniform) | adaptive (SNIP) | path/to/plan.json
       "quant": {"fp8_recipe": "fp8_hybrid", "fp4_recipe": "nvfp4", "stochastic_rounding": true,
                 "hadamard": false, "weight_2d": true, "backend": "auto"},   # auto | emulated | torch | te
-      "efficiency_saving": 0.75, "method": "best", "replan_every": 200, ...   # the adaptive planner
+      "efficiency_saving": 0.75, "method": "best", "replan_every": 250, ...   # the adaptive planner
       "train": {"max_steps": 120, "eval_steps": 40, "save_steps": 60, "output_dir": "runs/default", ...},
       "research": {"fld_form": "sequence", "dgrad_cost": "split", ...}   # ablations: variants for studies
     }
@@ -161,8 +161,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, str)
-    if origin is tuple:  # Tuple[str, ...]: a JSON list of strings
-        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+    if origin is tuple:  # Tuple[str, ...] / Tuple[int, ...]: a JSON list of strings / integers
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, typing.get_args(hint)[0]) for v in value)
     if origin in (dict, collections.abc.Mapping):
         return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in value.items())
@@ -226,7 +226,7 @@ def _build(cls, data: Any, path: str):
 
 def _hint_name(hint: Any) -> str:
     if typing.get_origin(hint) is tuple:
-        return "a list of strings"
+        return "a list of integers" if typing.get_args(hint)[0] is int else "a list of strings"
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if args else hint
     name = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(base, "a mapping")

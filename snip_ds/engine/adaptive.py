@@ -27,6 +27,7 @@ from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan
+from snip_ds.schedule import measure_due, replan_due
 from snip_ds.options import build
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.planner.costs import predicted_divergence
@@ -52,12 +53,13 @@ class AdaptivePlanner:
 
     # ------------------------------------------------------------------ schedule
     def due(self, step: int) -> bool:
-        """Whether statistics are collected before optimizer step ``step + 1``."""
-        return step % self.settings.replan_every == 0
+        """Whether statistics are collected before optimizer step ``step + 1`` (:func:`snip_ds.schedule.replan_due`)."""
+        return replan_due(step, self.settings.replan_every, self.settings.early_replan_steps)
 
     def measure_due(self, step: int) -> bool:
-        n = self.settings.additional_bf16_fwd_every_n_steps
-        return bool(n) and (step + 1) % n == 0
+        """Whether the plan's forward divergence is measured before optimizer step ``step + 1``: right after a
+        re-plan at this step, and every ``additional_bf16_fwd_every_n_steps`` (:func:`snip_ds.schedule.measure_due`)."""
+        return measure_due(step, self.settings.additional_bf16_fwd_every_n_steps, self.planned_at == step)
 
     # ------------------------------------------------------------------ collection and solve
     def collect(self, step_batches: Sequence[Mapping[str, torch.Tensor]] = ()) -> Dict[str, Any]:
