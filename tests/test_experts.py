@@ -1,0 +1,295 @@
+"""SnipExperts against the transformers families' own experts modules (exact at bf16) and against SnipLinear on
+one expert's routed tokens and 2-D weight slice (quantized); routed token counts, layer names, precisions, the
+swap and its refusals."""
+import pytest
+import torch
+from torch import nn
+from transformers import DeepseekV3Config, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3MoE
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralSparseMoeBlock
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts, Qwen2MoeSparseMoeBlock
+
+from snip_ds import swap
+from snip_ds.experts import SnipExperts, find_experts_modules, layer_seed, swap_experts
+from snip_ds.linear import SnipLinear
+
+E, H, I, T = 4, 32, 48, 13  # experts, hidden, expert intermediate size, tokens
+PATH = "model.layers.3.mlp.experts"
+
+# Uneven routing with top-2: expert 0 gets 12 pairs, expert 1 10, expert 2 4, expert 3 none; some tokens list
+# their experts in the other order.
+ROUTING = torch.tensor([[0, 1]] * 6 + [[1, 0]] * 3 + [[2, 0]] * 3 + [[1, 2]])
+
+
+def _config(family: str, implementation: str):
+    if family == "mixtral":
+        cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
+    elif family == "qwen2_moe":
+        cfg = Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=I, shared_expert_intermediate_size=I,
+                             num_experts=E, num_experts_per_tok=2)
+    else:
+        cfg = DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=2,
+                               n_group=1, topk_group=1, n_shared_experts=1)
+    cfg._experts_implementation = implementation
+    return cfg
+
+
+EXPERTS = {"mixtral": MixtralExperts, "qwen2_moe": Qwen2MoeExperts, "deepseek_v3": DeepseekV3Experts}
+BLOCKS = {"mixtral": MixtralSparseMoeBlock, "qwen2_moe": Qwen2MoeSparseMoeBlock, "deepseek_v3": DeepseekV3MoE}
+FAMILIES = list(EXPERTS)
+
+
+def _randomize(module: nn.Module, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return module.to(dtype)
+
+
+def _experts(family: str, implementation: str = "eager", dtype=torch.float32) -> nn.Module:
+    return _randomize(EXPERTS[family](_config(family, implementation)), dtype)
+
+
+def _inputs(dtype, routing=ROUTING, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(routing.shape[0], H, generator=gen).to(dtype)
+    w = torch.rand(routing.shape, generator=gen)  # FP32, as Mixtral's and DeepSeek-V3's routers give them
+    g = torch.randn(routing.shape[0], H, generator=gen).to(dtype)
+    return h, w, g
+
+
+def _run(module: nn.Module, h, routing, w, g):
+    """Output and the gradients of the input, the routing weights and every Parameter."""
+    for p in module.parameters():
+        p.grad = None
+    h = h.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    out = module(h, routing, w)
+    out.backward(g)
+    return [out.detach(), h.grad, w.grad] + [p.grad for p in module.parameters()]
+
+
+def _assert_all_equal(ref, got):
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"tensor {i} differs"
+
+
+# ------------------------------------------------------------------------------------------------------
+# bf16: the family's own module, bit for bit
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_equals_family_module_bit_for_bit(family, implementation, dtype):
+    family_module = _experts(family, implementation, dtype)
+    h, w, g = _inputs(dtype)
+    ref = _run(family_module, h, ROUTING, w, g)
+    snip = SnipExperts.from_family(family_module, PATH, "bf16")
+    got = _run(snip, h, ROUTING, w, g)
+    _assert_all_equal(ref, got)
+    assert family_module.down_proj.grad[3].abs().max() == 0  # expert 3 had no tokens (the routing is uneven)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_block_with_its_router_equals_family_block(family, implementation, dtype):
+    """The whole sparse MoE block (router, routing weights in the family's dtype, shared experts: the input's
+    gradient sums the experts' with theirs) with its experts swapped, against the unswapped block."""
+    block = _randomize(BLOCKS[family](_config(family, implementation)), dtype, seed=2)
+    x = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(3)).to(dtype)
+    g = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(4)).to(dtype)
+
+    def run():
+        block.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        out = block(xx)
+        out.backward(g)
+        return [out.detach(), xx.grad] + [p.grad for p in block.parameters()]
+
+    ref = run()
+    replaced = swap_experts(block, "bf16")
+    assert list(replaced) == ["experts"] and isinstance(block.experts, SnipExperts)
+    _assert_all_equal(ref, run())
+
+
+def test_from_family_reuses_parameters_and_attributes():
+    family_module = _experts("mixtral")
+    snip = SnipExperts.from_family(family_module, PATH)
+    assert snip.gate_up_proj is family_module.gate_up_proj and snip.down_proj is family_module.down_proj
+    assert dict(snip.named_parameters()).keys() == dict(family_module.named_parameters()).keys()
+    assert snip.act_fn is family_module.act_fn and snip.config is family_module.config
+    assert snip.num_experts == E and snip.precision_of(0, "gate_up_proj") == "fp8"
+
+
+# ------------------------------------------------------------------------------------------------------
+# quantized experts: SnipLinear on the expert's tokens and weight slice
+# ------------------------------------------------------------------------------------------------------
+
+def _snip_linear_chain(snip: SnipExperts, expert: int, precisions, x, weights, g):
+    """Expert ``expert`` computed with two SnipLinear layers on copies of its 2-D weight slices (generators
+    seeded as the expert's), for its routed tokens ``x``: output, and gradients of x and both weights."""
+    layers = []
+    for j, proj in enumerate(snip.layout.projections):
+        w = getattr(snip, proj)[expert].detach().clone()
+        linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight = nn.Parameter(w)
+        layer = SnipLinear.from_linear(linear, precisions[j], snip.quant_config)
+        layer.generator = torch.Generator().manual_seed(layer_seed(0, snip.layer_name(expert, j), 0))
+        layers.append(layer)
+    x = x.clone().requires_grad_(True)
+    gate, up = layers[0](x).chunk(2, dim=-1)
+    y = layers[1](snip.act_fn(gate) * up) * weights[:, None]
+    y.backward(g)
+    return y.detach(), x.grad, layers[0].weight.grad, layers[1].weight.grad
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("precisions", [("fp8", "fp8"), ("fp4", "fp4"), ("fp4", "bf16"), ("bf16", "fp8"),
+                                        ({"fprop": "fp4", "dgrad": "fp8", "wgrad": "bf16"}, "fp4")])
+def test_quantized_expert_equals_snip_linear_on_its_tokens(precisions, implementation):
+    """Top-1 routing, so a token's output is its one expert's output times its weight (exactly: the other
+    terms of the sum are zero); expert 1 at ``precisions``, the others at fp8; SR generators seeded alike."""
+    routing = torch.tensor([[1], [0], [1], [2], [1], [1], [0], [1], [2], [1], [1]])
+    h, w, g = _inputs(torch.float32, routing)
+    snip = SnipExperts.from_family(_experts("mixtral", implementation), PATH, "fp8")
+    snip.set_precision(precisions[0], expert=1, projection="gate_up_proj")
+    snip.set_precision(precisions[1], expert=1, projection="down_proj")
+    out, g_h, _, g_gate_up, g_down = _run(snip, h, routing, w, g)
+
+    rows = (routing[:, 0] == 1).nonzero().flatten()
+    y, g_x, g_w0, g_w1 = _snip_linear_chain(snip, 1, precisions, h[rows], w[rows, 0], g[rows])
+    assert torch.equal(out[rows], y)
+    assert torch.equal(g_h[rows], g_x)
+    assert torch.equal(g_gate_up[1], g_w0) and torch.equal(g_down[1], g_w1)
+
+
+def test_one_experts_precision_changes_only_its_tokens():
+    h, w, g = _inputs(torch.float32)
+    family_module = _experts("qwen2_moe")
+    snip = SnipExperts.from_family(family_module, PATH, "bf16")
+    ref = _run(snip, h, ROUTING, w, g)
+    snip.set_precision("fp4", expert=2)
+    got = _run(snip, h, ROUTING, w, g)
+    out_ref, out = ref[0], got[0]
+    touches_2 = (ROUTING == 2).any(dim=1)
+    assert torch.equal(out[~touches_2], out_ref[~touches_2])
+    assert (out[touches_2] != out_ref[touches_2]).any(dim=1).all()
+    g_gate_up_ref, g_down_ref = ref[3], ref[4]
+    g_gate_up, g_down = got[3], got[4]
+    for e in (0, 1, 3):  # the other experts' inputs and output gradients are unchanged
+        assert torch.equal(g_gate_up[e], g_gate_up_ref[e]) and torch.equal(g_down[e], g_down_ref[e])
+    assert not torch.equal(g_down[2], g_down_ref[2])
+    assert torch.equal(got[1][~touches_2], ref[1][~touches_2])
+
+
+def test_generators_are_seeded_per_expert_and_projection_like_linear_layers():
+    snip = SnipExperts.from_family(_experts("deepseek_v3"), PATH, seed=7, rank=3)
+    seeds = set()
+    for name, info in snip.layers().items():
+        j = snip.layout.projections.index(info.kind)
+        seed = snip.generators[info.expert][j].initial_seed()
+        assert seed == swap._layer_seed(7, name, 3)
+        seeds.add(seed)
+    assert len(seeds) == 2 * E
+
+
+# ------------------------------------------------------------------------------------------------------
+# routed tokens, layers, precisions
+# ------------------------------------------------------------------------------------------------------
+
+def test_routed_tokens_accumulate_until_taken():
+    snip = SnipExperts.from_family(_experts("mixtral"), PATH, "bf16")
+    h, w, _ = _inputs(torch.float32)
+    assert snip.take_routed_tokens().tolist() == [0] * E
+    snip(h, ROUTING, w)
+    snip(h[:4], ROUTING[:4], w[:4])  # 4 tokens of [0, 1]
+    with_sentinel = torch.tensor([[0, E], [E, 1]])  # expert parallelism's placeholder index counts for nobody
+    snip(h[:2], with_sentinel, w[:2])
+    assert snip.take_routed_tokens().tolist() == [12 + 4 + 1, 10 + 4 + 1, 4, 0]
+    assert snip.take_routed_tokens().tolist() == [0] * E
+
+
+def test_layers_name_every_expert_and_projection():
+    snip = SnipExperts.from_family(_experts("mixtral"), PATH)
+    layers = snip.layers()
+    assert list(layers)[:3] == [f"{PATH}.0.gate_up_proj", f"{PATH}.0.down_proj", f"{PATH}.1.gate_up_proj"]
+    assert len(layers) == 2 * E
+    gate_up, down = layers[f"{PATH}.2.gate_up_proj"], layers[f"{PATH}.2.down_proj"]
+    assert (gate_up.block, gate_up.expert, gate_up.kind) == (3, 2, "gate_up_proj")
+    assert (gate_up.in_features, gate_up.out_features) == (H, 2 * I)
+    assert (down.in_features, down.out_features) == (I, H)
+    assert down.flops(10) == 6.0 * 10 * I * H
+
+
+def test_set_precisions_by_layer_name():
+    snip = SnipExperts.from_family(_experts("mixtral"), PATH, "fp8")
+    per_gemm = {"fprop": "fp4", "dgrad": "fp8", "wgrad": "fp8"}
+    snip.set_precisions({f"{PATH}.1.down_proj": "fp4", f"{PATH}.3.gate_up_proj": per_gemm})
+    assert snip.precision_of(1, "down_proj") == "fp4" and snip.precision_of(3, "gate_up_proj") == per_gemm
+    assert snip.precision_of(1, "gate_up_proj") == "fp8"
+    before = snip.precisions()
+    with pytest.raises(ValueError, match=r"no layer 'model\.layers\.3\.mlp\.experts\.4\.down_proj'"):
+        snip.set_precisions({f"{PATH}.0.down_proj": "bf16", f"{PATH}.4.down_proj": "fp4"})
+    with pytest.raises(ValueError, match="unknown precision 'fp2'"):
+        snip.set_precisions({f"{PATH}.0.down_proj": "fp2"})
+    assert snip.precisions() == before  # a refused plan changes nothing
+    with pytest.raises(ValueError, match="unknown projection 'up_proj'"):
+        snip.set_precision("fp4", projection="up_proj")
+    with pytest.raises(ValueError, match="expert 4 out of range"):
+        snip.set_precision("fp4", expert=4)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the swap
+# ------------------------------------------------------------------------------------------------------
+
+def _tiny_mixtral(layers: int = 2) -> MixtralForCausalLM:
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_hidden_layers=layers, num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=2, vocab_size=64)
+    torch.manual_seed(0)
+    return MixtralForCausalLM(cfg)
+
+
+def test_swap_experts_replaces_every_experts_module_and_keeps_the_model_bit_for_bit():
+    model = _tiny_mixtral()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    ref = model(ids).logits
+    originals = {n: m for n, m in model.named_modules() if isinstance(m, MixtralExperts)}
+    replaced = swap_experts(model, "bf16", seed=1)
+    assert replaced == originals and list(replaced) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for path, old in replaced.items():
+        new = model.get_submodule(path)
+        assert isinstance(new, SnipExperts) and new.fqn == path and new.gate_up_proj is old.gate_up_proj
+    assert torch.equal(model(ids).logits, ref)
+    again = swap_experts(model, "fp8")  # already swapped: the same modules, given the new precision
+    assert all(isinstance(m, SnipExperts) and m.precision_of(0, "down_proj") == "fp8" for m in again.values())
+    assert list(find_experts_modules(model)) == list(replaced)
+
+
+class ToyExperts(nn.Module):
+    """An experts module of a layout snip_ds does not know (3-D weights, another forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(E, H, H))
+
+
+def test_unknown_experts_layout_is_refused_naming_path_and_class():
+    model = _tiny_mixtral()
+    model.model.layers[1].mlp.experts = ToyExperts()
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.experts' \(test_experts\.ToyExperts\): "
+                                         r"unknown experts layout"):
+        swap_experts(model)
+    assert isinstance(model.model.layers[0].mlp.experts, MixtralExperts)  # nothing was replaced
+
+
+def test_known_class_with_other_flags_is_refused():
+    model = _tiny_mixtral(layers=1)
+    model.model.layers[0].mlp.experts.has_bias = True
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts' \(.*MixtralExperts\) does not have the "
+                                         r"layout .*has_bias=True \(expected False\)"):
+        swap_experts(model)
