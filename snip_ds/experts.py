@@ -61,8 +61,9 @@ class ExpertsLayout:
         transposed: the weights are stored ``[E, in, out]`` and applied as ``x @ W[e]``; otherwise ``[E, out, in]``
             and applied as ``F.linear(x, W[e])``.
         bias: every projection has a ``[E, out]`` Parameter named ``<projection>_bias``.
-        gated: the first projection's output is turned into the second's input by ``between``; otherwise
-            ``between`` is the activation alone.
+        gated: the first projection computes gate and up together (``between`` combines them); otherwise it
+            is an up projection alone and ``between`` the activation.
+        interleaved: gate and up are alternate output columns of the first projection (else its two halves).
         between: ``(module, y) -> h``, what the family does between the two projections.
         flags: the values of the attributes transformers' ``use_experts_implementation`` sets on the module
             for this layout; a module whose attributes differ is refused (its class was declared otherwise).
@@ -72,22 +73,32 @@ class ExpertsLayout:
     transposed: bool
     bias: bool
     gated: bool
+    interleaved: bool
     between: Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
     @property
     def flags(self) -> Dict[str, bool]:
         return {"is_transposed": self.transposed, "has_bias": self.bias, "has_gate": self.gated,
-                "has_post_expert_norm": False}
+                "is_concatenated": not self.interleaved, "has_post_expert_norm": False}
+
+
+def _family_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The family class's own ``_apply_gate`` (GPT-OSS: a clamped SwiGLU of interleaved gate and up columns,
+    reading the module's ``alpha`` and ``limit``)."""
+    return module.family_class._apply_gate(module, gate_up)
 
 
 _GATED_LINEAR = ExpertsLayout(("gate_up_proj", "down_proj"), transposed=False, bias=False, gated=True,
-                              between=_glu_halves)
+                              interleaved=False, between=_glu_halves)
+_GPT_OSS = ExpertsLayout(("gate_up_proj", "down_proj"), transposed=True, bias=True, gated=True, interleaved=True,
+                         between=_family_gate)
 
 # The experts classes of transformers 5 whose layout is known, by class name.
 LAYOUTS: Dict[str, ExpertsLayout] = {
     "MixtralExperts": _GATED_LINEAR,
     "Qwen2MoeExperts": _GATED_LINEAR,
     "DeepseekV3Experts": _GATED_LINEAR,
+    "GptOssExperts": _GPT_OSS,
 }
 
 # experts implementations whose per-token sum is the eager loop's index_add_ (all others sum the K outputs)
@@ -313,24 +324,31 @@ class SnipExperts(nn.Module):
         return counts.cpu()
 
     # ---------------- forward ----------------
-    def _project(self, x: torch.Tensor, expert: int, j: int) -> torch.Tensor:
-        """Expert ``expert``'s ``j``-th projection of its tokens ``x`` ``[t, in]`` -> ``[t, out]``."""
+    def _project(self, x: torch.Tensor, expert: int, j: int,
+                 bias_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Expert ``expert``'s ``j``-th projection of its tokens ``x`` ``[t, in]`` -> ``[t, out]``.
+
+        ``bias_rows`` (``[t, out]``): the bias gathered per token, as grouped_mm adds it (so that its gradient
+        is summed as there); else the expert's bias row is broadcast, as the eager loop adds it.
+        """
         name = self.layout.projections[j]
         bias = getattr(self, f"{name}_bias")[expert] if self.layout.bias else None
         prec = self._precisions[expert][j]
-        if prec.uniform == "bf16":  # the family's own operation
-            w = getattr(self, name)[expert]
-            if self.layout.transposed:
-                y = x @ w
-                return y + bias if bias is not None else y
-            return F.linear(x, w, bias)
-        return _QuantizedLinearFn.apply(x, self.weight(expert, j), bias, prec, self.quant_config,
-                                        self.generators[expert][j])
+        if prec.uniform != "bf16":
+            return _QuantizedLinearFn.apply(x, self.weight(expert, j), bias, prec, self.quant_config,
+                                            self.generators[expert][j])
+        w = getattr(self, name)[expert]  # the family's own operation
+        if bias is not None and bias_rows is not None:
+            return (x @ w if self.layout.transposed else F.linear(x, w)) + bias_rows
+        if self.layout.transposed:
+            return x @ w if bias is None else x @ w + bias
+        return F.linear(x, w, bias)
 
-    def _expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        h = self._project(x, expert, 0)
+    def _expert(self, x: torch.Tensor, expert: int,
+                bias_rows: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)) -> torch.Tensor:
+        h = self._project(x, expert, 0, bias_rows[0])
         h = self.layout.between(self, h)
-        return self._project(h, expert, 1)
+        return self._project(h, expert, 1, bias_rows[1])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -342,29 +360,37 @@ class SnipExperts(nn.Module):
             counts = torch.bincount(top_k_index.reshape(-1).clamp(max=num_experts),
                                     minlength=num_experts + 1)[:num_experts]
             self._routed_tokens = counts if self._routed_tokens is None else self._routed_tokens + counts
-            hit = counts.nonzero().flatten().tolist()  # ascending, as the family's loop
         implementation = getattr(getattr(self, "config", None), "_experts_implementation", "eager")
         if implementation in _INDEX_ADD_IMPLEMENTATIONS:
             final = torch.zeros_like(hidden_states)
-            for e in hit:
+            for e in counts.nonzero().flatten().tolist():  # ascending, as the family's loop
                 top_k_pos, token_idx = torch.where((top_k_index == e).t())  # [K, T]: as the family's mask
                 out = self._expert(hidden_states[token_idx], e) * top_k_weights[token_idx, top_k_pos, None]
                 final.index_add_(0, token_idx, out.to(final.dtype))
             return final
-        # grouped_mm / batched_mm: the token-expert pairs sorted by expert, gathered, weighted and summed per
-        # token in one operation each, as grouped_mm does (a GEMM's rows in another order may round otherwise,
-        # and an input's gradient summed from other terms would add them in another order)
+        # grouped_mm / batched_mm: the token-expert pairs sorted by expert and gathered at once, each projection
+        # run per expert on its rows, everything between and after over all pairs at once, as grouped_mm does
+        # (rows in another order may round otherwise in a GEMM, an element-wise function vectorised
+        # differently, and a gradient summed from other terms in another order)
         num_tokens, top_k = top_k_index.shape
         with torch.no_grad():
             perm = torch.sort(top_k_index.reshape(-1))[1]  # [S], S = T*K
             inv_perm = torch.empty_like(perm)
             inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
             sizes = counts.tolist() + [perm.numel() - int(counts.sum())]  # the last: placeholders
-        selected = hidden_states[perm // top_k]  # [S, H]
-        outs = [self._expert(x_e, e) if x_e.shape[0] else x_e.new_zeros(0, hidden_states.shape[-1])
-                for e, x_e in enumerate(selected.split(sizes[:-1]))]
-        outs.append(hidden_states.new_zeros(sizes[-1], hidden_states.shape[-1]))
-        weighted = torch.cat(outs) * top_k_weights.reshape(-1)[perm].unsqueeze(-1)  # [S, H]
+        bias_rows = [[None] * num_experts] * len(self.layout.projections)
+        if self.layout.bias:
+            expert_ids = top_k_index.reshape(-1)[perm].clamp(max=num_experts - 1)
+            bias_rows = [getattr(self, f"{p}_bias")[expert_ids].split(sizes[:-1]) for p in self.layout.projections]
+        h = hidden_states[perm // top_k]  # [S, H]
+        for j in range(len(self.layout.projections)):
+            if j:
+                h = self.layout.between(self, h)
+            parts = h.split(sizes)
+            outs = [self._project(x_e, e, j, bias_rows[j][e]) for e, x_e in enumerate(parts[:-1]) if sizes[e]]
+            outs.append(h.new_zeros(sizes[-1], self.weight(0, j).shape[0]))
+            h = torch.cat(outs)
+        weighted = h * top_k_weights.reshape(-1)[perm].unsqueeze(-1)  # [S, H]
         return weighted[inv_perm].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:

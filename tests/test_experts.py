@@ -4,8 +4,9 @@ swap and its refusals."""
 import pytest
 import torch
 from torch import nn
-from transformers import DeepseekV3Config, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig
+from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3MoE
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts, Qwen2MoeSparseMoeBlock
 
@@ -27,6 +28,9 @@ def _config(family: str, implementation: str):
     elif family == "qwen2_moe":
         cfg = Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=I, shared_expert_intermediate_size=I,
                              num_experts=E, num_experts_per_tok=2)
+    elif family == "gpt_oss":  # weights stored [E, in, out], biases, interleaved gate and up, clamped SwiGLU
+        cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2,
+                           swiglu_limit=1.0)  # a limit the test values reach, so the clamps act
     else:
         cfg = DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=2,
                                n_group=1, topk_group=1, n_shared_experts=1)
@@ -34,8 +38,10 @@ def _config(family: str, implementation: str):
     return cfg
 
 
-EXPERTS = {"mixtral": MixtralExperts, "qwen2_moe": Qwen2MoeExperts, "deepseek_v3": DeepseekV3Experts}
-BLOCKS = {"mixtral": MixtralSparseMoeBlock, "qwen2_moe": Qwen2MoeSparseMoeBlock, "deepseek_v3": DeepseekV3MoE}
+EXPERTS = {"mixtral": MixtralExperts, "qwen2_moe": Qwen2MoeExperts, "deepseek_v3": DeepseekV3Experts,
+           "gpt_oss": GptOssExperts}
+BLOCKS = {"mixtral": MixtralSparseMoeBlock, "qwen2_moe": Qwen2MoeSparseMoeBlock, "deepseek_v3": DeepseekV3MoE,
+          "gpt_oss": GptOssMLP}
 FAMILIES = list(EXPERTS)
 
 
@@ -107,6 +113,7 @@ def test_bf16_block_with_its_router_equals_family_block(family, implementation, 
         block.zero_grad(set_to_none=True)
         xx = x.clone().requires_grad_(True)
         out = block(xx)
+        out = out[0] if isinstance(out, tuple) else out  # GPT-OSS's block also returns its router scores
         out.backward(g)
         return [out.detach(), xx.grad] + [p.grad for p in block.parameters()]
 
@@ -134,37 +141,54 @@ def _snip_linear_chain(snip: SnipExperts, expert: int, precisions, x, weights, g
     seeded as the expert's), for its routed tokens ``x``: output, and gradients of x and both weights."""
     layers = []
     for j, proj in enumerate(snip.layout.projections):
-        w = getattr(snip, proj)[expert].detach().clone()
-        linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        w = snip.weight(expert, j).detach().clone()  # [out, in]
+        linear = nn.Linear(w.shape[1], w.shape[0], bias=snip.layout.bias)
         linear.weight = nn.Parameter(w)
+        if snip.layout.bias:
+            linear.bias = nn.Parameter(getattr(snip, f"{proj}_bias")[expert].detach().clone())
         layer = SnipLinear.from_linear(linear, precisions[j], snip.quant_config)
         layer.generator = torch.Generator().manual_seed(layer_seed(0, snip.layer_name(expert, j), 0))
         layers.append(layer)
     x = x.clone().requires_grad_(True)
-    gate, up = layers[0](x).chunk(2, dim=-1)
-    y = layers[1](snip.act_fn(gate) * up) * weights[:, None]
+    y = layers[1](snip.layout.between(snip, layers[0](x))) * weights[:, None]
     y.backward(g)
-    return y.detach(), x.grad, layers[0].weight.grad, layers[1].weight.grad
+    return y.detach(), x.grad, layers[0].weight.grad, layers[1].weight.grad, layers[0].bias, layers[1].bias
+
+
+QUANTIZED = [("mixtral", ("fp8", "fp8")), ("mixtral", ("fp4", "fp4")), ("mixtral", ("fp4", "bf16")),
+             ("mixtral", ("bf16", "fp8")), ("mixtral", ({"fprop": "fp4", "dgrad": "fp8", "wgrad": "bf16"}, "fp4")),
+             # transposed weights (SnipLinear gets the [out, in] view) and biases; not bf16, which runs
+             # GPT-OSS's own x @ W + b where SnipLinear runs F.linear
+             ("gpt_oss", ("fp8", "fp4")), ("gpt_oss", ("fp4", "fp8"))]
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
-@pytest.mark.parametrize("precisions", [("fp8", "fp8"), ("fp4", "fp4"), ("fp4", "bf16"), ("bf16", "fp8"),
-                                        ({"fprop": "fp4", "dgrad": "fp8", "wgrad": "bf16"}, "fp4")])
-def test_quantized_expert_equals_snip_linear_on_its_tokens(precisions, implementation):
+@pytest.mark.parametrize("family, precisions", QUANTIZED)
+def test_quantized_expert_equals_snip_linear_on_its_tokens(family, precisions, implementation):
     """Top-1 routing, so a token's output is its one expert's output times its weight (exactly: the other
-    terms of the sum are zero); expert 1 at ``precisions``, the others at fp8; SR generators seeded alike."""
+    terms of the sum are zero); expert 1 at ``precisions``, the others at fp8; SR generators seeded alike.
+    grouped_mm applies the element-wise gate to all routed pairs at once, which may round a few elements
+    differently from the same function on expert 1's rows alone, so there every token goes to expert 1."""
     routing = torch.tensor([[1], [0], [1], [2], [1], [1], [0], [1], [2], [1], [1]])
+    if implementation == "grouped_mm":
+        routing = torch.ones_like(routing)
     h, w, g = _inputs(torch.float32, routing)
-    snip = SnipExperts.from_family(_experts("mixtral", implementation), PATH, "fp8")
+    snip = SnipExperts.from_family(_experts(family, implementation), PATH, "fp8")
     snip.set_precision(precisions[0], expert=1, projection="gate_up_proj")
     snip.set_precision(precisions[1], expert=1, projection="down_proj")
-    out, g_h, _, g_gate_up, g_down = _run(snip, h, routing, w, g)
+    got = _run(snip, h, routing, w, g)
+    out, g_h, grads = got[0], got[1], dict(zip([n for n, _ in snip.named_parameters()], got[3:]))
 
     rows = (routing[:, 0] == 1).nonzero().flatten()
-    y, g_x, g_w0, g_w1 = _snip_linear_chain(snip, 1, precisions, h[rows], w[rows, 0], g[rows])
+    y, g_x, g_w0, g_w1, b0, b1 = _snip_linear_chain(snip, 1, precisions, h[rows], w[rows, 0], g[rows])
     assert torch.equal(out[rows], y)
     assert torch.equal(g_h[rows], g_x)
-    assert torch.equal(g_gate_up[1], g_w0) and torch.equal(g_down[1], g_w1)
+    transpose = (lambda t: t.t()) if snip.layout.transposed else (lambda t: t)
+    assert torch.equal(transpose(grads["gate_up_proj"][1]), g_w0)
+    assert torch.equal(transpose(grads["down_proj"][1]), g_w1)
+    if snip.layout.bias:
+        assert torch.equal(grads["gate_up_proj_bias"][1], b0.grad)
+        assert torch.equal(grads["down_proj_bias"][1], b1.grad)
 
 
 def test_one_experts_precision_changes_only_its_tokens():
