@@ -381,7 +381,7 @@ class SnipExperts(nn.Module):
         bias_rows = [[None] * num_experts] * len(self.layout.projections)
         if self.layout.bias:
             expert_ids = top_k_index.reshape(-1)[perm].clamp(max=num_experts - 1)
-            bias_rows = [getattr(self, f"{p}_bias")[expert_ids].split(sizes[:-1]) for p in self.layout.projections]
+            bias_rows = [getattr(self, f"{p}_bias")[expert_ids].split(sizes) for p in self.layout.projections]
         h = hidden_states[perm // top_k]  # [S, H]
         for j in range(len(self.layout.projections)):
             if j:

@@ -100,6 +100,21 @@ def test_bf16_equals_family_module_bit_for_bit(family, implementation, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family, implementation", [("mixtral", "eager"), ("mixtral", "grouped_mm"),
+                                                    ("gpt_oss", "grouped_mm")])  # GPT-OSS's eager loop has none
+def test_bf16_with_expert_parallel_placeholders_equals_family_module(family, implementation, dtype):
+    """Under expert parallelism a routed slot may hold the placeholder index ``num_experts``: it contributes
+    nothing, to the output or to the routing weight's gradient."""
+    routing = ROUTING.clone()
+    routing[2, 1] = routing[7, 0] = E
+    family_module = _experts(family, implementation, dtype)
+    family_module._is_expert_parallel = True
+    h, w, g = _inputs(dtype)
+    ref = _run(family_module, h, routing, w, g)
+    _assert_all_equal(ref, _run(SnipExperts.from_family(family_module, PATH, "bf16"), h, routing, w, g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_block_with_its_router_equals_family_block(family, implementation, dtype):
