@@ -13,10 +13,13 @@ precision (``bf16``, ``fp8``, ``fp4``, or one per GEMM) and its own stochastic-r
 :class:`~snip_ds.linear.SnipLinear` on the slice, so its fprop, dgrad and wgrad go through
 :mod:`snip_ds.backend` exactly as a linear layer's do. Routing, activation, routing weights and biases are the
 family's; so is the way the experts' outputs are summed per token, which follows the module's configured
-experts implementation: ``eager`` adds each expert's weighted output into the result in expert order
-(``index_add_`` in the model's dtype), the others (``grouped_mm``, ``batched_mm``, ...) sum a token's
-``K`` weighted outputs at once in the routing weights' dtype. With every pair at ``bf16`` the module's outputs
-and gradients are those of the family's ``eager`` loop bit for bit, and its outputs those of ``grouped_mm``.
+experts implementation (``config._experts_implementation``, read at every forward): ``eager`` runs each
+expert in turn and adds its weighted output into the result (``index_add_`` in the model's dtype); the others
+(``grouped_mm``, ``batched_mm``, ...) gather the token-expert pairs sorted by expert, apply the element-wise
+steps to all pairs at once and sum a token's ``K`` weighted outputs in one operation, as ``grouped_mm`` does.
+With every pair at ``bf16`` the module's outputs and gradients are those of the family module under ``eager``
+and under ``grouped_mm`` bit for bit (on the CPU, where this is tested); ``batched_mm`` multiplies token by
+token, which may round differently from one GEMM per expert.
 
 Each forward adds every expert's routed token count (token-expert pairs, so a token routed to ``K`` experts
 counts once at each) to a running total that :meth:`SnipExperts.take_routed_tokens` returns and resets: an
@@ -46,7 +49,7 @@ from snip_ds.types import GemmPrecision, LayerPrecision, block_index
 
 def _glu_halves(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """``act(gate) * up`` of the first and second halves of the fused projection's output (Mixtral, Qwen2-MoE,
-    DeepSeek-V3: the operations of their eager loop)."""
+    Qwen3-MoE, DeepSeek-V3: the operations of their eager loop)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return module.act_fn(gate) * up
 
@@ -97,6 +100,7 @@ _GPT_OSS = ExpertsLayout(("gate_up_proj", "down_proj"), transposed=True, bias=Tr
 LAYOUTS: Dict[str, ExpertsLayout] = {
     "MixtralExperts": _GATED_LINEAR,
     "Qwen2MoeExperts": _GATED_LINEAR,
+    "Qwen3MoeExperts": _GATED_LINEAR,
     "DeepseekV3Experts": _GATED_LINEAR,
     "GptOssExperts": _GPT_OSS,
 }

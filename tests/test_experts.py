@@ -4,14 +4,16 @@ swap and its refusals."""
 import pytest
 import torch
 from torch import nn
-from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig
+from transformers import (DeepseekV3Config, GptOssConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                          Qwen3MoeConfig)
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3MoE
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts, Qwen2MoeSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock
 
 from snip_ds import swap
-from snip_ds.experts import SnipExperts, find_experts_modules, layer_seed, swap_experts
+from snip_ds.experts import LAYOUTS, SnipExperts, find_experts_modules, layer_seed, swap_experts
 from snip_ds.linear import SnipLinear
 
 E, H, I, T = 4, 32, 48, 13  # experts, hidden, expert intermediate size, tokens
@@ -28,6 +30,8 @@ def _config(family: str, implementation: str):
     elif family == "qwen2_moe":
         cfg = Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=I, shared_expert_intermediate_size=I,
                              num_experts=E, num_experts_per_tok=2)
+    elif family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2)
     elif family == "gpt_oss":  # weights stored [E, in, out], biases, interleaved gate and up, clamped SwiGLU
         cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2,
                            swiglu_limit=1.0)  # a limit the test values reach, so the clamps act
@@ -38,11 +42,15 @@ def _config(family: str, implementation: str):
     return cfg
 
 
-EXPERTS = {"mixtral": MixtralExperts, "qwen2_moe": Qwen2MoeExperts, "deepseek_v3": DeepseekV3Experts,
-           "gpt_oss": GptOssExperts}
-BLOCKS = {"mixtral": MixtralSparseMoeBlock, "qwen2_moe": Qwen2MoeSparseMoeBlock, "deepseek_v3": DeepseekV3MoE,
-          "gpt_oss": GptOssMLP}
+EXPERTS = {"mixtral": MixtralExperts, "qwen2_moe": Qwen2MoeExperts, "qwen3_moe": Qwen3MoeExperts,
+           "deepseek_v3": DeepseekV3Experts, "gpt_oss": GptOssExperts}
+BLOCKS = {"mixtral": MixtralSparseMoeBlock, "qwen2_moe": Qwen2MoeSparseMoeBlock, "qwen3_moe": Qwen3MoeSparseMoeBlock,
+          "deepseek_v3": DeepseekV3MoE, "gpt_oss": GptOssMLP}
 FAMILIES = list(EXPERTS)
+
+
+def test_every_family_in_the_layout_table_is_tested_here():
+    assert set(LAYOUTS) == {cls.__name__ for cls in EXPERTS.values()}
 
 
 def _randomize(module: nn.Module, dtype: torch.dtype, seed: int = 0) -> nn.Module:
