@@ -109,6 +109,11 @@ LAYOUTS: Dict[str, ExpertsLayout] = {
 _INDEX_ADD_IMPLEMENTATIONS = ("eager",)
 
 
+def full_shape(param: torch.Tensor) -> Tuple[int, ...]:
+    """A Parameter's shape, also when ZeRO-3 has partitioned it (its data then an empty placeholder)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
 def looks_like_experts(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers experts module: decorated by ``use_experts_implementation`` (it
     has ``_is_expert_parallel``), or a class named ``...Experts`` that holds a 3-D Parameter itself."""
@@ -138,12 +143,11 @@ def layout_of(module: nn.Module, fqn: str) -> ExpertsLayout:
     params = dict(module.named_parameters(recurse=False))
     problems += [f"no Parameter {name!r}" for name in names if name not in params]
     if not problems:
-        first, second = (params[p] for p in layout.projections)
-        if first.dim() != 3 or second.dim() != 3 or first.shape[0] != second.shape[0]:
-            problems.append(f"weights {tuple(first.shape)} and {tuple(second.shape)} are not [E, out, in] / "
-                            f"[E, in, out] with the same E")
-    if not problems and getattr(module, "num_experts", first.shape[0]) != first.shape[0]:
-        problems.append(f"num_experts={module.num_experts} but the weights hold {first.shape[0]} experts")
+        first, second = (full_shape(params[p]) for p in layout.projections)
+        if len(first) != 3 or len(second) != 3 or first[0] != second[0]:
+            problems.append(f"weights {first} and {second} are not [E, out, in] / [E, in, out] with the same E")
+    if not problems and getattr(module, "num_experts", first[0]) != first[0]:
+        problems.append(f"num_experts={module.num_experts} but the weights hold {first[0]} experts")
     if problems:
         raise ValueError(f"experts module {fqn!r} ({cls}) does not have the layout snip_ds knows for its "
                          f"class: {'; '.join(problems)}")
@@ -225,7 +229,7 @@ class SnipExperts(nn.Module):
         new.family_class = type(family)
         new.layout = layout
         new.fqn = fqn
-        new.num_experts = getattr(family, layout.projections[0]).shape[0]
+        new.num_experts = full_shape(getattr(family, layout.projections[0]))[0]
         new.quant_config = quant_config or QuantConfig()
         new._precisions = [[GemmPrecision.of(precision)] * len(layout.projections)
                            for _ in range(new.num_experts)]
@@ -254,11 +258,15 @@ class SnipExperts(nn.Module):
         out = {}
         for e in range(self.num_experts):
             for j, proj in enumerate(self.layout.projections):
-                shape = getattr(self, proj).shape  # [E, out, in] (or [E, in, out] transposed)
-                n, k = (shape[2], shape[1]) if self.layout.transposed else (shape[1], shape[2])
+                n, k = self.projection_shape(j)
                 name = self.layer_name(e, j)
-                out[name] = ExpertLayerInfo(name, block, proj, e, int(k), int(n))
+                out[name] = ExpertLayerInfo(name, block, proj, e, k, n)
         return out
+
+    def projection_shape(self, projection: int) -> Tuple[int, int]:
+        """``(out_features, in_features)`` of every expert's ``projection``-th GEMM."""
+        shape = full_shape(getattr(self, self.layout.projections[projection]))  # [E, out, in] / [E, in, out]
+        return (int(shape[2]), int(shape[1])) if self.layout.transposed else (int(shape[1]), int(shape[2]))
 
     def seed_generators(self, seed: int, rank: int = 0) -> None:
         """Gives every (expert, projection) pair its own generator, seeded from ``(seed, rank, layer name)``."""
@@ -392,7 +400,7 @@ class SnipExperts(nn.Module):
                 h = self.layout.between(self, h)
             parts = h.split(sizes)
             outs = [self._project(x_e, e, j, bias_rows[j][e]) for e, x_e in enumerate(parts[:-1]) if sizes[e]]
-            outs.append(h.new_zeros(sizes[-1], self.weight(0, j).shape[0]))
+            outs.append(h.new_zeros(sizes[-1], self.projection_shape(j)[0]))
             h = torch.cat(outs)
         weighted = h * top_k_weights.reshape(-1)[perm].unsqueeze(-1)  # [S, H]
         return weighted[inv_perm].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -340,3 +340,44 @@ def test_known_class_with_other_flags_is_refused():
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts' \(.*MixtralExperts\) does not have the "
                                          r"layout .*has_bias=True \(expected False\)"):
         swap_experts(model)
+
+
+# ------------------------------------------------------------------------------------------------------
+# ZeRO-3
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_zero3_partitioned_experts_train_as_the_family_module(tmp_path):
+    """tests/dist_scripts/experts_zero3.py: a tiny Mixtral built under zero.Init (the 3-D Parameters partitioned
+    before the swap) and trained one SGD step under ZeRO-3 with the family's experts, SnipExperts at bf16 and at
+    fp8. bf16 gives the family's loss and parameters bit for bit; fp8 trains (finite, other values)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from train_utils import REPO, env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_env = {**env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist_scripts" / "experts_zero3.py"),
+                           "--out", str(tmp_path)], cwd=REPO, env=run_env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "swap.json").read_text())
+    for precision in ("bf16", "fp8"):
+        seen = report[precision]
+        assert seen["replaced"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+        assert seen["same_parameters"] and seen["partitioned_numel"] == 0
+        assert seen["layers"] == {path: 2 * 4 for path in seen["replaced"]} and seen["down_proj_shape"] == [32, 48]
+    family, bf16, fp8 = (load_file(str(tmp_path / f"{name}.safetensors")) for name in ("family", "bf16", "fp8"))
+    assert family.keys() == bf16.keys() == fp8.keys()
+    for name in family:
+        assert torch.equal(family[name], bf16[name]), name
+    assert torch.isfinite(fp8["loss"]).all() and not torch.equal(fp8["loss"], family["loss"])
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        assert torch.isfinite(fp8[name]).all() and not torch.equal(fp8[name], family[name])
