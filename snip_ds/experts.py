@@ -249,6 +249,17 @@ class SnipExperts(nn.Module):
         return f"{self.fqn}.{expert}.{self.layout.projections[projection]}" if self.fqn else \
             f"{expert}.{self.layout.projections[projection]}"
 
+    def pair_of(self, name: str) -> Optional[Tuple[int, int]]:
+        """``(expert, projection index)`` of the layer ``name`` of this module, or None if it names none."""
+        prefix, _, rest = name.rpartition(".")  # rest: the projection
+        path, _, expert = prefix.rpartition(".") if self.fqn else ("", "", prefix)
+        if path != self.fqn or rest not in self.layout.projections or not expert.isdigit():
+            return None
+        e = int(expert)
+        if e >= self.num_experts or str(e) != expert:
+            return None
+        return e, self.layout.projections.index(rest)
+
     def layers(self) -> Dict[str, ExpertLayerInfo]:
         """``{name: ExpertLayerInfo}`` of every (expert, projection) pair, expert-major."""
         try:
@@ -310,13 +321,11 @@ class SnipExperts(nn.Module):
     def set_precisions(self, plan: Dict[str, LayerPrecision]) -> None:
         """Sets the pairs named in ``plan`` (``{layer name: precision}``, names as :meth:`layers` gives them);
         nothing is set if a name is not one of this module's layers (ValueError naming it)."""
-        index = {self.layer_name(e, j): (e, j) for e in range(self.num_experts)
-                 for j in range(len(self.layout.projections))}
-        unknown = sorted(set(plan) - set(index))
+        unknown = sorted(name for name in plan if self.pair_of(name) is None)
         if unknown:
             raise ValueError(f"experts module {self.fqn!r}: no layer {unknown[0]!r} "
                              f"({len(unknown)} unknown name(s))")
-        resolved = {index[name]: GemmPrecision.of(value, field=name) for name, value in plan.items()}
+        resolved = {self.pair_of(name): GemmPrecision.of(value, field=name) for name, value in plan.items()}
         for (e, j), prec in resolved.items():
             self._precisions[e][j] = prec
 
@@ -472,3 +481,44 @@ def swap_experts(model: nn.Module, precision: LayerPrecision = "fp8",
 def experts_modules(model: nn.Module) -> Dict[str, SnipExperts]:
     """The model's :class:`SnipExperts` modules by path."""
     return {name: m for name, m in model.named_modules() if isinstance(m, SnipExperts)}
+
+
+# ------------------------------------------------------------------------------------------------------
+# all of a model's experts at once
+# ------------------------------------------------------------------------------------------------------
+
+def expert_layers(model: nn.Module) -> Dict[str, ExpertLayerInfo]:
+    """``{layer name: ExpertLayerInfo}`` of every (expert, projection) pair of the model, in model order."""
+    return {name: info for m in experts_modules(model).values() for name, info in m.layers().items()}
+
+
+def take_routed_tokens(model: nn.Module) -> Dict[str, int]:
+    """``{layer name: routed tokens}`` of every (expert, projection) pair since the last call (both of an
+    expert's projections see its tokens), resetting every module's count."""
+    out = {}
+    for module in experts_modules(model).values():
+        counts = module.take_routed_tokens().tolist()
+        out.update({module.layer_name(e, j): counts[e] for e in range(module.num_experts)
+                    for j in range(len(module.layout.projections))})
+    return out
+
+
+def set_expert_precisions(model: nn.Module, assignment: Dict[str, LayerPrecision]) -> Dict[str, LayerPrecision]:
+    """Sets the precision of every (expert, projection) pair named in ``assignment`` (``{layer name:
+    precision}``, e.g. a plan's, which may also name other layers); returns the entries that name no pair of
+    ``model``'s experts, for the caller to apply elsewhere. Nothing is set if an entry that names a pair is
+    invalid (ValueError naming it)."""
+    modules = experts_modules(model)
+    per_module: Dict[str, Dict[str, LayerPrecision]] = {}
+    rest = {}
+    for name, precision in assignment.items():
+        path = name.rsplit(".", 2)[0]
+        if path in modules and modules[path].pair_of(name) is not None:
+            per_module.setdefault(path, {})[name] = precision
+        else:
+            rest[name] = precision
+    checked = {path: {name: GemmPrecision.of(value, field=name) for name, value in entries.items()}
+               for path, entries in per_module.items()}
+    for path, entries in checked.items():
+        modules[path].set_precisions(entries)
+    return rest

@@ -13,7 +13,8 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts, Qw
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock
 
 from snip_ds import swap
-from snip_ds.experts import LAYOUTS, SnipExperts, find_experts_modules, layer_seed, swap_experts
+from snip_ds.experts import (LAYOUTS, SnipExperts, expert_layers, find_experts_modules, layer_seed,
+                              set_expert_precisions, swap_experts, take_routed_tokens)
 from snip_ds.linear import SnipLinear
 
 E, H, I, T = 4, 32, 48, 13  # experts, hidden, expert intermediate size, tokens
@@ -150,7 +151,7 @@ def test_from_family_reuses_parameters_and_attributes():
     family_module = _experts("mixtral")
     snip = SnipExperts.from_family(family_module, PATH)
     assert snip.gate_up_proj is family_module.gate_up_proj and snip.down_proj is family_module.down_proj
-    assert dict(snip.named_parameters()).keys() == dict(family_module.named_parameters()).keys()
+    assert snip.state_dict().keys() == family_module.state_dict().keys()  # checkpoints load either way
     assert snip.act_fn is family_module.act_fn and snip.config is family_module.config
     assert snip.num_experts == E and snip.precision_of(0, "gate_up_proj") == "fp8"
 
@@ -381,3 +382,30 @@ def test_zero3_partitioned_experts_train_as_the_family_module(tmp_path):
     assert torch.isfinite(fp8["loss"]).all() and not torch.equal(fp8["loss"], family["loss"])
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
         assert torch.isfinite(fp8[name]).all() and not torch.equal(fp8[name], family[name])
+
+
+def test_model_wide_layers_token_counts_and_precisions():
+    model = _tiny_mixtral()
+    swap_experts(model, "fp8")
+    layers = expert_layers(model)
+    assert len(layers) == 2 * 2 * E and list(layers)[0] == "model.layers.0.mlp.experts.0.gate_up_proj"
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    model(ids)
+    tokens = take_routed_tokens(model)
+    assert tokens.keys() == layers.keys()
+    for block in range(2):  # every token-expert pair counted once, for both of the expert's projections
+        per_expert = [tokens[f"model.layers.{block}.mlp.experts.{e}.down_proj"] for e in range(E)]
+        assert sum(per_expert) == 2 * 9 * 2
+        assert per_expert == [tokens[f"model.layers.{block}.mlp.experts.{e}.gate_up_proj"] for e in range(E)]
+    assert set(take_routed_tokens(model).values()) == {0}
+
+    plan = {"model.layers.1.mlp.experts.2.down_proj": "fp4", "model.layers.0.self_attn.q_proj": "fp4",
+            "model.layers.1.mlp.experts.02.down_proj": "fp4", "model.layers.1.mlp.experts.4.down_proj": "fp4"}
+    rest = set_expert_precisions(model, plan)
+    assert rest == {name: "fp4" for name in list(plan)[1:]}  # not a pair: the caller's to apply or refuse
+    experts = model.get_submodule("model.layers.1.mlp.experts")
+    assert experts.precision_of(2, "down_proj") == "fp4" and experts.precision_of(2, "gate_up_proj") == "fp8"
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj: unknown precision"):
+        set_expert_precisions(model, {"model.layers.1.mlp.experts.3.down_proj": "fp4",
+                                      "model.layers.0.mlp.experts.0.down_proj": "int8"})
+    assert experts.precision_of(3, "down_proj") == "fp8"  # nothing set
