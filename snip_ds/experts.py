@@ -174,6 +174,12 @@ class ExpertLayerInfo:
         return 6.0 * tokens * self.in_features * self.out_features
 
 
+def _recomputing() -> bool:
+    """Whether the running forward is inside a backward pass: activation checkpointing recomputing it."""
+    current_node = getattr(torch._C, "_current_autograd_node", None)
+    return current_node is not None and current_node() is not None
+
+
 def layer_seed(seed: int, fqn: str, rank: int) -> int:
     """The stochastic-rounding seed of the layer ``fqn`` on ``rank``: the same derivation as the linear
     layers' (``snip_ds.swap``), so an (expert, projection) pair is seeded like any other layer."""
@@ -236,7 +242,7 @@ class SnipExperts(nn.Module):
         new.generators = [[None] * len(layout.projections) for _ in range(new.num_experts)]
         if seed is not None:
             new.seed_generators(seed, rank)
-        new._routed_tokens: Optional[torch.Tensor] = None
+        new._routed_tokens = None  # int64 [E] on the routing's device, or None: no tokens since the last take
         return new
 
     # ---------------- the layers the planner sees ----------------
@@ -278,6 +284,11 @@ class SnipExperts(nn.Module):
         """``(out_features, in_features)`` of every expert's ``projection``-th GEMM."""
         shape = full_shape(getattr(self, self.layout.projections[projection]))  # [E, out, in] / [E, in, out]
         return (int(shape[2]), int(shape[1])) if self.layout.transposed else (int(shape[1]), int(shape[2]))
+
+    def named_generators(self) -> Dict[str, Optional[torch.Generator]]:
+        """``{layer name: generator}`` of every pair (for checkpoints: a generator's state fixes its rounding)."""
+        return {self.layer_name(e, j): self.generators[e][j] for e in range(self.num_experts)
+                for j in range(len(self.layout.projections))}
 
     def seed_generators(self, seed: int, rank: int = 0) -> None:
         """Gives every (expert, projection) pair its own generator, seeded from ``(seed, rank, layer name)``."""
@@ -337,7 +348,8 @@ class SnipExperts(nn.Module):
     # ---------------- routed tokens ----------------
     def take_routed_tokens(self) -> torch.Tensor:
         """Each expert's routed token-expert pairs since the last call, as an int64 CPU tensor ``[E]``; resets
-        the count."""
+        the count. Every forward counts (evaluation and statistics passes included), except activation
+        checkpointing's recomputation during backward."""
         counts = self._routed_tokens
         self._routed_tokens = None
         if counts is None:
@@ -380,7 +392,8 @@ class SnipExperts(nn.Module):
         with torch.no_grad():
             counts = torch.bincount(top_k_index.reshape(-1).clamp(max=num_experts),
                                     minlength=num_experts + 1)[:num_experts]
-            self._routed_tokens = counts if self._routed_tokens is None else self._routed_tokens + counts
+            if not _recomputing():  # activation checkpointing's second forward: these tokens are counted
+                self._routed_tokens = counts if self._routed_tokens is None else self._routed_tokens + counts
         implementation = getattr(getattr(self, "config", None), "_experts_implementation", "eager")
         if implementation in _INDEX_ADD_IMPLEMENTATIONS:
             final = torch.zeros_like(hidden_states)

@@ -236,13 +236,13 @@ def test_one_experts_precision_changes_only_its_tokens():
 
 def test_generators_are_seeded_per_expert_and_projection_like_linear_layers():
     snip = SnipExperts.from_family(_experts("deepseek_v3"), PATH, seed=7, rank=3)
-    seeds = set()
+    generators = snip.named_generators()
+    assert generators.keys() == snip.layers().keys()
     for name, info in snip.layers().items():
         j = snip.layout.projections.index(info.kind)
-        seed = snip.generators[info.expert][j].initial_seed()
-        assert seed == swap._layer_seed(7, name, 3)
-        seeds.add(seed)
-    assert len(seeds) == 2 * E
+        assert generators[name] is snip.generators[info.expert][j]
+        assert generators[name].initial_seed() == swap._layer_seed(7, name, 3)
+    assert len({g.initial_seed() for g in generators.values()}) == 2 * E
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -259,6 +259,18 @@ def test_routed_tokens_accumulate_until_taken():
     snip(h[:2], with_sentinel, w[:2])
     assert snip.take_routed_tokens().tolist() == [12 + 4 + 1, 10 + 4 + 1, 4, 0]
     assert snip.take_routed_tokens().tolist() == [0] * E
+
+
+def test_routed_tokens_are_not_counted_again_by_activation_checkpointing():
+    model = _tiny_mixtral()
+    swap_experts(model, "bf16")
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    model.train()
+    model(ids, labels=ids)
+    once = take_routed_tokens(model)
+    model.activation_checkpointing_enable()
+    model(ids, labels=ids).loss.backward()  # each block's forward runs again inside the backward
+    assert take_routed_tokens(model) == once and sum(once.values()) == 2 * 2 * (2 * 9 * 2)
 
 
 def test_layers_name_every_expert_and_projection():
