@@ -166,7 +166,7 @@ def _snip_linear_chain(snip: SnipExperts, expert: int, precisions, x, weights, g
     layers = []
     for j, proj in enumerate(snip.layout.projections):
         w = snip.weight(expert, j).detach().clone()  # [out, in]
-        linear = nn.Linear(w.shape[1], w.shape[0], bias=snip.layout.bias)
+        linear = nn.Linear(w.shape[1], w.shape[0], bias=snip.layout.bias, dtype=w.dtype)
         linear.weight = nn.Parameter(w)
         if snip.layout.bias:
             linear.bias = nn.Parameter(getattr(snip, f"{proj}_bias")[expert].detach().clone())
@@ -174,7 +174,7 @@ def _snip_linear_chain(snip: SnipExperts, expert: int, precisions, x, weights, g
         layer.generator = torch.Generator().manual_seed(layer_seed(0, snip.layer_name(expert, j), 0))
         layers.append(layer)
     x = x.clone().requires_grad_(True)
-    y = layers[1](snip.layout.between(snip, layers[0](x))) * weights[:, None]
+    y = (layers[1](snip.layout.between(snip, layers[0](x))) * weights[:, None]).to(x.dtype)
     y.backward(g)
     return y.detach(), x.grad, layers[0].weight.grad, layers[1].weight.grad, layers[0].bias, layers[1].bias
 
@@ -186,9 +186,10 @@ QUANTIZED = [("mixtral", ("fp8", "fp8")), ("mixtral", ("fp4", "fp4")), ("mixtral
              ("gpt_oss", ("fp8", "fp4")), ("gpt_oss", ("fp4", "fp8"))]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 @pytest.mark.parametrize("family, precisions", QUANTIZED)
-def test_quantized_expert_equals_snip_linear_on_its_tokens(family, precisions, implementation):
+def test_quantized_expert_equals_snip_linear_on_its_tokens(family, precisions, implementation, dtype):
     """Top-1 routing, so a token's output is its one expert's output times its weight (exactly: the other
     terms of the sum are zero); expert 1 at ``precisions``, the others at fp8; SR generators seeded alike.
     grouped_mm applies the element-wise gate to all routed pairs at once, which may round a few elements
@@ -196,8 +197,8 @@ def test_quantized_expert_equals_snip_linear_on_its_tokens(family, precisions, i
     routing = torch.tensor([[1], [0], [1], [2], [1], [1], [0], [1], [2], [1], [1]])
     if implementation == "grouped_mm":
         routing = torch.ones_like(routing)
-    h, w, g = _inputs(torch.float32, routing)
-    snip = SnipExperts.from_family(_experts(family, implementation), PATH, "fp8")
+    h, w, g = _inputs(dtype, routing)
+    snip = SnipExperts.from_family(_experts(family, implementation, dtype), PATH, "fp8")
     snip.set_precision(precisions[0], expert=1, projection="gate_up_proj")
     snip.set_precision(precisions[1], expert=1, projection="down_proj")
     got = _run(snip, h, routing, w, g)
