@@ -105,8 +105,9 @@ LAYOUTS: Dict[str, ExpertsLayout] = {
     "GptOssExperts": _GPT_OSS,
 }
 
-# experts implementations whose per-token sum is the eager loop's index_add_ (all others sum the K outputs)
-_INDEX_ADD_IMPLEMENTATIONS = ("eager",)
+# experts implementations that run the family's eager loop (None: a module whose config never had one set, which
+# the family runs with that loop); all others are followed as grouped_mm runs
+_EAGER_IMPLEMENTATIONS = (None, "eager")
 
 
 def full_shape(param: torch.Tensor) -> Tuple[int, ...]:
@@ -392,10 +393,10 @@ class SnipExperts(nn.Module):
         with torch.no_grad():
             counts = torch.bincount(top_k_index.reshape(-1).clamp(max=num_experts),
                                     minlength=num_experts + 1)[:num_experts]
-            if not _recomputing():  # activation checkpointing's second forward: these tokens are counted
+            if not _recomputing():  # activation checkpointing's recomputation: counted the first time
                 self._routed_tokens = counts if self._routed_tokens is None else self._routed_tokens + counts
-        implementation = getattr(getattr(self, "config", None), "_experts_implementation", "eager")
-        if implementation in _INDEX_ADD_IMPLEMENTATIONS:
+        implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
+        if implementation in _EAGER_IMPLEMENTATIONS:
             final = torch.zeros_like(hidden_states)
             for e in counts.nonzero().flatten().tolist():  # ascending, as the family's loop
                 top_k_pos, token_idx = torch.where((top_k_index == e).t())  # [K, T]: as the family's mask

@@ -17,11 +17,11 @@ from snip_ds.experts import (LAYOUTS, SnipExperts, expert_layers, find_experts_m
                               set_expert_precisions, swap_experts, take_routed_tokens)
 from snip_ds.linear import SnipLinear
 
-E, H, I, T = 4, 32, 48, 13  # experts, hidden, expert intermediate size, tokens
+E, H, I = 4, 32, 48  # experts, hidden size, expert intermediate size
 PATH = "model.layers.3.mlp.experts"
 
-# Uneven routing with top-2: expert 0 gets 12 pairs, expert 1 10, expert 2 4, expert 3 none; some tokens list
-# their experts in the other order.
+# Uneven routing of 13 tokens with top-2: expert 0 gets 12 pairs, expert 1 10, expert 2 4, expert 3 none; some
+# tokens list their experts in the other order.
 ROUTING = torch.tensor([[0, 1]] * 6 + [[1, 0]] * 3 + [[2, 0]] * 3 + [[1, 2]])
 
 
@@ -96,7 +96,7 @@ def _assert_all_equal(ref, got):
 # ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", None])  # None: never set; the eager loop runs
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_equals_family_module_bit_for_bit(family, implementation, dtype):
     family_module = _experts(family, implementation, dtype)
