@@ -349,7 +349,7 @@ class SnipCallback(TrainerCallback):
                               f"after building TrainingArguments, before the Trainer")
         self.settings = with_overrides(settings, seed=args.seed)
         rank = int(os.environ.get("RANK", "0")) if not sdist.is_initialized() else sdist.rank()
-        self.infos = swap_linears(model, "bf16", self.settings.quant, seed=args.seed, rank=rank)
+        self.infos = swap_linears(model, "bf16", self.settings.quant, seed=args.seed, rank=rank, exclude=self.settings.exclude)
         # FLOPs per step, for the shares (which do not depend on the token count)
         flops = {fqn: info.flops(1) for fqn, info in self.infos.items()}
         try:

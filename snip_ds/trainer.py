@@ -267,9 +267,9 @@ def train(args: argparse.Namespace) -> int:
 
     # ---------------- plan and checkpoint: checked against the model before DeepSpeed starts ----------------
     tokens_per_step = micro_bs * ga * t.block_size
-    infos = {fqn: model.get_submodule(fqn) for fqn in find_decoder_linears(model)}
-    flops = {fqn: 6.0 * tokens_per_step * m.in_features * m.out_features for fqn, m in infos.items()}
     try:
+        infos = {fqn: model.get_submodule(fqn) for fqn in find_decoder_linears(model, settings.exclude)}
+        flops = {fqn: 6.0 * tokens_per_step * m.in_features * m.out_features for fqn, m in infos.items()}
         plan = initial_plan(list(infos), flops, settings)
     except ValueError as err:
         raise UserError(str(err)) from None
