@@ -146,10 +146,18 @@ def layer_kinds(fqns: Iterable[str]) -> Tuple[str, ...]:
 
 def display_kinds(fqns: Iterable[str]) -> Tuple[str, ...]:
     """The kinds of ``fqns`` in an order for displays that have only names (a plan's keys are sorted): a
-    Llama-family block's kinds in their block order, then the others in order of first appearance. Where the
-    model is at hand, :func:`layer_kinds` of its layers gives its own order."""
+    Llama-family block's kinds in their block order; any other model's grouped by the module they live in,
+    attention's (a module named ``*attn*``/``*attention*``) first, each group in order of first appearance.
+    Where the model is at hand, :func:`layer_kinds` of its layers gives its own order."""
     kinds = layer_kinds(fqns)
-    return tuple(k for k in LLAMA_KINDS if k in kinds) + tuple(k for k in kinds if k not in LLAMA_KINDS)
+    if set(kinds) <= set(LLAMA_KINDS):
+        return tuple(k for k in LLAMA_KINDS if k in kinds)
+    parents: Dict[str, List[str]] = {}
+    for kind in kinds:
+        parents.setdefault(kind.rsplit(".", 1)[0] if "." in kind else "", []).append(kind)
+    attention = [p for p in parents if "attn" in p.lower() or "attention" in p.lower()]
+    order = attention + [p for p in parents if p not in attention]
+    return tuple(k for p in order for k in parents[p])
 
 
 def kind_labels(kinds: Sequence[str]) -> Dict[str, str]:
