@@ -56,9 +56,10 @@ def expert_count(model: nn.Module) -> Optional[int]:
 
 
 def _is_experts(name: str, module: nn.Module) -> bool:
-    """An MoE experts module: transformers' ``<Family>Experts`` (3-D Parameters: one matrix per expert) or a list
-    of expert MLPs named ``experts``."""
-    if any(p.ndim == 3 for p in module.parameters(recurse=False)):
+    """An MoE experts module: transformers' ``<Family>Experts`` (3-D Parameters: one matrix per expert; a
+    convolution's 3-D kernel is no such thing) or a list of expert MLPs named ``experts``."""
+    if not isinstance(module, nn.modules.conv._ConvNd) and any(
+            len(getattr(p, "ds_shape", p.shape)) == 3 for p in module.parameters(recurse=False)):  # ds_shape: ZeRO-3
         return True
     if type(module).__name__.endswith("Experts"):
         return True

@@ -160,6 +160,9 @@ def test_mixture_of_experts_is_refused_naming_the_module(config, module, cls):
         build_model(model_config=config)
     with pytest.raises(UnsupportedModelError, match="experts"):  # a list of expert MLPs too
         decoder_linears(_Toy(n_experts=4, experts=True))
+    conv = _Toy()
+    conv.layers[0].conv = nn.Conv1d(32, 32, 3)  # a 3-D kernel, but no experts
+    assert len(decoder_linears(conv)) == 6
 
 
 def test_displays_take_their_columns_from_the_kinds():
