@@ -80,13 +80,14 @@ def precision_map_figure(assignment: Mapping[str, object], block_of, *, kinds: O
             grid[row_of[block_of(fqn)], col_of[layer_kind(fqn)] * sub + s] = PRECISION_COLOURS[p]
 
     n_rows = max(len(blocks), 1)
-    top_in, bottom_in, cells_in = 0.95, 0.75, max(0.26 * n_rows, 1.0)  # margins for title and labels, inches
+    long_labels = max((len(labels[k]) for k in columns), default=0) > 6  # slanted, with more room below
+    top_in, cells_in = 0.95, max(0.26 * n_rows, 1.0)  # margins for title and labels, inches
+    bottom_in = 0.75 + 0.035 * max((len(labels[k]) for k in columns), default=0) if long_labels else 0.75
     height = top_in + bottom_in + cells_in
     fig = Figure(figsize=(7.2, height), dpi=_DPI)
     ax = fig.add_axes((0.09, bottom_in / height, 0.66, cells_in / height))
     ax.imshow(grid, aspect="auto", interpolation="nearest",
               extent=(-0.5, n_cols - 0.5, len(blocks) - 0.5, -0.5))
-    long_labels = max((len(labels[k]) for k in columns), default=0) > 6
     ax.set_xticks(range(n_cols), [labels[k] for k in columns], rotation=30 if long_labels else 0,
                   ha="right" if long_labels else "center", fontsize=8 if long_labels else None)
     ax.set_xlabel(_group_label(columns, labels), fontsize=9 if long_labels else None)
