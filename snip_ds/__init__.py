@@ -21,6 +21,7 @@ _EXPORTS = {
     "find_decoder_linears": "snip_ds.swap",
     "snip_layers": "snip_ds.swap",
     "LayerInfo": "snip_ds.swap",
+    "input_groups": "snip_ds.decoder",
     # plans
     "Plan": "snip_ds.plan",
     "solve_plan": "snip_ds.planner",
