@@ -1,4 +1,4 @@
-"""Train a Llama-family model with SNIP FP8/FP4 mixed precision on DeepSpeed.
+"""Train a decoder-only causal LM (Llama, Qwen2, Phi-3, GPT-NeoX, ...) with SNIP FP8/FP4 mixed precision on DeepSpeed.
 
 One rank on this machine, the embedded default (a ~11M-parameter Llama on Python's stdlib sources)::
 

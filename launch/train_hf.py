@@ -50,7 +50,7 @@ class SnipTrainingArguments(TrainingArguments):
 class SnipDataArguments:
     """Model and data (None: the config's ``snip.train`` value, else the embedded default)."""
 
-    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "local Llama-family model dir"})
+    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "local Hugging Face causal LM dir"})
     model_config: Optional[str] = field(default=None, metadata={"help": "JSON model config, from scratch"})
     dataset: Optional[str] = field(default=None, metadata={"help": "text/JSON-lines file or prepared dir"})
     tokenizer_name_or_path: Optional[str] = field(default=None, metadata={"help": "local tokenizer for raw text"})

@@ -1,4 +1,4 @@
-"""snip_ds: adaptive FP8/FP4 mixed-precision training of Llama-family models on DeepSpeed (SNIP).
+"""snip_ds: adaptive FP8/FP4 mixed-precision training of decoder-only LLMs on DeepSpeed (SNIP).
 
 Public names are loaded lazily, so ``import snip_ds.planner`` stays free of torch and DeepSpeed; only
 :mod:`snip_ds.engine` imports DeepSpeed, and :func:`initialize` loads it on first use.
@@ -21,6 +21,7 @@ _EXPORTS = {
     "find_decoder_linears": "snip_ds.swap",
     "snip_layers": "snip_ds.swap",
     "LayerInfo": "snip_ds.swap",
+    "input_groups": "snip_ds.decoder",
     # plans
     "Plan": "snip_ds.plan",
     "solve_plan": "snip_ds.planner",

@@ -23,11 +23,9 @@ from snip_ds.artifacts import load_plan, load_stats
 from snip_ds.plan import Plan
 from snip_ds.options import BWD_ESTIMATES, OPTIONS, add_flags, plain
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
-from snip_ds.types import GEMMS, PRECISIONS, block_index
+from snip_ds.decoder import display_kinds, kind_labels
+from snip_ds.types import GEMMS, PRECISIONS, block_index, layer_kind
 
-# Column order and headers for the Llama decoder block; other layer names get their own columns after these.
-_LLAMA_COLUMNS = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o"),
-                  ("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
 _CHAR = {"bf16": "B", "fp8": "8", "fp4": "4"}
 _MISSING = "."
 
@@ -95,22 +93,18 @@ def _cell(value) -> str:
 
 
 def render_plan(plan: Plan, title: str = "plan") -> str:
-    """Per-block precision map: rows are decoder blocks, columns the block's linears, one char a precision
-    (three for a per-GEMM plan: fprop, dgrad, wgrad)."""
+    """Per-block precision map: rows are decoder blocks, columns the kinds of layer (their paths inside a block,
+    headed by a short label: q, k, v, o, gate, up, down for a Llama; qkv, o, gate_up, down for a Phi-3), one
+    char a precision (three for a per-GEMM plan: fprop, dgrad, wgrad)."""
     rows: dict = {}
-    leaves: list[str] = []
     for fqn, value in plan.assignment.items():
         try:
             block = block_index(fqn)
         except ValueError:
             block = "-"
-        leaf = fqn.rsplit(".", 1)[-1]
-        if leaf not in leaves:
-            leaves.append(leaf)
-        rows.setdefault(block, {})[leaf] = _cell(value)
-    known = [name for name, _ in _LLAMA_COLUMNS if name in leaves]
-    columns = known + sorted(set(leaves) - set(known))
-    header = {name: short for name, short in _LLAMA_COLUMNS}
+        rows.setdefault(block, {})[layer_kind(fqn)] = _cell(value)
+    columns = list(display_kinds(plan.assignment))
+    header = kind_labels(columns)
     width = 3 if plan.per_gemm else 1
     widths = [max(len(header.get(c, c)), width) for c in columns]
     order = sorted((b for b in rows if b != "-")) + (["-"] if "-" in rows else [])

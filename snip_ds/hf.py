@@ -281,7 +281,8 @@ class SnipCallback(TrainerCallback):
 
     Errors found before training (an unknown or invalid key, a DeepSpeed batch size or accumulation that
     disagrees with the ``TrainingArguments``, a plan file naming layers the model lacks, a model without
-    Llama-style decoder linears, CPU ranks accelerate does not know of) are raised from ``Trainer(...)`` (a
+    decoder linears or with MoE experts (:mod:`snip_ds.decoder`), an ``exclude`` glob matching no layer, CPU
+    ranks accelerate does not know of) are raised from ``Trainer(...)`` (a
     callback given there) or from :func:`add_snip` as :class:`~snip_ds.settings.ConfigError` or ``ValueError``
     with one line naming the field or file.
 
@@ -349,7 +350,8 @@ class SnipCallback(TrainerCallback):
                               f"after building TrainingArguments, before the Trainer")
         self.settings = with_overrides(settings, seed=args.seed)
         rank = int(os.environ.get("RANK", "0")) if not sdist.is_initialized() else sdist.rank()
-        self.infos = swap_linears(model, "bf16", self.settings.quant, seed=args.seed, rank=rank)
+        self.infos = swap_linears(model, "bf16", self.settings.quant, seed=args.seed, rank=rank,
+                                  exclude=self.settings.exclude)
         # FLOPs per step, for the shares (which do not depend on the token count)
         flops = {fqn: info.flops(1) for fqn, info in self.infos.items()}
         try:

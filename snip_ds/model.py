@@ -5,8 +5,9 @@ The default is a ~10M-parameter Llama (6 blocks, hidden 384, GQA with 2 KV heads
 contraction width (384, 128, 1024) is a multiple of 32, the largest block size any SNIP format uses.
 
 Users may instead pass a local Hugging Face model directory or a JSON config file. Any causal LM whose
-decoder blocks expose ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj`` as ``nn.Linear``
-(Llama, Mistral, Qwen2, ...) is accepted; everything else is refused with the names that are missing.
+decoder blocks (``...layers.<i>``) hold ``nn.Linear`` layers is accepted (Llama, Mistral, Qwen2, Phi-3,
+GPT-NeoX, DeepSeek-V3 with dense blocks, ...; :mod:`snip_ds.decoder` finds the layers); a model without such
+layers, or with Mixture-of-Experts modules, is refused in one line naming the model class or the module.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch
 from torch import nn
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
+from snip_ds import decoder as _decoder
+
 __all__ = [
-    "ATTN_PROJ_NAMES",
-    "MLP_PROJ_NAMES",
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_VOCAB_SIZE",
     "build_model",
@@ -32,8 +33,6 @@ __all__ = [
     "pad_vocab_size",
 ]
 
-ATTN_PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")  # children of block.self_attn
-MLP_PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")  # children of block.mlp
 DEFAULT_VOCAB_SIZE = 257  # ByteTokenizer: 256 bytes + EOS
 DEFAULT_BLOCK_SIZE = 256
 _VOCAB_MULTIPLE = 8  # pad the embedding rows so GEMM widths stay aligned
@@ -113,7 +112,8 @@ def build_model(
 
     Raises:
         FileNotFoundError: A path does not exist or lacks ``config.json``.
-        ValueError: Both sources given, malformed config, not a Llama-family model, vocab too small.
+        ValueError: Both sources given, malformed config, no quantizable linears or MoE experts
+            (:func:`decoder_linear_names`), vocab too small.
     """
     if model_name_or_path is not None and model_config is not None:
         raise ValueError("pass model_name_or_path or model_config, not both")
@@ -130,7 +130,7 @@ def build_model(
                 config, source = _resolve_config(model_config)
             model = _from_config(config, source)
     model = model.to(dtype)
-    decoder_linear_names(model)  # raises, naming what is missing, if not Llama-family
+    decoder_linear_names(model)  # raises, naming the class or the module, if nothing or not all can be quantized
     embedding = model.get_input_embeddings().weight
     model_vocab = getattr(embedding, "ds_shape", embedding.shape)[0]  # ds_shape: built partitioned (ZeRO-3 zero.Init)
     if vocab_size is not None and model_vocab < vocab_size:
@@ -176,7 +176,7 @@ def _from_config(config: PretrainedConfig, source: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except ValueError:  # transformers lists every known class; keep the message to one line
         raise ValueError(f"{source}: model_type {config.model_type!r} has no causal-LM class; expected a "
-                         "Llama-family causal LM such as 'llama', 'mistral', 'qwen2'") from None
+                         "decoder-only causal LM such as 'llama', 'qwen2', 'phi3', 'gpt_neox'") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -193,8 +193,8 @@ def _config_from_dict(data: dict[str, Any], source: str) -> PretrainedConfig:
     """A dict with ``model_type`` goes through ``AutoConfig``; without one it is a ``LlamaConfig``."""
     model_type = data.pop("model_type", None)
     if model_type is not None and model_type not in CONFIG_MAPPING:
-        raise ValueError(f"{source}: unknown model_type {model_type!r}; expected a Llama-family causal LM "
-                         "such as 'llama', 'mistral', 'qwen2'")
+        raise ValueError(f"{source}: unknown model_type {model_type!r}; expected a decoder-only causal LM "
+                         "such as 'llama', 'qwen2', 'phi3', 'gpt_neox'")
     from huggingface_hub.errors import StrictDataclassError  # a field's value out of its range: no ValueError
 
     try:
@@ -204,7 +204,7 @@ def _config_from_dict(data: dict[str, Any], source: str) -> PretrainedConfig:
     except (TypeError, ValueError, StrictDataclassError) as err:
         raise ValueError(
             f"{source}: invalid config ({' '.join(str(err).split())}); expected LlamaConfig fields or a "
-            "'model_type' of a Llama-family causal LM such as 'llama', 'mistral', 'qwen2'"
+            "'model_type' of a decoder-only causal LM such as 'llama', 'qwen2', 'phi3', 'gpt_neox'"
         ) from None
 
 
@@ -212,46 +212,19 @@ def _config_from_dict(data: dict[str, Any], source: str) -> PretrainedConfig:
 
 
 def decoder_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The decoder blocks as ``(fqn, module)``: the elements of the model's first non-empty ``ModuleList``.
-
-    Raises:
-        ValueError: The model has no ``nn.ModuleList`` of blocks.
-    """
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            return [(f"{name}.{i}" if name else str(i), block) for i, block in enumerate(module)]
-    raise ValueError(
-        f"{type(model).__name__} is not a Llama-family causal LM: no nn.ModuleList of decoder blocks found"
-    )
+    """The decoder blocks as ``(fqn, module)``: the modules named ``...layers.<i>``, in block order."""
+    return _decoder.decoder_blocks(model)
 
 
 def decoder_linear_names(model: nn.Module) -> list[str]:
-    """Fully qualified names of the 7 linears of every decoder block, lm_head excluded.
-
-    Order: block by block, and within a block q, k, v, o, gate, up, down. Pure: only reads the model.
-    ``nn.Linear`` subclasses (e.g. quantized swaps) count as linears.
+    """Fully qualified names of the quantizable linears of every decoder block, lm_head excluded
+    (:func:`snip_ds.decoder.decoder_linears`): block by block, each in its module order (a Llama's q, k, v, o,
+    gate, up, down). Pure: only reads the model. ``nn.Linear`` subclasses (e.g. quantized swaps) count.
 
     Raises:
-        ValueError: Some block lacks one of the projections, named with what the block has instead.
+        ValueError: the model has no quantizable linear (named by its class) or MoE experts (the module named).
     """
-    names = []
-    for block_name, block in decoder_blocks(model):
-        missing = []
-        for parent, children in (("self_attn", ATTN_PROJ_NAMES), ("mlp", MLP_PROJ_NAMES)):
-            parent_module = getattr(block, parent, None)
-            for child in children:
-                layer = getattr(parent_module, child, None) if isinstance(parent_module, nn.Module) else None
-                if isinstance(layer, nn.Linear):
-                    names.append(f"{block_name}.{parent}.{child}")
-                else:
-                    missing.append(f"{parent}.{child}")
-        if missing:
-            found = sorted(n for n, m in block.named_modules() if isinstance(m, nn.Linear))
-            raise ValueError(
-                f"{type(model).__name__} is not a Llama-family causal LM: decoder block {block_name!r} lacks "
-                f"nn.Linear {', '.join(missing)}; its linears are: {', '.join(found) or 'none'}"
-            )
-    return names
+    return _decoder.decoder_linears(model)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -152,6 +152,13 @@ def _steps(name: str, value: Any) -> Any:
     return tuple(sorted(set(value)))
 
 
+def _globs(name: str, value: Any) -> Any:
+    for pattern in value:
+        if not pattern:
+            raise ValueError(f"{name}: an empty pattern matches nothing; give globs such as '*.mlp.down_proj'")
+    return value
+
+
 def _study(name: str, value: Any) -> Any:
     return check_study_fields(value, name)
 
@@ -199,6 +206,9 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            check=not_negative),
     Option("pinned", Mapping[str, str], {}, "Layers held at a fixed precision: ``{fqn: precision}``.",
            check=_pinned),
+    Option("exclude", Tuple[str, ...], (), "Decoder linears left unquantized and out of the plan: globs matched on "
+           "the fully qualified name (``[\"*.mlp.down_proj\", \"model.layers.0.*\"]``); a pattern that matches no "
+           "layer is an error. MoE routers are always left out.", check=_globs),
     Option("per_gemm", bool, False, "Decide fprop, dgrad and wgrad separately.", flag=Flag(("--per-gemm",))),
     Option("dgrad_cost", str, "split", "Per GEMM, how SNIP prices dgrad: 'split' (dgrad and wgrad each carry half "
            "of λ·BWD) or 'upstream' (dgrad carries λ·bwd_dgrad / dgrad_calibration, the upstream drift its error "

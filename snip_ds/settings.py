@@ -41,7 +41,7 @@ class TrainSettings:
     """What to train and for how long. Command-line flags of the same name override these."""
 
     model_name_or_path: Optional[str] = None
-    """A local Hugging Face model directory (any Llama-family causal LM)."""
+    """A local Hugging Face model directory (a decoder-only causal LM: README, "Model families")."""
     model_config: Optional[str] = None
     """A JSON model config, trained from scratch. Neither set: the embedded default model."""
     dataset: Optional[str] = None

@@ -1,20 +1,22 @@
-"""Swapping a Llama-family model's decoder linears for :class:`~snip_ds.linear.SnipLinear`.
+"""Swapping a model's decoder linears for :class:`~snip_ds.linear.SnipLinear`.
 
-The 7 linears of every decoder block (q, k, v, o, gate, up, down) are swapped; ``lm_head``, embeddings,
-norms and attention's own matmuls stay as they are.
+Every ``nn.Linear`` of every decoder block (:mod:`snip_ds.decoder`: q, k, v, o, gate, up, down in a Llama; fused
+projections such as Phi-3's ``qkv_proj`` as one layer) is swapped, except MoE routers and what ``snip.exclude``
+names; ``lm_head``, embeddings, norms and attention's own matmuls stay as they are.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
-from snip_ds.types import BLOCK_NAME_RE, LAYER_KINDS, LAYER_PARENT, LayerPrecision, block_index
+from snip_ds.decoder import decoder_linears
+from snip_ds.types import LayerPrecision, block_index, layer_kind
 
 
 
@@ -24,7 +26,7 @@ class LayerInfo:
 
     fqn: str
     block: int
-    kind: str
+    kind: str  # the path inside the block: self_attn.q_proj, mlp.dense_h_to_4h
     in_features: int
     out_features: int
 
@@ -33,26 +35,16 @@ class LayerInfo:
         return 6.0 * tokens_per_step * self.in_features * self.out_features
 
 
-def find_decoder_linears(model: nn.Module) -> List[str]:
-    """Fully qualified names of the decoder linears, in block order and q, k, v, o, gate, up, down order.
+def find_decoder_linears(model: nn.Module, exclude: Sequence[str] = ()) -> List[str]:
+    """Fully qualified names of the quantizable linears of the decoder blocks, in block order and each block's
+    module order (:func:`snip_ds.decoder.decoder_linears`: every ``nn.Linear`` of a block but MoE routers and
+    the names matching a glob of ``exclude``).
 
     Raises:
-        ValueError: if the model has no decoder blocks, or a block lacks one of the 7 projections.
+        ValueError: the model has no quantizable linear, or MoE experts (named), or an ``exclude`` pattern
+            matches no layer.
     """
-    modules = dict(model.named_modules())
-    blocks = sorted((name for name in modules if BLOCK_NAME_RE.match(name)), key=block_index)
-    if not blocks:
-        raise ValueError("model: no decoder blocks found (expected modules named '...layers.<i>' as in "
-                         "Hugging Face Llama-family models)")
-    names = []
-    for prefix in blocks:
-        for kind in LAYER_KINDS:
-            fqn = f"{prefix}.{LAYER_PARENT[kind]}.{kind}"
-            if not isinstance(modules.get(fqn), nn.Linear):
-                raise ValueError(f"model: decoder block {prefix!r} has no nn.Linear {fqn!r}; snip_ds swaps the "
-                                 f"7 linears {', '.join(LAYER_KINDS)} of Llama-family blocks")
-            names.append(fqn)
-    return names
+    return decoder_linears(model, exclude)
 
 
 def _layer_seed(seed: int, fqn: str, rank: int) -> int:
@@ -62,26 +54,27 @@ def _layer_seed(seed: int, fqn: str, rank: int) -> int:
 
 def swap_linears(model: nn.Module, precision: LayerPrecision = "fp8",
                  quant_config: Optional[QuantConfig] = None, *, seed: int = 0,
-                 rank: int = 0) -> Dict[str, LayerInfo]:
-    """Replaces the 7 linears of every decoder block by :class:`SnipLinear`, in place.
+                 rank: int = 0, exclude: Sequence[str] = ()) -> Dict[str, LayerInfo]:
+    """Replaces the linears of every decoder block (:func:`find_decoder_linears`) by :class:`SnipLinear`, in place.
 
     The Parameters are reused, so this works before ``deepspeed.initialize`` on ordinary and on
     ``zero.Init``-partitioned models. Each layer gets its own stochastic-rounding generator seeded from
     ``(seed, rank, fqn)``.
 
     Args:
-        model: a Hugging Face Llama-family causal LM (any model whose blocks expose those projections).
+        model: a Hugging Face causal LM whose decoder blocks are named ``...layers.<i>``.
         precision: initial precision of every swapped layer.
         quant_config: recipes shared by all layers.
         seed: seed of the per-layer stochastic-rounding generators.
         rank: data-parallel rank, mixed into the seed so ranks draw independent rounding noise.
+        exclude: globs of fully qualified names left unswapped (``snip.exclude``).
 
     Returns:
         ``{fqn: LayerInfo}`` in model order; ``LayerInfo.flops(T)`` gives ``6*T*k*n``.
     """
     quant_config = quant_config or QuantConfig()
     infos: Dict[str, LayerInfo] = {}
-    for fqn in find_decoder_linears(model):
+    for fqn in find_decoder_linears(model, exclude):
         parent_name, child = fqn.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
@@ -90,7 +83,7 @@ def swap_linears(model: nn.Module, precision: LayerPrecision = "fp8",
         device = old.weight.device if old.weight.device.type != "meta" else torch.device("cpu")
         new.generator = torch.Generator(device=device).manual_seed(_layer_seed(seed, fqn, rank))
         setattr(parent, child, new)
-        infos[fqn] = LayerInfo(fqn, block_index(fqn), child, old.in_features, old.out_features)
+        infos[fqn] = LayerInfo(fqn, block_index(fqn), layer_kind(fqn), old.in_features, old.out_features)
     return infos
 
 

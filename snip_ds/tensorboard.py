@@ -1,8 +1,9 @@
 """TensorBoard logging: the logging rank gets a real writer, every other rank a null logger.
 
 Call sites never test the rank (``logger.scalar(...)`` is a no-op off rank 0). The precision map is a labelled
-matplotlib figure, rendered to an RGB image: ``blocks x 7`` cells (q, k, v, o, gate, up, down), one colour per
-precision, with the step and FP4 share in its title and a legend.
+matplotlib figure, rendered to an RGB image: ``blocks x kinds`` cells (a kind is a layer's path inside its block:
+q, k, v, o, gate, up, down in a Llama; qkv, o, gate_up, down in a Phi-3), one colour per precision, with the step
+and FP4 share in its title and a legend.
 """
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 from tensorboard.compat.proto import event_pb2
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 from snip_ds.console import say
-from snip_ds.types import GEMMS, LAYER_KINDS
+from snip_ds.decoder import display_kinds, kind_labels
+from snip_ds.types import GEMMS, layer_kind
 
 _files_opened = 0  # numbers this process's event files (two loggers in one second get two files)
 
@@ -31,20 +33,33 @@ PRECISION_COLOURS = {  # RGB
 
 
 GEMM_SHORT = {"fprop": "F", "dgrad": "D", "wgrad": "W"}
-_COLUMN_LABELS = ("q", "k", "v", "o", "gate", "up", "down")
 _DPI = 100
 
 
-def precision_map_figure(assignment: Mapping[str, object], block_of, *, step: Optional[int] = None,
-                         fp4_share: Optional[float] = None, method: Optional[str] = None):
+def _group_label(kinds, labels) -> str:
+    """``self_attn (q k v o)  |  mlp (gate up down)``: the columns' labels grouped by the module they live in."""
+    groups: list = []
+    for kind in kinds:
+        parent = kind.rsplit(".", 1)[0] if "." in kind else ""
+        if not groups or groups[-1][0] != parent:
+            groups.append((parent, []))
+        groups[-1][1].append(labels[kind])
+    return "  |  ".join(f"{parent} ({' '.join(names)})" if parent else " ".join(names) for parent, names in groups)
+
+
+def precision_map_figure(assignment: Mapping[str, object], block_of, *, kinds: Optional[Sequence[str]] = None,
+                         step: Optional[int] = None, fp4_share: Optional[float] = None,
+                         method: Optional[str] = None):
     """The precision map as a matplotlib ``Figure`` (not attached to pyplot): one row per decoder block, one
-    column per linear (q, k, v, o, gate, up, down), coloured by precision; a per-GEMM plan splits each cell
-    into fprop | dgrad | wgrad stripes (labelled F D W along the top). The title gives the step, the FP4 share
-    of the linear-GEMM FLOPs and the method; a legend names the colours.
+    column per kind of layer (its path inside the block), coloured by precision; a per-GEMM plan splits each
+    cell into fprop | dgrad | wgrad stripes (labelled F D W along the top). The title gives the step, the FP4
+    share of the linear-GEMM FLOPs and the method; a legend names the colours.
 
     Args:
         assignment: ``{fqn: precision}`` or ``{fqn: {gemm: precision}}``.
         block_of: maps an fqn to its block index.
+        kinds: the columns in model order (e.g. ``[info.kind for info in infos.values()]``; repeats are
+            dropped); None: :func:`snip_ds.decoder.display_kinds` of the assignment's names.
     """
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -53,37 +68,42 @@ def precision_map_figure(assignment: Mapping[str, object], block_of, *, step: Op
     row_of = {b: i for i, b in enumerate(blocks)}
     per_gemm = any(isinstance(v, Mapping) for v in assignment.values())
     sub = len(GEMMS) if per_gemm else 1
-    grid = np.full((len(blocks), len(LAYER_KINDS) * sub, 3), 255, dtype=np.uint8)  # white: not in the plan
+    present = display_kinds(assignment)
+    columns = [k for k in dict.fromkeys(kinds) if k in present] if kinds is not None else list(present)
+    columns += [k for k in present if k not in columns]
+    col_of, labels = {k: i for i, k in enumerate(columns)}, kind_labels(columns)
+    n_cols = len(columns)
+    grid = np.full((len(blocks), n_cols * sub, 3), 255, dtype=np.uint8)  # white: not in the plan
     for fqn, prec in assignment.items():
-        kind = fqn.rsplit(".", 1)[-1]
-        if kind not in LAYER_KINDS:
-            continue
         precs = [prec[g] for g in GEMMS] if isinstance(prec, Mapping) else [prec]
         for s, p in enumerate(precs):
-            grid[row_of[block_of(fqn)], LAYER_KINDS.index(kind) * sub + s] = PRECISION_COLOURS[p]
+            grid[row_of[block_of(fqn)], col_of[layer_kind(fqn)] * sub + s] = PRECISION_COLOURS[p]
 
     n_rows = max(len(blocks), 1)
-    top_in, bottom_in, cells_in = 0.95, 0.75, max(0.26 * n_rows, 1.0)  # margins for title and labels, inches
+    long_labels = max((len(labels[k]) for k in columns), default=0) > 6  # slanted, with more room below
+    top_in, cells_in = 0.95, max(0.26 * n_rows, 1.0)  # margins for title and labels, inches
+    bottom_in = 0.75 + 0.035 * max((len(labels[k]) for k in columns), default=0) if long_labels else 0.75
     height = top_in + bottom_in + cells_in
     fig = Figure(figsize=(7.2, height), dpi=_DPI)
     ax = fig.add_axes((0.09, bottom_in / height, 0.66, cells_in / height))
     ax.imshow(grid, aspect="auto", interpolation="nearest",
-              extent=(-0.5, len(LAYER_KINDS) - 0.5, len(blocks) - 0.5, -0.5))
-    ax.set_xticks(range(len(LAYER_KINDS)), _COLUMN_LABELS)
-    ax.set_xlabel("attention (q k v o)  |  MLP (gate up down)")
+              extent=(-0.5, n_cols - 0.5, len(blocks) - 0.5, -0.5))
+    ax.set_xticks(range(n_cols), [labels[k] for k in columns], rotation=30 if long_labels else 0,
+                  ha="right" if long_labels else "center", fontsize=8 if long_labels else None)
+    ax.set_xlabel(_group_label(columns, labels), fontsize=9 if long_labels else None)
     stride = max(1, -(-len(blocks) // 32))  # at most ~32 block labels
     ax.set_yticks(range(0, len(blocks), stride), [str(b) for b in blocks[::stride]])
     ax.set_ylabel("decoder block")
-    ax.set_xticks([c + 0.5 for c in range(len(LAYER_KINDS) - 1)], minor=True)
+    ax.set_xticks([c + 0.5 for c in range(n_cols - 1)], minor=True)
     ax.set_yticks([r + 0.5 for r in range(len(blocks) - 1)], minor=True)
     ax.grid(which="minor", color="white", linewidth=2)
     ax.tick_params(which="minor", length=0)
     if per_gemm:
         top = ax.secondary_xaxis("top")
-        top.set_xticks([c - 0.5 + (s + 0.5) / sub for c in range(len(LAYER_KINDS)) for s in range(sub)],
-                       [GEMM_SHORT[g] for _ in LAYER_KINDS for g in GEMMS], fontsize=7)
+        top.set_xticks([c - 0.5 + (s + 0.5) / sub for c in range(n_cols) for s in range(sub)],
+                       [GEMM_SHORT[g] for _ in columns for g in GEMMS], fontsize=7)
         top.tick_params(length=0)
-        ax.vlines([c - 0.5 + s / sub for c in range(len(LAYER_KINDS)) for s in range(1, sub)], -0.5,
+        ax.vlines([c - 0.5 + s / sub for c in range(n_cols) for s in range(1, sub)], -0.5,
                   len(blocks) - 0.5, colors="white", linewidth=0.6)
     title = "precision plan" + ("" if step is None else f" at step {step}")
     details = []
@@ -101,8 +121,9 @@ def precision_map_figure(assignment: Mapping[str, object], block_of, *, step: Op
     return fig
 
 
-def precision_map_image(assignment: Mapping[str, object], block_of, *, step: Optional[int] = None,
-                        fp4_share: Optional[float] = None, method: Optional[str] = None) -> np.ndarray:
+def precision_map_image(assignment: Mapping[str, object], block_of, *, kinds: Optional[Sequence[str]] = None,
+                        step: Optional[int] = None, fp4_share: Optional[float] = None,
+                        method: Optional[str] = None) -> np.ndarray:
     """:func:`precision_map_figure` rendered as a ``[3, H, W]`` uint8 image (720 pixels wide) for TensorBoard.
 
     A matplotlib figure is a web of reference cycles, which only a collection by Python's garbage collector
@@ -112,7 +133,7 @@ def precision_map_image(assignment: Mapping[str, object], block_of, *, step: Opt
     change)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    fig = precision_map_figure(assignment, block_of, step=step, fp4_share=fp4_share, method=method)
+    fig = precision_map_figure(assignment, block_of, kinds=kinds, step=step, fp4_share=fp4_share, method=method)
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     chw = np.ascontiguousarray(np.asarray(canvas.buffer_rgba())[..., :3].transpose(2, 0, 1))

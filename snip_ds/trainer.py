@@ -49,12 +49,12 @@ class RunFault(UserError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Train a Llama-family model with SNIP FP8/FP4 mixed precision on DeepSpeed.",
+        description="Train a decoder-only causal LM with SNIP FP8/FP4 mixed precision on DeepSpeed.",
         epilog="Example: deepspeed launch/train.py --deepspeed ds_configs/zero3.json")
     p.add_argument("--deepspeed", required=True, metavar="PATH", help="DeepSpeed JSON with a 'snip' section")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     g = p.add_argument_group("model and data (override snip.train in the JSON)")
-    g.add_argument("--model_name_or_path", help="local Hugging Face model directory (Llama family)")
+    g.add_argument("--model_name_or_path", help="local Hugging Face model directory")
     g.add_argument("--model_config", help="JSON model config, trained from scratch")
     g.add_argument("--dataset", help="text/JSON-lines file or a launch/prepare_dataset.py directory")
     g.add_argument("--tokenizer_name_or_path", help="local Hugging Face tokenizer for raw text")
@@ -267,9 +267,9 @@ def train(args: argparse.Namespace) -> int:
 
     # ---------------- plan and checkpoint: checked against the model before DeepSpeed starts ----------------
     tokens_per_step = micro_bs * ga * t.block_size
-    infos = {fqn: model.get_submodule(fqn) for fqn in find_decoder_linears(model)}
-    flops = {fqn: 6.0 * tokens_per_step * m.in_features * m.out_features for fqn, m in infos.items()}
     try:
+        infos = {fqn: model.get_submodule(fqn) for fqn in find_decoder_linears(model, settings.exclude)}
+        flops = {fqn: 6.0 * tokens_per_step * m.in_features * m.out_features for fqn, m in infos.items()}
         plan = initial_plan(list(infos), flops, settings)
     except ValueError as err:
         raise UserError(str(err)) from None

@@ -2,8 +2,8 @@
 
 A layer's precision is one of ``bf16`` (no quantization), ``fp8`` or ``fp4``, either for the whole layer or
 separately for each of its three GEMMs (fprop, dgrad, wgrad); :class:`GemmPrecision` is that triple.
-The swapped layers are the 7 linears of a Llama-family decoder block, named
-``...layers.<i>.self_attn.{q,k,v,o}_proj`` and ``...layers.<i>.mlp.{gate,up,down}_proj``.
+The swapped layers are the linears of the decoder blocks (``...layers.<i>``; :mod:`snip_ds.decoder` finds them);
+a layer's kind is its path inside its block (``self_attn.q_proj``, ``mlp.dense_h_to_4h``).
 
 This module is pure data: no torch, no torch.distributed.
 """
@@ -26,10 +26,9 @@ GEMM_OPERAND_AXES = {"fprop": (-1, -1), "dgrad": (-1, 0), "wgrad": (0, 0)}
 
 LayerPrecision = Union[str, Mapping[str, str]]
 
-# The 7 swapped linears of a decoder block, in block order, and the submodule each lives in.
-LAYER_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LAYER_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# A Llama-family block's kinds in block order: how displays without the model order those kinds.
+LLAMA_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
 
 _BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 BLOCK_NAME_RE = re.compile(r"^(?:.*\.)?layers\.\d+$")  # a decoder block's own module name
@@ -46,6 +45,13 @@ def block_index(fqn: str) -> int:
     if match is None:
         raise ValueError(f"layer {fqn!r}: no decoder block index ('layers.<i>.') in its name")
     return int(match.group(1))
+
+
+def layer_kind(fqn: str) -> str:
+    """A layer's path inside its decoder block: ``self_attn.q_proj`` for ``model.layers.3.self_attn.q_proj``
+    (the whole name where it has no ``layers.<i>.`` component)."""
+    match = _BLOCK_RE.search(fqn)
+    return fqn[match.end():] if match is not None and match.end() < len(fqn) else fqn
 
 
 def check_precision(name: object, field: str = "precision") -> str:

@@ -258,14 +258,35 @@ def test_plan_file_naming_missing_layers(tmp_path):
         _trainer(tmp_path, callback=SnipCallback(settings={"plan": str(plan)}))
 
 
-def test_model_without_llama_decoder_linears(tmp_path):
+def test_model_without_decoder_linears(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from snip_ds.hf import SnipCallback
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=257))
-    with pytest.raises(ValueError, match="model: no decoder blocks found"):
+    with pytest.raises(ValueError, match="^GPT2LMHeadModel: no quantizable linears found"):
         _trainer(tmp_path, model=model, callback=SnipCallback(settings={"plan": "fp8"}))
+
+
+def test_phi3_under_the_trainer_swaps_its_fused_projections_less_the_excluded(tmp_path):
+    from torch import nn
+
+    from snip_ds.hf import SnipCallback
+    from snip_ds.linear import SnipLinear
+    from snip_ds.model import build_model
+    from train_utils import TINY_PHI3
+
+    model = build_model(None, dict(TINY_PHI3), vocab_size=257, seed=0, block_size=64)
+    callback = SnipCallback(settings={"plan": "fp4", "exclude": ["*.mlp.down_proj"]})
+    trainer = _trainer(tmp_path, model=model, callback=callback)
+    callback.attach(trainer)
+    trainer.train()
+    assert [i.kind for i in callback.infos.values()] == ["self_attn.o_proj", "self_attn.qkv_proj",
+                                                         "mlp.gate_up_proj"] * 2
+    layers = model.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj, SnipLinear) and layers[0].self_attn.qkv_proj.precision == "fp4"
+    assert type(layers[1].mlp.down_proj) is nn.Linear
+    assert set(callback.engine.plan.assignment) == set(callback.infos)
 
 
 def test_accelerate_plugin_config_is_read(tmp_path, monkeypatch):

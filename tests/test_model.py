@@ -113,7 +113,7 @@ def test_config_and_path_errors(tmp_path):
     arr.write_text("[1]")
     with pytest.raises(ValueError, match="arr.json: a model config must be a JSON object"):
         build_model(model_config=arr)
-    with pytest.raises(ValueError, match="unknown model_type 'no-such-model'; expected a Llama-family"):
+    with pytest.raises(ValueError, match="unknown model_type 'no-such-model'; expected a decoder-only"):
         build_model(model_config={"model_type": "no-such-model"})
     with pytest.raises(ValueError, match=r"invalid config \(Validation error for field 'initializer_range': "
                                          r"ValueError: Value must be greater or equal to 0\.0"):
@@ -137,10 +137,10 @@ def test_config_and_path_errors(tmp_path):
         build_model(tmp_path, model_config=TINY)
 
 
-def test_not_llama_family_names_what_is_missing():
+def test_a_model_without_quantizable_linears_is_named():
     gpt2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 32}
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel is not a Llama-family .*'transformer.h.0' lacks "
-                                         r"nn.Linear self_attn.q_proj, .*mlp.down_proj"):
+    with pytest.raises(ValueError, match=r"^GPT2LMHeadModel: no quantizable linears found: snip_ds quantizes the "
+                                         r"nn.Linear layers of decoder blocks, and it has no decoder blocks"):
         build_model(model_config=gpt2)
 
 

@@ -138,6 +138,15 @@ CASES = {
                                            ["step_1/snip_meta.json", "different model",
                                             "model_architecture.num_attention_heads is 4 there and 8 here",
                                             "model_architecture.num_key_value_heads is 2 there and 4 here"]),
+    "model_moe": (lambda r: ["--deepspeed", str(r["cfg"]), "--model_config", _write(r, "moe.json", json.dumps({
+        **TINY_MODEL, "model_type": "mixtral", "num_local_experts": 4}))],
+        ["MixtralForCausalLM: module 'model.layers.0.mlp.experts' (MixtralExperts)", "Mixture-of-Experts",
+         "cannot quantize yet"]),
+    "exclude_matches_nothing": (lambda r: ["--deepspeed", _variant(r, "x1", lambda d: d["snip"].update(
+        exclude=["*.qkv_proj"]))], ["snip.exclude: pattern '*.qkv_proj' matches no decoder linear of "
+                                    "LlamaForCausalLM"]),
+    "exclude_empty_pattern": (lambda r: ["--deepspeed", _variant(r, "x2", lambda d: d["snip"].update(
+        exclude=[""]))], ["x2.json", "snip.exclude: an empty pattern matches nothing"]),
     "tensor_parallel": (lambda r: ["--deepspeed", _variant(r, "tp", lambda d: d.update(
                             tensor_parallel={"autotp_size": 2}))],
                         ["tp.json", "tensor_parallel.autotp_size: 2", "does not quantize yet"]),

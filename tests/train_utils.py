@@ -15,11 +15,18 @@ TRAIN = REPO / "launch" / "train.py"
 TINY_MODEL = {"model_type": "llama", "vocab_size": 264, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 64, "tie_word_embeddings": False}
+# Other families' tiny configs of the same widths (fused projections: Phi-3's qkv_proj and gate_up_proj,
+# GPT-NeoX's query_key_value); token ids inside the byte tokenizer's vocabulary.
+TINY_PHI3 = {**TINY_MODEL, "model_type": "phi3", "bos_token_id": 1, "eos_token_id": 256, "pad_token_id": 256}
+TINY_GPT_NEOX = {"model_type": "gpt_neox", "vocab_size": 264, "hidden_size": 64, "intermediate_size": 128,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+                 "tie_word_embeddings": False}
 
 
-def write_configs(tmp: Path, stage: int = 3, plan: str = "fp8", **train) -> Path:
-    """A DeepSpeed JSON for a tiny, fast run (fp32, small corpus); returns its path."""
-    (tmp / "model.json").write_text(json.dumps(TINY_MODEL))
+def write_configs(tmp: Path, stage: int = 3, plan: str = "fp8", model: Optional[dict] = None, **train) -> Path:
+    """A DeepSpeed JSON for a tiny, fast run (fp32, small corpus) of ``model`` (a model config; default
+    :data:`TINY_MODEL`); returns its path."""
+    (tmp / "model.json").write_text(json.dumps(TINY_MODEL if model is None else model))
     base = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     base["zero_optimization"] = {"stage": stage} if stage < 3 else dict(base["zero_optimization"])
     base["train_micro_batch_size_per_gpu"] = 2

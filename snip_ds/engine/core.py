@@ -171,7 +171,8 @@ class SnipEngine:
         if changed:
             self.logger.scalar("plan/fp4_share", self.plan_fp4_share(), self.step)
             self.logger.image("plan/precision_map", precision_map_image(
-                plan.assignment, block_index, step=self.step, fp4_share=self.plan_fp4_share(), method=plan.method),
+                plan.assignment, block_index, kinds=[i.kind for i in self.infos.values()], step=self.step,
+                fp4_share=self.plan_fp4_share(), method=plan.method),
                 self.step)
             if reason:
                 self.logger.text("plan/changes", f"step {self.step}: {reason}", self.step)
@@ -446,7 +447,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
     if not any(getattr(p, "ds_id", None) is not None for p in model.parameters()):  # not zero.Init-partitioned
         model.to(device())  # so the stochastic-rounding generators live where the activations do
     check_backend(settings.quant, device())  # BackendError (a ValueError) before DeepSpeed starts
-    infos = swap_linears(model, "bf16", settings.quant, seed=seed, rank=sdist.rank())
+    infos = swap_linears(model, "bf16", settings.quant, seed=seed, rank=sdist.rank(), exclude=settings.exclude)
     if plan is None:
         plan = initial_plan(list(infos), {f: info.flops(tokens_per_step) for f, info in infos.items()}, settings)
     params = [p for p in model.parameters() if p.requires_grad]

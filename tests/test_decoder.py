@@ -1,0 +1,182 @@
+"""snip_ds.decoder on tiny models of each supported family (built from transformers' config classes, nothing
+downloaded): which linears are quantized, their kinds and order, which read one input, what is left out (MoE
+routers, snip.exclude) and what is refused (MoE experts, models without decoder linears)."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from snip_ds.cli import render_plan
+from snip_ds.decoder import (UnsupportedModelError, decoder_linears, display_kinds, input_groups, is_router,
+                             kind_labels, layer_kinds)
+from snip_ds.model import build_model
+from snip_ds.plan import Plan
+from snip_ds.swap import snip_layers, swap_linears
+from snip_ds.tensorboard import precision_map_figure
+from snip_ds.types import LLAMA_KINDS, block_index
+
+DENSE = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+PHI3 = {**DENSE, "model_type": "phi3", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+GPT_NEOX = {"model_type": "gpt_neox", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}
+# MLA attention; first_k_dense_replace >= num_hidden_layers: every block has a dense MLP, no experts
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+               "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+               "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+               "n_group": 1, "topk_group": 1, "first_k_dense_replace": 2, "max_position_embeddings": 64}
+MIXTRAL = {**DENSE, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+QWEN2_MOE = {**DENSE, "model_type": "qwen2_moe", "num_experts": 4, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 64}
+
+# family: (config, block prefix, kinds in module order, each block's input groups in running order)
+FAMILIES = {
+    "phi3": (PHI3, "model.layers", ("self_attn.o_proj", "self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"),
+             [("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)]),
+    "gpt_neox": (GPT_NEOX, "gpt_neox.layers",
+                 ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+                 [("attention.query_key_value",), ("attention.dense",), ("mlp.dense_h_to_4h",),
+                  ("mlp.dense_4h_to_h",)]),
+    "deepseek_v3": (DEEPSEEK_V3, "model.layers",
+                    ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+                     "self_attn.kv_b_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+                    [("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), ("self_attn.q_b_proj",),
+                     ("self_attn.kv_b_proj",), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"),
+                     ("mlp.down_proj",)]),
+}
+LLAMA_GROUPS = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)]
+
+
+def _in_block(groups, prefix, block):
+    """The groups of one block, as paths inside it."""
+    head = f"{prefix}.{block}."
+    return [tuple(f[len(head):] for f in g) for g in groups if g[0].startswith(head)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_llama_family_kinds_order_and_groups_unchanged(model_type):
+    model = build_model(model_config={"model_type": model_type, **DENSE})
+    names = decoder_linears(model)
+    assert names == [f"model.layers.{b}.{k}" for b in range(2) for k in LLAMA_KINDS]
+    assert layer_kinds(names) == LLAMA_KINDS == display_kinds(sorted(names))
+    assert list(kind_labels(LLAMA_KINDS).values()) == ["q", "k", "v", "o", "gate", "up", "down"]
+    groups = input_groups(model)
+    assert [_in_block(groups, "model.layers", b) for b in range(2)] == [LLAMA_GROUPS, LLAMA_GROUPS]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_quantizes_every_block_linear_with_its_own_kinds(family):
+    config, prefix, kinds, groups = FAMILIES[family]
+    model = build_model(model_config=config)
+    names = decoder_linears(model)
+    assert names == [f"{prefix}.{b}.{k}" for b in range(2) for k in kinds]
+    assert layer_kinds(names) == kinds
+    every = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert every - set(names) == {"lm_head"}  # only the head stays
+    found = input_groups(model)
+    assert [_in_block(found, prefix, b) for b in range(2)] == [groups, groups]
+    assert sorted(f for g in found for f in g) == sorted(names)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_swapped_family_model_is_the_same_model_in_bf16_and_trains_in_fp4(family):
+    config, prefix, kinds, _ = FAMILIES[family]
+    model = build_model(model_config=config, seed=1)
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    infos = swap_linears(model, "bf16")
+    assert [i.kind for i in infos.values()] == [k for _ in range(2) for k in kinds]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref)
+    swap_linears(model, "fp4", seed=3)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert abs(loss.item() - math.log(64)) < 1.0  # near-uniform predictions at init
+    assert all(m.weight.grad is not None and torch.isfinite(m.weight.grad).all() for m in snip_layers(model).values())
+
+
+def test_exclude_globs_match_fully_qualified_names():
+    model = build_model(model_config=PHI3)
+    names = decoder_linears(model, ["*.mlp.down_proj", "model.layers.0.self_attn.*"])
+    assert names == ["model.layers.0.mlp.gate_up_proj", "model.layers.1.self_attn.o_proj",
+                     "model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"]
+    infos = swap_linears(model, "fp8", exclude=["*.down_proj"])
+    assert not any(f.endswith("down_proj") for f in infos)
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear  # left as it was
+    with pytest.raises(ValueError, match=r"^snip.exclude: pattern '\*.q_proj' matches no decoder linear of "
+                                         r"Phi3ForCausalLM \(e.g. model.layers.0.self_attn.o_proj\)"):
+        decoder_linears(model, ["*.q_proj"])
+    with pytest.raises(UnsupportedModelError, match=r"^Phi3ForCausalLM: no quantizable linears found: .* every "
+                                                    r"one is excluded by snip.exclude"):
+        decoder_linears(model, ["*"])
+
+
+class _Block(nn.Module):
+    def __init__(self, experts: bool):
+        super().__init__()
+        self.attn = nn.Linear(32, 32)
+        self.mlp = nn.Module()
+        self.mlp.gate = nn.Linear(32, 4)  # the router: output width = the config's expert count
+        self.mlp.proj = nn.Linear(32, 4)  # the same width, not named like a router: quantized
+        if experts:
+            self.mlp.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+
+class _Toy(nn.Module):
+    def __init__(self, n_experts=None, experts=False):
+        super().__init__()
+        self.config = type("Config", (), {"num_local_experts": n_experts})()
+        self.layers = nn.ModuleList(_Block(experts) for _ in range(2))
+
+
+def test_routers_stay_unquantized_and_a_gate_that_is_no_router_does_not():
+    model = _Toy(n_experts=4)
+    assert decoder_linears(model) == [f"layers.{b}.{k}" for b in range(2) for k in ("attn", "mlp.proj")]
+    # no expert count in the config, no experts beside it: a layer named gate is an ordinary projection
+    assert "layers.0.mlp.gate" in decoder_linears(_Toy(n_experts=None))
+    # beside an experts module a router is one whatever the config says (Qwen2-MoE's scalar shared_expert_gate
+    # too); such models are refused as a whole for now, so the rule is checked on its own
+    block = _Toy(n_experts=None, experts=True).layers[0]
+    assert is_router("layers.0.mlp.gate", block.mlp.gate, block.mlp, None)
+    assert not is_router("layers.0.mlp.proj", block.mlp.proj, block.mlp, None)
+    shared_gate = nn.Linear(32, 1)
+    assert is_router("layers.0.mlp.shared_expert_gate", shared_gate, block.mlp, None)
+    llama_mlp = build_model(model_config=DENSE).model.layers[0].mlp
+    assert not is_router("model.layers.0.mlp.gate_proj", llama_mlp.gate_proj, llama_mlp, 4)
+
+
+@pytest.mark.parametrize("config, module, cls", [
+    (MIXTRAL, "model.layers.0.mlp.experts", "MixtralExperts"),
+    (QWEN2_MOE, "model.layers.0.mlp.experts", "Qwen2MoeExperts"),
+    ({**DEEPSEEK_V3, "first_k_dense_replace": 1}, "model.layers.1.mlp.experts", "DeepseekV3Experts"),
+])
+def test_mixture_of_experts_is_refused_naming_the_module(config, module, cls):
+    with pytest.raises(ValueError, match=rf"^\w+ForCausalLM: module '{module}' \({cls}\)( \(and 1 more\))? holds "
+                                         r"Mixture-of-Experts weights, which snip_ds cannot quantize yet"):
+        build_model(model_config=config)
+    with pytest.raises(UnsupportedModelError, match="experts"):  # a list of expert MLPs too
+        decoder_linears(_Toy(n_experts=4, experts=True))
+    conv = _Toy()
+    conv.layers[0].conv = nn.Conv1d(32, 32, 3)  # a 3-D kernel, but no experts
+    assert len(decoder_linears(conv)) == 6
+
+
+def test_displays_take_their_columns_from_the_kinds():
+    """snip-ds show and the TensorBoard map: one column per kind, labelled by its short name."""
+    model = build_model(model_config=PHI3)
+    names = decoder_linears(model)
+    plan = Plan.fixed({n: ("fp4" if "mlp" in n else "fp8") for n in names})
+    text = render_plan(plan).splitlines()
+    assert text[1].split() == ["block", "o", "qkv", "down", "gate_up"]  # attention's first, without the model
+    assert text[2].split() == ["0", "8", "8", "4", "4"]
+    fig = precision_map_figure(plan.assignment, block_index, kinds=layer_kinds(names))
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["o", "qkv", "gate_up", "down"]
+    assert fig.axes[0].get_xlabel() == "self_attn (o qkv)  |  mlp (gate_up down)"
+    neox = build_model(model_config=GPT_NEOX)
+    fig = precision_map_figure(Plan.fixed({n: "fp8" for n in decoder_linears(neox)}).assignment, block_index)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [
+        "dense", "query_key_value", "dense_4h_to_h", "dense_h_to_4h"]
