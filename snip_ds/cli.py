@@ -21,7 +21,7 @@ from typing import Sequence
 
 from snip_ds.artifacts import load_plan, load_stats
 from snip_ds.plan import Plan
-from snip_ds.options import BWD_ESTIMATES, OPTIONS, add_flags, plain
+from snip_ds.options import OPTIONS, add_flags, build, from_flags, plain
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.decoder import display_kinds, kind_labels
 from snip_ds.types import GEMMS, PRECISIONS, block_index, layer_kind
@@ -67,11 +67,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     previous = load_plan(args.previous)[0] if args.previous else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cost = CostSettings(lam=args.lam, per_gemm=args.per_gemm, dgrad=args.dgrad_cost,
-                            dgrad_calibration=args.dgrad_calibration, bwd_key=BWD_ESTIMATES[args.bwd_estimate])
-        solver = SolverSettings(allowed=allowed, pinned=pinned, flip_penalty=args.flip_penalty,
-                                max_share=args.max_share, compute_budget=args.compute_budget,
-                                time_limit=args.time_limit)
+        settings = from_flags(args, allowed=allowed, pinned=pinned)
+        cost, solver = build(CostSettings, settings), build(SolverSettings, settings)
         plans = solve_baseline(args.method, stats, args.efficiency_saving, cost, solver, previous=previous,
                                seed=args.seed, num_random=args.num_random)
     for w in caught:

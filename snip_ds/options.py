@@ -282,6 +282,13 @@ def check_fields(obj: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ command line
+def from_flags(args: argparse.Namespace, **given: Any) -> argparse.Namespace:
+    """The settings parsed by the flags of :func:`add_flags`, under their settings' names (each read back from its
+    flag's ``dest``), plus ``given`` (settings the command spells its own way): what :func:`build` reads."""
+    values = {name: getattr(args, o.flag.dest or name) for name, o in OPTIONS.items() if o.flag is not None}
+    return argparse.Namespace(**values, **given)
+
+
 def plain(text: str) -> str:
     """A help text for a terminal: ````code```` as ``'code'``."""
     return re.sub(r"``([^`]*)``", r"'\1'", text)

@@ -113,6 +113,22 @@ def test_cli_plan_flags_default_to_the_settings():
     assert args.lam is None  # the statistics file's λ, unlike the section
 
 
+def test_cli_plan_flags_build_what_the_section_builds():
+    """``snip-ds plan``'s flags and the "snip" section give the planner the same settings objects."""
+    from snip_ds.cli import build_parser
+    from snip_ds.options import from_flags
+    args = build_parser().parse_args(["plan", "s.json", "--rho", "0.5", "--lambda", "3", "--per-gemm",
+                                      "--time-limit", "5", "--flip-penalty", "0.25", "--bwd-estimate", "systematic",
+                                      "--max-share", "0.6", "--allowed", "bf16,fp4", "--pin", "a.b=fp8", "-o", "p.json"])
+    flags = from_flags(args, allowed=("bf16", "fp4"), pinned={"a.b": "fp8"})
+    section = parse_snip_section({"efficiency_saving": 0.5, "bwd_lambda": 3, "per_gemm": True, "solver_time_limit": 5, "flip_penalty": 0.25,
+                                  "allowed": ["bf16", "fp4"], "pinned": {"a.b": "fp8"},
+                                  "research": {"bwd_estimate": "systematic", "max_share": 0.6}}, "cfg")
+    for cls in (CostSettings, SolverSettings):
+        assert build(cls, flags) == build(cls, section), cls.__name__
+    assert build(CostSettings, flags).bwd_key == "bwd_bias" and build(SolverSettings, flags).time_limit == 5
+
+
 def test_cli_plan_help_reads_as_plain_text(capsys):
     from snip_ds.cli import main
     with pytest.raises(SystemExit):
