@@ -180,3 +180,18 @@ def test_displays_take_their_columns_from_the_kinds():
     fig = precision_map_figure(Plan.fixed({n: "fp8" for n in decoder_linears(neox)}).assignment, block_index)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [
         "dense", "query_key_value", "dense_4h_to_h", "dense_h_to_4h"]
+
+
+
+@pytest.mark.parametrize("family, field, other", [("gpt_neox", "use_parallel_residual", False),
+                                                  ("deepseek_v3", "rope_interleave", False),
+                                                  ("gpt_neox", "layer_norm_eps", 1e-3)])
+def test_a_resume_check_sees_family_fields_that_shapes_miss(family, field, other):
+    """Fields that change a family's arithmetic but not its tensors' names and shapes are in the architecture a
+    checkpoint records, so a resume with another value is refused (engine.checkpoint.validate compares them)."""
+    from snip_ds.engine.checkpoint import model_architecture, model_fingerprint
+    config = FAMILIES[family][0]
+    a, b = build_model(model_config=config), build_model(model_config={**config, field: other})
+    assert getattr(a.config, field) != other and getattr(b.config, field) == other
+    assert model_fingerprint(a) == model_fingerprint(b)  # the shapes do not tell them apart
+    assert model_architecture(a)[field] != model_architecture(b)[field]

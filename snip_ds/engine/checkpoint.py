@@ -128,7 +128,7 @@ def install_safe_loader(ds_engine) -> None:
         ds_engine._copy_recovery_script = guarded_copy
 
 
-# Hugging Face config fields that change a Llama-family model's arithmetic. Parameter names and shapes (the
+# Hugging Face config fields that change a decoder's arithmetic. Parameter names and shapes (the
 # fingerprint) miss some of them: 8 heads of 8 have the shapes of 4 heads of 16, and eps or RoPE's base none.
 # max_position_embeddings is left out: the default model sizes it from block_size, and a run may resume at
 # another sequence length (RoPE scalings that read it carry their own original length in rope_scaling).
@@ -136,7 +136,14 @@ ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_si
                      "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
                      "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "attention_bias",
                      "mlp_bias", "tie_word_embeddings", "sliding_window", "use_sliding_window", "max_window_layers",
-                     "layer_types")
+                     "layer_types",
+                     # other families' (GPT-NeoX, Phi-3, DeepSeek-V3's MLA, Mixture-of-Experts routing)
+                     "layer_norm_eps", "use_parallel_residual", "rotary_pct", "rotary_emb_base", "qk_rope_head_dim",
+                     "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank", "first_k_dense_replace",
+                     "num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
+                     "routed_scaling_factor", "n_group", "topk_group", "decoder_sparse_step", "mlp_only_layers",
+                     "rope_interleave")
 
 
 def model_architecture(model: torch.nn.Module) -> Dict[str, Any]:
