@@ -202,8 +202,8 @@ DAMAGE = {
                         [RANK1_OPTIM + ":", "bytes, but snip_meta.json records", "the file is truncated"]),
     "shard_missing": (lambda t: (t / "zero_pp_rank_0_mp_rank_00_model_states.pt").unlink(), [],
                       ["zero_pp_rank_0_mp_rank_00_model_states.pt: missing; snip_meta.json records it"]),
-    "rank_file_missing": (lambda t: (t / "snip_rank00001.safetensors").unlink(), [],
-                          ["snip_rank00001.safetensors: missing; the checkpoint is incomplete"]),
+    "rank_file_missing": (lambda t: (t / "snip_rng_rank1.safetensors").unlink(), [],
+                          ["snip_rng_rank1.safetensors: missing; the checkpoint is incomplete"]),
     "checksum_differs": (lambda t: _flip_byte(t / RANK1_OPTIM), [],
                          [RANK1_OPTIM + ": sha256 differs from the one snip_meta.json records"]),
     "meta_not_json": (lambda t: (t / META_FILE).write_text('{"format": "snip_ds.checkpoint/1", "ta'), [],
@@ -213,7 +213,7 @@ DAMAGE = {
     "meta_other_world_size": (lambda t: _edit_meta(t, lambda m: m.update(world_size=4)), [],
                               ["snip_meta.json: world_size is 4, but this run has 2 ranks"]),
     "other_plan": (lambda t: None, ["--plan", "fp4"],
-                   ["snip_meta.json: the checkpoint was trained on another plan (snip.plan 'fp8'",
+                   ["snip_state.json: the checkpoint was trained on another plan (snip.plan 'fp8'",
                     "this run's snip.plan 'fp4'"]),
 }
 

@@ -211,13 +211,101 @@ def test_unknown_key_in_settings_argument(tmp_path):
         _trainer(tmp_path, callback=SnipCallback(settings={"plan": "adaptive", "quant": {"fp5": 1}}))
 
 
-def test_nonfinite_skip_is_refused_under_the_trainer(tmp_path):
-    from snip_ds.hf import SnipCallback
-    from snip_ds.settings import ConfigError
+def _poisoned_run(tmp_path, nonfinite: str, steps: int = 5):
+    """A plain-AdamW Trainer (no DeepSpeed) whose model.layers.1.mlp returns NaN in step 3 only (the user's
+    own module overflowing); returns the Trainer, the callback and the float64 parameter sums before step 1 and
+    after every step."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
-    with pytest.raises(ConfigError, match=r"snip.nonfinite 'skip' acts in launch/train.py and snip_ds.initialize "
-                                          r"loops only"):
-        _trainer(tmp_path, callback=SnipCallback(settings={"plan": "fp8", "nonfinite": "skip"}))
+    from snip_ds.data import BlockDataset
+    from snip_ds.hf import SnipCallback
+    from snip_ds.model import build_model
+
+    import torch
+
+    model = build_model(None, dict(TINY_MODEL), vocab_size=257, seed=0, block_size=64)
+    poison = {"on": False}
+    model.model.layers[1].mlp.register_forward_hook(
+        lambda mod, inputs, out: out * float("nan") if poison["on"] else out)
+    sums = [float(sum(p.detach().double().sum() for p in model.parameters()))]
+
+    class Probe(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            poison["on"] = state.global_step == 2  # the forward of step 3
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            poison["on"] = False
+            sums.append(float(sum(p.detach().double().sum() for p in model.parameters())))
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=steps,
+                             learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none",
+                             disable_tqdm=True, use_cpu=True, seed=0)
+    snip = SnipCallback(settings={"plan": "fp8", "nonfinite": nonfinite})
+    trainer = Trainer(model=model, args=args, train_dataset=BlockDataset(torch.randint(0, 257, (16, 64))),
+                      data_collator=default_data_collator, callbacks=[snip, Probe()])
+    snip.attach(trainer)
+    return trainer, snip, sums
+
+
+def test_nonfinite_step_stops_the_trainer_before_its_update(tmp_path):
+    """snip.nonfinite "stop" (the default) under the Trainer: the NaN of step 3 raises NonFiniteError naming the
+    step, the rank and the first parameter with a non-finite gradient, before step 3's update; the Trainer
+    cannot hand SNIP the batch, and the message says the module is not located."""
+    from snip_ds import NonFiniteError
+
+    trainer, snip, sums = _poisoned_run(tmp_path, "stop")
+    with pytest.raises(NonFiniteError) as err:
+        trainer.train()
+    msg = str(err.value)
+    assert msg.startswith("non-finite gradient (of model.embed_tokens.weight, the first such parameter in model "
+                          "order; the loop does not show SNIP the loss) at step 3, one of its 1 micro-batch(es) on "
+                          "rank 0; the module whose output went non-finite is not located"), msg
+    assert "the step's update was not applied" in msg
+    assert trainer.state.global_step == 2 and len(sums) == 3  # steps 1-2 done, step 3 never finished
+    assert all(math.isfinite(float(p.sum())) for p in trainer.model.parameters())  # no NaN reached the weights
+
+
+def test_nonfinite_step_is_skipped_by_the_trainer_and_counted(tmp_path):
+    """snip.nonfinite "skip" under the Trainer: step 3 changes no parameter (the float64 sum of every parameter
+    is the same before and after it, while every other step changes it), training goes on to step 5 with finite
+    weights, and the skip is counted and logged through Trainer.log."""
+    trainer, snip, sums = _poisoned_run(tmp_path, "skip")
+    trainer.train()
+    assert trainer.state.global_step == 5 and len(sums) == 6
+    assert sums[3] == sums[2]  # step 3: exactly no update
+    assert all(sums[i + 1] != sums[i] for i in (0, 1, 3, 4))
+    assert all(math.isfinite(x) for x in sums)
+    assert snip.state.skipped_steps == 1
+    assert [e["train/skipped_steps"] for e in trainer.state.log_history if "train/skipped_steps" in e] == [1.0]
+
+
+@pytest.mark.slow
+def test_trainer_logs_the_measured_loss_change(tmp_path):
+    """Both loops measure the same way: every additional_bf16_fwd_every_n_steps steps the Trainer logs the
+    measured divergence and snip/measured_loss_change (the plan's loss minus the unquantized loss on the
+    measurement stream's batch; FP8 moves it off zero) through Trainer.log."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from snip_ds.data import load_dataset_blocks
+    from snip_ds.hf import SnipCallback
+    from snip_ds.model import build_model
+
+    train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000, max_validation_bytes=4096)
+    model = build_model(None, dict(TINY_MODEL), vocab_size=vocab, seed=0, block_size=64)
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), per_device_train_batch_size=2, max_steps=4,
+                             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                             use_cpu=True, seed=0)
+    snip = SnipCallback(settings={"plan": "adaptive", "method": "uniform_fp8", "replan_every": 100,
+                                  "additional_bf16_fwd_every_n_steps": 2})
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator,
+                      callbacks=[snip])
+    snip.attach(trainer)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "snip/measured_loss_change" in e]
+    assert [e["step"] for e in logged] == [1, 3]  # measured before steps 2 and 4 (Trainer.log's step: taken)
+    assert all(math.isfinite(e["snip/measured_loss_change"]) and e["snip/measured_loss_change"] != 0
+               and e["snip/measured_fld"] > 0 for e in logged)
+    assert snip.state.measure_stream.step == 2  # its own stream, not the Trainer's batches
 
 
 def test_tensor_parallel_config_is_refused(tmp_path):
@@ -319,7 +407,7 @@ def test_add_snip_adds_or_attaches_one_callback(tmp_path):
     with pytest.raises(ConfigError, match="already has a SnipCallback"):
         add_snip(trainer, settings={"plan": "fp8"})
     trainer.train()
-    assert snip.engine.plan_fp4_share() == pytest.approx(1.0) and trainer.state.global_step == 2
+    assert snip.state.plan_fp4_share() == pytest.approx(1.0) and trainer.state.global_step == 2
 
 
 @pytest.mark.slow
@@ -381,7 +469,7 @@ def test_statistics_leave_no_trace(tmp_path):
         losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         if name == "adaptive":
             assert [h["step"] for h in snip.planner.history] == [0, 2, 4]
-            assert set(snip.engine.plan.assignment.values()) == {"fp8"}
+            assert set(snip.state.plan.assignment.values()) == {"fp8"}
     assert len(losses["fixed"]) == 5 and losses["adaptive"] == losses["fixed"]
 
 

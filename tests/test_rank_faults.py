@@ -191,7 +191,7 @@ def reference(tmp_path_factory):
     assert (out / "checkpoints" / "latest").read_text() == "step_4"
     loss = scalars(out / "tensorboard")["train/loss"]
     assert sorted(loss) == [1, 2, 3, 4]
-    history = json.loads((out / "checkpoints" / "step_4" / "snip_meta.json").read_text())["planner"]["history"]
+    history = json.loads((out / "checkpoints" / "step_4" / "snip_state.json").read_text())["planner"]["history"]
     assert [h["step"] for h in history] == [0, 2]  # two adaptive plans, agreed on by both ranks (set_plan checks)
     return {"tmp": tmp, "cfg": cfg, "loss": loss}
 

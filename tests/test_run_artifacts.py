@@ -42,7 +42,7 @@ def adaptive(tmp_path_factory):
 def test_run_writes_the_plan_and_the_last_statistics(adaptive, tmp_path):
     tmp, _, _ = adaptive
     out = tmp / "out"
-    meta = json.loads((out / "checkpoints" / "step_6" / "snip_meta.json").read_text())
+    meta = json.loads((out / "checkpoints" / "step_6" / "snip_state.json").read_text())
     plan = json.loads((out / "plan.json").read_text())
     stats = json.loads((out / "stats.json").read_text())
     assert plan == meta["plan"] and plan["format"] == "snip_ds.plan/1"  # the plan in force at the end

@@ -93,7 +93,7 @@ def test_adaptive_two_rank_zero3_replans_logs_and_resumes_exactly(tmp_path):
     assert all(v > 0 for v in logged["snip/predicted_fld"].values())
     assert all(v > 0 for v in logged["snip/measured_fld"].values())  # a KL divergence: fp4 layers move it
     assert all(0.5 <= v <= 0.75 for s, v in logged["plan/fp4_share"].items() if s >= 1)
-    meta = json.loads((tmp_path / "out" / "checkpoints" / "step_6" / "snip_meta.json").read_text())
+    meta = json.loads((tmp_path / "out" / "checkpoints" / "step_6" / "snip_state.json").read_text())
     history = meta["planner"]["history"]
     assert [h["step"] for h in history] == [0, 4]
     assert history[0]["precond"].startswith("none") and history[1]["precond"] == "zero3"
