@@ -45,6 +45,7 @@ the plan-change notes go to TensorBoard when a ``TensorBoardCallback`` is report
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
@@ -240,7 +241,10 @@ def share_cpu_ranks_with_accelerate(args) -> None:
     plugin, its state says one process while the launcher started several and DeepSpeed trains them together:
     every rank would read the same batches, and gathering evaluation losses fails. Starting DeepSpeed's process
     group (gloo) first and recording it in accelerate's shared state gives each rank its own shard of the data,
-    as on GPUs. :class:`SnipCallback` refuses to train when it was needed and not called.
+    as on GPUs. :class:`SnipCallback` refuses to train when it was needed and not called. The process group's
+    timeout is ``args.ddp_timeout`` (seconds), as accelerate gives it on GPUs: a collective (SNIP's statistics
+    collection, a plan broadcast, the non-finite flag) that a peer does not join within it raises on the
+    waiting rank, and a peer that dies is noticed at once (its connections close).
     """
     if not _uses_deepspeed(args) or torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
@@ -250,7 +254,8 @@ def share_cpu_ranks_with_accelerate(args) -> None:
 
     from snip_ds.engine.core import release_shm_buffer
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    # TrainingArguments.ddp_timeout bounds every collective, SNIP's included (accelerate passes it on GPUs too)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=args.ddp_timeout))
     release_shm_buffer()
     state = args.distributed_state
     state.backend, state.distributed_type = "gloo", DistributedType.DEEPSPEED

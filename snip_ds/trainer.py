@@ -413,9 +413,9 @@ def _close_logger() -> None:
 def _lost_peer(err: BaseException) -> bool:
     """Whether ``err`` is a collective that failed because another rank died (its connections closed) or
     stopped answering (the process group's timeout, ``--dist_timeout``)."""
-    import torch.distributed as dist
+    from snip_ds.distributed import lost_peer
 
-    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and "gloo/transport" in str(err))
+    return lost_peer(err)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -438,10 +438,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Another rank died or hangs: this rank cannot go on, and every rank stops the same way (exit 1),
         # its TensorBoard scalars flushed first.
         _close_logger()
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        sys.stderr.write(f"error: rank {sdist.rank()}: a collective failed, another rank died or stopped answering "
-                         f"({detail}); the job cannot go on: resume it from its last complete checkpoint with "
-                         f"--resume_from_checkpoint OUTPUT_DIR\n")
+        sys.stderr.write(sdist.lost_peer_line(err, "resume it from its last complete checkpoint with "
+                                                   "--resume_from_checkpoint OUTPUT_DIR") + "\n")
         sys.stderr.flush()
         code, lost = 1, True
     finally:

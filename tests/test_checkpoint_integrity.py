@@ -195,6 +195,7 @@ def _edit_meta(tag: Path, change) -> None:
 
 
 RANK1_OPTIM = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+RANK1_MODEL = "zero_pp_rank_1_mp_rank_00_model_states.pt"  # 6th of the sorted files: hashed by rank 1 alone
 
 # name -> (how the step_1 copy is damaged, extra argv, substrings of the error line after the file's path)
 DAMAGE = {
@@ -204,8 +205,8 @@ DAMAGE = {
                       ["zero_pp_rank_0_mp_rank_00_model_states.pt: missing; snip_meta.json records it"]),
     "rank_file_missing": (lambda t: (t / "snip_rng_rank1.safetensors").unlink(), [],
                           ["snip_rng_rank1.safetensors: missing; the checkpoint is incomplete"]),
-    "checksum_differs": (lambda t: _flip_byte(t / RANK1_OPTIM), [],
-                         [RANK1_OPTIM + ": sha256 differs from the one snip_meta.json records"]),
+    "checksum_differs": (lambda t: _flip_byte(t / RANK1_MODEL), [],
+                         [RANK1_MODEL + ": sha256 differs from the one snip_meta.json records"]),
     "meta_not_json": (lambda t: (t / META_FILE).write_text('{"format": "snip_ds.checkpoint/1", "ta'), [],
                       ["snip_meta.json: unreadable"]),
     "meta_wrong_field": (lambda t: _edit_meta(t, lambda m: m.update(world_size="two")), [],
@@ -226,7 +227,7 @@ def test_damaged_checkpoint_stops_every_rank_with_the_same_error(run, case):
     tag = _damaged(run, case, damage)
     if case == "checksum_differs":  # the file is hashed by rank 1 alone: rank 0 learns of it collectively
         names = sorted(json.loads((run["out"] / "checkpoints" / "step_1" / META_FILE).read_text())["files"])
-        assert names.index(RANK1_OPTIM) % 2 == 1
+        assert names.index(RANK1_MODEL) % 2 == 1
     out_dir = run["tmp"] / f"out_{case}"
     results = ranks_directly(["--deepspeed", str(run["cfg"]), "--resume_from_checkpoint", str(tag),
                                "--output_dir", str(out_dir), *extra])

@@ -132,6 +132,62 @@ def test_resume_continues_on_restored_plan_bit_for_bit(tmp_path):
     assert [t for step, t in logged["texts"]["plan/changes"] if step == 3] == ["step 3: restored"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("nonfinite", ["stop", "skip"])
+def test_nonfinite_under_the_trainer_with_deepspeed_on_two_ranks(tmp_path, nonfinite):
+    """ZeRO-2 on 2 CPU ranks, rank 1's model.layers.1.mlp returning NaN in step 3: the ranks agree before the
+    DeepSpeed engine's update. "stop": both raise the same NonFiniteError naming step 3 and rank 1, after
+    steps 1-2; "skip": step 3 changes no parameter on either rank while every other step does, and both count
+    one skipped step."""
+    cfg = _config(tmp_path, stage=2, plan="fp8", nonfinite=nonfinite)
+    out = tmp_path / "nf"
+    proc = run_ranks(_launcher(REPO / "tests" / "dist_scripts" / "hf_nonfinite.py",
+                               ["--deepspeed", str(cfg), "--model_config", str(tmp_path / "model.json"),
+                                "--output_dir", str(tmp_path / "run"), "--out", str(out)], 2), 600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    for r in ranks:
+        sums = r["sums"]
+        if nonfinite == "stop":
+            assert r["error"].startswith("non-finite gradient (of model.embed_tokens.weight, the first such "
+                                         "parameter in model order; the loop does not show SNIP the loss) at step "
+                                         "3, one of its 1 micro-batch(es) on rank 1"), r["error"]
+            assert r["steps"] == 2 and len(sums) == 3
+        else:
+            assert "error" not in r and r["steps"] == 5 and r["skipped"] == 1
+            assert sums[3] == sums[2] and all(sums[i + 1] != sums[i] for i in (0, 1, 3, 4))
+    assert ranks[0].get("error") == ranks[1].get("error") and ranks[0]["sums"] == ranks[1]["sums"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_hung_in_a_collection_stops_its_peer_after_the_ddp_timeout(tmp_path):
+    """2 CPU ranks under DeepSpeed: rank 1 hangs at the start of the re-plan's statistics collection before
+    step 3 (paused, alive); rank 0's collective times out after TrainingArguments.ddp_timeout (10 s, the process
+    group share_cpu_ranks_with_accelerate starts) and rank 0 exits 1 with one error line instead of waiting
+    (the launcher then stops rank 1)."""
+    from snip_ds import faults
+
+    cfg = _config(tmp_path)
+    cmd = _launcher(TRAIN_HF, ["--deepspeed", str(cfg), "--max_steps", "4", "--save_steps", "100",
+                               "--eval_steps", "100", "--report_to", "none", "--ddp_timeout", "10",
+                               "--output_dir", str(tmp_path / "o"), *SMALL], 2)()
+    e = env()
+    e[faults.ENV] = "collect:2:1"
+    proc = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=600)
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):  # rank 1 was killed
+        if cmd[cmd.index("--master_port") + 1] in path.name:
+            path.unlink(missing_ok=True)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-4000:]
+    assert "snip_ds: fault injection: rank 1" in text and "paused at collect of step 2" in text
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, text[-4000:]
+    assert errors[0].startswith("error: rank 0: a collective failed, another rank died or stopped answering")
+    assert "Timed out waiting 10000ms" in errors[0] and "--resume_from_checkpoint" in errors[0]
+
+
 def _events(log_dir: Path) -> dict:
     """Every scalar (step, value), image step and text (step, string) event, duplicates kept, in write order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
