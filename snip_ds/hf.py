@@ -20,7 +20,7 @@ never attached stops ``trainer.train()`` before the first step, saying what to c
   so the optimizer and ZeRO see the parameters they would have seen;
 * ``on_train_begin`` (the DeepSpeed engine or the torch optimizer is built): builds the state over a
   :class:`TrainerLoop`, puts the non-finite check in front of the update (the DeepSpeed engine's ``step``, or
-  the Trainer's optimizer's ``step`` without DeepSpeed), and applies the starting plan, or on a resumed run
+  without DeepSpeed the ``step`` of the torch optimizer inside accelerate's wrapper), and applies the starting plan, or on a resumed run
   the plan, planner state, streams and rounding generators saved in ``checkpoint-N`` (the only plan logged
   then is the restored one);
 * ``on_step_begin`` (the optimizer-step boundary, before the step's first micro-batch):
@@ -60,6 +60,7 @@ from snip_ds.artifacts import STATE_FILE, rng_file
 from snip_ds.deepspeed_config import refuse_module_replacement
 from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
 from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET, SnipState, run_without_update
+
 
 class _BatchView:
     """The training set as :class:`~snip_ds.data.DataStream` reads it: ``get_batch(indices)`` through the

@@ -610,7 +610,7 @@ def test_run_clm_zero3_two_ranks_saves_a_loadable_model_and_snip_ds_reads_its_ch
     assert "step 2: plan optimal" in proc.stdout
     ckpt = out / "checkpoint-4"
     state = json.loads((ckpt / "snip_state.json").read_text())
-    assert state["world_size"] == 2 and state["format"] == "snip_ds.hf_checkpoint/1"
+    assert state["world_size"] == 2 and state["format"] == "snip_ds.state/1" and state["driver"] == "trainer"
     history = state["planner"]["history"]
     assert [h["step"] for h in history] == [0, 2] and all(h["status"] == "optimal" for h in history)
     assert all(h["fp4_share"] >= 0.75 - 1e-12 for h in history) and history[1]["precond"] == "zero3"
