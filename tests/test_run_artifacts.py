@@ -103,7 +103,9 @@ def test_console_messages_stay_off_the_progress_bar(adaptive):
     _, _, output = adaptive
     visible = [line.rsplit("\r", 1)[-1] for line in output.split("\n")]  # what a terminal shows of each line
     messages = [line for line in visible if "snip_ds: step " in line or "snip_ds: checkpoint saved" in line]
-    assert len(messages) == 4, output[-4000:]  # evaluation at steps 3 and 6, checkpoints at 3 and 6
+    # evaluation at steps 3 and 6, checkpoints at 3 and 6, re-plans before steps 1 and 5
+    assert len(messages) == 6, output[-4000:]
+    assert [m.split(":")[1] for m in messages if ": plan " in m] == [" step 0", " step 4"], messages
     assert all(line.startswith("snip_ds: ") for line in messages), messages
     assert any(re.match(r"train: +\d+%\|", line) for line in visible)  # the bar was drawn
 
