@@ -41,7 +41,8 @@ def test_two_rank_zero3_run_logs_and_resumes_exactly(tmp_path):
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_6"
     meta = json.loads((ckpts / "step_3" / "snip_meta.json").read_text())
-    assert meta["world_size"] == 2 and meta["step"] == 3 and meta["plan"]["method"]
+    state = json.loads((ckpts / "step_3" / "snip_state.json").read_text())
+    assert meta["world_size"] == 2 and meta["step"] == 3 and state["plan"]["method"] == "uniform_fp4"
 
     # Resume from step 3 into a new output directory: the losses of steps 4-6 are the same, bit for bit.
     resumed = _ok(launch(["--deepspeed", str(cfg), "--resume_from_checkpoint", str(ckpts / "step_3"),
