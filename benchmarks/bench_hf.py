@@ -106,7 +106,7 @@ def main() -> None:
             hooks += [timer.hooks[s] for s in plain]
             measures += [timer.hooks[s] for s in timer.times if s not in hist and snip.planner.measure_due(s)]
             if r == 0:
-                plan_file.write_text(json.dumps(snip.planner.engine.plan.to_dict()))
+                plan_file.write_text(json.dumps(snip.state.plan.to_dict()))
             timer, _ = run({"plan": str(plan_file)}, data, model_cfg, block, a.steps, 0, f"{tmp}/f{r}")
             fixed_s += list(timer.times.values())[1:]  # the first step pays one-time warm-up
     step_f, step_a = statistics.median(fixed_s), statistics.median(adaptive_s)

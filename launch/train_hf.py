@@ -9,6 +9,9 @@ Takes ``TrainingArguments``' own flags (``HfArgumentParser``); their defaults ar
     python launch/train_hf.py --output_dir runs/hf_adamw   # no DeepSpeed: torch AdamW, --snip_config's "snip"
 
 Model and data flags default to the config's ``snip.train`` section; the plan to its ``"snip"`` section.
+``--ddp_timeout SECONDS`` (default 1800) bounds every collective: a rank whose peer dies or stops answering
+(in a step or in SNIP's statistics collection) prints one ``error: rank R: a collective failed ...`` line and
+exits 1.
 """
 import logging
 import os
@@ -105,15 +108,25 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    except Exception as err:
+        from snip_ds.distributed import lost_peer, lost_peer_line
+
+        if not lost_peer(err):
+            raise
+        # Another rank died, or stopped answering for TrainingArguments.ddp_timeout seconds: one line, exit 1.
+        sys.stderr.write(lost_peer_line(err, "resume it from its last checkpoint-N with --resume_from_checkpoint")
+                         + "\n")
+        return 1
     return 0
 
 
 if __name__ == "__main__":
     code = main()
-    if code:
-        sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
-    os._exit(0)  # see launch/train.py's finish(): skip the interpreter's teardown after a finished run
+    # Skip the interpreter's teardown (see launch/train.py's finish()); after a lost peer no collective of the
+    # teardown could complete either.
+    os._exit(code)

@@ -5,10 +5,11 @@ A training run writes, under its output directory (rank 0, each file atomically)
     plan.json    # the plan in force (snip_ds.plan/1): at the start, and again at every adaptive re-plan
     stats.json   # adaptive runs: the statistics the last re-plan solved from (snip_ds.stats/1)
 
-and each checkpoint ``checkpoints/step_N/snip_meta.json`` (snip_ds.checkpoint/1) holds the plan and the
-adaptive planner's state, whose ``last_stats`` are statistics too. Under the Hugging Face Trainer,
-:class:`snip_ds.hf.SnipCallback` writes the same two into each ``checkpoint-N/snip_state.json``
-(snip_ds.hf_checkpoint/1). :func:`load_plan` and :func:`load_stats` read a plan or statistics from any such
+and each checkpoint ``checkpoints/step_N/snip_state.json`` (snip_ds.state/1, completed by ``snip_meta.json``,
+snip_ds.checkpoint/1) holds the plan and the adaptive planner's state, whose ``last_stats`` are statistics
+too. Under the Hugging Face Trainer, :class:`snip_ds.hf.SnipCallback` writes the same file into each
+``checkpoint-N``. Older checkpoints hold them in ``snip_meta.json`` (``launch/train.py``) or in a
+``snip_state.json`` of format snip_ds.hf_checkpoint/1 (the Trainer); both are read too. :func:`load_plan` and :func:`load_stats` read a plan or statistics from any such
 file or directory (a Trainer's output directory: its last ``checkpoint-N``), and say what a wrong one is.
 No torch.
 """
@@ -27,14 +28,21 @@ STATS_FILE = "stats.json"
 CHECKPOINT_FORMAT = "snip_ds.checkpoint/1"
 CHECKPOINT_META_FILE = "snip_meta.json"
 CHECKPOINT_LATEST_FILE = "latest"
-TRAINER_STATE_FILE = "snip_state.json"  # in a Hugging Face Trainer's checkpoint-N (snip_ds.hf.SnipCallback)
-TRAINER_STATE_FORMAT = "snip_ds.hf_checkpoint/1"
+STATE_FILE = "snip_state.json"  # SNIP's own state (snip_ds.state.SnipState), in either loop's checkpoint folder
+STATE_FORMAT = "snip_ds.state/1"
+TRAINER_STATE_FILE = STATE_FILE  # the name the Trainer's checkpoints have always used
+TRAINER_STATE_FORMAT = "snip_ds.hf_checkpoint/1"  # SnipCallback's snip_state.json before snip_ds.state/1
 TRAINER_CHECKPOINT_PREFIX = "checkpoint-"
 
 
 # --------------------------------------------------------------------------------------------------------
 # writing
 # --------------------------------------------------------------------------------------------------------
+def rng_file(rank: int) -> str:
+    """The name of ``rank``'s stochastic-rounding generator and RNG states in a checkpoint folder."""
+    return f"snip_rng_rank{rank}.safetensors"
+
+
 def write_plan(out_dir: str | os.PathLike, plan: Plan) -> Path:
     """Writes ``out_dir/plan.json`` atomically (never half-written); returns its path."""
     path = Path(out_dir) / PLAN_FILE
@@ -54,7 +62,8 @@ def write_stats(out_dir: str | os.PathLike, stats: Mapping[str, Any]) -> Path:
 # reading
 # --------------------------------------------------------------------------------------------------------
 _KIND_OF_FORMAT = {PLAN_FORMAT: "plan", STATS_FORMAT: "statistics",
-                   CHECKPOINT_FORMAT: "checkpoint metadata", TRAINER_STATE_FORMAT: "checkpoint metadata"}
+                   CHECKPOINT_FORMAT: "checkpoint metadata", TRAINER_STATE_FORMAT: "checkpoint metadata",
+                   STATE_FORMAT: "checkpoint metadata"}
 
 
 def _read_json(path: Path) -> Any:
@@ -111,7 +120,7 @@ def _not_this(path: Path, data: Any, wanted: str) -> ValueError:
 def _checkpoint_dir(path: Path) -> Path | None:
     """The checkpoint directory ``path`` names (itself, or its ``latest``; a Trainer's ``checkpoint-N``), else
     None."""
-    if (path / CHECKPOINT_META_FILE).is_file() or (path / TRAINER_STATE_FILE).is_file():
+    if (path / CHECKPOINT_META_FILE).is_file() or _trainer_state(path):
         return path
     latest = path / CHECKPOINT_LATEST_FILE
     if latest.is_file():
@@ -125,6 +134,19 @@ def _checkpoint_dir(path: Path) -> Path | None:
     return None
 
 
+def _trainer_state(folder: Path) -> bool:
+    """Whether ``folder`` holds a Trainer's ``snip_state.json``: an engine checkpoint's (``driver`` "engine")
+    counts only with its ``snip_meta.json``, which marks it complete."""
+    path = folder / STATE_FILE
+    if not path.is_file():
+        return False
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True  # a damaged file: reading it names it
+    return not (isinstance(data, Mapping) and data.get("driver") == "engine")
+
+
 def last_trainer_checkpoint(path: Path) -> Path | None:
     """A Hugging Face Trainer's output directory: its ``checkpoint-N`` with the highest N that holds
     ``snip_state.json`` (as ``transformers.trainer_utils.get_last_checkpoint`` picks, among complete ones);
@@ -136,32 +158,43 @@ def last_trainer_checkpoint(path: Path) -> Path | None:
             found.append((int(step), child))
     if not found:
         return None
-    complete = [c for n, c in sorted(found) if (c / TRAINER_STATE_FILE).is_file()]
+    complete = [c for n, c in sorted(found) if _trainer_state(c)]
     if not complete:
         raise ValueError(f"{path}: none of its {len(found)} checkpoint-N folder(s) holds {TRAINER_STATE_FILE}: "
                          f"they were not saved by a run with snip_ds.hf's SnipCallback")
     return complete[-1]
 
 
+def _snip_state(path: Path) -> dict:
+    """A ``snip_state.json``: :data:`STATE_FORMAT` (either loop) or :data:`TRAINER_STATE_FORMAT` (the Trainer's
+    before it; files from before the 'format' field have the keys SnipCallback has always written)."""
+    state = _read_json(path)
+    if (not isinstance(state, Mapping) or state.get("format", TRAINER_STATE_FORMAT) not in (
+            TRAINER_STATE_FORMAT, STATE_FORMAT) or not {"step", "plan", "planner"} <= set(state)):
+        raise ValueError(f"{path}: not a {STATE_FORMAT} or {TRAINER_STATE_FORMAT} file (SNIP's plan and planner "
+                         f"state)")
+    return dict(state)
+
+
 def _checkpoint_meta(tag_dir: Path) -> dict:
+    """What a checkpoint records: ``snip_meta.json`` of ``launch/train.py``'s (with the plan and planner state
+    of its ``snip_state.json``, or inside it in an older one), or a Trainer's ``snip_state.json``."""
     if (tag_dir / CHECKPOINT_META_FILE).is_file():
         path = tag_dir / CHECKPOINT_META_FILE
         meta = _read_json(path)
         if kind_of(meta) != "checkpoint metadata":
             raise ValueError(f"{path}: not a {CHECKPOINT_FORMAT} metadata file")
+        if (tag_dir / STATE_FILE).is_file():
+            state = _snip_state(tag_dir / STATE_FILE)
+            meta.update(plan=state["plan"], planner=state["planner"])
         return meta
-    path = tag_dir / TRAINER_STATE_FILE
-    meta = _read_json(path)
-    # files written before the 'format' field: the keys SnipCallback has always written
-    if not isinstance(meta, Mapping) or meta.get("format", TRAINER_STATE_FORMAT) != TRAINER_STATE_FORMAT or not {
-            "step", "plan", "planner"} <= set(meta):
-        raise ValueError(f"{path}: not a {TRAINER_STATE_FORMAT} file (SnipCallback's plan and planner state)")
-    return dict(meta)
+    return _snip_state(tag_dir / STATE_FILE)
 
 
 def _meta_file(tag_dir: Path) -> Path:
-    meta = tag_dir / CHECKPOINT_META_FILE
-    return meta if meta.is_file() else tag_dir / TRAINER_STATE_FILE
+    """The file a checkpoint's plan and planner state are read from."""
+    state = tag_dir / STATE_FILE
+    return state if state.is_file() else tag_dir / CHECKPOINT_META_FILE
 
 
 def _resolve_dir(path: Path, run_file: str) -> Tuple[str, Path]:

@@ -106,3 +106,17 @@ def first_error(message: str | None, group: Any = None) -> str | None:
     Every rank must call it at the same point, before any other collective that a failed rank would skip.
     """
     return next((m for m in all_gather_json(message or None, group) if m), None)
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because another rank died (its connections closed) or
+    stopped answering (the process group's timeout)."""
+    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and "gloo/transport" in str(err))
+
+
+def lost_peer_line(err: BaseException, resume_hint: str) -> str:
+    """The one ``error:`` line a rank prints when :func:`lost_peer` says ``err`` is one."""
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"error: rank {rank()}: a collective failed, another rank died or stopped answering ({detail}); the "
+            f"job cannot go on: {resume_hint}")
+

@@ -15,7 +15,7 @@ the tokenizer the run used (the byte-level default as an equivalent Hugging Face
 :func:`byte_tokenizer`) and ``snip_export.json`` (where it came from). It is written into a temporary
 directory beside ``OUT_DIR`` and renamed at the end, so a failed export leaves nothing behind. The SNIP
 precision plan is not part of the model: the exported model runs in plain BF16/FP32, and the plan stays in
-the checkpoint's ``snip_meta.json``.
+the checkpoint's ``snip_state.json`` (``snip_meta.json`` in checkpoints of older versions).
 
 Before any shard is read, the checkpoint is checked as a resume checks it: the files ``snip_meta.json``
 records exist with their sizes and sha256 (:func:`snip_ds.engine.checkpoint.verify_files`); a checkpoint
@@ -331,10 +331,17 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
 
     record = {"format": FORMAT, "checkpoint": str(tag_dir.resolve()), "step": meta.get("step"),
               "dtype": dtype, "world_size": world_size,
-              "plan": f"{tag_dir.resolve() / ckpt.META_FILE} (key 'plan'); not applied by this model, "
+              "plan": f"{_plan_file(tag_dir).resolve()} (key 'plan'); not applied by this model, "
                       f"which runs in plain {dtype}",
               "parameters": int(sum(v.numel() for k, v in model.named_parameters()))}
     return _write_export(model, record, lambda tmp: _write_tokenizer(meta, tmp, warn), out_dir, tag_dir, force)
+
+
+def _plan_file(tag_dir: Path) -> Path:
+    """Where the checkpoint's plan is: ``snip_state.json``, or ``snip_meta.json`` in an older checkpoint."""
+    from snip_ds.artifacts import STATE_FILE
+
+    return tag_dir / STATE_FILE if (tag_dir / STATE_FILE).is_file() else tag_dir / ckpt.META_FILE
 
 
 def _write_export(model, record: Dict[str, Any], write_tokenizer: Callable[[Path], Dict[str, Any]],
@@ -376,10 +383,10 @@ def trainer_checkpoint(path: Path) -> Optional[Path]:
     """
     from snip_ds.artifacts import TRAINER_CHECKPOINT_PREFIX, TRAINER_STATE_FILE, last_trainer_checkpoint
 
+    if not path.is_dir() or (path / ckpt.META_FILE).is_file():  # launch/train.py's (its snip_state.json too)
+        return None
     if (path / TRAINER_STATE_FILE).is_file():
         return path
-    if not path.is_dir() or (path / ckpt.META_FILE).is_file():
-        return None
     if path.name.startswith(TRAINER_CHECKPOINT_PREFIX) and (path / "trainer_state.json").is_file():
         raise ExportError(f"{path}: a Trainer checkpoint without {TRAINER_STATE_FILE}: it was not saved by a run "
                           f"with snip_ds.hf's SnipCallback, or its save was interrupted")

@@ -11,7 +11,7 @@
 * ``collect``: at the start of an adaptive re-plan's statistics collection (the peers wait in the
   collection's first collective);
 * ``save``: inside a checkpoint save, after DeepSpeed has written this rank's shards and before this rank's
-  ``snip_rank*.safetensors`` (the peers wait at the save's barrier; the checkpoint stays incomplete).
+  ``snip_rng_rank*.safetensors`` (the peers wait at the save's barrier; the checkpoint stays incomplete).
 
 Unset (the normal case) it costs one dictionary lookup per point. No torch: callers pass their rank.
 """

@@ -9,7 +9,8 @@ transformers hands callbacks neither: its ``CallbackHandler`` passes ``model``, 
 loaders. Hence the explicit :func:`add_snip` / :meth:`SnipCallback.attach`; a ``SnipCallback`` that was
 never attached stops ``trainer.train()`` before the first step, saying what to call.
 
-:class:`SnipCallback` runs what :func:`snip_ds.initialize`'s engine runs, inside the Trainer's own loop:
+:class:`SnipCallback` is the Trainer's thin driver of :class:`snip_ds.state.SnipState`, the object
+:func:`snip_ds.initialize`'s engine drives in its own loop:
 
 * ``on_init_end`` or :meth:`~SnipCallback.attach`, whichever comes first (both before the Trainer builds
   the optimizer): reads the ``"snip"`` section of the Trainer's DeepSpeed config (``TrainingArguments.
@@ -17,24 +18,35 @@ never attached stops ``trainer.train()`` before the first step, saying what to c
   settings given to the callback, checks it against the ``TrainingArguments``, and swaps the decoder linears
   for :class:`~snip_ds.linear.SnipLinear` keeping the very same Parameters (:func:`snip_ds.swap.swap_linears`),
   so the optimizer and ZeRO see the parameters they would have seen;
-* ``on_train_begin`` (the DeepSpeed engine or the torch optimizer is built): applies the starting plan, or on
-  a resumed run the plan, planner state and rounding generators saved in ``checkpoint-N`` (the only plan
-  logged then is the restored one);
-* ``on_step_begin`` (the optimizer-step boundary, before the step's first micro-batch): in an adaptive run,
-  before step 1 and every ``replan_every`` steps, the :class:`~snip_ds.engine.adaptive.AdaptivePlanner`
-  collects statistics on a private seeded stream over the training set (the Trainer's data order is never
-  touched), reads Adam's second moments from the Trainer's optimizer (DeepSpeed ZeRO 0-3 or torch AdamW,
-  :mod:`snip_ds.engine.adam_state`), solves on rank 0, broadcasts and applies the plan; every
-  ``additional_bf16_fwd_every_n_steps`` steps it measures the forward divergence of the plan in force;
-* ``on_save``: writes ``snip_state.json`` (plan, planner state; :data:`snip_ds.artifacts.TRAINER_STATE_FORMAT`)
-  and one ``snip_rng_rank<r>.safetensors`` (stochastic-rounding generators) per rank into the Trainer's
-  ``checkpoint-N`` folder, which ``snip-ds show/diff/plan/export`` then read as they read ``step_N``.
+* ``on_train_begin`` (the DeepSpeed engine or the torch optimizer is built): builds the state over a
+  :class:`TrainerLoop`, puts the non-finite check in front of the update (the DeepSpeed engine's ``step``, or
+  without DeepSpeed the ``step`` of the torch optimizer inside accelerate's wrapper), and applies the starting plan, or on a resumed run
+  the plan, planner state, streams and rounding generators saved in ``checkpoint-N`` (the only plan logged
+  then is the restored one);
+* ``on_step_begin`` (the optimizer-step boundary, before the step's first micro-batch):
+  :meth:`~snip_ds.state.SnipState.before_step`: in an adaptive run, before step 1 and every ``replan_every``
+  steps, the :class:`~snip_ds.engine.adaptive.AdaptivePlanner` collects statistics on a private seeded stream
+  over the training set (the Trainer's data order is never touched), reads Adam's second moments from the
+  Trainer's optimizer (DeepSpeed ZeRO 0-3 or torch AdamW, :mod:`snip_ds.engine.adam_state`), solves on rank 0,
+  broadcasts and applies the plan (rank 0 prints one line); every ``additional_bf16_fwd_every_n_steps`` steps
+  it measures the forward divergence and the loss change of the plan in force on a second private stream;
+* the update: every gradient of the step is checked for NaN/Inf; the ranks agree, then ``snip.nonfinite``
+  "stop" raises :class:`~snip_ds.state.NonFiniteError` before the update (the message names the step, the rank
+  and the first such parameter; the Trainer does not hand SNIP its batches, so the module is not located) and
+  "skip" leaves parameters and optimizer state as they were (``train/skipped_steps``);
+* ``on_save``: writes ``snip_state.json`` (:meth:`~snip_ds.state.SnipState.state_dict`,
+  :data:`snip_ds.artifacts.STATE_FORMAT`) and one ``snip_rng_rank<r>.safetensors`` (stochastic-rounding
+  generators) per rank into the Trainer's ``checkpoint-N`` folder: the files ``launch/train.py``'s checkpoints
+  hold too, which ``snip-ds show/diff/plan/export`` read. Checkpoints of older versions
+  (:data:`snip_ds.artifacts.TRAINER_STATE_FORMAT`) still resume.
 
 Scalars go through ``Trainer.log`` (so every ``report_to`` integration receives them); the precision map and
 the plan-change notes go to TensorBoard when a ``TensorBoardCallback`` is reporting.
 """
 from __future__ import annotations
 
+import datetime
+import functools
 import json
 import os
 from pathlib import Path
@@ -44,16 +56,10 @@ import torch
 from transformers import TrainerCallback
 
 from snip_ds import distributed as sdist
-from snip_ds.artifacts import TRAINER_STATE_FILE as STATE_FILE, TRAINER_STATE_FORMAT
+from snip_ds.artifacts import STATE_FILE, rng_file
 from snip_ds.deepspeed_config import refuse_module_replacement
 from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
-
-STATS_SEED_OFFSET = 7919  # the private statistics stream's seed is TrainingArguments.seed + this (as launch/train.py)
-MEASURE_SEED_OFFSET = 2 * 7919  # the measured-divergence stream's
-
-
-def _rng_file(rank: int) -> str:
-    return f"snip_rng_rank{rank}.safetensors"
+from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET, SnipState, run_without_update
 
 
 class _BatchView:
@@ -74,36 +80,43 @@ class _BatchView:
         return {k: v for k, v in batch.items() if k in ("input_ids", "labels", "attention_mask")}
 
 
-class _TrainerView:
-    """What :class:`~snip_ds.engine.core.SnipEngine` and the planner read from a DeepSpeed engine, taken from
-    the Trainer: the module, the optimizer holding Adam's state, the step count, the ZeRO stage."""
+class TrainerLoop:
+    """The :class:`~snip_ds.state.TrainingLoop` of a ``Trainer`` whose optimizer is built (``on_train_begin``):
+    its model, the optimizer holding Adam's state (the DeepSpeed engine's ZeRO optimizer, or the torch
+    optimizer inside accelerate's wrapper), its step count and ZeRO stage (0 without DeepSpeed)."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
-        self.module = trainer.model
-        ds_engine = trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else None
-        if ds_engine is not None and hasattr(ds_engine, "zero_optimization_stage"):
-            self.optimizer = ds_engine.optimizer
-            self._stage = int(ds_engine.zero_optimization_stage())
-        else:
-            opt = trainer.optimizer
-            while hasattr(opt, "optimizer") and not isinstance(opt, _TORCH_OPTIMIZERS):  # accelerate's wrapper
-                opt = opt.optimizer
-            self.optimizer = opt
-            self._stage = 0
+        wrapped = trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else None
+        self.ds_engine = wrapped if hasattr(wrapped, "zero_optimization_stage") else None
 
     @property
-    def global_steps(self) -> int:
+    def module(self):
+        return self.trainer.model
+
+    @property
+    def optimizer(self):
+        if self.ds_engine is not None:
+            return self.ds_engine.optimizer
+        opt = self.trainer.optimizer
+        while hasattr(opt, "optimizer") and not isinstance(opt, _TORCH_OPTIMIZERS):  # accelerate's wrapper
+            opt = opt.optimizer
+        return opt
+
+    @property
+    def step(self) -> int:
         return int(self.trainer.state.global_step)
 
-    def zero_optimization_stage(self) -> int:
-        return self._stage
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_engine.zero_optimization_stage()) if self.ds_engine is not None else 0
 
-    def gradient_accumulation_steps(self) -> int:
-        return int(self.trainer.args.gradient_accumulation_steps)
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+    def forward(self, **inputs):
+        # The model itself (under ZeRO-3 its partitioned parameters are gathered by DeepSpeed's module hooks).
+        return self.trainer.model(**inputs)
 
 
 _TORCH_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
@@ -229,7 +242,10 @@ def share_cpu_ranks_with_accelerate(args) -> None:
     plugin, its state says one process while the launcher started several and DeepSpeed trains them together:
     every rank would read the same batches, and gathering evaluation losses fails. Starting DeepSpeed's process
     group (gloo) first and recording it in accelerate's shared state gives each rank its own shard of the data,
-    as on GPUs. :class:`SnipCallback` refuses to train when it was needed and not called.
+    as on GPUs. :class:`SnipCallback` refuses to train when it was needed and not called. The process group's
+    timeout is ``args.ddp_timeout`` (seconds), as accelerate gives it on GPUs: a collective (SNIP's statistics
+    collection, a plan broadcast, the non-finite flag) that a peer does not join within it raises on the
+    waiting rank, and a peer that dies is noticed at once (its connections close).
     """
     if not _uses_deepspeed(args) or torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
@@ -239,7 +255,8 @@ def share_cpu_ranks_with_accelerate(args) -> None:
 
     from snip_ds.engine.core import release_shm_buffer
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    # TrainingArguments.ddp_timeout bounds every collective, SNIP's included (accelerate passes it on GPUs too)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=args.ddp_timeout))
     release_shm_buffer()
     state = args.distributed_state
     state.backend, state.distributed_type = "gloo", DistributedType.DEEPSPEED
@@ -287,7 +304,9 @@ class SnipCallback(TrainerCallback):
     with one line naming the field or file.
 
     Attributes:
-        engine: the :class:`~snip_ds.engine.core.SnipEngine` view of the Trainer (after ``on_train_begin``).
+        state: SNIP's :class:`~snip_ds.state.SnipState` over the Trainer (after ``on_train_begin``): the plan in
+            force, the planner, the streams, the skipped steps; the same object ``snip_ds.initialize``'s engine
+            drives.
         planner: its :class:`~snip_ds.engine.adaptive.AdaptivePlanner` in an adaptive run, else None.
     """
 
@@ -297,11 +316,9 @@ class SnipCallback(TrainerCallback):
         self.trainer = None
         self.infos = None
         self.plan = None
-        self.engine = None
-        self.planner = None
-        self._measure_stream = None
+        self.state: Optional[SnipState] = None
 
-    # ------------------------------------------------------------------ before the engine exists
+    # ------------------------------------------------------------------ before the optimizer exists
     def attach(self, trainer) -> "SnipCallback":
         """Connects the callback to ``trainer`` (call before ``trainer.train()``); adds it to the Trainer's
         callbacks if it is not there, and then reads the settings and swaps the linears as ``on_init_end``
@@ -337,9 +354,6 @@ class SnipCallback(TrainerCallback):
         if config is not None:  # AutoTP / AutoEP would replace the layers swapped below with unquantized ones
             refuse_module_replacement(config, config_source)
         _check_against_trainer(args, source)
-        if settings.nonfinite != "stop":  # the Trainer takes its own optimizer steps: none can be skipped here
-            raise ConfigError(f"{source}: snip.nonfinite {settings.nonfinite!r} acts in launch/train.py and "
-                              f"snip_ds.initialize loops only; under the Hugging Face Trainer leave it unset")
         if _cpu_ranks_unshared(args):  # the same on every rank: each unlinks its DeepSpeed buffer, then stops
             if sdist.is_initialized():
                 from snip_ds.engine.core import release_shm_buffer
@@ -361,10 +375,9 @@ class SnipCallback(TrainerCallback):
         for fqn, layer in _snip_layers(model).items():
             layer.precision = self.plan.assignment[fqn]
 
-    # ------------------------------------------------------------------ engine built
+    # ------------------------------------------------------------------ optimizer built
     def on_train_begin(self, args, state, control, **kwargs):
         from snip_ds.data import DataStream
-        from snip_ds.engine.core import SnipEngine
         from snip_ds.swap import check_still_swapped
 
         trainer, s = self.trainer, self.settings
@@ -376,10 +389,10 @@ class SnipCallback(TrainerCallback):
             from snip_ds.engine.core import release_shm_buffer
             release_shm_buffer()
         check_still_swapped(trainer.model, self.infos, "the Trainer's model preparation (deepspeed.initialize)")
-        view = _TrainerView(trainer)
+        loop = TrainerLoop(trainer)
         block = _sequence_length(trainer.train_dataset)
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * block
-        self.engine = SnipEngine(view, self.infos, s, tokens_per_step, _TrainerLogger(trainer))
+        self.state = SnipState(loop, self.infos, s, tokens_per_step, _TrainerLogger(trainer), driver="trainer")
         if s.is_adaptive:
             from snip_ds.engine.adaptive import AdaptivePlanner
 
@@ -390,57 +403,82 @@ class SnipCallback(TrainerCallback):
                                     rank=rank, world_size=world)
             except ValueError as err:
                 raise ValueError(f"training set: statistics stream: {err}") from None
-            self._measure_stream = DataStream(data, args.per_device_train_batch_size,
-                                              seed=args.seed + MEASURE_SEED_OFFSET, rank=rank, world_size=world)
-            self.planner = AdaptivePlanner(self.engine, stream)
+            self.state.measure_stream = DataStream(data, args.per_device_train_batch_size,
+                                                   seed=args.seed + MEASURE_SEED_OFFSET, rank=rank, world_size=world)
+            self.state.planner = AdaptivePlanner(self.state, stream)
+        self._guard_updates(loop)
         if state.global_step > 0:  # a resumed run: the saved plan is the first one applied and logged
             self._restore(args, state)
         else:
-            self.engine.set_plan(self.plan, "initial plan")
+            self.state.set_plan(self.plan, "initial plan")
         return control
 
+    @property
+    def planner(self):
+        """The :class:`~snip_ds.engine.adaptive.AdaptivePlanner` of an adaptive run (after ``on_train_begin``),
+        else None."""
+        return self.state.planner if self.state is not None else None
+
     def on_step_begin(self, args, state, control, **kwargs):
-        planner = self.planner
-        if planner is None:
-            return control
-        step = state.global_step
-        if planner.due(step) and planner.planned_at != step:
-            planner.replan()
-            if sdist.rank() == 0:
-                rec = planner.history[-1]
-                print(f"snip_ds: step {step}: plan {rec['status']}, fp4 share {rec['fp4_share']:.3f}, "
-                      f"{rec['changed']} layer(s) changed (statistics {rec['collect_s']:.2f} s, "
-                      f"solve {rec['solve_s']:.2f} s)", flush=True)
-        if planner.measure_due(step):
-            _, kl = planner.measure_forward(self._measure_stream.next_batch())
-            self.engine.logger.scalars({"snip/measured_fld": kl, "snip/predicted_fld": planner.predicted_fld()},
-                                       step)
+        self.state.before_step()  # re-plan / measure if due, on the private streams
+        self.state.guard.arm()  # the step's training backward passes are checked from here to the update
         return control
+
+    # ------------------------------------------------------------------ non-finite numbers
+    def _guard_updates(self, loop: TrainerLoop) -> None:
+        """Puts the non-finite check in front of the step's update: the DeepSpeed engine's ``step`` (accelerate
+        calls it inside ``accelerator.backward`` at the accumulation boundary; the Trainer's own
+        ``optimizer.step()`` is a no-op there), or the step of the torch optimizer inside accelerate's wrapper
+        without DeepSpeed (called once per optimizer step, at the accumulation boundary). The
+        ranks agree (one all-reduced flag); then ``snip.nonfinite`` "stop" raises NonFiniteError before the
+        update and "skip" leaves parameters and optimizer state as they were."""
+        ds = loop.ds_engine
+        if ds is not None:
+            original = ds.step
+
+            def ds_step(*a, **k):
+                if ds.is_gradient_accumulation_boundary() and self._nonfinite_step():
+                    return run_without_update(ds.optimizer, lambda: original(*a, **k))
+                return original(*a, **k)
+            ds.step = ds_step
+        else:  # the torch optimizer inside accelerate's wrapper (whose step the lr scheduler tracks)
+            opt = loop.optimizer
+            original = opt.step
+
+            @functools.wraps(original)
+            def opt_step(*a, **k):
+                if self._nonfinite_step():
+                    return None
+                return original(*a, **k)
+            opt.step = opt_step
+
+    def _nonfinite_step(self) -> bool:
+        """Collective, before the update: whether the step went non-finite on any rank (then "skip" counts it and
+        the caller skips the update; "stop" raises :class:`~snip_ds.state.NonFiniteError`)."""
+        guard = self.state.guard
+        guard.note(None, None, guard.disarm())
+        if not guard.agree():
+            return False
+        guard.act(int(self.trainer.args.gradient_accumulation_steps))
+        return True
 
     # ------------------------------------------------------------------ checkpoints
     def on_save(self, args, state, control, **kwargs):
         from safetensors.torch import save_file
 
-        if self.engine is None:
+        if self.state is None:
             return control
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         folder.mkdir(parents=True, exist_ok=True)
-        gens = {fqn: layer.generator.get_state() for fqn, layer in self.engine.layers.items()
-                if layer.generator is not None}
-        rank = sdist.rank()
-        _atomic(folder / _rng_file(rank), lambda tmp: save_file(gens, str(tmp)))
-        if rank == 0:
-            payload = {"format": TRAINER_STATE_FORMAT, "step": state.global_step, "world_size": sdist.world_size(),
-                       "plan": self.engine.plan.to_dict(), "settings": self.settings.to_dict(),
-                       "planner": self.planner.state_dict() if self.planner else None,
-                       "measure_stream": self._measure_stream.state_dict() if self._measure_stream else None}
-            _atomic(folder / STATE_FILE, lambda tmp: tmp.write_text(json.dumps(payload)))
+        tensors = self.state.rank_tensors()
+        _atomic(folder / rng_file(sdist.rank()), lambda tmp: save_file(tensors, str(tmp)))
+        if sdist.rank() == 0:
+            payload = json.dumps(self.state.state_dict())
+            _atomic(folder / STATE_FILE, lambda tmp: tmp.write_text(payload))
         return control
 
     def _restore(self, args, state) -> None:
         from safetensors.torch import load_file
-
-        from snip_ds.plan import Plan
 
         step = state.global_step
         candidates = [Path(p) for p in (getattr(args, "resume_from_checkpoint", None),) if isinstance(p, str)]
@@ -452,21 +490,15 @@ class SnipCallback(TrainerCallback):
         where = folder / STATE_FILE
         try:
             meta = json.loads(where.read_text())
-            if meta["step"] != step:
-                raise ValueError(f"it is from step {meta['step']}, the Trainer resumed at step {step}")
-            if meta["world_size"] != sdist.world_size():
-                raise ValueError(f"it was saved by {meta['world_size']} rank(s), this run has {sdist.world_size()}")
-            gens = load_file(str(folder / _rng_file(sdist.rank())))
-            if self.planner is not None:
-                self.planner.load_state_dict(meta["planner"])
-                self._measure_stream.load_state_dict(meta["measure_stream"])
-            plan = Plan.from_dict(meta["plan"], source=str(where))
+            if not isinstance(meta, dict):
+                raise ValueError("not a JSON object")
+            if meta.get("step") != step:
+                raise ValueError(f"it is from step {meta.get('step')}, the Trainer resumed at step {step}")
+            tensors = load_file(str(folder / rng_file(sdist.rank())))
+            self.state.load_rank_tensors(tensors, torch_rng=False)  # the Trainer restores torch's RNG itself
+            self.state.load_state_dict(meta, str(where))
         except (OSError, KeyError, ValueError, TypeError) as err:
             raise ConfigError(f"{where}: cannot be restored ({err})") from None
-        for fqn, layer in self.engine.layers.items():
-            if layer.generator is not None and fqn in gens:
-                layer.generator.set_state(gens[fqn])
-        self.engine.set_plan(plan, "restored")
         if sdist.rank() == 0:
             print(f"snip_ds: restored the plan and planner state from {folder} at step {step}", flush=True)
 

@@ -60,20 +60,23 @@ def resume_schedule(ds_cfg: Dict[str, Any], saved: Optional[Dict[str, Any]],
 
 def check_resumed_plan(tag_dir: Path, meta: Dict[str, Any], plan, settings: SnipSettings) -> None:
     """A fixed-plan run (uniform precision or plan file) resumes only a checkpoint trained on that plan; an
-    adaptive run takes over the checkpoint's plan (and re-plans)."""
+    adaptive run takes over the checkpoint's plan (and re-plans). The checkpoint's plan is read from its
+    ``snip_state.json``, or from ``snip_meta.json`` in a checkpoint of an older snip_ds."""
     from snip_ds.engine import CheckpointError
-    from snip_ds.engine.checkpoint import META_FILE
+    from snip_ds.engine.checkpoint import read_snip_state
     from snip_ds.plan import Plan
 
-    if settings.is_adaptive or not meta.get("plan"):
+    if settings.is_adaptive:
         return
-    path = tag_dir / META_FILE
+    state, path = read_snip_state(tag_dir, meta)
+    if not state.get("plan"):
+        return
     try:
-        saved = Plan.from_dict(meta["plan"], source=str(path))
-    except ValueError as err:
+        saved = Plan.from_dict(state["plan"], source=path)
+    except (ValueError, TypeError, KeyError) as err:
         raise CheckpointError(f"{path}: field 'plan' is not a plan ({err})") from None
     if saved.digest() != plan.digest():
-        trained = (meta.get("settings") or {}).get("plan", saved.method)
+        trained = (state.get("settings") or meta.get("settings") or {}).get("plan", saved.method)
         raise CheckpointError(f"{path}: the checkpoint was trained on another plan (snip.plan {trained!r}, "
                               f"method {saved.method}) than this run's snip.plan {settings.plan!r}; resume with "
                               f"the checkpoint's plan, or with snip.plan 'adaptive'")

@@ -216,6 +216,7 @@ def train(args: argparse.Namespace) -> int:
     from snip_ds.engine import checkpoint as ckpt
     from snip_ds.engine.checkpoint import CheckpointSaveError
     from snip_ds.model import build_model
+    from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET
     from snip_ds.swap import find_decoder_linears
 
     # Subnormal FP32 intermediates (squares of tiny gradient errors in the statistics) are ~100x slower on
@@ -304,12 +305,15 @@ def train(args: argparse.Namespace) -> int:
     out_dir = Path(t.output_dir)
     global _logger
     logger = _logger = make_logger(out_dir / "tensorboard", rank)
-    # A private stream (its own seed) feeds the statistics of an adaptive run, so collecting never shifts the
-    # training data.
-    collect_stream = (DataStream(train_ds, micro_bs, seed=t.seed + 7919, rank=rank, world_size=world)
-                      if settings.is_adaptive else None)
+    # Private streams (their own seeds) feed the statistics and the measured divergence of an adaptive run, so
+    # neither shifts the training data.
+    collect_stream = measure_stream = None
+    if settings.is_adaptive:
+        collect_stream = DataStream(train_ds, micro_bs, seed=t.seed + STATS_SEED_OFFSET, rank=rank, world_size=world)
+        measure_stream = DataStream(train_ds, micro_bs, seed=t.seed + MEASURE_SEED_OFFSET, rank=rank,
+                                    world_size=world)
     engine = initialize(model, ds_cfg, settings, tokens_per_step=tokens_per_step, logger=logger, seed=t.seed,
-                        plan=plan, statistics_stream=collect_stream)
+                        plan=plan, statistics_stream=collect_stream, measurement_stream=measure_stream)
     logger.text("run/config", config_text({"snip": settings.to_dict(), "deepspeed": ds_cfg, "data": data_info,
                                            "world_size": world}), 0)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
@@ -322,16 +326,11 @@ def train(args: argparse.Namespace) -> int:
     planner = engine.planner
 
     if args.resume_from_checkpoint:
-        try:
+        try:  # DeepSpeed's state, then SNIP's (plan, planner, streams, generators), then the data's position
             meta = engine.load_checkpoint(args.resume_from_checkpoint)
             stream.load_state_dict(meta["data"])
         except (CheckpointError, KeyError, ValueError) as err:  # a corrupt file inside a complete checkpoint
             raise UserError(f"{args.resume_from_checkpoint}: cannot be restored ({err})") from None
-        if planner is not None:
-            try:
-                planner.load_state_dict(meta.get("planner"))
-            except ValueError as err:
-                raise UserError(f"{args.resume_from_checkpoint}: {err}") from None
         if rank == 0:
             print(f"snip_ds: resumed from {args.resume_from_checkpoint} at step {engine.step}", flush=True)
             print(schedule_line, flush=True)
@@ -348,8 +347,8 @@ def train(args: argparse.Namespace) -> int:
         console.attach(bar)
 
     def save() -> None:
-        extra = {"data": stream.state_dict(), "planner": planner.state_dict() if planner else None,
-                 "lr_schedule": ds_cfg.get("scheduler"), "tokenizer": tokenizer}
+        extra = {"data": stream.state_dict(), "lr_schedule": ds_cfg.get("scheduler"), "tokenizer": tokenizer,
+                 "settings": settings.to_dict()}
         try:
             path = engine.save_checkpoint(ckpt_dir, extra)
         except CheckpointSaveError as err:
@@ -414,9 +413,9 @@ def _close_logger() -> None:
 def _lost_peer(err: BaseException) -> bool:
     """Whether ``err`` is a collective that failed because another rank died (its connections closed) or
     stopped answering (the process group's timeout, ``--dist_timeout``)."""
-    import torch.distributed as dist
+    from snip_ds.distributed import lost_peer
 
-    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and "gloo/transport" in str(err))
+    return lost_peer(err)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -439,10 +438,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Another rank died or hangs: this rank cannot go on, and every rank stops the same way (exit 1),
         # its TensorBoard scalars flushed first.
         _close_logger()
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        sys.stderr.write(f"error: rank {sdist.rank()}: a collective failed, another rank died or stopped answering "
-                         f"({detail}); the job cannot go on: resume it from its last complete checkpoint with "
-                         f"--resume_from_checkpoint OUTPUT_DIR\n")
+        sys.stderr.write(sdist.lost_peer_line(err, "resume it from its last complete checkpoint with "
+                                                   "--resume_from_checkpoint OUTPUT_DIR") + "\n")
         sys.stderr.flush()
         code, lost = 1, True
     finally:

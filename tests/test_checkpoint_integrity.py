@@ -195,6 +195,7 @@ def _edit_meta(tag: Path, change) -> None:
 
 
 RANK1_OPTIM = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+RANK1_MODEL = "zero_pp_rank_1_mp_rank_00_model_states.pt"  # 6th of the sorted files: hashed by rank 1 alone
 
 # name -> (how the step_1 copy is damaged, extra argv, substrings of the error line after the file's path)
 DAMAGE = {
@@ -202,10 +203,10 @@ DAMAGE = {
                         [RANK1_OPTIM + ":", "bytes, but snip_meta.json records", "the file is truncated"]),
     "shard_missing": (lambda t: (t / "zero_pp_rank_0_mp_rank_00_model_states.pt").unlink(), [],
                       ["zero_pp_rank_0_mp_rank_00_model_states.pt: missing; snip_meta.json records it"]),
-    "rank_file_missing": (lambda t: (t / "snip_rank00001.safetensors").unlink(), [],
-                          ["snip_rank00001.safetensors: missing; the checkpoint is incomplete"]),
-    "checksum_differs": (lambda t: _flip_byte(t / RANK1_OPTIM), [],
-                         [RANK1_OPTIM + ": sha256 differs from the one snip_meta.json records"]),
+    "rank_file_missing": (lambda t: (t / "snip_rng_rank1.safetensors").unlink(), [],
+                          ["snip_rng_rank1.safetensors: missing; the checkpoint is incomplete"]),
+    "checksum_differs": (lambda t: _flip_byte(t / RANK1_MODEL), [],
+                         [RANK1_MODEL + ": sha256 differs from the one snip_meta.json records"]),
     "meta_not_json": (lambda t: (t / META_FILE).write_text('{"format": "snip_ds.checkpoint/1", "ta'), [],
                       ["snip_meta.json: unreadable"]),
     "meta_wrong_field": (lambda t: _edit_meta(t, lambda m: m.update(world_size="two")), [],
@@ -213,7 +214,7 @@ DAMAGE = {
     "meta_other_world_size": (lambda t: _edit_meta(t, lambda m: m.update(world_size=4)), [],
                               ["snip_meta.json: world_size is 4, but this run has 2 ranks"]),
     "other_plan": (lambda t: None, ["--plan", "fp4"],
-                   ["snip_meta.json: the checkpoint was trained on another plan (snip.plan 'fp8'",
+                   ["snip_state.json: the checkpoint was trained on another plan (snip.plan 'fp8'",
                     "this run's snip.plan 'fp4'"]),
 }
 
@@ -226,7 +227,7 @@ def test_damaged_checkpoint_stops_every_rank_with_the_same_error(run, case):
     tag = _damaged(run, case, damage)
     if case == "checksum_differs":  # the file is hashed by rank 1 alone: rank 0 learns of it collectively
         names = sorted(json.loads((run["out"] / "checkpoints" / "step_1" / META_FILE).read_text())["files"])
-        assert names.index(RANK1_OPTIM) % 2 == 1
+        assert names.index(RANK1_MODEL) % 2 == 1
     out_dir = run["tmp"] / f"out_{case}"
     results = ranks_directly(["--deepspeed", str(run["cfg"]), "--resume_from_checkpoint", str(tag),
                                "--output_dir", str(out_dir), *extra])

@@ -226,7 +226,7 @@ def test_two_rank_zero3_export_loads_and_reproduces_the_bf16_validation_loss(zer
         assert config[key] == value, key
     record = json.loads((tmp_path / "hf6" / "snip_export.json").read_text())
     assert record["step"] == 6 and record["world_size"] == 2 and record["dtype"] == "fp32"
-    assert "snip_meta.json" in record["plan"] and record["tokenizer"]["kind"] == "byte"
+    assert "snip_state.json" in record["plan"] and record["tokenizer"]["kind"] == "byte"
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf6"), local_files_only=True)
     text = "import os\nprint(os.sep)  # é\n"
     assert tok.encode(text, add_special_tokens=False) == ByteTokenizer().encode(text)
@@ -289,9 +289,9 @@ def test_damaged_shards_are_refused_with_one_line_and_nothing_written(zero3_run,
     assert f"{shard}: cannot be read" in line and "weights_only=True" in line
 
     tag = broken("no_rank_file")  # the checkpoint's own completeness check
-    (tag / "snip_rank00001.safetensors").unlink()
+    (tag / "snip_rng_rank1.safetensors").unlink()
     assert main(["export", str(tag), str(out)]) == 2
-    assert f"{tag / 'snip_rank00001.safetensors'}: missing" in _error_line(capsys)
+    assert f"{tag / 'snip_rng_rank1.safetensors'}: missing" in _error_line(capsys)
 
     tag = broken("other_model")  # the recorded config no longer builds the trained model
     meta = json.loads((tag / "snip_meta.json").read_text())

@@ -225,7 +225,7 @@ def test_a_replan_the_solver_cannot_solve_keeps_the_plan_in_force_on_every_rank(
     data["snip"].update(replan_every=2, additional_bf16_fwd_every_n_steps=0)
     cfg.write_text(json.dumps(data))
     _ok(launch(["--deepspeed", str(cfg)], num_ranks=2))
-    first = json.loads((tmp_path / "out" / "checkpoints" / "step_2" / "snip_meta.json").read_text())
+    first = json.loads((tmp_path / "out" / "checkpoints" / "step_2" / "snip_state.json").read_text())
     assert first["plan"]["method"] == "best" and first["planner"]["planned_at"] == 0
 
     linears = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -240,7 +240,7 @@ def test_a_replan_the_solver_cannot_solve_keeps_the_plan_in_force_on_every_rank(
             in proc.stdout), proc.stdout[-3000:]
     assert proc.stdout.count("could not be solved") == 1 and "keeping the plan in force" in proc.stdout
 
-    last = json.loads((out / "checkpoints" / "step_4" / "snip_meta.json").read_text())
+    last = json.loads((out / "checkpoints" / "step_4" / "snip_state.json").read_text())
     assert last["plan"] == first["plan"]  # steps 3-4 trained on the plan solved at step 0
     assert [(h["step"], h["status"]) for h in last["planner"]["history"]][-1] == (2, "failed")
     assert json.loads((out / "plan.json").read_text())["assignment"] == first["plan"]["assignment"]

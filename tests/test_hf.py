@@ -132,6 +132,65 @@ def test_resume_continues_on_restored_plan_bit_for_bit(tmp_path):
     assert [t for step, t in logged["texts"]["plan/changes"] if step == 3] == ["step 3: restored"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("nonfinite", ["stop", "skip"])
+def test_nonfinite_under_the_trainer_with_deepspeed_on_two_ranks(tmp_path, nonfinite):
+    """ZeRO-2 on 2 CPU ranks, rank 1's model.layers.1.mlp returning NaN in step 3: the ranks agree before the
+    DeepSpeed engine's update. "stop": both raise the same NonFiniteError naming step 3 and rank 1, after
+    steps 1-2; "skip": step 3 changes no parameter on either rank while every other step does, and both count
+    one skipped step."""
+    cfg = _config(tmp_path, stage=2, plan="fp8", nonfinite=nonfinite)
+    data = json.loads(cfg.read_text())
+    del data["scheduler"]  # the Trainer's linear schedule, no warm-up: step 1's learning rate is not 0
+    cfg.write_text(json.dumps(data))
+    out = tmp_path / "nf"
+    proc = run_ranks(_launcher(REPO / "tests" / "dist_scripts" / "hf_nonfinite.py",
+                               ["--deepspeed", str(cfg), "--model_config", str(tmp_path / "model.json"),
+                                "--output_dir", str(tmp_path / "run"), "--out", str(out)], 2), 600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    for r in ranks:
+        sums = r["sums"]
+        if nonfinite == "stop":
+            assert r["error"].startswith("non-finite gradient (of model.embed_tokens.weight, the first such "
+                                         "parameter in model order; the loop does not show SNIP the loss) at step "
+                                         "3, one of its 1 micro-batch(es) on rank 1"), r["error"]
+            assert r["steps"] == 2 and len(sums) == 3
+        else:
+            assert "error" not in r and r["steps"] == 5 and r["skipped"] == 1
+            assert sums[3] == sums[2] and all(sums[i + 1] != sums[i] for i in (0, 1, 3, 4))
+    assert ranks[0].get("error") == ranks[1].get("error") and ranks[0]["sums"] == ranks[1]["sums"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_hung_in_a_collection_stops_its_peer_after_the_ddp_timeout(tmp_path):
+    """2 CPU ranks under DeepSpeed: rank 1 hangs at the start of the re-plan's statistics collection before
+    step 3 (paused, alive); rank 0's collective times out after TrainingArguments.ddp_timeout (10 s, the process
+    group share_cpu_ranks_with_accelerate starts) and rank 0 exits 1 with one error line instead of waiting
+    (the launcher then stops rank 1)."""
+    from snip_ds import faults
+
+    cfg = _config(tmp_path)
+    cmd = _launcher(TRAIN_HF, ["--deepspeed", str(cfg), "--max_steps", "4", "--save_steps", "100",
+                               "--eval_steps", "100", "--report_to", "none", "--ddp_timeout", "10",
+                               "--output_dir", str(tmp_path / "o"), *SMALL], 2)()
+    e = env()
+    e[faults.ENV] = "collect:2:1"
+    proc = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=600)
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):  # rank 1 was killed
+        if cmd[cmd.index("--master_port") + 1] in path.name:
+            path.unlink(missing_ok=True)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-4000:]
+    assert "snip_ds: fault injection: rank 1" in text and "paused at collect of step 2" in text
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, text[-4000:]
+    assert errors[0].startswith("error: rank 0: a collective failed, another rank died or stopped answering")
+    assert "Timed out waiting 10000ms" in errors[0] and "--resume_from_checkpoint" in errors[0]
+
+
 def _events(log_dir: Path) -> dict:
     """Every scalar (step, value), image step and text (step, string) event, duplicates kept, in write order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -212,13 +271,101 @@ def test_unknown_key_in_settings_argument(tmp_path):
         _trainer(tmp_path, callback=SnipCallback(settings={"plan": "adaptive", "quant": {"fp5": 1}}))
 
 
-def test_nonfinite_skip_is_refused_under_the_trainer(tmp_path):
-    from snip_ds.hf import SnipCallback
-    from snip_ds.settings import ConfigError
+def _poisoned_run(tmp_path, nonfinite: str, steps: int = 5):
+    """A plain-AdamW Trainer (no DeepSpeed) whose model.layers.1.mlp returns NaN in step 3 only (the user's
+    own module overflowing); returns the Trainer, the callback and the float64 parameter sums before step 1 and
+    after every step."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
-    with pytest.raises(ConfigError, match=r"snip.nonfinite 'skip' acts in launch/train.py and snip_ds.initialize "
-                                          r"loops only"):
-        _trainer(tmp_path, callback=SnipCallback(settings={"plan": "fp8", "nonfinite": "skip"}))
+    from snip_ds.data import BlockDataset
+    from snip_ds.hf import SnipCallback
+    from snip_ds.model import build_model
+
+    import torch
+
+    model = build_model(None, dict(TINY_MODEL), vocab_size=257, seed=0, block_size=64)
+    poison = {"on": False}
+    model.model.layers[1].mlp.register_forward_hook(
+        lambda mod, inputs, out: out * float("nan") if poison["on"] else out)
+    sums = [float(sum(p.detach().double().sum() for p in model.parameters()))]
+
+    class Probe(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            poison["on"] = state.global_step == 2  # the forward of step 3
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            poison["on"] = False
+            sums.append(float(sum(p.detach().double().sum() for p in model.parameters())))
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=steps,
+                             learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none",
+                             disable_tqdm=True, use_cpu=True, seed=0)
+    snip = SnipCallback(settings={"plan": "fp8", "nonfinite": nonfinite})
+    trainer = Trainer(model=model, args=args, train_dataset=BlockDataset(torch.randint(0, 257, (16, 64))),
+                      data_collator=default_data_collator, callbacks=[snip, Probe()])
+    snip.attach(trainer)
+    return trainer, snip, sums
+
+
+def test_nonfinite_step_stops_the_trainer_before_its_update(tmp_path):
+    """snip.nonfinite "stop" (the default) under the Trainer: the NaN of step 3 raises NonFiniteError naming the
+    step, the rank and the first parameter with a non-finite gradient, before step 3's update; the Trainer
+    cannot hand SNIP the batch, and the message says the module is not located."""
+    from snip_ds import NonFiniteError
+
+    trainer, snip, sums = _poisoned_run(tmp_path, "stop")
+    with pytest.raises(NonFiniteError) as err:
+        trainer.train()
+    msg = str(err.value)
+    assert msg.startswith("non-finite gradient (of model.embed_tokens.weight, the first such parameter in model "
+                          "order; the loop does not show SNIP the loss) at step 3, one of its 1 micro-batch(es) on "
+                          "rank 0; the module whose output went non-finite is not located"), msg
+    assert "the step's update was not applied" in msg
+    assert trainer.state.global_step == 2 and len(sums) == 3  # steps 1-2 done, step 3 never finished
+    assert all(math.isfinite(float(p.detach().sum())) for p in trainer.model.parameters())  # no NaN in the weights
+
+
+def test_nonfinite_step_is_skipped_by_the_trainer_and_counted(tmp_path):
+    """snip.nonfinite "skip" under the Trainer: step 3 changes no parameter (the float64 sum of every parameter
+    is the same before and after it, while every other step changes it), training goes on to step 5 with finite
+    weights, and the skip is counted and logged through Trainer.log."""
+    trainer, snip, sums = _poisoned_run(tmp_path, "skip")
+    trainer.train()
+    assert trainer.state.global_step == 5 and len(sums) == 6
+    assert sums[3] == sums[2]  # step 3: exactly no update
+    assert all(sums[i + 1] != sums[i] for i in (0, 1, 3, 4))
+    assert all(math.isfinite(x) for x in sums)
+    assert snip.state.skipped_steps == 1
+    assert [e["train/skipped_steps"] for e in trainer.state.log_history if "train/skipped_steps" in e] == [1.0]
+
+
+@pytest.mark.slow
+def test_trainer_logs_the_measured_loss_change(tmp_path):
+    """Both loops measure the same way: every additional_bf16_fwd_every_n_steps steps the Trainer logs the
+    measured divergence and snip/measured_loss_change (the plan's loss minus the unquantized loss on the
+    measurement stream's batch; FP8 moves it off zero) through Trainer.log."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from snip_ds.data import load_dataset_blocks
+    from snip_ds.hf import SnipCallback
+    from snip_ds.model import build_model
+
+    train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000, max_validation_bytes=4096)
+    model = build_model(None, dict(TINY_MODEL), vocab_size=vocab, seed=0, block_size=64)
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), per_device_train_batch_size=2, max_steps=4,
+                             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                             use_cpu=True, seed=0)
+    snip = SnipCallback(settings={"plan": "adaptive", "method": "uniform_fp8", "replan_every": 100,
+                                  "additional_bf16_fwd_every_n_steps": 2})
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator,
+                      callbacks=[snip])
+    snip.attach(trainer)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "snip/measured_loss_change" in e]
+    assert [e["step"] for e in logged] == [1, 3]  # measured before steps 2 and 4 (Trainer.log's step: taken)
+    assert all(math.isfinite(e["snip/measured_loss_change"]) and e["snip/measured_loss_change"] != 0
+               and e["snip/measured_fld"] > 0 for e in logged)
+    assert snip.state.measure_stream.step == 2  # its own stream, not the Trainer's batches
 
 
 def test_tensor_parallel_config_is_refused(tmp_path):
@@ -341,7 +488,7 @@ def test_add_snip_adds_or_attaches_one_callback(tmp_path):
     with pytest.raises(ConfigError, match="already has a SnipCallback"):
         add_snip(trainer, settings={"plan": "fp8"})
     trainer.train()
-    assert snip.engine.plan_fp4_share() == pytest.approx(1.0) and trainer.state.global_step == 2
+    assert snip.state.plan_fp4_share() == pytest.approx(1.0) and trainer.state.global_step == 2
 
 
 @pytest.mark.slow
@@ -403,7 +550,7 @@ def test_statistics_leave_no_trace(tmp_path):
         losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         if name == "adaptive":
             assert [h["step"] for h in snip.planner.history] == [0, 2, 4]
-            assert set(snip.engine.plan.assignment.values()) == {"fp8"}
+            assert set(snip.state.plan.assignment.values()) == {"fp8"}
     assert len(losses["fixed"]) == 5 and losses["adaptive"] == losses["fixed"]
 
 
@@ -485,7 +632,7 @@ def test_run_clm_zero3_two_ranks_saves_a_loadable_model_and_snip_ds_reads_its_ch
     assert "step 2: plan optimal" in proc.stdout
     ckpt = out / "checkpoint-4"
     state = json.loads((ckpt / "snip_state.json").read_text())
-    assert state["world_size"] == 2 and state["format"] == "snip_ds.hf_checkpoint/1"
+    assert state["world_size"] == 2 and state["format"] == "snip_ds.state/1" and state["driver"] == "trainer"
     history = state["planner"]["history"]
     assert [h["step"] for h in history] == [0, 2] and all(h["status"] == "optimal" for h in history)
     assert all(h["fp4_share"] >= 0.75 - 1e-12 for h in history) and history[1]["precond"] == "zero3"

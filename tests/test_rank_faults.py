@@ -191,7 +191,7 @@ def reference(tmp_path_factory):
     assert (out / "checkpoints" / "latest").read_text() == "step_4"
     loss = scalars(out / "tensorboard")["train/loss"]
     assert sorted(loss) == [1, 2, 3, 4]
-    history = json.loads((out / "checkpoints" / "step_4" / "snip_meta.json").read_text())["planner"]["history"]
+    history = json.loads((out / "checkpoints" / "step_4" / "snip_state.json").read_text())["planner"]["history"]
     assert [h["step"] for h in history] == [0, 2]  # two adaptive plans, agreed on by both ranks (set_plan checks)
     return {"tmp": tmp, "cfg": cfg, "loss": loss}
 
@@ -248,7 +248,7 @@ def _files(root: Path) -> set:
 
 def _shards(ranks) -> set:
     return {f"checkpoints/step_2/{name}" for r in ranks for name in (
-        f"snip_rank{r:05d}.safetensors", f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
+        f"snip_rng_rank{r}.safetensors", f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")}
 
 
@@ -268,11 +268,12 @@ def test_two_nodes_with_node_local_output_write_each_file_once_from_its_owner(tm
     assert _files(dirs[1]) == _shards(range(nproc, 2 * nproc))
     assert _files(dirs[0]) == tb | _shards(range(nproc)) | {
         "plan.json", "stats.json", "checkpoints/latest", "checkpoints/zero_to_fp32.py", "checkpoints/zero_to_torch.py",
-        "checkpoints/step_2/snip_meta.json"}
-    # rank 0's record covers both nodes' shards (each rank hashed the files it sees)
+        "checkpoints/step_2/snip_state.json", "checkpoints/step_2/snip_meta.json"}
+    # rank 0's record covers both nodes' shards (each rank hashed the files it sees) and its snip_state.json
     meta = json.loads((dirs[0] / "checkpoints" / "step_2" / "snip_meta.json").read_text())
     assert meta["world_size"] == 2 * nproc
-    assert sorted(meta["files"]) == sorted(f.split("/", 2)[2] for f in _shards(range(2 * nproc)))
+    assert sorted(meta["files"]) == sorted([f.split("/", 2)[2] for f in _shards(range(2 * nproc))]
+                                           + ["snip_state.json"])
     assert f"{2 * nproc} rank(s)" in _read(logs[0]) and "rank(s)" not in _read(logs[1])  # rank 0 alone prints
 
 

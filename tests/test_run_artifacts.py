@@ -42,7 +42,7 @@ def adaptive(tmp_path_factory):
 def test_run_writes_the_plan_and_the_last_statistics(adaptive, tmp_path):
     tmp, _, _ = adaptive
     out = tmp / "out"
-    meta = json.loads((out / "checkpoints" / "step_6" / "snip_meta.json").read_text())
+    meta = json.loads((out / "checkpoints" / "step_6" / "snip_state.json").read_text())
     plan = json.loads((out / "plan.json").read_text())
     stats = json.loads((out / "stats.json").read_text())
     assert plan == meta["plan"] and plan["format"] == "snip_ds.plan/1"  # the plan in force at the end
@@ -103,7 +103,9 @@ def test_console_messages_stay_off_the_progress_bar(adaptive):
     _, _, output = adaptive
     visible = [line.rsplit("\r", 1)[-1] for line in output.split("\n")]  # what a terminal shows of each line
     messages = [line for line in visible if "snip_ds: step " in line or "snip_ds: checkpoint saved" in line]
-    assert len(messages) == 4, output[-4000:]  # evaluation at steps 3 and 6, checkpoints at 3 and 6
+    # evaluation at steps 3 and 6, checkpoints at 3 and 6, re-plans before steps 1 and 5
+    assert len(messages) == 6, output[-4000:]
+    assert [m.split(":")[1] for m in messages if ": plan " in m] == [" step 0", " step 4"], messages
     assert all(line.startswith("snip_ds: ") for line in messages), messages
     assert any(re.match(r"train: +\d+%\|", line) for line in visible)  # the bar was drawn
 

@@ -41,7 +41,8 @@ def test_two_rank_zero3_run_logs_and_resumes_exactly(tmp_path):
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_6"
     meta = json.loads((ckpts / "step_3" / "snip_meta.json").read_text())
-    assert meta["world_size"] == 2 and meta["step"] == 3 and meta["plan"]["method"]
+    state = json.loads((ckpts / "step_3" / "snip_state.json").read_text())
+    assert meta["world_size"] == 2 and meta["step"] == 3 and state["plan"]["method"] == "uniform_fp4"
 
     # Resume from step 3 into a new output directory: the losses of steps 4-6 are the same, bit for bit.
     resumed = _ok(launch(["--deepspeed", str(cfg), "--resume_from_checkpoint", str(ckpts / "step_3"),
@@ -95,7 +96,7 @@ def test_adaptive_two_rank_zero3_replans_logs_and_resumes_exactly(tmp_path):
     assert all(v > 0 for v in logged["snip/predicted_fld"].values())
     assert all(v > 0 for v in logged["snip/measured_fld"].values())  # a KL divergence: fp4 layers move it
     assert all(0.5 <= v <= 0.75 for s, v in logged["plan/fp4_share"].items() if s >= 1)
-    meta = json.loads((tmp_path / "out" / "checkpoints" / "step_6" / "snip_meta.json").read_text())
+    meta = json.loads((tmp_path / "out" / "checkpoints" / "step_6" / "snip_state.json").read_text())
     history = meta["planner"]["history"]
     assert [h["step"] for h in history] == [0, 4]
     assert history[0]["precond"].startswith("none") and history[1]["precond"] == "zero3"

@@ -111,7 +111,7 @@ def test_sigterm_to_the_launcher_saves_and_torchrun_resumes(tmp_path):
     assert 1 <= step < 100_000
     meta = json.loads((ckpts / tag / "snip_meta.json").read_text())
     assert meta["step"] == step and meta["world_size"] == 2
-    assert (ckpts / tag / "snip_rank00001.safetensors").is_file()
+    assert (ckpts / tag / "snip_rng_rank1.safetensors").is_file() and (ckpts / tag / "snip_state.json").is_file()
 
     resumed = launch(["--deepspeed", str(cfg), "--resume_from_checkpoint", str(ckpts), "--max_steps",
                       str(step + 2), "--output_dir", str(tmp_path / "resumed")], num_ranks=2, launcher="torchrun")

@@ -1,8 +1,9 @@
 """The DeepSpeed side of snip_ds: the only package that imports DeepSpeed (besides ``launch/``).
 
 :func:`initialize` wraps ``deepspeed.initialize``: it swaps the model's decoder linears for
-:class:`~snip_ds.linear.SnipLinear`, builds the DeepSpeed engine, and returns a :class:`SnipEngine` that owns
-the current precision plan, switches it at optimizer-step boundaries and saves it with checkpoints.
+:class:`~snip_ds.linear.SnipLinear`, builds the DeepSpeed engine, and returns a :class:`SnipEngine`, the thin
+driver of SNIP's state (:class:`snip_ds.state.SnipState`: the plan, the planner, the streams) in a loop of
+one's own: it switches plans at optimizer-step boundaries and saves the state with checkpoints.
 """
 from snip_ds.engine.checkpoint import CheckpointError
 from snip_ds.engine.core import NonFiniteError, SnipEngine, init_distributed, initialize

@@ -1,15 +1,17 @@
 """Adaptive SNIP re-planning inside training (the plan and the schedule of docs/method.md).
 
-Before the first step and every ``replan_every`` steps (driven by :meth:`SnipEngine.train_step`): collect
+Before the first step and every ``replan_every`` steps (driven by :meth:`snip_ds.state.SnipState.before_step`,
+which both :class:`~snip_ds.engine.core.SnipEngine` and :class:`~snip_ds.hf.SnipCallback` call): collect
 statistics on ``collect_batches`` micro-batches of a private data stream, or of the step about to be taken
 when there is none (one BF16 forward+backward with hooks and Monte-Carlo Fisher probes; all-reduced over
 the data-parallel ranks), solve the ILP on rank 0, broadcast the plan as JSON, check that every rank holds
 the same plan, and switch to it before the next optimizer step. If rank 0 cannot solve (for example pinned
 layers leave the FP4 target out of reach), every rank hears it: a re-plan keeps the plan in force and says
 so in the log; the first adaptive plan stops the run with the reason. Every
-``additional_bf16_fwd_every_n_steps`` steps two extra no-grad forwards of the step's first micro-batch (BF16,
-then the plan) measure the forward divergence of the plan in force (their outputs' KL divergence), logged
-beside the predicted one.
+``additional_bf16_fwd_every_n_steps`` steps two extra no-grad forwards of one batch (BF16, then the plan; the
+batch from the private measurement stream, or the step's first micro-batch without one) measure the forward
+divergence of the plan in force (their outputs' KL divergence) and the loss change its quantization causes,
+logged beside the predicted divergence.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from snip_ds.stats import CollectSettings, collect_statistics
 from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.omp import preserve_torch_threads
-from snip_ds.plan import Plan
+from snip_ds.plan import Plan, fp4_share
 from snip_ds.schedule import measure_due, replan_due
 from snip_ds.options import build
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
@@ -35,16 +37,18 @@ from snip_ds.settings import ConfigError
 
 
 class AdaptivePlanner:
-    """Owns the statistics and the re-planning schedule of one :class:`~snip_ds.engine.core.SnipEngine`.
+    """Owns the statistics and the re-planning schedule of one :class:`~snip_ds.state.SnipState`; reads the
+    model, the optimizer's Adam state, the step and the learning rate through its
+    :class:`~snip_ds.state.TrainingLoop`.
 
     Attributes:
         last_stats: the latest statistics artifact (identical on every rank), or None.
         history: one record per re-plan (step, seconds spent, fp4 share, layers changed).
     """
 
-    def __init__(self, engine, collect_stream=None) -> None:
-        self.engine = engine
-        self.settings = engine.settings
+    def __init__(self, state, collect_stream=None) -> None:
+        self.state = state
+        self.settings = state.settings
         self.stream = collect_stream
         self.last_stats: Optional[Dict[str, Any]] = None
         self.history: List[Dict[str, Any]] = []
@@ -65,10 +69,10 @@ class AdaptivePlanner:
     def collect(self, step_batches: Sequence[Mapping[str, torch.Tensor]] = ()) -> Dict[str, Any]:
         """One statistics collection on the next ``collect_batches`` batches of the private stream, or, with
         no stream, on the first ``collect_batches`` of ``step_batches`` (cycled if there are fewer)."""
-        eng, s = self.engine, self.settings
+        eng, s = self.state, self.settings
         faults.pause_point("collect", eng.step, sdist.rank())  # a test's fault injection; else a no-op
         weights = {fqn: layer.weight for fqn, layer in eng.layers.items()}
-        precond, source = layer_preconditioner(eng.ds.optimizer, weights, eng.step)
+        precond, source = layer_preconditioner(eng.loop.optimizer, weights, eng.step)
         if self.stream is not None:
             batches = [self.stream.next_batch() for _ in range(s.collect_batches)]
         elif step_batches:
@@ -79,7 +83,7 @@ class AdaptivePlanner:
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
         how = build(CollectSettings, s, seed=s.train.seed + eng.step, retain_graph=eng.zero_stage < 3,
                     bwd_propagated=s.dgrad_cost == "upstream", study_fields=s.collect_study_fields)
-        stats = collect_statistics(eng.ds.module, batches, how, layers=list(eng.layers), lr=eng.lr(), precond=precond,
+        stats = collect_statistics(eng.loop.module, batches, how, layers=list(eng.layers), lr=eng.lr(), precond=precond,
                                    reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size())
         stats["precond_source"] = source
         return stats
@@ -100,17 +104,17 @@ class AdaptivePlanner:
                 with preserve_torch_threads(), warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     plan = solve_baseline(s.method, stats, s.efficiency_saving, build(CostSettings, s),
-                                          build(SolverSettings, s), seed=s.plan_seed, previous=self.engine.plan)[0]
+                                          build(SolverSettings, s), seed=s.plan_seed, previous=self.state.plan)[0]
                 payload = {"plan": plan.to_dict()}
             except (ValueError, RuntimeError) as err:  # no plan reaches the target: tell every rank
                 payload = {"error": str(err)}
             for w in caught:
-                say(f"snip_ds: warning: plan at step {self.engine.step}: {w.message}")
-                self.engine.logger.text("plan/warnings", f"step {self.engine.step}: {w.message}", self.engine.step)
+                say(f"snip_ds: warning: plan at step {self.state.step}: {w.message}")
+                self.state.logger.text("plan/warnings", f"step {self.state.step}: {w.message}", self.state.step)
         payload = sdist.broadcast_json(payload)
         if "error" in payload:
             if self.planned_at is None:
-                raise ConfigError(f"snip: the first adaptive plan cannot be solved at step {self.engine.step}: "
+                raise ConfigError(f"snip: the first adaptive plan cannot be solved at step {self.state.step}: "
                                   f"{payload['error']}")
             self.last_error = payload["error"]
             return None
@@ -122,7 +126,7 @@ class AdaptivePlanner:
         Returns the new plan, or None when rank 0 could not solve a re-plan (the plan in force stays; the
         failure is logged on TensorBoard as ``snip/replan_failed`` and printed by rank 0).
         """
-        eng = self.engine
+        eng = self.state
         start = time.perf_counter()
         stats = self.collect(step_batches)
         collected = time.perf_counter()
@@ -143,11 +147,14 @@ class AdaptivePlanner:
             return None
         previous = eng.plan
         changed = 0 if previous is None else sum(previous.assignment.get(f) != p for f, p in plan.assignment.items())
-        eng.set_plan(plan, f"re-plan: {changed} layer(s) changed" if previous else "first adaptive plan")
         record = {"step": eng.step, "collect_s": collected - start, "solve_s": solved - collected,
-                  "fp4_share": eng.plan_fp4_share(), "changed": changed, "status": plan.status,
+                  "fp4_share": fp4_share(plan.assignment, eng.flops), "changed": changed, "status": plan.status,
                   "precond": stats["precond_source"]}
+        what = f"re-plan: {changed} layer(s) changed" if previous else "first adaptive plan"
+        eng.set_plan(plan, f"{what}, fp4 share {record['fp4_share']:.3f}, plan {plan.status} (statistics "
+                           f"{record['collect_s']:.2f} s, solve {record['solve_s']:.2f} s)")
         self.history.append(record)
+        eng.announce_replan(record)
         eng.logger.scalars({"snip/collect_time_s": record["collect_s"], "snip/solve_time_s": record["solve_s"],
                             "snip/layers_changed": changed, "plan/fp4_share": record["fp4_share"],
                             "snip/predicted_fld": self.predicted_fld()}, eng.step)
@@ -169,37 +176,42 @@ class AdaptivePlanner:
 
     def predicted_fld(self) -> float:
         """Σ over layers of the predicted FLD at the precision the plan gives their fprop."""
-        if self.last_stats is None or self.engine.plan is None:
+        if self.last_stats is None or self.state.plan is None:
             return float("nan")
-        layers, plan = self.last_stats["layers"], self.engine.plan
+        layers, plan = self.last_stats["layers"], self.state.plan
         return predicted_divergence(layers, {fqn: plan.assignment[fqn] for fqn in layers})[0]
 
     # ------------------------------------------------------------------ measured divergence
     @torch.no_grad()
-    def measure_forward(self, batch: Mapping[str, torch.Tensor]) -> Tuple[float, float]:
+    def measure_forward(self, batch: Mapping[str, torch.Tensor]) -> Tuple[float, float, float]:
         """Two no-grad forwards of ``batch`` (eval mode, the weights of the step about to be taken): every layer
-        unquantized, then the plan in force. Returns the unquantized loss and the measured FLD: the mean over
-        the loss's tokens of ``KL(p_unquantized ‖ p_plan)`` (:func:`snip_ds.divergence.next_token_kl`), both
-        averaged over every rank's tokens. The forward quantization draws no random numbers, so the
-        measurement leaves training bit for bit as it was."""
-        eng = self.engine
-        saved = {fqn: layer.precision for fqn, layer in eng.layers.items()}
-        was_training = eng.ds.module.training
-        dev = next(iter(eng.layers.values())).weight.device
-        ids, labels = batch["input_ids"].to(dev), batch["labels"].to(dev)
+        unquantized, then the plan in force, both given the labels. Returns the unquantized loss, the plan's loss
+        and the measured FLD: the mean over the loss's tokens of ``KL(p_unquantized ‖ p_plan)``
+        (:func:`snip_ds.divergence.next_token_kl`), each averaged over every rank's tokens. The forward
+        quantization draws no random numbers, so the measurement leaves training bit for bit as it was."""
+        st = self.state
+        module = st.loop.module
+        saved = {fqn: layer.precision for fqn, layer in st.layers.items()}
+        was_training = module.training
+        dev = next(iter(st.layers.values())).weight.device
+        ids = batch["input_ids"].to(dev)
+        labels = batch["labels"].to(dev) if "labels" in batch else ids
         try:
-            eng.ds.module.eval()
-            for layer in eng.layers.values():
+            module.eval()
+            for layer in st.layers.values():
                 layer.precision = "bf16"
-            unquantized = eng.ds(input_ids=ids, labels=labels)
-            for fqn, layer in eng.layers.items():
+            unquantized = st.loop.forward(input_ids=ids, labels=labels)
+            for fqn, layer in st.layers.items():
                 layer.precision = saved[fqn]
-            planned = eng.ds(input_ids=ids).logits
+            planned = st.loop.forward(input_ids=ids, labels=labels)
         finally:
-            for fqn, layer in eng.layers.items():
+            for fqn, layer in st.layers.items():
                 layer.precision = saved[fqn]
-            eng.ds.module.train(was_training)
-        kl_sum, n = dv.next_token_kl(unquantized.logits, planned, labels)
-        loss = unquantized.loss.detach().double().cpu()
-        totals = sdist.dist_sum(torch.stack([loss, kl_sum.cpu(), torch.tensor(float(n), dtype=torch.float64)]))
-        return float(totals[0]) / sdist.world_size(), float(totals[1] / totals[2]) if totals[2] > 0 else 0.0
+            module.train(was_training)
+        kl_sum, n = dv.next_token_kl(unquantized.logits, planned.logits, labels)
+        losses = torch.stack([unquantized.loss.detach().double().cpu(), planned.loss.detach().double().cpu()])
+        totals = sdist.dist_sum(torch.cat([losses, kl_sum.detach().double().cpu().reshape(1),
+                                           torch.tensor([float(n)], dtype=torch.float64)]))
+        world = sdist.world_size()
+        kl = float(totals[2] / totals[3]) if totals[3] > 0 else 0.0
+        return float(totals[0]) / world, float(totals[1]) / world, kl

@@ -2,15 +2,20 @@
 
 Layout, under ``save_dir``::
 
-    latest                          # tag of the newest *complete* checkpoint (written last)
-    step_120/                       # DeepSpeed's files for that tag, and ours:
-        snip_rank00000.safetensors  # per rank: stochastic-rounding generator states, torch RNG state
-        snip_meta.json              # rank 0, written after every rank has finished: marks completion
+    latest                           # tag of the newest *complete* checkpoint (written last)
+    step_120/                        # DeepSpeed's files for that tag, and ours:
+        snip_rng_rank0.safetensors   # per rank: stochastic-rounding generator states, torch RNG state
+        snip_state.json              # rank 0: SNIP's state (plan, planner, streams, skipped steps, settings)
+        snip_meta.json               # rank 0, written after every rank has finished: marks completion
 
-A checkpoint without ``snip_meta.json`` is incomplete and is never resumed from. ``snip_meta.json`` records
-the size and sha256 of every other file of the checkpoint (key ``files``: DeepSpeed's shards of every rank and
-ours); a resume verifies them before anything is restored (:func:`verify_files`). Our files are JSON and
-safetensors; DeepSpeed's files are read with ``torch.load(weights_only=True)`` through
+``snip_state.json`` and ``snip_rng_rank<r>.safetensors`` are :class:`snip_ds.state.SnipState`'s, the same
+files a Hugging Face Trainer's ``checkpoint-N`` holds. A checkpoint without ``snip_meta.json`` is incomplete
+and is never resumed from. ``snip_meta.json`` records the size and sha256 of every other file of the
+checkpoint (key ``files``: DeepSpeed's shards of every rank and ours), the model, the data stream's position,
+the lr schedule and the tokenizer; a resume verifies the files before anything is restored
+(:func:`verify_files`). Checkpoints of older snip_ds versions (plan, planner state and skipped steps inside
+``snip_meta.json``, ``snip_rank00000.safetensors`` per rank) still resume (:func:`read_snip_state`). Our files
+are JSON and safetensors; DeepSpeed's files are read with ``torch.load(weights_only=True)`` through
 :class:`SafeTorchCheckpointEngine`, never unpickled.
 """
 from __future__ import annotations
@@ -29,7 +34,8 @@ from safetensors.torch import load_file, save as save_bytes
 
 from snip_ds import distributed as sdist
 from snip_ds import faults
-from snip_ds.artifacts import CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE
+from snip_ds.artifacts import (CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE, STATE_FILE,
+                               rng_file)
 from snip_ds.fileio import atomic_write_text
 
 META_FILE = CHECKPOINT_META_FILE
@@ -175,7 +181,30 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def _rank_file(tag_dir: Path, rank: int) -> Path:
-    return tag_dir / f"snip_rank{rank:05d}.safetensors"
+    """``rank``'s SNIP tensors: ``snip_rng_rank<r>.safetensors``, or in an older checkpoint
+    ``snip_rank<rrrrr>.safetensors`` (the same tensors under the same keys)."""
+    new = tag_dir / rng_file(rank)
+    old = tag_dir / f"snip_rank{rank:05d}.safetensors"
+    return old if old.is_file() and not new.is_file() else new
+
+
+def read_snip_state(tag_dir: Path, meta: Mapping[str, Any]) -> tuple[Dict[str, Any], str]:
+    """SNIP's state in the checkpoint and the file it came from: ``snip_state.json``, or in a checkpoint of an
+    older snip_ds the plan, planner state and skipped steps inside ``snip_meta.json``.
+
+    Raises:
+        CheckpointError: ``snip_state.json`` is unreadable or not an object.
+    """
+    path = tag_dir / STATE_FILE
+    if path.is_file():
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path}: unreadable ({err})") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: not a JSON object")
+        return state, str(path)
+    return ({k: meta.get(k) for k in ("plan", "planner", "skipped_steps", "settings")}, str(tag_dir / META_FILE))
 
 
 _CHUNK = 1 << 20  # files are hashed as a stream, 1 MiB at a time: shards can be far larger than memory allows
@@ -250,9 +279,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_state: Mapping[str, Any],
-         fingerprint: str, world_size: int, architecture: Mapping[str, Any] | None = None) -> Path:
+def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_tensors: Mapping[str, torch.Tensor],
+         snip_state: Mapping[str, Any], fingerprint: str, world_size: int,
+         architecture: Mapping[str, Any] | None = None) -> Path:
     """Writes one complete checkpoint; returns its directory. ``latest`` is updated last.
+
+    Every rank writes its ``rank_tensors`` (``snip_rng_rank<r>.safetensors``), rank 0 ``snip_state``
+    (``snip_state.json``), both before the checksums are taken; ``snip_meta.json`` (``meta`` and the checksums)
+    marks completion.
 
     Raises:
         CheckpointSaveError: on every rank, with the same message, when any rank failed to write a file
@@ -276,17 +310,20 @@ def save(ds_engine, save_dir: Path, tag: str, meta: Mapping[str, Any], rank_stat
     if isinstance(engine, SafeTorchCheckpointEngine):
         problem = engine.failure
     if problem is None:
-        tensors = {"torch_rng": rank_state["torch_rng"].clone()}
-        for fqn, state in rank_state["generators"].items():
-            tensors[f"generator/{fqn}"] = state.clone()
-        tmp = _rank_file(tag_dir, rank).with_suffix(".tmp")
+        target = tag_dir / rng_file(rank)
+        tmp = target.with_suffix(".tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(save_bytes(tensors))
-            os.replace(tmp, _rank_file(tag_dir, rank))
+                f.write(save_bytes(dict(rank_tensors)))
+            os.replace(tmp, target)
         except OSError as err:
             problem = _write_error(tmp, err)
             tmp.unlink(missing_ok=True)
+    if problem is None and rank == 0:
+        try:
+            atomic_write_text(tag_dir / STATE_FILE, json.dumps(snip_state, indent=1, sort_keys=True))
+        except OSError as err:
+            problem = _write_error(tag_dir / STATE_FILE, err)
     _raise_if_any(problem, tag_dir, save_dir, before)  # collective: every rank's files are complete after it
     files = record_files(tag_dir)
     if rank == 0:
@@ -476,12 +513,15 @@ def check_resumable(path: Path, fingerprint: str, world_size: int, rank: int,
     return tag_dir, meta
 
 
-def load(ds_engine, tag_dir: Path, rank: int) -> Dict[str, Any]:
-    """Loads DeepSpeed's state (model, optimizer, scheduler) and this rank's RNG states."""
+def load(ds_engine, tag_dir: Path, rank: int) -> Dict[str, torch.Tensor]:
+    """Loads DeepSpeed's state (model, optimizer, scheduler); returns this rank's SNIP tensors (generator and
+    RNG states, :meth:`snip_ds.state.SnipState.load_rank_tensors` restores them)."""
     load_path, _ = ds_engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
                                              load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"{tag_dir}: DeepSpeed found no checkpoint files there")
-    tensors = load_file(str(_rank_file(tag_dir, rank)))
-    return {"torch_rng": tensors.pop("torch_rng"),
-            "generators": {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("generator/")}}
+    path = _rank_file(tag_dir, rank)
+    try:
+        return load_file(str(path))
+    except Exception as err:  # noqa: BLE001 -- a damaged file: name it
+        raise CheckpointError(f"{path}: cannot be read as safetensors ({err})") from None

@@ -74,7 +74,7 @@ if rank == 0:
     with open(a.out, "w") as f:
         json.dump({"reference": reference, "first": Grab.first, "history": snip.planner.history,
                    "rho": settings.efficiency_saving, "world": world, "losses": losses,
-                   "swapped_same_params": all(snip.engine.layers[f].weight is hf_model.get_submodule(f).weight
-                                              for f in snip.engine.layers)}, f)
+                   "swapped_same_params": all(snip.state.layers[f].weight is hf_model.get_submodule(f).weight
+                                              for f in snip.state.layers)}, f)
 sys.stdout.flush()
 os._exit(0)

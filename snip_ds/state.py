@@ -1,0 +1,369 @@
+"""SNIP's state in a training run, one object under both loops.
+
+:class:`SnipState` holds what SNIP keeps while a model trains: the swapped layers and their
+:class:`~snip_ds.swap.LayerInfo`, their FLOPs, the plan in force, the adaptive planner (with its statistics
+stream), the measurement stream, the stochastic-rounding generators (inside the layers), the skipped steps,
+the non-finite guard and the logger. Two thin drivers own one each:
+
+* :class:`snip_ds.engine.core.SnipEngine` (``snip_ds.initialize``, ``launch/train.py``) over a DeepSpeed
+  engine, and
+* :class:`snip_ds.hf.SnipCallback` over a Hugging Face ``Trainer`` (with or without DeepSpeed).
+
+Each driver hands the state a :class:`TrainingLoop` (a small adapter over its loop), calls
+:meth:`SnipState.before_step` at every optimizer-step boundary (re-plan and measure if due), and saves
+:meth:`SnipState.state_dict` (``snip_state.json``, rank 0) and :meth:`SnipState.rank_tensors`
+(``snip_rng_rank<r>.safetensors``, every rank) into its checkpoint folder: one format for both loops.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from snip_ds import distributed as sdist
+from snip_ds.artifacts import STATE_FORMAT, TRAINER_STATE_FORMAT
+from snip_ds.console import say
+from snip_ds.plan import Plan, fp4_share
+from snip_ds.settings import SnipSettings
+from snip_ds.swap import LayerInfo, snip_layers
+from snip_ds.tensorboard import NullLogger, precision_map_image
+from snip_ds.types import block_index
+
+
+STATS_SEED_OFFSET = 7919  # the private statistics stream's seed is the run's seed + this (both loops)
+MEASURE_SEED_OFFSET = 2 * 7919  # the private measurement stream's
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or Inf loss or gradient stopped training (``snip.nonfinite: "stop"``), before the step's update.
+    The message, the same on every rank, names the step, the micro-batch (where the loop knows it), the rank
+    and the first module whose forward output went non-finite (where the loop can re-run the batch)."""
+
+
+class TrainingLoop(Protocol):
+    """What SNIP's state needs from a training loop; a DeepSpeed engine and a ``Trainer`` both give it through
+    small adapters (:class:`snip_ds.engine.core.DeepSpeedLoop`, :class:`snip_ds.hf.TrainerLoop`)."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The model (unwrapped), whose decoder linears are swapped."""
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer holding Adam's state: a DeepSpeed ZeRO/bf16 optimizer or a torch Adam/AdamW."""
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+
+    @property
+    def zero_stage(self) -> int:
+        """ZeRO stage (0 without DeepSpeed)."""
+
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+
+    def forward(self, **inputs) -> Any:
+        """One forward of the model as the loop runs it (through the DeepSpeed engine: collective under ZeRO-3)."""
+
+
+def floating_tensors(out) -> list:
+    """The floating-point tensors of a module's output (a tensor, a tuple/list, or a dict / ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in floating_tensors(o)]
+    if isinstance(out, Mapping):
+        return [t for o in out.values() for t in floating_tensors(o)]
+    return []
+
+
+def run_without_update(optimizer, step: Callable[[], Any]) -> None:
+    """Runs ``step`` (DeepSpeed's ``engine.step``) with the wrapped base optimizer's update suppressed (what
+    DeepSpeed's own overflow skip does, for any ZeRO stage and precision): DeepSpeed still finishes the step --
+    drops the accumulated gradients, advances its step counter -- but no parameter or optimizer state changes.
+    (Its scheduler advances unless DeepSpeed's own check saw the non-finite gradient norm too.)"""
+    base = getattr(optimizer, "optimizer", optimizer)  # ZeRO / bf16 wrappers hold it there
+    own = vars(base).get("step")  # a scheduler may have wrapped step on the instance
+    base.step = lambda *args, **kwargs: None
+    try:
+        step()
+    finally:
+        if own is None:
+            del base.step
+        else:
+            base.step = own
+
+
+class NonFiniteGuard:
+    """Checks every trainable parameter's gradient for NaN/Inf as it is computed (only while armed: the
+    training backward passes, not the statistics' own), notes a micro-batch's non-finite loss, and before the
+    update lets the ranks agree (one all-reduced flag per optimizer step) and then stop or skip."""
+
+    def __init__(self, state: "SnipState", module: nn.Module) -> None:
+        self.state = state
+        self._flags: Optional[list] = None
+        self._order: Dict[str, int] = {}
+        self.bad: Optional[Dict[str, Any]] = None  # this rank's first non-finite micro-batch this step
+        for i, (name, p) in enumerate(module.named_parameters()):
+            if p.requires_grad:
+                self._order[name] = i
+                p.register_hook(self._hook(name))
+
+    def _hook(self, name: str):
+        def hook(grad: torch.Tensor):
+            if self._flags is not None:
+                self._flags.append((name, torch.isfinite(grad).all()))
+            return None
+        return hook
+
+    def arm(self) -> None:
+        """Gradients computed from now on are checked (until :meth:`disarm`)."""
+        self._flags = []
+
+    def disarm(self) -> list:
+        """Stops checking; returns the ``(parameter name, finite flag)`` pairs gathered since :meth:`arm`."""
+        flags, self._flags = self._flags or [], None
+        return flags
+
+    def begin_step(self) -> None:
+        self.bad = None
+        self._flags = None
+
+    def note(self, index: Optional[int], loss: Optional[torch.Tensor], flags: Sequence) -> None:
+        """Records what went non-finite: the loss of micro-batch ``index`` (``index`` and ``loss`` None where the
+        loop does not say which micro-batch, nor show the loss), or else, among ``flags`` (:meth:`disarm`), the
+        gradient of the first parameter in model order whose gradient did. Only the step's first is kept."""
+        if self.bad is not None:
+            return
+        if loss is not None:
+            value = float(loss.detach().float().cpu())
+            if not math.isfinite(value):
+                self.bad = {"micro_batch": index, "what": f"loss ({value})"}
+                return
+        if flags and not bool(torch.stack([f.to(flags[0][1].device) for _, f in flags]).all()):  # one sync
+            name = min((n for n, f in flags if not bool(f)), key=lambda n: self._order.get(n, 0))
+            seen = "the loss was finite" if loss is not None else "the loop does not show SNIP the loss"
+            self.bad = {"micro_batch": index, "what": f"gradient (of {name}, the first such parameter in model "
+                                                      f"order; {seen})"}
+
+    def agree(self) -> bool:
+        """Collective: whether any rank saw a non-finite loss or gradient this step."""
+        return sdist.dist_max_flag(self.bad is not None)
+
+    def act(self, micro_batches: int, locate: Optional[Callable[[int], Optional[str]]] = None) -> None:
+        """Collective, after :meth:`agree` said yes: the same report on every rank; raises
+        :class:`NonFiniteError` (``snip.nonfinite: "stop"``) or counts and logs the skip (the caller then skips
+        the update).
+
+        Args:
+            micro_batches: the step's number of micro-batches.
+            locate: ``locate(i)`` re-runs micro-batch ``i``'s forward with hooks and names the first module
+                whose output is non-finite (every rank runs it: under ZeRO-3 a forward is collective); None
+                where the loop does not hand SNIP its batches (the Trainer).
+        """
+        st = self.state
+        reports = sdist.all_gather_json(self.bad)
+        rank = min(r for r, rep in enumerate(reports) if rep)
+        rep = reports[rank]
+        if locate is not None and rep["micro_batch"] is not None:
+            located = sdist.all_gather_json(locate(rep["micro_batch"]))[rank]
+            where = (f"first module with a non-finite output: {located}" if located else
+                     "every module's forward output was finite: the backward pass went non-finite")
+            at = f"micro-batch {rep['micro_batch'] + 1} of {micro_batches}"
+        else:
+            where = ("the module whose output went non-finite is not located (the training loop does not hand "
+                     "SNIP its batches to re-run)")
+            at = f"one of its {micro_batches} micro-batch(es)"
+        step = st.step
+        msg = f"non-finite {rep['what']} at step {step + 1}, {at} on rank {rank}; {where}"
+        self.bad = None
+        if st.settings.nonfinite != "skip":
+            raise NonFiniteError(f"{msg}; the step's update was not applied and no checkpoint was saved after "
+                                 f"step {step} (snip.nonfinite \"skip\" skips such steps instead)")
+        st.skipped_steps += 1
+        st.logger.scalar("train/skipped_steps", st.skipped_steps, step + 1)
+        st.logger.text("train/nonfinite", f"step {step + 1}: {msg}; skipped", step + 1)
+        if sdist.rank() == 0:
+            say(f"snip_ds: warning: {msg}; step skipped ({st.skipped_steps} so far)")
+
+
+class SnipState:
+    """Everything SNIP keeps during one training run, whichever loop drives it.
+
+    Attributes:
+        loop: the :class:`TrainingLoop` adapter.
+        infos: ``{fqn: LayerInfo}`` of the swapped layers, in model order.
+        layers: ``{fqn: SnipLinear}``.
+        flops: ``{fqn: FLOPs per optimizer step}`` (the shares depend only on their ratios).
+        settings: the validated ``"snip"`` section.
+        plan: the plan in force.
+        planner: the :class:`~snip_ds.engine.adaptive.AdaptivePlanner` of an adaptive run, else None.
+        measure_stream: the private stream the measured divergence is computed on (None: the step's first
+            micro-batch).
+        skipped_steps: steps skipped for a non-finite loss or gradient (``snip.nonfinite: "skip"``).
+        guard: the :class:`NonFiniteGuard`.
+        logger: scalars, images and text (a TensorBoard logger on the logging rank, or the Trainer's reporters).
+        driver: ``"engine"`` or ``"trainer"``: which loop wrote a checkpoint (recorded in ``snip_state.json``).
+    """
+
+    def __init__(self, loop: TrainingLoop, infos: Mapping[str, LayerInfo], settings: SnipSettings,
+                 tokens_per_step: int, logger=None, *, driver: str) -> None:
+        self.loop = loop
+        self.infos = dict(infos)
+        self.settings = settings
+        self.tokens_per_step = tokens_per_step
+        self.logger = logger or NullLogger()
+        self.driver = driver
+        self.layers = snip_layers(loop.module)
+        self.flops = {fqn: info.flops(tokens_per_step) for fqn, info in self.infos.items()}
+        self.plan: Optional[Plan] = None
+        self.planner = None
+        self.measure_stream = None
+        self.skipped_steps = 0
+        self.guard = NonFiniteGuard(self, loop.module)
+
+    # ------------------------------------------------------------------ the loop's facts
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+        return int(self.loop.step)
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.loop.zero_stage)
+
+    def lr(self) -> float:
+        return float(self.loop.lr())
+
+    # ------------------------------------------------------------------ plan
+    def set_plan(self, plan: Plan, reason: str = "") -> None:
+        """Applies ``plan`` to every layer; call between optimizer steps. Ranks must hold the same plan.
+
+        Raises:
+            ValueError: the plan names layers the model lacks or misses some it has.
+            RuntimeError: ranks disagree on the plan (their digests differ).
+        """
+        plan.check_layers(self.infos, source=f"plan ({plan.method})")
+        if not sdist.agree(plan.digest()):
+            raise RuntimeError("ranks hold different plans (digest mismatch); refusing to train on")
+        for fqn, layer in self.layers.items():
+            layer.precision = plan.assignment[fqn]
+        changed = self.plan is None or plan.digest() != self.plan.digest()
+        self.plan = plan
+        if changed:
+            self.logger.scalar("plan/fp4_share", self.plan_fp4_share(), self.step)
+            self.logger.image("plan/precision_map", precision_map_image(
+                plan.assignment, block_index, kinds=[i.kind for i in self.infos.values()], step=self.step,
+                fp4_share=self.plan_fp4_share(), method=plan.method),
+                self.step)
+            if reason:
+                self.logger.text("plan/changes", f"step {self.step}: {reason}", self.step)
+
+    def plan_fp4_share(self) -> float:
+        """FP4 share of the linear-GEMM FLOPs under the current plan."""
+        return fp4_share(self.plan.assignment, self.flops)
+
+    def announce_replan(self, record: Mapping[str, Any]) -> None:
+        """Rank 0's console line for a re-plan that switched plans (both loops print it)."""
+        if sdist.rank() == 0:
+            say(f"snip_ds: step {record['step']}: plan {record['status']}, fp4 share {record['fp4_share']:.3f}, "
+                f"{record['changed']} layer(s) changed (statistics {record['collect_s']:.2f} s, "
+                f"solve {record['solve_s']:.2f} s)")
+
+    # ------------------------------------------------------------------ before each optimizer step
+    def before_step(self, step_batches: Sequence[Mapping[str, torch.Tensor]] = ()) -> None:
+        """At an optimizer-step boundary, before the step's first micro-batch: in an adaptive run, re-plan if
+        due (collect, solve on rank 0, broadcast, switch) and measure the plan's forward divergence if due
+        (logged as ``snip/measured_fld``, ``snip/predicted_fld`` and ``snip/measured_loss_change`` at the step
+        about to be taken). ``step_batches``: the step's micro-batches where the loop has them (collections
+        and measurements without a private stream use them). Also resets the non-finite guard for the step."""
+        self.guard.begin_step()
+        planner = self.planner
+        if planner is None:
+            return
+        step = self.step
+        if planner.due(step) and planner.planned_at != step:
+            planner.replan(step_batches)
+        if planner.measure_due(step):
+            if self.measure_stream is not None:
+                batch = self.measure_stream.next_batch()
+            elif step_batches:
+                batch = step_batches[0]
+            else:
+                raise ValueError("measured divergence: no measurement stream and no micro-batch to measure on")
+            unquantized, planned, kl = planner.measure_forward(batch)
+            self.logger.scalars({"snip/measured_fld": kl, "snip/predicted_fld": planner.predicted_fld(),
+                                 "snip/measured_loss_change": planned - unquantized}, step + 1)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """SNIP's state as JSON (``snip_state.json``, :data:`~snip_ds.artifacts.STATE_FORMAT`; the same on every
+        rank): the plan, the planner's state (its stream's position, last statistics, history), the measurement
+        stream's position, the skipped steps and the settings."""
+        return {"format": STATE_FORMAT, "driver": self.driver, "step": self.step,
+                "world_size": sdist.world_size(), "plan": self.plan.to_dict() if self.plan else None,
+                "settings": self.settings.to_dict(),
+                "planner": self.planner.state_dict() if self.planner is not None else None,
+                "measure_stream": self.measure_stream.state_dict() if self.measure_stream is not None else None,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any], source: str) -> None:
+        """Restores :meth:`state_dict`'s output, or an older file: a Trainer's ``snip_ds.hf_checkpoint/1``, or
+        the engine's plan, planner and skipped steps from its ``snip_meta.json`` (no ``format`` given then).
+        Applies the plan (logged as "restored").
+
+        Raises:
+            ValueError: a field is missing or does not fit this run (the message names ``source``).
+        """
+        fmt = state.get("format")
+        if fmt not in (None, STATE_FORMAT, TRAINER_STATE_FORMAT):
+            raise ValueError(f"{source}: format {fmt!r} is not {STATE_FORMAT}")
+        if "world_size" in state and state["world_size"] != sdist.world_size():
+            raise ValueError(f"{source}: saved by {state['world_size']} rank(s), this run has {sdist.world_size()}")
+        if self.planner is not None:
+            if not state.get("planner"):
+                raise ValueError(f"{source}: no adaptive-planner state (it was saved by a run with a fixed plan)")
+            self.planner.load_state_dict(state["planner"])
+        if self.measure_stream is not None:
+            saved = state.get("measure_stream")
+            if saved is not None:
+                self.measure_stream.load_state_dict(saved)
+            else:  # an engine checkpoint from before the measurement stream: as many measurements as were due
+                n = self.settings.additional_bf16_fwd_every_n_steps
+                self.measure_stream.step = self.step // n if n else 0
+        self.skipped_steps = int(state.get("skipped_steps") or 0)
+        if state.get("plan"):
+            self.set_plan(Plan.from_dict(state["plan"], source=source), "restored")
+
+    def rank_tensors(self) -> Dict[str, torch.Tensor]:
+        """This rank's tensors for ``snip_rng_rank<r>.safetensors``: every stochastic-rounding generator's state
+        (``generator/<fqn>``) and torch's CPU RNG state (``torch_rng``)."""
+        tensors = {f"generator/{fqn}": layer.generator.get_state().clone() for fqn, layer in self.layers.items()
+                   if layer.generator is not None}
+        tensors["torch_rng"] = torch.get_rng_state().clone()
+        return tensors
+
+    def load_rank_tensors(self, tensors: Mapping[str, torch.Tensor], torch_rng: bool) -> None:
+        """Restores :meth:`rank_tensors`' output, or an older Trainer file (generator states keyed by the bare
+        fqn, no torch RNG). ``torch_rng``: restore torch's RNG too (the engine; the Trainer restores its own)."""
+        for key, value in tensors.items():
+            fqn = key.split("/", 1)[1] if key.startswith("generator/") else key
+            layer = self.layers.get(fqn)
+            if layer is not None and layer.generator is not None:
+                layer.generator.set_state(value)
+        if torch_rng and "torch_rng" in tensors:
+            torch.set_rng_state(tensors["torch_rng"])
+
+
+def located_forward_hooks(module: nn.Module, found: List[str]) -> list:
+    """Forward hooks on every submodule that record, in ``found``, the first one (in the order modules finish
+    their forward) whose output holds a NaN or Inf; returns the handles to remove."""
+    def hook(name):
+        def check(mod, inputs, output):
+            if not found and any(not bool(torch.isfinite(t).all()) for t in floating_tensors(output)):
+                found.append(f"{name} ({type(mod).__name__})")
+        return check
+    return [m.register_forward_hook(hook(n)) for n, m in module.named_modules() if n]
