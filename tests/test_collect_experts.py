@@ -17,8 +17,9 @@ from snip_ds.backend import get_backend
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.experts import SnipExperts, expert_parameters, expert_points, swap_experts
 from snip_ds.linear import SnipLinear
-from snip_ds.planner import costs_from_stats
+from snip_ds.planner import CostSettings, costs_from_stats, solve_baseline
 from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics
+from snip_ds.stats.artifact import load_stats, save_stats
 from snip_ds.stats.precond import with_experts
 from tests import reference_divergence as refdiv
 
@@ -235,7 +236,7 @@ def test_expert_statistics_equal_snip_linear_on_its_routed_tokens():
                 assert ra[field][p] == pytest.approx(rb[field][p] * T / t_e, rel=1e-4, abs=0), (proj, field, p)
 
 
-def test_expert_without_tokens_gets_zeros_and_a_flag():
+def test_expert_without_tokens_gets_zeros_and_a_flag(tmp_path):
     """An expert no token is routed to: FLD and BWD exactly 0, no FLOPs, ``no_tokens`` (its weight's own
     quantization error is still measured); the planner reads it."""
     model = _model()
@@ -249,10 +250,15 @@ def test_expert_without_tokens_gets_zeros_and_a_flag():
         assert rec["quant_err"] == rec["quant_err_w"] and rec["quant_err_w"]["fp4"] > 0  # the weight's own
         used = stats["layers"][f"experts.0.{proj}"]
         assert not used["no_tokens"] and used["fld"]["fp4"] > 0 and used["bwd"]["fp4"] > 0
+    save_stats(stats, str(tmp_path / "stats.json"))
+    stats = load_stats(str(tmp_path / "stats.json"))  # the artifact's reader takes the experts' fields
+    assert stats["layers"][f"experts.{UNUSED}.down_proj"]["no_tokens"] is True
     costs = costs_from_stats(stats, lam=100.0)  # finite numbers the planner takes as they are, not pinned
     name = f"experts.{UNUSED}.down_proj"
     assert costs.flops[name] == 0 and costs.costs[name] == {"bf16": 0.0, "fp8": 0.0, "fp4": 0.0}
     assert not costs.pinned
+    (plan,) = solve_baseline("best", stats, 0.5, CostSettings(lam=100.0))  # and solves a plan with it
+    assert set(plan.assignment) == set(stats["layers"])
 
 
 def test_ranks_reduce_the_same_sums_whichever_experts_their_tokens_chose():

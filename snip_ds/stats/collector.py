@@ -1,4 +1,6 @@
-"""One SNIP statistics collection: hooks on every :class:`~snip_ds.linear.SnipLinear` (docs/method.md).
+"""One SNIP statistics collection: hooks on every :class:`~snip_ds.linear.SnipLinear` and every MoE (expert,
+projection) pair's :class:`~snip_ds.experts.ExpertPoint` (docs/method.md; what differs for experts:
+:mod:`snip_ds.stats.experts`).
 
 For each batch the model runs one BF16 (unquantized) forward with a graph, one backward of the training loss
 and, for the Monte-Carlo Fisher estimator, one backward per probe of ``Σ_t CE(logits_t, ŷ_t)`` with labels
@@ -430,7 +432,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
         step: the training step, recorded.
         world_size: data-parallel ranks ``W`` behind ``reduce``.
         reduce: ``reduce(t) -> t`` summing over data-parallel ranks (called exactly once); None = identity.
-        layers: fqns to measure; default every SnipLinear.
+        layers: fqns to measure; default every SnipLinear and every (expert, projection) pair of the model's
+            :class:`~snip_ds.experts.SnipExperts` (``<experts path>.<expert>.<projection>``).
 
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
@@ -441,6 +444,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
         (``quant_err_x`` ...  ``rel_quant_err_g``); ``bwd_bias`` and ``bwd_drift_bias`` (the systematic part
         of ``bwd`` and ``bwd_drift``: what persists from step to step); ``bwd_drift``
         (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units). Non-finite numbers are written as null and flag the layer.
+        An expert pair's record also has ``routed_tokens`` (per step, all ranks; its ``flops`` follow them) and
+        ``no_tokens`` (no token reached it: its ``fld`` and ``bwd`` are 0, :mod:`snip_ds.stats.experts`).
     """
     if settings is None:
         settings = CollectSettings()
