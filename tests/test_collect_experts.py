@@ -14,7 +14,9 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
+from snip_ds.engine import adam_state
 from snip_ds.engine.adam_state import layer_preconditioner
+from snip_ds.engine.expert_state import expert_preconditioner
 from snip_ds.experts import SnipExperts, expert_parameters, expert_points, swap_experts
 from snip_ds.linear import SnipLinear
 from snip_ds.planner import CostSettings, costs_from_stats, solve_baseline
@@ -365,3 +367,91 @@ def test_ablations_that_do_not_measure_experts_are_refused():
     for kw in ({"forward_drift": True}, {"bwd_propagated": True}):
         with pytest.raises(ValueError, match="does not support MoE experts yet"):
             collect_statistics(model, [_batch()], CollectSettings(**kw), lr=1e-3)
+
+
+def _trained(family: str):
+    model = _model(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    batch = _batch()
+    loss = F.cross_entropy(model(input_ids=batch).logits[:, :-1].reshape(-1, V), batch[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    return model, opt
+
+
+def _zero12(params, opt, world):
+    """A ZeRO 1-2 optimizer's layout (the attributes adam_state reads): the Parameters packed into one flat
+    bit16 group cut into ``world`` parts (the cuts inside experts), each rank's FP32 part and its state."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    off = 0
+    for p in params:
+        p.data = flat[off:off + p.numel()].view_as(p)
+        off += p.numel()
+    v = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params])
+    bounds = [r * flat.numel() // world + 7 * (0 < r < world) for r in range(world + 1)]  # not at experts' edges
+    parts = [flat[bounds[r]:bounds[r + 1]] for r in range(world)]
+    fp32 = [torch.zeros(part.numel()) for part in parts]
+    state = {f: {"exp_avg_sq": v[bounds[r]:bounds[r + 1]]} for r, f in enumerate(fp32)}
+    inner = SimpleNamespace(state=state, param_groups=opt.param_groups)
+    return lambda r: SimpleNamespace(optimizer=inner, bit16_groups=[params], bit16_groups_flat=[flat],
+                                     parallel_partitioned_bit16_groups=[parts],
+                                     single_partition_of_fp32_groups=[fp32[r]], partition_gradients=True)
+
+
+def _zero3(params, opt, world):
+    """A ZeRO-3 optimizer's layout: each Parameter cut into ``world`` parts of ``ds_numel`` (padded), each rank's
+    parts packed in one flat group, its FP32 copy and state."""
+    fp32, flats = [], []
+    for r in range(world):
+        chunks = []
+        for p in params:
+            pn = -(-p.numel() // world)
+            v = opt.state[p]["exp_avg_sq"].reshape(-1)[r * pn:(r + 1) * pn]
+            chunks.append(torch.cat([v, v.new_zeros(pn - v.numel())]))
+        fp32.append(torch.cat(chunks))
+        flats.append(torch.zeros_like(fp32[-1]))
+    state = {f: {"exp_avg_sq": f.clone()} for f in fp32}
+    inner = SimpleNamespace(state=state, param_groups=opt.param_groups)
+
+    def rank(r):
+        off = 0
+        for p in params:  # ds_tensor: the Parameter's part in this rank's flat group
+            pn = -(-p.numel() // world)
+            p.ds_tensor = flats[r][off:off + pn]
+            p.ds_tensor.ds_numel = pn
+            p.ds_numel = p.numel()
+            off += pn
+        return SimpleNamespace(optimizer=inner, fp16_groups=[params], fp16_partitioned_groups_flat=[flats[r]],
+                               fp32_partitioned_groups_flat=[fp32[r]])
+    return rank
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_expert_preconditioner_sums_each_ranks_part_of_the_expert(family, stage, monkeypatch):
+    """expert_preconditioner over the ZeRO layouts (simulated with the attributes adam_state reads; three ranks,
+    so that rank boundaries fall inside experts) sums, over the ranks, to Σ (t ⊙ P)² with the expert's own
+    Adam state."""
+    model, opt = _trained(family)
+    points = expert_points(model)
+    pc = adam_precond(model, opt)
+    params = list(expert_parameters(model).values())
+    world = 1 if stage == 0 else 3
+    layout = {0: lambda r: opt, 2: _zero12(params, opt, world) if stage == 2 else None,
+              3: _zero3(params, opt, world) if stage == 3 else None}[stage]
+    gen = torch.Generator().manual_seed(3)
+    tensors = {name: torch.randn(point.weight.shape, generator=gen) for name, point in points.items()}
+    totals, owners = dict.fromkeys(points, 0.0), dict.fromkeys(points, 0)
+    for r in range(world):
+        monkeypatch.setattr(adam_state, "_rank_world", lambda group=None, r=r: (r, world))
+        fn, source = expert_preconditioner(layout(r), points, step=1, dense=lambda f, t: None)
+        assert source == {0: "adam", 2: "zero2", 3: "zero3"}[stage]
+        for name in points:
+            part = fn(name, tensors[name]).item()
+            totals[name] += part
+            owners[name] += part > 0
+    assert max(owners.values()) == min(world, 2)  # some expert's state is split between two ranks
+    for name in points:
+        # the same products summed in parts: 1e-5 >> log2(m)·u
+        assert totals[name] == pytest.approx(((tensors[name] * pc.precond[name]) ** 2).sum().item(), rel=1e-5)
+    assert expert_preconditioner(opt, points, step=0) == (None, "none (no optimizer step yet)")
