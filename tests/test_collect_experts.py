@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GptOssConfig, MixtralConfig
+from transformers import GptOssConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
@@ -94,10 +94,12 @@ def _batch(rows: int = 2, length: int = 16, seed: int = 5) -> torch.Tensor:
     return torch.randint(0, V, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _reference(model: ToyMoeLM, batch: torch.Tensor, expert: int, projection: int, precision: str):
+def _reference(model: nn.Module, batch: torch.Tensor, expert: int, projection: int, precision: str,
+               path: str = "experts"):
     """X, G_Y (the gradient of the mean loss w.r.t. the pair's own output), the sequences of its tokens, E and
-    ΔG_W of one pair from a plain forward/backward with every pair at bf16 (no collector, no ExpertPoint)."""
-    snip: SnipExperts = model.experts
+    ΔG_W of one pair of the experts module at ``path`` from a plain forward/backward with every pair at bf16
+    (no collector, no ExpertPoint)."""
+    snip: SnipExperts = model.get_submodule(path)
     saved = {}
     family_project = SnipExperts._project
 
@@ -169,6 +171,35 @@ def test_expert_statistics_match_independent_reference(family, implementation):
             bwd = refdiv.bwd_channel(ref["x"], lr * ref["dgw"] * pre[name], refdiv.channel_sq_mean(g), n)
             assert rec["bwd"][p] == pytest.approx(bwd.item(), rel=1e-4, abs=0)
             assert rec["fld"][p] > 0 and rec["bwd"][p] > 0
+
+
+@pytest.mark.rounding
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_expert_sequences_in_a_family_model(family):
+    """In a transformers model (its own sparse MoE block, router and, Qwen2-MoE, shared expert): a pair's
+    sequence-form FLD against the whole-tensor reference, tokens grouped by their sequence."""
+    common = dict(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+                  num_experts_per_tok=K)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=I, num_local_experts=E, **common))
+    else:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(moe_intermediate_size=I, shared_expert_intermediate_size=I,
+                                                   num_experts=E, **common))
+    swap_experts(model, "fp8", seed=3)
+    path = "model.layers.0.mlp.experts"
+    batch = _batch(rows=3, length=12)
+    stats = collect_statistics(model, [batch], CollectSettings(estimator="empirical", bwd_rounding="nearest",
+                                                               precond_fallback="ones"), lr=1e-3)
+    assert {n for n in stats["layers"]} == set(expert_points(model))  # its linears are not SnipLinear here
+    for p in ("fp8", "fp4"):
+        ref = _reference(model, batch, 0, 1, p, path)
+        assert len(set(ref["seq"].tolist())) == 3
+        g = ref["gy"] * ref["n"]
+        per_seq = torch.zeros(3).index_add_(0, ref["seq"], (g * ref["e"]).sum(1))
+        rec = stats["layers"][f"{path}.0.down_proj"]
+        # the tolerance of test_expert_statistics_match_independent_reference
+        assert rec["fld"][p] == pytest.approx((per_seq ** 2).sum().item() / (2 * ref["n"]), rel=1e-4, abs=0)
+        assert rec["routed_tokens"] == ref["x"].shape[0]
 
 
 class DenseExpertLM(ToyMoeLM):
