@@ -385,7 +385,7 @@ class Collector:
 
 
 @contextmanager
-def _preserved(model: nn.Module, layers: Dict[str, SnipLinear],
+def _preserved(model: nn.Module, layers: Dict[str, Layer],
                collector: Optional[Collector] = None) -> Iterator[None]:
     """bf16 layers that back-propagate to their input only (each backward through them reported to
     ``collector``); restores the layers' precision, mode and observer and the global RNG states (CPU and
@@ -408,6 +408,8 @@ def _preserved(model: nn.Module, layers: Dict[str, SnipLinear],
                 m.precision = saved_precision[fqn]
                 m.input_grad_only = saved_grad_only[fqn]
                 m.input_grad_observer = saved_observer[fqn]
+                if isinstance(m, ExpertPoint):
+                    m.token_index = None  # the last batch's routing: not kept past the collection
 
 
 def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optional[CollectSettings] = None, *,
