@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -637,6 +638,18 @@ def expert_points(model: nn.Module) -> Dict[str, ExpertPoint]:
     """``{layer name: ExpertPoint}`` of every (expert, projection) pair of the model, in model order: what
     :func:`snip_ds.stats.collect_statistics` measures besides the :class:`~snip_ds.linear.SnipLinear` layers."""
     return {name: p for m in experts_modules(model).values() for name, p in m.points().items()}
+
+
+@contextmanager
+def routed_tokens_kept(model: nn.Module) -> Iterator[None]:
+    """Forwards inside leave every experts module's routed token count as it was (a statistics collection's
+    passes are not training steps)."""
+    saved = {m: m._routed_tokens for m in experts_modules(model).values()}
+    try:
+        yield
+    finally:
+        for m, counts in saved.items():
+            m._routed_tokens = counts
 
 
 def take_routed_tokens(model: nn.Module) -> Dict[str, int]:

@@ -377,7 +377,8 @@ def test_adam_precond_slices_each_experts_state(family):
 
 
 def test_collection_leaves_the_experts_as_they_were():
-    """Precisions, the points' modes and the model's outputs are those before the collection."""
+    """Precisions, the points' modes, the routed token counts and the model's outputs are those before the
+    collection."""
     model = _model()
     model.experts.set_precision("fp4", expert=1, projection="down_proj")
     before = model.experts.precisions()
@@ -385,7 +386,12 @@ def test_collection_leaves_the_experts_as_they_were():
     model.experts.set_precision("bf16")
     ref = model(batch).logits
     model.experts.set_precisions(before)
+    model.experts.take_routed_tokens()
+    model(batch)  # a training step's forward: counted
+    one_forward = model.experts.take_routed_tokens()
+    model(batch)
     collect_statistics(model, [batch], CollectSettings(), lr=1e-3)
+    assert torch.equal(model.experts.take_routed_tokens(), one_forward)  # the collection's passes are not counted
     assert model.experts.precisions() == before
     assert not any(p.input_grad_only or p.input_grad_observer or p.token_index is not None
                    for p in expert_points(model).values())

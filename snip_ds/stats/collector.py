@@ -56,7 +56,7 @@ from snip_ds.options import check_fields, reads
 from snip_ds.linear import SnipLinear
 from snip_ds.stats import bwd, fld
 from snip_ds.stats.bwd import BwdEstimator
-from snip_ds.experts import ExpertPoint
+from snip_ds.experts import ExpertPoint, routed_tokens_kept
 from snip_ds.stats import experts as moe
 from snip_ds.stats.common import (GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, PROBE_SQ, Layer, Phase, Reduce, Rows, Shared,
                                   Sums, device_of, flat, select_layers, targets, unpack)
@@ -388,13 +388,13 @@ class Collector:
 def _preserved(model: nn.Module, layers: Dict[str, Layer],
                collector: Optional[Collector] = None) -> Iterator[None]:
     """bf16 layers that back-propagate to their input only (each backward through them reported to
-    ``collector``); restores the layers' precision, mode and observer and the global RNG states (CPU and
-    CUDA)."""
+    ``collector``); restores the layers' precision, mode and observer, the global RNG states (CPU and CUDA) and
+    the MoE experts' routed token counts."""
     saved_precision = {fqn: m.gemm_precision for fqn, m in layers.items()}
     saved_grad_only = {fqn: m.input_grad_only for fqn, m in layers.items()}
     saved_observer = {fqn: m.input_grad_observer for fqn, m in layers.items()}
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), routed_tokens_kept(model):
         try:
             for m in layers.values():
                 m.precision = "bf16"
