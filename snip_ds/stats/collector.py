@@ -357,7 +357,7 @@ class Collector:
             rows = torch.zeros(1, dtype=torch.int64, device=device)
             self.fld.on_output(fqn, module, x2, g2, rows)
             self.bwd.on_train_grad(fqn, module, x2, g2)
-            self.stats.add(fqn, PROBE_SQ.key(), torch.zeros(module.out_features))
+            self.stats.add(fqn, PROBE_SQ.key(), torch.zeros(module.out_features, device=device))
             if probe:
                 self.fld.on_probe(fqn, module, x2, g2, rows, torch.zeros_like(x2))
 
