@@ -496,32 +496,39 @@ def test_expert_preconditioner_sums_each_ranks_part_of_the_expert(family, stage,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 3])
-def test_expert_preconditioner_and_collection_under_deepspeed(stage, tmp_path):
-    """A real DeepSpeed run on one rank (tests/dist_scripts/experts_state_probe.py: a tiny Mixtral trained 3
-    steps): expert_preconditioner's sum equals the one from the full Adam state DeepSpeed gathers for the
-    expert, and a collection of the experts (ZeRO-3: its Parameters partitioned, released between passes) gives
-    finite statistics for every pair, the routed tokens adding up to the batch's token-expert pairs."""
+@pytest.mark.parametrize("stage,ranks", [(0, 1), (3, 1), (2, 2), (3, 2)])
+def test_expert_preconditioner_and_collection_under_deepspeed(stage, ranks, tmp_path):
+    """A real DeepSpeed run (tests/dist_scripts/experts_state_probe.py: a tiny Mixtral with 3 experts trained 3
+    steps; two ranks through the deepspeed launcher, where a rank boundary falls inside an expert):
+    expert_preconditioner's sum over the ranks equals the one from the full Adam state DeepSpeed gathers for
+    the expert, and a collection of the experts (ZeRO-3: its Parameters partitioned, released between passes)
+    gives finite statistics for every pair, the routed tokens adding up to the batch's token-expert pairs."""
     import json
     import subprocess
     import sys
 
-    from train_utils import REPO, env
+    from snip_ds.engine.core import _free_port
+    from train_utils import REPO, env, run_ranks
 
     out = tmp_path / "probe.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist_scripts" / "experts_state_probe.py"),
-                           "--stage", str(stage), "--out", str(out)], cwd=REPO, env=env(), capture_output=True,
-                          text=True, timeout=600)
+    script = str(REPO / "tests" / "dist_scripts" / "experts_state_probe.py")
+    args = ["--stage", str(stage), "--out", str(out)]
+    if ranks == 1:
+        proc = subprocess.run([sys.executable, script, *args], cwd=REPO, env=env(), capture_output=True, text=True,
+                              timeout=600)
+    else:
+        proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+                                  "--master_port", str(_free_port()), script, *args], timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert result["source"] == {0: "adam", 3: "zero3"}[stage] and result["precond"] == "callable"
-    assert len(result["pairs"]) == 8  # 4 experts x 2 projections
+    assert result["source"] == {0: "adam", 2: "zero2", 3: "zero3"}[stage] and result["precond"] == "callable"
+    assert len(result["pairs"]) == 6  # 3 experts x 2 projections
     for name, pair in result["pairs"].items():
-        # one rank owns every element: the same products, summed in another order (1e-5 >> log2(m)·u)
+        # every element owned by one rank: the same products, summed in another order (1e-5 >> log2(m)·u)
         assert pair["owned"] == pytest.approx(pair["full"], rel=1e-5), name
     stats = result["stats"]
-    for proj in ("gate_up_proj", "down_proj"):  # 2 sequences x 16 tokens x 2 experts per token
-        assert sum(r["routed_tokens"] for n, r in stats.items() if n.endswith(proj)) == 64
+    for proj in ("gate_up_proj", "down_proj"):  # per rank 2 sequences x 16 tokens x 2 experts per token
+        assert sum(r["routed_tokens"] for n, r in stats.items() if n.endswith(proj)) == 64 * ranks
     for name, rec in stats.items():
         assert not rec["nonfinite"], name
         if not rec["no_tokens"]:
