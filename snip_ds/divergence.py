@@ -19,7 +19,7 @@ Conventions (``T`` rows of a layer's output, ``n`` output channels, ``k`` input 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -61,9 +61,25 @@ def gram_pays(tokens: int, k: int, rows: int) -> bool:
     return tokens * k + rows * k < rows * tokens
 
 
-def sequence_sq_sum(g: torch.Tensor, e: torch.Tensor, rows: int) -> torch.Tensor:
+def row_sums(v: torch.Tensor, rows: Union[int, torch.Tensor]) -> torch.Tensor:
+    """Per-sequence sums of the per-token values ``v`` ``[T]``: ``rows`` an int splits the T tokens into that
+    many equal, contiguous sequences; an int64 tensor ``[T]`` gives each token's sequence (the tokens routed to
+    one MoE expert come from any sequences, in any order). Sequences without a token sum to 0 (and are left
+    out where that changes no sum of squares)."""
+    if isinstance(rows, torch.Tensor):
+        if rows.shape != v.shape:
+            raise ValueError(f"rows: {tuple(rows.shape)} sequence indices for {tuple(v.shape)} tokens")
+        if v.numel() == 0:
+            return v.new_zeros(0)
+        return v.new_zeros(int(rows.max()) + 1).index_add_(0, rows.to(v.device), v)
+    if rows < 1 or v.shape[0] % rows:
+        raise ValueError(f"rows={rows} does not divide the {v.shape[0]} tokens")
+    return v.reshape(rows, -1).sum(1)
+
+
+def sequence_sq_sum(g: torch.Tensor, e: torch.Tensor, rows: Union[int, torch.Tensor]) -> torch.Tensor:
     """``Σ_r (Σ_{t in row r} g_t·e_t)²``: ``[T, n], [T, n] -> []`` with the T tokens split into ``rows`` equal,
-    contiguous sequences (FP32).
+    contiguous sequences, or assigned to sequences by an int64 tensor ``rows`` ``[T]`` (:func:`row_sums`) (FP32).
 
     With ``g`` a Monte-Carlo Fisher probe (labels drawn from the model's softmax), its expectation is the
     Gauss-Newton quadratic form ``eᵀ(Σ_s J_sᵀ F_s J_s)e`` of the perturbation ``e`` summed over rows: exact
@@ -72,9 +88,7 @@ def sequence_sq_sum(g: torch.Tensor, e: torch.Tensor, rows: int) -> torch.Tensor
     """
     if g.shape != e.shape:
         raise ValueError(f"g {tuple(g.shape)} and e {tuple(e.shape)} must have the same shape")
-    if rows < 1 or g.shape[0] % rows:
-        raise ValueError(f"rows={rows} does not divide the {g.shape[0]} tokens")
-    s = (_as_2d(g).float() * _as_2d(e).float()).sum(-1).reshape(rows, -1).sum(1)
+    s = row_sums((_as_2d(g).float() * _as_2d(e).float()).sum(-1), rows)
     return (s * s).sum()
 
 

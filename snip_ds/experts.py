@@ -25,6 +25,13 @@ Each forward adds every expert's routed token count (token-expert pairs, so a to
 counts once at each) to a running total that :meth:`SnipExperts.take_routed_tokens` returns and resets: an
 expert's GEMMs cost ``6 * tokens * in_features * out_features`` FLOPs per step (:meth:`ExpertLayerInfo.flops`).
 
+For a statistics collection every pair also has an observation point, :class:`ExpertPoint` (:meth:`SnipExperts.points`):
+an ``nn.Module`` that looks to :mod:`snip_ds.stats` like a bf16 :class:`~snip_ds.linear.SnipLinear` (``weight``
+``[out, in]``, ``quant_config``, ``precision``, ``input_grad_only``, ``input_grad_observer``). While its
+``input_grad_only`` is set, the pair's GEMM runs through the point, called with the pair's routed tokens only, so
+that the collector's hooks see the pair's input ``X_e`` and the gradient of its own output ``y_e`` (which carries
+the routing weight through the chain rule), and the point records which rows of ``hidden_states`` its tokens are.
+
 What the module knows about a family is its entry in :data:`LAYOUTS`; :func:`swap_experts` replaces every
 known experts module of a model and refuses, naming it, any other module that looks like one.
 """
@@ -32,13 +39,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snip_ds.linear import _QuantizedLinearFn
+from snip_ds.linear import _InputGradOnlyLinearFn, _QuantizedLinearFn
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GemmPrecision, LayerPrecision, block_index
 
@@ -188,6 +196,102 @@ def layer_seed(seed: int, fqn: str, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+class ExpertPoint(nn.Module):
+    """One (expert, projection) pair of a :class:`SnipExperts` as the statistics collection sees a linear layer.
+
+    Not a submodule of its experts module (``model.named_modules()`` does not list it, and it holds no
+    Parameter): :meth:`SnipExperts.points` makes it, and the experts module calls it, in place of the family's
+    operation, for the pair's routed tokens while ``input_grad_only`` is set and the pair is at ``bf16`` (as the
+    collection sets every measured layer). Its forward is :class:`~snip_ds.linear.SnipLinear`'s ``bf16``
+    ``input_grad_only`` path on the expert's weight slice: ``y_e = x_e W_eᵀ + b_e``, back-propagating to
+    ``x_e`` only and calling ``input_grad_observer``.
+
+    Attributes:
+        fqn: the pair's layer name, ``<experts path>.<expert>.<projection>``.
+        expert, projection: the pair's expert and projection index.
+        in_features, out_features: the pair's GEMM shape (``weight`` is ``[out_features, in_features]``).
+        input_grad_only, input_grad_observer: as :class:`~snip_ds.linear.SnipLinear`'s.
+        token_index: the rows of the experts module's ``hidden_states`` ``[T, H]`` that the pair's last call
+            saw, in the order of its input's rows (int64 ``[t]``); None before a call.
+    """
+
+    def __init__(self, experts: "SnipExperts", expert: int, projection: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_experts", experts)  # a plain reference: not a child module
+        self.expert, self.projection = expert, projection
+        self.fqn = experts.layer_name(expert, projection)
+        self.out_features, self.in_features = experts.projection_shape(projection)
+        self.input_grad_only = False
+        self.input_grad_observer: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], None]] = None
+        self.token_index: Optional[torch.Tensor] = None
+
+    @property
+    def experts(self) -> "SnipExperts":
+        return self._experts
+
+    @property
+    def parameter(self) -> nn.Parameter:
+        """The 3-D Parameter this pair's weight is a slice of (``[E, out, in]``, or ``[E, in, out]`` stored
+        transposed: ``experts.layout.transposed``)."""
+        return getattr(self._experts, self._experts.layout.projections[self.projection])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The expert's weight as ``[out, in]`` (a view of the 3-D Parameter)."""
+        return self._experts.weight(self.expert, self.projection)
+
+    @property
+    def parameter_name(self) -> str:
+        """:attr:`parameter`'s name in the model (``<experts path>.<projection>``)."""
+        proj = self._experts.layout.projections[self.projection]
+        return f"{self._experts.fqn}.{proj}" if self._experts.fqn else proj
+
+    def slice(self, t: torch.Tensor) -> torch.Tensor:
+        """This pair's ``[out, in]`` part of a tensor shaped like :attr:`parameter` (an optimizer state)."""
+        return t[self.expert].t() if self._experts.layout.transposed else t[self.expert]
+
+    def to_storage(self, t: torch.Tensor) -> torch.Tensor:
+        """A weight-shaped ``[out, in]`` tensor in the order :attr:`parameter` stores the expert's weight (the
+        expert ``e`` of ``[E, a, b]`` being the flat range ``[e·a·b, (e+1)·a·b)``)."""
+        return t.t() if self._experts.layout.transposed else t
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        if not self._experts.layout.bias:
+            return None
+        return getattr(self._experts, f"{self._experts.layout.projections[self.projection]}_bias")[self.expert]
+
+    @property
+    def quant_config(self) -> QuantConfig:
+        return self._experts.quant_config
+
+    @property
+    def generator(self) -> Optional[torch.Generator]:
+        return self._experts.generators[self.expert][self.projection]
+
+    @property
+    def precision(self) -> LayerPrecision:
+        return self._experts._precisions[self.expert][self.projection].to_json()
+
+    @precision.setter
+    def precision(self, value: LayerPrecision) -> None:
+        self._experts._precisions[self.expert][self.projection] = GemmPrecision.of(value)
+
+    @property
+    def gemm_precision(self) -> GemmPrecision:
+        return self._experts._precisions[self.expert][self.projection]
+
+    def forward(self, x: torch.Tensor, bias_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` ``[t, in]`` (the pair's routed tokens) -> ``[t, out]``; ``bias_rows`` as
+        :meth:`SnipExperts._project` takes it."""
+        if bias_rows is not None:
+            return _InputGradOnlyLinearFn.apply(x, self.weight, None, self) + bias_rows
+        return _InputGradOnlyLinearFn.apply(x, self.weight, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return f"{self.fqn}, in_features={self.in_features}, out_features={self.out_features}"
+
+
 class SnipExperts(nn.Module):
     """A family's experts module whose every (expert, projection) pair has its own precision.
 
@@ -244,6 +348,7 @@ class SnipExperts(nn.Module):
         if seed is not None:
             new.seed_generators(seed, rank)
         new._routed_tokens = None  # int64 [E] on the routing's device, or None: no tokens since the last take
+        new._points = None  # [[ExpertPoint]] once points() was called (a plain list: not child modules)
         return new
 
     # ---------------- the layers the planner sees ----------------
@@ -299,6 +404,13 @@ class SnipExperts(nn.Module):
             for j in range(len(self.layout.projections)):
                 gen = torch.Generator(device=device)
                 self.generators[e][j] = gen.manual_seed(layer_seed(seed, self.layer_name(e, j), rank))
+
+    def points(self) -> Dict[str, "ExpertPoint"]:
+        """``{layer name: ExpertPoint}`` of every pair (made once, then the same objects), expert-major."""
+        if getattr(self, "_points", None) is None:
+            self._points = [[ExpertPoint(self, e, j) for j in range(len(self.layout.projections))]
+                            for e in range(self.num_experts)]
+        return {p.fqn: p for row in self._points for p in row}
 
     # ---------------- precisions ----------------
     def _projection_index(self, projection: str) -> int:
@@ -359,15 +471,21 @@ class SnipExperts(nn.Module):
 
     # ---------------- forward ----------------
     def _project(self, x: torch.Tensor, expert: int, j: int,
-                 bias_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 bias_rows: Optional[torch.Tensor] = None, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Expert ``expert``'s ``j``-th projection of its tokens ``x`` ``[t, in]`` -> ``[t, out]``.
 
         ``bias_rows`` (``[t, out]``): the bias gathered per token, as grouped_mm adds it (so that its gradient
-        is summed as there); else the expert's bias row is broadcast, as the eager loop adds it.
+        is summed as there); else the expert's bias row is broadcast, as the eager loop adds it. ``tokens``: the
+        rows of ``hidden_states`` that ``x``'s rows are (recorded by the pair's :class:`ExpertPoint` when a
+        statistics collection observes it).
         """
         name = self.layout.projections[j]
         bias = getattr(self, f"{name}_bias")[expert] if self.layout.bias else None
         prec = self._precisions[expert][j]
+        point = self._points[expert][j] if getattr(self, "_points", None) is not None else None
+        if point is not None and point.input_grad_only and prec.uniform == "bf16":
+            point.token_index = tokens
+            return point(x, bias_rows)
         if prec.uniform != "bf16":
             return _QuantizedLinearFn.apply(x, self.weight(expert, j), bias, prec, self.quant_config,
                                             self.generators[expert][j])
@@ -378,11 +496,10 @@ class SnipExperts(nn.Module):
             return x @ w if bias is None else x @ w + bias
         return F.linear(x, w, bias)
 
-    def _expert(self, x: torch.Tensor, expert: int,
-                bias_rows: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)) -> torch.Tensor:
-        h = self._project(x, expert, 0, bias_rows[0])
+    def _expert(self, x: torch.Tensor, expert: int, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self._project(x, expert, 0, tokens=tokens)
         h = self.layout.between(self, h)
-        return self._project(h, expert, 1, bias_rows[1])
+        return self._project(h, expert, 1, tokens=tokens)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -400,7 +517,7 @@ class SnipExperts(nn.Module):
             final = torch.zeros_like(hidden_states)
             for e in counts.nonzero().flatten().tolist():  # ascending, as the family's loop
                 top_k_pos, token_idx = torch.where((top_k_index == e).t())  # [K, T]: as the family's mask
-                out = self._expert(hidden_states[token_idx], e) * top_k_weights[token_idx, top_k_pos, None]
+                out = self._expert(hidden_states[token_idx], e, token_idx) * top_k_weights[token_idx, top_k_pos, None]
                 final.index_add_(0, token_idx, out.to(final.dtype))
             return final
         # grouped_mm / batched_mm: the token-expert pairs sorted by expert and gathered at once, each projection
@@ -417,12 +534,15 @@ class SnipExperts(nn.Module):
         if self.layout.bias:
             expert_ids = top_k_index.reshape(-1)[perm].clamp(max=num_experts - 1)
             bias_rows = [getattr(self, f"{p}_bias")[expert_ids].split(sizes) for p in self.layout.projections]
-        h = hidden_states[perm // top_k]  # [S, H]
+        token_of_pair = perm // top_k  # [S]: the hidden_states row of each sorted pair
+        token_parts = token_of_pair.split(sizes)
+        h = hidden_states[token_of_pair]  # [S, H]
         for j in range(len(self.layout.projections)):
             if j:
                 h = self.layout.between(self, h)
             parts = h.split(sizes)
-            outs = [self._project(x_e, e, j, bias_rows[j][e]) for e, x_e in enumerate(parts[:-1]) if sizes[e]]
+            outs = [self._project(x_e, e, j, bias_rows[j][e], token_parts[e])
+                    for e, x_e in enumerate(parts[:-1]) if sizes[e]]
             outs.append(h.new_zeros(sizes[-1], self.projection_shape(j)[0]))
             h = torch.cat(outs)
         weighted = h * top_k_weights.reshape(-1)[perm].unsqueeze(-1)  # [S, H]
@@ -480,6 +600,7 @@ def swap_experts(model: nn.Module, precision: LayerPrecision = "fp8",
             new = old
             new.set_precision(precision)
             new.quant_config, new.fqn = quant_config, fqn
+            new._points = None  # named after the old path
             new.seed_generators(seed, rank)
         else:
             new = SnipExperts.from_family(old, fqn, precision, quant_config, seed=seed, rank=rank)
@@ -504,6 +625,31 @@ def experts_modules(model: nn.Module) -> Dict[str, SnipExperts]:
 def expert_layers(model: nn.Module) -> Dict[str, ExpertLayerInfo]:
     """``{layer name: ExpertLayerInfo}`` of every (expert, projection) pair of the model, in model order."""
     return {name: info for m in experts_modules(model).values() for name, info in m.layers().items()}
+
+
+def expert_parameters(model: nn.Module) -> Dict[str, nn.Parameter]:
+    """``{parameter name: 3-D Parameter}`` of every projection of the model's experts (the names
+    ``model.named_parameters()`` gives them): what an optimizer-state mapping is asked about."""
+    return {p.parameter_name: p.parameter for m in experts_modules(model).values()
+            for p in (m.points()[m.layer_name(0, j)] for j in range(len(m.layout.projections)))}
+
+
+def expert_points(model: nn.Module) -> Dict[str, ExpertPoint]:
+    """``{layer name: ExpertPoint}`` of every (expert, projection) pair of the model, in model order: what
+    :func:`snip_ds.stats.collect_statistics` measures besides the :class:`~snip_ds.linear.SnipLinear` layers."""
+    return {name: p for m in experts_modules(model).values() for name, p in m.points().items()}
+
+
+@contextmanager
+def routed_tokens_kept(model: nn.Module) -> Iterator[None]:
+    """Forwards inside leave every experts module's routed token count as it was (a statistics collection's
+    passes are not training steps)."""
+    saved = {m: m._routed_tokens for m in experts_modules(model).values()}
+    try:
+        yield
+    finally:
+        for m, counts in saved.items():
+            m._routed_tokens = counts
 
 
 def take_routed_tokens(model: nn.Module) -> Dict[str, int]:

@@ -10,7 +10,9 @@ A statistics artifact is one JSON object::
      "alpha": ..., "quadratic_ratio": ...,            # isotropic estimator only
      "layers": {fqn: {"flops": F, "fld": {"fp8": x, "fp4": y}, "bwd": {...}, ..., "nonfinite": false}}}
 
-Every per-layer field but ``flops`` and ``nonfinite`` maps a quantized precision to a number, or to null
+An MoE expert's (expert, projection) pair also has ``routed_tokens`` (a number) and ``no_tokens`` (a flag).
+Every per-layer field but ``flops``, ``nonfinite``, ``routed_tokens`` and ``no_tokens`` maps a quantized precision
+to a number, or to null
 where the collection gave a non-finite value (the layer is then flagged ``nonfinite`` and the planner pins
 it to fp8). :data:`PRECISION_FIELDS` lists the fields the reader checks; ``fld`` and ``bwd`` are required.
 What each field measures is documented in docs/method.md and in
@@ -148,8 +150,9 @@ def validate_stats(stats: Any, source: str = "<stats>") -> dict:
             if field not in rec:
                 raise ValueError(f"{where} lacks field '{field}'")
         f = rec["flops"]
-        if not _is_number(f) or not math.isfinite(f) or f <= 0:
-            raise ValueError(f"{where}.flops must be a positive finite number, got {f!r}")
+        idle = rec.get("no_tokens") is True  # an MoE expert no token reached: no FLOPs in this collection
+        if not _is_number(f) or not math.isfinite(f) or f < 0 or (f == 0 and not idle):
+            raise ValueError(f"{where}.flops must be a positive finite number (0 only with no_tokens), got {f!r}")
         for field in PRECISION_FIELDS:
             if field not in rec:
                 continue

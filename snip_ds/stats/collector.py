@@ -1,4 +1,6 @@
-"""One SNIP statistics collection: hooks on every :class:`~snip_ds.linear.SnipLinear` (docs/method.md).
+"""One SNIP statistics collection: hooks on every :class:`~snip_ds.linear.SnipLinear` and every MoE (expert,
+projection) pair's :class:`~snip_ds.experts.ExpertPoint` (docs/method.md; what differs for experts:
+:mod:`snip_ds.stats.experts`).
 
 For each batch the model runs one BF16 (unquantized) forward with a graph, one backward of the training loss
 and, for the Monte-Carlo Fisher estimator, one backward per probe of ``Σ_t CE(logits_t, ŷ_t)`` with labels
@@ -54,8 +56,10 @@ from snip_ds.options import check_fields, reads
 from snip_ds.linear import SnipLinear
 from snip_ds.stats import bwd, fld
 from snip_ds.stats.bwd import BwdEstimator
-from snip_ds.stats.common import (GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, PROBE_SQ, Phase, Reduce, Shared, Sums,
-                                  device_of, flat, select_layers, targets, unpack)
+from snip_ds.experts import ExpertPoint, routed_tokens_kept
+from snip_ds.stats import experts as moe
+from snip_ds.stats.common import (GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, PROBE_SQ, Layer, Phase, Reduce, Rows, Shared,
+                                  Sums, device_of, flat, select_layers, targets, unpack)
 from snip_ds.stats.fields import finalize
 from snip_ds.stats.fld import FldEstimator
 from snip_ds.stats.fwd import ForwardDrift
@@ -147,9 +151,11 @@ class Collector:
     with ``groups`` for ``bwd_propagated``), ``fwd`` (:class:`~snip_ds.stats.fwd.ForwardDrift`, with
     ``forward_drift``) and ``iso`` (:class:`~snip_ds.stats.isotropic.IsotropicProbe`, the isotropic ablation)."""
 
-    def __init__(self, model: nn.Module, layers: Dict[str, SnipLinear], settings: "CollectSettings",
+    def __init__(self, model: nn.Module, layers: Dict[str, Layer], settings: "CollectSettings",
                  precond: Precond) -> None:
         self.model, self.layers, self.precisions = model, layers, tuple(settings.precisions)
+        # MoE experts' (expert, projection) pairs (snip_ds.stats.experts): their tokens' sequences and counts
+        self.points = moe.Points({f: m for f, m in layers.items() if isinstance(m, ExpertPoint)})
         self.estimator, self.propagated = settings.estimator, settings.bwd_propagated
         self.forward_drift = settings.forward_drift
         self.shared = Shared(Sums(), statistics_backend(), self.precisions)
@@ -195,11 +201,13 @@ class Collector:
                 return self.fwd.shifted_output(fqn, module, inputs[0], output)
             if self.phase is Phase.PROBE_FORWARD:  # a fresh forward for a probe: only its output gradient counts
                 self.xp[fqn] = inputs[0].detach()
+                self.points.on_forward(fqn, module, inputs[0], counted=False)
                 if output.requires_grad:
                     output.register_hook(lambda g: self._on_output_grad(fqn, module, g))
                 return
             if self.phase is not Phase.FORWARD:
                 return
+            self.points.on_forward(fqn, module, inputs[0], counted=True)
             self._on_forward(fqn, module, inputs[0], output)
         return hook
 
@@ -224,9 +232,15 @@ class Collector:
         if self.phase is Phase.TRAIN:
             self.bwd.on_input_grad(gid, g)
 
+    def _rows(self, fqn: str, g: torch.Tensor) -> Rows:
+        """The sequences of a layer's output gradient: ``[B, L, n]``'s B, or an expert's tokens' sequences."""
+        if fqn in self.points:
+            return self.points.rows(fqn)
+        return g.shape[0] if g.dim() >= 3 else 1
+
     def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
         g2 = flat(g)  # [T, n]
-        rows = g.shape[0] if g.dim() >= 3 else 1  # sequences: [B, L, n]
+        rows = self._rows(fqn, g)
         if self.phase in (Phase.PROBE, Phase.ISO):  # the FLD follows in the layer's backward (_on_layer_backward)
             self.stats.add(fqn, PROBE_SQ.key(), dv.channel_sq_sum(g2))
             if self.fwd is not None and fqn in self.xp:
@@ -244,7 +258,7 @@ class Collector:
         """A probe's backward through layer ``fqn``: its output gradient g and its own input gradient ``gW``
         (None where the input needs none), for the sequence-form FLD."""
         if self.phase in (Phase.PROBE, Phase.ISO):
-            rows = g.shape[0] if g.dim() >= 3 else 1
+            rows = self._rows(fqn, g)
             self.fld.on_probe(fqn, module, self.xp.get(fqn), flat(g), rows, flat(gx) if gx is not None else None)
 
     def _probe_root(self, ids, mask, labels, retain: bool, last: bool):
@@ -274,6 +288,7 @@ class Collector:
         device = device_of(self.model)
         ids = ids.to(device)
         mask = mask.to(device) if mask is not None else None
+        self.points.begin_batch(ids.shape[1])
         with torch.enable_grad():
             self.phase = Phase.FORWARD
             self.bwd.begin_forward()
@@ -290,6 +305,7 @@ class Collector:
             st.add(GLOBAL, N_TOKENS.key(), torch.tensor(float(n)))
             st.add(GLOBAL, N_ROWS.key(), torch.tensor(float(ids.numel())))
             st.add(GLOBAL, LOSS_SUM.key(), loss.detach() * n)
+            self.points.add_routed(st)
             extra = self.estimator == "mc_fisher" or self.estimator == "isotropic"
             self.phase = Phase.TRAIN
             torch.autograd.grad(loss, self.emb, retain_graph=extra and retain_graph)
@@ -321,6 +337,7 @@ class Collector:
             self.xp.clear()
             if self.fwd is not None:
                 self.fwd.end_batch()
+            self._unrouted(device)
             self._fold(int(ids.numel()), num_probes)
             self.phase = Phase.OFF
         if self.iso is not None:
@@ -328,6 +345,21 @@ class Collector:
             self.iso.end_batch()
         self.emb = None
         return int(ids.numel())
+
+    def _unrouted(self, device: torch.device) -> None:
+        """The experts no token of this batch was routed to: each hook's estimators on one all-zero token, whose
+        fprop error, weight-gradient error and probe are exactly 0, so that they add zeros under the same keys
+        as the experts that saw tokens (every rank then all-reduces the same sums; snip_ds.stats.experts)."""
+        probe = self.estimator != "empirical"
+        for fqn, module in self.points.unrouted():
+            x2 = torch.zeros(1, module.in_features, device=device)
+            g2 = torch.zeros(1, module.out_features, device=device)
+            rows = torch.zeros(1, dtype=torch.int64, device=device)
+            self.fld.on_output(fqn, module, x2, g2, rows)
+            self.bwd.on_train_grad(fqn, module, x2, g2)
+            self.stats.add(fqn, PROBE_SQ.key(), torch.zeros(module.out_features, device=device))
+            if probe:
+                self.fld.on_probe(fqn, module, x2, g2, rows, torch.zeros_like(x2))
 
     def _fold(self, rows: int, num_probes: int) -> None:
         """Turns this batch's per-channel vectors into per-layer scalars, priced with its own probes.
@@ -337,13 +369,15 @@ class Collector:
         this is exactly the per-channel formula; across batches and ranks it sums per-batch products, which
         equals it when every batch sees the same sensitivities.
         """
-        div = float(rows * (1 if self.estimator == "empirical" else num_probes))
+        probes = 1 if self.estimator == "empirical" else num_probes
         st = self.stats
         folds = [(f, p) for f in fld.FOLDS + bwd.FOLDS for p in self.precisions]
         folds += [(f, None) for f in bwd.LAYER_FOLDS]
         for fqn in self.layers:
             probe = st.pop(fqn, PROBE_SQ.key())
-            m = probe / div if probe is not None else None
+            # mean_t g_tj² over the tokens the layer saw: the batch's, or an expert's routed tokens
+            seen = self.points.tokens(fqn) if fqn in self.points else rows
+            m = probe / float(seen * probes) if probe is not None and seen else None
             for vec, suffix in folds:
                 v = st.pop(fqn, vec.key(suffix))
                 if v is not None:
@@ -351,16 +385,16 @@ class Collector:
 
 
 @contextmanager
-def _preserved(model: nn.Module, layers: Dict[str, SnipLinear],
+def _preserved(model: nn.Module, layers: Dict[str, Layer],
                collector: Optional[Collector] = None) -> Iterator[None]:
     """bf16 layers that back-propagate to their input only (each backward through them reported to
-    ``collector``); restores the layers' precision, mode and observer and the global RNG states (CPU and
-    CUDA)."""
+    ``collector``); restores the layers' precision, mode and observer, the global RNG states (CPU and CUDA) and
+    the MoE experts' routed token counts."""
     saved_precision = {fqn: m.gemm_precision for fqn, m in layers.items()}
     saved_grad_only = {fqn: m.input_grad_only for fqn, m in layers.items()}
     saved_observer = {fqn: m.input_grad_observer for fqn, m in layers.items()}
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), routed_tokens_kept(model):
         try:
             for m in layers.values():
                 m.precision = "bf16"
@@ -374,6 +408,8 @@ def _preserved(model: nn.Module, layers: Dict[str, SnipLinear],
                 m.precision = saved_precision[fqn]
                 m.input_grad_only = saved_grad_only[fqn]
                 m.input_grad_observer = saved_observer[fqn]
+                if isinstance(m, ExpertPoint):
+                    m.token_index = None  # the last batch's routing: not kept past the collection
 
 
 def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optional[CollectSettings] = None, *,
@@ -398,7 +434,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
         step: the training step, recorded.
         world_size: data-parallel ranks ``W`` behind ``reduce``.
         reduce: ``reduce(t) -> t`` summing over data-parallel ranks (called exactly once); None = identity.
-        layers: fqns to measure; default every SnipLinear.
+        layers: fqns to measure; default every SnipLinear and every (expert, projection) pair of the model's
+            :class:`~snip_ds.experts.SnipExperts` (``<experts path>.<expert>.<projection>``).
 
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,
@@ -409,6 +446,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
         (``quant_err_x`` ...  ``rel_quant_err_g``); ``bwd_bias`` and ``bwd_drift_bias`` (the systematic part
         of ``bwd`` and ``bwd_drift``: what persists from step to step); ``bwd_drift``
         (``(lr·c)²‖ΔG_W⊙P‖²``, parameter units). Non-finite numbers are written as null and flag the layer.
+        An expert pair's record also has ``routed_tokens`` (per step, all ranks; its ``flops`` follow them) and
+        ``no_tokens`` (no token reached it: its ``fld`` and ``bwd`` are 0, :mod:`snip_ds.stats.experts`).
     """
     if settings is None:
         settings = CollectSettings()
@@ -417,6 +456,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
     mods = select_layers(model, layers)
+    moe.check_settings(mods, settings)
     precond = check_precond(precond, mods, settings.forward_drift, settings.estimator)
 
     col = Collector(model, mods, settings, precond)

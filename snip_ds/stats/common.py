@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import nn
 
+from snip_ds.experts import ExpertPoint, expert_points
 from snip_ds.linear import SnipLinear
 from snip_ds.quant_config import QuantConfig
 from snip_ds.swap import snip_layers
@@ -17,10 +18,19 @@ IGNORE_INDEX = -100
 GLOBAL = "<global>"  # the Sums key of the model-wide (not per-layer) sums
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+# A layer output's sequences: how many equal, contiguous ones (a linear's [B, L, n] output: B), or each token's
+# sequence index (an MoE expert's routed tokens), as snip_ds.divergence.row_sums takes them.
+Rows = Union[int, torch.Tensor]
+# What a collection measures: a SnipLinear, or one (expert, projection) pair's ExpertPoint (the same interface).
+Layer = Union[SnipLinear, ExpertPoint]
 
 
-def select_layers(model: nn.Module, layers: Optional[Iterable[str]]) -> Dict[str, SnipLinear]:
-    found = snip_layers(model)
+def select_layers(model: nn.Module, layers: Optional[Iterable[str]]) -> Dict[str, Layer]:
+    """The layers a collection measures: ``layers`` (names), default every :class:`SnipLinear` and every
+    (expert, projection) pair of the model's :class:`~snip_ds.experts.SnipExperts` (its
+    :class:`~snip_ds.experts.ExpertPoint`)."""
+    found: Dict[str, Layer] = dict(snip_layers(model))
+    found.update(expert_points(model))
     if not found:
         raise ValueError("model has no SnipLinear layers; call snip_ds.swap.swap_linears(model) first")
     if layers is None:
@@ -28,8 +38,8 @@ def select_layers(model: nn.Module, layers: Optional[Iterable[str]]) -> Dict[str
     names = list(layers)
     unknown = [n for n in names if n not in found]
     if unknown:
-        raise ValueError(f"layers: {unknown[:5]} are not SnipLinear layers of the model; valid names look like "
-                         f"{next(iter(found))!r} ({len(found)} in all)")
+        raise ValueError(f"layers: {unknown[:5]} are not SnipLinear layers or experts of the model; valid names "
+                         f"look like {next(iter(found))!r} ({len(found)} in all)")
     return {n: found[n] for n in names}
 
 

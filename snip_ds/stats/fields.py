@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 from snip_ds.linear import SnipLinear
-from snip_ds.stats import bwd, fld, fwd, isotropic
+from snip_ds.experts import ExpertPoint
+from snip_ds.stats import bwd, experts, fld, fwd, isotropic
 from snip_ds.stats.artifact import STUDY_FIELDS, clean_layer, stats_header
 from snip_ds.stats.common import GLOBAL, LOSS_SUM, N_TOKENS, Pricing, Sums, SumField
 from snip_ds.types import OPERANDS
@@ -52,7 +53,10 @@ def finalize(sums: Sums, mods: Dict[str, SnipLinear], settings: "CollectSettings
     upstream = bwd.upstream_layers(groups, mods) if propagated else {}
     layers_out: Dict[str, Any] = {}
     for fqn, mod in mods.items():
-        rec: Dict[str, Any] = {"flops": 6.0 * tokens_per_step * mod.in_features * mod.out_features}
+        if isinstance(mod, ExpertPoint):  # an MoE expert's pair: its FLOPs follow its routed tokens
+            rec: Dict[str, Any] = experts.record_fields(sums, fqn, mod, n_batches)
+        else:
+            rec = {"flops": 6.0 * tokens_per_step * mod.in_features * mod.out_features}
         fld_fields, bwd_fields = fld.price(px, fqn, settings.fld_form), bwd.price(px, fqn)
         ops = {r: _operand_errors(px, fqn, *_OPERAND_SUMS[r]) for r in OPERANDS}
         rec.update(fld=fld_fields["fld"], fld_sequence=fld_fields["fld_sequence"],

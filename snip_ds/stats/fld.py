@@ -22,7 +22,7 @@ import torch
 
 from snip_ds import divergence as dv
 from snip_ds.linear import SnipLinear
-from snip_ds.stats.common import Pricing, Shared, SumField, rne_config
+from snip_ds.stats.common import Pricing, Rows, Shared, SumField, rne_config
 
 if TYPE_CHECKING:
     from snip_ds.stats.collector import CollectSettings
@@ -75,7 +75,7 @@ class FldEstimator:
             yield p, x_lp @ w_lp.t() - y_ref, x_lp, w_lp
 
     def on_output(self, fqn: str, module: SnipLinear, x2: torch.Tensor, g2: Optional[torch.Tensor],
-                  rows: int = 1) -> None:
+                  rows: Rows = 1) -> None:
         """The terms of the layer's output: called with the training gradient ``g2 = G_Y`` (``[T, n]`` FP32,
         ``rows`` sequences) when it arrives, or with None for an output no gradient will reach (then no
         first-order term). Per precision ``Σ_t E_tj²`` (the channel form), the operand errors of X and W
@@ -101,9 +101,10 @@ class FldEstimator:
             st.add(fqn, QNORM["w"].key(), (w * w).sum())
 
     def on_probe(self, fqn: str, module: SnipLinear, x: Optional[torch.Tensor], g2: torch.Tensor,
-                 rows: int, dx: Optional[torch.Tensor] = None) -> None:
+                 rows: Rows, dx: Optional[torch.Tensor] = None) -> None:
         """Sequence form: ``Σ_rows (Σ_t g_t·E_t)²`` per precision with one probe's output gradient ``g2``
-        (``[T, n]`` FP32) and the layer's saved input ``x`` (None: not saved, nothing to add).
+        (``[T, n]`` FP32) and the layer's saved input ``x`` (None: not saved, nothing to add); ``rows``: the
+        sequences, as :func:`snip_ds.divergence.row_sums` takes them (an MoE expert's: each token's sequence).
 
         Each row's ``Σ_t g_t·E_t`` is ``Σ_t (g_t Q_p(W))·Q_p(x_t) - (g_t W)·x_t``, and ``g_t W`` is the layer's own
         input gradient, which the probe's backward computes anyway: with it (``dx``, ``[T, k]`` FP32) one
@@ -127,6 +128,8 @@ class FldEstimator:
         w = module.weight.detach().float()  # [n, k]
         for p in self.shared.precisions:
             terms = (g2 @ be.quantize(w, p, "w", -1, cfg)).mul_(be.quantize(x2, p, "x", -1, cfg))
-            s = terms.addcmul_(dx, x2, value=-1.0).reshape(rows, -1).sum(1)  # per row Σ_t g_t·E_t
+            terms.addcmul_(dx, x2, value=-1.0)
+            # per row Σ_t g_t·E_t (an expert's tokens: by their sequence index)
+            s = terms.reshape(rows, -1).sum(1) if isinstance(rows, int) else dv.row_sums(terms.sum(1), rows)
             del terms
             st.add(fqn, FLD_SEQ.key(p), (s * s).sum())

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from snip_ds import divergence as dv
+from snip_ds.experts import ExpertPoint, full_shape
 from snip_ds.linear import SnipLinear
 from snip_ds.stats.common import select_layers
 
@@ -48,24 +49,27 @@ class AdamPrecond:
 
 def adam_precond(model: nn.Module, optimizer: torch.optim.Optimizer,
                  layers: Optional[Iterable[str]] = None) -> AdamPrecond:
-    """Reads ``exp_avg_sq`` and ``step`` of the layers' weights from a torch Adam/AdamW optimizer."""
+    """Reads ``exp_avg_sq`` and ``step`` of the layers' weights from a torch Adam/AdamW optimizer (an MoE expert's
+    (expert, projection) pair: its ``[out, in]`` part of its 3-D Parameter's state)."""
     mods = select_layers(model, layers)
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     precond, steps, lrs, beta1 = {}, set(), set(), None
     for fqn, mod in mods.items():
-        group = group_of.get(id(mod.weight))
+        param = mod.parameter if isinstance(mod, ExpertPoint) else mod.weight  # an expert: its 3-D Parameter
+        group = group_of.get(id(param))
         if group is None:
             raise ValueError(f"optimizer: layer {fqn!r}'s weight is in no param group")
         if "betas" not in group or "eps" not in group:
             raise ValueError(f"optimizer: param group of {fqn!r} has no 'betas'/'eps'; expected Adam or AdamW")
         beta1, beta2 = group["betas"]
         lrs.add(float(group["lr"]))
-        state = optimizer.state.get(mod.weight, {})
+        state = optimizer.state.get(param, {})
         if "exp_avg_sq" not in state:
             continue
         step = int(state["step"])
         steps.add(step)
-        precond[fqn] = dv.adam_preconditioner(state["exp_avg_sq"], step, beta2, group["eps"])
+        v = mod.slice(state["exp_avg_sq"]) if isinstance(mod, ExpertPoint) else state["exp_avg_sq"]
+        precond[fqn] = dv.adam_preconditioner(v, step, beta2, group["eps"])
     step = max(steps) if steps else 0
     if precond and len(precond) != len(mods):
         raise ValueError(f"optimizer: only {len(precond)} of {len(mods)} layers have Adam state")
@@ -117,3 +121,25 @@ def layer_precond(precond: Precond, fallback: str, fqn: str, gw: torch.Tensor,
         return entry.to(gw.device, torch.float32), None
     sources.add("callable")
     return None, entry
+
+
+def with_experts(precond: PrecondFn, points: Mapping[str, ExpertPoint]) -> PrecondFn:
+    """A partitioned state's callable for the MoE experts' pairs too.
+
+    ``precond(name, t)`` is the callable of :func:`snip_ds.engine.adam_state.layer_preconditioner` built with
+    the experts' 3-D Parameters among its weights, under their parameter names
+    (:func:`snip_ds.experts.expert_parameters`). The returned callable answers a pair's name (in ``points``)
+    by placing its ``[out, in]`` tensor at the expert's flat range ``[e·out·in, (e+1)·out·in)`` of an otherwise
+    zero tensor shaped like the Parameter, in the Parameter's storage order, and asking ``precond`` about that
+    Parameter: the zeros add nothing, so this rank's sum covers exactly the elements of the expert's slice
+    whose optimizer state it owns (ZeRO 0-3 alike). It costs one Parameter-sized FP32 tensor per call. Any
+    other name goes to ``precond`` unchanged.
+    """
+    def fn(fqn: str, t: torch.Tensor) -> torch.Tensor:
+        point = points.get(fqn)
+        if point is None:
+            return precond(fqn, t)
+        full = t.new_zeros(full_shape(point.parameter), dtype=torch.float32)
+        full[point.expert] = point.to_storage(t.float())
+        return precond(point.parameter_name, full)
+    return fn
