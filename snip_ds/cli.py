@@ -23,7 +23,7 @@ from snip_ds.artifacts import load_plan, load_stats
 from snip_ds.plan import Plan
 from snip_ds.options import OPTIONS, add_flags, build, from_flags, plain
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
-from snip_ds.decoder import display_kinds, kind_labels
+from snip_ds.types import display_kinds, kind_labels
 from snip_ds.types import GEMMS, PRECISIONS, block_index, layer_kind
 
 _CHAR = {"bf16": "B", "fp8": "8", "fp4": "4"}

@@ -24,7 +24,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from snip_ds.types import BLOCK_NAME_RE, LLAMA_KINDS, block_index, layer_kind
+from snip_ds.types import BLOCK_NAME_RE, block_index
 
 ROUTER_NAMES = ("gate", "router")  # the usual names of an MoE block's scoring linear
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -138,37 +138,6 @@ def decoder_linears(model: nn.Module, exclude: Sequence[str] = ()) -> List[str]:
         raise UnsupportedModelError(f"{type(model).__name__}: no quantizable linears found: snip_ds quantizes the "
                                     f"nn.Linear layers of decoder blocks, and {why}")
     return kept
-
-
-def layer_kinds(fqns: Iterable[str]) -> Tuple[str, ...]:
-    """The distinct kinds (paths inside a block) of ``fqns``, in order of first appearance."""
-    return tuple(dict.fromkeys(layer_kind(f) for f in fqns))
-
-
-def display_kinds(fqns: Iterable[str]) -> Tuple[str, ...]:
-    """The kinds of ``fqns`` in an order for displays that have only names (a plan's keys are sorted): a
-    Llama-family block's kinds in their block order; any other model's grouped by the module they live in,
-    attention's (a module named ``*attn*``/``*attention*``) first, each group in order of first appearance.
-    Where the model is at hand, :func:`layer_kinds` of its layers gives its own order."""
-    kinds = layer_kinds(fqns)
-    if set(kinds) <= set(LLAMA_KINDS):
-        return tuple(k for k in LLAMA_KINDS if k in kinds)
-    parents: Dict[str, List[str]] = {}
-    for kind in kinds:
-        parents.setdefault(kind.rsplit(".", 1)[0] if "." in kind else "", []).append(kind)
-    attention = [p for p in parents if "attn" in p.lower() or "attention" in p.lower()]
-    order = attention + [p for p in parents if p not in attention]
-    return tuple(k for p in order for k in parents[p])
-
-
-def kind_labels(kinds: Sequence[str]) -> Dict[str, str]:
-    """Short column labels: each kind's last name without ``_proj`` (``q``, ``gate_up``, ``dense_h_to_4h``),
-    the full path where two kinds would share a label."""
-    short = {k: k.rsplit(".", 1)[-1].removesuffix("_proj") or k for k in kinds}
-    counts: Dict[str, int] = {}
-    for label in short.values():
-        counts[label] = counts.get(label, 0) + 1
-    return {k: (label if counts[label] == 1 else k) for k, label in short.items()}
 
 
 def input_groups(model: nn.Module, fqns: Optional[Sequence[str]] = None,

@@ -20,7 +20,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 from snip_ds.console import say
-from snip_ds.decoder import display_kinds, kind_labels
+from snip_ds.types import display_kinds, kind_labels
 from snip_ds.types import GEMMS, layer_kind
 
 _files_opened = 0  # numbers this process's event files (two loggers in one second get two files)

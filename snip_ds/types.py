@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping, Union
+from typing import Dict, Iterable, List, Mapping, Sequence, Tuple, Union
 
 PRECISIONS = ("bf16", "fp8", "fp4")
 QUANTIZED = ("fp8", "fp4")  # the precisions that quantize (bf16 runs the GEMM as it is)
@@ -103,3 +103,34 @@ class GemmPrecision:
     def fp4_fraction(self) -> float:
         """Share of the layer's FLOPs that run in FP4 (each GEMM is a third of them)."""
         return sum(getattr(self, g) == "fp4" for g in GEMMS) / 3.0
+
+
+def layer_kinds(fqns: Iterable[str]) -> Tuple[str, ...]:
+    """The distinct kinds (paths inside a block) of ``fqns``, in order of first appearance."""
+    return tuple(dict.fromkeys(layer_kind(f) for f in fqns))
+
+
+def display_kinds(fqns: Iterable[str]) -> Tuple[str, ...]:
+    """The kinds of ``fqns`` in an order for displays that have only names (a plan's keys are sorted): a
+    Llama-family block's kinds in their block order; any other model's grouped by the module they live in,
+    attention's (a module named ``*attn*``/``*attention*``) first, each group in order of first appearance.
+    Where the model is at hand, :func:`layer_kinds` of its layers gives its own order."""
+    kinds = layer_kinds(fqns)
+    if set(kinds) <= set(LLAMA_KINDS):
+        return tuple(k for k in LLAMA_KINDS if k in kinds)
+    parents: Dict[str, List[str]] = {}
+    for kind in kinds:
+        parents.setdefault(kind.rsplit(".", 1)[0] if "." in kind else "", []).append(kind)
+    attention = [p for p in parents if "attn" in p.lower() or "attention" in p.lower()]
+    order = attention + [p for p in parents if p not in attention]
+    return tuple(k for p in order for k in parents[p])
+
+
+def kind_labels(kinds: Sequence[str]) -> Dict[str, str]:
+    """Short column labels: each kind's last name without ``_proj`` (``q``, ``gate_up``, ``dense_h_to_4h``),
+    the full path where two kinds would share a label."""
+    short = {k: k.rsplit(".", 1)[-1].removesuffix("_proj") or k for k in kinds}
+    counts: Dict[str, int] = {}
+    for label in short.values():
+        counts[label] = counts.get(label, 0) + 1
+    return {k: (label if counts[label] == 1 else k) for k, label in short.items()}

@@ -8,13 +8,12 @@ import torch
 from torch import nn
 
 from snip_ds.cli import render_plan
-from snip_ds.decoder import (UnsupportedModelError, decoder_linears, display_kinds, input_groups, is_router,
-                             kind_labels, layer_kinds)
+from snip_ds.decoder import UnsupportedModelError, decoder_linears, input_groups, is_router
 from snip_ds.model import build_model
 from snip_ds.plan import Plan
 from snip_ds.swap import snip_layers, swap_linears
 from snip_ds.tensorboard import precision_map_figure
-from snip_ds.types import LLAMA_KINDS, block_index
+from snip_ds.types import LLAMA_KINDS, block_index, display_kinds, kind_labels, layer_kinds
 
 DENSE = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}

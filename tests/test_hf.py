@@ -433,7 +433,7 @@ def test_phi3_under_the_trainer_swaps_its_fused_projections_less_the_excluded(tm
     layers = model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, SnipLinear) and layers[0].self_attn.qkv_proj.precision == "fp4"
     assert type(layers[1].mlp.down_proj) is nn.Linear
-    assert set(callback.engine.plan.assignment) == set(callback.infos)
+    assert set(callback.state.plan.assignment) == set(callback.infos)
 
 
 def test_accelerate_plugin_config_is_read(tmp_path, monkeypatch):
