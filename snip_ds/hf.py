@@ -24,12 +24,14 @@ never attached stops ``trainer.train()`` before the first step, saying what to c
   the plan, planner state, streams and rounding generators saved in ``checkpoint-N`` (the only plan logged
   then is the restored one);
 * ``on_step_begin`` (the optimizer-step boundary, before the step's first micro-batch):
-  :meth:`~snip_ds.state.SnipState.before_step`: in an adaptive run, before step 1 and every ``replan_every``
-  steps, the :class:`~snip_ds.engine.adaptive.AdaptivePlanner` collects statistics on a private seeded stream
+  :meth:`~snip_ds.state.SnipState.before_step`: in an adaptive run, before step 1, at the ``early_replan_steps``
+  and every ``replan_every`` steps (:mod:`snip_ds.schedule`), the
+  :class:`~snip_ds.engine.adaptive.AdaptivePlanner` collects statistics on a private seeded stream
   over the training set (the Trainer's data order is never touched), reads Adam's second moments from the
   Trainer's optimizer (DeepSpeed ZeRO 0-3 or torch AdamW, :mod:`snip_ds.engine.adam_state`), solves on rank 0,
-  broadcasts and applies the plan (rank 0 prints one line); every ``additional_bf16_fwd_every_n_steps`` steps
-  it measures the forward divergence and the loss change of the plan in force on a second private stream;
+  broadcasts and applies the plan (rank 0 prints one line); right after each re-plan and every
+  ``additional_bf16_fwd_every_n_steps`` steps it measures the forward divergence and the loss change of the
+  plan in force on a second private stream;
 * the update: every gradient of the step is checked for NaN/Inf; the ranks agree, then ``snip.nonfinite``
   "stop" raises :class:`~snip_ds.state.NonFiniteError` before the update (the message names the step, the rank
   and the first such parameter; the Trainer does not hand SNIP its batches, so the module is not located) and

@@ -1,13 +1,14 @@
 """Adaptive SNIP re-planning inside training (the plan and the schedule of docs/method.md).
 
-Before the first step and every ``replan_every`` steps (driven by :meth:`snip_ds.state.SnipState.before_step`,
+Before the first step, at the ``early_replan_steps`` and every ``replan_every`` steps (:mod:`snip_ds.schedule`;
+driven by :meth:`snip_ds.state.SnipState.before_step`,
 which both :class:`~snip_ds.engine.core.SnipEngine` and :class:`~snip_ds.hf.SnipCallback` call): collect
 statistics on ``collect_batches`` micro-batches of a private data stream, or of the step about to be taken
 when there is none (one BF16 forward+backward with hooks and Monte-Carlo Fisher probes; all-reduced over
 the data-parallel ranks), solve the ILP on rank 0, broadcast the plan as JSON, check that every rank holds
 the same plan, and switch to it before the next optimizer step. If rank 0 cannot solve (for example pinned
 layers leave the FP4 target out of reach), every rank hears it: a re-plan keeps the plan in force and says
-so in the log; the first adaptive plan stops the run with the reason. Every
+so in the log; the first adaptive plan stops the run with the reason. Right after each re-plan and every
 ``additional_bf16_fwd_every_n_steps`` steps two extra no-grad forwards of one batch (BF16, then the plan; the
 batch from the private measurement stream, or the step's first micro-batch without one) measure the forward
 divergence of the plan in force (their outputs' KL divergence) and the loss change its quantization causes,

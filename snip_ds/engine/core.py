@@ -187,8 +187,9 @@ class SnipEngine:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the global mean loss.
 
         First :meth:`snip_ds.state.SnipState.before_step`: in an adaptive run the planner re-plans if it is due
-        (before the first step and every ``replan_every`` steps: collect, solve on rank 0, broadcast, switch),
-        and every ``additional_bf16_fwd_every_n_steps`` steps two extra no-grad forwards of one batch (the
+        (:mod:`snip_ds.schedule`: before the first step, at the ``early_replan_steps`` and every ``replan_every``
+        steps: collect, solve on rank 0, broadcast, switch), and right after a re-plan and every
+        ``additional_bf16_fwd_every_n_steps`` steps two extra no-grad forwards of one batch (the
         private measurement stream's, else the first micro-batch; BF16, then the plan) give the measured forward
         divergence and the loss change the plan's quantization causes on that batch.
 
@@ -332,7 +333,8 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
             ``additional_bf16_fwd_every_n_steps`` steps; None measures on the step's first micro-batch.
 
     With an adaptive plan, :meth:`SnipEngine.train_step` runs SNIP by itself: statistics before the first
-    step and every ``replan_every`` steps, the ILP on rank 0, the plan broadcast and checked on every rank.
+    step, at the ``early_replan_steps`` and every ``replan_every`` steps (:mod:`snip_ds.schedule`), the ILP on
+    rank 0, the plan broadcast and checked on every rank.
 
     torch.distributed is started if it is not yet (gloo on CPU, nccl on GPU; one rank in a plain ``python``
     process), and ``"auto"`` values are resolved as ``launch/train.py`` does (``snip.train.max_steps`` sizes
