@@ -26,6 +26,7 @@ from snip_ds import distributed as sdist
 from snip_ds.artifacts import STATE_FORMAT, TRAINER_STATE_FORMAT
 from snip_ds.console import say
 from snip_ds.plan import Plan, fp4_share
+from snip_ds.schedule import measure_due, replan_due
 from snip_ds.settings import SnipSettings
 from snip_ds.swap import LayerInfo, snip_layers
 from snip_ds.tensorboard import NullLogger, precision_map_image
@@ -332,8 +333,10 @@ class SnipState:
             if saved is not None:
                 self.measure_stream.load_state_dict(saved)
             else:  # an engine checkpoint from before the measurement stream: as many measurements as were due
-                n = self.settings.additional_bf16_fwd_every_n_steps
-                self.measure_stream.step = self.step // n if n else 0
+                s = self.settings
+                self.measure_stream.step = sum(
+                    measure_due(k, s.additional_bf16_fwd_every_n_steps,
+                                replan_due(k, s.replan_every, s.early_replan_steps)) for k in range(self.step))
         self.skipped_steps = int(state.get("skipped_steps") or 0)
         if state.get("plan"):
             self.set_plan(Plan.from_dict(state["plan"], source=source), "restored")

@@ -341,9 +341,9 @@ def test_nonfinite_step_is_skipped_by_the_trainer_and_counted(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_logs_the_measured_loss_change(tmp_path):
-    """Both loops measure the same way: every additional_bf16_fwd_every_n_steps steps the Trainer logs the
-    measured divergence and snip/measured_loss_change (the plan's loss minus the unquantized loss on the
-    measurement stream's batch; FP8 moves it off zero) through Trainer.log."""
+    """Both loops measure the same way: after each re-plan and every additional_bf16_fwd_every_n_steps steps the
+    Trainer logs the measured divergence and snip/measured_loss_change (the plan's loss minus the unquantized loss
+    on the measurement stream's batch; FP8 moves it off zero) through Trainer.log."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from snip_ds.data import load_dataset_blocks
@@ -362,10 +362,11 @@ def test_trainer_logs_the_measured_loss_change(tmp_path):
     snip.attach(trainer)
     trainer.train()
     logged = [e for e in trainer.state.log_history if "snip/measured_loss_change" in e]
-    assert [e["step"] for e in logged] == [1, 3]  # measured before steps 2 and 4 (Trainer.log's step: taken)
+    # measured right after the re-plan before step 1, and before steps 2 and 4 (Trainer.log's step: taken)
+    assert [e["step"] for e in logged] == [0, 1, 3]
     assert all(math.isfinite(e["snip/measured_loss_change"]) and e["snip/measured_loss_change"] != 0
                and e["snip/measured_fld"] > 0 for e in logged)
-    assert snip.state.measure_stream.step == 2  # its own stream, not the Trainer's batches
+    assert snip.state.measure_stream.step == 3  # its own stream, not the Trainer's batches
 
 
 def test_tensor_parallel_config_is_refused(tmp_path):

@@ -57,7 +57,8 @@ def test_engine_checkpoint_holds_snip_state_beside_its_metadata(engine_run):
     meta = json.loads((tag / "snip_meta.json").read_text())
     assert state["format"] == "snip_ds.state/1" and state["driver"] == "engine" and state["step"] == 2
     assert state["plan"]["method"] == "best" and [h["step"] for h in state["planner"]["history"]] == [0]
-    assert state["measure_stream"]["step"] == 1 and state["skipped_steps"] == 0
+    # measured before steps 1 (right after the first plan) and 2
+    assert state["measure_stream"]["step"] == 2 and state["skipped_steps"] == 0
     # snip_meta.json stays the completion marker: it lists both files' checksums and no longer holds the plan
     assert {"snip_state.json", "snip_rng_rank0.safetensors"} <= set(meta["files"])
     assert "plan" not in meta and "planner" not in meta and {"data", "lr_schedule", "tokenizer"} <= set(meta)
@@ -85,7 +86,7 @@ def test_old_and_new_engine_checkpoints_resume_bit_for_bit(engine_run, tmp_path)
         # the measurement stream resumes where it was (the old checkpoint: fast-forwarded to its measurements)
         assert again["snip/measured_loss_change"][4] == logged["snip/measured_loss_change"][4], name
         state = json.loads((run / "checkpoints" / "step_4" / "snip_state.json").read_text())
-        assert state["planner"]["history"][-1]["step"] == 2 and state["measure_stream"]["step"] == 2
+        assert state["planner"]["history"][-1]["step"] == 2 and state["measure_stream"]["step"] == 4
 
 
 # ---------------------------------------------------------------- the Hugging Face Trainer (SnipCallback)
@@ -154,7 +155,7 @@ def test_both_loops_write_one_state_format(engine_run, trainer_run):
     t = json.loads((trainer_dir / "snip_state.json").read_text())
     assert e["format"] == t["format"] == "snip_ds.state/1" and (e["driver"], t["driver"]) == ("engine", "trainer")
     assert set(e) == set(t) and set(e["planner"]) == set(t["planner"])
-    assert e["step"] == t["step"] == 2 and t["measure_stream"]["step"] == 1
+    assert e["step"] == t["step"] == 2 and t["measure_stream"]["step"] == 2
     e_keys = set(load_file(str(engine_dir / "snip_rng_rank0.safetensors")))
     t_keys = set(load_file(str(trainer_dir / "snip_rng_rank0.safetensors")))
     assert e_keys == t_keys and "torch_rng" in e_keys
