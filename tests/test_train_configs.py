@@ -146,4 +146,5 @@ def test_a_signal_to_the_training_process_saves_and_exits_cleanly(tmp_path, sign
     assert f"stopped by {signal.Signals(signum).name} at step {step}" in out
     assert f"--resume_from_checkpoint {ckpts}" in out
     meta = json.loads((ckpts / tag / "snip_meta.json").read_text())
-    assert meta["step"] == step and meta["plan"]["assignment"]
+    state = json.loads((ckpts / tag / "snip_state.json").read_text())  # SNIP's own state: the plan in force
+    assert meta["step"] == state["step"] == step and state["plan"]["assignment"]
