@@ -197,9 +197,10 @@ def test_user_model_directory_dataset_and_mixed_plan(runs, kind):
     assert data["train_blocks"] + data["validation_blocks"] == tokens // BLOCK and data["validation_blocks"] >= 1
 
     meta = json.loads((out / "checkpoints" / f"step_{USER_STEPS}" / "snip_meta.json").read_text())
-    assert meta["step"] == USER_STEPS
-    assert meta["plan"]["assignment"] == plan
-    assert meta["plan"]["fp4_share"] == pytest.approx(expected_share, rel=1e-12)
+    state = json.loads((out / "checkpoints" / f"step_{USER_STEPS}" / "snip_state.json").read_text())
+    assert meta["step"] == state["step"] == USER_STEPS
+    assert state["plan"]["assignment"] == plan
+    assert state["plan"]["fp4_share"] == pytest.approx(expected_share, rel=1e-12)
 
 
 def test_model_source_flag_replaces_the_jsons(tmp_path):
