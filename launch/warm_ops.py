@@ -4,19 +4,23 @@ Usage: ``python launch/warm_ops.py``. snip_ds's own fused CPU quantization kerne
 used by the torch backend on CPU, the default there) are built first. On a CPU machine DeepSpeed compiles its
 shared-memory collectives (``deepspeed_shm_comm``), ``fused_adam`` (used when a JSON names an Adam optimizer)
 and ``cpu_adam`` (used by ZeRO-Offload); on a GPU machine the accelerator's own builders are used. Compiled ops
-are cached under ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``); snip_ds's kernels in a folder of
-their own per environment (``snip_ds.backend.cpu.build_directory()``, printed here), so run this once in each
-virtual environment.
+are cached under ``$TORCH_EXTENSIONS_DIR``, which snip_ds sets, when it is unset, to a folder of this environment's
+own under ``~/.cache/torch_extensions`` (``snip_ds.jit_builds``, printed here), so run this once in each virtual
+environment. A ``lock`` left there by a build killed more than 30 minutes ago is removed, with a warning.
 """
+import logging
 import sys
 import time
 
 from deepspeed.accelerator import get_accelerator
 
+from snip_ds import jit_builds
 from snip_ds.backend import cpu as cpu_kernels
 
 
 def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    print(f"warm_ops: ops build under {jit_builds.prepare()}", flush=True)
     if cpu_kernels.load():
         print(f"warm_ops: {cpu_kernels.EXTENSION_NAME} ready in {cpu_kernels.load_seconds():.1f} s "
               f"({cpu_kernels.build_directory()})", flush=True)

@@ -58,10 +58,13 @@ import torch
 from transformers import TrainerCallback
 
 from snip_ds import distributed as sdist
+from snip_ds import jit_builds
 from snip_ds.artifacts import STATE_FILE, rng_file
 from snip_ds.deepspeed_config import refuse_module_replacement
 from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
 from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET, SnipState, run_without_update
+
+jit_builds.prepare()  # where DeepSpeed builds its ops when the Trainer starts it (snip_ds.jit_builds)
 
 
 class _BatchView:

@@ -4,8 +4,14 @@
 :class:`~snip_ds.linear.SnipLinear`, builds the DeepSpeed engine, and returns a :class:`SnipEngine`, the thin
 driver of SNIP's state (:class:`snip_ds.state.SnipState`: the plan, the planner, the streams) in a loop of
 one's own: it switches plans at optimizer-step boundaries and saves the state with checkpoints.
+
+Importing it first settles where DeepSpeed's JIT ops build (:func:`snip_ds.jit_builds.prepare`).
 """
-from snip_ds.engine.checkpoint import CheckpointError
-from snip_ds.engine.core import NonFiniteError, SnipEngine, init_distributed, initialize
+from snip_ds import jit_builds
+
+jit_builds.prepare()  # before DeepSpeed can build an op
+
+from snip_ds.engine.checkpoint import CheckpointError  # noqa: E402
+from snip_ds.engine.core import NonFiniteError, SnipEngine, init_distributed, initialize  # noqa: E402
 
 __all__ = ["SnipEngine", "initialize", "init_distributed", "CheckpointError", "NonFiniteError"]

@@ -89,6 +89,9 @@ def load(verbose: bool = False) -> bool:
     start = time.perf_counter()
     try:
         from torch.utils import cpp_extension
+
+        from snip_ds import jit_builds
+        jit_builds.prepare()
         folder = build_directory()
         os.makedirs(folder, exist_ok=True)
         cpp_extension.load(name=EXTENSION_NAME, sources=[SOURCE], extra_cflags=list(CFLAGS),

@@ -1,0 +1,112 @@
+"""Where JIT-compiled ops (DeepSpeed's ``fused_adam``, ``cpu_adam``, ``deepspeed_shm_comm``; snip_ds's CPU
+kernels) are built, and what is done about a build that was killed half-way.
+
+``torch.utils.cpp_extension.load`` builds an op in ``$TORCH_EXTENSIONS_DIR/pyXY_<device>/<name>`` (default root
+``~/.cache/torch_extensions``) and guards the folder with a ``lock`` file that the builder deletes when it is
+done. Two things go wrong with that default on a shared machine:
+
+* every virtual environment and checkout builds DeepSpeed's ops into the same folder, and each one's build
+  command differs (paths of its headers), so they rebuild over each other in turn;
+* a build killed half-way (Ctrl-C, a job's time limit) leaves its ``lock`` behind, and every later process
+  that loads the op waits for it forever, silently.
+
+:func:`prepare` (called before DeepSpeed can build anything: by :mod:`snip_ds.engine`, :mod:`snip_ds.hf` and
+``launch/warm_ops.py``) gives each environment a root of its own when the user has not set
+``TORCH_EXTENSIONS_DIR``: ``<default root>/snip_ds-<key>``, the key a hash of the Python prefix and the
+installed torch and DeepSpeed. Ranks started by a launcher compute the same root. It then removes ``lock``
+files under that root older than :data:`STALE_LOCK_SECONDS` (no build of these ops takes that long; a live
+build's lock is younger), naming each one in a warning.
+
+Pure standard library: no torch or DeepSpeed import.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import List, Optional
+
+log = logging.getLogger("snip_ds")
+
+ENV_VAR = "TORCH_EXTENSIONS_DIR"
+STALE_LOCK_SECONDS = 30 * 60  # fused_adam, the slowest, compiles in about 2 minutes on 2 loaded cores
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def _location(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    return os.path.realpath(spec.origin) if spec is not None and spec.origin else "none"
+
+
+def environment_key() -> str:
+    """12 hex digits naming this environment's builds: a hash of the Python executable and prefix, Python's
+    version, and the versions and locations of torch and DeepSpeed (whose paths end up in the build commands)."""
+    parts = [os.path.realpath(sys.executable), os.path.realpath(sys.prefix), sys.version,
+             _version("torch"), _location("torch"), _version("deepspeed"), _location("deepspeed")]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def default_root() -> Path:
+    """torch's default build root, without importing torch: ``$XDG_CACHE_HOME`` or ``~/.cache``, then
+    ``torch_extensions`` (torch's ``get_default_build_root``)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "torch_extensions"
+
+
+def build_root() -> Path:
+    """The root this process builds in: ``$TORCH_EXTENSIONS_DIR`` when set, else this environment's own."""
+    given = os.environ.get(ENV_VAR)
+    return Path(given) if given else default_root() / f"snip_ds-{environment_key()}"
+
+
+def stale_locks(root: Path, max_age_s: float = STALE_LOCK_SECONDS, now: Optional[float] = None) -> List[Path]:
+    """The ``lock`` files of builds under ``root`` (``<root>/<python>_<device>/<op>/lock``) older than
+    ``max_age_s``."""
+    now = time.time() if now is None else now
+    found = []
+    for lock in sorted(root.glob("*/*/lock")):
+        try:
+            if now - lock.stat().st_mtime > max_age_s:
+                found.append(lock)
+        except FileNotFoundError:  # its build just finished
+            continue
+    return found
+
+
+def remove_stale_locks(root: Path, max_age_s: float = STALE_LOCK_SECONDS) -> List[Path]:
+    """Removes :func:`stale_locks` under ``root``, warning once per file; returns those removed."""
+    removed = []
+    for lock in stale_locks(root, max_age_s):
+        try:
+            lock.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as err:  # not ours to remove: say so, the build will wait on it
+            log.warning("snip_ds: %s is left from a build killed %.0f min ago and cannot be removed (%s); "
+                        "delete it, or loading that op waits forever", lock, max_age_s / 60, err)
+            continue
+        log.warning("snip_ds: removed %s, left by a build of that op killed more than %.0f min ago (a later "
+                    "load would have waited for it forever)", lock, max_age_s / 60)
+        removed.append(lock)
+    return removed
+
+
+def prepare() -> Path:
+    """Sets ``$TORCH_EXTENSIONS_DIR`` to this environment's root if the user has not set it, and removes stale
+    build locks under the root in use. Idempotent; returns the root."""
+    if not os.environ.get(ENV_VAR):
+        os.environ[ENV_VAR] = str(build_root())
+    root = Path(os.environ[ENV_VAR])
+    remove_stale_locks(root)
+    return root
