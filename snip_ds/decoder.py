@@ -13,8 +13,10 @@ A layer's *kind* is its path inside the block (``self_attn.q_proj``, ``self_attn
 Which layers read one input tensor (q/k/v, gate/up; nothing for fused projections) is measured by
 :func:`input_groups` with one tiny forward.
 
-Mixture-of-Experts modules (transformers' ``<Family>Experts`` with 3-D Parameters, or a list of expert MLPs) are
-not supported yet: :func:`decoder_linears` refuses such a model, naming the module, before anything trains.
+Mixture-of-Experts experts modules (transformers' ``<Family>Experts`` with 3-D Parameters) hold no ``nn.Linear``;
+:mod:`snip_ds.experts` makes each of their (expert, projection) pairs a layer of its own. An experts module it
+does not know, or a list of expert MLPs, is refused by :func:`decoder_linears`, naming the module, before
+anything trains.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ _BLOCKS_HINT = "modules named '...layers.<i>' as in Hugging Face's Llama, Phi-3,
 
 
 class UnsupportedModelError(ValueError):
-    """The model has no quantizable linears, or has modules snip_ds cannot quantize yet (MoE experts)."""
+    """The model has no quantizable layers, or modules snip_ds cannot quantize (MoE experts it does not know)."""
 
 
 def decoder_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -103,18 +105,22 @@ def decoder_linears(model: nn.Module, exclude: Sequence[str] = ()) -> List[str]:
     the names matching a glob of ``exclude``. Pure: only reads the model.
 
     Raises:
-        UnsupportedModelError: the model has MoE experts (named with their class), or no quantizable linear
-            (named by the model's class).
+        UnsupportedModelError: the model has MoE experts in a layout :mod:`snip_ds.experts` does not know
+            (named with their class), or no quantizable linear (named by the model's class).
         ValueError: a pattern of ``exclude`` matches no decoder linear.
     """
     patterns = _check_patterns(exclude)
-    experts = find_experts(model)
-    if experts:
-        name, cls = experts[0]
-        more = f" (and {len(experts) - 1} more)" if len(experts) > 1 else ""
+    from snip_ds.experts import LAYOUTS, SnipExperts
+
+    unknown = [(name, cls) for name, cls in find_experts(model)
+               if cls not in LAYOUTS and not isinstance(model.get_submodule(name), SnipExperts)]
+    if unknown:
+        name, cls = unknown[0]
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise UnsupportedModelError(
-            f"{type(model).__name__}: module {name!r} ({cls}){more} holds Mixture-of-Experts weights, which "
-            f"snip_ds cannot quantize yet; it refuses to train them unquantized under a plan that says otherwise")
+            f"{type(model).__name__}: module {name!r} ({cls}){more} holds Mixture-of-Experts weights in a layout "
+            f"snip_ds does not know (it knows {', '.join(sorted(LAYOUTS))}); it refuses to train them unquantized "
+            f"under a plan that says otherwise")
     blocks = decoder_blocks(model)
     n_experts = expert_count(model)
     names: List[str] = []

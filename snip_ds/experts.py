@@ -23,7 +23,8 @@ token, which may round differently from one GEMM per expert.
 
 Each forward adds every expert's routed token count (token-expert pairs, so a token routed to ``K`` experts
 counts once at each) to a running total that :meth:`SnipExperts.take_routed_tokens` returns and resets: an
-expert's GEMMs cost ``6 * tokens * in_features * out_features`` FLOPs per step (:meth:`ExpertLayerInfo.flops`).
+expert's GEMMs cost ``6 * tokens * in_features * out_features`` FLOPs per step (:func:`routed_flops`); before any
+token is counted, :meth:`ExpertLayerInfo.flops` expects the even share ``top_k / experts`` of a step's tokens.
 
 For a statistics collection every pair also has an observation point, :class:`ExpertPoint` (:meth:`SnipExperts.points`):
 an ``nn.Module`` that looks to :mod:`snip_ds.stats` like a bf16 :class:`~snip_ds.linear.SnipLinear` (``weight``
@@ -177,10 +178,19 @@ class ExpertLayerInfo:
     expert: int
     in_features: int
     out_features: int
+    routed_share: float = 1.0  # the tokens' share an expert expects under even routing: top-k / experts
 
-    def flops(self, tokens: int) -> float:
-        """FLOPs of fprop + dgrad + wgrad for ``tokens`` routed tokens: ``6 * tokens * k * n``."""
-        return 6.0 * tokens * self.in_features * self.out_features
+    def flops(self, tokens: float) -> float:
+        """FLOPs of fprop + dgrad + wgrad when ``tokens`` tokens pass the MoE block, the expert's share of them
+        routed to it (:attr:`routed_share`; counted routed tokens: :func:`routed_flops`):
+        ``6 * tokens * routed_share * k * n``."""
+        return routed_flops(self, tokens * self.routed_share)
+
+
+def routed_flops(info: "ExpertLayerInfo", routed_tokens: float) -> float:
+    """FLOPs of fprop + dgrad + wgrad of an (expert, projection) pair for ``routed_tokens`` routed tokens:
+    ``6 * routed_tokens * k * n``."""
+    return 6.0 * routed_tokens * info.in_features * info.out_features
 
 
 def _recomputing() -> bool:
@@ -378,12 +388,15 @@ class SnipExperts(nn.Module):
             block = block_index(self.fqn)
         except ValueError:
             block = -1
+        top_k = getattr(getattr(self, "config", None), "num_experts_per_tok", None)
+        share = min(top_k, self.num_experts) / self.num_experts if isinstance(top_k, int) and top_k > 0 else \
+            1.0 / self.num_experts
         out = {}
         for e in range(self.num_experts):
             for j, proj in enumerate(self.layout.projections):
                 n, k = self.projection_shape(j)
                 name = self.layer_name(e, j)
-                out[name] = ExpertLayerInfo(name, block, proj, e, k, n)
+                out[name] = ExpertLayerInfo(name, block, proj, e, k, n, share)
         return out
 
     def projection_shape(self, projection: int) -> Tuple[int, int]:

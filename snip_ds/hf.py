@@ -350,7 +350,7 @@ class SnipCallback(TrainerCallback):
     def _setup(self, args, model) -> None:
         """Settings, checks and the swap; once (``on_init_end`` and :meth:`attach` both call it)."""
         from snip_ds.engine.core import initial_plan
-        from snip_ds.swap import swap_linears
+        from snip_ds.swap import check_experts_settings, model_layers, swap_model
 
         if self.infos is not None:
             return
@@ -369,16 +369,18 @@ class SnipCallback(TrainerCallback):
                               f"after building TrainingArguments, before the Trainer")
         self.settings = with_overrides(settings, seed=args.seed)
         rank = int(os.environ.get("RANK", "0")) if not sdist.is_initialized() else sdist.rank()
-        self.infos = swap_linears(model, "bf16", self.settings.quant, seed=args.seed, rank=rank,
-                                  exclude=self.settings.exclude)
+        infos = swap_model(model, "bf16", self.settings.quant, seed=args.seed, rank=rank,
+                           exclude=self.settings.exclude)
+        check_experts_settings(infos, self.settings)
         # FLOPs per step, for the shares (which do not depend on the token count)
-        flops = {fqn: info.flops(1) for fqn, info in self.infos.items()}
+        flops = {fqn: info.flops(1) for fqn, info in infos.items()}
         try:
-            self.plan = initial_plan(list(self.infos), flops, self.settings)
+            self.plan = initial_plan(list(infos), flops, self.settings)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        for fqn, layer in _snip_layers(model).items():
+        for fqn, layer in model_layers(model).items():
             layer.precision = self.plan.assignment[fqn]
+        self.infos = infos
 
     # ------------------------------------------------------------------ optimizer built
     def on_train_begin(self, args, state, control, **kwargs):
@@ -506,12 +508,6 @@ class SnipCallback(TrainerCallback):
             raise ConfigError(f"{where}: cannot be restored ({err})") from None
         if sdist.rank() == 0:
             print(f"snip_ds: restored the plan and planner state from {folder} at step {step}", flush=True)
-
-
-def _snip_layers(model):
-    from snip_ds.swap import snip_layers
-
-    return snip_layers(model)
 
 
 def _sequence_length(dataset) -> int:

@@ -130,7 +130,8 @@ def build_model(
                 config, source = _resolve_config(model_config)
             model = _from_config(config, source)
     model = model.to(dtype)
-    decoder_linear_names(model)  # raises, naming the class or the module, if nothing or not all can be quantized
+    from snip_ds.swap import layer_infos
+    layer_infos(model)  # raises, naming the class or the module, if nothing or not all can be quantized
     embedding = model.get_input_embeddings().weight
     model_vocab = getattr(embedding, "ds_shape", embedding.shape)[0]  # ds_shape: built partitioned (ZeRO-3 zero.Init)
     if vocab_size is not None and model_vocab < vocab_size:
@@ -222,7 +223,8 @@ def decoder_linear_names(model: nn.Module) -> list[str]:
     gate, up, down). Pure: only reads the model. ``nn.Linear`` subclasses (e.g. quantized swaps) count.
 
     Raises:
-        ValueError: the model has no quantizable linear (named by its class) or MoE experts (the module named).
+        ValueError: the model has no quantizable linear (named by its class) or MoE experts of a layout snip_ds
+            does not know (the module named).
     """
     return _decoder.decoder_linears(model)
 

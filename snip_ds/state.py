@@ -25,12 +25,13 @@ from torch import nn
 from snip_ds import distributed as sdist
 from snip_ds.artifacts import STATE_FORMAT, TRAINER_STATE_FORMAT
 from snip_ds.console import say
+from snip_ds.experts import ExpertPoint
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.schedule import measure_due, replan_due
 from snip_ds.settings import SnipSettings
-from snip_ds.swap import LayerInfo, snip_layers
+from snip_ds.swap import LayerInfo, model_layers
 from snip_ds.tensorboard import NullLogger, precision_map_image
-from snip_ds.types import block_index
+from snip_ds.types import block_index, layer_kind
 
 
 STATS_SEED_OFFSET = 7919  # the private statistics stream's seed is the run's seed + this (both loops)
@@ -196,9 +197,11 @@ class SnipState:
 
     Attributes:
         loop: the :class:`TrainingLoop` adapter.
-        infos: ``{fqn: LayerInfo}`` of the swapped layers, in model order.
-        layers: ``{fqn: SnipLinear}``.
-        flops: ``{fqn: FLOPs per optimizer step}`` (the shares depend only on their ratios).
+        infos: ``{fqn: LayerInfo}`` of the planned layers (MoE pairs' ``ExpertLayerInfo`` included), in model
+            order.
+        layers: ``{fqn: SnipLinear or ExpertPoint}`` (:func:`snip_ds.swap.model_layers`).
+        flops: ``{fqn: FLOPs per optimizer step}`` (the shares depend only on their ratios; MoE pairs' follow
+            the routed tokens once statistics are in, :meth:`flops_from`).
         settings: the validated ``"snip"`` section.
         plan: the plan in force.
         planner: the :class:`~snip_ds.engine.adaptive.AdaptivePlanner` of an adaptive run, else None.
@@ -218,8 +221,9 @@ class SnipState:
         self.tokens_per_step = tokens_per_step
         self.logger = logger or NullLogger()
         self.driver = driver
-        self.layers = snip_layers(loop.module)
+        self.layers = model_layers(loop.module)
         self.flops = {fqn: info.flops(tokens_per_step) for fqn, info in self.infos.items()}
+        self.has_experts = any(isinstance(m, ExpertPoint) for m in self.layers.values())
         self.plan: Optional[Plan] = None
         self.planner = None
         self.measure_stream = None
@@ -257,11 +261,22 @@ class SnipState:
         if changed:
             self.logger.scalar("plan/fp4_share", self.plan_fp4_share(), self.step)
             self.logger.image("plan/precision_map", precision_map_image(
-                plan.assignment, block_index, kinds=[i.kind for i in self.infos.values()], step=self.step,
+                plan.assignment, block_index, kinds=[layer_kind(f) for f in self.infos], step=self.step,
                 fp4_share=self.plan_fp4_share(), method=plan.method),
                 self.step)
             if reason:
                 self.logger.text("plan/changes", f"step {self.step}: {reason}", self.step)
+
+    def flops_from(self, stats: Optional[Mapping[str, Any]]) -> None:
+        """In a model with MoE experts, takes every layer's FLOPs from a statistics collection's (an expert pair's
+        follow the tokens routed to it, :mod:`snip_ds.stats.experts`), so that the FP4 shares logged are the
+        planner's. Before the first collection an expert pair counts the even share of the tokens (its
+        ``LayerInfo.flops``). Dense models keep ``6·T·k·n``: the same ratios."""
+        if not self.has_experts or not stats:
+            return
+        layers = stats.get("layers", {})
+        if set(self.flops) <= set(layers):
+            self.flops = {fqn: float(layers[fqn]["flops"]) for fqn in self.flops}
 
     def plan_fp4_share(self) -> float:
         """FP4 share of the linear-GEMM FLOPs under the current plan."""
@@ -328,6 +343,7 @@ class SnipState:
             if not state.get("planner"):
                 raise ValueError(f"{source}: no adaptive-planner state (it was saved by a run with a fixed plan)")
             self.planner.load_state_dict(state["planner"])
+            self.flops_from(self.planner.last_stats)
         if self.measure_stream is not None:
             saved = state.get("measure_stream")
             if saved is not None:

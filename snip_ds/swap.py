@@ -1,14 +1,17 @@
-"""Swapping a model's decoder linears for :class:`~snip_ds.linear.SnipLinear`.
+"""Swapping a model's decoder linears for :class:`~snip_ds.linear.SnipLinear` and its MoE experts for
+:class:`~snip_ds.experts.SnipExperts`.
 
 Every ``nn.Linear`` of every decoder block (:mod:`snip_ds.decoder`: q, k, v, o, gate, up, down in a Llama; fused
 projections such as Phi-3's ``qkv_proj`` as one layer) is swapped, except MoE routers and what ``snip.exclude``
-names; ``lm_head``, embeddings, norms and attention's own matmuls stay as they are.
+names; ``lm_head``, embeddings, norms and attention's own matmuls stay as they are. :func:`swap_model` also
+replaces every MoE experts module, each (expert, projection) pair becoming a layer of its own
+(``<experts path>.<expert>.<projection>``), which ``snip.exclude`` cannot leave out.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -16,6 +19,8 @@ from torch import nn
 from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 from snip_ds.decoder import decoder_linears
+from snip_ds.experts import (ExpertLayerInfo, ExpertPoint, SnipExperts, expert_points, find_experts_modules,
+                             swap_experts)
 from snip_ds.types import LayerPrecision, block_index, layer_kind
 
 
@@ -87,6 +92,81 @@ def swap_linears(model: nn.Module, precision: LayerPrecision = "fp8",
     return infos
 
 
+AnyLayerInfo = Union[LayerInfo, "ExpertLayerInfo"]
+
+
+def swap_model(model: nn.Module, precision: LayerPrecision = "fp8",
+               quant_config: Optional[QuantConfig] = None, *, seed: int = 0,
+               rank: int = 0, exclude: Sequence[str] = ()) -> Dict[str, AnyLayerInfo]:
+    """:func:`swap_linears`, then every MoE experts module replaced by a :class:`~snip_ds.experts.SnipExperts`
+    (:func:`snip_ds.experts.swap_experts`, the same precision, recipes and seeding).
+
+    Returns:
+        ``{layer name: LayerInfo or ExpertLayerInfo}`` of every planned layer in model order (a block's MoE
+        pairs where its experts module sits); both have ``flops(tokens_per_step)``, an expert pair's for the
+        even share of the tokens its router sends it (``top_k / experts``).
+
+    Raises:
+        ValueError: as :func:`find_decoder_linears` (an experts module of an unknown layout is named there,
+            before anything is replaced).
+    """
+    quant_config = quant_config or QuantConfig()
+    linears = swap_linears(model, precision, quant_config, seed=seed, rank=rank, exclude=exclude)
+    swap_experts(model, precision, quant_config, seed=seed, rank=rank)
+    infos: Dict[str, AnyLayerInfo] = {}
+    for name, module in model.named_modules():
+        if name in linears:
+            infos[name] = linears[name]
+        elif isinstance(module, SnipExperts):
+            infos.update(module.layers())
+    return infos
+
+
+def layer_infos(model: nn.Module, exclude: Sequence[str] = ()) -> Dict[str, AnyLayerInfo]:
+    """What :func:`swap_model` would return for ``model``, without changing it (to check a plan against a model
+    before anything is swapped).
+
+    Raises:
+        ValueError: as :func:`swap_model`.
+    """
+    linears = set(find_decoder_linears(model, exclude))
+    experts = find_experts_modules(model)
+    infos: Dict[str, AnyLayerInfo] = {}
+    for name, module in model.named_modules():
+        if name in linears:
+            infos[name] = LayerInfo(name, block_index(name), layer_kind(name), module.in_features,
+                                    module.out_features)
+        elif name in experts:
+            wrapped = module if isinstance(module, SnipExperts) else SnipExperts.from_family(module, name, seed=None)
+            infos.update(wrapped.layers())
+    return infos
+
+
+def model_layers(model: nn.Module) -> Dict[str, Union[SnipLinear, ExpertPoint]]:
+    """Every planned layer of ``model`` by name, in model order: its :class:`SnipLinear` modules and its
+    experts' (expert, projection) :class:`~snip_ds.experts.ExpertPoint` (each with ``precision``,
+    ``generator``, ``weight``)."""
+    points = expert_points(model)
+    out: Dict[str, Union[SnipLinear, ExpertPoint]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, SnipLinear):
+            out[name] = module
+        elif isinstance(module, SnipExperts):
+            out.update((n, points[n]) for n in module.points())
+    return out
+
+
+def check_experts_settings(infos: Dict[str, AnyLayerInfo], settings) -> None:
+    """Raises :class:`~snip_ds.settings.ConfigError` for ``"snip"`` settings a model with MoE experts cannot
+    run: ``research.dgrad_cost: "upstream"`` (the propagated backward estimate follows one input per layer, not an
+    expert's routed tokens)."""
+    from snip_ds.settings import ConfigError
+
+    if settings.dgrad_cost == "upstream" and any(isinstance(i, ExpertLayerInfo) for i in infos.values()):
+        raise ConfigError('snip.research.dgrad_cost: "upstream" is not available for Mixture-of-Experts models (the '
+                          'propagated estimate does not follow routed tokens); use "local"')
+
+
 def snip_layers(model: nn.Module) -> Dict[str, SnipLinear]:
     """The model's :class:`SnipLinear` layers by fully qualified name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, SnipLinear)}
@@ -98,6 +178,14 @@ def check_still_swapped(model: nn.Module, fqns, when: str) -> None:
     unquantized under a plan that says otherwise. The message names the first such layer and what it became."""
     modules = dict(model.named_modules())
     for fqn in fqns:
+        if isinstance(fqns, dict) and isinstance(fqns[fqn], ExpertLayerInfo):  # its experts module must be ours
+            path = fqn.rsplit(".", 2)[0]
+            owner = modules.get(path)
+            if isinstance(owner, SnipExperts) and owner.pair_of(fqn) is not None:
+                continue
+            what = "removed" if owner is None else f"replaced by {type(owner).__module__}.{type(owner).__name__}"
+            raise RuntimeError(f"experts module {path}: {when} {what} snip_ds's quantized experts, which would "
+                               f"train unquantized; snip_ds cannot run this configuration")
         found = modules.get(fqn)
         if not isinstance(found, SnipLinear):
             what = "removed" if found is None else f"replaced by {type(found).__module__}.{type(found).__name__}"

@@ -217,7 +217,7 @@ def train(args: argparse.Namespace) -> int:
     from snip_ds.engine.checkpoint import CheckpointSaveError
     from snip_ds.model import build_model
     from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET
-    from snip_ds.swap import find_decoder_linears
+    from snip_ds.swap import LayerInfo, layer_infos
 
     # Subnormal FP32 intermediates (squares of tiny gradient errors in the statistics) are ~100x slower on
     # CPUs and lie far below every FP8/FP4 grid step: flush them to zero for the whole (training) process.
@@ -269,9 +269,8 @@ def train(args: argparse.Namespace) -> int:
     # ---------------- plan and checkpoint: checked against the model before DeepSpeed starts ----------------
     tokens_per_step = micro_bs * ga * t.block_size
     try:
-        infos = {fqn: model.get_submodule(fqn) for fqn in find_decoder_linears(model, settings.exclude)}
-        flops = {fqn: 6.0 * tokens_per_step * m.in_features * m.out_features for fqn, m in infos.items()}
-        plan = initial_plan(list(infos), flops, settings)
+        infos = layer_infos(model, settings.exclude)
+        plan = initial_plan(list(infos), {fqn: i.flops(tokens_per_step) for fqn, i in infos.items()}, settings)
     except ValueError as err:
         raise UserError(str(err)) from None
     from snip_ds.backend import check_backend, resolve
@@ -318,7 +317,10 @@ def train(args: argparse.Namespace) -> int:
                                            "world_size": world}), 0)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"snip_ds: {n_params / 1e6:.1f}M parameters, {len(engine.infos)} quantizable linears, "
+        pairs = sum(not isinstance(i, LayerInfo) for i in engine.infos.values())
+        layers = f"{len(engine.infos) - pairs} quantizable linears" + (
+            f" and {pairs} (expert, projection) pairs" if pairs else "")
+        print(f"snip_ds: {n_params / 1e6:.1f}M parameters, {layers}, "
               f"{world} rank(s), plan {_plan_words(settings, engine)}, "
               f"{data_info.get('train_blocks', len(train_ds))} train blocks of {t.block_size} tokens, "
               f"GEMM backends: {backend_words}", flush=True)

@@ -9,6 +9,7 @@ from torch import nn
 
 from snip_ds.cli import render_plan
 from snip_ds.decoder import UnsupportedModelError, decoder_linears, input_groups, is_router
+from snip_ds.swap import layer_infos
 from snip_ds.model import build_model
 from snip_ds.plan import Plan
 from snip_ds.swap import snip_layers, swap_linears
@@ -153,12 +154,31 @@ def test_routers_stay_unquantized_and_a_gate_that_is_no_router_does_not():
     (QWEN2_MOE, "model.layers.0.mlp.experts", "Qwen2MoeExperts"),
     ({**DEEPSEEK_V3, "first_k_dense_replace": 1}, "model.layers.1.mlp.experts", "DeepseekV3Experts"),
 ])
-def test_mixture_of_experts_is_refused_naming_the_module(config, module, cls):
-    with pytest.raises(ValueError, match=rf"^\w+ForCausalLM: module '{module}' \({cls}\)( \(and 1 more\))? holds "
-                                         r"Mixture-of-Experts weights, which snip_ds cannot quantize yet"):
+def test_known_experts_are_planned_and_unknown_ones_refused_naming_the_module(config, module, cls):
+    """Known experts modules: their linears are the attention's (and a shared expert's), no router, and every
+    (expert, projection) pair is a planned layer. Unknown experts (another class, a list of expert MLPs) are
+    refused, naming the module and its class."""
+    model = build_model(model_config=config)
+    names = decoder_linears(model)
+    assert not any(".experts." in n or n.endswith((".gate", "_gate")) for n in names)
+    infos = layer_infos(model)
+    assert [n for n in infos if n in names] == names
+    paths = [n for n, m in model.named_modules() if type(m).__name__ == cls]
+    assert module in paths
+    assert sorted(n for n in infos if n not in names) == sorted(
+        f"{path}.{e}.{p}" for path in paths for e in range(4) for p in ("gate_up_proj", "down_proj"))
+    assert type(model.get_submodule(module)).__name__ == cls  # layer_infos changed nothing
+    with pytest.raises(UnsupportedModelError, match=r"module 'layers.0.mlp.experts' \(ModuleList\) \(and 1 more\) holds "
+                                                    r"Mixture-of-Experts weights in a layout snip_ds does not know"):
+        decoder_linears(_Toy(n_experts=4, experts=True))  # a list of expert MLPs
+
+
+def test_an_experts_class_snip_ds_does_not_know_is_refused_naming_it():
+    config = {**MIXTRAL, "model_type": "olmoe", "num_experts": 4}
+    with pytest.raises(ValueError, match=r"^OlmoeForCausalLM: module 'model.layers.0.mlp.experts' \(OlmoeExperts\) "
+                                         r"\(and 1 more\) holds Mixture-of-Experts weights in a layout snip_ds does "
+                                         r"not know \(it knows DeepseekV3Experts, GptOssExperts"):
         build_model(model_config=config)
-    with pytest.raises(UnsupportedModelError, match="experts"):  # a list of expert MLPs too
-        decoder_linears(_Toy(n_experts=4, experts=True))
     conv = _Toy()
     conv.layers[0].conv = nn.Conv1d(32, 32, 3)  # a 3-D kernel, but no experts
     assert len(decoder_linears(conv)) == 6

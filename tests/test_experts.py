@@ -13,7 +13,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts, Qw
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock
 
 from snip_ds import swap
-from snip_ds.experts import (LAYOUTS, SnipExperts, expert_layers, find_experts_modules, layer_seed,
+from snip_ds.experts import (LAYOUTS, SnipExperts, expert_layers, find_experts_modules, layer_seed, routed_flops,
                               set_expert_precisions, swap_experts, take_routed_tokens)
 from snip_ds.linear import SnipLinear
 
@@ -283,7 +283,9 @@ def test_layers_name_every_expert_and_projection():
     assert (gate_up.block, gate_up.expert, gate_up.kind) == (3, 2, "gate_up_proj")
     assert (gate_up.in_features, gate_up.out_features) == (H, 2 * I)
     assert (down.in_features, down.out_features) == (I, H)
-    assert down.flops(10) == 6.0 * 10 * I * H
+    assert down.routed_share == pytest.approx(2 / E)  # the tiny Mixtral routes each token to 2 of E experts
+    assert down.flops(10) == pytest.approx(6.0 * 10 * (2 / E) * I * H)
+    assert routed_flops(down, 7) == 6.0 * 7 * I * H
 
 
 def test_set_precisions_by_layer_name():

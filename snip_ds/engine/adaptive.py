@@ -28,6 +28,9 @@ from snip_ds import faults
 from snip_ds.stats import CollectSettings, collect_statistics
 from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
+from snip_ds.engine.expert_state import expert_preconditioner
+from snip_ds.engine.zero_leaf import leaf_backward_hooks_suspended
+from snip_ds.experts import ExpertPoint
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.schedule import measure_due, replan_due
@@ -72,8 +75,11 @@ class AdaptivePlanner:
         no stream, on the first ``collect_batches`` of ``step_batches`` (cycled if there are fewer)."""
         eng, s = self.state, self.settings
         faults.pause_point("collect", eng.step, sdist.rank())  # a test's fault injection; else a no-op
-        weights = {fqn: layer.weight for fqn, layer in eng.layers.items()}
+        points = {fqn: layer for fqn, layer in eng.layers.items() if isinstance(layer, ExpertPoint)}
+        weights = {fqn: layer.weight for fqn, layer in eng.layers.items() if fqn not in points}
         precond, source = layer_preconditioner(eng.loop.optimizer, weights, eng.step)
+        if points and precond is not None:  # MoE pairs: their slice of their 3-D Parameter's Adam state
+            precond = expert_preconditioner(eng.loop.optimizer, points, eng.step, dense=precond)[0]
         if self.stream is not None:
             batches = [self.stream.next_batch() for _ in range(s.collect_batches)]
         elif step_batches:
@@ -84,8 +90,10 @@ class AdaptivePlanner:
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
         how = build(CollectSettings, s, seed=s.train.seed + eng.step, retain_graph=eng.zero_stage < 3,
                     bwd_propagated=s.dgrad_cost == "upstream", study_fields=s.collect_study_fields)
-        stats = collect_statistics(eng.loop.module, batches, how, layers=list(eng.layers), lr=eng.lr(), precond=precond,
-                                   reduce=sdist.dist_sum, step=eng.step, world_size=sdist.world_size())
+        with leaf_backward_hooks_suspended(eng.loop.module):  # ZeRO-3 MoE blocks (snip_ds.engine.zero_leaf)
+            stats = collect_statistics(eng.loop.module, batches, how, layers=list(eng.layers), lr=eng.lr(),
+                                       precond=precond, reduce=sdist.dist_sum, step=eng.step,
+                                       world_size=sdist.world_size())
         stats["precond_source"] = source
         return stats
 
@@ -135,6 +143,7 @@ class AdaptivePlanner:
         solved = time.perf_counter()
         self.last_stats = stats
         self.planned_at = eng.step
+        eng.flops_from(stats)
         if plan is None:
             self.history.append({"step": eng.step, "collect_s": collected - start, "solve_s": solved - collected,
                                  "fp4_share": eng.plan_fp4_share(), "changed": 0, "status": "failed",

@@ -21,7 +21,7 @@ from snip_ds.engine import checkpoint as ckpt
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.settings import SnipSettings, parse_snip_section
 from snip_ds.state import NonFiniteError, SnipState, located_forward_hooks, run_without_update
-from snip_ds.swap import LayerInfo, check_still_swapped, swap_linears
+from snip_ds.swap import LayerInfo, check_experts_settings, check_still_swapped, swap_model
 
 __all__ = ["DeepSpeedLoop", "NonFiniteError", "SnipEngine", "init_distributed", "initial_plan", "initialize"]
 
@@ -313,10 +313,11 @@ def initial_plan(fqns: Sequence[str], flops: Mapping[str, float], settings: Snip
 def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[SnipSettings] = None, *,
                tokens_per_step: int, logger=None, seed: int = 0, plan: Optional[Plan] = None,
                statistics_stream=None, measurement_stream=None) -> SnipEngine:
-    """Swaps the decoder linears, builds the DeepSpeed engine and returns a :class:`SnipEngine` with its plan.
+    """Swaps the decoder linears and MoE experts (:func:`snip_ds.swap.swap_model`), builds the DeepSpeed engine
+    and returns a :class:`SnipEngine` with its plan.
 
     Args:
-        model: a Llama-family causal LM (not yet wrapped by DeepSpeed).
+        model: a decoder-only causal LM (not yet wrapped by DeepSpeed): Llama-like, fused projections, or MoE.
         config: the DeepSpeed config. Its ``"snip"`` section never reaches DeepSpeed; it is read (and
             validated: unknown keys are errors) when ``settings`` is None.
         settings: the validated ``"snip"`` section; None reads ``config["snip"]`` (defaults if absent).
@@ -356,7 +357,8 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
     if not any(getattr(p, "ds_id", None) is not None for p in model.parameters()):  # not zero.Init-partitioned
         model.to(device())  # so the stochastic-rounding generators live where the activations do
     check_backend(settings.quant, device())  # BackendError (a ValueError) before DeepSpeed starts
-    infos = swap_linears(model, "bf16", settings.quant, seed=seed, rank=sdist.rank(), exclude=settings.exclude)
+    infos = swap_model(model, "bf16", settings.quant, seed=seed, rank=sdist.rank(), exclude=settings.exclude)
+    check_experts_settings(infos, settings)
     if plan is None:
         plan = initial_plan(list(infos), {f: info.flops(tokens_per_step) for f, info in infos.items()}, settings)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -351,7 +351,10 @@ class Collector:
         fprop error, weight-gradient error and probe are exactly 0, so that they add zeros under the same keys
         as the experts that saw tokens (every rank then all-reduces the same sums; snip_ds.stats.experts)."""
         probe = self.estimator != "empirical"
-        for fqn, module in self.points.unrouted():
+        for fqn, point in self.points.unrouted():
+            param = point.parameter
+            module = point if tuple(param.shape) == tuple(getattr(param, "ds_shape", param.shape)) else \
+                _ZeroWeight(point, device)  # ZeRO-3: partitioned outside its module's forward
             x2 = torch.zeros(1, module.in_features, device=device)
             g2 = torch.zeros(1, module.out_features, device=device)
             rows = torch.zeros(1, dtype=torch.int64, device=device)
@@ -382,6 +385,19 @@ class Collector:
                 v = st.pop(fqn, vec.key(suffix))
                 if v is not None:
                     st.add(fqn, vec.folded_into.key(suffix), (v * m).sum() if m is not None else torch.zeros(()))
+
+
+class _ZeroWeight:
+    """An expert pair whose weight ZeRO-3 has partitioned, as :meth:`Collector._unrouted` measures it: its own
+    attributes, but an all-zero weight. With a zero token every training term is 0 whatever the weight; only
+    the study field ``quant_err_w`` (the weight's own operand error) reads 0 instead of the weight's."""
+
+    def __init__(self, point, device: torch.device) -> None:
+        self._point = point
+        self.weight = torch.zeros(point.out_features, point.in_features, device=device)
+
+    def __getattr__(self, name: str):
+        return getattr(self._point, name)
 
 
 @contextmanager
