@@ -1,0 +1,75 @@
+"""launch/train.py on Mixture-of-Experts models: every (expert, projection) pair of Mixtral, Qwen2-MoE (with a
+shared expert) and DeepSeek-V3 (a dense first block, a shared expert) planned as a layer of its own, trained
+adaptively on 2 ranks under ZeRO-3, re-planned to the FP4 share asked for, resumed bit for bit, and exported
+to a model that family's from_pretrained loads."""
+import json
+
+import pytest
+import transformers
+
+from snip_ds.types import layer_kind
+from test_train_families import _config, _exports_what_was_trained, _ok, RHO
+from train_utils import TINY_MODEL, launch, scalars
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+_TOKENS = {"bos_token_id": 1, "eos_token_id": 256, "pad_token_id": 256}
+TINY_MIXTRAL = {**TINY_MODEL, **_TOKENS, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+TINY_QWEN2_MOE = {**TINY_MODEL, **_TOKENS, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}
+TINY_DEEPSEEK_V3 = {**TINY_MODEL, **_TOKENS, "model_type": "deepseek_v3", "moe_intermediate_size": 32,
+                    "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
+PAIRS = {f"mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_up_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("family, model, linears, experts_blocks, cls", [
+    ("mixtral", TINY_MIXTRAL, 8, (0, 1), "MixtralForCausalLM"),
+    # the shared expert's gate/up/down are linears; its scalar gate (shared_expert_gate) is a router, kept
+    ("qwen2_moe", TINY_QWEN2_MOE, 14, (0, 1), "Qwen2MoeForCausalLM"),
+    # MLA's 5 linears per block, block 0's dense MLP, block 1's shared expert
+    ("deepseek_v3", TINY_DEEPSEEK_V3, 16, (1,), "DeepseekV3ForCausalLM"),
+])
+def test_moe_trains_adaptively_on_two_ranks_and_exports(family, model, linears, experts_blocks, cls, tmp_path):
+    cfg = _config(tmp_path, model)
+    run = _ok(launch(["--deepspeed", str(cfg)], num_ranks=2))
+    pairs = 8 * len(experts_blocks)
+    assert f"{linears} quantizable linears and {pairs} (expert, projection) pairs, 2 rank(s)" in run.stdout
+    out = tmp_path / "out"
+    logged = scalars(out / "tensorboard")
+    assert sorted(logged["snip/solve_time_s"]) == [0, 2]
+    assert sorted(logged["snip/measured_fld"]) == [1, 2, 3, 4] and all(v > 0 for v in logged["snip/measured_fld"].values())
+    assert all(RHO <= v <= 1.0 for v in logged["plan/fp4_share"].values())
+    assert logged["train/loss"][4] < logged["train/loss"][1]
+    plan = json.loads((out / "plan.json").read_text())
+    experts = {f for f in plan["assignment"] if ".experts." in f}
+    assert experts == {f"model.layers.{b}.{k}" for b in experts_blocks for k in PAIRS}
+    assert len(plan["assignment"]) == linears + pairs and plan["fp4_share"] >= RHO
+    assert not any(layer_kind(f).endswith(("gate", "router")) for f in plan["assignment"])  # routers kept
+    stats = json.loads((out / "stats.json").read_text())
+    assert set(stats["layers"]) == set(plan["assignment"])
+    for fqn in experts:  # FLOPs follow the tokens routed to the expert
+        rec = stats["layers"][fqn]
+        per_token = rec["flops"] / rec["routed_tokens"] if rec["routed_tokens"] else 0.0
+        assert rec["no_tokens"] == (rec["routed_tokens"] == 0)
+        if rec["routed_tokens"]:
+            up = fqn.endswith("gate_up_proj")
+            k, n = (64, 2 * 32 if family != "mixtral" else 2 * 128) if up else (32 if family != "mixtral" else 128, 64)
+            assert per_token == 6.0 * k * n, fqn
+    for b in experts_blocks:  # every token goes to 2 of the 4 experts: each projection sees 2x the tokens
+        routed = [stats["layers"][f"model.layers.{b}.mlp.experts.{e}.down_proj"]["routed_tokens"] for e in range(4)]
+        dense = stats["layers"][f"model.layers.{b}.self_attn.o_proj"]["flops"] / (6.0 * 64 * 64)  # its tokens
+        assert sum(routed) == 2 * dense
+    _exports_what_was_trained(out / "checkpoints" / "step_4", tmp_path / "hf", getattr(transformers, cls))
+    if family != "mixtral":
+        return
+    # Mixtral resumes (the same code path for every family): steps 3-4 again, bit for bit, the same re-plan
+    resumed = _ok(launch(["--deepspeed", str(cfg), "--resume_from_checkpoint", str(out / "checkpoints" / "step_2"),
+                          "--output_dir", str(tmp_path / "resumed")], num_ranks=2))
+    assert "resumed from" in resumed.stdout
+    again = scalars(tmp_path / "resumed" / "tensorboard")
+    for step in (3, 4):
+        assert again["train/loss"][step] == logged["train/loss"][step], step
+    replanned = json.loads((tmp_path / "resumed" / "plan.json").read_text())
+    assert replanned["assignment"] == plan["assignment"] and replanned["fp4_share"] == plan["fp4_share"]
