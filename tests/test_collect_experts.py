@@ -19,9 +19,9 @@ from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.engine.expert_state import expert_preconditioner
 from snip_ds.experts import SnipExperts, expert_parameters, expert_points, swap_experts
 from snip_ds.linear import SnipLinear
-from snip_ds.planner import CostSettings, costs_from_stats, solve_baseline
+from snip_ds.planner import CostSettings, SolverSettings, costs_from_stats, solve_baseline
 from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics
-from snip_ds.stats.artifact import load_stats, save_stats
+from snip_ds.stats.artifact import carry_unrouted, load_stats, save_stats, validate_stats
 from snip_ds.stats.precond import with_experts
 from tests import reference_divergence as refdiv
 
@@ -533,3 +533,36 @@ def test_expert_preconditioner_and_collection_under_deepspeed(stage, ranks, tmp_
         assert not rec["nonfinite"], name
         if not rec["no_tokens"]:
             assert rec["fld"]["fp4"] > 0 and rec["bwd"]["fp4"] > 0, name
+
+
+def _record(fld, bwd, flops, routed, **extra):
+    return {"flops": flops, "fld": {"fp8": fld[0], "fp4": fld[1]}, "bwd": {"fp8": bwd[0], "fp4": bwd[1]},
+            "nonfinite": False, "routed_tokens": routed, "no_tokens": routed == 0, **extra}
+
+
+def test_an_expert_without_tokens_keeps_its_last_statistics_and_plans_at_fp8():
+    """carry_unrouted: a pair no token reached keeps its last collection's FLD and BWD (marked with the step they
+    were measured at, also when carried again), its FLOPs stay 0; a pair that never saw a token keeps zeros. The
+    planner then keeps the carried pair out of FP4 (it would add harm and no share), where with zeros it was
+    indifferent."""
+    dense = _record((1e-4, 1e-3), (1e-5, 1e-4), 6.0e6, 1)
+    del dense["routed_tokens"], dense["no_tokens"]
+    first = {"format": "snip_ds.stats/1", "step": 16, "lambda": 1.0, "layers": {
+        "d": dense, "e.0.w": _record((2e-4, 5e-3), (1e-5, 2e-3), 3.0e6, 10), "e.1.w": _record((0, 0), (0, 0), 0.0, 0),
+        "e.2.w": _record((1e-4, 2e-4), (1e-5, 1e-5), 3.0e6, 10)}}
+    second = {"format": "snip_ds.stats/1", "step": 32, "lambda": 1.0, "layers": {
+        "d": dense, "e.0.w": _record((0, 0), (0, 0), 0.0, 0), "e.1.w": _record((0, 0), (0, 0), 0.0, 0),
+        "e.2.w": _record((1e-4, 3e-4), (1e-5, 1e-5), 6.0e6, 20)}}
+    carried = carry_unrouted(second, first)
+    rec = carried["layers"]["e.0.w"]
+    assert rec["fld"] == first["layers"]["e.0.w"]["fld"] and rec["bwd"] == first["layers"]["e.0.w"]["bwd"]
+    assert (rec["flops"], rec["routed_tokens"], rec["no_tokens"], rec["carried_from_step"]) == (0.0, 0, True, 16)
+    assert carried["layers"]["e.1.w"] == second["layers"]["e.1.w"]  # never saw a token
+    assert carried["layers"]["e.2.w"] == second["layers"]["e.2.w"] and carried["layers"]["d"] == dense
+    assert second["layers"]["e.0.w"]["fld"] == {"fp8": 0, "fp4": 0}  # the input is not changed
+    third = {**second, "step": 64}
+    assert carry_unrouted(third, carried)["layers"]["e.0.w"]["carried_from_step"] == 16  # carried again
+    assert carry_unrouted(second, None) == second
+    validate_stats(carried)
+    plan = solve_baseline("best", carried, 0.3, CostSettings(), SolverSettings(), seed=0)[0]
+    assert plan.assignment["e.0.w"] == "fp8"

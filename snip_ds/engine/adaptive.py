@@ -26,6 +26,7 @@ from snip_ds import distributed as sdist
 from snip_ds import divergence as dv
 from snip_ds import faults
 from snip_ds.stats import CollectSettings, collect_statistics
+from snip_ds.stats.artifact import carry_unrouted
 from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.engine.expert_state import expert_preconditioner
@@ -137,7 +138,7 @@ class AdaptivePlanner:
         """
         eng = self.state
         start = time.perf_counter()
-        stats = self.collect(step_batches)
+        stats = carry_unrouted(self.collect(step_batches), self.last_stats)  # MoE pairs without tokens
         collected = time.perf_counter()
         plan = self.solve(stats)
         solved = time.perf_counter()

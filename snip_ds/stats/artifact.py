@@ -10,7 +10,9 @@ A statistics artifact is one JSON object::
      "alpha": ..., "quadratic_ratio": ...,            # isotropic estimator only
      "layers": {fqn: {"flops": F, "fld": {"fp8": x, "fp4": y}, "bwd": {...}, ..., "nonfinite": false}}}
 
-An MoE expert's (expert, projection) pair also has ``routed_tokens`` (a number) and ``no_tokens`` (a flag).
+An MoE expert's (expert, projection) pair also has ``routed_tokens`` (a number) and ``no_tokens`` (a flag); in a
+training run's statistics a pair without tokens keeps its last collection's fields, with ``carried_from_step``
+(:func:`carry_unrouted`).
 Every per-layer field but ``flops``, ``nonfinite``, ``routed_tokens`` and ``no_tokens`` maps a quantized precision
 to a number, or to null
 where the collection gave a non-finite value (the layer is then flagged ``nonfinite`` and the planner pins
@@ -171,6 +173,28 @@ def validate_stats(stats: Any, source: str = "<stats>") -> dict:
         if "nonfinite" in rec and not isinstance(rec["nonfinite"], bool):
             raise ValueError(f"{where}.nonfinite must be true or false, got {rec['nonfinite']!r}")
     return dict(stats)
+
+
+def carry_unrouted(stats: Mapping[str, Any], previous: Optional[Mapping[str, Any]]) -> dict:
+    """``stats`` in which every MoE pair that no token reached (``no_tokens``) keeps its last statistics: the
+    per-precision fields of its record in ``previous`` (the run's last collection; itself carried or not),
+    with ``carried_from_step`` naming the collection they were measured at. Its ``flops``, ``routed_tokens``
+    and ``no_tokens`` stay this collection's (0, 0, true): the plan's FP4 share counts the FLOPs that run now,
+    while the pair's precision is still chosen for the harm it did when it last saw tokens (with zeros the
+    planner would be indifferent, and an expert briefly out of favour could land in FP4 for nothing). A pair
+    that has never seen a token keeps its zeros. Pure; ``stats`` is not changed."""
+    if not previous:
+        return dict(stats)
+    before = previous.get("layers", {})
+    layers = {}
+    for fqn, rec in stats["layers"].items():
+        old = before.get(fqn)
+        if rec.get("no_tokens") is True and old is not None and (old.get("no_tokens") is not True
+                                                                  or "carried_from_step" in old):
+            rec = {**rec, **{f: old[f] for f in PRECISION_FIELDS if f in old},
+                   "carried_from_step": old.get("carried_from_step", previous.get("step"))}
+        layers[fqn] = rec
+    return {**stats, "layers": layers}
 
 
 def load_stats(path: str) -> dict:
