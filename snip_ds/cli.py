@@ -24,7 +24,7 @@ from snip_ds.plan import Plan
 from snip_ds.options import OPTIONS, add_flags, build, from_flags, plain
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.types import display_kinds, kind_labels
-from snip_ds.types import GEMMS, PRECISIONS, block_index, layer_kind
+from snip_ds.types import GEMMS, PRECISIONS, block_index, expert_pair, layer_kind
 
 _CHAR = {"bf16": "B", "fp8": "8", "fp4": "4"}
 _MISSING = "."
@@ -94,13 +94,14 @@ def render_plan(plan: Plan, title: str = "plan") -> str:
     headed by a short label: q, k, v, o, gate, up, down for a Llama; qkv, o, gate_up, down for a Phi-3), one
     char a precision (three for a per-GEMM plan: fprop, dgrad, wgrad)."""
     rows: dict = {}
-    for fqn, value in plan.assignment.items():
+    dense = {f: v for f, v in plan.assignment.items() if expert_pair(f) is None}
+    for fqn, value in dense.items():
         try:
             block = block_index(fqn)
         except ValueError:
             block = "-"
         rows.setdefault(block, {})[layer_kind(fqn)] = _cell(value)
-    columns = list(display_kinds(plan.assignment))
+    columns = list(display_kinds(dense))
     header = kind_labels(columns)
     width = 3 if plan.per_gemm else 1
     widths = [max(len(header.get(c, c)), width) for c in columns]
@@ -110,6 +111,7 @@ def render_plan(plan: Plan, title: str = "plan") -> str:
     for b in order:
         cells = [rows[b].get(c, _MISSING * width).ljust(w) for c, w in zip(columns, widths)]
         lines.append((f"{str(b):>5}  " + "  ".join(cells)).rstrip())
+    lines += _render_experts(plan)
     legend = ", ".join(f"{ch} = {p}" for p, ch in _CHAR.items()) + f", {_MISSING} = not in plan"
     if plan.per_gemm:
         legend += f"; per-GEMM cells read {'/'.join(GEMMS)}"
@@ -121,6 +123,45 @@ def render_plan(plan: Plan, title: str = "plan") -> str:
     lines.append("legend: " + legend)
     lines.append("GEMMs: " + ", ".join(f"{p} {counts.get(p, 0)}/{total}" for p in PRECISIONS))
     return "\n".join(lines)
+
+
+_EXPERTS_SPELLED_OUT = 64  # up to this many experts a row spells out each expert's precision
+
+
+def _render_experts(plan: Plan) -> list:
+    """The MoE pairs of ``plan``: per experts module (one row) and projection, one cell per expert in expert
+    order (``_EXPERTS_SPELLED_OUT`` experts at most; more are summed up as counts per precision)."""
+    modules: dict = {}
+    for fqn, value in plan.assignment.items():
+        pair = expert_pair(fqn)
+        if pair is not None:
+            path, expert, projection = pair
+            modules.setdefault(path, {}).setdefault(projection, {})[expert] = value
+    if not modules:
+        return []
+    n = max(max(e) + 1 for projections in modules.values() for e in projections.values())
+    projections = sorted(dict.fromkeys(p for projs in modules.values() for p in projs),
+                         key=lambda p: p.startswith("down"))  # a block's order: gate/up before down
+    lines = [f"experts ({n} per module; each cell string lists the experts in order)"
+             if n <= _EXPERTS_SPELLED_OUT else f"experts ({n} per module; counts per precision)"]
+
+    def text(cells: dict) -> str:
+        if n <= _EXPERTS_SPELLED_OUT:
+            return "|".join(_cell(cells[e]) if e in cells else _MISSING for e in range(n)) if plan.per_gemm \
+                else "".join(_cell(cells[e]) if e in cells else _MISSING for e in range(n))
+        counts: dict = {}
+        for value in cells.values():
+            for p in (value,) if isinstance(value, str) else value.values():
+                counts[p] = counts.get(p, 0) + 1
+        return " ".join(f"{p}:{counts[p]}" for p in PRECISIONS if p in counts)
+
+    table = [[path] + [text(projs.get(p, {})) for p in projections] for path, projs in modules.items()]
+    widths = [max(len(r[i]) for r in table + [["module"] + [p.removesuffix("_proj") for p in projections]])
+              for i in range(len(projections) + 1)]
+    head = ["module"] + [p.removesuffix("_proj") for p in projections]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    return lines
 
 
 def _cmd_show(args: argparse.Namespace) -> int:

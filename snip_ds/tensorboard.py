@@ -21,7 +21,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 
 from snip_ds.console import say
 from snip_ds.types import display_kinds, kind_labels
-from snip_ds.types import GEMMS, layer_kind
+from snip_ds.types import GEMMS, expert_pair, layer_kind
 
 _files_opened = 0  # numbers this process's event files (two loggers in one second get two files)
 
@@ -53,7 +53,9 @@ def precision_map_figure(assignment: Mapping[str, object], block_of, *, kinds: O
     """The precision map as a matplotlib ``Figure`` (not attached to pyplot): one row per decoder block, one
     column per kind of layer (its path inside the block), coloured by precision; a per-GEMM plan splits each
     cell into fprop | dgrad | wgrad stripes (labelled F D W along the top). The title gives the step, the FP4
-    share of the linear-GEMM FLOPs and the method; a legend names the colours.
+    share of the linear-GEMM FLOPs and the method; a legend names the colours. A plan with MoE pairs
+    (:func:`snip_ds.types.expert_pair`) gets a second panel below: one row per expert, one column per MoE block
+    and projection, readable from 4 to 256 experts.
 
     Args:
         assignment: ``{fqn: precision}`` or ``{fqn: {gemm: precision}}``.
@@ -64,6 +66,8 @@ def precision_map_figure(assignment: Mapping[str, object], block_of, *, kinds: O
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
+    experts = {f: v for f, v in assignment.items() if expert_pair(f) is not None}
+    assignment = {f: v for f, v in assignment.items() if f not in experts}
     blocks = sorted({block_of(fqn) for fqn in assignment})
     row_of = {b: i for i, b in enumerate(blocks)}
     per_gemm = any(isinstance(v, Mapping) for v in assignment.values())
@@ -83,9 +87,13 @@ def precision_map_figure(assignment: Mapping[str, object], block_of, *, kinds: O
     long_labels = max((len(labels[k]) for k in columns), default=0) > 6  # slanted, with more room below
     top_in, cells_in = 0.95, max(0.26 * n_rows, 1.0)  # margins for title and labels, inches
     bottom_in = 0.75 + 0.035 * max((len(labels[k]) for k in columns), default=0) if long_labels else 0.75
-    height = top_in + bottom_in + cells_in
+    experts_grid = _experts_grid(experts, block_of, sub) if experts else None
+    experts_in = 0.0 if experts_grid is None else min(max(0.12 * experts_grid[0].shape[0], 1.0), 6.0) + 0.95
+    height = top_in + bottom_in + cells_in + experts_in
     fig = Figure(figsize=(7.2, height), dpi=_DPI)
-    ax = fig.add_axes((0.09, bottom_in / height, 0.66, cells_in / height))
+    if experts_grid is not None:
+        _draw_experts(fig, experts_grid, sub, per_gemm, height, experts_in)
+    ax = fig.add_axes((0.09, (bottom_in + experts_in) / height, 0.66, cells_in / height))
     ax.imshow(grid, aspect="auto", interpolation="nearest",
               extent=(-0.5, n_cols - 0.5, len(blocks) - 0.5, -0.5))
     ax.set_xticks(range(n_cols), [labels[k] for k in columns], rotation=30 if long_labels else 0,
@@ -116,9 +124,52 @@ def precision_map_figure(assignment: Mapping[str, object], block_of, *, kinds: O
     handles = [Patch(facecolor=np.array(c) / 255.0, edgecolor="black", linewidth=0.5, label=p)
                for p, c in PRECISION_COLOURS.items()]
     legend_title = "per GEMM:\nF fprop\nD dgrad\nW wgrad" if per_gemm else "precision"
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.77, (bottom_in + cells_in) / height), title=legend_title,
-               frameon=False)
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.77, (bottom_in + experts_in + cells_in) / height),
+               title=legend_title, frameon=False)
     return fig
+
+
+def _experts_grid(experts: Mapping[str, object], block_of, sub: int):
+    """The MoE pairs as an RGB grid: one row per expert, one column per (block, projection) of each experts
+    module (``sub`` stripes for a per-GEMM plan); and the columns' ``(block, projection)`` labels."""
+    cells = {}
+    for fqn, prec in experts.items():
+        path, expert, projection = expert_pair(fqn)
+        cells[(block_of(fqn), path, projection, expert)] = prec
+    columns = sorted({(b, path, proj) for b, path, proj, _ in cells}, key=lambda c: (c[0], c[1], c[2].startswith("down")))
+    col_of = {c: i for i, c in enumerate(columns)}
+    n_experts = max(e for *_, e in cells) + 1
+    grid = np.full((n_experts, len(columns) * sub, 3), 255, dtype=np.uint8)
+    for (b, path, proj, e), prec in cells.items():
+        precs = [prec[g] for g in GEMMS] if isinstance(prec, Mapping) else [prec]
+        for s, p in enumerate(precs):
+            grid[e, col_of[(b, path, proj)] * sub + s] = PRECISION_COLOURS[p]
+    return grid, [(b, proj) for b, _, proj in columns]
+
+
+def _draw_experts(fig, experts_grid, sub: int, per_gemm: bool, height: float, panel_in: float) -> None:
+    """The experts panel at the bottom of the precision map: experts as rows, each MoE block's projections as
+    columns (labelled ``<block>:<projection>``, thinned out to about 24 labels)."""
+    grid, columns = experts_grid
+    n_experts, n_cols = grid.shape[0], len(columns)
+    cells_in = panel_in - 0.95
+    ax = fig.add_axes((0.09, 0.6 / height, 0.66, cells_in / height))
+    ax.imshow(grid, aspect="auto", interpolation="nearest", extent=(-0.5, n_cols - 0.5, n_experts - 0.5, -0.5))
+    stride = max(1, -(-n_cols // 24))
+    ax.set_xticks(range(0, n_cols, stride), [f"{b}:{p.removesuffix('_proj')}" for b, p in columns[::stride]],
+                  rotation=30, ha="right", fontsize=7)
+    estride = max(1, -(-n_experts // 16))
+    ax.set_yticks(range(0, n_experts, estride), [str(e) for e in range(0, n_experts, estride)], fontsize=7)
+    ax.set_ylabel("expert", fontsize=9)
+    ax.set_title("Mixture-of-Experts pairs (block:projection)", fontsize=9, pad=4)
+    if n_cols <= 64 and n_experts <= 64:
+        ax.set_xticks([c + 0.5 for c in range(n_cols - 1)], minor=True)
+        ax.set_yticks([r + 0.5 for r in range(n_experts - 1)], minor=True)
+        ax.grid(which="minor", color="white", linewidth=1)
+        ax.tick_params(which="minor", length=0)
+    if per_gemm and n_cols <= 64:
+        ax.vlines([c - 0.5 + s / sub for c in range(n_cols) for s in range(1, sub)], -0.5, n_experts - 0.5,
+                  colors="white", linewidth=0.4)
 
 
 def precision_map_image(assignment: Mapping[str, object], block_of, *, kinds: Optional[Sequence[str]] = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 PRECISIONS = ("bf16", "fp8", "fp4")
 QUANTIZED = ("fp8", "fp4")  # the precisions that quantize (bf16 runs the GEMM as it is)
@@ -103,6 +103,19 @@ class GemmPrecision:
     def fp4_fraction(self) -> float:
         """Share of the layer's FLOPs that run in FP4 (each GEMM is a third of them)."""
         return sum(getattr(self, g) == "fp4" for g in GEMMS) / 3.0
+
+
+_EXPERT_PAIR_RE = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>[A-Za-z_]\w*)$")
+
+
+def expert_pair(fqn: str) -> Optional[Tuple[str, int, str]]:
+    """``(experts module path, expert, projection)`` for an MoE pair's layer name
+    (``model.layers.3.mlp.experts.17.down_proj`` -> ``("model.layers.3.mlp.experts", 17, "down_proj")``), None
+    for any other layer. Displays split a plan's experts from its dense layers with it."""
+    match = _EXPERT_PAIR_RE.match(fqn)
+    if match is None:
+        return None
+    return match["module"], int(match["expert"]), match["projection"]
 
 
 def layer_kinds(fqns: Iterable[str]) -> Tuple[str, ...]:
