@@ -350,7 +350,7 @@ class SnipCallback(TrainerCallback):
     def _setup(self, args, model) -> None:
         """Settings, checks and the swap; once (``on_init_end`` and :meth:`attach` both call it)."""
         from snip_ds.engine.core import initial_plan
-        from snip_ds.swap import check_experts_settings, model_layers, swap_model
+        from snip_ds.swap import check_layer_settings, model_layers, swap_model
 
         if self.infos is not None:
             return
@@ -371,7 +371,7 @@ class SnipCallback(TrainerCallback):
         rank = int(os.environ.get("RANK", "0")) if not sdist.is_initialized() else sdist.rank()
         infos = swap_model(model, "bf16", self.settings.quant, seed=args.seed, rank=rank,
                            exclude=self.settings.exclude)
-        check_experts_settings(infos, self.settings)
+        check_layer_settings(infos, self.settings)
         # FLOPs per step, for the shares (which do not depend on the token count)
         flops = {fqn: info.flops(1) for fqn, info in infos.items()}
         try:

@@ -204,8 +204,9 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     Option("additional_bf16_fwd_every_n_steps", int, 250, "Every n steps, and right after every re-plan, extra "
            "no-grad forwards (bf16, then the plan) measure the plan's forward divergence (0: never).",
            check=not_negative),
-    Option("pinned", Mapping[str, str], {}, "Layers held at a fixed precision: ``{fqn: precision}``.",
-           check=_pinned),
+    Option("pinned", Mapping[str, str], {}, "Layers held at a fixed precision by every plan: ``{fqn or glob: "
+           "precision}`` (``{\"model.layers.*.mlp.experts.*\": \"fp8\"}``); a layer named exactly overrides a glob, "
+           "a glob matching no layer is an error.", check=_pinned),
     Option("exclude", Tuple[str, ...], (), "Decoder linears left unquantized and out of the plan: globs matched on "
            "the fully qualified name (``[\"*.mlp.down_proj\", \"model.layers.0.*\"]``); a pattern that matches no "
            "layer is an error. MoE routers are always left out.", check=_globs),

@@ -625,3 +625,30 @@ def test_moe_scale_instance_solves_within_the_large_instance_gap():
     assert "mip_gap" not in small_plan.meta and small_plan.status == "optimal"
     with pytest.raises(ValueError, match="'mip_gap' must be a number in \\(0, 1\\)"):
         solve_plan(costs, flops, 0.75, SolverSettings(mip_gap=0.0))
+
+
+def test_pinned_globs_expand_over_the_layers_and_exact_names_win():
+    from snip_ds.planner.ilp import expand_pinned
+
+    names = [f"m.layers.{b}.mlp.experts.{e}.{p}" for b in range(2) for e in range(3) for p in ("gate_up_proj", "down_proj")]
+    names += ["m.layers.0.self_attn.q_proj"]
+    got = expand_pinned({"m.layers.*.mlp.experts.*.down_proj": "fp8", "m.layers.1.mlp.experts.2.down_proj": "fp4"},
+                        names)
+    assert got == {**{f"m.layers.{b}.mlp.experts.{e}.down_proj": "fp8" for b in range(2) for e in range(3)},
+                   "m.layers.1.mlp.experts.2.down_proj": "fp4"}
+    assert expand_pinned({"m.layers.0.self_attn.q_proj": "bf16"}, names) == {"m.layers.0.self_attn.q_proj": "bf16"}
+    with pytest.raises(ValueError, match=r"'pinned' pattern '\*\.o_proj' matches no layer"):
+        expand_pinned({"*.o_proj": "fp8"}, names)
+    with pytest.raises(ValueError, match=r"'pinned' patterns 'm.layers.0.\*' and '\*.q_proj' both match layer "
+                                         r"'m.layers.0.self_attn.q_proj' with different precisions"):
+        expand_pinned({"m.layers.0.*": "fp8", "*.q_proj": "fp4"}, names)
+    with pytest.raises(ValueError, match="not in the cost table"):
+        expand_pinned({"m.layers.9.mlp.experts.0.down_proj": "fp8"}, names)
+
+
+def test_pinned_glob_holds_every_layer_it_matches_in_the_plan():
+    costs = {f"l.{i}.{p}": {"fp8": 0.0, "fp4": 1e-3 * (i + 1)} for i in range(6) for p in ("a", "b")}
+    flops = {f: 1.0 for f in costs}
+    plan = solve_plan(costs, flops, 0.4, SolverSettings(pinned={"l.*.b": "fp8"}))
+    assert all(plan.assignment[f"l.{i}.b"] == "fp8" for i in range(6))
+    assert plan.fp4_share >= 0.4

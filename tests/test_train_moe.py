@@ -33,6 +33,11 @@ PAIRS = {f"mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_up_proj", "dow
 ])
 def test_moe_trains_adaptively_on_two_ranks_and_exports(family, model, linears, experts_blocks, cls, tmp_path):
     cfg = _config(tmp_path, model)
+    if family == "qwen2_moe":  # every expert's down projection held at fp8 by a glob, one overridden by name
+        data = json.loads(cfg.read_text())
+        data["snip"]["pinned"] = {"model.layers.*.mlp.experts.*.down_proj": "fp8",
+                                  "model.layers.1.mlp.experts.2.down_proj": "fp4"}
+        cfg.write_text(json.dumps(data))
     run = _ok(launch(["--deepspeed", str(cfg)], num_ranks=2))
     pairs = 8 * len(experts_blocks)
     assert f"{linears} quantizable linears and {pairs} (expert, projection) pairs, 2 rank(s)" in run.stdout
@@ -47,6 +52,10 @@ def test_moe_trains_adaptively_on_two_ranks_and_exports(family, model, linears, 
     assert experts == {f"model.layers.{b}.{k}" for b in experts_blocks for k in PAIRS}
     assert len(plan["assignment"]) == linears + pairs and plan["fp4_share"] >= RHO
     assert not any(layer_kind(f).endswith(("gate", "router")) for f in plan["assignment"])  # routers kept
+    if family == "qwen2_moe":
+        downs = {f: p for f, p in plan["assignment"].items() if ".experts." in f and f.endswith(".down_proj")}
+        assert len(downs) == 8 and downs.pop("model.layers.1.mlp.experts.2.down_proj") == "fp4"
+        assert set(downs.values()) == {"fp8"}
     stats = json.loads((out / "stats.json").read_text())
     assert set(stats["layers"]) == set(plan["assignment"])
     for fqn in experts:  # FLOPs follow the tokens routed to the expert

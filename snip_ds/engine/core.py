@@ -21,7 +21,7 @@ from snip_ds.engine import checkpoint as ckpt
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.settings import SnipSettings, parse_snip_section
 from snip_ds.state import NonFiniteError, SnipState, located_forward_hooks, run_without_update
-from snip_ds.swap import LayerInfo, check_experts_settings, check_still_swapped, swap_model
+from snip_ds.swap import LayerInfo, check_layer_settings, check_still_swapped, swap_model
 
 __all__ = ["DeepSpeedLoop", "NonFiniteError", "SnipEngine", "init_distributed", "initial_plan", "initialize"]
 
@@ -358,7 +358,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         model.to(device())  # so the stochastic-rounding generators live where the activations do
     check_backend(settings.quant, device())  # BackendError (a ValueError) before DeepSpeed starts
     infos = swap_model(model, "bf16", settings.quant, seed=seed, rank=sdist.rank(), exclude=settings.exclude)
-    check_experts_settings(infos, settings)
+    check_layer_settings(infos, settings)
     if plan is None:
         plan = initial_plan(list(infos), {f: info.flops(tokens_per_step) for f, info in infos.items()}, settings)
     params = [p for p in model.parameters() if p.requires_grad]

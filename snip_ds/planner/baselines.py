@@ -11,7 +11,7 @@ from typing import Mapping
 
 from snip_ds.plan import Plan
 from snip_ds.planner.costs import METHODS, CostSettings, method_costs, random_costs
-from snip_ds.planner.ilp import SolverSettings, solve_plan
+from snip_ds.planner.ilp import SolverSettings, expand_pinned, solve_plan
 from snip_ds.types import block_index
 
 
@@ -67,7 +67,7 @@ def solve_baseline(method: str, stats: Mapping, target: float, cost: CostSetting
             meta["fwd_lambda"] = float(cost.fwd_lambda)
         if dgrad != "split":
             meta.update(dgrad=dgrad, dgrad_calibration=float(cost.dgrad_calibration))
-    pins = {**sc.pinned, **dict(solver.pinned or {})}
+    pins = {**sc.pinned, **expand_pinned(solver.pinned or {}, fqns)}  # the user's (globs expanded) win
     if method == "first_last_fp8":
         blocks = {fqn: block_index(fqn) for fqn in fqns}
         ends = {min(blocks.values()), max(blocks.values())}

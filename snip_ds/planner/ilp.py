@@ -33,6 +33,7 @@ This module is pure data: no torch, no torch.distributed.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 import time
 from dataclasses import dataclass
@@ -107,6 +108,42 @@ class _Problem(NamedTuple):
     prev: dict             # unit -> previous precision (units the previous plan names)
 
 
+def is_pattern(key: str) -> bool:
+    """Whether a ``pinned`` key is a glob (``*``, ``?`` or ``[``) rather than a layer name."""
+    return any(ch in key for ch in "*?[")
+
+
+def expand_pinned(pinned: Mapping[str, Any], names) -> dict:
+    """``pinned`` with every glob key (:func:`is_pattern`, e.g. ``"model.layers.*.mlp.experts.*"``) replaced by
+    the layers of ``names`` it matches (``fnmatch``, case-sensitive); a layer named exactly keeps its own entry
+    over any pattern's.
+
+    Raises:
+        ValueError: a name that is not a layer, a pattern that matches none, or two patterns that give one
+            layer different precisions (the message names them).
+    """
+    names = list(names)
+    exact = {k: v for k, v in pinned.items() if not is_pattern(k)}
+    unknown = set(exact) - set(names)
+    if unknown:
+        raise ValueError(f"'pinned' names {len(unknown)} layer(s) not in the cost table: {_listed(unknown)}")
+    out, source = {}, {}
+    for pattern, value in pinned.items():
+        if not is_pattern(pattern):
+            continue
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise ValueError(f"'pinned' pattern {pattern!r} matches no layer (e.g. {names[0] if names else 'none'})")
+        for n in matched:
+            if n in exact:
+                continue
+            if n in out and out[n] != value:
+                raise ValueError(f"'pinned' patterns {source[n]!r} and {pattern!r} both match layer {n!r} with "
+                                 f"different precisions ({out[n]!r}, {value!r})")
+            out[n], source[n] = value, pattern
+    return {**out, **exact}
+
+
 def _setup(costs, flops, target, allowed, pinned, previous, flip_penalty, per_gemm) -> _Problem:
     if not isinstance(costs, Mapping) or not costs:
         raise ValueError("cost table is empty: need costs {fqn: {precision: cost}} for at least one layer")
@@ -124,10 +161,7 @@ def _setup(costs, flops, target, allowed, pinned, previous, flip_penalty, per_ge
     if not _is_number(flip_penalty) or not math.isfinite(flip_penalty) or flip_penalty < 0:
         raise ValueError(f"'flip_penalty' must be a finite number >= 0, got {flip_penalty!r}")
 
-    pinned = dict(pinned or {})
-    unknown = set(pinned) - set(costs)
-    if unknown:
-        raise ValueError(f"'pinned' names {len(unknown)} layer(s) not in the cost table: {_listed(unknown)}")
+    pinned = expand_pinned(pinned or {}, costs)
     pinned = {fqn: _gemm_map(v, f"pinned layer {fqn!r}") for fqn, v in pinned.items()}
     if not per_gemm:
         for fqn, g in pinned.items():
