@@ -437,6 +437,31 @@ def test_phi3_under_the_trainer_swaps_its_fused_projections_less_the_excluded(tm
     assert set(callback.state.plan.assignment) == set(callback.infos)
 
 
+def test_mixtral_under_the_trainer_plans_every_expert_pair(tmp_path):
+    """SnipCallback on a Mixtral: its experts modules are swapped too, and the first adaptive plan (solved from
+    the Trainer's batches before step 1) gives every (expert, projection) pair its own precision, applied to
+    the model, at the FP4 share asked for."""
+    from snip_ds.experts import ExpertLayerInfo, SnipExperts
+    from snip_ds.hf import SnipCallback
+    from snip_ds.model import build_model
+    from snip_ds.swap import model_layers
+    from snip_ds.types import GemmPrecision
+    from train_utils import TINY_MIXTRAL
+
+    model = build_model(None, dict(TINY_MIXTRAL), vocab_size=257, seed=0, block_size=64)
+    callback = SnipCallback(settings={"plan": "adaptive", "efficiency_saving": 0.5})
+    trainer = _trainer(tmp_path, model=model, callback=callback)
+    callback.attach(trainer)
+    trainer.train()
+    pairs = [f for f, info in callback.infos.items() if isinstance(info, ExpertLayerInfo)]
+    assert len(pairs) == 16 and len(callback.infos) == 24
+    assert isinstance(model.model.layers[1].mlp.experts, SnipExperts)
+    plan = callback.state.plan
+    assert plan.method == "best" and set(plan.assignment) == set(callback.infos) and plan.fp4_share >= 0.5
+    for fqn, layer in model_layers(model).items():
+        assert layer.gemm_precision == GemmPrecision.of(plan.assignment[fqn]), fqn
+
+
 def test_accelerate_plugin_config_is_read(tmp_path, monkeypatch):
     """Under accelerate launch, TrainingArguments.deepspeed is None and the config is the DeepSpeed plugin's
     deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE): its "snip" section is read, errors name it."""

@@ -9,18 +9,10 @@ import transformers
 
 from snip_ds.types import layer_kind
 from test_train_families import _config, _exports_what_was_trained, _ok, RHO
-from train_utils import TINY_MODEL, launch, scalars
+from train_utils import TINY_DEEPSEEK_V3, TINY_MIXTRAL, TINY_QWEN2_MOE, launch, scalars
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-_TOKENS = {"bos_token_id": 1, "eos_token_id": 256, "pad_token_id": 256}
-TINY_MIXTRAL = {**TINY_MODEL, **_TOKENS, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
-TINY_QWEN2_MOE = {**TINY_MODEL, **_TOKENS, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
-                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}
-TINY_DEEPSEEK_V3 = {**TINY_MODEL, **_TOKENS, "model_type": "deepseek_v3", "moe_intermediate_size": 32,
-                    "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
-                    "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
-                    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
 PAIRS = {f"mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_up_proj", "down_proj")}
 
 
@@ -82,3 +74,33 @@ def test_moe_trains_adaptively_on_two_ranks_and_exports(family, model, linears, 
         assert again["train/loss"][step] == logged["train/loss"][step], step
     replanned = json.loads((tmp_path / "resumed" / "plan.json").read_text())
     assert replanned["assignment"] == plan["assignment"] and replanned["fp4_share"] == plan["fp4_share"]
+
+
+@pytest.mark.parametrize("stage, ranks, per_gemm, pretrained", [
+    (0, 1, False, True),   # a model directory, as --model_name_or_path reads it
+    (1, 2, False, False),
+    (2, 2, True, False),   # per-GEMM plans: an expert's fprop, dgrad and wgrad chosen apart
+])
+def test_mixtral_under_other_zero_stages_per_gemm_plans_and_a_model_directory(stage, ranks, per_gemm, pretrained,
+                                                                              tmp_path):
+    cfg = _config(tmp_path, TINY_MIXTRAL)
+    data = json.loads(cfg.read_text())
+    data["zero_optimization"] = {"stage": stage}
+    data["snip"]["per_gemm"] = per_gemm
+    args = []
+    if pretrained:
+        from snip_ds.model import build_model
+        build_model(None, dict(TINY_MIXTRAL), seed=3).save_pretrained(tmp_path / "mixtral")
+        del data["snip"]["train"]["model_config"]
+        args = ["--model_name_or_path", str(tmp_path / "mixtral")]
+    cfg.write_text(json.dumps(data))
+    _ok(launch(["--deepspeed", str(cfg), *args], num_ranks=ranks))
+    out = tmp_path / "out"
+    logged = scalars(out / "tensorboard")
+    assert sorted(logged["snip/solve_time_s"]) == [0, 2]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["fp4_share"] >= RHO and len([f for f in plan["assignment"] if ".experts." in f]) == 16
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["layers"]["model.layers.1.mlp.experts.0.down_proj"]["bwd"]["fp4"] > 0  # Adam's state was read
+    per_gemm_cells = [v for v in plan["assignment"].values() if isinstance(v, dict)]
+    assert bool(per_gemm_cells) == per_gemm  # at ρ = 0.5 some layer's GEMMs split in a per-GEMM plan

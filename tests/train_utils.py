@@ -22,6 +22,16 @@ TINY_GPT_NEOX = {"model_type": "gpt_neox", "vocab_size": 264, "hidden_size": 64,
                  "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
                  "tie_word_embeddings": False}
 
+# Mixture-of-Experts families of the same widths: 4 experts, top-2
+_TOKENS = {"bos_token_id": 1, "eos_token_id": 256, "pad_token_id": 256}
+TINY_MIXTRAL = {**TINY_MODEL, **_TOKENS, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+TINY_QWEN2_MOE = {**TINY_MODEL, **_TOKENS, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}
+TINY_DEEPSEEK_V3 = {**TINY_MODEL, **_TOKENS, "model_type": "deepseek_v3", "moe_intermediate_size": 32,
+                    "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
+
 
 def write_configs(tmp: Path, stage: int = 3, plan: str = "fp8", model: Optional[dict] = None, **train) -> Path:
     """A DeepSpeed JSON for a tiny, fast run (fp32, small corpus) of ``model`` (a model config; default
