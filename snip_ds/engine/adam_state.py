@@ -95,6 +95,40 @@ def _slices_stage12(opt, weights: Mapping[str, torch.nn.Parameter]) -> Tuple[Dic
     return slices, sources
 
 
+def zero_state(ds_optimizer, params: Mapping[str, torch.nn.Parameter], what: str = "layer weight(s)"):
+    """Where each named Parameter's Adam ``exp_avg_sq`` lives in a ZeRO optimizer's partitioned state.
+
+    Returns:
+        None at stage 0 (the optimizer holds each Parameter's full state); else ``(slices, states, source)``:
+        ``{name: _Slice}`` (the part of the Parameter's flat range this rank owns, and where in its group's
+        state), the groups' ``exp_avg_sq`` tensors (None before the optimizer has state) and ``"zero1"`` to
+        ``"zero3"``.
+
+    Raises:
+        ValueError: a Parameter is in none of the optimizer's groups (``what`` names them in the message).
+    """
+    if hasattr(ds_optimizer, "fp32_partitioned_groups_flat"):
+        slices, sources = _slices_stage3(ds_optimizer, params)
+        source = "zero3"
+    elif hasattr(ds_optimizer, "single_partition_of_fp32_groups"):
+        slices, sources = _slices_stage12(ds_optimizer, params)
+        source = f"zero{getattr(ds_optimizer, 'partition_gradients', False) and 2 or 1}"
+    else:
+        return None
+    inner = _inner(ds_optimizer)
+    states: Optional[list] = []
+    for flat in sources:
+        state = inner.state.get(flat, {})
+        if "exp_avg_sq" not in state:
+            states = None
+            break
+        states.append(state["exp_avg_sq"])
+    missing = sorted(set(params) - set(slices))
+    if states is not None and missing:
+        raise ValueError(f"optimizer: no partition found for {len(missing)} {what}, e.g. {missing[:3]}")
+    return slices, states, source
+
+
 def layer_preconditioner(ds_optimizer, weights: Mapping[str, torch.nn.Parameter], step: int,
                          ) -> Tuple[Optional[Callable[[str, torch.Tensor], torch.Tensor]], str]:
     """The per-layer ``Σ_owned (t ⊙ P)²`` callable for DeepSpeed's optimizer, or None before it has state.
@@ -111,13 +145,8 @@ def layer_preconditioner(ds_optimizer, weights: Mapping[str, torch.nn.Parameter]
     inner = _inner(ds_optimizer)
     if step < 1:
         return None, "none (no optimizer step yet)"
-    if hasattr(ds_optimizer, "fp32_partitioned_groups_flat"):
-        slices, sources = _slices_stage3(ds_optimizer, weights)
-        source = "zero3"
-    elif hasattr(ds_optimizer, "single_partition_of_fp32_groups"):
-        slices, sources = _slices_stage12(ds_optimizer, weights)
-        source = f"zero{getattr(ds_optimizer, 'partition_gradients', False) and 2 or 1}"
-    else:  # stage 0: the optimizer holds full per-parameter state
+    partitioned_state = zero_state(ds_optimizer, weights)
+    if partitioned_state is None:  # stage 0: the optimizer holds full per-parameter state
         states = {}
         for fqn, p in weights.items():
             state = inner.state.get(p, {})
@@ -130,15 +159,9 @@ def layer_preconditioner(ds_optimizer, weights: Mapping[str, torch.nn.Parameter]
             p = 1.0 / ((states[fqn].float() / correction).sqrt() + eps)
             return (t * p.to(t.device)).pow(2).sum()
         return full, "adam"
-    states = []
-    for flat in sources:
-        state = inner.state.get(flat, {})
-        if "exp_avg_sq" not in state:
-            return None, "none (optimizer has no exp_avg_sq yet)"
-        states.append(state["exp_avg_sq"])
-    missing = sorted(set(weights) - set(slices))
-    if missing:
-        raise ValueError(f"optimizer: no partition found for {len(missing)} layer weight(s), e.g. {missing[:3]}")
+    slices, states, source = partitioned_state
+    if states is None:
+        return None, "none (optimizer has no exp_avg_sq yet)"
     correction = 1.0 - beta2 ** step
 
     def partitioned(fqn: str, t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Optional, Tuple
 
 import torch
 
-from snip_ds.engine.adam_state import _hyper, _inner, _slices_stage3, _slices_stage12
+from snip_ds.engine.adam_state import _hyper, _inner, zero_state
 from snip_ds.experts import ExpertPoint
 
 PrecondFn = Callable[[str, torch.Tensor], torch.Tensor]
@@ -41,13 +41,8 @@ def expert_preconditioner(ds_optimizer, points: Mapping[str, ExpertPoint], step:
         return None, "none (no optimizer step yet)"
     params = {p.parameter_name: p.parameter for p in points.values()}
     correction = 1.0 - beta2 ** step
-    if hasattr(ds_optimizer, "fp32_partitioned_groups_flat"):
-        slices, sources = _slices_stage3(ds_optimizer, params)
-        source = "zero3"
-    elif hasattr(ds_optimizer, "single_partition_of_fp32_groups"):
-        slices, sources = _slices_stage12(ds_optimizer, params)
-        source = f"zero{getattr(ds_optimizer, 'partition_gradients', False) and 2 or 1}"
-    else:  # stage 0: the optimizer holds each Parameter's full state
+    partitioned_state = zero_state(ds_optimizer, params, what="experts Parameter(s)")
+    if partitioned_state is None:  # stage 0: the optimizer holds each Parameter's full state
         states = {}
         for name, p in params.items():
             state = inner.state.get(p, {})
@@ -62,15 +57,9 @@ def expert_preconditioner(ds_optimizer, points: Mapping[str, ExpertPoint], step:
             v = point.slice(states[point.parameter_name]).float().to(t.device)
             return (t.float() * (1.0 / ((v / correction).sqrt() + eps))).pow(2).sum()
         return full, "adam"
-    states = []
-    for flat in sources:
-        state = inner.state.get(flat, {})
-        if "exp_avg_sq" not in state:
-            return None, "none (optimizer has no exp_avg_sq yet)"
-        states.append(state["exp_avg_sq"])
-    missing = sorted(set(params) - set(slices))
-    if missing:
-        raise ValueError(f"optimizer: no partition found for {len(missing)} experts Parameter(s), e.g. {missing[:3]}")
+    slices, states, source = partitioned_state
+    if states is None:
+        return None, "none (optimizer has no exp_avg_sq yet)"
 
     def partitioned(fqn: str, t: torch.Tensor) -> torch.Tensor:
         point = points.get(fqn)
