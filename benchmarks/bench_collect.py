@@ -2,6 +2,7 @@
 
     python benchmarks/bench_collect.py [--repeats 3] [--quick]
     python benchmarks/bench_collect.py --threads 1 --clock cpu    # one thread's CPU time: steady under load
+    python benchmarks/bench_collect.py --model moe --threads 1 --clock cpu    # a small Mixtral (MoE)
 
 - time: one collection (collect_batches = 1 and 2) in training-step equivalents; the step is forward +
   backward + AdamW of the same micro-batch under a uniform fp8 plan (backend ``auto``: on the CPU the torch
@@ -24,9 +25,15 @@
   deepspeed launcher on 1 rank (ZeRO-3, the adaptive plan's mixed FP8/FP4 steps, the collection's ZeRO-3
   path), re-planning every DEFAULT_RUN_K steps so that one short run holds several collections; its own
   TensorBoard gives the collection, solve + broadcast and step times from which the same share follows.
+- ``--model moe``: the same time and memory measures on a small Mixtral (MOE_CONFIG: the default model's
+  attention, 8 experts of width 512 with top-2 routing in each of the 6 blocks; every (expert, projection)
+  pair measured as a layer of its own, its FLOPs from the tokens routed to it), swapped with ``swap_model``
+  and measured over ``model_layers``. The all-reduced bytes are this model's own (no figures on paper), and the
+  default run (the shipped config trains the dense default model) is left out.
 Results: benchmarks/results/bench_collect.{json,md}; with ``--clock cpu``, bench_collect_cpu{threads}.{json,md}
 (process CPU time instead of wall time, so other processes on the machine barely move the figures; the default
-run, timed by its own TensorBoard in wall time, is left out). Targets: <= 3 step equivalents, <= 1.3x memory,
+run, timed by its own TensorBoard in wall time, is left out); with ``--model moe``, bench_collect_moe.{json,md}
+and bench_collect_moe_cpu{threads}.{json,md}. Targets (both models): <= 3 step equivalents, <= 1.3x memory,
 < 1 MB at 70B; <= 2 % overhead at the default replan_every.
 """
 from __future__ import annotations
@@ -52,7 +59,7 @@ from snip_ds.omp import preserve_torch_threads  # noqa: E402
 from snip_ds.planner import solve_baseline  # noqa: E402
 from snip_ds.schedule import measure_due, replan_steps  # noqa: E402
 from snip_ds.settings import parse_snip_section  # noqa: E402
-from snip_ds.swap import swap_linears  # noqa: E402
+from snip_ds.swap import model_layers, swap_linears, swap_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _GLOBAL_KEYS = ("n_tokens", "n_rows", "loss_sum")  # the collection's model-wide scalars (mc_fisher)
@@ -63,6 +70,12 @@ SHIPPED_REPLAN_EVERY = json.loads(SHIPPED_CONFIG.read_text())["snip"]["replan_ev
 DEFAULT_RUN_STEPS, DEFAULT_RUN_K = 40, 10  # the measured default run: 4 collections (steps 0, 10, 20, 30)
 DEFAULT_RUN_MEASURE = 5  # ... with the plan's divergence measured every 5 steps (and after each re-plan), to time it
 LONG_RUN_STEPS = 20_000  # "a long run" for the share of SNIP's own work at the shipped settings
+# --model moe: a Mixtral with the default model's attention (6 blocks, hidden 384, 6 heads, 2 KV heads) and, in
+# each block, 8 experts of SwiGLU width 512, 2 per token (a token's MLP FLOPs are those of the default model's
+# width-1024 MLP); 24 attention linears + 6 x 8 x 2 (expert, projection) pairs = 120 planned layers.
+MOE_CONFIG = {"model_type": "mixtral", "hidden_size": 384, "intermediate_size": 512, "num_hidden_layers": 6,
+              "num_attention_heads": 6, "num_key_value_heads": 2, "num_local_experts": 8,
+              "num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 256, "pad_token_id": 256}
 
 
 def shipped_share(median_s: dict, steps) -> dict:
@@ -135,11 +148,22 @@ def default_run(max_steps: int = DEFAULT_RUN_STEPS, replan_every: int = DEFAULT_
                          if measured else 0.0}}
 
 
-def _setup(micro_batch: int, block: int):
+def _moe_config(vocab: int, block: int):
+    from transformers import MixtralConfig
+
+    fields = {k: v for k, v in MOE_CONFIG.items() if k != "model_type"}
+    return MixtralConfig(vocab_size=-(-vocab // 8) * 8, max_position_embeddings=block, **fields)
+
+
+def _setup(micro_batch: int, block: int, model_kind: str = "default"):
     torch.set_flush_denormal(True)  # as launch/train.py does
     train, _, vocab, _ = load_dataset_blocks(None, block, max_bytes=1_000_000, max_validation_bytes=64 * block)
-    model = build_model(vocab_size=vocab, block_size=block)
-    swap_linears(model, "fp8")
+    if model_kind == "moe":
+        model = build_model(model_config=_moe_config(vocab, block), vocab_size=vocab)
+        swap_model(model, "fp8")  # decoder linears and every (expert, projection) pair
+    else:
+        model = build_model(vocab_size=vocab, block_size=block)
+        swap_linears(model, "fp8")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     stream = DataStream(train, micro_batch, seed=0)
     return model, opt, stream
@@ -157,15 +181,16 @@ def _collect(model, opt, batches, counter=None, study=()):
         counter.append(t.numel() * 8)  # all-reduced as float64 (snip_ds.distributed.dist_sum)
         return t
     return collect_statistics(model, batches, CollectSettings(lam=100.0, study_fields=study), lr=pre.lr,
-                              precond=pre.precond or None, reduce=counting if counter is not None else None)
+                              precond=pre.precond or None, reduce=counting if counter is not None else None,
+                              layers=list(model_layers(model)))
 
 
 def _status_bytes(key: str) -> int:
     return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
-def _memory_child(what: str, micro_batch: int, block: int) -> int:
-    model, opt, stream = _setup(micro_batch, block)
+def _memory_child(what: str, micro_batch: int, block: int, model_kind: str = "default") -> int:
+    model, opt, stream = _setup(micro_batch, block, model_kind)
     batches = [stream.next_batch() for _ in range(3)]
     _train_step(model, opt, batches[0])  # optimizer state exists, as in training
     _collect(model, opt, [batches[1]]) if what == "collect" else _train_step(model, opt, batches[1])
@@ -179,9 +204,9 @@ def _memory_child(what: str, micro_batch: int, block: int) -> int:
     return _status_bytes("VmHWM") - start
 
 
-def peak_bytes(what: str, micro_batch: int, block: int) -> int:
+def peak_bytes(what: str, micro_batch: int, block: int, model_kind: str = "default") -> int:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    out = subprocess.run([sys.executable, __file__, "--_memory", what, str(micro_batch), str(block)],
+    out = subprocess.run([sys.executable, __file__, "--_memory", what, str(micro_batch), str(block), model_kind],
                          env=env, capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -197,11 +222,14 @@ def main(argv=None) -> int:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: time.perf_counter; cpu: the process's CPU time (time.process_time), for a "
                         "loaded machine (use with --threads 1)")
-    p.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--model", choices=("default", "moe"), default="default",
+                   help="default: the default dense model; moe: a small Mixtral (MOE_CONFIG), no default run")
+    p.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._memory:
-        print(_memory_child(args._memory[0], int(args._memory[1]), int(args._memory[2])))
+        print(_memory_child(args._memory[0], int(args._memory[1]), int(args._memory[2]), args._memory[3]))
         return 0
+    moe = args.model == "moe"
     if args.threads is not None:
         if args.threads < 1:
             p.error(f"--threads must be at least 1, got {args.threads}")
@@ -209,7 +237,7 @@ def main(argv=None) -> int:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     mb, block = (1, 64) if args.quick else (args.micro_batch, args.block_size)
     repeats = 1 if args.quick else args.repeats
-    model, opt, stream = _setup(mb, block)
+    model, opt, stream = _setup(mb, block, args.model)
     _train_step(model, opt, stream.next_batch())  # warm-up, and Adam state for the preconditioner
     times = {"step": [], "collect_1": [], "collect_1_study": [], "collect_2": [], "solve": []}
     payload: list = []
@@ -239,15 +267,21 @@ def main(argv=None) -> int:
     # The payload is (per-layer scalars) x layers + global scalars; both counts come from this run's keys.
     n_global = sum(1 for k in _GLOBAL_KEYS)
     per_layer = (bytes_default / 8 - n_global) / n_layers
-    on_paper = {name: int(round(per_layer * n + n_global)) * 8 for name, n in LLAMA_LINEARS.items()}
-    mem = {} if args.quick else {w: peak_bytes(w, mb, block) for w in ("step", "collect")}
+    on_paper = {} if moe else {name: int(round(per_layer * n + n_global)) * 8 for name, n in LLAMA_LINEARS.items()}
+    pairs = {f: r for f, r in stats["layers"].items() if "routed_tokens" in r}  # the experts' records
+    params = sum(p.numel() for p in model.parameters())
+    label = (f"small Mixtral ({params / 1e6:.1f}M params, {n_layers - len(pairs)} linears + {len(pairs)} "
+             f"(expert, projection) pairs)" if moe else "default (9.6M params, 42 linears)")
+    short = (f"this model ({n_layers - len(pairs)} linears + {len(pairs)} pairs)" if moe
+             else "default model (42 linears)")
+    mem = {} if args.quick else {w: peak_bytes(w, mb, block, args.model) for w in ("step", "collect")}
     ks = sorted({SHIPPED_REPLAN_EVERY, 100, 200, 500, 1000})
 
     def share(cost: float, step: float) -> dict:
         return {str(k): cost / (k * step + cost) for k in ks}
 
     overhead = share(med["collect_1"] + med["solve"], med["step"])
-    run = None if (args.quick or args.no_default_run or args.clock == "cpu") else default_run()
+    run = None if (args.quick or args.no_default_run or args.clock == "cpu" or moe) else default_run()
     run_study = None if run is None else default_run(study_fields=tuple(STUDY_FIELDS))
     if run_study is not None:
         run_study["collect_step_equivalents"] = run_study["median_s"]["collect"] / run_study["median_s"]["step"]
@@ -260,14 +294,19 @@ def main(argv=None) -> int:
         run["shipped_long_run"] = shipped_share(rm, LONG_RUN_STEPS)
         run["shipped_default_run"] = shipped_share(rm, None)
     result = {
-        "model": "default (9.6M params, 42 linears)", "tokens_per_batch": mb * block, "repeats": repeats,
+        "model": label, "model_config": dict(MOE_CONFIG) if moe else None,
+        "tokens_per_batch": mb * block, "repeats": repeats,
         "median_s": med,
         "collect_step_equivalents": {"collect_batches=1": med["collect_1"] / med["step"],
                                      "collect_batches=2": med["collect_2"] / med["step"],
                                      "collect_batches=1, every study field": med["collect_1_study"] / med["step"]},
         "peak_bytes": mem,
         "memory_ratio": (mem["collect"] / mem["step"]) if mem else None,
-        "allreduce_bytes": {"default model (42 linears)": bytes_default, **on_paper},
+        "allreduce_bytes": {short: bytes_default, **on_paper},
+        "expert_pairs": ({"pairs": len(pairs), "without_tokens": sum(bool(r["no_tokens"]) for r in pairs.values()),
+                          "routed_tokens_min": min(r["routed_tokens"] for r in pairs.values()),
+                          "routed_tokens_max": max(r["routed_tokens"] for r in pairs.values())}
+                         if pairs else None),  # the last collection's (collect_batches=2) routing
         "scalars_per_layer": per_layer,
         "overhead_share_by_replan_every": overhead, "shipped_replan_every": SHIPPED_REPLAN_EVERY,
         "default_run": run,
@@ -279,11 +318,24 @@ def main(argv=None) -> int:
     if args.quick:
         return 0
     RESULTS.mkdir(exist_ok=True)
-    name = "bench_collect" if args.clock == "wall" else f"bench_collect_cpu{torch.get_num_threads()}"
+    name = "bench_collect_moe" if moe else "bench_collect"
+    name = name if args.clock == "wall" else f"{name}_cpu{torch.get_num_threads()}"
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     ce = result["collect_step_equivalents"]
-    lines = ["# bench_collect: one SNIP statistics collection vs a training step (default model, CPU, FP32)", "",
-             f"Micro-batch {mb}x{block} tokens, {torch.get_num_threads()} threads, "
+    lines = [f"# bench_collect: one SNIP statistics collection vs a training step "
+             f"({'small Mixtral' if moe else 'default model'}, CPU, FP32)", ""]
+    if moe:
+        ep = result["expert_pairs"]
+        lines += [f"Model: {label}: the default model's attention (6 blocks, hidden 384, 6 heads, 2 KV heads), in "
+                  "each block 8 experts of SwiGLU width 512, top-2 routing (`MOE_CONFIG`), swapped with "
+                  "`swap_model`, every (expert, projection) pair measured as a layer of its own "
+                  f"(`model_layers`); in the last collection (collect_batches=2) the pairs saw "
+                  f"{ep['routed_tokens_min']:.0f}-{ep['routed_tokens_max']:.0f} routed tokens per step, "
+                  f"{ep['without_tokens']} of {ep['pairs']} none: the config has no auxiliary load-balancing "
+                  "loss (`output_router_logits` off, transformers' default), so the few AdamW steps before it "
+                  "concentrate the routing; the figures are for that routing. No default run (the shipped config "
+                  "trains the dense default model).", ""]
+    lines += [f"Micro-batch {mb}x{block} tokens, {torch.get_num_threads()} threads, "
              f"{'wall' if args.clock == 'wall' else 'process CPU'} time, median of {repeats} "
              "round-robin repeats; training step = fp8 plan forward+backward+AdamW (backend auto: on the CPU the "
              "torch backend with the fused CPU quantization kernels; the collection quantizes through them too).", "",
@@ -293,10 +345,11 @@ def main(argv=None) -> int:
              f"| ... collect_batches=1 with every study field (as before they were optional) | "
              f"{ce['collect_batches=1, every study field']:.2f} step equivalents | |",
              f"| peak memory added, collection / training step | {result['memory_ratio']:.2f}x | <= 1.3x |",
-             f"| all-reduced per collection, default model | {bytes_default / 1024:.1f} KiB | |",
-             f"| ... Llama-2-7B (224 linears, on paper) | {on_paper['Llama-2-7B'] / 1024:.1f} KiB | |",
-             f"| ... Llama-2-70B (560 linears, on paper) | {on_paper['Llama-2-70B'] / 1024:.1f} KiB | < 1 MB |",
-             f"| solve time (42 layers) | {med['solve'] * 1000:.0f} ms | |", "",
+             f"| all-reduced per collection, {short} | {bytes_default / 1024:.1f} KiB | |"]
+    if on_paper:
+        lines += [f"| ... Llama-2-7B (224 linears, on paper) | {on_paper['Llama-2-7B'] / 1024:.1f} KiB | |",
+                  f"| ... Llama-2-70B (560 linears, on paper) | {on_paper['Llama-2-70B'] / 1024:.1f} KiB | < 1 MB |"]
+    lines += [f"| solve time ({n_layers} layers) | {med['solve'] * 1000:.0f} ms | |", "",
              "Share of training time spent in collection + solve (collect_batches=1) by replan_every:", "",
              "| replan_every | overhead |", "|---|---|"]
     lines += [f"| {k}{' (shipped default)' if int(k) == SHIPPED_REPLAN_EVERY else ''} | {v * 100:.1f} % |"
