@@ -67,7 +67,7 @@ def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
     if rank(group) == src:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     dist.broadcast(buf, src=root, group=group)
-    return json.loads(bytes(buf.cpu().tolist()).decode())
+    return json.loads(buf.cpu().numpy().tobytes().decode())
 
 
 def agree(text: str, group: Any = None) -> bool:
@@ -97,7 +97,7 @@ def all_gather_json(obj: Any, group: Any = None) -> list:
         buf[:len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(n)]
     dist.all_gather(bufs, buf, group=group)
-    return [json.loads(bytes(b[:int(s.item())].cpu().tolist()).decode()) for b, s in zip(bufs, sizes)]
+    return [json.loads(b[:int(s.item())].cpu().numpy().tobytes().decode()) for b, s in zip(bufs, sizes)]
 
 
 def first_error(message: str | None, group: Any = None) -> str | None:
