@@ -78,9 +78,8 @@ def test_moe_trains_adaptively_on_two_ranks_and_exports(family, model, linears, 
 
 @pytest.mark.parametrize("stage, ranks, per_gemm, pretrained", [
     (0, 1, False, True),   # a model directory, as --model_name_or_path reads it
-    (1, 2, False, False),
-    (2, 2, True, False),   # per-GEMM plans: an expert's fprop, dgrad and wgrad chosen apart
-])
+    (2, 2, True, False),   # per-GEMM plans: an expert's fprop, dgrad and wgrad chosen apart (ZeRO-1: the same
+])                         # partition code as ZeRO-2, snip_ds.engine.adam_state)
 def test_mixtral_under_other_zero_stages_per_gemm_plans_and_a_model_directory(stage, ranks, per_gemm, pretrained,
                                                                               tmp_path):
     cfg = _config(tmp_path, TINY_MIXTRAL)
