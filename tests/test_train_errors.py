@@ -7,6 +7,8 @@ One real 2-rank run provides the output directory and the checkpoints; the faili
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,17 @@ def _interrupted(run) -> str:
         (save_dir / "step_1" / "snip_meta.json").unlink()
         (save_dir / "latest").write_text("step_1")
     return str(save_dir)
+
+
+def _universal(run) -> str:
+    """DeepSpeed's own ds_to_universal run on the step_1 checkpoint (it converts it; snip_ds cannot resume it)."""
+    out = run["tmp"] / "universal" / "step_1_universal"
+    if not out.exists():
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(run["out"] / "checkpoints" / "step_1"), "--output_folder", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and (out / "zero").is_dir(), proc.stderr[-3000:]
+    return str(out)
 
 
 def _zero_layers_plan(run) -> str:
@@ -152,7 +165,10 @@ CASES = {
                         ["tp.json", "tensor_parallel.autotp_size: 2", "does not quantize yet"]),
     "checkpoint_interrupted_tag": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
                                               _interrupted(r) + "/step_1"],
-                                   ["interrupted/step_1", "not a snip_ds checkpoint", "interrupted while saving"]),
+                                   ["interrupted/step_1", "not a complete snip_ds checkpoint",
+                                    "its save was interrupted"]),
+    "checkpoint_universal": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint", _universal(r)],
+                             ["step_1_universal: a DeepSpeed universal checkpoint", "cannot resume from one yet"]),
     "checkpoint_interrupted_latest": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
                                                  _interrupted(r)],
                                       ["interrupted/latest", "not a complete snip_ds checkpoint"]),

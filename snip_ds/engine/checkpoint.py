@@ -414,8 +414,14 @@ def resolve(path: Path) -> Path:
         if (tag_dir / META_FILE).is_file():
             return tag_dir
         raise CheckpointError(f"{latest}: points to {tag_dir}, which is not a complete snip_ds checkpoint")
-    raise CheckpointError(f"{path}: not a snip_ds checkpoint (no {META_FILE}, and no '{LATEST_FILE}' file); "
-                          f"a checkpoint without {META_FILE} was interrupted while saving")
+    if (path / "zero").is_dir():  # ds_to_universal's output: a folder per Parameter under zero/
+        raise CheckpointError(f"{path}: a DeepSpeed universal checkpoint (ds_to_universal's output, no {META_FILE}); "
+                              f"snip_ds cannot resume from one yet: resume from the checkpoint it was converted "
+                              f"from, on as many ranks as saved it")
+    if any(path.glob("*_model_states.pt")):
+        raise CheckpointError(f"{path}: not a complete snip_ds checkpoint: it holds DeepSpeed's files but no "
+                              f"{META_FILE}, which snip_ds writes last, so its save was interrupted")
+    raise CheckpointError(f"{path}: not a snip_ds checkpoint (no {META_FILE}, and no '{LATEST_FILE}' file)")
 
 
 def read_meta(tag_dir: Path) -> Dict[str, Any]:
