@@ -28,7 +28,7 @@ from snip_ds.experiments.summary import target_checks
 from snip_ds.experiments.training import (TrainSettings, evaluate, load_checkpoint, make_optimizer,
                                           save_checkpoint, train_steps)
 from snip_ds.plan import Plan
-from snip_ds.swap import block_index, snip_layers, swap_linears
+from snip_ds.swap import block_index, model_layers, swap_model
 
 
 def _log(args, msg: str) -> None:
@@ -71,7 +71,7 @@ def run_plan(model, ckpt: Path, plan: Plan, train_ds, val_batches, settings: Tra
     its validation losses (quantized and BF16 forward), training losses and seconds."""
     opt = make_optimizer(model, settings)
     load_checkpoint(model, opt, ckpt)
-    swap_linears(model, "bf16", quant, seed=seed)  # fresh stochastic-rounding generators, seeded alike for every plan
+    swap_model(model, "bf16", quant, seed=seed)  # fresh stochastic-rounding generators, seeded alike for every plan
     apply_plan(model, plan)
     stream = DataStream(train_ds, settings.batch_size, seed=10_000 + seed)
     start = time.perf_counter()
@@ -79,7 +79,7 @@ def run_plan(model, ckpt: Path, plan: Plan, train_ds, val_batches, settings: Tra
     val = evaluate(model, val_batches)
     with bf16_forward(model):
         val_bf16 = evaluate(model, val_batches)
-    swap_linears(model, "bf16", quant, seed=seed)
+    swap_model(model, "bf16", quant, seed=seed)
     return dict(val_loss=val, val_loss_bf16_forward=val_bf16, train_losses=losses,
                 seconds=time.perf_counter() - start)
 
@@ -97,7 +97,7 @@ def checkpoint_fld(model, ckpt: Path, plans: List[Dict[str, Any]], val_batches, 
             apply_plan(model, p["plan"])
             cache[digest] = evaluate(model, val_batches) - base
         p["measured_fld_at_ckpt"] = cache[digest]
-    swap_linears(model, "bf16", quant, seed=0)
+    swap_model(model, "bf16", quant, seed=0)
 
 
 def run_cell(model, ckpt: Path, phase: str, warmup_steps: int, seed: int, plans, train_ds, val_batches,
@@ -153,7 +153,7 @@ def run_grid(args) -> Dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = TrainSettings(lr=args.lr, batch_size=args.batch_size, lr_warmup_steps=args.lr_warmup_steps)
     model, train_ds, val_batches = build(args)
-    layers = snip_layers(model)
+    layers = model_layers(model)
     full = "python launch/compare_plans.py" + ("" if args.model_config is None else
                                                f" --model_config {shlex.quote(str(args.model_config))}")
     data: Dict[str, Any] = dict(settings=dict(
