@@ -15,6 +15,8 @@ Example::
 
     python launch/compare_expert_plans.py --seeds 0,1,2,3,4,5 --rhos 0.5,0.75
     python launch/compare_expert_plans.py --quick          # a smoke run (tiny model, a few steps)
+    python launch/compare_expert_plans.py --seeds 6,7 --rhos 0.5,0.75 --output_dir /tmp/more
+    python launch/compare_expert_plans.py --report_only --merge benchmarks/results/compare_expert_plans,/tmp/more
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from snip_ds.experiments.expert_plans import run_comparison  # noqa: E402
+from snip_ds.experiments.expert_plans import rerender, run_comparison  # noqa: E402
 from snip_ds.experiments.results import json_default  # noqa: E402
 from snip_ds.quant_config import QuantConfig  # noqa: E402
 
@@ -70,12 +72,19 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--output_dir", default="benchmarks/results/compare_expert_plans")
     ap.add_argument("--quick", action="store_true", help="few steps, one seed: a smoke run")
+    ap.add_argument("--report_only", action="store_true", help="rewrite the summary and markdown from the json "
+                    "(of a finished or stopped run)")
+    ap.add_argument("--merge", default=None, help="with --report_only: comma-separated result directories whose "
+                    "records (e.g. extra seeds of the same comparison) are joined into --output_dir")
     ap.add_argument("--silent", action="store_true")
     args = ap.parse_args(argv)
     args.argv = argv
     for key, val in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, val)
+    args.merge = _list(str, "merge", args.merge) if args.merge else None
+    if args.merge and not args.report_only:
+        ap.error("--merge needs --report_only")
     args.seeds = _list(int, "seeds", args.seeds)
     args.rhos = _list(float, "rhos", args.rhos)
     if any(not 0.0 <= r <= 1.0 for r in args.rhos):
@@ -96,7 +105,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        result = run_comparison(args)
+        result = rerender(args.output_dir, args.merge) if args.report_only else run_comparison(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"compare_expert_plans: error: {err}", file=sys.stderr)
         return 2

@@ -343,3 +343,47 @@ def run_comparison(args) -> Dict[str, Any]:
     write_markdown(data, out_dir / f"{PREFIX}.md")
     return dict(records=len(data["records"]), wall_seconds=data["wall_seconds"], summary=data["summary"],
                 output_dir=str(out_dir))
+
+
+def rerender(output_dir: str, merge: Sequence[str] | None = None) -> Dict[str, Any]:
+    """Rewrites the summary and markdown of finished (or stopped) comparisons; with ``merge``, joins the records
+    of several result directories (e.g. extra seeds) into ``output_dir``.
+
+    Raises:
+        FileNotFoundError: a result file is missing.
+        ValueError: the merged comparisons differ in anything but their seeds, or in their plans.
+    """
+    import json
+
+    from snip_ds.experiments.results import write_json
+
+    dirs = list(merge or [output_dir])
+    datas = []
+    for d in dirs:
+        path = Path(d) / f"{PREFIX}.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no {PREFIX}.json in {d!r}")
+        datas.append(json.loads(path.read_text(encoding="utf-8")))
+    data = datas[0]
+    ignore = ("command", "seeds", "threads")
+    for other, d in zip(datas[1:], dirs[1:]):
+        a = {k: v for k, v in data["settings"].items() if k not in ignore}
+        b = {k: v for k, v in other["settings"].items() if k not in ignore}
+        if a != b:
+            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            raise ValueError(f"{d!r} ran other settings ({', '.join(diff)})")
+        if other["plans"] != data["plans"]:
+            raise ValueError(f"{d!r} ran other plans")
+        seen = {(r["seed"], r["label"]) for r in data["records"]}
+        data["records"] += [r for r in other["records"] if (r["seed"], r["label"]) not in seen]
+        data["wall_seconds"] = data.get("wall_seconds", 0) + other.get("wall_seconds", 0)
+    seeds = sorted({r["seed"] for r in data["records"]})
+    data["settings"]["seeds"] = seeds
+    if merge:
+        data["settings"]["command"] += "  # merged with: " + ", ".join(dirs[1:])
+    data["summary"] = summarize(data["records"], data["settings"]["rhos"])
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(data, out / f"{PREFIX}.json")
+    write_markdown(data, out / f"{PREFIX}.md")
+    return dict(records=len(data["records"]), seeds=seeds, output_dir=str(out))
