@@ -213,6 +213,10 @@ def _fmt(ms: Mapping[str, Any]) -> str:
     return f"{ms['mean']:+.2f}" + ("" if se is None else f" ± {se:.2f}")
 
 
+def _pred(p: Mapping[str, float]) -> str:
+    return f"{1e3 * p['objective']:.3f} ({1e3 * p['fld']:.3f}, {1e3 * p['bwd']:.4f})"
+
+
 def write_markdown(data: Mapping[str, Any], path: Path) -> None:
     """``compare_expert_plans.md``: settings, the plans, the paired result."""
     s, summ = data["settings"], data["summary"]
@@ -228,17 +232,26 @@ def write_markdown(data: Mapping[str, Any], path: Path) -> None:
              f"{data.get('wall_seconds', 0) / 60:.1f} min.", "",
              "Losses in millinats; ± is one standard error over seeds of the paired difference.", "",
              "## Plans", "",
+             "Predicted: FLD + λ·BWD of the plan from the statistics (FLD, BWD), in millinats. Measured: the plan's validation "
+             "loss at the checkpoint minus the BF16 one, in millinats (one evaluation, no training).", "",
              "| ρ | FP4 share (both) | expert pairs that differ | dense layers that differ | per-expert FP4 pairs "
-             "| shared FP4 pairs | predicted FLD + λ·BWD per-expert | shared |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shared FP4 pairs | predicted per-expert | predicted shared | measured per-expert | measured shared |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    measured = {(r["method"], r["rho"]): r.get("measured_fld_at_ckpt") for r in data["records"]}
+
+    def mn(method, rho):
+        value = measured.get((method, rho))
+        return "n/a" if value is None else f"{1e3 * value:+.2f}"
     for p in data["plan_comparison"]:
         lines.append(f"| {p['rho']:g} | {p['share_per_expert']:.4f} / {p['share_shared']:.4f} | "
                      f"{p['pairs_differ']} of {s['expert_pairs']} | {p['dense_differ']} of {s['dense_layers']} | "
                      f"{p['fp4_pairs_per_expert']} | {p['fp4_pairs_shared']} | "
-                     f"{p['predicted_per_expert']['objective']:.4g} (FLD {p['predicted_per_expert']['fld']:.4g}, "
-                     f"BWD {p['predicted_per_expert']['bwd']:.4g}) | {p['predicted_shared']['objective']:.4g} "
-                     f"(FLD {p['predicted_shared']['fld']:.4g}, BWD {p['predicted_shared']['bwd']:.4g}) |")
-    lines += ["", "## Validation loss", "",
+                     f"{_pred(p['predicted_per_expert'])} | {_pred(p['predicted_shared'])} | "
+                     f"{mn('per_expert', p['rho'])} | {mn('shared', p['rho'])} |")
+    idle = data.get("idle_pairs") or []
+    lines += ["", f"Expert pairs no token reached in the statistics' batches (no FLOPs, no cost; planned "
+              f"freely): {len(idle)}" + (f" ({', '.join(idle)})" if idle else "") + ".",
+              "", "## Validation loss", "",
               f"Uniform FP4 − uniform FP8: {_fmt(summ['uniform_fp4_minus_fp8']['q'])} (BF16 forward: "
               f"{_fmt(summ['uniform_fp4_minus_fp8']['bf16'])}).", "",
               "| ρ | forward | per-expert − shared | resolved (> 2 SE) | per-expert − FP8 | shared − FP8 |",
