@@ -121,3 +121,13 @@ def test_solve_arms_refuses_statistics_without_experts():
         flops=1.0, fld={"fp8": 0.0, "fp4": 1.0}, bwd={"fp8": 0.0, "fp4": 1.0}, nonfinite=False)}}
     with pytest.raises(ValueError, match="no MoE expert pairs"):
         solve_arms(stats, 0.5, lam=2.0)
+
+
+def test_trained_share_weighs_each_pair_by_the_routing_of_the_run():
+    from snip_ds.experiments.expert_plans import trained_share
+    dense = {"attn": 100.0}
+    per_token = {"e.0.up": 2.0, "e.1.up": 2.0}
+    plan = {"attn": "fp8", "e.0.up": "fp4", "e.1.up": "fp8"}
+    assert trained_share(plan, dense, per_token, {"e.0.up": 50, "e.1.up": 50}) == pytest.approx(100 / 300)
+    assert trained_share(plan, dense, per_token, {"e.0.up": 100, "e.1.up": 0}) == pytest.approx(200 / 300)
+    assert trained_share(plan, dense, per_token, {}) == 0.0  # no token routed: the FP4 pair does no work

@@ -167,6 +167,15 @@ def solve_arms(stats: Mapping[str, Any], rho: float, lam: float) -> Dict[str, An
 # --------------------------------------------------------------------------------------------------------
 # The comparison run
 # --------------------------------------------------------------------------------------------------------
+def _shown(path) -> str:
+    """A path as the result files show it: relative to the repository when inside it."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def _log(args, msg: str) -> None:
     if not args.silent:
         print(msg, file=sys.stderr, flush=True)
@@ -178,6 +187,16 @@ def _plan_entry(method: str, label: str, rho, plan: Plan, stats, lam: float) -> 
     fld, bwd = predicted_divergence(stats["layers"], plan.assignment)
     return dict(method=method, label=label, rho=rho, plan=plan, predicted_fld=fld, predicted_bwd=bwd,
                 **({"lambda": float(lam)} if rho is not None else {}))
+
+
+def trained_share(assignment: Mapping[str, Any], dense_flops: Mapping[str, float],
+                  pair_flops_per_token: Mapping[str, float], routed: Mapping[str, float]) -> float:
+    """The FP4 share of a plan under the routing a run really had: dense layers at their (fixed) FLOPs per
+    step, each expert pair at ``6·k·n`` times its routed tokens per step in the run (per-GEMM entries count a
+    third per GEMM, as :func:`~snip_ds.plan.fp4_share` does)."""
+    flops = dict(dense_flops)
+    flops.update({p: pair_flops_per_token[p] * float(routed.get(p, 0.0)) for p in pair_flops_per_token})
+    return fp4_share(assignment, flops)
 
 
 def summarize(records: Sequence[Mapping[str, Any]], rhos: Sequence[float]) -> Dict[str, Any]:
@@ -192,6 +211,13 @@ def summarize(records: Sequence[Mapping[str, Any]], rhos: Sequence[float]) -> Di
         out.setdefault("uniform_fp4_minus_fp8", {})[tag] = mean_se(1e3 * d for d in paired_differences(
             records, key, cell, lambda r: r["method"] == "uniform_fp4", fp8)).to_dict()
     for rho in rhos:
+        for name in ARMS:
+            shares = [r["fp4_share_trained"] for r in records
+                      if r["method"] == name and r["rho"] == rho and r.get("fp4_share_trained") is not None]
+            if shares:
+                out.setdefault("fp4_share_trained", {}).setdefault(f"{rho:g}", {})[name] = dict(
+                    mean=sum(shares) / len(shares), min=min(shares), max=max(shares), n=len(shares))
+
         def arm(name, rho=rho):
             return lambda r: r["method"] == name and r["rho"] == rho
         entry: Dict[str, Any] = {}
@@ -248,6 +274,12 @@ def write_markdown(data: Mapping[str, Any], path: Path) -> None:
                      f"{p['fp4_pairs_per_expert']} | {p['fp4_pairs_shared']} | "
                      f"{_pred(p['predicted_per_expert'])} | {_pred(p['predicted_shared'])} | "
                      f"{mn('per_expert', p['rho'])} | {mn('shared', p['rho'])} |")
+    trained = summ.get("fp4_share_trained")
+    if trained:
+        lines += ["", "FP4 share under the routing of the training runs themselves (the plans were solved at the "
+                  "statistics' routing; mean, min–max over runs): " + "; ".join(
+                      f"ρ {rho}: " + ", ".join(f"{name} {v['mean']:.4f} ({v['min']:.4f}–{v['max']:.4f})"
+                                               for name, v in arms.items()) for rho, arms in trained.items()) + "."]
     idle = data.get("idle_pairs") or []
     lines += ["", f"Expert pairs no token reached in the statistics' batches (no FLOPs, no cost; planned "
               f"freely): {len(idle)}" + (f" ({', '.join(idle)})" if idle else "") + ".",
@@ -276,6 +308,7 @@ def run_comparison(args) -> Dict[str, Any]:
     from snip_ds.experiments.results import write_json
     from snip_ds.experiments.runs import checkpoint_fld, run_cell, warm_up
     from snip_ds.experiments.training import TrainSettings
+    from snip_ds.experts import expert_layers, routed_flops
     from snip_ds.swap import block_index, model_layers
 
     t0 = time.perf_counter()
@@ -290,7 +323,7 @@ def run_comparison(args) -> Dict[str, Any]:
     config = model.config
     data: Dict[str, Any] = dict(settings=dict(
         command="python launch/compare_expert_plans.py " + " ".join(shlex.quote(a) for a in args.argv),
-        model=str(args.model_config), parameters=sum(p.numel() for p in model.parameters()),
+        model=_shown(args.model_config), parameters=sum(p.numel() for p in model.parameters()),
         blocks=len({block_index(f) for f in layers}), experts=int(getattr(config, "num_local_experts", 0)),
         top_k=int(getattr(config, "num_experts_per_tok", 0)), block_size=args.block_size,
         batch_size=args.batch_size, lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, lr_decay=args.lr_decay,
@@ -301,7 +334,14 @@ def run_comparison(args) -> Dict[str, Any]:
         records=[], plans={}, plan_comparison=[])
     json_path = out_dir / f"{PREFIX}.json"
 
+    pair_flops: Dict[str, float] = {}  # per expert pair: 6·k·n, its FLOPs per routed token
+
     def sink(record: Dict[str, Any]) -> None:
+        routed = record.pop("trained_routed_tokens", None)
+        if routed is not None and pair_flops:
+            plan = plan_by_label[record["label"]]
+            record["fp4_share_trained"] = trained_share(plan.assignment, dense_flops, pair_flops, routed)
+            record["trained_routed_tokens"] = routed
         data["records"].append(record)
         data["wall_seconds"] = time.perf_counter() - t0
         write_json(data, json_path)
@@ -317,6 +357,8 @@ def run_comparison(args) -> Dict[str, Any]:
         data["idle_pairs"] = sorted(p for p in pairs if stats["layers"][p].get("no_tokens"))
         fqns = sorted(stats["layers"])
         flops = {f: float(stats["layers"][f]["flops"]) for f in fqns}
+        dense_flops = {f: flops[f] for f in dense}
+        pair_flops.update({n: routed_flops(info, 1.0) for n, info in expert_layers(model).items()})
         lam = args.lambda_default
         plans = [_plan_entry(m, m, None, Plan.uniform(fqns, m.split("_")[1], flops), stats, lam)
                  for m in ("uniform_fp8", "uniform_fp4")]
@@ -347,6 +389,7 @@ def run_comparison(args) -> Dict[str, Any]:
                                      fp4_share=p["plan"].fp4_share) for p in plans]
         data["stats_layers"] = {n: {k: rec[k] for k in ("flops", "fld", "bwd", "routed_tokens") if k in rec}
                                 for n, rec in stats["layers"].items()}
+        plan_by_label = {p["label"]: p["plan"] for p in plans}
         checkpoint_fld(model, ckpt, plans, val_batches, settings, args.quant)
         for seed in args.seeds:
             run_cell(model, ckpt, phase, args.warmup_steps, seed, plans, train_ds, val_batches, settings, args, sink)
