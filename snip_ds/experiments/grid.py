@@ -13,7 +13,7 @@ import torch
 from snip_ds.data import load_dataset_blocks
 from snip_ds.model import build_model
 from snip_ds.planner.costs import METHODS
-from snip_ds.swap import swap_linears
+from snip_ds.swap import swap_model
 
 # the planner's methods that an ILP solves (the uniform ones are plans without a solve, and so is BF16)
 SOLVED = tuple(m for m in METHODS if not m.startswith("uniform_"))
@@ -47,12 +47,13 @@ def _model_config(name: str, block_size: int):
 
 
 def build(args):
-    """The grid's model (every linear a BF16 SnipLinear), training blocks and fixed validation batches."""
+    """The grid's model (every decoder linear a BF16 SnipLinear, every MoE experts module a BF16
+    :class:`~snip_ds.experts.SnipExperts`), training blocks and fixed validation batches."""
     caps = dict(max_bytes=2 ** 18, max_validation_bytes=2 ** 15) if args.quick and args.dataset is None else {}
     train_ds, val_ds, vocab, _ = load_dataset_blocks(args.dataset, args.block_size, **caps)
     config = args.model_config or _model_config(args.model, args.block_size)
     model = build_model(model_config=config, vocab_size=vocab, seed=args.seed, block_size=args.block_size)
-    swap_linears(model, "bf16", args.quant, seed=args.seed)
+    swap_model(model, "bf16", args.quant, seed=args.seed)
     need = args.eval_batches * args.batch_size
     if len(val_ds) < need:
         raise ValueError(f"validation split has {len(val_ds)} blocks; --eval_batches x --batch_size needs {need}")

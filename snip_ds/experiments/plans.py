@@ -24,7 +24,7 @@ from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import GEMMS, Plan
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.planner.costs import predicted_divergence  # noqa: F401  (the product's cost model; imported from here too)
-from snip_ds.swap import snip_layers
+from snip_ds.swap import model_layers
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -100,12 +100,13 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
 # Plans on a model
 # --------------------------------------------------------------------------------------------------------
 def apply_plan(model: nn.Module, plan: Plan) -> None:
-    """Sets every SnipLinear's precision from ``plan`` (per-layer or per-GEMM).
+    """Sets every planned layer's precision from ``plan`` (per-layer or per-GEMM): each SnipLinear, and each MoE
+    (expert, projection) pair of a :class:`~snip_ds.experts.SnipExperts`.
 
     Raises:
-        ValueError: The plan and the model's SnipLinear layers are not the same set of fqns.
+        ValueError: The plan and the model's planned layers are not the same set of names.
     """
-    layers = snip_layers(model)
+    layers = model_layers(model)
     plan.check_layers(layers, source=f"plan ({plan.method})")
     for fqn, layer in layers.items():
         value = plan.assignment[fqn]
@@ -114,8 +115,9 @@ def apply_plan(model: nn.Module, plan: Plan) -> None:
 
 @contextmanager
 def bf16_forward(model: nn.Module) -> Iterator[None]:
-    """Every SnipLinear at ``bf16`` (unquantized) inside the block; the previous precisions after it."""
-    layers = snip_layers(model)
+    """Every planned layer (SnipLinear or MoE expert pair) at ``bf16`` (unquantized) inside the block; the
+    previous precisions after it."""
+    layers = model_layers(model)
     saved = {fqn: m.precision for fqn, m in layers.items()}
     try:
         for m in layers.values():

@@ -20,6 +20,7 @@ import torch
 
 from snip_ds.quant_config import QuantConfig
 from snip_ds.data import DataStream
+from snip_ds.experts import take_routed_tokens
 from snip_ds.experiments.grid import build
 from snip_ds.experiments.plans import apply_plan, bf16_forward, collect_phase_stats, solve_plans
 from snip_ds.experiments.report import write_report
@@ -28,7 +29,7 @@ from snip_ds.experiments.summary import target_checks
 from snip_ds.experiments.training import (TrainSettings, evaluate, load_checkpoint, make_optimizer,
                                           save_checkpoint, train_steps)
 from snip_ds.plan import Plan
-from snip_ds.swap import block_index, snip_layers, swap_linears
+from snip_ds.swap import block_index, model_layers, swap_model
 
 
 def _log(args, msg: str) -> None:
@@ -68,20 +69,26 @@ def run_settings(settings: TrainSettings, warmup_steps: int, steps: int, lr_deca
 def run_plan(model, ckpt: Path, plan: Plan, train_ds, val_batches, settings: TrainSettings, seed: int,
              warmup_steps: int, steps: int, quant: QuantConfig) -> Dict[str, Any]:
     """Trains ``plan`` for ``steps`` steps from ``ckpt`` with cell ``seed``'s batches and rounding seeds; returns
-    its validation losses (quantized and BF16 forward), training losses and seconds."""
+    its validation losses (quantized and BF16 forward), training losses and seconds, and on an MoE model each
+    (expert, projection) pair's routed tokens per training step (``trained_routed_tokens``)."""
     opt = make_optimizer(model, settings)
     load_checkpoint(model, opt, ckpt)
-    swap_linears(model, "bf16", quant, seed=seed)  # fresh stochastic-rounding generators, seeded alike for every plan
+    swap_model(model, "bf16", quant, seed=seed)  # fresh stochastic-rounding generators, seeded alike for every plan
     apply_plan(model, plan)
     stream = DataStream(train_ds, settings.batch_size, seed=10_000 + seed)
     start = time.perf_counter()
+    take_routed_tokens(model)  # MoE experts: count the routing of these training steps only
     losses = train_steps(model, opt, stream.next_batch, steps, settings, start_step=warmup_steps)
+    routed = take_routed_tokens(model)  # {} without experts
     val = evaluate(model, val_batches)
     with bf16_forward(model):
         val_bf16 = evaluate(model, val_batches)
-    swap_linears(model, "bf16", quant, seed=seed)
-    return dict(val_loss=val, val_loss_bf16_forward=val_bf16, train_losses=losses,
-                seconds=time.perf_counter() - start)
+    swap_model(model, "bf16", quant, seed=seed)
+    result = dict(val_loss=val, val_loss_bf16_forward=val_bf16, train_losses=losses,
+                  seconds=time.perf_counter() - start)
+    if routed:  # per (expert, projection) pair: its routed tokens per training step of this run
+        result["trained_routed_tokens"] = {k: v / steps for k, v in routed.items()}
+    return result
 
 
 def checkpoint_fld(model, ckpt: Path, plans: List[Dict[str, Any]], val_batches, settings,
@@ -97,7 +104,7 @@ def checkpoint_fld(model, ckpt: Path, plans: List[Dict[str, Any]], val_batches, 
             apply_plan(model, p["plan"])
             cache[digest] = evaluate(model, val_batches) - base
         p["measured_fld_at_ckpt"] = cache[digest]
-    swap_linears(model, "bf16", quant, seed=0)
+    swap_model(model, "bf16", quant, seed=0)
 
 
 def run_cell(model, ckpt: Path, phase: str, warmup_steps: int, seed: int, plans, train_ds, val_batches,
@@ -119,7 +126,8 @@ def run_cell(model, ckpt: Path, phase: str, warmup_steps: int, seed: int, plans,
                 record[key] = p[key]
         if digest in done:
             shared = done[digest]
-            result = {k: shared[k] for k in ("val_loss", "val_loss_bf16_forward", "train_losses")}
+            result = {k: shared[k] for k in ("val_loss", "val_loss_bf16_forward", "train_losses",
+                                             "trained_routed_tokens") if k in shared}
             result.update(seconds=0.0, shared_with=f"{shared['label']}" + (
                 f" (rho {shared['rho']})" if shared["rho"] is not None else ""))
         else:
@@ -153,7 +161,7 @@ def run_grid(args) -> Dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = TrainSettings(lr=args.lr, batch_size=args.batch_size, lr_warmup_steps=args.lr_warmup_steps)
     model, train_ds, val_batches = build(args)
-    layers = snip_layers(model)
+    layers = model_layers(model)
     full = "python launch/compare_plans.py" + ("" if args.model_config is None else
                                                f" --model_config {shlex.quote(str(args.model_config))}")
     data: Dict[str, Any] = dict(settings=dict(
