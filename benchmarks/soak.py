@@ -262,7 +262,12 @@ def main() -> int:
     if args.warmup is None:
         args.warmup = args.steps // 10
     if args.worker:
-        return worker(args)
+        code = worker(args)
+        if code == 0:  # as launch/train.py's finish(): skip the interpreter teardown, where a finished 2-rank
+            sys.stdout.flush()  # CPU rank aborts now and then (gloo's threads, pytorch/pytorch#179291)
+            sys.stderr.flush()
+            os._exit(0)
+        return code
     return driver(args)
 
 
