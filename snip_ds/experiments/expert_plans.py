@@ -303,23 +303,14 @@ def run_comparison(args) -> Dict[str, Any]:
 
     import torch
 
-    from snip_ds.experiments.grid import build
     from snip_ds.experiments.plans import collect_phase_stats
     from snip_ds.experiments.results import write_json
-    from snip_ds.experiments.runs import checkpoint_fld, run_cell, warm_up
-    from snip_ds.experiments.training import TrainSettings
+    from snip_ds.experiments.runs import checkpoint_fld, prepare_run, run_cell, warm_up
     from snip_ds.experts import expert_layers, routed_flops
-    from snip_ds.swap import block_index, model_layers
+    from snip_ds.swap import block_index
 
     t0 = time.perf_counter()
-    torch.manual_seed(args.seed)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    settings = TrainSettings(lr=args.lr, batch_size=args.batch_size, lr_warmup_steps=args.lr_warmup_steps)
-    model, train_ds, val_batches = build(args)
-    layers = model_layers(model)
+    out_dir, settings, model, train_ds, val_batches, layers = prepare_run(args)
     config = model.config
     data: Dict[str, Any] = dict(settings=dict(
         command="python launch/compare_expert_plans.py " + " ".join(shlex.quote(a) for a in args.argv),

@@ -150,10 +150,11 @@ def run_cell(model, ckpt: Path, phase: str, warmup_steps: int, seed: int, plans,
 # --------------------------------------------------------------------------------------------------------
 # The grid, and its report re-rendered
 # --------------------------------------------------------------------------------------------------------
-def run_grid(args) -> Dict[str, Any]:
-    """Runs the grid ``args`` describes (the parsed flags of ``launch/compare_plans.py``) and writes its
-    result file and report under ``args.output_dir``; returns the summary printed as the JSON line."""
-    t0 = time.perf_counter()
+def prepare_run(args):
+    """What a comparison run starts from (the flags of ``launch/compare_plans.py`` or
+    ``launch/compare_expert_plans.py``): torch seeded and its threads set, the output folder made, the training
+    settings, the model with its train data and validation batches, and its planned layers. Returns
+    ``(out_dir, settings, model, train_ds, val_batches, layers)``."""
     torch.manual_seed(args.seed)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -161,7 +162,14 @@ def run_grid(args) -> Dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = TrainSettings(lr=args.lr, batch_size=args.batch_size, lr_warmup_steps=args.lr_warmup_steps)
     model, train_ds, val_batches = build(args)
-    layers = model_layers(model)
+    return out_dir, settings, model, train_ds, val_batches, model_layers(model)
+
+
+def run_grid(args) -> Dict[str, Any]:
+    """Runs the grid ``args`` describes (the parsed flags of ``launch/compare_plans.py``) and writes its
+    result file and report under ``args.output_dir``; returns the summary printed as the JSON line."""
+    t0 = time.perf_counter()
+    out_dir, settings, model, train_ds, val_batches, layers = prepare_run(args)
     full = "python launch/compare_plans.py" + ("" if args.model_config is None else
                                                f" --model_config {shlex.quote(str(args.model_config))}")
     data: Dict[str, Any] = dict(settings=dict(
