@@ -41,6 +41,20 @@ def _exports_what_was_trained(ckpt, out, cls):
     assert all(torch.equal(state[k], masters[k]) for k in masters)
 
 
+def _resumes_bit_for_bit(cfg, tmp_path, logged, plan):
+    """Resumed from the step-2 checkpoint: steps 3-4 again, bit for bit, and the same re-plan (the step-2
+    collection again: the planner's state and every layer's rounding generator came back)."""
+    out = tmp_path / "out"
+    resumed = _ok(launch(["--deepspeed", str(cfg), "--resume_from_checkpoint", str(out / "checkpoints" / "step_2"),
+                          "--output_dir", str(tmp_path / "resumed")], num_ranks=2))
+    assert "resumed from" in resumed.stdout
+    again = scalars(tmp_path / "resumed" / "tensorboard")
+    for step in (3, 4):
+        assert again["train/loss"][step] == logged["train/loss"][step], step
+    replanned = json.loads((tmp_path / "resumed" / "plan.json").read_text())
+    assert replanned["assignment"] == plan["assignment"] and replanned["fp4_share"] == plan["fp4_share"]
+
+
 @pytest.mark.parametrize("family, model, kinds, cls", [
     ("phi3", TINY_PHI3, {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"},
      "Phi3ForCausalLM"),
@@ -66,12 +80,4 @@ def test_family_trains_adaptively_on_two_ranks_and_exports(family, model, kinds,
     stats = json.loads((out / "stats.json").read_text())
     assert set(stats["layers"]) == set(plan["assignment"])
     _exports_what_was_trained(out / "checkpoints" / "step_4", tmp_path / "hf", getattr(transformers, cls))
-    # Resumed at step 2: steps 3-4 again, bit for bit.
-    resumed = _ok(launch(["--deepspeed", str(cfg), "--resume_from_checkpoint", str(out / "checkpoints" / "step_2"),
-                          "--output_dir", str(tmp_path / "resumed")], num_ranks=2))
-    assert "resumed from" in resumed.stdout
-    again = scalars(tmp_path / "resumed" / "tensorboard")
-    for step in (3, 4):
-        assert again["train/loss"][step] == logged["train/loss"][step], step
-    replanned = json.loads((tmp_path / "resumed" / "plan.json").read_text())  # the step-2 collection again
-    assert replanned["assignment"] == plan["assignment"] and replanned["fp4_share"] == plan["fp4_share"]
+    _resumes_bit_for_bit(cfg, tmp_path, logged, plan)

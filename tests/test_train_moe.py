@@ -8,7 +8,7 @@ import pytest
 import transformers
 
 from snip_ds.types import layer_kind
-from test_train_families import _config, _exports_what_was_trained, _ok, RHO
+from test_train_families import _config, _exports_what_was_trained, _ok, _resumes_bit_for_bit, RHO
 from train_utils import TINY_DEEPSEEK_V3, TINY_MIXTRAL, TINY_QWEN2_MOE, launch, scalars
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -63,16 +63,7 @@ def test_moe_trains_adaptively_on_two_ranks_and_exports(family, model, linears, 
         dense = stats["layers"][f"model.layers.{b}.self_attn.o_proj"]["flops"] / (6.0 * 64 * 64)  # its tokens
         assert sum(routed) == 2 * dense
     _exports_what_was_trained(out / "checkpoints" / "step_4", tmp_path / "hf", getattr(transformers, cls))
-    # resumed at step 2: steps 3-4 again, bit for bit, and the same re-plan (every pair's rounding generator and
-    # the planner's state came back)
-    resumed = _ok(launch(["--deepspeed", str(cfg), "--resume_from_checkpoint", str(out / "checkpoints" / "step_2"),
-                          "--output_dir", str(tmp_path / "resumed")], num_ranks=2))
-    assert "resumed from" in resumed.stdout
-    again = scalars(tmp_path / "resumed" / "tensorboard")
-    for step in (3, 4):
-        assert again["train/loss"][step] == logged["train/loss"][step], step
-    replanned = json.loads((tmp_path / "resumed" / "plan.json").read_text())
-    assert replanned["assignment"] == plan["assignment"] and replanned["fp4_share"] == plan["fp4_share"]
+    _resumes_bit_for_bit(cfg, tmp_path, logged, plan)  # every pair's rounding generator came back too
 
 
 @pytest.mark.parametrize("stage, ranks, per_gemm, pretrained", [
