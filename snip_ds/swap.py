@@ -111,15 +111,9 @@ def swap_model(model: nn.Module, precision: LayerPrecision = "fp8",
             before anything is replaced).
     """
     quant_config = quant_config or QuantConfig()
-    linears = swap_linears(model, precision, quant_config, seed=seed, rank=rank, exclude=exclude)
+    swap_linears(model, precision, quant_config, seed=seed, rank=rank, exclude=exclude)
     swap_experts(model, precision, quant_config, seed=seed, rank=rank)
-    infos: Dict[str, AnyLayerInfo] = {}
-    for name, module in model.named_modules():
-        if name in linears:
-            infos[name] = linears[name]
-        elif isinstance(module, SnipExperts):
-            infos.update(module.layers())
-    return infos
+    return layer_infos(model, exclude)
 
 
 def layer_infos(model: nn.Module, exclude: Sequence[str] = ()) -> Dict[str, AnyLayerInfo]:
