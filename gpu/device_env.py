@@ -151,6 +151,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     env = {"python": sys.version, "executable": sys.executable, "platform": platform.platform(),
            "cpus": os.cpu_count(), "pythonpath": os.environ.get("PYTHONPATH", ""),
+           "build_env": {k: os.environ.get(k) for k in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "MAX_JOBS",
+                                                         "TORCH_EXTENSIONS_DIR")},
            "install": os.environ.get("SNIP_DEVICE_INSTALL_NOTE", ""),
            "commit": os.environ.get("SNIP_DEVICE_COMMIT", "unknown"),
            "commit_source": os.environ.get("SNIP_DEVICE_COMMIT_SOURCE", ""),

@@ -17,6 +17,9 @@ installed torch and DeepSpeed. Ranks started by a launcher compute the same root
 files under that root older than :data:`STALE_LOCK_SECONDS` (no build of these ops takes that long; a live
 build's lock is younger), naming each one in a warning.
 
+:func:`deepspeed_arch_list_set` wraps DeepSpeed's CUDA builds: it rewrites a ``TORCH_CUDA_ARCH_LIST`` that torch
+accepts but DeepSpeed cannot read (``9.0a``, ``Hopper``) for their duration.
+
 Pure standard library: no torch or DeepSpeed import.
 """
 from __future__ import annotations
@@ -25,11 +28,13 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import time
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 log = logging.getLogger("snip_ds")
 
@@ -71,11 +76,12 @@ def build_root() -> Path:
 
 
 def stale_locks(root: Path, max_age_s: float = STALE_LOCK_SECONDS, now: Optional[float] = None) -> List[Path]:
-    """The ``lock`` files of builds under ``root`` (``<root>/<python>_<device>/<op>/lock``) older than
-    ``max_age_s``."""
+    """The ``lock`` files of builds under ``root`` older than ``max_age_s``: ``<root>/<op>/lock`` (torch's layout
+    when ``$TORCH_EXTENSIONS_DIR`` is set, as :func:`prepare` sets it: DeepSpeed's ops) and
+    ``<root>/<python>_<device>/<op>/lock`` (torch's default root; snip_ds's CPU kernels under any root)."""
     now = time.time() if now is None else now
     found = []
-    for lock in sorted(root.glob("*/*/lock")):
+    for lock in sorted([*root.glob("*/lock"), *root.glob("*/*/lock")]):
         try:
             if now - lock.stat().st_mtime > max_age_s:
                 found.append(lock)
@@ -110,3 +116,55 @@ def prepare() -> Path:
     root = Path(os.environ[ENV_VAR])
     remove_stale_locks(root)
     return root
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT builder reads it
+# ---------------------------------------------------------------------------------------------------------------
+
+ARCH_VAR = "TORCH_CUDA_ARCH_LIST"
+# torch's named architectures (torch.utils.cpp_extension._get_cuda_arch_flags), which DeepSpeed 0.19 cannot read
+_NAMED_ARCHES = {"Kepler+Tesla": "3.7", "Kepler": "3.5+PTX", "Maxwell+Tegra": "5.3", "Maxwell": "5.0;5.2+PTX",
+                 "Pascal": "6.0;6.1+PTX", "Volta+Tegra": "7.2", "Volta": "7.0+PTX", "Turing": "7.5+PTX",
+                 "Ampere+Tegra": "8.7", "Ampere": "8.0;8.6+PTX", "Ada": "8.9+PTX", "Hopper": "9.0+PTX"}
+_ARCH = re.compile(r"^(\d+)\.(\d+)[a-z]*(\+PTX)?$")
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` rewritten so that DeepSpeed's JIT builder can read it.
+
+    torch accepts entries with an architecture-specific suffix (``9.0a``, ``10.0f``) and named architectures
+    (``Hopper``); DeepSpeed 0.19 parses every entry as ``<int>.<int>[+PTX]`` and stops with ``invalid literal
+    for int()`` on anything else, before it compiles a line (CUDA images set such lists). Each suffixed entry
+    becomes its plain architecture (``9.0a`` -> ``9.0``: the ops DeepSpeed builds use no architecture-specific
+    instruction), each name its numbers; other entries are kept as given, order kept, duplicates dropped."""
+    out: List[str] = []
+    for entry in value.replace(" ", ";").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        for part in _NAMED_ARCHES.get(entry, entry).split(";"):
+            m = _ARCH.match(part)
+            fixed = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}" if m else part
+            if fixed not in out:
+                out.append(fixed)
+    return ";".join(out)
+
+
+@contextmanager
+def deepspeed_arch_list_set() -> Iterator[None]:
+    """For the duration of the block (DeepSpeed's JIT builds), ``$TORCH_CUDA_ARCH_LIST`` as
+    :func:`deepspeed_arch_list` rewrites it, with an info line when it changes; restored afterwards, so other
+    builds of the process see the user's own list."""
+    given = os.environ.get(ARCH_VAR)
+    fixed = deepspeed_arch_list(given) if given else given
+    if fixed == given:
+        yield
+        return
+    log.info("snip_ds: %s=%r read as %r while DeepSpeed builds its ops (DeepSpeed reads only <major>.<minor>"
+             "[+PTX] entries)", ARCH_VAR, given, fixed)
+    os.environ[ARCH_VAR] = fixed
+    try:
+        yield
+    finally:
+        os.environ[ARCH_VAR] = given

@@ -10,8 +10,10 @@ import pytest
 from snip_ds import jit_builds
 
 
-def _lock(root, op, age_s):
-    folder = root / "py311_cpu" / op
+def _lock(root, op, age_s, subfolder="py311_cpu"):
+    """A build's lock: ``<root>/<subfolder>/<op>/lock`` (torch's default root, snip_ds's CPU kernels), or
+    ``<root>/<op>/lock`` with ``subfolder=None`` (torch's layout under $TORCH_EXTENSIONS_DIR: DeepSpeed's ops)."""
+    folder = root / subfolder / op if subfolder else root / op
     folder.mkdir(parents=True)
     lock = folder / "lock"
     lock.touch()
@@ -22,11 +24,13 @@ def _lock(root, op, age_s):
 
 def test_old_locks_are_stale_and_young_ones_are_a_build_in_progress(tmp_path):
     old = _lock(tmp_path, "fused_adam", jit_builds.STALE_LOCK_SECONDS + 60)
+    old_top = _lock(tmp_path, "cpu_adam", jit_builds.STALE_LOCK_SECONDS + 60, subfolder=None)
     young = _lock(tmp_path, "cpu_adam", 60)
+    young_top = _lock(tmp_path, "fused_adam", 60, subfolder=None)
     (tmp_path / "py311_cpu" / "shm").mkdir()
-    assert jit_builds.stale_locks(tmp_path) == [old]
-    assert jit_builds.remove_stale_locks(tmp_path) == [old]
-    assert not old.exists() and young.exists()
+    assert jit_builds.stale_locks(tmp_path) == [old_top, old]
+    assert jit_builds.remove_stale_locks(tmp_path) == [old_top, old]
+    assert not old.exists() and not old_top.exists() and young.exists() and young_top.exists()
     assert jit_builds.remove_stale_locks(tmp_path) == []
 
 

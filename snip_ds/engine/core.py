@@ -15,9 +15,11 @@ from torch import nn
 
 from snip_ds import distributed as sdist
 from snip_ds import faults
+from snip_ds import jit_builds
 from snip_ds.backend import check_backend
 from snip_ds.deepspeed_config import resolve_ds_config
 from snip_ds.engine import checkpoint as ckpt
+from snip_ds.engine.optimizer import working_adam_config
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.settings import SnipSettings, parse_snip_section
 from snip_ds.state import NonFiniteError, SnipState, located_forward_hooks, run_without_update
@@ -362,7 +364,9 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
     if plan is None:
         plan = initial_plan(list(infos), {f: info.flops(tokens_per_step) for f, info in infos.items()}, settings)
     params = [p for p in model.parameters() if p.requires_grad]
-    ds_engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    config = working_adam_config(config)  # torch's Adam, with a warning, where DeepSpeed's fused one cannot build
+    with jit_builds.deepspeed_arch_list_set():  # the other ops DeepSpeed builds while it starts
+        ds_engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     check_still_swapped(ds_engine.module, infos, "deepspeed.initialize")
     ckpt.install_safe_loader(ds_engine)
     engine = SnipEngine(ds_engine, infos, settings, tokens_per_step, logger)

@@ -1,0 +1,68 @@
+"""The optimizer DeepSpeed builds from the config: its fused Adam where that op builds, else torch's, with a warning.
+
+An ``"optimizer": {"type": "Adam" | "AdamW"}`` config makes ``deepspeed.initialize`` build DeepSpeed's
+``FusedAdam``, whose op is JIT-compiled on first use (nvcc on a GPU, the C++ compiler on a CPU). When that build
+fails (no nvcc, a CUDA toolkit the op does not compile with, no write access to the build folder) DeepSpeed
+stops with the compiler's traceback, after minutes of loading the model. :func:`working_adam_config` builds the
+op first; if it cannot be built it logs a warning with the reason and returns the config with
+``"torch_adam": true``, DeepSpeed's own switch to ``torch.optim.AdamW`` / ``Adam`` (the same update, unfused).
+Configs that already choose torch's Adam, another optimizer, or ZeRO's CPU/NVMe optimizer offload (DeepSpeed's
+CPU Adam, a different op) are returned unchanged.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Dict, Mapping, Optional
+
+from snip_ds import jit_builds
+
+log = logging.getLogger("snip_ds")
+
+FUSED_TYPES = ("adam", "adamw")
+
+
+def _uses_fused_adam(config: Mapping[str, Any]) -> bool:
+    opt = config.get("optimizer")
+    if not isinstance(opt, Mapping) or str(opt.get("type", "")).lower() not in FUSED_TYPES:
+        return False
+    params = opt.get("params") or {}
+    if isinstance(params, Mapping) and params.get("torch_adam"):
+        return False
+    zero = config.get("zero_optimization") or {}
+    offload = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
+    if isinstance(offload, Mapping) and str(offload.get("device", "none")).lower() in ("cpu", "nvme"):
+        return False
+    return True
+
+
+def fused_adam_error() -> Optional[str]:
+    """None if DeepSpeed's ``FusedAdam`` op loads (building it if needed: DeepSpeed then keeps it loaded for
+    ``deepspeed.initialize``), else the reason it cannot, in one line."""
+    try:
+        from deepspeed.ops.op_builder import FusedAdamBuilder
+
+        with jit_builds.deepspeed_arch_list_set():
+            FusedAdamBuilder().load(verbose=False)
+    except Exception as err:  # any build or load failure: the compiler's, the loader's, DeepSpeed's own checks
+        text = " ".join(str(err).split())
+        return f"{type(err).__name__}: {text[:500]}"
+    return None
+
+
+def working_adam_config(config: Mapping[str, Any]) -> Dict[str, Any]:
+    """``config`` (a DeepSpeed config), with ``optimizer.params.torch_adam = true`` where it asks for DeepSpeed's
+    fused Adam and that op cannot be built here (a warning says why); otherwise ``config`` unchanged."""
+    config = dict(config)
+    if not _uses_fused_adam(config):
+        return config
+    reason = fused_adam_error()
+    if reason is None:
+        return config
+    opt = copy.deepcopy(config["optimizer"])
+    opt["params"] = dict(opt.get("params") or {}, torch_adam=True)
+    config["optimizer"] = opt
+    log.warning("snip_ds: DeepSpeed's FusedAdam could not be built (%s); training with torch.optim.%s instead "
+                "(the same update, unfused). Set \"torch_adam\": true in the optimizer's params to choose it "
+                "and skip this build.", reason, "AdamW" if str(opt.get("type")).lower() == "adamw" else "Adam")
+    return config
