@@ -227,6 +227,18 @@ def _check_against_trainer(args, source: str) -> None:
                               f"{getattr(args, arg)!r}; make them equal or set {key} to \"auto\"")
 
 
+def _prepare_fused_adam(args) -> None:
+    """DeepSpeed's fused Adam, built before the Trainer starts DeepSpeed (so a ``TORCH_CUDA_ARCH_LIST`` such as
+    ``9.0a`` does not stop its build), or torch's AdamW in the configs the Trainer will hand DeepSpeed, with a
+    warning, where it cannot be built (:mod:`snip_ds.engine.optimizer`)."""
+    from snip_ds.engine.optimizer import prepare_adam_in_place
+
+    plugin = getattr(args, "deepspeed_plugin", None)
+    prepare_adam_in_place([getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
+                           getattr(getattr(plugin, "hf_ds_config", None), "config", None),
+                           getattr(plugin, "deepspeed_config", None)])
+
+
 def _uses_deepspeed(args) -> bool:
     return bool(getattr(args, "deepspeed", None)) or getattr(args, "deepspeed_plugin", None) is not None
 
@@ -358,6 +370,7 @@ class SnipCallback(TrainerCallback):
         config, config_source = _deepspeed_config(args)
         if config is not None:  # AutoTP / AutoEP would replace the layers swapped below with unquantized ones
             refuse_module_replacement(config, config_source)
+            _prepare_fused_adam(args)
         _check_against_trainer(args, source)
         if _cpu_ranks_unshared(args):  # the same on every rank: each unlinks its DeepSpeed buffer, then stops
             if sdist.is_initialized():

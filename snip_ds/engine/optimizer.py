@@ -7,13 +7,14 @@ stops with the compiler's traceback, after minutes of loading the model. :func:`
 op first; if it cannot be built it logs a warning with the reason and returns the config with
 ``"torch_adam": true``, DeepSpeed's own switch to ``torch.optim.AdamW`` / ``Adam`` (the same update, unfused).
 Configs that already choose torch's Adam, another optimizer, or ZeRO's CPU/NVMe optimizer offload (DeepSpeed's
-CPU Adam, a different op) are returned unchanged.
+CPU Adam, a different op) are returned unchanged. :func:`prepare_adam_in_place` does the same for the
+Hugging Face Trainer, which builds its engine from its own config later.
 """
 from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Iterable, Mapping, Optional
 
 from snip_ds import jit_builds
 
@@ -50,6 +51,12 @@ def fused_adam_error() -> Optional[str]:
     return None
 
 
+def _warn(reason: str, opt_type: Any) -> None:
+    log.warning("snip_ds: DeepSpeed's FusedAdam could not be built (%s); training with torch.optim.%s instead "
+                "(the same update, unfused). Set \"torch_adam\": true in the optimizer's params to choose it "
+                "and skip this build.", reason, "AdamW" if str(opt_type).lower() == "adamw" else "Adam")
+
+
 def working_adam_config(config: Mapping[str, Any]) -> Dict[str, Any]:
     """``config`` (a DeepSpeed config), with ``optimizer.params.torch_adam = true`` where it asks for DeepSpeed's
     fused Adam and that op cannot be built here (a warning says why); otherwise ``config`` unchanged."""
@@ -62,7 +69,28 @@ def working_adam_config(config: Mapping[str, Any]) -> Dict[str, Any]:
     opt = copy.deepcopy(config["optimizer"])
     opt["params"] = dict(opt.get("params") or {}, torch_adam=True)
     config["optimizer"] = opt
-    log.warning("snip_ds: DeepSpeed's FusedAdam could not be built (%s); training with torch.optim.%s instead "
-                "(the same update, unfused). Set \"torch_adam\": true in the optimizer's params to choose it "
-                "and skip this build.", reason, "AdamW" if str(opt.get("type")).lower() == "adamw" else "Adam")
+    _warn(reason, opt.get("type"))
     return config
+
+
+def prepare_adam_in_place(configs: Iterable[Any]) -> Optional[str]:
+    """For a loop that hands its own DeepSpeed config to ``deepspeed.initialize`` later (the Hugging Face
+    Trainer, through accelerate): builds the fused Adam now, under the architecture list DeepSpeed can read
+    (DeepSpeed keeps the loaded op for the engine), and where it cannot be built sets ``torch_adam`` in each of
+    ``configs`` (the live dicts the loop will read; the first decides) with the warning. Returns the reason,
+    or None."""
+    live = [c for c in configs if isinstance(c, dict)]
+    if not live or not _uses_fused_adam(live[0]):
+        return None
+    reason = fused_adam_error()
+    if reason is None:
+        return None
+    for config in {id(c): c for c in live}.values():
+        opt = config.get("optimizer")
+        if isinstance(opt, dict):
+            params = opt.get("params")
+            if not isinstance(params, dict):
+                params = opt["params"] = {}
+            params["torch_adam"] = True
+    _warn(reason, live[0]["optimizer"].get("type"))
+    return reason
