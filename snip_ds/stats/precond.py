@@ -30,18 +30,43 @@ PrecondFn = Callable[[str, torch.Tensor], torch.Tensor]
 Precond = Union[None, Mapping[str, Union[torch.Tensor, PrecondFn]], PrecondFn]
 
 
+class AdamPreconditioners(Mapping):
+    """``{fqn: P}``, ``P = 1/(sqrt(v̂) + eps)``, each computed from the optimizer's ``exp_avg_sq`` when it is
+    read and not kept: a collection holds one layer's P at a time, not an FP32 copy of the whole optimizer
+    state (a model's size: as much again as the activations of a small model's step). P reflects the state
+    at the time it is read; the optimizer must not step between :func:`adam_precond` and the collection."""
+
+    def __init__(self, entries: Dict[str, Tuple[torch.Tensor, int, float, float]]) -> None:
+        self._entries = entries  # fqn -> (exp_avg_sq or an expert's slice of it, step, beta2, eps)
+
+    def __getitem__(self, fqn: str) -> torch.Tensor:
+        v, step, beta2, eps = self._entries[fqn]
+        return dv.adam_preconditioner(v, step, beta2, eps)
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def shape(self, fqn: str) -> Tuple[int, ...]:
+        """P's shape for ``fqn`` without computing it."""
+        return tuple(self._entries[fqn][0].shape)
+
+
 @dataclass(frozen=True)
 class AdamPrecond:
     """Adam preconditioners read from a torch optimizer.
 
     Attributes:
-        precond: ``{fqn: P}`` with ``P = 1/(sqrt(v̂) + eps)``; empty when the optimizer has no state yet.
+        precond: ``{fqn: P}`` with ``P = 1/(sqrt(v̂) + eps)`` (:class:`AdamPreconditioners`: computed when
+            read); empty when the optimizer has no state yet.
         step: optimizer steps taken (0 before the first).
         step_scale: ``(1-β₁)/(1-β₁^(step+1))``, the share of a gradient change in the next update.
         lr: the learning rate of the layers' param group.
     """
 
-    precond: Dict[str, torch.Tensor]
+    precond: Mapping[str, torch.Tensor]
     step: int
     step_scale: float
     lr: float
@@ -53,7 +78,7 @@ def adam_precond(model: nn.Module, optimizer: torch.optim.Optimizer,
     (expert, projection) pair: its ``[out, in]`` part of its 3-D Parameter's state)."""
     mods = select_layers(model, layers)
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    precond, steps, lrs, beta1 = {}, set(), set(), None
+    entries, steps, lrs, beta1 = {}, set(), set(), None
     for fqn, mod in mods.items():
         param = mod.parameter if isinstance(mod, ExpertPoint) else mod.weight  # an expert: its 3-D Parameter
         group = group_of.get(id(param))
@@ -69,11 +94,11 @@ def adam_precond(model: nn.Module, optimizer: torch.optim.Optimizer,
         step = int(state["step"])
         steps.add(step)
         v = mod.slice(state["exp_avg_sq"]) if isinstance(mod, ExpertPoint) else state["exp_avg_sq"]
-        precond[fqn] = dv.adam_preconditioner(v, step, beta2, group["eps"])
+        entries[fqn] = (v, step, beta2, group["eps"])
     step = max(steps) if steps else 0
-    if precond and len(precond) != len(mods):
-        raise ValueError(f"optimizer: only {len(precond)} of {len(mods)} layers have Adam state")
-    return AdamPrecond(precond, step, dv.adam_step_scale(step, beta1 if beta1 is not None else 0.9),
+    if entries and len(entries) != len(mods):
+        raise ValueError(f"optimizer: only {len(entries)} of {len(mods)} layers have Adam state")
+    return AdamPrecond(AdamPreconditioners(entries), step, dv.adam_step_scale(step, beta1 if beta1 is not None else 0.9),
                        max(lrs) if lrs else 0.0)
 
 
@@ -86,10 +111,12 @@ def check_precond(precond: Precond, mods: Dict[str, SnipLinear], forward_drift: 
         missing = [f for f in mods if f not in precond]
         if missing:
             raise ValueError(f"precond: no preconditioner for {len(missing)} layer(s), e.g. {missing[:3]}")
+        lazy = isinstance(precond, AdamPreconditioners)
         for fqn in mods:
-            e = precond[fqn]
-            if isinstance(e, torch.Tensor) and tuple(e.shape) != tuple(mods[fqn].weight.shape):
-                raise ValueError(f"precond[{fqn!r}] has shape {tuple(e.shape)}, the weight "
+            e = None if lazy else precond[fqn]
+            shape = precond.shape(fqn) if lazy else tuple(e.shape) if isinstance(e, torch.Tensor) else None
+            if shape is not None and shape != tuple(mods[fqn].weight.shape):
+                raise ValueError(f"precond[{fqn!r}] has shape {shape}, the weight "
                                  f"{tuple(mods[fqn].weight.shape)}")
     elif precond is not None and not callable(precond):
         raise ValueError(f"precond must be None, a mapping fqn -> tensor/callable, or a callable; "
@@ -98,8 +125,8 @@ def check_precond(precond: Precond, mods: Dict[str, SnipLinear], forward_drift: 
         if estimator != "mc_fisher":
             raise ValueError(f"forward_drift needs estimator='mc_fisher' (its probes price the drift), "
                              f"got {estimator!r}")
-        if precond is not None and (not isinstance(precond, Mapping) or
-                                    not all(isinstance(precond[f], torch.Tensor) for f in mods)):
+        if precond is not None and not isinstance(precond, AdamPreconditioners) and (
+                not isinstance(precond, Mapping) or not all(isinstance(precond[f], torch.Tensor) for f in mods)):
             raise ValueError("forward_drift needs weight-shaped preconditioners (a mapping fqn -> tensor, or None "
                              "for the fallback); partitioned optimizer states (a callable) are not supported")
     return precond
