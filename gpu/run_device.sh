@@ -28,6 +28,8 @@
 #                        JIT-built by DeepSpeed with nvcc); plan.json, stats.json and TensorBoard kept, checkpoints not
 #   bench_gpu_gemm       benchmarks/bench_gpu_gemm.py --tokens 4096 --repeats 10
 #   bench_quant_kernels  benchmarks/bench_quant_kernels.py --repeats 20
+#   profile_gemm         benchmarks/profile_gpu_gemm.py (one 4096^3 SnipLinear fwd+bwd per recipe under torch.profiler:
+#                        GEMM / quantize / other shares, launches per step, the top kernels)
 #   bench_train          benchmarks/bench_train.py --device cuda --steps 8 --replan_every 4 (bf16/fp8/fp4/adaptive)
 #   bench_scale          benchmarks/bench_scale.py (two Llama-70B-wide blocks, ZeRO-3, one collection)
 #
@@ -39,7 +41,7 @@ START=$(date +%s)
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 DEADLINE_S=${SNIP_DEVICE_DEADLINE_S:-540}
-ALL_STEPS="env,gpu_tests,kernel_tests,train,bench_gpu_gemm,bench_quant_kernels,bench_train,bench_scale"
+ALL_STEPS="env,gpu_tests,kernel_tests,train,bench_gpu_gemm,bench_quant_kernels,profile_gemm,bench_train,bench_scale"
 STEPS=${SNIP_DEVICE_STEPS:-$ALL_STEPS}
 DRY=${SNIP_DEVICE_DRY_RUN:-0}
 FACTOR=${SNIP_DEVICE_TIMEOUT_FACTOR:-1}
@@ -163,12 +165,14 @@ if [ "$DRY" = "1" ]; then
     QUANT_ARGS="--repeats 2"
     TRAIN_BENCH="benchmarks/bench_train.py --quick"   # the CPU benchmark's plumbing: --device cuda needs CUDA
     SCALE_ARGS="--scale 64 --block_size 128 --steps 2"
+    PROFILE_ARGS="--device cpu --tokens 64 --k 256 --n 256 --steps 2"
 else
     TRAIN_ARGS="--max_steps 20 --eval_steps 10 --save_steps 20"
     GEMM_ARGS="--tokens 4096 --repeats 10"
     QUANT_ARGS="--repeats 20"
     TRAIN_BENCH="benchmarks/bench_train.py --device cuda --steps 8 --replan_every 4 --output_dir $WORK/bench"
     SCALE_ARGS="--steps 3"
+    PROFILE_ARGS="--output_dir $WORK/bench"
 fi
 
 run_step env 90 "" "'$PY' gpu/device_env.py --output '$WORK/env.json' --pip_list '$WORK/pip_list.txt'"
@@ -185,6 +189,7 @@ run_step train 300 "" "'$PY' -m deepspeed.launcher.runner --num_gpus 1 --master_
     rm -rf '$WORK/run_gpu'; exit \$rc"
 run_step bench_gpu_gemm 150 "" "'$PY' benchmarks/bench_gpu_gemm.py $GEMM_ARGS --output_dir '$WORK/bench'"
 run_step bench_quant_kernels 120 "needs a CUDA GPU" "'$PY' benchmarks/bench_quant_kernels.py $QUANT_ARGS --output_dir '$WORK/bench'"
+run_step profile_gemm 120 "" "'$PY' benchmarks/profile_gpu_gemm.py $PROFILE_ARGS"
 run_step bench_train 300 "" "'$PY' $TRAIN_BENCH"
 run_step bench_scale 240 "" "'$PY' benchmarks/bench_scale.py $SCALE_ARGS --output '$WORK/bench'"
 

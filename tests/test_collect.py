@@ -382,6 +382,24 @@ def test_adam_precond_is_the_optimizers_own_update_ratio():
     model.zero_grad(set_to_none=True)
 
 
+def test_adam_precond_read_when_used_gives_what_a_dict_of_tensors_gives():
+    """adam_precond computes each layer's P when the collection reads it (no copy of the optimizer state is
+    kept): the artifact equals the one from the same P materialised as a dict of tensors up front."""
+    model = _model(seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in _batches(2):
+        model(batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    pc = adam_precond(model, opt)
+    eager = {fqn: pc.precond[fqn].clone() for fqn in pc.precond}
+    assert not isinstance(pc.precond, dict) and set(eager) == set(snip_layers(model))
+    how = CollectSettings(study_fields=tuple(STUDY_FIELDS))
+    lazy_stats = collect_statistics(model, _batches(1), how, lr=1e-3, precond=pc.precond, step=pc.step)
+    assert lazy_stats == collect_statistics(model, _batches(1), how, lr=1e-3, precond=eager, step=pc.step)
+    assert lazy_stats["precond"] == "tensor"
+
+
 def test_empty_precond_mapping_means_no_optimizer_state(model):
     """adam_precond before the first optimizer step gives {}: the fallback is used, and the artifact says so."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
