@@ -106,6 +106,30 @@ def test_quantizers_bit_exact_cuda_vs_cpu(recipe):
     assert torch.equal(on_cpu, on_gpu), f"{recipe}: {int((on_cpu != on_gpu).sum())} elements differ"
 
 
+@pytest.mark.parametrize("precision", ["fp8", "fp4"])
+def test_statistics_quantize_on_cuda_through_compiled_kernels(precision):
+    """The statistics' backend quantizes 2-D CUDA operands with the compiled Triton kernels: every operand
+    role, both axes, FP32 and BF16 in, a given amax too, bit for bit the CPU reference's values."""
+    from snip_ds.backend import kernels
+    from snip_ds.backend.emulated import statistics_backend
+    from snip_ds.quant_config import QuantConfig
+
+    assert kernels.available() and not kernels.interpreting()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(96, 200, generator=gen) * torch.logspace(-3, 3, 200)
+    backend, cfg = statistics_backend(), QuantConfig()
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        for role in ("x", "w", "g") if precision == "fp8" else ("x", "w"):  # FP4's G_Y: stochastic, not fused
+            for axis in (0, -1):
+                for amax in (None, xd.float().abs().amax() * 3):
+                    got = backend.quantize(xd.cuda(), precision, role, axis, cfg,
+                                           amax=None if amax is None else amax.cuda())
+                    want = backend.quantize(xd, precision, role, axis, cfg, amax=amax)
+                    assert got.is_cuda and got.dtype == torch.float32
+                    assert torch.equal(got.cpu(), want), (dtype, role, axis, amax is None)
+
+
 def test_stochastic_rounding_unbiased_with_cuda_generator():
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.rand(64, 64, device="cuda", generator=gen) * 6

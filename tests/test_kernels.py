@@ -111,6 +111,27 @@ def test_special_values_match_reference(recipe, axis):
             raise AssertionError(f"case {name}: {err}") from None
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("axis", AXES)
+def test_fake_quantize_matches_reference(recipe, axis):
+    """``fake_quantize`` (what the statistics quantize with on a GPU) is :func:`snip_ds.quant.fake_quantize`
+    bit for bit, the tensor-level scale multiplied in the reference's order (NVFP4: ``fl(q * fl(s_b * S))``,
+    which can differ from the split's ``fl(fl(q * s_b) * S)``): random, special and given-amax inputs, FP32
+    and BF16 in, FP32 out."""
+    cases = {**special_inputs(), **{f"random {s}": wide_sample(s, seed=200 + i) for i, s in enumerate(SHAPES)}}
+    for name, x in cases.items():
+        for xd in (x, x.to(torch.bfloat16)):
+            try:
+                got = kq.fake_quantize(xd.to(DEVICE), recipe, axis)
+                assert_same_bits(got.cpu(), quant.fake_quantize(xd.float(), recipe, axis))
+            except AssertionError as err:
+                raise AssertionError(f"case {name}, {xd.dtype}: {err}") from None
+    x = wide_sample((35, 48), seed=21)
+    amax_given = x.abs().max() * 7
+    assert_same_bits(kq.fake_quantize(x.to(DEVICE), recipe, axis, tensor_amax=amax_given.to(DEVICE)).cpu(),
+                     quant.fake_quantize(x, recipe, axis, tensor_amax=amax_given))
+
+
 @pytest.mark.parametrize("recipe", ["fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_2d", "mxfp4"])
 @pytest.mark.parametrize("axis", AXES)
 def test_given_tensor_amax(recipe, axis):
@@ -342,15 +363,16 @@ ptr_bits = {True: "*i16", False: "*i32"}
 for name in ("fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"):
     r = quant.get_recipe(name)
     kind = kq._kind(r)
-    for stochastic, bf16, axis in ((False, False, 1), (True, True, 0)):
+    for stochastic, bf16, axis, dequant in ((False, False, 1, False), (True, True, 0, False), (False, True, 0, True)):
         const = dict(KIND=kind, AXIS=axis, BS=max(r.block_size, 1), MBITS=r.element.mbits, EMIN=r.element.emin,
                      EMAX=r.element.emax, MAXN=r.element.max_normal, TENSOR_DIVISOR=2688.0, STOCHASTIC=stochastic,
-                     TRANSPOSE=bf16, IN_BF16=bf16, OUT_BF16=bf16, BR=64, BC=64)
-        sig = {"x_ptr": ptr_bits[bf16], "out_ptr": "*i16" if bf16 else "*fp32", "amax_ptr": "*fp32",
+                     TRANSPOSE=bf16 and not dequant, IN_BF16=bf16, OUT_BF16=bf16 and not dequant, BR=64, BC=64,
+                     DEQUANT=dequant)
+        sig = {"x_ptr": ptr_bits[bf16], "out_ptr": "*i16" if const["OUT_BF16"] else "*fp32", "amax_ptr": "*fp32",
                "scale_out_ptr": "*fp32", "R": "i32", "C": "i32", "stride_r": "i32", "stride_c": "i32",
                "seed_ptr": "*i64", "offset": "i64", **{k: "constexpr" for k in const}}
         ptx = triton.compile(ASTSource(kq._quantize_kernel, sig, constexprs=const), target=target).asm["ptx"]
-        where = (name, stochastic, bf16, axis)
+        where = (name, stochastic, bf16, axis, dequant)
         assert not re.search(r"div\.(full|approx)|\.ftz", ptx), where  # IEEE division, subnormals kept
         assert ("div.rn.f32" in ptx) == (r.scale != "e8m0"), where
 for bf16 in (False, True):

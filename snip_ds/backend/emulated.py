@@ -5,7 +5,8 @@ device and is the numerical reference of every other backend. The statistics (:m
 use its numerics, whatever backend trains, through its :meth:`~EmulatedBackend.quantize`, GEMM and ``*_moments``
 methods on :func:`statistics_backend`: an instance that rounds to nearest through the fused CPU kernels
 (:func:`snip_ds.backend.cpu.fake_quantize`, the same FP32 values bit for bit) where they are built and the
-operand is a 2-D CPU tensor, and through :mod:`snip_ds.quant` otherwise. The registered ``emulated`` backend
+operand is a 2-D CPU tensor, through the compiled Triton kernels (:func:`snip_ds.backend.kernels.fake_quantize`,
+bit for bit too) where the operand is a 2-D CUDA tensor, and through :mod:`snip_ds.quant` otherwise. The registered ``emulated`` backend
 (training, and the reference the other backends are tested against) always quantizes with :mod:`snip_ds.quant`.
 
 Operands and the axis each is quantized along: see :mod:`snip_ds.backend.base`.
@@ -18,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from snip_ds.backend import cpu as cpu_kernels
+from snip_ds.backend import kernels as triton_kernels
 from snip_ds.backend import operands
 from snip_ds.backend.base import GemmBackend
 from snip_ds.backend.operands import (gemm_recipe, hadamard_pair, hadamard_wgrad, operand_recipes,
@@ -43,9 +45,10 @@ class EmulatedBackend(GemmBackend):
     name = "emulated"
 
     def __init__(self, fused_rne: bool = False) -> None:
-        """``fused_rne``: round-to-nearest quantization of 2-D FP32/BF16 CPU operands through the fused CPU
-        kernels when they are built (the values of :mod:`snip_ds.quant` bit for bit, faster); the statistics'
-        instance (:func:`statistics_backend`) sets it, the registered reference does not."""
+        """``fused_rne``: round-to-nearest quantization of 2-D FP32/BF16 operands through fused kernels (the
+        values of :mod:`snip_ds.quant` bit for bit, faster): on the CPU the fused CPU kernels when they are
+        built, on CUDA the compiled Triton kernels (:func:`snip_ds.backend.kernels.fake_quantize`); the
+        statistics' instance (:func:`statistics_backend`) sets it, the registered reference does not."""
         self.fused_rne = fused_rne
 
     def quantize(self, t: torch.Tensor, precision: str, role: str, axis: int, cfg: QuantConfig,
@@ -59,8 +62,11 @@ class EmulatedBackend(GemmBackend):
             return _fp32(t)
         recipes = operand_recipes(precision, cfg)
         stochastic = role == "g" and recipes.stochastic_g
-        if not stochastic and self.fused_rne and _fusable(t):
-            return cpu_kernels.fake_quantize(t, getattr(recipes, role), axis, tensor_amax=amax)
+        if not stochastic and self.fused_rne:
+            if _fusable(t):
+                return cpu_kernels.fake_quantize(t, getattr(recipes, role), axis, tensor_amax=amax)
+            if _fusable_cuda(t):
+                return triton_kernels.fake_quantize(t, getattr(recipes, role), axis, tensor_amax=amax)
         return fake_quantize(_fp32(t), getattr(recipes, role), axis=axis, stochastic=stochastic,
                              generator=generator if stochastic else None, tensor_amax=amax)
 
@@ -213,12 +219,19 @@ def _fusable(t: torch.Tensor) -> bool:
             and cpu_kernels.available())
 
 
+def _fusable_cuda(t: torch.Tensor) -> bool:
+    """Whether the compiled Triton kernels take ``t``: a 2-D FP32/BF16 CUDA tensor, Triton installed."""
+    return (t.device.type == "cuda" and t.ndim == 2 and t.dtype in (torch.float32, torch.bfloat16)
+            and triton_kernels.available() and not triton_kernels.interpreting())
+
+
 _STATISTICS = EmulatedBackend(fused_rne=True)
 
 
 def statistics_backend() -> EmulatedBackend:
     """The emulated backend the statistics quantize and multiply with: the reference's values, rounding to
-    nearest through the fused CPU kernels where they run (:class:`EmulatedBackend`, ``fused_rne``)."""
+    nearest through the fused CPU kernels or, on CUDA, the Triton kernels where they run
+    (:class:`EmulatedBackend`, ``fused_rne``)."""
     return _STATISTICS
 
 

@@ -50,6 +50,11 @@ def quantize_parts(*args, **kwargs):
     return _kernels().quantize_parts(*args, **kwargs)
 
 
+def fake_quantize(*args, **kwargs):
+    """See :func:`snip_ds.backend.kernels.quantize.fake_quantize`: round-to-nearest quantize-dequantize."""
+    return _kernels().fake_quantize(*args, **kwargs)
+
+
 def tensor_amax(x):
     """See :func:`snip_ds.backend.kernels.quantize.tensor_amax`: the amax pass alone."""
     return _kernels().tensor_amax(x)

@@ -97,7 +97,7 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
                      KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr, MBITS: tl.constexpr,
                      EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr, TENSOR_DIVISOR: tl.constexpr,
                      STOCHASTIC: tl.constexpr, TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr,
-                     OUT_BF16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                     OUT_BF16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr):
     pid_r, pid_c = _tile_index(C, BC)
     rows = pid_r * BR + tl.arange(0, BR).to(tl.int64)
     cols = pid_c * BC + tl.arange(0, BC).to(tl.int64)
@@ -124,6 +124,8 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
         amax_b = _block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC).to(tl.float32, bitcast=True)
         value_mul = g.e4m3_rne(tl.div_rn(amax_b, tl.broadcast_to(scale * MAXN, amax_b.shape)))  # s_b; MAXN = 6
         d = value_mul * scale
+        if DEQUANT:  # fake_quantize's order: fl(q * fl(s_b * S)), 0 where s_b * S is 0
+            value_mul = d
         d = tl.where(d == 0, float("inf"), d)  # s_b rounded to 0: the block dequantizes to zeros
         scaled = tl.div_rn(mag, d)
 
@@ -133,7 +135,9 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
     else:
         q = g.round_rne(scaled, MBITS, EMIN, MAXN)
     if KIND != PER_TENSOR:
-        q = q * value_mul  # a grid value times a power of two or an E4M3 scale: exact
+        q = q * value_mul  # a grid value times a power of two or an E4M3 scale: exact (DEQUANT NVFP4: rounded)
+    elif DEQUANT:
+        q = q * tl.broadcast_to(scale, q.shape)  # fake_quantize: fl(q * s)
     values = g.with_sign(q, sign_bits)
     if OUT_BF16:
         values = g.bf16_bits(values)
@@ -193,6 +197,13 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
     Raises:
         ValueError / TypeError: a bad argument; the message names it.
     """
+    return _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype, transpose, False)
+
+
+def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype, transpose,
+              dequantize: bool) -> QuantParts:
+    """:func:`quantize_parts`; with ``dequantize`` the values carry the tensor scale (:func:`fake_quantize`)
+    and the returned tensor scale is 1."""
     recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, INTERPRETED)
     rows, cols = x.shape
@@ -221,8 +232,19 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
         KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin, EMAX=element.emax,
         MAXN=element.max_normal, TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D)
         else element.max_normal, STOCHASTIC=bool(stochastic), TRANSPOSE=transpose, IN_BF16=in_bf16,
-        OUT_BF16=out_dtype == torch.bfloat16, BR=br, BC=bc)
+        OUT_BF16=out_dtype == torch.bfloat16, BR=br, BC=bc, DEQUANT=bool(dequantize))
+    if dequantize:
+        return QuantParts(values, torch.ones((), dtype=torch.float32, device=x.device))
     return QuantParts(values, scale)
+
+
+def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
+                  tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`snip_ds.quant.fake_quantize` of a 2-D ``x`` with round-to-nearest, as FP32, bit for bit: the
+    dequantized values, the tensor-level scale multiplied in as the reference multiplies it (NVFP4:
+    ``fl(q * fl(s_b * S))``, not the split's ``fl((q * s_b) * S)``). ``x``, ``recipe``, ``axis`` and
+    ``tensor_amax`` as in :func:`quantize_parts`."""
+    return _quantize(x, recipe, axis, tensor_amax, False, 0, 0, torch.float32, False, True).values
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
