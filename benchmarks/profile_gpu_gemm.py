@@ -101,7 +101,8 @@ def write_markdown(result: dict, path: Path) -> None:
     lines = [f"# profile_gpu_gemm: one SnipLinear forward+backward, kernel by kernel ({result['device_name']})", "",
              f"torch {result['torch']}; {result['tokens']} tokens, k = {result['k']}, n = {result['n']}, BF16; "
              f"{result['steps']} profiled steps after 3 warm-up steps. Times are device time per step.", "",
-             "| variant | µs / step | × bf16 | launches / step | GEMM | quantize | other |", "|---|---|---|---|---|---|---|"]
+             "| variant | µs / step | × bf16 | launches / step | GEMM | quantize | other |",
+             "|---|---|---|---|---|---|---|"]
     base = result["variants"]["bf16"]["step_us"]
     for name, r in result["variants"].items():
         s = r["share"]

@@ -6,8 +6,9 @@ use its numerics, whatever backend trains, through its :meth:`~EmulatedBackend.q
 methods on :func:`statistics_backend`: an instance that rounds to nearest through the fused CPU kernels
 (:func:`snip_ds.backend.cpu.fake_quantize`, the same FP32 values bit for bit) where they are built and the
 operand is a 2-D CPU tensor, through the compiled Triton kernels (:func:`snip_ds.backend.kernels.fake_quantize`,
-bit for bit too) where the operand is a 2-D CUDA tensor, and through :mod:`snip_ds.quant` otherwise. The registered ``emulated`` backend
-(training, and the reference the other backends are tested against) always quantizes with :mod:`snip_ds.quant`.
+bit for bit too) where the operand is a 2-D CUDA tensor, and through :mod:`snip_ds.quant` otherwise. The
+registered ``emulated`` backend (training, and the reference the other backends are tested against) always
+quantizes with :mod:`snip_ds.quant`.
 
 Operands and the axis each is quantized along: see :mod:`snip_ds.backend.base`.
 """

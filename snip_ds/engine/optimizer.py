@@ -51,25 +51,14 @@ def fused_adam_error() -> Optional[str]:
     return None
 
 
-def _warn(reason: str, opt_type: Any) -> None:
-    log.warning("snip_ds: DeepSpeed's FusedAdam could not be built (%s); training with torch.optim.%s instead "
-                "(the same update, unfused). Set \"torch_adam\": true in the optimizer's params to choose it "
-                "and skip this build.", reason, "AdamW" if str(opt_type).lower() == "adamw" else "Adam")
-
-
 def working_adam_config(config: Mapping[str, Any]) -> Dict[str, Any]:
     """``config`` (a DeepSpeed config), with ``optimizer.params.torch_adam = true`` where it asks for DeepSpeed's
-    fused Adam and that op cannot be built here (a warning says why); otherwise ``config`` unchanged."""
+    fused Adam and that op cannot be built here (a warning says why); otherwise ``config`` unchanged. The caller's
+    config is never modified."""
     config = dict(config)
-    if not _uses_fused_adam(config):
-        return config
-    reason = fused_adam_error()
-    if reason is None:
-        return config
-    opt = copy.deepcopy(config["optimizer"])
-    opt["params"] = dict(opt.get("params") or {}, torch_adam=True)
-    config["optimizer"] = opt
-    _warn(reason, opt.get("type"))
+    if isinstance(config.get("optimizer"), Mapping):
+        config["optimizer"] = dict(copy.deepcopy(config["optimizer"]))
+    prepare_adam_in_place([config])
     return config
 
 
@@ -90,7 +79,10 @@ def prepare_adam_in_place(configs: Iterable[Any]) -> Optional[str]:
         if isinstance(opt, dict):
             params = opt.get("params")
             if not isinstance(params, dict):
-                params = opt["params"] = {}
+                params = opt["params"] = dict(params or {})
             params["torch_adam"] = True
-    _warn(reason, live[0]["optimizer"].get("type"))
+    adamw = str(live[0]["optimizer"].get("type")).lower() == "adamw"
+    log.warning("snip_ds: DeepSpeed's FusedAdam could not be built (%s); training with torch.optim.%s instead "
+                "(the same update, unfused). Set \"torch_adam\": true in the optimizer's params to choose it "
+                "and skip this build.", reason, "AdamW" if adamw else "Adam")
     return reason

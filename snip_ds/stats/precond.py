@@ -98,8 +98,8 @@ def adam_precond(model: nn.Module, optimizer: torch.optim.Optimizer,
     step = max(steps) if steps else 0
     if entries and len(entries) != len(mods):
         raise ValueError(f"optimizer: only {len(entries)} of {len(mods)} layers have Adam state")
-    return AdamPrecond(AdamPreconditioners(entries), step, dv.adam_step_scale(step, beta1 if beta1 is not None else 0.9),
-                       max(lrs) if lrs else 0.0)
+    step_scale = dv.adam_step_scale(step, beta1 if beta1 is not None else 0.9)
+    return AdamPrecond(AdamPreconditioners(entries), step, step_scale, max(lrs) if lrs else 0.0)
 
 
 def check_precond(precond: Precond, mods: Dict[str, SnipLinear], forward_drift: bool, estimator: str) -> Precond:
@@ -111,12 +111,11 @@ def check_precond(precond: Precond, mods: Dict[str, SnipLinear], forward_drift: 
         missing = [f for f in mods if f not in precond]
         if missing:
             raise ValueError(f"precond: no preconditioner for {len(missing)} layer(s), e.g. {missing[:3]}")
-        lazy = isinstance(precond, AdamPreconditioners)
+        lazy = isinstance(precond, AdamPreconditioners)  # its shapes are known without computing P
         for fqn in mods:
-            e = None if lazy else precond[fqn]
-            shape = precond.shape(fqn) if lazy else tuple(e.shape) if isinstance(e, torch.Tensor) else None
-            if shape is not None and shape != tuple(mods[fqn].weight.shape):
-                raise ValueError(f"precond[{fqn!r}] has shape {shape}, the weight "
+            shape = precond.shape(fqn) if lazy else getattr(precond[fqn], "shape", None)  # None: a callable
+            if shape is not None and tuple(shape) != tuple(mods[fqn].weight.shape):
+                raise ValueError(f"precond[{fqn!r}] has shape {tuple(shape)}, the weight "
                                  f"{tuple(mods[fqn].weight.shape)}")
     elif precond is not None and not callable(precond):
         raise ValueError(f"precond must be None, a mapping fqn -> tensor/callable, or a callable; "

@@ -11,6 +11,7 @@ call to :func:`quantize_parts`): set it before then to run them on CPU tensors t
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -33,6 +34,7 @@ def available() -> bool:
     return _triton_installed() and (interpreting() or torch.cuda.is_available())
 
 
+@functools.lru_cache(maxsize=None)  # asked on every statistics quantization of a CUDA operand
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
