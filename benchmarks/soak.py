@@ -263,11 +263,11 @@ def main() -> int:
         args.warmup = args.steps // 10
     if args.worker:
         code = worker(args)
-        if code == 0:  # as launch/train.py's finish(): skip the interpreter teardown, where a finished 2-rank
-            sys.stdout.flush()  # CPU rank aborts now and then (gloo's threads, pytorch/pytorch#179291)
-            sys.stderr.flush()
-            os._exit(0)
-        return code
+        # As launch/train.py's finish(): skip the interpreter teardown, where a 2-rank CPU rank aborts now
+        # and then (gloo's threads, pytorch/pytorch#179291), whether it finished or failed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return driver(args)
 
 

@@ -23,22 +23,22 @@ from snip_ds.trainer import main  # noqa: E402
 
 
 def finish(code: int) -> None:
-    """Exits with ``code``; a finished run (0) leaves without the interpreter's teardown.
+    """Exits with ``code`` without the interpreter's teardown, whether the run finished or failed.
 
-    By then the run has saved its checkpoints, closed its TensorBoard writer and destroyed the process group.
-    What is left is the interpreter's finalization, and there a finished rank of a 2-rank CPU ZeRO-3 run
-    aborted with SIGABRT ("terminate called without an active exception", no Python frame left on the
-    stack) in 1 of 21 launches here, which the launcher reports as a failed job. The same abort is described
-    in pytorch/pytorch#179291: gloo's worker threads, kept alive by references the process group's users
-    still hold, release tensors during finalization and take the GIL. ``os._exit`` after flushing skips
-    the finalization. Failures keep the ordinary exit.
+    By then the run has saved its checkpoints, closed its TensorBoard writer and destroyed the process group
+    (or, after a lost peer, given up on it). What is left is the interpreter's finalization, and there a rank
+    of a 2-rank CPU ZeRO-3 run aborted with SIGABRT ("terminate called without an active exception", no
+    Python frame left on the stack): a finished rank in 1 of 21 launches here, and a rank stopping at a
+    non-finite step (exit 1) in a CI run, which the launcher then reports as exit 250 instead of the run's
+    own code. The same abort is described in pytorch/pytorch#179291: gloo's worker threads, kept alive by
+    references the process group's users still hold, release tensors during finalization and take the GIL.
+    ``os._exit`` after flushing skips the finalization. An uncaught exception (a bug, not a user's mistake)
+    never reaches here and keeps Python's traceback and exit.
     """
-    if code != 0:
-        sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
