@@ -64,7 +64,7 @@ def test_text_names_no_files_outside_the_repository_nor_the_work_process(page):
 
 
 def test_readme_stays_short():
-    assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) <= 320
+    assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) <= 300
 
 
 def test_slug_matches_github_on_known_headings():

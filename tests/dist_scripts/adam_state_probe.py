@@ -11,6 +11,7 @@ into what the training drift between the two runs causes and what the collection
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -120,4 +121,7 @@ def _load(engine, path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as launch/train.py's finish(): skip the interpreter teardown (gloo's threads may abort it)

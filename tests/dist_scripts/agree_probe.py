@@ -7,6 +7,7 @@ rank saw them, go to ``<out>/rank<R>.json``.
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -72,4 +73,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as launch/train.py's finish(): skip the interpreter teardown (gloo's threads may abort it)

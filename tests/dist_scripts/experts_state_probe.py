@@ -8,6 +8,7 @@ of 2 sequences per rank, the owned sums are summed over the ranks, and the colle
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -79,4 +80,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as launch/train.py's finish(): skip the interpreter teardown (gloo's threads may abort it)

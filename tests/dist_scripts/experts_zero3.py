@@ -9,6 +9,7 @@ go to ``<out>/<run>.safetensors``; ``<out>/swap.json`` says what the swap saw.
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -75,4 +76,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as launch/train.py's finish(): skip the interpreter teardown (gloo's threads may abort it)

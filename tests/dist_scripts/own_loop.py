@@ -19,6 +19,7 @@ Run by tests/test_own_loop.py under the deepspeed launcher (2 ranks, ZeRO-3). ``
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -142,4 +143,7 @@ def _nonfinite_run(model, config, logger, poison, rank) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as launch/train.py's finish(): skip the interpreter teardown (gloo's threads may abort it)
