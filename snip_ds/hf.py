@@ -334,6 +334,7 @@ class SnipCallback(TrainerCallback):
         self.infos = None
         self.plan = None
         self.state: Optional[SnipState] = None
+        self._held = None  # the stand-in for the scheduler's step after a skipped update (see _hold_schedule)
 
     # ------------------------------------------------------------------ before the optimizer exists
     def attach(self, trainer) -> "SnipCallback":
@@ -451,14 +452,14 @@ class SnipCallback(TrainerCallback):
         ``optimizer.step()`` is a no-op there), or the step of the torch optimizer inside accelerate's wrapper
         without DeepSpeed (called once per optimizer step, at the accumulation boundary). The
         ranks agree (one all-reduced flag); then ``snip.nonfinite`` "stop" raises NonFiniteError before the
-        update and "skip" leaves parameters and optimizer state as they were."""
+        update and "skip" leaves parameters, optimizer state and the learning rate as they were."""
         ds = loop.ds_engine
         if ds is not None:
             original = ds.step
 
             def ds_step(*a, **k):
                 if ds.is_gradient_accumulation_boundary() and self._nonfinite_step():
-                    return run_without_update(ds.optimizer, lambda: original(*a, **k))
+                    return run_without_update(ds.optimizer, lambda: original(*a, **k), ds.lr_scheduler)
                 return original(*a, **k)
             ds.step = ds_step
         else:  # the torch optimizer inside accelerate's wrapper (whose step the lr scheduler tracks)
@@ -468,9 +469,30 @@ class SnipCallback(TrainerCallback):
             @functools.wraps(original)
             def opt_step(*a, **k):
                 if self._nonfinite_step():
+                    self._hold_schedule()
                     return None
                 return original(*a, **k)
             opt.step = opt_step
+
+    def _hold_schedule(self) -> None:
+        """The Trainer steps its learning-rate scheduler right after the (skipped) update: that one call does
+        nothing, so the learning rate stays where it was, as DeepSpeed's own overflow skip leaves it. The stand-in
+        removes itself when called, and :meth:`on_step_end` removes one the Trainer did not call, so the
+        scheduler's ``state_dict`` never holds it."""
+        scheduler = self.trainer.lr_scheduler
+        if scheduler is None or "step" in vars(scheduler):
+            return
+
+        def held(*args, **kwargs):
+            del scheduler.step
+        scheduler.step = self._held = held
+
+    def on_step_end(self, args, state, control, **kwargs):
+        scheduler = self.trainer.lr_scheduler if self.trainer is not None else None
+        if scheduler is not None and self._held is not None and vars(scheduler).get("step") is self._held:
+            del scheduler.step
+        self._held = None
+        return control
 
     def _nonfinite_step(self) -> bool:
         """Collective, before the update: whether the step went non-finite on any rank (then "skip" counts it and

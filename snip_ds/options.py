@@ -232,8 +232,8 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            "same share); None: none.", research=True, flag=Flag(("--max-share",))),
     Option("nonfinite", str, "stop", "What a NaN or Inf loss or gradient does: ``stop`` the run before the step's "
            "update (one line naming the step, the micro-batch and the first module whose output went non-finite), "
-           "or ``skip`` the step (no optimizer update, gradients dropped, counted as ``train/skipped_steps`` in "
-           "TensorBoard).", choices=NONFINITE_ACTIONS),
+           "or ``skip`` the step (no optimizer update, gradients dropped, the learning rate held, counted as "
+           "``train/skipped_steps`` in TensorBoard).", choices=NONFINITE_ACTIONS),
     Option("study_fields", Tuple[str, ...], (), "Study fields each collection also records in ``stats.json`` (groups "
            "of :data:`snip_ds.stats.artifact.STUDY_FIELDS`: ``fld_forms``, ``first_order``, ``quant_err``, "
            "``bwd_bias``, ``bwd_drift``); the plan's own needs are added (``collect_study_fields``). Default none.",

@@ -82,21 +82,24 @@ def floating_tensors(out) -> list:
     return []
 
 
-def run_without_update(optimizer, step: Callable[[], Any]) -> None:
-    """Runs ``step`` (DeepSpeed's ``engine.step``) with the wrapped base optimizer's update suppressed (what
-    DeepSpeed's own overflow skip does, for any ZeRO stage and precision): DeepSpeed still finishes the step --
-    drops the accumulated gradients, advances its step counter -- but no parameter or optimizer state changes.
-    (Its scheduler advances unless DeepSpeed's own check saw the non-finite gradient norm too.)"""
+def run_without_update(optimizer, step: Callable[[], Any], scheduler: Any = None) -> None:
+    """Runs ``step`` (DeepSpeed's ``engine.step``) with the wrapped base optimizer's update and ``scheduler``'s
+    step (DeepSpeed's ``engine.lr_scheduler``) suppressed -- what DeepSpeed's own overflow skip does, for any ZeRO
+    stage and precision: DeepSpeed still finishes the step (drops the accumulated gradients, advances its step
+    counter), but no parameter, optimizer state or learning rate changes."""
     base = getattr(optimizer, "optimizer", optimizer)  # ZeRO / bf16 wrappers hold it there
-    own = vars(base).get("step")  # a scheduler may have wrapped step on the instance
-    base.step = lambda *args, **kwargs: None
+    held = [obj for obj in (base, scheduler) if obj is not None]
+    own = [vars(obj).get("step") for obj in held]  # a scheduler may have wrapped step on the instance
+    for obj in held:
+        obj.step = lambda *args, **kwargs: None
     try:
         step()
     finally:
-        if own is None:
-            del base.step
-        else:
-            base.step = own
+        for obj, mine in zip(held, own):
+            if mine is None:
+                del obj.step
+            else:
+                obj.step = mine
 
 
 class NonFiniteGuard:

@@ -138,8 +138,8 @@ def test_resume_continues_on_restored_plan_bit_for_bit(tmp_path):
 def test_nonfinite_under_the_trainer_with_deepspeed_on_two_ranks(tmp_path, nonfinite):
     """ZeRO-2 on 2 CPU ranks, rank 1's model.layers.1.mlp returning NaN in step 3: the ranks agree before the
     DeepSpeed engine's update. "stop": both raise the same NonFiniteError naming step 3 and rank 1, after
-    steps 1-2; "skip": step 3 changes no parameter on either rank while every other step does, and both count
-    one skipped step."""
+    steps 1-2; "skip": step 3 changes no parameter on either rank while every other step does, the learning rate
+    stays for step 4 (DeepSpeed's scheduler is not stepped), and both count one skipped step."""
     cfg = _config(tmp_path, stage=2, plan="fp8", nonfinite=nonfinite)
     data = json.loads(cfg.read_text())
     del data["scheduler"]  # the Trainer's linear schedule, no warm-up: step 1's learning rate is not 0
@@ -160,6 +160,10 @@ def test_nonfinite_under_the_trainer_with_deepspeed_on_two_ranks(tmp_path, nonfi
         else:
             assert "error" not in r and r["steps"] == 5 and r["skipped"] == 1
             assert sums[3] == sums[2] and all(sums[i + 1] != sums[i] for i in (0, 1, 3, 4))
+            # Logged after steps 1..5; under DeepSpeed the Trainer logs the scheduler's last rate, the next
+            # step's: skipped step 3 leaves it where step 2 put it, every other step lowers it.
+            lrs = r["lrs"]
+            assert len(lrs) == 5 and lrs[2] == lrs[1] and all(lrs[i + 1] < lrs[i] for i in (0, 2, 3)), lrs
     assert ranks[0].get("error") == ranks[1].get("error") and ranks[0]["sums"] == ranks[1]["sums"]
 
 
@@ -327,8 +331,9 @@ def test_nonfinite_step_stops_the_trainer_before_its_update(tmp_path):
 
 def test_nonfinite_step_is_skipped_by_the_trainer_and_counted(tmp_path):
     """snip.nonfinite "skip" under the Trainer: step 3 changes no parameter (the float64 sum of every parameter
-    is the same before and after it, while every other step changes it), training goes on to step 5 with finite
-    weights, and the skip is counted and logged through Trainer.log."""
+    is the same before and after it, while every other step changes it), the Trainer's linear schedule holds its
+    learning rate for step 4, training goes on to step 5 with finite weights, and the skip is counted and logged
+    through Trainer.log."""
     trainer, snip, sums = _poisoned_run(tmp_path, "skip")
     trainer.train()
     assert trainer.state.global_step == 5 and len(sums) == 6
@@ -337,6 +342,9 @@ def test_nonfinite_step_is_skipped_by_the_trainer_and_counted(tmp_path):
     assert all(math.isfinite(x) for x in sums)
     assert snip.state.skipped_steps == 1
     assert [e["train/skipped_steps"] for e in trainer.state.log_history if "train/skipped_steps" in e] == [1.0]
+    lrs = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]  # the rates steps 1..5 ran at
+    assert len(lrs) == 5 and lrs[3] == lrs[2] and all(lrs[i + 1] < lrs[i] for i in (0, 1, 3)), lrs
+    assert "step" not in vars(trainer.lr_scheduler)  # the stand-in for the skipped schedule step is gone
 
 
 @pytest.mark.slow

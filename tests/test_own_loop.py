@@ -116,8 +116,8 @@ def test_a_nonfinite_step_is_skipped_on_every_rank_and_counted(tmp_path, case):
     """snip.nonfinite "skip" under ZeRO-3 in FP32 and with DeepSpeed's bf16 (FP32 master weights in the optimizer),
     and under ZeRO-0 and ZeRO-2 (each wraps the optimizer differently):
     step 3 changes no parameter on any rank (the float64 sum of every gathered parameter is the same before and
-    after it, while every other step changes it), the steps go on to 5 with finite losses, and TensorBoard
-    counts the skip at step 3."""
+    after it, while every other step changes it), its learning rate stays for step 4 (as DeepSpeed's own overflow
+    skip leaves it), the steps go on to 5 with finite losses, and TensorBoard counts the skip at step 3."""
     from train_utils import scalars
 
     ranks = _run(case, tmp_path)
@@ -128,6 +128,10 @@ def test_a_nonfinite_step_is_skipped_on_every_rank_and_counted(tmp_path, case):
         assert all(sums[i + 1] != sums[i] for i in (0, 1, 3, 4))
         losses = r["losses"]
         assert losses[2] != losses[2] and all(x == x for i, x in enumerate(losses) if i != 2)  # NaN only at 3
+        # The next step's learning rate before step 1 and after steps 1..5 (WarmupLR gives its minimum to the
+        # first two): step 3 leaves the warm-up where it was, every other step raises it.
+        lrs = r["lrs"]
+        assert lrs[3] == lrs[2] and all(lrs[i + 1] > lrs[i] for i in (1, 3, 4)), lrs
     assert ranks[0]["sums"] == ranks[1]["sums"] and ranks[0]["losses"][3:] == ranks[1]["losses"][3:]
     logged = scalars(tmp_path / f"{case}.tb")
     assert logged["train/skipped_steps"] == {3: 1.0}

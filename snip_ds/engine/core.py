@@ -223,7 +223,7 @@ class SnipEngine:
             if i == ga - 1 and guard.agree():
                 # raises NonFiniteError unless snip.nonfinite is "skip"
                 guard.act(ga, lambda j: self._first_nonfinite_module(micro_batches[j]))
-                run_without_update(self.ds.optimizer, self.ds.step)
+                run_without_update(self.ds.optimizer, self.ds.step, self.ds.lr_scheduler)
             else:
                 self.ds.step()
             losses.append(loss.detach().double().cpu())

@@ -2,8 +2,8 @@
 
 Run by tests/test_hf.py under the deepspeed launcher (2 ranks, ZeRO-2, CPU): ``model.layers.1.mlp`` returns NaN
 on the last rank in every forward of step 3. Each rank writes ``--out.<rank>`` (JSON): the float64 sum of its
-parameters before step 1 and after every finished step, the steps taken, the skipped steps, and the
-NonFiniteError's message if one stopped the run.
+parameters before step 1 and after every finished step, the learning rates logged after every step, the steps
+taken, the skipped steps, and the NonFiniteError's message if one stopped the run.
 """
 import argparse
 import json
@@ -58,7 +58,8 @@ try:
     trainer.train()
 except NonFiniteError as err:
     out["error"] = str(err)
-out.update(sums=sums, steps=trainer.state.global_step, skipped=snip.state.skipped_steps)
+out.update(sums=sums, steps=trainer.state.global_step, skipped=snip.state.skipped_steps,
+           lrs=[e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e])
 with open(f"{a.out}.{rank}", "w") as f:
     json.dump(out, f)
 sys.stdout.flush()

@@ -13,9 +13,9 @@ Run by tests/test_own_loop.py under the deepspeed launcher (2 ranks, ZeRO-3). ``
 * ``nonfinite_stop`` / ``nonfinite_skip`` (``_bf16``: with DeepSpeed's bf16; ``_z0``, ``_z2``: ZeRO
   stage 0 or 2 instead of 3): the user's own forward hook on ``model.layers.1.mlp`` turns its
   output to NaN on rank 1 in step 3 (a custom module that overflows); with ``snip.nonfinite`` "stop" every
-  rank raises the same NonFiniteError, with "skip" step 3 leaves every parameter as it was and training goes
-  on. Writes each rank's losses, parameter sums (float64, gathered) after every step, the error or the skip
-  count.
+  rank raises the same NonFiniteError, with "skip" step 3 leaves every parameter and the learning rate (a linear
+  warm-up) as they were and training goes on. Writes each rank's losses, parameter sums (float64, gathered) and
+  learning rates after every step, the error or the skip count.
 """
 import argparse
 import json
@@ -77,6 +77,9 @@ def main() -> int:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "steps_per_print": 10 ** 9, "snip": snip}
+    if logger:  # a learning rate that rises every step: a skipped step must leave it where it was
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                              "warmup_num_steps": 10, "warmup_type": "linear"}}
     if args.case.endswith("_bf16"):
         config["bf16"] = {"enabled": True}
     if args.case.endswith(("_z0", "_z2")):
@@ -127,7 +130,7 @@ def _nonfinite_run(model, config, logger, poison, rank) -> dict:
     second micro-batch, and the re-run of it that locates the module)."""
     engine = snip_ds.initialize(model, config, tokens_per_step=2 * 2 * 16, logger=logger)
     gen = torch.Generator().manual_seed(1 + rank)
-    rec = {"losses": [], "sums": [_param_sum(engine)], "steps": []}
+    rec = {"losses": [], "sums": [_param_sum(engine)], "steps": [], "lrs": [engine.ds.get_lr()[0]]}
     for step in range(1, 6):
         batches = []
         for _ in range(2):
@@ -138,6 +141,7 @@ def _nonfinite_run(model, config, logger, poison, rank) -> dict:
         poison["on"] = False
         rec["sums"].append(_param_sum(engine))
         rec["steps"].append(engine.step)
+        rec["lrs"].append(engine.ds.get_lr()[0])  # the next step's
     rec["skipped"] = engine.skipped_steps
     return rec
 
