@@ -95,6 +95,8 @@ class _SnipSettingsMethods:
                 raise ConfigError(f"snip.train.{name}: must be at least 1, got {getattr(t, name)}")
         if t.save_steps < 0:
             raise ConfigError(f"snip.train.save_steps: must not be negative, got {t.save_steps}")
+        if not 0 <= t.seed < 2 ** 63:  # the generators take 64-bit seeds, offset by a few thousand per stream
+            raise ConfigError(f"snip.train.seed: must lie in [0, 2**63), got {t.seed}")
         if t.model_name_or_path and t.model_config:
             raise ConfigError("snip.train: give model_name_or_path or model_config, not both")
 

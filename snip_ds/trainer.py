@@ -261,6 +261,7 @@ def train(args: argparse.Namespace) -> int:
                             block_size=t.block_size)
     except (ValueError, FileNotFoundError, OSError) as err:
         raise UserError(str(err)) from None
+    _seed_global_rngs(t.seed)
 
     tokenizer = str(data_info.get("tokenizer", "unknown"))  # recorded in checkpoints for `snip-ds export`
     if tokenizer not in ("byte", "unknown") and Path(tokenizer).exists():
@@ -418,6 +419,22 @@ def _lost_peer(err: BaseException) -> bool:
     from snip_ds.distributed import lost_peer
 
     return lost_peer(err)
+
+
+def _seed_global_rngs(seed: int) -> None:
+    """Seeds Python's, NumPy's and torch's global generators (CPU and every GPU) with the run's seed on every rank,
+    as the Hugging Face Trainer's ``set_seed`` does: dropout and any other random operation of the model draw
+    from them, and torch seeds its default generator randomly at start-up, so without this two runs of the same
+    configuration would differ. SNIP's own randomness (data order, statistics, measurements, stochastic
+    rounding) has generators of its own; a resume restores the saved global states after this."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -44,6 +44,8 @@ def test_three_precisions_budget_and_cap_parse_and_round_trip():
     ({"research": {"dgrad_calibration": "x"}}, "snip.research.dgrad_calibration: expected a number"),
     ({"research": {"max_share": "all"}}, "snip.research.max_share: expected a number or null"),
     ({"research": ["fld_form"]}, "snip.research: expected a JSON object, got list"),
+    ({"train": {"seed": -1}}, r"snip.train.seed: must lie in \[0, 2\*\*63\), got -1"),
+    ({"train": {"seed": 2 ** 63}}, r"snip.train.seed: must lie in \[0, 2\*\*63\), got 9223372036854775808"),
 ])
 def test_bad_values_name_the_field(section, match):
     with pytest.raises(ConfigError, match=match):

@@ -111,3 +111,32 @@ def test_adaptive_two_rank_zero3_replans_logs_and_resumes_exactly(tmp_path):
     for step in (4, 5, 6):
         assert again["train/loss"][step] == logged["train/loss"][step], step
     assert again["plan/fp4_share"][6] == logged["plan/fp4_share"][6]
+
+
+def test_a_model_with_dropout_trains_the_same_twice_and_resumes_exactly(tmp_path):
+    """The global generators dropout draws from start from the run's seed (torch seeds its own randomly at
+    start-up): two runs of a model with attention dropout give the same losses bit for bit and save the same
+    torch RNG state, which dropout has moved past the seeded one; a resume from step 2 restores it and repeats
+    steps 3-4 bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    from train_utils import TINY_MODEL
+
+    cfg = write_configs(tmp_path, stage=3, plan="fp8", model={**TINY_MODEL, "attention_dropout": 0.5},
+                        max_steps=4, save_steps=2, eval_steps=4)
+    runs = {}
+    for name in ("a", "b"):
+        _ok(launch(["--deepspeed", str(cfg), "--output_dir", str(tmp_path / name)]))
+        runs[name] = scalars(tmp_path / name / "tensorboard")["train/loss"]
+    assert sorted(runs["a"]) == [1, 2, 3, 4] and runs["a"] == runs["b"]
+    rng = [load_file(str(tmp_path / n / "checkpoints" / "step_2" / "snip_rng_rank0.safetensors"))["torch_rng"]
+           for n in ("a", "b")]
+    assert torch.equal(rng[0], rng[1])
+    torch.manual_seed(0)  # the run's seed (snip.train.seed)
+    assert not torch.equal(rng[0], torch.get_rng_state())  # dropout drew from it
+    step2 = tmp_path / "a" / "checkpoints" / "step_2"
+    _ok(launch(["--deepspeed", str(cfg), "--resume_from_checkpoint", str(step2), "--output_dir",
+                str(tmp_path / "resumed")]))
+    again = scalars(tmp_path / "resumed" / "tensorboard")["train/loss"]
+    assert sorted(again) == [3, 4] and all(again[s] == runs["a"][s] for s in (3, 4))
