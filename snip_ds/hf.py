@@ -17,7 +17,9 @@ never attached stops ``trainer.train()`` before the first step, saying what to c
   deepspeed``, or the config file of accelerate's DeepSpeed plugin under ``accelerate launch``) or the
   settings given to the callback, checks it against the ``TrainingArguments``, and swaps the decoder linears
   for :class:`~snip_ds.linear.SnipLinear` keeping the very same Parameters (:func:`snip_ds.swap.swap_linears`),
-  so the optimizer and ZeRO see the parameters they would have seen;
+  so the optimizer and ZeRO see the parameters they would have seen; with DeepSpeed it builds the fused Adam
+  and, until ``on_train_begin``, holds ``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's JIT builder reads
+  (:func:`snip_ds.jit_builds.deepspeed_arch_list_set`), for the ops DeepSpeed builds while the Trainer starts it;
 * ``on_train_begin`` (the DeepSpeed engine or the torch optimizer is built): builds the state over a
   :class:`TrainerLoop`, puts the non-finite check in front of the update (the DeepSpeed engine's ``step``, or
   without DeepSpeed the ``step`` of the torch optimizer inside accelerate's wrapper), and applies the starting plan, or on a resumed run
@@ -35,7 +37,7 @@ never attached stops ``trainer.train()`` before the first step, saying what to c
 * the update: every gradient of the step is checked for NaN/Inf; the ranks agree, then ``snip.nonfinite``
   "stop" raises :class:`~snip_ds.state.NonFiniteError` before the update (the message names the step, the rank
   and the first such parameter; the Trainer does not hand SNIP its batches, so the module is not located) and
-  "skip" leaves parameters and optimizer state as they were (``train/skipped_steps``);
+  "skip" leaves parameters, optimizer state and the learning rate as they were (``train/skipped_steps``);
 * ``on_save``: writes ``snip_state.json`` (:meth:`~snip_ds.state.SnipState.state_dict`,
   :data:`snip_ds.artifacts.STATE_FORMAT`) and one ``snip_rng_rank<r>.safetensors`` (stochastic-rounding
   generators) per rank into the Trainer's ``checkpoint-N`` folder: the files ``launch/train.py``'s checkpoints
@@ -47,6 +49,7 @@ the plan-change notes go to TensorBoard when a ``TensorBoardCallback`` is report
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -335,6 +338,7 @@ class SnipCallback(TrainerCallback):
         self.plan = None
         self.state: Optional[SnipState] = None
         self._held = None  # the stand-in for the scheduler's step after a skipped update (see _hold_schedule)
+        self._builds = contextlib.ExitStack()  # settings held while the Trainer starts DeepSpeed
 
     # ------------------------------------------------------------------ before the optimizer exists
     def attach(self, trainer) -> "SnipCallback":
@@ -372,6 +376,9 @@ class SnipCallback(TrainerCallback):
         if config is not None:  # AutoTP / AutoEP would replace the layers swapped below with unquantized ones
             refuse_module_replacement(config, config_source)
             _prepare_fused_adam(args)
+            # The Trainer starts DeepSpeed inside train(), where it may build more ops (the CPU Adam of an
+            # optimizer offload): until on_train_begin the architecture list reads as DeepSpeed can parse it.
+            self._builds.enter_context(jit_builds.deepspeed_arch_list_set())
         _check_against_trainer(args, source)
         if _cpu_ranks_unshared(args):  # the same on every rank: each unlinks its DeepSpeed buffer, then stops
             if sdist.is_initialized():
@@ -400,6 +407,8 @@ class SnipCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         from snip_ds.data import DataStream
         from snip_ds.swap import check_still_swapped
+
+        self._builds.close()  # DeepSpeed is started: the user's architecture list again
 
         trainer, s = self.trainer, self.settings
         if trainer is None:

@@ -791,3 +791,37 @@ def test_cpu_ranks_unknown_to_accelerate_are_refused(tmp_path):
     assert ("2 ranks were launched with DeepSpeed on CPUs, but accelerate counts 1 process: every rank would read "
             "the same batches; call snip_ds.hf.share_cpu_ranks_with_accelerate(args)") in proc.stdout + proc.stderr
     assert not (tmp_path / "out" / "checkpoint-4").exists()
+
+
+def test_deepspeed_started_by_the_trainer_reads_an_architecture_list_it_can_parse(tmp_path, monkeypatch):
+    """A CUDA image's TORCH_CUDA_ARCH_LIST=9.0a stops DeepSpeed's JIT builds (its parser wants <int>.<int>): the
+    Trainer starts DeepSpeed inside train(), where the CPU Adam of an optimizer offload is built, so from the
+    callback's setup until on_train_begin the variable reads 9.0, and the user's 9.0a is back from then on."""
+    import deepspeed
+
+    from snip_ds import jit_builds
+    from snip_ds.hf import SnipCallback
+
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def initialize(*args, **kwargs):  # deepspeed.initialize as accelerate calls it, stopped there
+        seen["arch"] = os.environ.get(jit_builds.ARCH_VAR)
+        raise Started
+
+    monkeypatch.setenv(jit_builds.ARCH_VAR, "9.0a")
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    snip = SnipCallback()
+    trainer = _trainer(tmp_path, deepspeed=str(_config(tmp_path, stage=2)), callback=snip)
+    snip.attach(trainer)
+    with pytest.raises(Started):
+        trainer.train()
+    assert seen["arch"] == "9.0"
+    assert os.environ[jit_builds.ARCH_VAR] == "9.0"  # held until on_train_begin
+    try:
+        snip.on_train_begin(trainer.args, trainer.state, trainer.control)
+    except Exception:  # noqa: BLE001 -- no DeepSpeed engine was made; only the variable matters here
+        pass
+    assert os.environ[jit_builds.ARCH_VAR] == "9.0a"
