@@ -151,6 +151,10 @@ class _TrainerLogger:
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         self.trainer.log({k: float(v) for k, v in values.items()})
 
+    @property
+    def writes_images(self) -> bool:
+        return self.trainer.is_world_process_zero() and self._tb() is not None
+
     def image(self, tag: str, chw, step: int) -> None:
         tb = self._tb() if self.trainer.is_world_process_zero() else None
         if tb is not None:

@@ -263,10 +263,11 @@ class SnipState:
         self.plan = plan
         if changed:
             self.logger.scalar("plan/fp4_share", self.plan_fp4_share(), self.step)
-            self.logger.image("plan/precision_map", precision_map_image(
-                plan.assignment, block_index, kinds=[layer_kind(f) for f in self.infos], step=self.step,
-                fp4_share=self.plan_fp4_share(), method=plan.method),
-                self.step)
+            if getattr(self.logger, "writes_images", True):  # rendered only where it is written (rank 0)
+                self.logger.image("plan/precision_map", precision_map_image(
+                    plan.assignment, block_index, kinds=[layer_kind(f) for f in self.infos], step=self.step,
+                    fp4_share=self.plan_fp4_share(), method=plan.method),
+                    self.step)
             if reason:
                 self.logger.text("plan/changes", f"step {self.step}: {reason}", self.step)
 

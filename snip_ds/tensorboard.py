@@ -194,7 +194,13 @@ def precision_map_image(assignment: Mapping[str, object], block_of, *, kinds: Op
 
 
 class NullLogger:
-    """The logger of every rank but the logging one: accepts everything, writes nothing."""
+    """The logger of every rank but the logging one: accepts everything, writes nothing.
+
+    ``writes_images`` tells callers whether an image would be written at all, so that they render one (a
+    precision map takes a figure and a garbage collection) only where it is.
+    """
+
+    writes_images = False
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         pass
@@ -226,6 +232,8 @@ class TensorBoardLogger(NullLogger):
     (TensorBoard reads a file up to a last, partial record). Writes are not retried, as a full disk stays full
     and a record written after a partial one would be unreadable.
     """
+
+    writes_images = True
 
     def __init__(self, log_dir: str | Path) -> None:
         self.log_dir = Path(log_dir)

@@ -185,3 +185,43 @@ def test_a_full_disk_under_tensorboard_is_reported_once_and_training_goes_on(tmp
     logged = scalars(tb)["train/loss"]
     assert 1 <= len(logged) < 30 and sorted(logged) == list(range(1, len(logged) + 1))
     assert all(logged[s] == np.float32(losses[s]) for s in logged), (logged, losses)
+
+
+def test_the_precision_map_is_rendered_only_where_a_logger_writes_images(monkeypatch):
+    """Every rank applies each plan, but only the logging rank's logger writes images: the others (NullLogger)
+    get the plan's scalar and never render its figure; a logger that writes images gets one map per change."""
+    from types import SimpleNamespace
+
+    from snip_ds import state as state_module
+    from snip_ds.engine.core import initial_plan
+    from snip_ds.model import build_model
+    from snip_ds.settings import SnipSettings
+    from snip_ds.swap import swap_model
+    from snip_ds.tensorboard import NullLogger
+
+    rendered = []
+    real = state_module.precision_map_image
+    monkeypatch.setattr(state_module, "precision_map_image", lambda *a, **k: rendered.append(1) or real(*a, **k))
+
+    class Recorder(NullLogger):
+        def __init__(self, writes_images):
+            self.writes_images, self.records = writes_images, []
+
+        def scalar(self, tag, value, step):
+            self.records.append(tag)
+
+        def image(self, tag, chw, step):
+            self.records.append(tag)
+
+    model = build_model(None, {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "max_position_embeddings": 32}, vocab_size=64, seed=0, block_size=16)
+    settings = SnipSettings(plan="fp8")
+    infos = swap_model(model, "bf16", settings.quant, seed=0, rank=0)
+    loop = SimpleNamespace(module=model, optimizer=None, step=0, zero_stage=0)
+    for writes, maps in ((False, 0), (True, 1)):
+        logger = Recorder(writes)
+        snip = state_module.SnipState(loop, infos, settings, 16, logger, driver="engine")
+        snip.set_plan(initial_plan(list(infos), {f: i.flops(16) for f, i in infos.items()}, settings), "initial plan")
+        assert logger.records == ["plan/fp4_share"] + ["plan/precision_map"] * maps
+        assert len(rendered) == maps
