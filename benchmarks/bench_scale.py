@@ -18,6 +18,12 @@ re-planning left to this script). Sequence:
    all-reduces counted at the reduce call (as benchmarks/bench_collect.py counts them: every all-reduced
    tensor as float64), then the ILP solve on its statistics.
 
+4. with ``--profile``, one more collection under ``torch.profiler``: its kernel launches, the shares of GEMM,
+   quantization and other kernels, and the 15 most expensive kernels (where the step equivalents go);
+5. with ``--chunk_elements N [N ...]``, one more timed collection per value with the statistics' operand slices
+   (:data:`snip_ds.backend.operands.CHUNK_ELEMENTS`, 3 Mi elements, sized for CPU caches) set to N elements,
+   side by side with the default in the same process.
+
 Reported: the collection in training-step equivalents (its time over the median step), its peak memory over a
 step's, the all-reduced bytes (and, from the per-layer scalar count, bench_collect's on-paper figure for 80
 blocks, Llama-2-70B's 560 linears), and the plan: FP4 share of the linears' FLOPs and which layers are FP4.
@@ -44,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_collect import _GLOBAL_KEYS, LLAMA_LINEARS  # noqa: E402  the collection's scalar layout, on paper
 from bench_train import llama_parameters  # noqa: E402
+from profile_gpu_gemm import kernel_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_CONFIG = REPO / "ds_configs" / "zero3.json"
@@ -99,7 +106,8 @@ class _Sync:
         self.seconds = time.perf_counter() - self.start
 
 
-def bench(scale: int, vocab: int, layers: int, micro_batch: int, block: int, steps: int) -> dict:
+def bench(scale: int, vocab: int, layers: int, micro_batch: int, block: int, steps: int, profile: bool = False,
+          chunk_elements: tuple = ()) -> dict:
     from snip_ds import distributed as sdist
     from snip_ds.data import DataStream, load_dataset_blocks
     from snip_ds.engine import initialize
@@ -154,6 +162,8 @@ def bench(scale: int, vocab: int, layers: int, micro_batch: int, block: int, ste
         solve_s = time.perf_counter() - start
         if plan is None:
             raise RuntimeError(f"the ILP found no plan for the collected statistics: {planner.last_error}")
+        collection_profile = _profiled_collection(planner, cuda) if profile else None
+        chunked = _chunked_collections(planner, cuda, chunk_elements)
     flops = {fqn: info.flops(micro_batch * block) for fqn, info in engine.infos.items()}
     fp4 = sorted(f for f, p in plan.assignment.items() if p == "fp4")
     n_layers = len(stats["layers"])
@@ -180,8 +190,44 @@ def bench(scale: int, vocab: int, layers: int, micro_batch: int, block: int, ste
                  "assignment": dict(plan.assignment), "changed_from_first_plan":
                      sorted(f for f in plan.assignment if plan.assignment[f] != first_plan.get(f))},
         "fp4_flops_share_check": sum(flops[f] for f in fp4) / sum(flops.values()),
+        "collection_profile": collection_profile,
+        "chunk_elements_default": _operands().CHUNK_ELEMENTS,
+        "collect_by_chunk_elements": [{"chunk_elements": n, "collect_s": t, "collect_step_equivalents": t / step}
+                                      for n, t in chunked],
     }
     return result
+
+
+def _operands():
+    from snip_ds.backend import operands
+    return operands
+
+
+def _profiled_collection(planner, cuda: bool) -> dict:
+    """One more collection under torch.profiler: kernel launches, GEMM / quantize / other shares, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        planner.collect()
+        if cuda:
+            torch.cuda.synchronize()
+    return kernel_table(prof, "cuda" if cuda else "cpu", 1, top_n=15)
+
+
+def _chunked_collections(planner, cuda: bool, sizes) -> list:
+    """``(elements, seconds)`` of one timed collection per operand-slice size, the default restored after."""
+    operands = _operands()
+    default, out = operands.CHUNK_ELEMENTS, []
+    try:
+        for n in sizes:
+            operands.CHUNK_ELEMENTS = n
+            with _Sync(cuda) as c:
+                planner.collect()
+            out.append((n, c.seconds))
+    finally:
+        operands.CHUNK_ELEMENTS = default
+    return out
 
 
 def markdown(r: dict) -> str:
@@ -212,6 +258,23 @@ def markdown(r: dict) -> str:
              f"| plan: FP4 share of the linears' FLOPs | {r['plan']['fp4_share']:.3f} ({r['plan']['status']}) |",
              "", f"FP4 layers ({len(r['plan']['fp4_layers'])} of {r['linears']}): "
              + (", ".join(f"`{f}`" for f in r["plan"]["fp4_layers"]) or "none")]
+    if r.get("collect_by_chunk_elements"):
+        lines += ["", "Collection time by the statistics' operand slice (same process, same model):", "",
+                  "| slice elements | collection | step equivalents |", "|---|---|---|",
+                  f"| {r['chunk_elements_default']:,} (default) | {r['collect_s']:.3f} s | "
+                  f"{r['collect_step_equivalents']:.2f} |"]
+        lines += [f"| {c['chunk_elements']:,} | {c['collect_s']:.3f} s | {c['collect_step_equivalents']:.2f} |"
+                  for c in r["collect_by_chunk_elements"]]
+    prof = r.get("collection_profile")
+    if prof:
+        s = prof["share"]
+        lines += ["", f"One collection under torch.profiler: {prof['step_us'] / 1e3:.1f} ms of "
+                      f"{'device' if r['device'] != 'cpu' else 'CPU operator'} time, "
+                      f"{prof['launches_per_step']:.0f} kernel launches; GEMM {s['gemm']:.0%}, quantize "
+                      f"{s['quantize']:.0%}, other {s['other']:.0%}.", "",
+                  "| kernel | class | ms | calls |", "|---|---|---|---|"]
+        lines += [f"| `{t['kernel']}` | {t['class']} | {t['us_per_step'] / 1e3:.2f} | {t['calls_per_step']:.0f} |"
+                  for t in prof["top"]]
     return "\n".join(lines) + "\n"
 
 
@@ -225,7 +288,13 @@ def main(argv=None) -> int:
     p.add_argument("--block_size", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3, help="timed training steps after the first (default 3)")
     p.add_argument("--output", type=Path, default=RESULTS, help="folder for bench_scale.{json,md}")
+    p.add_argument("--profile", action="store_true", help="profile one more collection, kernel by kernel")
+    p.add_argument("--chunk_elements", type=int, nargs="*", default=[],
+                   help="time one more collection per statistics operand-slice size (elements)")
     args = p.parse_args(argv)
+    for n in args.chunk_elements:
+        if n < 1:
+            p.error(f"--chunk_elements must be at least 1, got {n}")
     cuda = torch.cuda.is_available()
     scale = args.scale if args.scale is not None else (1 if cuda else 64)
     for name in ("scale", "vocab", "layers", "micro_batch", "block_size", "steps"):
@@ -236,7 +305,7 @@ def main(argv=None) -> int:
         p.error(f"--scale {scale}: without CUDA use --scale 16 or more (full widths need a GPU)")
     try:
         result = bench(scale, max(args.vocab // scale, 1), args.layers, args.micro_batch, args.block_size,
-                       args.steps)
+                       args.steps, args.profile, tuple(args.chunk_elements))
     except ValueError as err:
         print(f"bench_scale: error: {err}", file=sys.stderr)
         return 2

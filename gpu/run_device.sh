@@ -31,7 +31,8 @@
 #   profile_gemm         benchmarks/profile_gpu_gemm.py (one 4096^3 SnipLinear fwd+bwd per recipe under torch.profiler:
 #                        GEMM / quantize / other shares, launches per step, the top kernels)
 #   bench_train          benchmarks/bench_train.py --device cuda --steps 8 --replan_every 4 (bf16/fp8/fp4/adaptive)
-#   bench_scale          benchmarks/bench_scale.py (two Llama-70B-wide blocks, ZeRO-3, one collection)
+#   bench_scale          benchmarks/bench_scale.py (two Llama-70B-wide blocks, ZeRO-3, one collection; profiled, and
+#                        again with 48 Mi-element statistics slices)
 #
 # What comes back ($OUT/results/, at most 8 files): summary.md, summary.json, env.json, pip_list.txt,
 # steps.log (every step's log, the last 400 lines each), logs.tar.gz (full logs, junit XML, benchmark JSON/MD,
@@ -164,14 +165,14 @@ if [ "$DRY" = "1" ]; then
     GEMM_ARGS="--device cpu --tokens 64 --repeats 1"
     QUANT_ARGS="--repeats 2"
     TRAIN_BENCH="benchmarks/bench_train.py --quick"   # the CPU benchmark's plumbing: --device cuda needs CUDA
-    SCALE_ARGS="--scale 64 --block_size 128 --steps 2"
+    SCALE_ARGS="--scale 64 --block_size 128 --steps 2 --profile --chunk_elements 50331648"
     PROFILE_ARGS="--device cpu --tokens 64 --k 256 --n 256 --steps 2"
 else
     TRAIN_ARGS="--max_steps 20 --eval_steps 10 --save_steps 20"
     GEMM_ARGS="--tokens 4096 --repeats 10"
     QUANT_ARGS="--repeats 20"
     TRAIN_BENCH="benchmarks/bench_train.py --device cuda --steps 8 --replan_every 4 --output_dir $WORK/bench"
-    SCALE_ARGS="--steps 3"
+    SCALE_ARGS="--steps 3 --profile --chunk_elements 50331648"   # where the collection goes, and 64x larger slices
     PROFILE_ARGS="--output_dir $WORK/bench"
 fi
 
