@@ -71,6 +71,10 @@ def bench_facts(work: Path) -> dict:
         out["bench_scale"]["peak_bytes"] = scale.get("peak_bytes")
         out["bench_scale"]["fp4_share"] = scale.get("plan", {}).get("fp4_share")
         out["bench_scale"]["fp4_layers"] = scale.get("plan", {}).get("fp4_layers")
+        out["bench_scale"]["collect_by_chunk_elements"] = scale.get("collect_by_chunk_elements")
+        prof = scale.get("collection_profile") or {}
+        out["bench_scale"]["collection_profile"] = {k: prof.get(k) for k in ("step_us", "launches_per_step",
+                                                                              "share")} if prof else None
     train = _load(b / "bench_train_cuda.json")
     if train:
         out["bench_train"] = {p: {k: r.get(k) for k in ("step_time_s", "tokens_per_s", "tokens_per_s_ratio_vs_bf16",
