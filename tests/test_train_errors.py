@@ -177,8 +177,17 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_stops_with_one_line_and_writes_nothing(run, case, capsys):
+    import logging
+
     from snip_ds.trainer import main
 
+    # transformers' log handler writes to the sys.stderr of the test that first logged (capsys's, closed after
+    # that test), and its flush is bound to that stream too: a later warning would print logging's own
+    # "--- Logging error --- Traceback" here. Point both at this test's stderr.
+    for handler in logging.getLogger("transformers").handlers:
+        if type(handler) is logging.StreamHandler:
+            handler.stream = sys.stderr  # (setStream would flush the closed stream first)
+            vars(handler).pop("flush", None)
     make_argv, expected = CASES[case]
     argv = make_argv(run) + ["--output_dir", str(run["out"]), "--no_progress"]
     code = main(argv)
