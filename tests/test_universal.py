@@ -2,13 +2,13 @@
 ``ds_to_universal`` and adds snip_ds's files; ``--resume_from_checkpoint`` of the result at any world size
 initializes DeepSpeed with ``"checkpoint": {"load_universal": true}``.
 
-The unit tests check the safe loading in one process; the slow ones save on 2 ranks (ZeRO-1 here, ZeRO-3 in
-``tests/test_train_errors.py``, whose run they share), convert, and resume through the deepspeed launcher.
+The unit tests check the safe loading in one process; the slow ones save on 2 ranks (ZeRO-1 and ZeRO-3),
+convert, and resume on 1 rank through the deepspeed launcher. ``tests/test_train_errors.py`` resumes its
+2-rank ZeRO-3 run's checkpoint on 2 ranks through a universal one, and checks the error lines.
 """
 import json
 import pickle
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -153,7 +153,6 @@ def test_checkpoint_of_2_ranks_resumes_on_1_rank_with_accumulation(saved, reques
     for s in state:
         del s["settings"]["train"]["output_dir"]  # the resumed run writes elsewhere
     assert state[0]["settings"] == state[1]["settings"]
-    print("losses: reference", ref, "resumed", loss)
     assert not (one / "checkpoints" / "step_4" / "snip_rng_rank1.safetensors").exists()
 
 
