@@ -33,7 +33,7 @@ def test_safe_torch_load_refuses_pickled_code_also_in_deepspeeds_own_loads(tmp_p
     from deepspeed.checkpoint import universal_checkpoint
 
     bad, good = tmp_path / "fp32.pt", tmp_path / "exp_avg.pt"
-    bad.write_bytes(pickle.dumps({"param": _Payload()}))
+    bad.write_bytes(pickle.dumps({"param": _Payload()}, protocol=2))
     torch.save({"param": torch.ones(2), "cat_dim": 0}, good)
     original = torch.load
     with safe_torch_load():

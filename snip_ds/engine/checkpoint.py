@@ -17,6 +17,12 @@ the lr schedule and the tokenizer; a resume verifies the files before anything i
 ``snip_meta.json``, ``snip_rank00000.safetensors`` per rank) still resume (:func:`read_snip_state`). Our files
 are JSON and safetensors; DeepSpeed's files are read with ``torch.load(weights_only=True)`` through
 :class:`SafeTorchCheckpointEngine`, never unpickled.
+
+A checkpoint resumes on the number of ranks that saved it. :func:`convert_to_universal` (``snip-ds universal``)
+turns one into a universal checkpoint (DeepSpeed's ``ds_to_universal`` layout, ``zero/<param>/*.pt``, plus our
+files; ``snip_meta.json`` marked ``universal``) that any number of ranks resumes, DeepSpeed initialized with
+:func:`with_load_universal`'s config; DeepSpeed's own ``torch.load`` calls then run under
+:func:`safe_torch_load`.
 """
 from __future__ import annotations
 
