@@ -7,6 +7,7 @@
     snip-ds show runs/zero3/checkpoints/step_120      # a checkpoint directory holds the plan and statistics
     snip-ds plan runs/zero3 --efficiency-saving 0.5 -o plan.json   # a run's output directory: its stats.json
     snip-ds export runs/zero3/checkpoints hf_model
+    snip-ds universal runs/zero3 runs/zero3_universal   # resumable on any number of ranks
     snip-ds show runs/hf/checkpoint-60              # a Hugging Face Trainer's checkpoint (snip_ds.hf.SnipCallback)
 
 User errors (missing file, bad JSON, bad field, impossible target) print one line to stderr and exit 2.
@@ -17,6 +18,7 @@ import argparse
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Sequence
 
 from snip_ds.artifacts import load_plan, load_stats
@@ -243,7 +245,28 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the exported master weights")
     e.add_argument("--force", action="store_true", help="replace a previous export in OUT_DIR")
     e.set_defaults(func=_cmd_export)
+
+    u = sub.add_parser("universal", help="convert a training checkpoint into a universal one, which a run of any "
+                       "number of ranks resumes")
+    u.add_argument("checkpoint", help="a checkpoint directory (step_N), the checkpoints directory (its 'latest') or a "
+                   "run's output directory (its last complete checkpoint); ZeRO stage 1, 2 or 3")
+    u.add_argument("out_dir", help="the directory to write: OUT_DIR/step_N and OUT_DIR/latest (pass OUT_DIR to "
+                   "--resume_from_checkpoint)")
+    u.set_defaults(func=_cmd_universal)
     return parser
+
+
+def _cmd_universal(args: argparse.Namespace) -> int:
+    from snip_ds.engine.checkpoint import CheckpointError, convert_to_universal  # imports DeepSpeed
+
+    try:
+        out = convert_to_universal(Path(args.checkpoint), Path(args.out_dir))
+    except CheckpointError as err:
+        raise UserError(str(err)) from None
+    print(f"{out}: universal checkpoint written; resume it on any number of ranks with "
+          f"--resume_from_checkpoint {out.parent}, keeping the global batch (micro-batch x gradient accumulation x "
+          f"ranks)")
+    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

@@ -298,22 +298,45 @@ class DataStream:
                 "global_batch_size": self.world_size * self.batch_size, "world_size": self.world_size,
                 "shuffle": self.shuffle, "drop_last": self.drop_last}
 
-    def load_state_dict(self, state: Mapping[str, int | bool]) -> None:
+    def load_state_dict(self, state: Mapping[str, int | bool], exact: bool = True) -> None:
         """Resume at ``state["step"]``; raises ValueError naming any setting that differs.
 
-        ``world_size`` may differ when ``drop_last`` is set and the global batch size is unchanged.
+        ``world_size`` may differ when ``drop_last`` is set. So may the global batch ``G`` (batch size x world
+        size), as when a checkpoint is resumed on fewer ranks with more gradient accumulation: the saved
+        position, ``within`` steps into epoch ``e``, is permutation position ``P = within * G_saved``, and this
+        stream goes on from the same ``P`` of epoch ``e``. That reads the samples the saved stream would have
+        read when ``P`` is a multiple of ``G`` and both cut the epochs alike (``steps_per_epoch * G`` equal,
+        always so when ``G_saved`` and ``G`` divide the dataset's size); otherwise ValueError names the fields.
+        ``exact=False`` (a private statistics stream, whose samples need only be new ones) rounds ``P`` up to
+        the next whole batch instead, the next epoch's start past the last one.
         """
         mine = self.state_dict()
-        keys = ["seed", "num_dataset_samples", "global_batch_size", "shuffle", "drop_last"]
+        keys = ["seed", "num_dataset_samples", "shuffle", "drop_last"]
         if not self.drop_last:
-            keys.append("world_size")
-        missing = [k for k in ["step", *keys] if k not in state]
+            keys += ["world_size", "global_batch_size"]
+        missing = [k for k in ["step", "global_batch_size", *keys] if k not in state]
         if missing:
             raise ValueError(f"data stream state lacks {missing}; expected keys {sorted(mine)}")
         diff = [f"{k}: checkpoint {state[k]!r} vs now {mine[k]!r}" for k in keys if state[k] != mine[k]]
         if diff:
             raise ValueError("data stream state does not match this run (" + "; ".join(diff) + ")")
-        self.skip_to(int(state["step"]))
+        step, g_saved, g = int(state["step"]), int(state["global_batch_size"]), mine["global_batch_size"]
+        if g_saved != g:
+            n = len(self.dataset)
+            spe_saved = n // g_saved  # steps_per_epoch at G_saved (drop_last: floor(floor(n / W) / B))
+            epoch, within = divmod(step, spe_saved)
+            pos = within * g_saved
+            if exact and (pos % g or spe_saved * g_saved != self.steps_per_epoch * g):
+                raise ValueError(
+                    f"data stream: global_batch_size (batch size x ranks) is {g_saved} in the checkpoint and {g} "
+                    f"now, and at step {step} ({pos} samples into epoch {epoch}) the {n} samples' order at "
+                    f"{g} would not continue the saved one (epochs of {spe_saved * g_saved} vs "
+                    f"{self.steps_per_epoch * g} samples); resume with global_batch_size {g_saved}")
+            within = -(-pos // g)
+            if within >= self.steps_per_epoch:
+                epoch, within = epoch + 1, 0
+            step = epoch * self.steps_per_epoch + within
+        self.skip_to(step)
 
 
 def make_loader(dataset: Dataset, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,

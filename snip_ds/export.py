@@ -297,6 +297,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     tag_dir = ckpt.resolve(Path(checkpoint))
     meta = ckpt.read_meta(tag_dir)
     meta_path = tag_dir / ckpt.META_FILE
+    if ckpt.is_universal(meta):  # DeepSpeed's universal layout holds no zero_to_fp32 shards
+        raise ExportError(f"{meta_path}: a universal checkpoint ('snip-ds universal'); export the checkpoint it "
+                          f"was converted from, {meta[ckpt.UNIVERSAL_FIELD].get('source')}")
     world_size = meta.get("world_size")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ExportError(f"{meta_path}: world_size is {world_size!r}, expected a positive integer")

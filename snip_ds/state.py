@@ -330,10 +330,11 @@ class SnipState:
                 "measure_stream": self.measure_stream.state_dict() if self.measure_stream is not None else None,
                 "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state: Mapping[str, Any], source: str) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], source: str, any_world_size: bool = False) -> None:
         """Restores :meth:`state_dict`'s output, or an older file: a Trainer's ``snip_ds.hf_checkpoint/1``, or
         the engine's plan, planner and skipped steps from its ``snip_meta.json`` (no ``format`` given then).
-        Applies the plan (logged as "restored").
+        Applies the plan (logged as "restored"). ``any_world_size``: a universal checkpoint, which another number of
+        ranks may resume (the streams' positions are converted to this run's batch by their ``load_state_dict``).
 
         Raises:
             ValueError: a field is missing or does not fit this run (the message names ``source``).
@@ -341,7 +342,7 @@ class SnipState:
         fmt = state.get("format")
         if fmt not in (None, STATE_FORMAT, TRAINER_STATE_FORMAT):
             raise ValueError(f"{source}: format {fmt!r} is not {STATE_FORMAT}")
-        if "world_size" in state and state["world_size"] != sdist.world_size():
+        if not any_world_size and "world_size" in state and state["world_size"] != sdist.world_size():
             raise ValueError(f"{source}: saved by {state['world_size']} rank(s), this run has {sdist.world_size()}")
         if self.planner is not None:
             if not state.get("planner"):
@@ -351,7 +352,7 @@ class SnipState:
         if self.measure_stream is not None:
             saved = state.get("measure_stream")
             if saved is not None:
-                self.measure_stream.load_state_dict(saved)
+                self.measure_stream.load_state_dict(saved, exact=False)
             else:  # an engine checkpoint from before the measurement stream: as many measurements as were due
                 s = self.settings
                 self.measure_stream.step = sum(

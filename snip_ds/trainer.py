@@ -291,6 +291,20 @@ def train(args: argparse.Namespace) -> int:
             tag_dir, ckpt_meta = ckpt.check_resumable(Path(args.resume_from_checkpoint), ckpt.model_fingerprint(model),
                                                       world, rank, ckpt.model_architecture(model))
             resume.check_resumed_plan(tag_dir, ckpt_meta, plan, settings)
+            stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
+            ckpt.check_universal_batch(tag_dir, ckpt_meta, micro_bs * ga * world, micro_bs, ga, world, stage)
+            data = ckpt_meta.get("data")
+            if isinstance(data, dict):  # the data position fits this run's batch (a trial)
+                if not ckpt.is_universal(ckpt_meta) and data.get("global_batch_size", micro_bs * world) != \
+                        micro_bs * world:  # only a universal checkpoint records the whole global batch
+                    raise CheckpointError(f"{tag_dir / ckpt.META_FILE}: data.global_batch_size is "
+                                          f"{data['global_batch_size']}, but this run's per-device batch x ranks is "
+                                          f"{micro_bs} x {world}; resume with the same")
+                try:
+                    DataStream(train_ds, micro_bs, seed=t.seed, rank=rank, world_size=world).load_state_dict(
+                        ckpt_meta["data"])
+                except ValueError as err:
+                    raise CheckpointError(f"{tag_dir / ckpt.META_FILE}: field 'data': {err}") from None
         except CheckpointError as err:
             problem = str(err)
         problem = sdist.first_error(problem)
@@ -301,6 +315,7 @@ def train(args: argparse.Namespace) -> int:
                   f"its files are not verified", flush=True)
         saved = resume.checkpoint_schedule(ckpt_meta, raw_cfg, args, on_gpu, world)
         ds_cfg, schedule_line = resume.resume_schedule(ds_cfg, saved, args.reset_lr_schedule)
+        ds_cfg = ckpt.with_load_universal(ds_cfg, ckpt_meta)  # another world size: DeepSpeed reads zero/
 
     out_dir = Path(t.output_dir)
     global _logger
@@ -335,7 +350,9 @@ def train(args: argparse.Namespace) -> int:
         except (CheckpointError, KeyError, ValueError) as err:  # a corrupt file inside a complete checkpoint
             raise UserError(f"{args.resume_from_checkpoint}: cannot be restored ({err})") from None
         if rank == 0:
-            print(f"snip_ds: resumed from {args.resume_from_checkpoint} at step {engine.step}", flush=True)
+            print(f"snip_ds: resumed from {args.resume_from_checkpoint} at step {engine.step}" + (
+                f" (universal, saved by {ckpt_meta['world_size']} rank(s), resumed by {world})"
+                if ckpt.is_universal(ckpt_meta) else ""), flush=True)
             print(schedule_line, flush=True)
     if planner is None or planner.planned_at is not None:  # not adaptive's placeholder plan
         _write_artifacts(out_dir, engine.plan, planner.last_stats if planner else None)

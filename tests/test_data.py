@@ -326,12 +326,60 @@ def test_stream_resume_on_other_world_size_same_global_batch():
         assert torch.equal(got, want)
 
 
+def _train_steps(streams, accumulation: int, steps: int) -> list:
+    """Each optimizer step's samples (as a sorted list): ``accumulation`` micro-batches of every stream."""
+    return [sorted(i for _ in range(accumulation) for s in streams for i in s.next_batch()["input_ids"].flatten()
+                   .tolist()) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("n", [48, 49, 52])
+def test_stream_resume_on_fewer_ranks_with_accumulation_reads_the_same_steps(n):
+    """2 ranks x batch 2 x accumulation 1, saved after 5 optimizer steps, resumed on 1 rank x batch 2 x
+    accumulation 2 (the same 4 samples per optimizer step; the stream's G goes from 4 to 2), then back on 2
+    ranks: every later optimizer step reads the samples the uninterrupted 2-rank run reads, across epoch
+    boundaries (epochs of 48, 48 and 52 samples at either G)."""
+    ds = BlockDataset(torch.arange(n).reshape(n, 1))
+    want = _train_steps([make_loader(ds, 2, seed=3, rank=r, world_size=2) for r in range(2)], 1, 50)
+    saved = [make_loader(ds, 2, seed=3, rank=r, world_size=2) for r in range(2)]
+    _train_steps(saved, 1, 5)
+    one = make_loader(ds, 2, seed=3)
+    one.load_state_dict(json.loads(json.dumps(saved[0].state_dict())))
+    assert one.step == 10
+    assert _train_steps([one], 2, 35) == want[5:40]
+    back = [make_loader(ds, 2, seed=3, rank=r, world_size=2) for r in range(2)]
+    for s in back:
+        s.load_state_dict(one.state_dict())
+    assert _train_steps(back, 1, 10) == want[40:]
+
+
+def test_stream_resume_at_another_global_batch_refuses_an_order_it_would_not_continue():
+    """n=50: epochs of 48 samples at G=4, 50 at G=2; the exact stream refuses, naming the fields; a private
+    statistics stream (exact=False) goes on from the next whole batch instead."""
+    ds = BlockDataset(torch.arange(50).reshape(50, 1))
+    saved = make_loader(ds, 2, seed=3, rank=0, world_size=2)
+    saved.skip_to(5)
+    with pytest.raises(ValueError, match=r"global_batch_size \(batch size x ranks\) is 4 in the checkpoint and 2 "
+                                         r"now.*epochs of 48 vs 50 samples"):
+        make_loader(ds, 2, seed=3).load_state_dict(saved.state_dict())
+    loose = make_loader(ds, 2, seed=3)
+    loose.load_state_dict(saved.state_dict(), exact=False)
+    assert loose.step == 10
+    odd = make_loader(ds, 1, seed=3)  # G 1 -> 4: position 3 rounds up to 4 (step 1), never re-reading samples
+    odd.skip_to(3)
+    up = make_loader(ds, 2, seed=3, rank=0, world_size=2)
+    up.load_state_dict(odd.state_dict(), exact=False)
+    assert up.step == 1
+    with pytest.raises(ValueError, match="at step 3 .3 samples into epoch 0"):
+        make_loader(ds, 2, seed=3, rank=0, world_size=2).load_state_dict(odd.state_dict())
+
+
 def test_stream_state_mismatch_and_bad_args():
     ds = BlockDataset(torch.arange(10).reshape(10, 1))
     state = make_loader(ds, 2, seed=0).state_dict()
     with pytest.raises(ValueError, match="seed: checkpoint 0 vs now 1"):
         make_loader(ds, 2, seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="global_batch_size: checkpoint 2 vs now 4"):
+    with pytest.raises(ValueError, match=r"global_batch_size \(batch size x ranks\) is 2 in the checkpoint and 4 now"
+                       r".*\(epochs of 10 vs 8 samples\); resume with global_batch_size 2"):
         make_loader(ds, 4).load_state_dict(state)
     with pytest.raises(ValueError, match="lacks"):
         make_loader(ds, 2).load_state_dict({"step": 3})

@@ -79,6 +79,18 @@ def _universal(run) -> str:
     return str(out)
 
 
+def _snip_universal(run) -> str:
+    """``snip-ds universal`` of the step_1 checkpoint (saved by 2 ranks, ZeRO-3), run as a command: in this
+    process, its first import of transformers would bind transformers' log handler to this test's capsys."""
+    out = run["tmp"] / "snip_universal"
+    if not out.exists():
+        proc = subprocess.run([sys.executable, "-m", "snip_ds.cli", "universal",
+                               str(run["out"] / "checkpoints" / "step_1"), str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and (out / "step_1" / "snip_meta.json").is_file(), proc.stderr[-3000:]
+    return str(out)
+
+
 def _zero_layers_plan(run) -> str:
     fqns = [f"model.layers.{i}.{m}" for i in range(TINY_MODEL["num_hidden_layers"])
             for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -168,7 +180,12 @@ CASES = {
                                    ["interrupted/step_1", "not a complete snip_ds checkpoint",
                                     "its save was interrupted"]),
     "checkpoint_universal": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint", _universal(r)],
-                             ["step_1_universal: a DeepSpeed universal checkpoint", "cannot resume from one yet"]),
+                             ["step_1_universal: a DeepSpeed universal checkpoint without snip_ds's files",
+                              "convert the snip_ds checkpoint it came from with 'snip-ds universal"]),
+    "checkpoint_universal_other_stage": (lambda r: ["--deepspeed", _variant(r, "s1", lambda d: d.update(
+        zero_optimization={"stage": 1})), "--gradient_accumulation_steps", "2", "--resume_from_checkpoint",
+        _snip_universal(r)], ["snip_universal/step_1/snip_meta.json: universal.zero_stage is 3, but this run's "
+                              "zero_optimization.stage is 1"]),
     "checkpoint_interrupted_latest": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
                                                  _interrupted(r)],
                                       ["interrupted/latest", "not a complete snip_ds checkpoint"]),
@@ -210,4 +227,31 @@ def test_launcher_exit_code_and_stderr(run):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "world_size is 2" in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
+    assert _snapshot(run["out"]) == run["snapshot"]
+
+
+def test_zero3_checkpoint_resumes_on_as_many_ranks_through_universal_as_the_run_went_on(run):
+    """step_1 of the 2-rank ZeRO-3 run (fp8), converted by ``snip-ds universal``, resumed on 2 ranks through
+    DeepSpeed's universal loading: step 2's loss, the plan and the step counters are the uninterrupted run's.
+
+    Same ranks, same micro-batches, the same fp32 master weights and Adam moments (ds_to_universal copies
+    them, merged across the partitions and split again alike), the same generators (each rank's own file):
+    step 2 repeats the uninterrupted run's operations, so its loss is equal (allowed: 1 ulp of fp32 at ~5.5,
+    4 * 2**-23, for a reduction DeepSpeed might order otherwise after a universal load)."""
+    from train_utils import scalars
+
+    universal = _snip_universal(run)
+    out = run["tmp"] / "resumed_on_2"
+    proc = launch(["--deepspeed", str(run["cfg"]), "--resume_from_checkpoint", universal, "--output_dir", str(out)],
+                  num_ranks=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "at step 1 (universal, saved by 2 rank(s), resumed by 2)" in proc.stdout
+    loss = scalars(out / "tensorboard")["train/loss"]
+    ref = scalars(run["out"] / "tensorboard")["train/loss"]
+    assert sorted(loss) == [2] and abs(loss[2] - ref[2]) <= 4 * 2.0 ** -23, (loss, ref)
+    meta = json.loads((out / "checkpoints" / "step_2" / "snip_meta.json").read_text())
+    assert meta["step"] == 2 and meta["world_size"] == 2 and meta["data"]["step"] == 2
+    plans = [json.loads((d / "checkpoints" / "step_2" / "snip_state.json").read_text())["plan"]
+             for d in (out, run["out"])]
+    assert plans[0] == plans[1]
     assert _snapshot(run["out"]) == run["snapshot"]

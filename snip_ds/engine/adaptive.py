@@ -181,7 +181,7 @@ class AdaptivePlanner:
     def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
         if not state:
             raise ValueError("checkpoint: no adaptive-planner state (it was saved by a run with a fixed plan)")
-        self.stream.load_state_dict(state["stream"])
+        self.stream.load_state_dict(state["stream"], exact=False)  # new samples suffice
         self.last_stats, self.planned_at = state["last_stats"], state["planned_at"]
         self.history = list(state["history"])
 

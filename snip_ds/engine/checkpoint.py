@@ -17,9 +17,17 @@ the lr schedule and the tokenizer; a resume verifies the files before anything i
 ``snip_meta.json``, ``snip_rank00000.safetensors`` per rank) still resume (:func:`read_snip_state`). Our files
 are JSON and safetensors; DeepSpeed's files are read with ``torch.load(weights_only=True)`` through
 :class:`SafeTorchCheckpointEngine`, never unpickled.
+
+A checkpoint resumes on the number of ranks that saved it. :func:`convert_to_universal` (``snip-ds universal``)
+turns one into a universal checkpoint (DeepSpeed's ``ds_to_universal`` layout, ``zero/<param>/*.pt``, plus our
+files; ``snip_meta.json`` marked ``universal``) that any number of ranks resumes, DeepSpeed initialized with
+:func:`with_load_universal`'s config; DeepSpeed's own ``torch.load`` calls then run under
+:func:`safe_torch_load`.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -113,6 +121,30 @@ class SafeTorchCheckpointEngine(TorchCheckpointEngine):
             except Exception as err:  # a corrupt or foreign file: name it
                 raise CheckpointError(f"{path}: cannot be read as a DeepSpeed checkpoint file with "
                                       f"weights_only=True ({err})") from None
+
+
+@contextlib.contextmanager
+def safe_torch_load():
+    """Within it, every ``torch.load`` (DeepSpeed's own calls included: its universal-checkpoint reader and
+    ``ds_to_universal`` pass ``weights_only=False`` themselves, outside its checkpoint engine) loads with
+    ``weights_only=True`` and :func:`_safe_globals`; a file that needs more raises :class:`CheckpointError`
+    naming it. Restores ``torch.load`` on exit. Not thread-safe (nothing else loads meanwhile)."""
+    original = torch.load
+
+    def load(f, map_location=None, *args, **kwargs):
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(_safe_globals()):
+            try:
+                return original(f, map_location, *args, **kwargs)
+            except Exception as err:  # noqa: BLE001 -- a corrupt or foreign file: name it
+                raise CheckpointError(f"{f}: cannot be read as a DeepSpeed checkpoint file with "
+                                      f"weights_only=True ({str(err).splitlines()[0] if str(err) else err})"
+                                      ) from None
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
 
 
 def install_safe_loader(ds_engine) -> None:
@@ -414,10 +446,16 @@ def resolve(path: Path) -> Path:
         if (tag_dir / META_FILE).is_file():
             return tag_dir
         raise CheckpointError(f"{latest}: points to {tag_dir}, which is not a complete snip_ds checkpoint")
+    universal_latest = path / UNIVERSAL_LATEST_FILE  # ds_to_universal's, beside the folder it wrote
+    if universal_latest.is_file() and (path / universal_latest.read_text().strip()).is_dir():
+        return resolve(path / universal_latest.read_text().strip())
     if (path / "zero").is_dir():  # ds_to_universal's output: a folder per Parameter under zero/
-        raise CheckpointError(f"{path}: a DeepSpeed universal checkpoint (ds_to_universal's output, no {META_FILE}); "
-                              f"snip_ds cannot resume from one yet: resume from the checkpoint it was converted "
-                              f"from, on as many ranks as saved it")
+        if (path / STATE_FILE).is_file():
+            raise CheckpointError(f"{path}: an unfinished 'snip-ds universal' conversion (no {META_FILE}, which it "
+                                  f"writes last): remove the folder and convert again")
+        raise CheckpointError(f"{path}: a DeepSpeed universal checkpoint without snip_ds's files (no {META_FILE}, "
+                              f"{STATE_FILE}, rank RNG files): convert the snip_ds checkpoint it came from with "
+                              f"'snip-ds universal CHECKPOINT OUT_DIR' instead of ds_to_universal alone")
     if any(path.glob("*_model_states.pt")):
         raise CheckpointError(f"{path}: not a complete snip_ds checkpoint: it holds DeepSpeed's files but no "
                               f"{META_FILE}, which snip_ds writes last, so its save was interrupted")
@@ -495,10 +533,13 @@ def validate(tag_dir: Path, fingerprint: str, world_size: int,
     if meta.get("model_fingerprint") != fingerprint:
         raise CheckpointError(f"{path}: model_fingerprint differs: the checkpoint was saved from a different "
                               f"model (parameter names or shapes differ)")
-    if meta.get("world_size") != world_size:
+    if is_universal(meta):
+        _check_universal(meta, path)
+    elif meta.get("world_size") != world_size:
         raise CheckpointError(f"{path}: world_size is {meta.get('world_size')}, but this run has "
-                              f"{world_size} ranks; resume with the same number of ranks")
-    for r in range(world_size):
+                              f"{world_size} ranks; resume with the same number of ranks, or at another number "
+                              f"convert it first: snip-ds universal {tag_dir} OUT_DIR")
+    for r in range(min(world_size, meta["world_size"])):  # a universal checkpoint's new ranks start fresh RNGs
         if not _rank_file(tag_dir, r).is_file():
             raise CheckpointError(f"{_rank_file(tag_dir, r)}: missing; the checkpoint is incomplete")
     return meta
@@ -522,12 +563,151 @@ def check_resumable(path: Path, fingerprint: str, world_size: int, rank: int,
 def load(ds_engine, tag_dir: Path, rank: int) -> Dict[str, torch.Tensor]:
     """Loads DeepSpeed's state (model, optimizer, scheduler); returns this rank's SNIP tensors (generator and
     RNG states, :meth:`snip_ds.state.SnipState.load_rank_tensors` restores them)."""
-    load_path, _ = ds_engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
-                                             load_optimizer_states=True, load_lr_scheduler_states=True)
+    meta = read_meta(tag_dir)
+    universal = is_universal(meta)
+    if universal != bool(ds_engine.load_universal_checkpoint()):
+        raise CheckpointError(f"{tag_dir}: " + (
+            "a universal checkpoint, but DeepSpeed was initialized without \"checkpoint\": {\"load_universal\": "
+            "true} (see with_load_universal)" if universal else
+            "not a universal checkpoint, but DeepSpeed was initialized with \"checkpoint\": {\"load_universal\": "
+            "true}"))
+    with safe_torch_load() if universal else contextlib.nullcontext():
+        load_path, _ = ds_engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
+                                                 load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"{tag_dir}: DeepSpeed found no checkpoint files there")
+    if rank >= meta["world_size"]:  # a rank the saving run did not have: its fresh run's generators stay
+        return {}
     path = _rank_file(tag_dir, rank)
     try:
         return load_file(str(path))
     except Exception as err:  # noqa: BLE001 -- a damaged file: name it
         raise CheckpointError(f"{path}: cannot be read as safetensors ({err})") from None
+
+
+# ------------------------------------------------------------------ universal checkpoints (another world size)
+
+UNIVERSAL_FIELD = "universal"  # in snip_meta.json: what `snip-ds universal` converted (absent in a plain one)
+UNIVERSAL_LATEST_FILE = "latest_universal"  # ds_to_universal writes it beside its output folder
+
+
+def is_universal(meta: Mapping[str, Any]) -> bool:
+    return meta.get(UNIVERSAL_FIELD) is not None
+
+
+def _check_universal(meta: Mapping[str, Any], path: Path) -> None:
+    u = meta[UNIVERSAL_FIELD]
+    ok = (isinstance(u, dict) and u.get("zero_stage") in (1, 2, 3) and isinstance(u.get("train_batch_size"), int)
+          and "files" in meta)
+    if not ok:
+        raise CheckpointError(f"{path}: field '{UNIVERSAL_FIELD}' must be an object with zero_stage 1-3 and "
+                              f"train_batch_size, and the checkpoint must record 'files'; got "
+                              f"{json.dumps(u)[:80]}")
+
+
+def with_load_universal(ds_config: Mapping[str, Any], meta: Mapping[str, Any]) -> Dict[str, Any]:
+    """``ds_config`` as ``deepspeed.initialize`` must get it to resume the checkpoint ``meta`` describes:
+    with ``"checkpoint": {"load_universal": true}`` for a universal one (DeepSpeed reads it at initialize)."""
+    cfg = dict(ds_config)
+    if is_universal(meta):
+        cfg["checkpoint"] = {**(cfg.get("checkpoint") or {}), "load_universal": True}
+    return cfg
+
+
+def check_universal_batch(tag_dir: Path, meta: Mapping[str, Any], train_batch_size: int, micro: int, ga: int,
+                          world: int, zero_stage: int) -> None:
+    """A universal checkpoint resumes with the global batch it was trained with (DeepSpeed's
+    ``train_batch_size`` = micro-batch x gradient accumulation x ranks) and the ZeRO stage it was saved with.
+
+    Raises:
+        CheckpointError: naming ``snip_meta.json`` and the fields.
+    """
+    if not is_universal(meta):
+        return
+    u, path = meta[UNIVERSAL_FIELD], tag_dir / META_FILE
+    if u["train_batch_size"] != train_batch_size:
+        raise CheckpointError(
+            f"{path}: universal.train_batch_size is {u['train_batch_size']}, but this run's is {train_batch_size} "
+            f"(train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps {ga} x {world} ranks); keep "
+            f"the global batch: set --gradient_accumulation_steps and --per_device_train_batch_size so that their "
+            f"product x ranks is {u['train_batch_size']}")
+    if u["zero_stage"] != zero_stage:
+        raise CheckpointError(f"{path}: universal.zero_stage is {u['zero_stage']}, but this run's "
+                              f"zero_optimization.stage is {zero_stage}; resume with the stage it was saved with")
+
+
+def _read_torch(path: Path) -> Any:
+    with safe_torch_load():
+        return torch.load(str(path), map_location="cpu")
+
+
+def convert_to_universal(src: Path, dest: Path, log=print) -> Path:
+    """Converts the snip_ds checkpoint ``src`` names (see :func:`resolve`) into a universal one under ``dest``
+    (``dest/<tag>``, with ``latest``) that a run of any number of ranks resumes; returns its directory.
+
+    Verifies ``src`` (all checksums), runs DeepSpeed's ``ds_to_universal`` on it (every ``torch.load`` of it
+    with ``weights_only=True``, in this process), copies ``snip_state.json`` and every rank's RNG file, and
+    writes ``snip_meta.json`` (the source's, marked ``universal``, with the new folder's checksums) last,
+    atomically, then ``latest``: a conversion that stopped half-way has no ``snip_meta.json`` and is never
+    resumed from.
+
+    Raises:
+        CheckpointError: ``src`` is damaged or not convertible (no ZeRO, another format), or ``dest/<tag>``
+            exists; the message names the file or folder.
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    tag_dir = resolve(Path(src))
+    meta = read_meta(tag_dir)
+    if is_universal(meta):
+        raise CheckpointError(f"{tag_dir}: already a universal checkpoint")
+    for field in ("tag", "world_size", "model_fingerprint", "files"):
+        if field not in meta:
+            raise CheckpointError(f"{tag_dir / META_FILE}: field '{field}' missing (a checkpoint of an older "
+                                  f"snip_ds: resume it on its own number of ranks and save again)")
+    verify_files(tag_dir, meta["files"])
+    optim = sorted(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
+    model_states = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    if not optim or not model_states:
+        raise CheckpointError(f"{tag_dir}: no ZeRO optimizer shards (zero_pp_rank_*_optim_states.pt): a ZeRO "
+                              f"stage 0 checkpoint; DeepSpeed's ds_to_universal converts ZeRO stages 1-3 only")
+    states = _read_torch(model_states[0])
+    ds_cfg = states.get("ds_config") or {}
+    zero_stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
+    if zero_stage not in (1, 2, 3):
+        raise CheckpointError(f"{model_states[0]}: ds_config.zero_optimization.stage is {zero_stage}; DeepSpeed's "
+                              f"ds_to_universal converts ZeRO stages 1-3 only")
+    micro, ga = ds_cfg.get("train_micro_batch_size_per_gpu"), ds_cfg.get("gradient_accumulation_steps")
+    if not isinstance(micro, int) or not isinstance(ga, int):
+        raise CheckpointError(f"{model_states[0]}: ds_config lacks train_micro_batch_size_per_gpu or "
+                              f"gradient_accumulation_steps as integers")
+    out = Path(dest) / meta["tag"]
+    if out.exists():
+        what = "a finished conversion" if (out / META_FILE).is_file() else "an unfinished conversion: remove it"
+        raise CheckpointError(f"{out}: already exists ({what})")
+    # snip_ds's files first: a folder that has them but no snip_meta.json is an unfinished conversion (resolve)
+    out.mkdir(parents=True)
+    for name in [STATE_FILE] + [_rank_file(tag_dir, r).name for r in range(meta["world_size"])]:
+        if (tag_dir / name).is_file():  # a checkpoint of an older snip_ds keeps SNIP's state in snip_meta.json
+            shutil.copy2(tag_dir / name, out / name)
+    args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    # One process: DeepSpeed's worker processes would load with its own weights_only=False.
+    log(f"snip-ds: converting {tag_dir} (ZeRO-{zero_stage}, {meta['world_size']} rank(s)) with DeepSpeed's "
+        f"ds_to_universal into {out}")
+    with safe_torch_load():  # DeepSpeed's converter prints its progress
+        try:
+            ds_to_universal.main(args)
+        except CheckpointError:
+            raise
+        except Exception as err:  # noqa: BLE001 -- DeepSpeed's converter refused the checkpoint: say so
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise CheckpointError(f"{tag_dir}: DeepSpeed's ds_to_universal failed ({type(err).__name__}: {first}); "
+                                  f"{out} is left unfinished (no {META_FILE}): remove it") from None
+    full = {**meta, UNIVERSAL_FIELD: {"zero_stage": zero_stage, "source": str(tag_dir.resolve()),
+                                      "train_batch_size": micro * ga * int(meta["world_size"]),
+                                      "source_sha256": file_digest(tag_dir / META_FILE)["sha256"]},
+            "files": {name: file_digest(out / name) for name in _listing(out)}}
+    atomic_write_text(out / META_FILE, json.dumps(full, indent=2, sort_keys=True))
+    atomic_write_text(out.parent / LATEST_FILE, out.name)
+    return out

@@ -276,16 +276,18 @@ class SnipEngine:
         planner state are in ``snip_meta.json``); returns its metadata.
 
         Raises:
-            CheckpointError: missing/incomplete checkpoint, a different model or a different world size.
+            CheckpointError: missing/incomplete checkpoint, a different model or a different world size (a
+                universal checkpoint, ``snip-ds universal``'s, resumes at any world size, when the DeepSpeed
+                engine was initialized with :func:`~snip_ds.engine.checkpoint.with_load_universal`'s config).
             ValueError: SNIP's state does not fit this run (an adaptive run from a fixed-plan checkpoint).
         """
         tag_dir = ckpt.resolve(Path(path))
         meta = ckpt.validate(tag_dir, ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
                              ckpt.model_architecture(self.ds.module))
         tensors = ckpt.load(self.ds, tag_dir, sdist.rank())
-        self.state.load_rank_tensors(tensors, torch_rng=True)
+        self.state.load_rank_tensors(tensors, torch_rng=True)  # {} on a rank the saving run did not have
         snip, source = ckpt.read_snip_state(tag_dir, meta)
-        self.state.load_state_dict(snip, source)
+        self.state.load_state_dict(snip, source, any_world_size=ckpt.is_universal(meta))
         return meta
 
 
