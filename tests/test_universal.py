@@ -189,3 +189,26 @@ def test_an_unfinished_conversion_and_a_changed_global_batch_stop_with_one_line(
             assert text in errors[0], (text, errors[0])
         assert "Traceback" not in err
     assert not (tmp / "never" / "checkpoints").exists()
+
+
+def test_a_conversion_that_fails_part_way_leaves_nothing(zero1, monkeypatch):
+    """DeepSpeed's converter stopping part-way (here a full disk after its first file) removes the half-written
+    folder: the error names the checkpoint and the cause, and the same conversion then succeeds."""
+    import errno
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    real = ds_to_universal.main
+
+    def full_disk(args):
+        (ckpt.Path(args.output_folder) / "zero").mkdir()
+        (ckpt.Path(args.output_folder) / "zero" / "partial.pt").write_bytes(b"\0" * 64)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    src, dest = zero1["out"] / "checkpoints" / "step_4", zero1["tmp"] / "failed_conversion"
+    monkeypatch.setattr(ds_to_universal, "main", full_disk)
+    with pytest.raises(CheckpointError, match=r"step_4: DeepSpeed's ds_to_universal failed \(OSError: .*No space"):
+        convert_to_universal(src, dest, log=lambda msg: None)
+    assert not (dest / "step_4").exists() and not (dest / "latest").exists()
+    monkeypatch.setattr(ds_to_universal, "main", real)
+    assert (convert_to_universal(src, dest, log=lambda msg: None) / "snip_meta.json").is_file()

@@ -687,27 +687,31 @@ def convert_to_universal(src: Path, dest: Path, log=print) -> Path:
         raise CheckpointError(f"{out}: already exists ({what})")
     # snip_ds's files first: a folder that has them but no snip_meta.json is an unfinished conversion (resolve)
     out.mkdir(parents=True)
-    for name in [STATE_FILE] + [_rank_file(tag_dir, r).name for r in range(meta["world_size"])]:
-        if (tag_dir / name).is_file():  # a checkpoint of an older snip_ds keeps SNIP's state in snip_meta.json
-            shutil.copy2(tag_dir / name, out / name)
-    args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    # One process: DeepSpeed's worker processes would load with its own weights_only=False.
-    log(f"snip-ds: converting {tag_dir} (ZeRO-{zero_stage}, {meta['world_size']} rank(s)) with DeepSpeed's "
-        f"ds_to_universal into {out}")
-    with safe_torch_load():  # DeepSpeed's converter prints its progress
-        try:
-            ds_to_universal.main(args)
-        except CheckpointError:
-            raise
-        except Exception as err:  # noqa: BLE001 -- DeepSpeed's converter refused the checkpoint: say so
-            first = str(err).splitlines()[0] if str(err) else ""
-            raise CheckpointError(f"{tag_dir}: DeepSpeed's ds_to_universal failed ({type(err).__name__}: {first}); "
-                                  f"{out} is left unfinished (no {META_FILE}): remove it") from None
-    full = {**meta, UNIVERSAL_FIELD: {"zero_stage": zero_stage, "source": str(tag_dir.resolve()),
-                                      "train_batch_size": micro * ga * int(meta["world_size"]),
-                                      "source_sha256": file_digest(tag_dir / META_FILE)["sha256"]},
-            "files": {name: file_digest(out / name) for name in _listing(out)}}
-    atomic_write_text(out / META_FILE, json.dumps(full, indent=2, sort_keys=True))
+    try:
+        for name in [STATE_FILE] + [_rank_file(tag_dir, r).name for r in range(meta["world_size"])]:
+            if (tag_dir / name).is_file():  # a checkpoint of an older snip_ds keeps SNIP's state in snip_meta.json
+                shutil.copy2(tag_dir / name, out / name)
+        args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        # One process: DeepSpeed's worker processes would load with its own weights_only=False.
+        log(f"snip-ds: converting {tag_dir} (ZeRO-{zero_stage}, {meta['world_size']} rank(s)) with DeepSpeed's "
+            f"ds_to_universal into {out}")
+        with safe_torch_load():  # DeepSpeed's converter prints its progress
+            try:
+                ds_to_universal.main(args)
+            except CheckpointError:
+                raise
+            except Exception as err:  # noqa: BLE001 -- DeepSpeed's converter refused the checkpoint: say so
+                first = str(err).splitlines()[0] if str(err) else ""
+                raise CheckpointError(f"{tag_dir}: DeepSpeed's ds_to_universal failed ({type(err).__name__}: "
+                                      f"{first}); nothing was kept of {out}") from None
+        full = {**meta, UNIVERSAL_FIELD: {"zero_stage": zero_stage, "source": str(tag_dir.resolve()),
+                                          "train_batch_size": micro * ga * int(meta["world_size"]),
+                                          "source_sha256": file_digest(tag_dir / META_FILE)["sha256"]},
+                "files": {name: file_digest(out / name) for name in _listing(out)}}
+        atomic_write_text(out / META_FILE, json.dumps(full, indent=2, sort_keys=True))
+    except BaseException:  # a failed conversion (a full disk, Ctrl-C, DeepSpeed's refusal) leaves nothing behind
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     atomic_write_text(out.parent / LATEST_FILE, out.name)
     return out
