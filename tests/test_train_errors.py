@@ -5,7 +5,6 @@ One real 2-rank run provides the output directory and the checkpoints; the faili
 ``snip_ds.trainer.main`` calls (they stop before DeepSpeed starts), plus one through the deepspeed launcher.
 """
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import TINY_MODEL, launch, write_configs
+from train_utils import TINY_MODEL, launch, restore_environ, write_configs  # noqa: F401  (a fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.usefixtures("restore_environ")]
 
 
 def _snapshot(root: Path) -> dict:
@@ -33,15 +32,6 @@ def run(tmp_path_factory):
     assert (out / "checkpoints" / "latest").read_text() == "step_2"
     assert list((out / "tensorboard").iterdir())
     return {"tmp": tmp, "cfg": cfg, "out": out, "snapshot": _snapshot(out)}
-
-
-@pytest.fixture(autouse=True)
-def _restore_environ():
-    """main() in-process sets RANK/WORLD_SIZE/MASTER_PORT...; later tests must not inherit them."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _variant(run, name: str, mutate) -> str:

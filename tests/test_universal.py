@@ -13,10 +13,12 @@ import shutil
 import pytest
 import torch
 
-from train_utils import TINY_MODEL, launch, scalars, write_configs
+from train_utils import TINY_MODEL, launch, restore_environ, scalars, write_configs  # noqa: F401  (a fixture)
 
 from snip_ds.engine import checkpoint as ckpt
 from snip_ds.engine.checkpoint import CheckpointError, convert_to_universal, safe_torch_load
+
+pytestmark = pytest.mark.usefixtures("restore_environ")  # main() runs in process here
 
 FP32_ULP = 2.0 ** -23  # the spacing of fp32 numbers in [1, 2): a loss L in [4, 8) is stored to 4 * this
 
@@ -72,17 +74,6 @@ def zero1(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
     return _uninterrupted(tmp_path_factory, 3)
-
-
-@pytest.fixture(autouse=True)
-def _restore_environ():
-    """main() in-process sets RANK/WORLD_SIZE/MASTER_PORT...; later tests must not inherit them."""
-    import os
-
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _params() -> int:

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "launch" / "train.py"
 
@@ -158,3 +160,14 @@ def ranks_directly(args: List[str], num_ranks: int = 2, timeout: int = 300,
                 p.wait()
     assert_no_shm_left(["--master_port", port])
     return results
+
+
+@pytest.fixture
+def restore_environ():
+    """For tests that run ``main()`` in process, which sets RANK/WORLD_SIZE/MASTER_PORT...: later tests must not
+    inherit them. A module opts in with ``pytestmark = pytest.mark.usefixtures("restore_environ")`` after
+    importing it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
