@@ -21,8 +21,10 @@ re-planning left to this script). Sequence:
 4. with ``--profile``, one more collection under ``torch.profiler``: its kernel launches, the shares of GEMM,
    quantization and other kernels, and the 15 most expensive kernels (where the step equivalents go);
 5. with ``--chunk_elements N [N ...]``, one more timed collection per value with the statistics' operand slices
-   (:data:`snip_ds.backend.operands.CHUNK_ELEMENTS`, 3 Mi elements, sized for CPU caches) set to N elements,
-   side by side with the default in the same process.
+   (:data:`snip_ds.backend.operands.CUDA_CHUNK_ELEMENTS` on CUDA, 48 Mi elements; ``CHUNK_ELEMENTS`` on the CPU,
+   3 Mi, sized for its caches) set to N elements, side by side with the default in the same process;
+6. with ``--ieee_collection``, one more timed collection with ``collect_tf32`` off: its FP32 products in IEEE
+   FP32 instead of on TF32 tensor cores (CUDA only; the same numbers on a CPU).
 
 Reported: the collection in training-step equivalents (its time over the median step), its peak memory over a
 step's, the all-reduced bytes (and, from the per-layer scalar count, bench_collect's on-paper figure for 80
@@ -107,7 +109,7 @@ class _Sync:
 
 
 def bench(scale: int, vocab: int, layers: int, micro_batch: int, block: int, steps: int, profile: bool = False,
-          chunk_elements: tuple = ()) -> dict:
+          chunk_elements: tuple = (), ieee_collection: bool = False) -> dict:
     from snip_ds import distributed as sdist
     from snip_ds.data import DataStream, load_dataset_blocks
     from snip_ds.engine import initialize
@@ -164,6 +166,7 @@ def bench(scale: int, vocab: int, layers: int, micro_batch: int, block: int, ste
             raise RuntimeError(f"the ILP found no plan for the collected statistics: {planner.last_error}")
         collection_profile = _profiled_collection(planner, cuda) if profile else None
         chunked = _chunked_collections(planner, cuda, chunk_elements)
+        ieee_s = _ieee_collection(planner, cuda) if ieee_collection else None
     flops = {fqn: info.flops(micro_batch * block) for fqn, info in engine.infos.items()}
     fp4 = sorted(f for f, p in plan.assignment.items() if p == "fp4")
     n_layers = len(stats["layers"])
@@ -191,9 +194,11 @@ def bench(scale: int, vocab: int, layers: int, micro_batch: int, block: int, ste
                      sorted(f for f in plan.assignment if plan.assignment[f] != first_plan.get(f))},
         "fp4_flops_share_check": sum(flops[f] for f in fp4) / sum(flops.values()),
         "collection_profile": collection_profile,
-        "chunk_elements_default": _operands().CHUNK_ELEMENTS,
+        "chunk_elements_default": _slice_default(cuda),
         "collect_by_chunk_elements": [{"chunk_elements": n, "collect_s": t, "collect_step_equivalents": t / step}
                                       for n, t in chunked],
+        "collect_ieee_fp32": (None if ieee_s is None
+                              else {"collect_s": ieee_s, "collect_step_equivalents": ieee_s / step}),
     }
     return result
 
@@ -215,19 +220,41 @@ def _profiled_collection(planner, cuda: bool) -> dict:
     return kernel_table(prof, "cuda" if cuda else "cpu", 1, top_n=15)
 
 
+def _slice_attr(cuda: bool) -> str:
+    return "CUDA_CHUNK_ELEMENTS" if cuda else "CHUNK_ELEMENTS"
+
+
+def _slice_default(cuda: bool) -> int:
+    return getattr(_operands(), _slice_attr(cuda))
+
+
 def _chunked_collections(planner, cuda: bool, sizes) -> list:
     """``(elements, seconds)`` of one timed collection per operand-slice size, the default restored after."""
-    operands = _operands()
-    default, out = operands.CHUNK_ELEMENTS, []
+    operands, attr = _operands(), _slice_attr(cuda)
+    default, out = getattr(operands, attr), []
     try:
         for n in sizes:
-            operands.CHUNK_ELEMENTS = n
+            setattr(operands, attr, n)
             with _Sync(cuda) as c:
                 planner.collect()
             out.append((n, c.seconds))
     finally:
-        operands.CHUNK_ELEMENTS = default
+        setattr(operands, attr, default)
     return out
+
+
+def _ieee_collection(planner, cuda: bool) -> float:
+    """Seconds of one timed collection as ``collect_tf32: false`` runs it (FP32 products in IEEE FP32)."""
+    from snip_ds.stats import collector
+
+    tf32 = collector.fp32_matmuls
+    collector.fp32_matmuls = lambda device, _: tf32(device, False)
+    try:
+        with _Sync(cuda) as c:
+            planner.collect()
+    finally:
+        collector.fp32_matmuls = tf32
+    return c.seconds
 
 
 def markdown(r: dict) -> str:
@@ -265,6 +292,11 @@ def markdown(r: dict) -> str:
                   f"{r['collect_step_equivalents']:.2f} |"]
         lines += [f"| {c['chunk_elements']:,} | {c['collect_s']:.3f} s | {c['collect_step_equivalents']:.2f} |"
                   for c in r["collect_by_chunk_elements"]]
+    if r.get("collect_ieee_fp32"):
+        c = r["collect_ieee_fp32"]
+        lines += ["", f"The same collection with `collect_tf32: false` (FP32 products in IEEE FP32, not on TF32 tensor "
+                      f"cores): {c['collect_s']:.3f} s = {c['collect_step_equivalents']:.2f} step equivalents "
+                      f"(default: {r['collect_s']:.3f} s)."]
     prof = r.get("collection_profile")
     if prof:
         s = prof["share"]
@@ -291,6 +323,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="profile one more collection, kernel by kernel")
     p.add_argument("--chunk_elements", type=int, nargs="*", default=[],
                    help="time one more collection per statistics operand-slice size (elements)")
+    p.add_argument("--ieee_collection", action="store_true",
+                   help="time one more collection with collect_tf32 off (FP32 products in IEEE FP32)")
     args = p.parse_args(argv)
     for n in args.chunk_elements:
         if n < 1:
@@ -305,7 +339,7 @@ def main(argv=None) -> int:
         p.error(f"--scale {scale}: without CUDA use --scale 16 or more (full widths need a GPU)")
     try:
         result = bench(scale, max(args.vocab // scale, 1), args.layers, args.micro_batch, args.block_size,
-                       args.steps, args.profile, tuple(args.chunk_elements))
+                       args.steps, args.profile, tuple(args.chunk_elements), args.ieee_collection)
     except ValueError as err:
         print(f"bench_scale: error: {err}", file=sys.stderr)
         return 2

@@ -72,6 +72,7 @@ def bench_facts(work: Path) -> dict:
         out["bench_scale"]["fp4_share"] = scale.get("plan", {}).get("fp4_share")
         out["bench_scale"]["fp4_layers"] = scale.get("plan", {}).get("fp4_layers")
         out["bench_scale"]["collect_by_chunk_elements"] = scale.get("collect_by_chunk_elements")
+        out["bench_scale"]["collect_ieee_fp32"] = scale.get("collect_ieee_fp32")
         prof = scale.get("collection_profile") or {}
         out["bench_scale"]["collection_profile"] = {k: prof.get(k) for k in ("step_us", "launches_per_step",
                                                                               "share")} if prof else None

@@ -18,6 +18,7 @@
 #   SNIP_DEVICE_DRY_RUN=1   the dry run above
 #   SNIP_DEVICE_TIMEOUT_FACTOR  multiplies every step's timeout (default 1; e.g. 3 for a dry run on a slow, shared CPU)
 #   SNIP_DEVICE_TEST_WORKERS    pytest-xdist workers for kernel_tests where xdist is installed (default 8)
+#   SNIP_DEVICE_GPU_TESTS_K     a pytest -k expression selecting gpu_tests (default: all of tests/test_gpu.py)
 #
 # Steps (each under `timeout -k 10`; pass / fail / skip / timeout / not run in the summary):
 #   env                  kit installed and importable, versions, requirement checks, a tiny CBC solve
@@ -32,7 +33,7 @@
 #                        GEMM / quantize / other shares, launches per step, the top kernels)
 #   bench_train          benchmarks/bench_train.py --device cuda --steps 8 --replan_every 4 (bf16/fp8/fp4/adaptive)
 #   bench_scale          benchmarks/bench_scale.py (two Llama-70B-wide blocks, ZeRO-3, one collection; profiled, and
-#                        again with 48 Mi-element statistics slices)
+#                        again with the CPU's 3 Mi-element statistics slices and with collect_tf32 off)
 #
 # What comes back ($OUT/results/, at most 8 files): summary.md, summary.json, env.json, pip_list.txt,
 # steps.log (every step's log, the last 400 lines each), logs.tar.gz (full logs, junit XML, benchmark JSON/MD,
@@ -165,19 +166,21 @@ if [ "$DRY" = "1" ]; then
     GEMM_ARGS="--device cpu --tokens 64 --repeats 1"
     QUANT_ARGS="--repeats 2"
     TRAIN_BENCH="benchmarks/bench_train.py --quick"   # the CPU benchmark's plumbing: --device cuda needs CUDA
-    SCALE_ARGS="--scale 64 --block_size 128 --steps 2 --profile --chunk_elements 50331648"
+    SCALE_ARGS="--scale 64 --block_size 128 --steps 2 --profile --chunk_elements 786432 --ieee_collection"
     PROFILE_ARGS="--device cpu --tokens 64 --k 256 --n 256 --steps 2"
 else
     TRAIN_ARGS="--max_steps 20 --eval_steps 10 --save_steps 20"
     GEMM_ARGS="--tokens 4096 --repeats 10"
     QUANT_ARGS="--repeats 20"
     TRAIN_BENCH="benchmarks/bench_train.py --device cuda --steps 8 --replan_every 4 --output_dir $WORK/bench"
-    SCALE_ARGS="--steps 3 --profile --chunk_elements 50331648"   # where the collection goes, and 64x larger slices
+    SCALE_ARGS="--steps 3 --profile --chunk_elements 786432 --ieee_collection"   # where it goes; CPU-sized slices; IEEE FP32
     PROFILE_ARGS="--output_dir $WORK/bench"
 fi
 
 run_step env 90 "" "'$PY' gpu/device_env.py --output '$WORK/env.json' --pip_list '$WORK/pip_list.txt'"
-run_step gpu_tests 180 "" "'$PY' -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu.py --junitxml '$WORK/junit_gpu_tests.xml'"
+GPU_TESTS_K=""
+[ -n "${SNIP_DEVICE_GPU_TESTS_K:-}" ] && GPU_TESTS_K="-k '${SNIP_DEVICE_GPU_TESTS_K//\'/}'"
+run_step gpu_tests 180 "" "'$PY' -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu.py $GPU_TESTS_K --junitxml '$WORK/junit_gpu_tests.xml'"
 # Each (recipe, axis, dtype, layout) is a kernel of its own, compiled on first use: one process compiled 101 of
 # the 166 tests' kernels in 240 s on an H100 machine. pytest-xdist (on the GPU image) compiles in parallel.
 XDIST=""

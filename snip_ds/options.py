@@ -183,6 +183,9 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            "early in training, when the weights and Adam's moments move fastest (the first plan, before step 1, has "
            "no Adam state to price the backward divergence with). ``[]``: none.", check=_steps),
     Option("collect_batches", int, 1, "Micro-batches averaged per collection.", check=at_least(1)),
+    Option("collect_tf32", bool, True, "On CUDA, a collection's FP32 matrix products run on TF32 tensor cores "
+           "(their operands rounded to 10 mantissa bits, sums in FP32); ``false``: in IEEE FP32. Training's own "
+           "GEMMs are not affected."),
     Option("estimator", str, "mc_fisher", "FLD estimator: ``mc_fisher`` (default), ``empirical`` (Fisher from the "
            "training G_Y) or ``isotropic`` (ablations).", choices=ESTIMATORS, research=True),
     Option("num_probes", int, 1, "Monte-Carlo Fisher probes per collection batch.", check=at_least(1)),

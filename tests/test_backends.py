@@ -389,6 +389,17 @@ def test_seed_offset_follows_the_generator():
     assert base.seed_offset(gen) == first and base.seed_offset(gen) != first
 
 
+def test_operand_slices_are_larger_on_cuda(monkeypatch):
+    """Operands stream in slices of CHUNK_ELEMENTS on a CPU (or with no device given) and of the larger
+    CUDA_CHUNK_ELEMENTS on a CUDA device; both in whole multiples of 32 rows that cover the range once."""
+    ops = backend_pkg.operands
+    monkeypatch.setattr(ops, "CHUNK_ELEMENTS", 64 * 100)
+    monkeypatch.setattr(ops, "CUDA_CHUNK_ELEMENTS", 256 * 100)
+    for device, rows in ((None, 64), (torch.device("cpu"), 64), (torch.device("cuda", 1), 256), ("cuda", 256)):
+        slices = ops.chunks(1000, 100, device)
+        assert [s.start for s in slices] == list(range(0, 1000, rows)) and slices[-1].stop == 1000
+
+
 @pytest.mark.rounding
 @pytest.mark.parametrize("gemm", ["dgrad", "wgrad"])
 def test_stochastic_draws_match_the_emulated_gemms(gemm, monkeypatch):

@@ -767,3 +767,32 @@ def test_sequence_fld_from_the_layers_input_gradient_matches_fp64():
         tol = float((2 * s.abs() * err + err * err).sum())
         for with_dx in (True, False):
             assert abs(got[with_dx][p] - ref) <= tol, (p, with_dx)
+
+
+def test_fp32_matmuls_sets_tf32_on_cuda_only_and_restores_the_flag():
+    """The collection's TF32 switch flips cuBLAS's flag for a CUDA device only, and restores what it found,
+    also when the block raises; after it, the older ``allow_tf32`` flag still reads (torch refuses to read it
+    while the two APIs disagree)."""
+    from snip_ds.stats.common import fp32_matmuls
+
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    try:
+        for legacy in (False, True):  # a user's setting through the older flag
+            matmul.allow_tf32 = legacy
+            found = matmul.fp32_precision
+            with fp32_matmuls(torch.device("cuda", 0), True):
+                assert matmul.fp32_precision == "tf32"
+            assert matmul.fp32_precision == found
+            assert matmul.allow_tf32 == legacy
+            for device, tf32 in ((torch.device("cuda"), False), (torch.device("cpu"), True)):
+                with fp32_matmuls(device, tf32):
+                    assert matmul.fp32_precision == found
+            matmul.fp32_precision = "ieee"
+            with pytest.raises(KeyError):
+                with fp32_matmuls("cuda", True):
+                    raise KeyError("inside")
+            assert matmul.fp32_precision == "ieee"
+    finally:
+        matmul.fp32_precision = saved
+

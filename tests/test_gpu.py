@@ -191,3 +191,34 @@ def test_torch_backend_trains_with_compiled_kernels(precision, dtype):
     assert torch_native.kernels() is kernels and not kernels.interpreting()
     assert not sys.modules["snip_ds.backend.kernels.quantize"].INTERPRETED
     assert os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def test_collection_on_tf32_tensor_cores_agrees_with_ieee_fp32():
+    """``collect_tf32`` (the default) runs a collection's FP32 products on TF32 tensor cores. On a BF16 model
+    the operands that TF32 rounds are the dequantized ones with FP32 tensor scales and FP32 intermediates, by
+    at most 2⁻¹¹ relative each (two per product: 2⁻¹⁰), against quantization errors of at least about 2⁻⁵
+    relative (FP8 E4M3's rms rounding error) that FLD and BWD square: so each statistic moves by at most
+    2·2⁻¹⁰/2⁻⁵ = 2⁻⁴ relative, however the perturbations line up. The same collection in IEEE FP32 must
+    agree to that, layer by layer and precision by precision; cuBLAS's flag is restored after each."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from snip_ds.stats import CollectSettings, collect_statistics
+    from snip_ds.swap import swap_linears
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256, use_cache=False)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    swap_linears(model, "fp8", seed=3)
+    batch = torch.randint(0, 257, (4, 256), generator=torch.Generator().manual_seed(1)).cuda()
+    before = torch.backends.cuda.matmul.fp32_precision
+    runs = {tf32: collect_statistics(model, [batch], CollectSettings(seed=5, collect_tf32=tf32), lr=1e-3)
+            for tf32 in (True, False)}
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    tf32, ieee = runs[True]["layers"], runs[False]["layers"]
+    assert tf32.keys() == ieee.keys() and len(tf32) == 14
+    for fqn in ieee:
+        for field in ("fld", "bwd"):
+            for p, want in ieee[fqn][field].items():
+                got = tf32[fqn][field][p]
+                assert want > 0 and abs(got - want) <= 2 ** -4 * want, (fqn, field, p, got, want)

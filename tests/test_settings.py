@@ -31,6 +31,7 @@ def test_three_precisions_budget_and_cap_parse_and_round_trip():
     ({"allowed": ["bf16", "fp8"]}, "snip.allowed: .* has no fp4"),
     ({"compute_budget": 0}, r"snip.compute_budget: must lie in \(0, 1\]"),
     ({"compute_budget": "half"}, "snip.compute_budget: expected a number"),
+    ({"collect_tf32": "yes"}, "snip.collect_tf32: expected true/false, got 'yes'"),
     ({"efficiency_saving": 0.75, "research": {"max_share": 0.5}},
      r"snip.research.max_share: must lie in \[efficiency_saving, 1\]"),
     ({"research": {"fld_form": "token"}}, "snip.research.fld_form: unknown value 'token'"),

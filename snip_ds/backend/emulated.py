@@ -81,10 +81,10 @@ class EmulatedBackend(GemmBackend):
         recipe = get_recipe(getattr(operand_recipes(precision, cfg), role))
         # Per-tensor scales and 16x16 tiles give the same result along either axis: take contiguous rows.
         if axis in (-1, 1) or recipe.block_size == 0 or recipe.block_2d:  # (2-D tiles: multiples of 32 rows)
-            for rows in operands.chunks(t.shape[0], t.shape[1]):
+            for rows in operands.chunks(t.shape[0], t.shape[1], t.device):
                 out[rows] = self.quantize(t[rows], precision, role, -1, cfg, None, amax)
         else:  # blocks along columns: slices of columns
-            for cols in operands.chunks(t.shape[1], t.shape[0]):
+            for cols in operands.chunks(t.shape[1], t.shape[0], t.device):
                 out[:, cols] = self.quantize(t[:, cols], precision, role, 0, cfg, None, amax)
         return out
 
@@ -95,7 +95,7 @@ class EmulatedBackend(GemmBackend):
             return _fp32(a) @ b_lp
         out = torch.empty(a.shape[0], b_lp.shape[1], dtype=torch.float32, device=a.device)
         amax = tensor_amax(a)
-        for rows in operands.chunks(a.shape[0], a.shape[1]):
+        for rows in operands.chunks(a.shape[0], a.shape[1], a.device):
             torch.mm(self.quantize(a[rows], precision, role, -1, cfg, generator, amax), b_lp, out=out[rows])
         return out
 
@@ -126,7 +126,7 @@ class EmulatedBackend(GemmBackend):
             g, x = hadamard_pair(g, x, generator)
         g_w = torch.zeros(g.shape[1], x.shape[1], dtype=torch.float32, device=g.device)
         amax_g, amax_x = tensor_amax(g), tensor_amax(x)
-        for tokens in operands.chunks(g.shape[0], g.shape[1] + x.shape[1]):
+        for tokens in operands.chunks(g.shape[0], g.shape[1] + x.shape[1], g.device):
             g_lp = self.quantize(g[tokens], precision, "g", 0, cfg, generator, amax_g)
             x_lp = self.quantize(x[tokens], precision, "x", 0, cfg, None, amax_x)
             g_w.addmm_(g_lp.t(), x_lp)
@@ -182,7 +182,7 @@ class EmulatedBackend(GemmBackend):
             scale = tokens / max(int(sampled.sum()), 1)
         amax_g, amax_x = tensor_amax(g), tensor_amax(x)
         x32 = _fp32(x)
-        for chunk in operands.chunks(tokens, n + k):
+        for chunk in operands.chunks(tokens, n + k, g.device):
             g_mean, g_var = self._g_moments(g[chunk], precision, cfg, 0, amax_g)
             x_lp = self.quantize(x[chunk], precision, "x", 0, cfg, None, amax_x)
             mean.addmm_(g_mean.t(), x_lp)
@@ -207,7 +207,7 @@ class EmulatedBackend(GemmBackend):
         mean = torch.empty(g.shape[0], w.shape[1], dtype=torch.float32, device=g.device)
         var = torch.empty_like(mean)
         amax = tensor_amax(g)
-        for rows in operands.chunks(g.shape[0], g.shape[1]):
+        for rows in operands.chunks(g.shape[0], g.shape[1], g.device):
             g_mean, g_var = self._g_moments(g[rows], precision, cfg, -1, amax)
             torch.mm(g_mean, w_lp, out=mean[rows])
             torch.mm(g_var, w_sq, out=var[rows])

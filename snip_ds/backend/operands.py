@@ -118,13 +118,19 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 
 # Quantization works on slices of about this many elements, so its temporaries stay small next to the GEMM
 # operands (peak memory); slices along the token axis are whole multiples of every block size.
-CHUNK_ELEMENTS = 3 << 18  # 3 MiB in FP32: measured best balance of GEMM speed and temporaries
+CHUNK_ELEMENTS = 3 << 18  # CPU: 3 Mi elements (12 MiB in FP32), measured best balance of GEMM speed and temporaries
+# CUDA: 48 Mi elements (192 MiB in FP32). On an H100 a statistics collection at Llama-70B widths took 1.05 s with
+# these slices against 1.81 s with the CPU's (benchmarks/bench_scale.py --chunk_elements), whose small GEMMs
+# leave most of the GPU idle; next to a step's tens of GiB the larger temporaries are small.
+CUDA_CHUNK_ELEMENTS = 3 << 24
 _ALIGN = 32
 
 
-def chunks(length: int, width: int):
-    """Slices of ``range(length)`` covering about CHUNK_ELEMENTS / width rows each, multiples of 32."""
-    rows = max(_ALIGN, (CHUNK_ELEMENTS // max(width, 1)) // _ALIGN * _ALIGN)
+def chunks(length: int, width: int, device: Optional[torch.device] = None):
+    """Slices of ``range(length)`` covering about CHUNK_ELEMENTS / width rows each (CUDA_CHUNK_ELEMENTS on a
+    CUDA ``device``), multiples of 32."""
+    elements = CUDA_CHUNK_ELEMENTS if device is not None and torch.device(device).type == "cuda" else CHUNK_ELEMENTS
+    rows = max(_ALIGN, (elements // max(width, 1)) // _ALIGN * _ALIGN)
     return [slice(start, min(start + rows, length)) for start in range(0, length, rows)]
 
 

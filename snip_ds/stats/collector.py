@@ -59,7 +59,8 @@ from snip_ds.stats.bwd import BwdEstimator
 from snip_ds.experts import ExpertPoint, routed_tokens_kept
 from snip_ds.stats import experts as moe
 from snip_ds.stats.common import (GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, PROBE_SQ, Layer, Phase, Reduce, Rows, Shared,
-                                  Sums, device_of, flat, select_layers, targets, unpack)
+                                  Sums, device_of, flat, fp32_matmuls, select_layers, targets,
+                                  unpack)
 from snip_ds.stats.fields import finalize
 from snip_ds.stats.fld import FldEstimator
 from snip_ds.stats.fwd import ForwardDrift
@@ -115,6 +116,8 @@ class CollectSettings:
         retain_graph: back-propagate every probe through the first forward's retained graph (cheapest).
             False runs one fresh forward per probe instead, so each backward is an ordinary single one:
             needed under ZeRO-3, which releases the gathered weights after each backward.
+        collect_tf32: on CUDA, run the collection's FP32 matrix products on TF32 tensor cores
+            (:func:`~snip_ds.stats.common.fp32_matmuls`); False: IEEE FP32. No effect elsewhere.
     """
 
     estimator: str = reads("estimator")
@@ -129,6 +132,7 @@ class CollectSettings:
     seed: int = 0
     lam: Optional[float] = reads("bwd_lambda", default=None)
     retain_graph: bool = True
+    collect_tf32: bool = reads("collect_tf32")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precisions", tuple(self.precisions))
@@ -477,7 +481,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
 
     col = Collector(model, mods, settings, precond)
     rows_per_batch, n_batches = None, 0
-    with _preserved(model, mods, col), col.hooks():
+    with _preserved(model, mods, col), col.hooks(), fp32_matmuls(device_of(model), settings.collect_tf32):
         for batch in batches:
             rows = col.run_batch(batch, settings.num_probes, settings.retain_graph)
             rows_per_batch = rows_per_batch or rows

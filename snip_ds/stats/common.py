@@ -3,8 +3,9 @@ collector's phases and the pricing of the all-reduced sums."""
 from __future__ import annotations
 
 import enum
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Protocol, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import nn
@@ -69,6 +70,30 @@ def targets(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, t
 
 def device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+@contextmanager
+def fp32_matmuls(device: torch.device, tf32: bool) -> Iterator[None]:
+    """FP32 matrix products on CUDA ``device`` on TF32 tensor cores while the block runs (``tf32``), cuBLAS's
+    flag restored after; anything else runs unchanged.
+
+    The statistics form most of their products in FP32 from operands that are exact in BF16 (a BF16 model's
+    activations, weights and gradients) and so exact in TF32 too; the rest (dequantized operands with an FP32
+    tensor scale, FP32 intermediates) are rounded to 10 mantissa bits, 2⁻¹¹ relative at most, against the
+    2⁻⁴ (FP8) to 2⁻² (FP4) relative quantization errors they measure. Set through
+    ``torch.backends.cuda.matmul.fp32_precision`` and restored to the value found there (which also serves
+    callers of the older ``allow_tf32`` flag); a torch without that attribute gets ``allow_tf32``."""
+    if not tf32 or torch.device(device).type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    attr, value = ("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision") else ("allow_tf32", True)
+    saved = getattr(matmul, attr)
+    setattr(matmul, attr, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, attr, saved)
 
 
 class Phase(enum.Enum):
