@@ -796,3 +796,56 @@ def test_fp32_matmuls_sets_tf32_on_cuda_only_and_restores_the_flag():
     finally:
         matmul.fp32_precision = saved
 
+
+
+def _round_to_tf32(t):
+    """FP32 values rounded to nearest-even at TF32's 10 mantissa bits (other tensors unchanged)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+        return t
+    bits = t.contiguous().view(torch.int32)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF
+    return bits.view(torch.float32).view(t.shape)
+
+
+def test_tf32_operand_rounding_moves_the_statistics_within_its_bound():
+    """What ``collect_tf32`` changes, emulated on the CPU: every FP32 matrix product of a collection (aten's
+    mm, bmm and addmm, wherever they run: hooks, autograd, the backends) gets its operands rounded to TF32
+    (2⁻¹¹ relative at most). On a BF16 model's collection, FLD and BWD must move by at most the bound that
+    tests/test_gpu.py derives for TF32 tensor cores, 2⁻⁴ relative, and must move at all (the rounding
+    reaches them). Sum order, which tensor cores also change, is not emulated here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    both, first_two = (aten.mm.default, aten.bmm.default), (aten.addmm.default, aten.addmm_.default)
+    rounded = []
+
+    class TF32Operands(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in both:
+                args = tuple(_round_to_tf32(a) for a in args)
+            elif func in first_two:
+                args = (args[0], _round_to_tf32(args[1]), _round_to_tf32(args[2])) + tuple(args[3:])
+            rounded.append(func in both + first_two)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.tensor([1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 1.0 + 2 ** -12, -3.0 - 2 ** -9 - 2 ** -12])
+    assert _round_to_tf32(x).tolist() == [1.0, 1.0 + 4 * 2 ** -11, 1.0, -3.0 - 2 ** -9]  # ties to even
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, use_cache=False)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    swap_linears(model, "fp8", seed=3)
+    batch = torch.randint(0, 257, (4, 128), generator=torch.Generator().manual_seed(1))
+    how = CollectSettings(seed=5, precond_fallback="ones")
+    exact = collect_statistics(model, [batch], how, lr=1e-3)["layers"]
+    with TF32Operands():
+        tf32 = collect_statistics(model, [batch], how, lr=1e-3)["layers"]
+    assert sum(rounded) > 50
+    moved = 0.0
+    for fqn in exact:
+        for field in ("fld", "bwd"):
+            for p, want in exact[fqn][field].items():
+                got = tf32[fqn][field][p]
+                assert want > 0 and abs(got - want) <= 2 ** -4 * want, (fqn, field, p, got, want)
+                moved = max(moved, abs(got - want) / want)
+    assert moved > 0, moved
