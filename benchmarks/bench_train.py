@@ -32,7 +32,9 @@ and the steps carrying the extra BF16 forward that measures the plan's divergenc
 the medians of the collection and the solve, from which SNIP's share of training time follows at the shipped
 ``replan_every`` (see :func:`summarize_run`). Results go to benchmarks/results/bench_train_cuda.{json,md}.
 ``--steps`` and ``--replan_every`` shorten the runs (at least 5 steps: two warm-up steps are left out) and
-``--output_dir`` writes elsewhere (gpu/run_device.sh does both to fit its time budget).
+``--output_dir`` writes elsewhere (gpu/run_device.sh does both to fit its time budget); ``--plans`` runs some of
+the plans (bf16 first: the ratios are against it). The results are rewritten after every plan's run, with
+``"complete": false`` until the last, so a run cut short keeps the plans it finished.
 Without CUDA, ``--device cuda`` is an error (exit 2).
 """
 from __future__ import annotations
@@ -53,6 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
+from snip_ds.fileio import atomic_write_text  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.swap import swap_linears  # noqa: E402
 
@@ -232,27 +235,28 @@ def _launch_run(plan: str, steps: int, replan_every: int) -> dict:
                 ("perf/step_time_s", "snip/collect_time_s", "snip/solve_time_s") if tag in tags}
 
 
-def bench_cuda(steps: int, replan_every: int) -> dict:
+def bench_cuda(steps: int, replan_every: int, plans=GPU_PLANS, on_row=None) -> dict:
+    """One launch/train.py run per plan (``bf16`` first: the others' ratios are against it); after each run,
+    ``on_row(result so far)``, so that a run cut short still leaves the rows it finished."""
     shipped = json.loads(SHIPPED_CONFIG.read_text())["snip"]
-    rows = {}
-    for plan in GPU_PLANS:
+    res = {"parameters": llama_parameters(GPU_MODEL), "tokens_per_step": GPU_MICRO_BATCH * GPU_BLOCK,
+           "replan_every_shipped": shipped["replan_every"], "plans": list(plans), "rows": {}}
+    rows = res["rows"]
+    for plan in plans:
         series = _launch_run(plan, steps, replan_every)
         rows[plan] = summarize_run(series, GPU_MICRO_BATCH * GPU_BLOCK, shipped["additional_bf16_fwd_every_n_steps"],
                                    shipped["replan_every"])
+        rows[plan]["tokens_per_s_ratio_vs_bf16"] = rows[plan]["tokens_per_s"] / rows["bf16"]["tokens_per_s"]
         print(f"{plan:>8}: {rows[plan]['tokens_per_s']:.0f} tokens/s", flush=True)
-    for r in rows.values():
-        r["tokens_per_s_ratio_vs_bf16"] = r["tokens_per_s"] / rows["bf16"]["tokens_per_s"]
-    return {"parameters": llama_parameters(GPU_MODEL), "tokens_per_step": GPU_MICRO_BATCH * GPU_BLOCK,
-            "replan_every_shipped": shipped["replan_every"], "rows": rows}
+        if on_row is not None:
+            on_row(res)
+    return res
 
 
-def main_cuda(quick: bool, steps: int | None = None, replan_every: int | None = None,
-              output_dir: Path = RESULTS) -> int:
-    steps = steps or (8 if quick else GPU_STEPS)
-    replan_every = replan_every or (4 if quick else GPU_REPLAN_EVERY)
-    start = time.perf_counter()
-    res = bench_cuda(steps, replan_every)
-    rows, gpu = res["rows"], torch.cuda.get_device_name(0)
+def cuda_report(res: dict, steps: int, gpu: str) -> list:
+    """The Markdown lines of a (possibly partial) ``bench_cuda`` result."""
+    rows = res["rows"]
+    missing = [p for p in res["plans"] if p not in rows]
     lines = [f"# bench_train --device cuda: {res['parameters'] / 1e9:.2f}B-parameter Llama, ZeRO-3, BF16, one GPU",
              "", f"{gpu}, torch {torch.__version__}, micro-batch {GPU_MICRO_BATCH} x {GPU_BLOCK} tokens, "
              f"{steps} steps per plan (launch/train.py, ds_configs/zero3.json, backend auto). tokens/s: median step "
@@ -261,22 +265,38 @@ def main_cuda(quick: bool, steps: int | None = None, replan_every: int | None = 
     for name, r in rows.items():
         lines.append(f"| {name} | {r['step_time_s']:.3f} | {r['tokens_per_s']:.0f} | "
                      f"{r['tokens_per_s_ratio_vs_bf16']:.2f}x |")
-    a = rows["adaptive"]
+    lines += [f"| {name} | not measured (the run stopped before it) | | |" for name in missing]
+    a = rows.get("adaptive", {})
     if "snip_overhead_share" in a:
         lines += ["", f"SNIP (adaptive): collection {a['collect_s']:.2f} s, solve {a['solve_s']:.2f} s (medians of "
                   f"{a['collections']}), BF16 measuring forward {a['bf16_measure_forward_s']:.3f} s; at replan_every "
                   f"{res['replan_every_shipped']}: {100 * a['snip_overhead_share']:.1f} % of training time, "
                   f"{a['tokens_per_s_with_snip']:.0f} tokens/s with it."]
-    print("\n".join(lines) + f"\n({time.perf_counter() - start:.0f} s)")
-    if quick:
-        return 0
-    output_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"gpu": gpu, "torch": torch.__version__, "steps": steps, "replan_every": replan_every,
-            "micro_batch": GPU_MICRO_BATCH, "block_size": GPU_BLOCK, "model": GPU_MODEL,
-            "wall_s": time.perf_counter() - start}
-    (output_dir / "bench_train_cuda.json").write_text(json.dumps({"meta": meta, **res}, indent=2) + "\n")
-    (output_dir / "bench_train_cuda.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {output_dir / 'bench_train_cuda.json'} and .md")
+    return lines
+
+
+def main_cuda(quick: bool, steps: int | None = None, replan_every: int | None = None,
+              output_dir: Path = RESULTS, plans=GPU_PLANS) -> int:
+    steps = steps or (8 if quick else GPU_STEPS)
+    replan_every = replan_every or (4 if quick else GPU_REPLAN_EVERY)
+    start = time.perf_counter()
+    gpu = torch.cuda.get_device_name(0)
+
+    def write(res: dict) -> None:  # after every plan: a run cut short keeps what it measured
+        lines = cuda_report(res, steps, gpu)
+        if quick:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        meta = {"gpu": gpu, "torch": torch.__version__, "steps": steps, "replan_every": replan_every,
+                "micro_batch": GPU_MICRO_BATCH, "block_size": GPU_BLOCK, "model": GPU_MODEL,
+                "complete": len(res["rows"]) == len(res["plans"]), "wall_s": time.perf_counter() - start}
+        atomic_write_text(output_dir / "bench_train_cuda.json", json.dumps({"meta": meta, **res}, indent=2) + "\n")
+        atomic_write_text(output_dir / "bench_train_cuda.md", "\n".join(lines) + "\n")
+
+    res = bench_cuda(steps, replan_every, plans, write)
+    print("\n".join(cuda_report(res, steps, gpu)) + f"\n({time.perf_counter() - start:.0f} s)")
+    if not quick:
+        print(f"wrote {output_dir / 'bench_train_cuda.json'} and .md")
     return 0
 
 
@@ -297,8 +317,13 @@ def main(argv=None) -> int:
                    "steps per plan)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: the default model (below); cuda: a ~1B Llama under ZeRO-3 on one GPU (module docstring)")
+    p.add_argument("--plans", nargs="+", choices=GPU_PLANS, default=list(GPU_PLANS),
+                   help="cuda: the plans to run, in this order (default all; bf16 first: the ratios are against it)")
     p.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.plans != list(GPU_PLANS) and (args.device != "cuda" or args.plans[0] != "bf16"
+                                         or len(set(args.plans)) != len(args.plans)):
+        p.error(f"--plans: with --device cuda only, bf16 first, each plan once (got {' '.join(args.plans)})")
     if args.steps is not None and args.steps < (5 if args.device == "cuda" else 1):
         p.error(f"--steps must be at least {5 if args.device == 'cuda' else 1} with --device {args.device}, "
                 f"got {args.steps}")
@@ -309,7 +334,7 @@ def main(argv=None) -> int:
             print("error: --device cuda: torch finds no CUDA device here (torch.cuda.is_available() is False); "
                   "run on a machine with a GPU, or without --device for the CPU benchmark", file=sys.stderr)
             return 2
-        return main_cuda(args.quick, args.steps, args.replan_every, args.output_dir)
+        return main_cuda(args.quick, args.steps, args.replan_every, args.output_dir, tuple(args.plans))
     if args._memory:
         print(json.dumps(_memory_child(args._memory[0], int(args._memory[1]), int(args._memory[2]))))
         return 0

@@ -19,6 +19,7 @@
 #   SNIP_DEVICE_TIMEOUT_FACTOR  multiplies every step's timeout (default 1; e.g. 3 for a dry run on a slow, shared CPU)
 #   SNIP_DEVICE_TEST_WORKERS    pytest-xdist workers for kernel_tests where xdist is installed (default 8)
 #   SNIP_DEVICE_GPU_TESTS_K     a pytest -k expression selecting gpu_tests (default: all of tests/test_gpu.py)
+#   SNIP_DEVICE_BENCH_TRAIN_PLANS  bench_train's --plans (default all four: bf16 fp8 fp4 adaptive; bf16 first)
 #
 # Steps (each under `timeout -k 10`; pass / fail / skip / timeout / not run in the summary):
 #   env                  kit installed and importable, versions, requirement checks, a tiny CBC solve
@@ -173,6 +174,7 @@ else
     GEMM_ARGS="--tokens 4096 --repeats 10"
     QUANT_ARGS="--repeats 20"
     TRAIN_BENCH="benchmarks/bench_train.py --device cuda --steps 8 --replan_every 4 --output_dir $WORK/bench"
+    [ -n "${SNIP_DEVICE_BENCH_TRAIN_PLANS:-}" ] && TRAIN_BENCH="$TRAIN_BENCH --plans ${SNIP_DEVICE_BENCH_TRAIN_PLANS//[^a-z0-9 ]/}"
     SCALE_ARGS="--steps 3 --profile --chunk_elements 786432 --ieee_collection"   # where it goes; CPU-sized slices; IEEE FP32
     PROFILE_ARGS="--output_dir $WORK/bench"
 fi
@@ -194,7 +196,9 @@ run_step train 300 "" "'$PY' -m deepspeed.launcher.runner --num_gpus 1 --master_
 run_step bench_gpu_gemm 150 "" "'$PY' benchmarks/bench_gpu_gemm.py $GEMM_ARGS --output_dir '$WORK/bench'"
 run_step bench_quant_kernels 120 "needs a CUDA GPU" "'$PY' benchmarks/bench_quant_kernels.py $QUANT_ARGS --output_dir '$WORK/bench'"
 run_step profile_gemm 120 "" "'$PY' benchmarks/profile_gpu_gemm.py $PROFILE_ARGS"
-run_step bench_train 300 "" "'$PY' $TRAIN_BENCH"
+# Four launch/train.py runs of a 1B model, about 130 s each on an H100 (two fitted in 264 s): run it alone, or
+# with SNIP_DEVICE_BENCH_TRAIN_PLANS (e.g. "bf16 fp4 adaptive"); its results are rewritten after every plan.
+run_step bench_train 520 "" "'$PY' $TRAIN_BENCH"
 run_step bench_scale 240 "" "'$PY' benchmarks/bench_scale.py $SCALE_ARGS --output '$WORK/bench'"
 
 # ---------------------------------------------------------------- summary and what comes back

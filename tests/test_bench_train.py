@@ -27,6 +27,40 @@ def test_cuda_without_a_gpu_is_one_error_line_and_exit_2(monkeypatch, capsys):
     assert "Traceback" not in captured.err and captured.out == ""
 
 
+def test_a_cuda_run_cut_short_keeps_the_plans_it_finished(monkeypatch, tmp_path, capsys):
+    """The results are rewritten after every plan's run: when a later run fails (or the job is killed), the
+    JSON and Markdown hold the finished plans, say which were not measured, and are marked incomplete."""
+    bench = _bench()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Test GPU")
+    step_time = {"bf16": 0.5, "fp8": 1.0}
+
+    def launch(plan, steps, replan_every):
+        if plan not in step_time:
+            raise RuntimeError(f"plan {plan}: launch/train.py failed (1)")
+        return {"perf/step_time_s": {s: step_time[plan] for s in range(1, steps + 1)}}
+
+    monkeypatch.setattr(bench, "_launch_run", launch)
+    with pytest.raises(RuntimeError, match="plan fp4"):
+        bench.main(["--device", "cuda", "--steps", "6", "--output_dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "bench_train_cuda.json").read_text())
+    assert list(saved["rows"]) == ["bf16", "fp8"] and saved["meta"]["complete"] is False
+    assert saved["rows"]["fp8"]["tokens_per_s_ratio_vs_bf16"] == pytest.approx(0.5)
+    md = (tmp_path / "bench_train_cuda.md").read_text()
+    assert "| fp8 | 1.000 | 8192 | 0.50x |" in md
+    assert "| fp4 | not measured" in md and "| adaptive | not measured" in md
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_cuda_plans_must_start_with_bf16(capsys):
+    bench = _bench()
+    for plans in (["fp8", "bf16"], ["bf16", "fp8", "fp8"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--device", "cuda", "--plans", *plans])
+        assert exit_.value.code == 2
+        assert "--plans: with --device cuda only, bf16 first" in capsys.readouterr().err
+
+
 def test_llama_parameters_counts_what_build_model_builds():
     from snip_ds.model import build_model, count_parameters
 
