@@ -10,13 +10,15 @@ precision, re-quantized along the right axis in backward).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from snip_ds.backend import layer_backends
+from snip_ds.backend.base import Kept
+from snip_ds.quant import QuantParts
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GemmPrecision, LayerPrecision
 
@@ -29,12 +31,13 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 prec: GemmPrecision, cfg: QuantConfig, generator: Optional[torch.Generator]) -> torch.Tensor:
         fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x_hp.device)
         x_2d = x_hp.reshape(-1, x_hp.shape[-1])  # [T, k]
-        y_2d = fprop_be.fprop(x_2d, w_hp, prec.fprop, cfg, bias=bias, out_dtype=x_hp.dtype)  # [T, n]
-        if fprop_be is dgrad_be is wgrad_be:
-            x_keep, w_keep = fprop_be.keep_for_backward(x_2d, w_hp, prec, cfg)
-        else:  # backends differ between the GEMMs: what every backend accepts
+        if fprop_be is dgrad_be is wgrad_be:  # y_2d: [T, n]
+            y_2d, x_keep, w_keep = fprop_be.fprop_and_keep(x_2d, w_hp, prec, cfg, bias=bias, out_dtype=x_hp.dtype)
+        else:  # backends differ between the GEMMs: keep what every backend accepts
+            y_2d = fprop_be.fprop(x_2d, w_hp, prec.fprop, cfg, bias=bias, out_dtype=x_hp.dtype)
             x_keep, w_keep = x_2d, w_hp
-        ctx.save_for_backward(x_keep, w_keep)
+        tensors, ctx.kept_as = _flatten((x_keep, w_keep))
+        ctx.save_for_backward(*tensors)
         ctx.has_bias = bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x_hp.shape, x_hp.dtype, w_hp.dtype
         ctx.backends = (dgrad_be, wgrad_be)
@@ -43,23 +46,43 @@ class _QuantizedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_y: torch.Tensor):
-        x_keep, w_keep = ctx.saved_tensors
+        x_keep, w_keep = _unflatten(ctx.saved_tensors, ctx.kept_as)
         dgrad_be, wgrad_be = ctx.backends
         g_2d = g_y.reshape(-1, g_y.shape[-1])  # [T, n]
+        g_q = g_2d  # G_Y as both GEMMs take it: quantized once where their backend can
+        if dgrad_be is wgrad_be and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            g_q = dgrad_be.prepare_grad(g_2d, ctx.prec, ctx.cfg)
 
         # ---------------- grad_input (dgrad): G_X = G_Y W, contraction over n ----------------
         g_x = None
         if ctx.needs_input_grad[0]:
-            g_x = dgrad_be.dgrad(g_2d, w_keep, ctx.prec.dgrad, ctx.cfg, ctx.generator, out_dtype=ctx.x_dtype)
+            g_x = dgrad_be.dgrad(g_q, w_keep, ctx.prec.dgrad, ctx.cfg, ctx.generator, out_dtype=ctx.x_dtype)
             g_x = g_x.reshape(ctx.x_shape)
 
         # ---------------- grad_weight (wgrad): G_W = G_Y^T X, contraction over T ----------------
         g_w = None
         if ctx.needs_input_grad[1]:
-            g_w = wgrad_be.wgrad(g_2d, x_keep, ctx.prec.wgrad, ctx.cfg, ctx.generator, out_dtype=ctx.w_dtype)
+            g_w = wgrad_be.wgrad(g_q, x_keep, ctx.prec.wgrad, ctx.cfg, ctx.generator, out_dtype=ctx.w_dtype)
 
         g_b = g_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return g_x, g_w, g_b, None, None, None
+
+
+def _flatten(kept: Tuple[Kept, ...]) -> Tuple[List[torch.Tensor], Tuple[bool, ...]]:
+    """The tensors of kept operands (a :class:`QuantParts` gives its two), for ``save_for_backward``, and
+    which of them were QuantParts."""
+    tensors: List[torch.Tensor] = []
+    for k in kept:
+        tensors += [k.values, k.tensor_scale] if isinstance(k, QuantParts) else [k]
+    return tensors, tuple(isinstance(k, QuantParts) for k in kept)
+
+
+def _unflatten(tensors: Sequence[torch.Tensor], parts: Tuple[bool, ...]) -> Tuple[Kept, ...]:
+    out, i = [], 0
+    for is_parts in parts:
+        out.append(QuantParts(tensors[i], tensors[i + 1]) if is_parts else tensors[i])
+        i += 2 if is_parts else 1
+    return tuple(out)
 
 
 class _InputGradOnlyLinearFn(torch.autograd.Function):

@@ -153,3 +153,52 @@ def test_gemm_operands_are_written_for_the_gemm(through_kernels):
     assert pg.values.t().is_contiguous() and px.values.t().is_contiguous()
     ref = EmulatedBackend().quantized_operands("wgrad", g, x, precision, cfg)
     assert torch.equal(px.values.float().cpu(), ref[1].values.cpu())
+
+
+@pytest.mark.parametrize("scaled_mm", [False, True], ids=["bf16_gemms", "scaled_mm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(64, 96, 80), (48, 100, 72)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("precision", ["fp8", {"fprop": "fp8", "dgrad": "fp8", "wgrad": "fp4"}], ids=["fp8", "mixed"])
+def test_fp8_operands_quantized_once_give_the_same_layer(through_kernels, monkeypatch, precision, shape, dtype,
+                                                        scaled_mm):
+    """Per-tensor FP8 fprop and wgrad quantize X to the same codes, dgrad and wgrad G_Y: the torch backend
+    makes each once (X's E4M3 codes kept from the forward, one byte per element, instead of X; G_Y's E5M2
+    codes made once in backward). A SnipLinear's output and gradients are bit for bit those of the layer
+    that quantizes every operand in every GEMM (the backend without the two methods), through the BF16
+    GEMMs and through ``torch._scaled_mm`` (allowed on the CPU here: a slow but exact FP8 GEMM), and with a
+    per-GEMM plan where wgrad is FP4 nothing is shared."""
+    from snip_ds.backend.base import GemmBackend
+    from snip_ds.linear import SnipLinear
+
+    if scaled_mm and DEVICE == "cpu":
+        monkeypatch.setattr(torch_native, "SCALED_MM_DEVICES", ("cpu", "cuda"))
+    x, w, g = _data(shape, dtype, seed=7)
+    layer = SnipLinear(shape[1], shape[2], bias=True, device=DEVICE, dtype=dtype, precision=precision,
+                       quant_config=QuantConfig(backend="torch", stochastic_rounding=False))
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(torch.linspace(-1, 1, shape[2], device=DEVICE))
+
+    def run():
+        saved = []
+        xi = x.clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+            y = layer(xi)
+        y.backward(g)
+        grads = (y.detach(), xi.grad, layer.weight.grad.clone(), layer.bias.grad.clone())
+        layer.weight.grad = layer.bias.grad = None
+        return grads, saved
+
+    made = []
+    prepare = TorchBackend.prepare_grad
+    monkeypatch.setattr(TorchBackend, "prepare_grad",
+                        lambda self, *a: made.append(prepare(self, *a)) or made[-1])
+    shared, saved = run()
+    assert [type(m).__name__ for m in made] == ["QuantParts" if precision == "fp8" else "Tensor"]
+    monkeypatch.setattr(TorchBackend, "fprop_and_keep", GemmBackend.fprop_and_keep)
+    monkeypatch.setattr(TorchBackend, "prepare_grad", GemmBackend.prepare_grad)
+    each, saved_each = run()
+    for a, b in zip(shared, each):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert saved_each[0] == dtype  # X itself, as nn.Linear keeps it
+    assert saved[0] == (torch.float8_e4m3fn if precision == "fp8" else dtype)

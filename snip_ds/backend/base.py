@@ -32,8 +32,12 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from snip_ds.quant import QuantParts
 from snip_ds.quant_config import BACKENDS, QuantConfig
 from snip_ds.types import GemmPrecision
+
+# what a layer keeps of an operand for backward: the tensor itself, or its quantized parts
+Kept = Union[torch.Tensor, QuantParts]
 
 log = logging.getLogger("snip_ds.backend")
 
@@ -72,13 +76,22 @@ class GemmBackend(ABC):
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``G_W = Q(G_Y)^T Q(X)``, both quantized along the tokens. g: [T, n], x: [T, k] -> [n, k]."""
 
-    def keep_for_backward(self, x: torch.Tensor, w: torch.Tensor, prec: GemmPrecision,
-                          cfg: QuantConfig) -> Tuple[torch.Tensor, torch.Tensor]:
-        """What the layer keeps from the forward for dgrad (``w``) and wgrad (``x``); they are passed back to
-        :meth:`dgrad` and :meth:`wgrad` as their ``w`` and ``x``. The default keeps the high-precision
-        tensors (what ``nn.Linear`` keeps) and re-quantizes them in backward; a backend may keep quantized
-        operands instead when its backward GEMMs accept them."""
-        return x, w
+    def fprop_and_keep(self, x: torch.Tensor, w: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig, *,
+                       bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32
+                       ) -> Tuple[torch.Tensor, Kept, Kept]:
+        """:meth:`fprop` at ``prec.fprop``, and what the layer keeps from the forward for wgrad (``x``) and
+        dgrad (``w``); they are passed back to :meth:`wgrad` and :meth:`dgrad` as their ``x`` and ``w``. The
+        default keeps the high-precision tensors (what ``nn.Linear`` keeps), re-quantized in backward; a
+        backend may keep an operand as the :class:`~snip_ds.quant.QuantParts` its backward GEMM would make
+        of it, when the forward already made exactly that."""
+        return self.fprop(x, w, prec.fprop, cfg, bias=bias, out_dtype=out_dtype), x, w
+
+    def prepare_grad(self, g: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig) -> Kept:
+        """``G_Y`` as :meth:`dgrad` and :meth:`wgrad` (both of this backend) take it in one backward: by
+        default ``g`` itself, which each quantizes; a backend may quantize it once, as
+        :class:`~snip_ds.quant.QuantParts`, where both GEMMs quantize it identically without random draws
+        (so the generator's stream is unchanged)."""
+        return g
 
     def check(self, precision: str, cfg: QuantConfig, device: torch.device) -> None:
         """Raises :class:`BackendError` if this backend cannot run ``precision`` under ``cfg`` on

@@ -30,6 +30,13 @@ Then:
   BF16 rounding than the emulated backend's); without native BF16 (where a BF16 GEMM is many times slower)
   from the FP32 GEMM.
 * ``bf16``: a GEMM in the operands' own dtype.
+
+Where the Triton kernels quantize, per-tensor FP8 (``fp8_hybrid``) quantizes an operand to the same codes with
+the same scale in each GEMM that reads it, whatever that GEMM's axis: so a layer whose fprop and wgrad are both
+FP8 quantizes X once and keeps its E4M3 codes for wgrad (:meth:`TorchBackend.fprop_and_keep`; one byte per
+element kept instead of X's two or four), and one whose dgrad and wgrad are both FP8 quantizes G_Y once for
+both (:meth:`TorchBackend.prepare_grad`). The GEMMs multiply the very same values as when each quantizes its
+own operands (``tests/test_torch_backend_kernels.py`` checks the layer bit for bit).
 """
 from __future__ import annotations
 
@@ -136,9 +143,45 @@ class TorchBackend(GemmBackend):
         recipe = gemm_recipe(gemm, precision, cfg)
         if recipe.hadamard:
             a, b = hadamard_pair(a, b, generator)
-        return tuple(self.quantize_parts(t, op.recipe, op.axis, op.stochastic, generator if op.stochastic else None,
+        return tuple(t if isinstance(t, QuantParts) else  # quantized once already (prepare_grad, fprop_and_keep)
+                     self.quantize_parts(t, op.recipe, op.axis, op.stochastic, generator if op.stochastic else None,
                                          out_dtype=values_dtype, transpose=op.axis == 0)
                      for t, op in zip((a, b), recipe.operands))
+
+    # ---------------- operands quantized once for two GEMMs ----------------
+    def _shared_fp8(self, role: str, gemms: Tuple[str, str], prec, cfg: QuantConfig, t: torch.Tensor
+                    ) -> Optional[torch.dtype]:
+        """The FP8 dtype in which operand ``role`` can be quantized once for both ``gemms``: where the Triton
+        kernels quantize ``t`` and both GEMMs are per-tensor FP8 (``fp8_hybrid``), which quantize it to the
+        same values with the same scale whatever their axis, rounding to nearest; else None."""
+        if (t.device.type not in KERNEL_DEVICES or t.numel() == 0 or cfg.fp8_recipe != "fp8_hybrid"
+                or any(getattr(prec, gemm) != "fp8" for gemm in gemms)):
+            return None
+        ops = [op for gemm in gemms for op in gemm_recipe(gemm, "fp8", cfg).operands if op.role == role]
+        if len(ops) != 2 or len({op.recipe for op in ops}) != 1 or any(op.stochastic for op in ops):
+            return None
+        return _FP8_DTYPES[ops[0].recipe]
+
+    def fprop_and_keep(self, x, w, prec, cfg, *, bias=None, out_dtype=torch.float32):
+        """Per-tensor FP8 fprop and wgrad quantize X identically: X is quantized once, its E4M3 codes serve
+        the forward's GEMM and are kept for wgrad (one byte per element, where ``nn.Linear`` keeps X itself)."""
+        fp8 = self._shared_fp8("x", ("fprop", "wgrad"), prec, cfg, x)
+        if fp8 is None:
+            return super().fprop_and_keep(x, w, prec, cfg, bias=bias, out_dtype=out_dtype)
+        px, pw = self.quantized_operands("fprop", x, w, "fp8", cfg, values_dtype=torch.bfloat16)
+        kept = QuantParts(px.values.to(fp8), px.tensor_scale)  # exact: the values are E4M3 grid values
+        y = self._mm("fprop", kept.values, pw.values.t(), kept.tensor_scale, pw.tensor_scale,
+                     self._fp8_pair("x", "w", "fp8", cfg), bias, out_dtype)
+        return y, kept, w
+
+    def prepare_grad(self, g, prec, cfg):
+        """Per-tensor FP8 dgrad and wgrad quantize G_Y identically: its E5M2 codes, made once for both."""
+        fp8 = self._shared_fp8("g", ("dgrad", "wgrad"), prec, cfg, g)
+        if fp8 is None:
+            return g
+        op = next(op for op in gemm_recipe("dgrad", "fp8", cfg).operands if op.role == "g")
+        p = self.quantize_parts(g, op.recipe, op.axis, out_dtype=torch.bfloat16)
+        return QuantParts(p.values.to(fp8), p.tensor_scale)
 
     # ---------------- the three GEMMs ----------------
     def fprop(self, x: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig, *,
@@ -156,6 +199,10 @@ class TorchBackend(GemmBackend):
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
             return _finish(torch.mm(g, w.to(g.dtype)), None, out_dtype)
+        if isinstance(g, QuantParts):  # prepare_grad's, on a kernel device
+            pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator, values_dtype=torch.bfloat16)
+            return self._mm("dgrad", pg.values, pw.values, pg.tensor_scale, pw.tensor_scale,
+                            self._fp8_pair("g", "w", precision, cfg), None, out_dtype)
         if self._streams("dgrad", g, w, precision, cfg):
             return self._cpu_dgrad(g, w, precision, cfg, generator, out_dtype)
         pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator, values_dtype=_values_dtype(g))
@@ -167,6 +214,10 @@ class TorchBackend(GemmBackend):
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
             return _finish(torch.mm(g.t(), x.to(g.dtype)), None, out_dtype)
+        if isinstance(g, QuantParts) or isinstance(x, QuantParts):  # prepare_grad's, fprop_and_keep's
+            pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator, values_dtype=torch.bfloat16)
+            return self._mm("wgrad", pg.values.t(), px.values, pg.tensor_scale, px.tensor_scale,
+                            self._fp8_pair("g", "x", precision, cfg), None, out_dtype)
         if self._streams("wgrad", g, x, precision, cfg) and not _cpu_bf16_gemm(out_dtype):
             return self._cpu_wgrad(g, x, precision, cfg, generator, out_dtype)
         pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator, values_dtype=_values_dtype(g))
