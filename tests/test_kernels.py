@@ -287,6 +287,28 @@ def test_stochastic_exact_values_stay():
         assert_same_bits(values, x)
 
 
+@pytest.mark.parametrize("recipe, dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+@pytest.mark.parametrize("axis", AXES)
+def test_fp8_codes_are_the_reference_values_cast(recipe, dtype, axis):
+    """A per-tensor FP8 recipe written as its own codes: the reference's grid values cast to that dtype,
+    byte for byte (NaN by position), subnormals, zeros of both signs and saturated values included; FP32 and
+    BF16 in, transposed or not; the tensor scale as with any other output."""
+    cases = {**special_inputs(), **{f"random {s}": wide_sample(s, seed=300 + i) for i, s in enumerate(SHAPES)}}
+    for name, x in cases.items():
+        for xd in (x, x.to(torch.bfloat16)):
+            for transpose in (False, True):
+                parts = q(xd, recipe, axis, out_dtype=dtype, transpose=transpose)
+                ref = quant.quantize_parts(xd.float(), recipe, axis)
+                want = ref.values.to(dtype)
+                got = parts.values.t() if transpose else parts.values
+                assert got.dtype == dtype and parts.values.is_contiguous(), name
+                nan = want.float().isnan()
+                assert torch.equal(got.float().isnan(), nan), f"case {name}: NaN positions differ"
+                same = got.view(torch.uint8) == want.view(torch.uint8)
+                assert (same | nan).all(), f"case {name}, {xd.dtype}, transpose {transpose}: codes differ"
+                assert_same_bits(parts.tensor_scale, ref.tensor_scale)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # arguments
 # ----------------------------------------------------------------------------------------------------------
@@ -304,6 +326,8 @@ def test_stochastic_exact_values_stay():
     (dict(seed=-1), ValueError, "^seed: "),
     (dict(offset=1.5), ValueError, "^offset: "),
     (dict(out_dtype=torch.float16), ValueError, "^out_dtype: "),
+    (dict(out_dtype=torch.float8_e4m3fn), ValueError, "^out_dtype: .*per-tensor recipe"),  # nvfp4
+    (dict(recipe="fp8_e5m2", out_dtype=torch.float8_e4m3fn), ValueError, "^out_dtype: .*not of 'fp8_e5m2'"),
     (dict(transpose=1), ValueError, "^transpose: "),
 ])
 def test_bad_arguments_name_the_field(kwargs, error, match):
@@ -360,15 +384,16 @@ from snip_ds import quant
 from snip_ds.backend.kernels import quantize as kq
 target = GPUTarget("cuda", 90, 32)
 ptr_bits = {True: "*i16", False: "*i32"}
-for name in ("fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"):
+for name in ("fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"):
     r = quant.get_recipe(name)
     kind = kq._kind(r)
-    for stochastic, bf16, axis, dequant in ((False, False, 1, False), (True, True, 0, False), (False, True, 0, True)):
+    # (stochastic, BF16 in, axis, dequantize, OUT: 0 FP32, 1 BF16, 2 the FP8 codes of a per-tensor recipe)
+    variants = [(False, False, 1, False, 0), (True, True, 0, False, 1), (False, True, 0, True, 0)]
+    for stochastic, bf16, axis, dequant, out in variants + ([(False, True, 0, False, 2)] if kind == 0 else []):
         const = dict(KIND=kind, AXIS=axis, BS=max(r.block_size, 1), MBITS=r.element.mbits, EMIN=r.element.emin,
                      EMAX=r.element.emax, MAXN=r.element.max_normal, TENSOR_DIVISOR=2688.0, STOCHASTIC=stochastic,
-                     TRANSPOSE=bf16 and not dequant, IN_BF16=bf16, OUT_BF16=bf16 and not dequant, BR=64, BC=64,
-                     DEQUANT=dequant)
-        sig = {"x_ptr": ptr_bits[bf16], "out_ptr": "*i16" if const["OUT_BF16"] else "*fp32", "amax_ptr": "*fp32",
+                     TRANSPOSE=bf16 and not dequant, IN_BF16=bf16, OUT=out, BR=64, BC=64, DEQUANT=dequant)
+        sig = {"x_ptr": ptr_bits[bf16], "out_ptr": ("*fp32", "*i16", "*u8")[out], "amax_ptr": "*fp32",
                "scale_out_ptr": "*fp32", "R": "i32", "C": "i32", "stride_r": "i32", "stride_c": "i32",
                "seed_ptr": "*i64", "offset": "i64", **{k: "constexpr" for k in const}}
         ptx = triton.compile(ASTSource(kq._quantize_kernel, sig, constexprs=const), target=target).asm["ptx"]

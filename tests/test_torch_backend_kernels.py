@@ -202,3 +202,32 @@ def test_fp8_operands_quantized_once_give_the_same_layer(through_kernels, monkey
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert saved_each[0] == dtype  # X itself, as nn.Linear keeps it
     assert saved[0] == (torch.float8_e4m3fn if precision == "fp8" else dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(64, 96, 80), (48, 100, 72)], ids=lambda s: "x".join(map(str, s)))
+def test_fp8_gemms_read_the_codes_the_kernels_write(through_kernels, monkeypatch, shape, dtype):
+    """Where ``torch._scaled_mm`` multiplies a per-tensor FP8 GEMM, the kernels write the operands' E4M3 /
+    E5M2 codes themselves (no cast between them and the GEMM) and every GEMM is still the emulated
+    reference's within the FP32 bound of the first test (here the CPU's ``_scaled_mm``, which sums in FP32,
+    is allowed: on a CPU it is exact but slow, so the backend does not use it by itself)."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(torch_native, "SCALED_MM_DEVICES", ("cpu", "cuda"))
+    seen = []
+    mm = TorchBackend._mm
+    monkeypatch.setattr(TorchBackend, "_mm", lambda self, gemm, a, b, *rest: seen.append((gemm, a.dtype, b.dtype))
+                        or mm(self, gemm, a, b, *rest))
+    precision, cfg = CASES["fp8_hybrid"]
+    x, w, g = _data(shape, dtype, seed=9)
+    for gemm, (a, b) in {"fprop": (x, w), "dgrad": (g, w), "wgrad": (g, x)}.items():
+        got = getattr(through_kernels, gemm)(a, b, precision, cfg, out_dtype=dtype)
+        ref = getattr(EmulatedBackend(), gemm)(a, b, precision, cfg, out_dtype=dtype)
+        acc = max(shape) * 2.0 ** -13 if _scaled_mm_runs("fp8_hybrid", shape) else 2 * max(shape) * 2.0 ** -24
+        bound = (_abs_product(gemm, a, b) * acc + ref.double().abs() * OUT_ROUNDING[dtype]
+                 + (2.0 ** -24 if dtype == torch.float16 else 0))
+        assert ((got.double() - ref.double()).abs() <= bound).all(), (gemm, dtype)
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    if DEVICE == "cpu" or _scaled_mm_runs("fp8_hybrid", shape):
+        assert seen == [("fprop", e4m3, e4m3), ("dgrad", e5m2, e4m3), ("wgrad", e5m2, e4m3)]
+    else:  # no FP8 GEMM for this shape on this GPU: BF16 values for the BF16 GEMM
+        assert {dt for _, *dts in seen for dt in dts} == {torch.bfloat16}

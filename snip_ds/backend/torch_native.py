@@ -31,7 +31,8 @@ Then:
   from the FP32 GEMM.
 * ``bf16``: a GEMM in the operands' own dtype.
 
-Where the Triton kernels quantize, per-tensor FP8 (``fp8_hybrid``) quantizes an operand to the same codes with
+Where the Triton kernels quantize for ``torch._scaled_mm``, they write the FP8 codes themselves, which the GEMM
+reads without a cast between them. Per-tensor FP8 (``fp8_hybrid``) quantizes an operand to the same codes with
 the same scale in each GEMM that reads it, whatever that GEMM's axis: so a layer whose fprop and wgrad are both
 FP8 quantizes X once and keeps its E4M3 codes for wgrad (:meth:`TorchBackend.fprop_and_keep`; one byte per
 element kept instead of X's two or four), and one whose dgrad and wgrad are both FP8 quantizes G_Y once for
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -93,12 +94,6 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _values_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype the GEMMs' quantized operand values are written in: BF16 where the Triton kernels quantize
-    (CUDA: every GEMM there reads them as BF16 or FP8, both exact from BF16), FP32 elsewhere."""
-    return torch.bfloat16 if t.device.type in KERNEL_DEVICES else torch.float32
-
-
 class TorchBackend(GemmBackend):
     """Real FP8 GEMMs where the device has them, BF16-exact GEMMs for every other recipe (module docstring)."""
 
@@ -120,6 +115,9 @@ class TorchBackend(GemmBackend):
             k, transpose = cpu_kernels, False
         else:
             k = None
+        if k is not kernels() and out_dtype in _FP8_DTYPES.values():  # FP8 codes: only the Triton kernels write them
+            p = self.quantize_parts(t, recipe, axis, stochastic, generator, transpose=transpose)
+            return QuantParts(p.values.to(out_dtype), p.tensor_scale)  # exact: the values are on its grid
         if k is None:
             p = quantize_parts(t, recipe, axis=axis, stochastic=stochastic, generator=generator)
             return p if out_dtype == torch.float32 else QuantParts(p.values.to(out_dtype), p.tensor_scale)
@@ -133,20 +131,42 @@ class TorchBackend(GemmBackend):
 
     def quantized_operands(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig,
                            generator: Optional[torch.Generator] = None, *,
-                           values_dtype: torch.dtype = torch.float32) -> Tuple[QuantParts, QuantParts]:
+                           values_dtype=torch.float32) -> Tuple[QuantParts, QuantParts]:
         """The two operands of ``gemm`` (``(x, w)``, ``(g, w)`` or ``(g, x)``) as this backend's GEMMs
-        multiply them: values (in ``values_dtype``, FP32 or BF16, which hold them exactly) and tensor scales.
-        On CUDA an operand quantized along its rows' axis 0 comes back column-major (see
-        :meth:`quantize_parts`), the layout the GEMMs read without a copy."""
+        multiply them: values (in ``values_dtype``, FP32 or BF16, which hold them exactly, or a pair of dtypes,
+        one per operand: an FP8 recipe's own codes too) and tensor scales. On CUDA an operand quantized along
+        its rows' axis 0 comes back column-major (see :meth:`quantize_parts`), the layout the GEMMs read
+        without a copy. An operand given as QuantParts (quantized once already) is taken as it is."""
         if precision == "bf16":
             return reference_operands(gemm, a, b, precision, cfg, generator)  # the operands as they are
         recipe = gemm_recipe(gemm, precision, cfg)
         if recipe.hadamard:
             a, b = hadamard_pair(a, b, generator)
+        dtypes = values_dtype if isinstance(values_dtype, tuple) else (values_dtype, values_dtype)
         return tuple(t if isinstance(t, QuantParts) else  # quantized once already (prepare_grad, fprop_and_keep)
                      self.quantize_parts(t, op.recipe, op.axis, op.stochastic, generator if op.stochastic else None,
-                                         out_dtype=values_dtype, transpose=op.axis == 0)
-                     for t, op in zip((a, b), recipe.operands))
+                                         out_dtype=dtype, transpose=op.axis == 0)
+                     for t, op, dtype in zip((a, b), recipe.operands, dtypes))
+
+    def _values(self, gemm: str, a, b, precision: str, cfg: QuantConfig):
+        """The dtype(s) of ``gemm``'s operand values: on a kernel device :meth:`_gemm_values`, else FP32."""
+        device = (a.values if isinstance(a, QuantParts) else a).device
+        if device.type not in KERNEL_DEVICES:
+            return torch.float32
+        v = self._gemm_values(gemm, a, b, precision, cfg)
+        return v if isinstance(v, tuple) else (v, v)
+
+    def _gemm_values(self, gemm: str, a, b, precision: str, cfg: QuantConfig):
+        """The dtypes the Triton kernels write ``gemm``'s operand values in: the FP8 codes themselves where
+        ``torch._scaled_mm`` will multiply them (no cast pass between the kernel and the GEMM), else BF16.
+        ``a``, ``b`` as :meth:`quantized_operands` takes them (QuantParts too)."""
+        fp8 = self._fp8_pair(*GEMM_OPERANDS[gemm], precision, cfg)
+        if fp8 is None:
+            return torch.bfloat16
+        (ra, ca), (rb, cb) = (tuple((t.values if isinstance(t, QuantParts) else t).shape) for t in (a, b))
+        m, k, n = {"fprop": (ra, ca, rb), "dgrad": (ra, ca, cb), "wgrad": (ca, ra, cb)}[gemm]
+        device = (a.values if isinstance(a, QuantParts) else a).device
+        return fp8 if _scaled_mm_ok(gemm, _Dims(device, (m, k)), _Dims(device, (k, n)), fp8) else torch.bfloat16
 
     # ---------------- operands quantized once for two GEMMs ----------------
     def _shared_fp8(self, role: str, gemms: Tuple[str, str], prec, cfg: QuantConfig, t: torch.Tensor
@@ -168,8 +188,9 @@ class TorchBackend(GemmBackend):
         fp8 = self._shared_fp8("x", ("fprop", "wgrad"), prec, cfg, x)
         if fp8 is None:
             return super().fprop_and_keep(x, w, prec, cfg, bias=bias, out_dtype=out_dtype)
-        px, pw = self.quantized_operands("fprop", x, w, "fp8", cfg, values_dtype=torch.bfloat16)
-        kept = QuantParts(px.values.to(fp8), px.tensor_scale)  # exact: the values are E4M3 grid values
+        px, pw = self.quantized_operands("fprop", x, w, "fp8", cfg,
+                                         values_dtype=(fp8, self._values("fprop", x, w, "fp8", cfg)[1]))
+        kept = px  # X's E4M3 codes
         y = self._mm("fprop", kept.values, pw.values.t(), kept.tensor_scale, pw.tensor_scale,
                      self._fp8_pair("x", "w", "fp8", cfg), bias, out_dtype)
         return y, kept, w
@@ -180,8 +201,7 @@ class TorchBackend(GemmBackend):
         if fp8 is None:
             return g
         op = next(op for op in gemm_recipe("dgrad", "fp8", cfg).operands if op.role == "g")
-        p = self.quantize_parts(g, op.recipe, op.axis, out_dtype=torch.bfloat16)
-        return QuantParts(p.values.to(fp8), p.tensor_scale)
+        return self.quantize_parts(g, op.recipe, op.axis, out_dtype=fp8)
 
     # ---------------- the three GEMMs ----------------
     def fprop(self, x: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig, *,
@@ -190,7 +210,8 @@ class TorchBackend(GemmBackend):
             return _finish(torch.mm(x, w.to(x.dtype).t()), bias, out_dtype)
         if self._streams("fprop", x, w, precision, cfg):
             return self._cpu_fprop(x, w, precision, cfg, bias, out_dtype)
-        px, pw = self.quantized_operands("fprop", x, w, precision, cfg, values_dtype=_values_dtype(x))
+        px, pw = self.quantized_operands("fprop", x, w, precision, cfg, values_dtype=self._values("fprop", x, w,
+                                                                                                  precision, cfg))
         return self._mm("fprop", px.values, pw.values.t(), px.tensor_scale, pw.tensor_scale,
                         self._fp8_pair("x", "w", precision, cfg), bias, out_dtype)
 
@@ -200,12 +221,14 @@ class TorchBackend(GemmBackend):
         if precision == "bf16":
             return _finish(torch.mm(g, w.to(g.dtype)), None, out_dtype)
         if isinstance(g, QuantParts):  # prepare_grad's, on a kernel device
-            pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator, values_dtype=torch.bfloat16)
+            pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator,
+                                             values_dtype=self._values("dgrad", g, w, precision, cfg))
             return self._mm("dgrad", pg.values, pw.values, pg.tensor_scale, pw.tensor_scale,
                             self._fp8_pair("g", "w", precision, cfg), None, out_dtype)
         if self._streams("dgrad", g, w, precision, cfg):
             return self._cpu_dgrad(g, w, precision, cfg, generator, out_dtype)
-        pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator, values_dtype=_values_dtype(g))
+        pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator,
+                                         values_dtype=self._values("dgrad", g, w, precision, cfg))
         return self._mm("dgrad", pg.values, pw.values, pg.tensor_scale, pw.tensor_scale,
                         self._fp8_pair("g", "w", precision, cfg), None, out_dtype)
 
@@ -215,12 +238,14 @@ class TorchBackend(GemmBackend):
         if precision == "bf16":
             return _finish(torch.mm(g.t(), x.to(g.dtype)), None, out_dtype)
         if isinstance(g, QuantParts) or isinstance(x, QuantParts):  # prepare_grad's, fprop_and_keep's
-            pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator, values_dtype=torch.bfloat16)
+            pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator,
+                                             values_dtype=self._values("wgrad", g, x, precision, cfg))
             return self._mm("wgrad", pg.values.t(), px.values, pg.tensor_scale, px.tensor_scale,
                             self._fp8_pair("g", "x", precision, cfg), None, out_dtype)
         if self._streams("wgrad", g, x, precision, cfg) and not _cpu_bf16_gemm(out_dtype):
             return self._cpu_wgrad(g, x, precision, cfg, generator, out_dtype)
-        pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator, values_dtype=_values_dtype(g))
+        pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator,
+                                         values_dtype=self._values("wgrad", g, x, precision, cfg))
         return self._mm("wgrad", pg.values.t(), px.values, pg.tensor_scale, px.tensor_scale,
                         self._fp8_pair("g", "x", precision, cfg), None, out_dtype)
 
@@ -383,7 +408,14 @@ def _finish(y: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtyp
     return y.to(out_dtype)
 
 
-def _scaled_mm_ok(gemm: str, a: torch.Tensor, b: torch.Tensor, fp8: Tuple[torch.dtype, torch.dtype]) -> bool:
+class _Dims(NamedTuple):
+    """A GEMM operand's device and shape, all :func:`_scaled_mm_ok` reads of it."""
+
+    device: torch.device
+    shape: Tuple[int, int]
+
+
+def _scaled_mm_ok(gemm: str, a, b, fp8: Tuple[torch.dtype, torch.dtype]) -> bool:
     """Whether ``torch._scaled_mm`` can run this per-tensor FP8 GEMM here (else the BF16-exact path, said
     once per reason)."""
     device = a.device

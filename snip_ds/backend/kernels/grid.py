@@ -119,6 +119,24 @@ def bf16_bits(values):
 
 
 @triton.jit
+def fp8_code(values, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """FP32 ``values`` on an FP8 grid (E4M3 or E5M2: ``MBITS`` mantissa bits, smallest normal exponent
+    ``EMIN``; signed, saturated, NaN allowed) as the format's 8-bit codes, int32: the sign, then the biased
+    exponent ``e - EMIN + 1`` and the top ``MBITS`` mantissa bits of a normal, or the significand of a
+    subnormal (``|v| / 2**(EMIN - MBITS)``, an integer). NaN is 0x7F (with its sign), a NaN in both formats."""
+    bits = values.to(tl.int32, bitcast=True)
+    mag_bits = bits & 0x7FFFFFFF
+    e = (mag_bits >> 23) - 127
+    normal = ((e - EMIN + 1) << MBITS) | ((mag_bits >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    # a subnormal |v| = k * 2**(EMIN - MBITS), k < 2**MBITS: its FP32 significand shifted down to k (exact)
+    shift = tl.minimum(23 - MBITS + EMIN - e, 31)
+    sub = tl.where(mag_bits == 0, 0, ((mag_bits & 0x7FFFFF) | 0x800000) >> shift)
+    code = tl.where(e >= EMIN, normal, sub)
+    code = tl.where(is_nan(values), 0x7F, code)
+    return code | ((bits >> 24) & 0x80)
+
+
+@triton.jit
 def tensor_scale(amax, MAXN: tl.constexpr):
     """Per-tensor scale from the tensor amax (FP32 scalar): ``amax / MAXN`` correctly rounded, 1 for amax 0,
     at least 2**-149, NaN for a non-finite amax (:func:`snip_ds.quant._per_tensor`, NVFP4's ``S``)."""

@@ -39,6 +39,11 @@ PER_TENSOR = tl.constexpr(0)
 MX = tl.constexpr(1)
 NVFP4 = tl.constexpr(2)
 NVFP4_2D = tl.constexpr(3)
+# OUT: what the values are written as
+OUT_FP32 = tl.constexpr(0)
+OUT_BF16 = tl.constexpr(1)
+OUT_FP8 = tl.constexpr(2)  # the element format's own codes (per-tensor FP8 recipes)
+FP8_CODES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # element format -> the torch dtype
 MAX_TILE = 64  # tile edge (elements) on the GPU; small tensors get the smallest power of two that covers them
 _NVFP4_TENSOR_DIVISOR = E4M3.max_normal * E2M1.max_normal  # S = amax / (448 * 6)
 
@@ -97,7 +102,7 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
                      KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr, MBITS: tl.constexpr,
                      EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr, TENSOR_DIVISOR: tl.constexpr,
                      STOCHASTIC: tl.constexpr, TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr,
-                     OUT_BF16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr):
+                     OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr):
     pid_r, pid_c = _tile_index(C, BC)
     rows = pid_r * BR + tl.arange(0, BR).to(tl.int64)
     cols = pid_c * BC + tl.arange(0, BC).to(tl.int64)
@@ -139,8 +144,10 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
     elif DEQUANT:
         q = q * tl.broadcast_to(scale, q.shape)  # fake_quantize: fl(q * s)
     values = g.with_sign(q, sign_bits)
-    if OUT_BF16:
+    if OUT == OUT_BF16:
         values = g.bf16_bits(values)
+    elif OUT == OUT_FP8:  # per-tensor recipes only: q is the element's grid value itself
+        values = g.fp8_code(values, MBITS, EMIN).to(tl.uint8)
     if TRANSPOSE:
         tl.store(out_ptr + cols[None, :] * R + rows[:, None], values, mask=mask)
     else:
@@ -188,7 +195,9 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
             an int in [0, 2**63), or a one-element int64 tensor holding one (on ``x``'s device: read by the
             kernel, so a seed drawn on the GPU costs no host synchronisation).
         out_dtype: ``torch.float32`` or ``torch.bfloat16`` (exact for the values of every recipe except
-            where an MX scale pushes a value into BF16's subnormal range, where BF16 rounds).
+            where an MX scale pushes a value into BF16's subnormal range, where BF16 rounds); for a
+            per-tensor FP8 recipe also its own ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``: the codes
+            themselves, what an FP8 GEMM reads.
         transpose: write ``values`` as ``[cols, rows]`` (contiguous), the layout of the transposed operand.
 
     Returns:
@@ -205,13 +214,18 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
     """:func:`quantize_parts`; with ``dequantize`` the values carry the tensor scale (:func:`fake_quantize`)
     and the returned tensor scale is 1."""
     recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
-    _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, INTERPRETED)
+    codes = out_dtype in FP8_CODES.values()
+    if codes and (recipe.block_size != 0 or FP8_CODES.get(recipe.element.name) != out_dtype or dequantize):
+        raise ValueError(f"out_dtype: {out_dtype} holds the codes of a per-tensor recipe of that format only, "
+                         f"not of {recipe.name!r}")
+    _check_args(x, axis, tensor_amax, seed, offset, torch.bfloat16 if codes else out_dtype, transpose, INTERPRETED)
     rows, cols = x.shape
     axis = axis % 2
     values = torch.empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype, device=x.device)
     in_bf16 = x.dtype == torch.bfloat16
     x_bits = x.view(torch.int16 if in_bf16 else torch.int32)  # the kernels convert by bit shifting
-    out_bits = values.view(torch.int16 if out_dtype == torch.bfloat16 else torch.float32)
+    out = int(OUT_FP8) if codes else int(OUT_BF16) if out_dtype == torch.bfloat16 else int(OUT_FP32)
+    out_bits = values.view((torch.float32, torch.int16, torch.uint8)[out])  # as OUT_FP32, OUT_BF16, OUT_FP8
     scale = torch.ones((), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return QuantParts(values, scale)
@@ -232,7 +246,7 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
         KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin, EMAX=element.emax,
         MAXN=element.max_normal, TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D)
         else element.max_normal, STOCHASTIC=bool(stochastic), TRANSPOSE=transpose, IN_BF16=in_bf16,
-        OUT_BF16=out_dtype == torch.bfloat16, BR=br, BC=bc, DEQUANT=bool(dequantize))
+        OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize))
     if dequantize:
         return QuantParts(values, torch.ones((), dtype=torch.float32, device=x.device))
     return QuantParts(values, scale)
