@@ -226,9 +226,9 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
     x_bits = x.view(torch.int16 if in_bf16 else torch.int32)  # the kernels convert by bit shifting
     out = int(OUT_FP8) if codes else int(OUT_BF16) if out_dtype == torch.bfloat16 else int(OUT_FP32)
     out_bits = values.view((torch.float32, torch.int16, torch.uint8)[out])  # as OUT_FP32, OUT_BF16, OUT_FP8
-    scale = torch.ones((), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
-        return QuantParts(values, scale)
+        return QuantParts(values, torch.ones((), dtype=torch.float32, device=x.device))
+    scale = torch.empty((), dtype=torch.float32, device=x.device)  # the kernel's first program writes it
     kind = _kind(recipe)
     bs = recipe.block_size
     br = _tile(rows, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 0) else 1)
@@ -242,7 +242,8 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
         amax = _amax(x_bits, in_bf16, br, bc, launch)
     element = recipe.element
     _quantize_kernel[launch](
-        x_bits, out_bits, amax, scale, rows, cols, x.stride(0), x.stride(1), _seed_tensor(seed, x.device), offset,
+        x_bits, out_bits, amax, scale, rows, cols, x.stride(0), x.stride(1),
+        _seed_tensor(seed if stochastic else None, x.device), offset,
         KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin, EMAX=element.emax,
         MAXN=element.max_normal, TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D)
         else element.max_normal, STOCHASTIC=bool(stochastic), TRANSPOSE=transpose, IN_BF16=in_bf16,
@@ -280,9 +281,18 @@ def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, launch) -> torc
     return amax_bits.view(torch.float32)
 
 
-def _seed_tensor(seed: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
+_UNUSED_SEED = {}  # device -> a 0-d int64 tensor the kernel is passed where it draws nothing
+
+
+def _seed_tensor(seed: Union[int, torch.Tensor, None], device: torch.device) -> torch.Tensor:
     """The seed as the one-element int64 tensor on ``device`` that the kernel reads (an int becomes one by a
-    fill kernel, which needs no host synchronisation either)."""
+    fill kernel, which needs no host synchronisation either). None (round to nearest: the kernel reads no
+    seed): one tensor kept per device, so such a call launches no fill kernel."""
+    if seed is None:
+        key = str(device)
+        if key not in _UNUSED_SEED:
+            _UNUSED_SEED[key] = torch.zeros((), dtype=torch.int64, device=device)
+        return _UNUSED_SEED[key]
     if isinstance(seed, torch.Tensor):
         return seed.reshape(()).to(device=device, non_blocking=True)
     return torch.full((), seed, dtype=torch.int64, device=device)
