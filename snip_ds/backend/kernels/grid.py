@@ -129,7 +129,7 @@ def fp8_code(values, MBITS: tl.constexpr, EMIN: tl.constexpr):
     e = (mag_bits >> 23) - 127
     normal = ((e - EMIN + 1) << MBITS) | ((mag_bits >> (23 - MBITS)) & ((1 << MBITS) - 1))
     # a subnormal |v| = k * 2**(EMIN - MBITS), k < 2**MBITS: its FP32 significand shifted down to k (exact)
-    shift = tl.minimum(23 - MBITS + EMIN - e, 31)
+    shift = tl.minimum(tl.maximum(23 - MBITS + EMIN - e, 0), 31)  # in range for the normals too (not used)
     sub = tl.where(mag_bits == 0, 0, ((mag_bits & 0x7FFFFF) | 0x800000) >> shift)
     code = tl.where(e >= EMIN, normal, sub)
     code = tl.where(is_nan(values), 0x7F, code)
