@@ -13,14 +13,36 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = REPO / "tests" / "dist_scripts" / "own_loop.py"
 
 
-def _run(case: str, tmp_path) -> list:
+def _run(case: str, tmp_path, ranks: int = 2, extra=()) -> list:
     from snip_ds.engine.core import _free_port
 
     out = tmp_path / case
-    proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                              str(_free_port()), str(SCRIPT), "--case", case, "--out", str(out)], timeout=300)
+    proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+                              "--master_port", str(_free_port()), str(SCRIPT), "--case", case, "--out", str(out),
+                              *extra], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return [json.loads((tmp_path / f"{case}.{r}").read_text()) for r in (0, 1)]
+    return [json.loads((tmp_path / f"{case}.{r}").read_text()) for r in range(ranks)]
+
+
+def test_resume_from_restores_a_checkpoint_and_a_universal_one_at_another_number_of_ranks(tmp_path):
+    """``snip_ds.initialize(..., resume_from=...)``: a 2-rank ZeRO-1 adaptive run saves at step 3. On 1 rank
+    (accumulation 2: the same global batch) its own checkpoint is refused, naming the number of ranks; the
+    universal one (``snip-ds universal``'s conversion) resumes: step, plan and re-plan history as saved, and
+    the parameters exactly the saved ones (the same FP32 values, summed in the same order), then it trains."""
+    from snip_ds.engine.checkpoint import convert_to_universal
+
+    saved = _run("save", tmp_path)
+    assert saved[0]["step"] == 3 and saved[0]["sum"] == saved[1]["sum"] and saved[0]["digest"] == saved[1]["digest"]
+    ckpt = tmp_path / "save.ckpt"
+    (refused,) = _run("resume", tmp_path, ranks=1, extra=("--resume", str(ckpt)))
+    assert "error" in refused and "2" in refused["error"] and "universal" in refused["error"], refused
+    universal = convert_to_universal(ckpt / "step_3", tmp_path / "universal", log=lambda msg: None)
+    (resumed,) = _run("resume", tmp_path, ranks=1, extra=("--resume", str(universal)))
+    assert "error" not in resumed, resumed
+    assert resumed["step"] == 3 and resumed["digest"] == saved[0]["digest"]
+    assert resumed["history"] == saved[0]["history"] and [h["step"] for h in resumed["history"]] == [0, 2]
+    assert resumed["sum"] == saved[0]["sum"]
+    assert math.isfinite(resumed["loss"])
 
 
 def test_adaptive_replans_on_schedule_with_the_same_plan_on_every_rank(tmp_path):

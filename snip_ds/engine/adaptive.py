@@ -174,14 +174,16 @@ class AdaptivePlanner:
         return plan
 
     def state_dict(self) -> Dict[str, Any]:
-        """JSON-able state for checkpoints: the private stream's position and the latest statistics."""
-        return {"stream": self.stream.state_dict(), "last_stats": self.last_stats, "planned_at": self.planned_at,
-                "history": self.history}
+        """JSON-able state for checkpoints: the private stream's position (None without one: statistics on the
+        steps' own batches) and the latest statistics."""
+        return {"stream": None if self.stream is None else self.stream.state_dict(), "last_stats": self.last_stats,
+                "planned_at": self.planned_at, "history": self.history}
 
     def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
         if not state:
             raise ValueError("checkpoint: no adaptive-planner state (it was saved by a run with a fixed plan)")
-        self.stream.load_state_dict(state["stream"], exact=False)  # new samples suffice
+        if self.stream is not None and state["stream"] is not None:  # else a stream starts where it starts
+            self.stream.load_state_dict(state["stream"], exact=False)  # new samples suffice
         self.last_stats, self.planned_at = state["last_stats"], state["planned_at"]
         self.history = list(state["history"])
 

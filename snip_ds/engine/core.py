@@ -278,7 +278,8 @@ class SnipEngine:
         Raises:
             CheckpointError: missing/incomplete checkpoint, a different model or a different world size (a
                 universal checkpoint, ``snip-ds universal``'s, resumes at any world size, when the DeepSpeed
-                engine was initialized with :func:`~snip_ds.engine.checkpoint.with_load_universal`'s config).
+                engine was initialized with :func:`~snip_ds.engine.checkpoint.with_load_universal`'s config, as
+                :func:`initialize` with ``resume_from`` does).
             ValueError: SNIP's state does not fit this run (an adaptive run from a fixed-plan checkpoint).
         """
         tag_dir = ckpt.resolve(Path(path))
@@ -316,7 +317,8 @@ def initial_plan(fqns: Sequence[str], flops: Mapping[str, float], settings: Snip
 
 def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[SnipSettings] = None, *,
                tokens_per_step: int, logger=None, seed: int = 0, plan: Optional[Plan] = None,
-               statistics_stream=None, measurement_stream=None) -> SnipEngine:
+               statistics_stream=None, measurement_stream=None,
+               resume_from: Optional[str | Path] = None) -> SnipEngine:
     """Swaps the decoder linears and MoE experts (:func:`snip_ds.swap.swap_model`), builds the DeepSpeed engine
     and returns a :class:`SnipEngine` with its plan.
 
@@ -336,6 +338,12 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         measurement_stream: adaptive runs only: like ``statistics_stream`` (another private stream), the batches
             the measured divergence and ``snip/measured_loss_change`` are computed on every
             ``additional_bf16_fwd_every_n_steps`` steps; None measures on the step's first micro-batch.
+        resume_from: a checkpoint :meth:`SnipEngine.save_checkpoint` wrote (its tag directory, the save
+            directory with ``latest``, or a run's output directory), or a universal one (``snip-ds
+            universal``'s, resumed at any number of ranks with the global batch and ZeRO stage it was saved
+            with): restored before this returns, DeepSpeed initialized as it needs (for a universal one with
+            ``"checkpoint": {"load_universal": true}``). The data position is the caller's (the checkpoint's
+            ``snip_meta.json`` holds what ``save_checkpoint``'s ``extra`` gave).
 
     With an adaptive plan, :meth:`SnipEngine.train_step` runs SNIP by itself: statistics before the first
     step, at the ``early_replan_steps`` and every ``replan_every`` steps (:mod:`snip_ds.schedule`), the ILP on
@@ -349,6 +357,8 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         ConfigError: an invalid ``"snip"`` section or DeepSpeed value (the message names the field).
         ValueError: an invalid plan file.
         snip_ds.backend.BackendError: ``snip.quant.backend`` cannot run here (names backend, recipe, device).
+        CheckpointError: ``resume_from`` is missing, incomplete, of another model, or of another number of
+            ranks and not universal (the message names the file or field).
     """
     config = dict(config)
     section = config.pop("snip", None)
@@ -358,6 +368,11 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
     # "auto" values as launch/train.py resolves them (a no-op for a config it already resolved)
     config = resolve_ds_config(config, max_steps=settings.train.max_steps, on_gpu=torch.cuda.is_available(),
                                source="DeepSpeed config", world_size=sdist.world_size())
+    tag_dir = None
+    if resume_from is not None:
+        tag_dir = ckpt.resolve(Path(resume_from))
+        meta = ckpt.read_meta(tag_dir)
+        config = ckpt.with_load_universal(config, meta)
     if not any(getattr(p, "ds_id", None) is not None for p in model.parameters()):  # not zero.Init-partitioned
         model.to(device())  # so the stochastic-rounding generators live where the activations do
     check_backend(settings.quant, device())  # BackendError (a ValueError) before DeepSpeed starts
@@ -377,4 +392,9 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         from snip_ds.engine.adaptive import AdaptivePlanner
         engine.state.planner = AdaptivePlanner(engine.state, statistics_stream)
         engine.state.measure_stream = measurement_stream
+    if tag_dir is not None:
+        ds = engine.ds
+        ckpt.check_universal_batch(tag_dir, meta, ds.train_batch_size(), ds.train_micro_batch_size_per_gpu(),
+                                   ds.gradient_accumulation_steps(), sdist.world_size(), ds.zero_optimization_stage())
+        engine.load_checkpoint(tag_dir)
     return engine

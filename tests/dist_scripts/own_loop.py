@@ -10,6 +10,10 @@ Run by tests/test_own_loop.py under the deepspeed launcher (2 ranks, ZeRO-3). ``
   its output to NaN on rank 1 in the statistics' forward only: the all-reduced statistics of every layer are
   non-finite, every layer is pinned to fp8, and rank 0's real solve cannot reach efficiency_saving 0.5: every
   rank keeps the plan in force and trains on (the training forward is clean).
+* ``save``: adaptive SNIP every 2 steps, ZeRO-1, 3 steps, then ``engine.save_checkpoint``; writes each rank's
+  parameter sum, plan digest and re-plan history. ``resume`` (``--resume PATH``, 1 rank, accumulation 2: the
+  same global batch): ``snip_ds.initialize(..., resume_from=PATH)``, then one more step; writes the same
+  figures after the resume, the step's loss, or the error (``CheckpointError``) a refused resume raises.
 * ``nonfinite_stop`` / ``nonfinite_skip`` (``_bf16``: with DeepSpeed's bf16; ``_z0``, ``_z2``: ZeRO
   stage 0 or 2 instead of 3): the user's own forward hook on ``model.layers.1.mlp`` turns its
   output to NaN on rank 1 in step 3 (a custom module that overflows); with ``snip.nonfinite`` "stop" every
@@ -38,8 +42,9 @@ def main() -> int:
     p.add_argument("--local_rank", type=int, default=-1)
     p.add_argument("--case", required=True, choices=("replan", "first_unsolvable", "replan_fails", "nonfinite_stop",
                                                      "nonfinite_skip", "nonfinite_skip_bf16", "nonfinite_skip_z0",
-                                                     "nonfinite_skip_z2"))
+                                                     "nonfinite_skip_z2", "save", "resume"))
     p.add_argument("--out", required=True)
+    p.add_argument("--resume", help="resume: the checkpoint to resume from")
     args = p.parse_args()
     init_distributed()
     rank = sdist.rank()
@@ -85,6 +90,14 @@ def main() -> int:
     if args.case.endswith(("_z0", "_z2")):
         config["zero_optimization"] = {"stage": int(args.case[-1])}
     out = {"rank": rank}
+    if args.case in ("save", "resume"):
+        config["zero_optimization"] = {"stage": 1}
+        config["gradient_accumulation_steps"] = 2 if args.case == "resume" else 1
+        out.update(_save_or_resume(model, config, args, rank))
+        Path(f"{args.out}.{rank}").write_text(json.dumps(out))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return 0
     if args.case.startswith("nonfinite"):
         try:
             out.update(_nonfinite_run(model, config, logger, poison, rank))
@@ -123,6 +136,28 @@ def _param_sum(engine) -> float:
     params = list(engine.ds.module.parameters())
     with deepspeed.zero.GatheredParameters(params), torch.no_grad():
         return float(sum(p.double().sum() for p in params))
+
+
+def _save_or_resume(model, config, args, rank) -> dict:
+    from snip_ds.engine.checkpoint import CheckpointError
+
+    micro = config["gradient_accumulation_steps"]
+    try:
+        engine = snip_ds.initialize(model, config, tokens_per_step=micro * 2 * 16, resume_from=args.resume)
+    except CheckpointError as err:
+        return {"error": str(err)}
+    after = {"step": engine.step, "sum": _param_sum(engine), "digest": engine.plan.digest(),
+             "history": engine.planner.history}
+    gen = torch.Generator().manual_seed(1 + rank)
+    batches = lambda: [{"input_ids": ids, "labels": ids} for ids in  # noqa: E731
+                       (torch.randint(0, 64, (2, 16), generator=gen) for _ in range(micro))]
+    if args.case == "resume":
+        return {**after, "loss": engine.train_step(batches())}
+    for _ in range(3):
+        engine.train_step(batches())
+    engine.save_checkpoint(f"{args.out}.ckpt", {})
+    return {"step": engine.step, "sum": _param_sum(engine), "digest": engine.plan.digest(),
+            "history": engine.planner.history}
 
 
 def _nonfinite_run(model, config, logger, poison, rank) -> dict:
