@@ -115,7 +115,7 @@ class TorchBackend(GemmBackend):
             k, transpose = cpu_kernels, False
         else:
             k = None
-        if k is not kernels() and out_dtype in _FP8_DTYPES.values():  # FP8 codes: only the Triton kernels write them
+        if out_dtype in _FP8_DTYPES.values() and (k is None or k is cpu_kernels):  # only Triton writes FP8 codes
             p = self.quantize_parts(t, recipe, axis, stochastic, generator, transpose=transpose)
             return QuantParts(p.values.to(out_dtype), p.tensor_scale)  # exact: the values are on its grid
         if k is None:
@@ -149,24 +149,18 @@ class TorchBackend(GemmBackend):
                      for t, op, dtype in zip((a, b), recipe.operands, dtypes))
 
     def _values(self, gemm: str, a, b, precision: str, cfg: QuantConfig):
-        """The dtype(s) of ``gemm``'s operand values: on a kernel device :meth:`_gemm_values`, else FP32."""
+        """The dtypes of ``gemm``'s two operand values: FP32 off the kernel devices; there the FP8 codes
+        themselves where ``torch._scaled_mm`` will multiply them (no cast pass between the kernel and the
+        GEMM), else BF16. ``a``, ``b`` as :meth:`quantized_operands` takes them (QuantParts too)."""
+        (ra, ca), (rb, cb) = (tuple((t.values if isinstance(t, QuantParts) else t).shape) for t in (a, b))
         device = (a.values if isinstance(a, QuantParts) else a).device
         if device.type not in KERNEL_DEVICES:
-            return torch.float32
-        v = self._gemm_values(gemm, a, b, precision, cfg)
-        return v if isinstance(v, tuple) else (v, v)
-
-    def _gemm_values(self, gemm: str, a, b, precision: str, cfg: QuantConfig):
-        """The dtypes the Triton kernels write ``gemm``'s operand values in: the FP8 codes themselves where
-        ``torch._scaled_mm`` will multiply them (no cast pass between the kernel and the GEMM), else BF16.
-        ``a``, ``b`` as :meth:`quantized_operands` takes them (QuantParts too)."""
+            return torch.float32, torch.float32
         fp8 = self._fp8_pair(*GEMM_OPERANDS[gemm], precision, cfg)
-        if fp8 is None:
-            return torch.bfloat16
-        (ra, ca), (rb, cb) = (tuple((t.values if isinstance(t, QuantParts) else t).shape) for t in (a, b))
         m, k, n = {"fprop": (ra, ca, rb), "dgrad": (ra, ca, cb), "wgrad": (ca, ra, cb)}[gemm]
-        device = (a.values if isinstance(a, QuantParts) else a).device
-        return fp8 if _scaled_mm_ok(gemm, _Dims(device, (m, k)), _Dims(device, (k, n)), fp8) else torch.bfloat16
+        if fp8 is not None and _scaled_mm_ok(gemm, _Dims(device, (m, k)), _Dims(device, (k, n)), fp8):
+            return fp8
+        return torch.bfloat16, torch.bfloat16
 
     # ---------------- operands quantized once for two GEMMs ----------------
     def _shared_fp8(self, role: str, gemms: Tuple[str, str], prec, cfg: QuantConfig, t: torch.Tensor
@@ -190,10 +184,9 @@ class TorchBackend(GemmBackend):
             return super().fprop_and_keep(x, w, prec, cfg, bias=bias, out_dtype=out_dtype)
         px, pw = self.quantized_operands("fprop", x, w, "fp8", cfg,
                                          values_dtype=(fp8, self._values("fprop", x, w, "fp8", cfg)[1]))
-        kept = px  # X's E4M3 codes
-        y = self._mm("fprop", kept.values, pw.values.t(), kept.tensor_scale, pw.tensor_scale,
+        y = self._mm("fprop", px.values, pw.values.t(), px.tensor_scale, pw.tensor_scale,
                      self._fp8_pair("x", "w", "fp8", cfg), bias, out_dtype)
-        return y, kept, w
+        return y, px, w  # px: X's E4M3 codes
 
     def prepare_grad(self, g, prec, cfg):
         """Per-tensor FP8 dgrad and wgrad quantize G_Y identically: its E5M2 codes, made once for both."""
@@ -220,11 +213,6 @@ class TorchBackend(GemmBackend):
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
             return _finish(torch.mm(g, w.to(g.dtype)), None, out_dtype)
-        if isinstance(g, QuantParts):  # prepare_grad's, on a kernel device
-            pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator,
-                                             values_dtype=self._values("dgrad", g, w, precision, cfg))
-            return self._mm("dgrad", pg.values, pw.values, pg.tensor_scale, pw.tensor_scale,
-                            self._fp8_pair("g", "w", precision, cfg), None, out_dtype)
         if self._streams("dgrad", g, w, precision, cfg):
             return self._cpu_dgrad(g, w, precision, cfg, generator, out_dtype)
         pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator,
@@ -237,11 +225,6 @@ class TorchBackend(GemmBackend):
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
             return _finish(torch.mm(g.t(), x.to(g.dtype)), None, out_dtype)
-        if isinstance(g, QuantParts) or isinstance(x, QuantParts):  # prepare_grad's, fprop_and_keep's
-            pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator,
-                                             values_dtype=self._values("wgrad", g, x, precision, cfg))
-            return self._mm("wgrad", pg.values.t(), px.values, pg.tensor_scale, px.tensor_scale,
-                            self._fp8_pair("g", "x", precision, cfg), None, out_dtype)
         if self._streams("wgrad", g, x, precision, cfg) and not _cpu_bf16_gemm(out_dtype):
             return self._cpu_wgrad(g, x, precision, cfg, generator, out_dtype)
         pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator,
@@ -251,7 +234,10 @@ class TorchBackend(GemmBackend):
 
     # ---------------- CPU: operands streamed slice by slice, as the emulated backend does ----------------
     def _streams(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig) -> bool:
-        """Whether this GEMM takes the CPU path that quantizes its streamed operand slice by slice."""
+        """Whether this GEMM takes the CPU path that quantizes its streamed operand slice by slice (never for
+        an operand quantized already: those come from the kernel devices)."""
+        if isinstance(a, QuantParts) or isinstance(b, QuantParts):
+            return False
         if a.device.type != "cpu" or a.device.type in KERNEL_DEVICES or a.numel() == 0 or b.numel() == 0:
             return False
         roles = GEMM_OPERANDS[gemm]
