@@ -42,6 +42,7 @@ def resolve_ds_config(config: Mapping[str, Any], *, max_steps: int, on_gpu: bool
     """
     cfg = copy.deepcopy(dict(config))
     refuse_module_replacement(cfg, source)
+    tp = tensor_parallel_degree(cfg, source, world_size)
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
         _set_auto(cfg, key, AUTO_DEFAULTS[key])
     if cfg.get("train_batch_size") == "auto":
@@ -57,11 +58,18 @@ def resolve_ds_config(config: Mapping[str, Any], *, max_steps: int, on_gpu: bool
             raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
     if (micro_batch_size is not None or gradient_accumulation_steps is not None) and "train_batch_size" in cfg:
         cfg.pop("train_batch_size")  # recomputed by DeepSpeed from the two overridden values
-    expected = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world_size
+    per_rank = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"]
+    expected = per_rank * (world_size // tp)
     if cfg.get("train_batch_size", expected) != expected:
+        ranks = f"world size {world_size}" if tp == 1 else \
+            f"data-parallel ranks {world_size // tp} (world size {world_size} / tensor_parallel.autotp_size {tp})"
         raise ConfigError(f"{source}: train_batch_size {cfg['train_batch_size']} != micro batch "
                           f"{cfg['train_micro_batch_size_per_gpu']} x gradient_accumulation_steps "
-                          f"{cfg['gradient_accumulation_steps']} x world size {world_size}")
+                          f"{cfg['gradient_accumulation_steps']} x {ranks}")
+    if tp > 1:  # checked above against the data-parallel ranks, which share no batch; DeepSpeed's own checks
+        # disagree on what it counts (the engine's every rank, ZeRO-3's re-read of the config only data-parallel
+        # ranks), and each derives it consistently when it is absent
+        cfg.pop("train_batch_size", None)
     opt = cfg.get("optimizer")
     if opt is not None:
         if not isinstance(opt, dict) or not isinstance(opt.get("params", {}), dict):
@@ -92,16 +100,38 @@ def resolve_ds_config(config: Mapping[str, Any], *, max_steps: int, on_gpu: bool
 # DeepSpeed features that replace the model's modules inside deepspeed.initialize: (section, key, what it does).
 # snip_ds's quantized layers would be swapped for DeepSpeed's own, which train unquantized while the plan and
 # the logs say otherwise, so a config that turns one on is refused until snip_ds quantizes those layers.
-_REPLACING = (("tensor_parallel", "autotp_size", "tensor parallelism (AutoTP) replaces the decoder linears with "
-               "its own sharded layers"),
-              ("expert_parallel", "autoep_size", "expert parallelism (AutoEP) replaces the experts modules with "
-               "its own"))
+# (Tensor parallelism, whose sharded linears snip_ds runs quantized, is read by tensor_parallel_degree.)
+_REPLACING = (("expert_parallel", "autoep_size", "expert parallelism (AutoEP) replaces the experts modules with "
+               "its own"),)
+
+
+def tensor_parallel_degree(config: Mapping[str, Any], source: str, world_size: int) -> int:
+    """The tensor-parallel degree ``tensor_parallel.autotp_size`` asks for (1 without the section, and for
+    DeepSpeed's default 0).
+
+    Raises:
+        ConfigError: naming ``source`` and the field: not a positive integer, or not a divisor of the world
+            size (each tensor-parallel group needs that many ranks).
+    """
+    part = config.get("tensor_parallel")
+    if part is None:
+        return 1
+    if not isinstance(part, Mapping):
+        raise ConfigError(f"{source}: tensor_parallel must be an object, got {part!r}")
+    value = part.get("autotp_size", 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{source}: tensor_parallel.autotp_size must be a positive integer, got {value!r}")
+    value = max(value, 1)  # 0 is DeepSpeed's default: no tensor parallelism
+    if world_size % value:
+        raise ConfigError(f"{source}: tensor_parallel.autotp_size {value} does not divide the world size "
+                          f"{world_size}: every tensor-parallel group needs {value} ranks")
+    return value
 
 
 def refuse_module_replacement(config: Mapping[str, Any], source: str) -> None:
     """Raises :class:`ConfigError` naming the field when ``config`` asks DeepSpeed to replace the model's layers
-    (``tensor_parallel.autotp_size`` or ``expert_parallel.autoep_size`` above 1): snip_ds does not yet run
-    those layers quantized, and would otherwise train unquantized under a plan that says FP8/FP4."""
+    with ones snip_ds does not run quantized (``expert_parallel.autoep_size`` above 1), which would otherwise
+    train unquantized under a plan that says FP8/FP4."""
     for section, key, what in _REPLACING:
         part = config.get(section)
         value = part.get(key) if isinstance(part, Mapping) else None

@@ -379,6 +379,13 @@ class SnipCallback(TrainerCallback):
         config, config_source = _deepspeed_config(args)
         if config is not None:  # AutoTP / AutoEP would replace the layers swapped below with unquantized ones
             refuse_module_replacement(config, config_source)
+            tp = (config.get("tensor_parallel") or {}).get("autotp_size", 1) \
+                if isinstance(config.get("tensor_parallel"), dict) else 1
+            if tp != 1:
+                raise ConfigError(f"{config_source}: tensor_parallel.autotp_size: {tp!r}: under the Hugging Face "
+                                  f"Trainer snip_ds does not quantize tensor-parallel layers yet (they would train "
+                                  f"unquantized); run tensor parallelism with launch/train.py or "
+                                  f"snip_ds.initialize, or remove 'tensor_parallel'")
             _prepare_fused_adam(args)
             # The Trainer starts DeepSpeed inside train(), where it may build more ops (the CPU Adam of an
             # optimizer offload): until on_train_begin the architecture list reads as DeepSpeed can parse it.

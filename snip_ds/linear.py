@@ -18,6 +18,7 @@ from torch import nn
 
 from snip_ds.backend import layer_backends
 from snip_ds.backend.base import Kept
+from snip_ds.backend.operands import AmaxReduce, shared_amax
 from snip_ds.quant import QuantParts
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GemmPrecision, LayerPrecision
@@ -28,7 +29,14 @@ class _QuantizedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_hp: torch.Tensor, w_hp: torch.Tensor, bias: Optional[torch.Tensor],
-                prec: GemmPrecision, cfg: QuantConfig, generator: Optional[torch.Generator]) -> torch.Tensor:
+                prec: GemmPrecision, cfg: QuantConfig, generator: Optional[torch.Generator],
+                amax_reduce: Optional[AmaxReduce] = None) -> torch.Tensor:
+        ctx.amax_reduce = amax_reduce  # a tensor-parallel shard's: operands scaled by the whole tensor's amax
+        with shared_amax(amax_reduce):
+            return _QuantizedLinearFn._forward(ctx, x_hp, w_hp, bias, prec, cfg, generator)
+
+    @staticmethod
+    def _forward(ctx, x_hp, w_hp, bias, prec, cfg, generator) -> torch.Tensor:
         fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x_hp.device)
         x_2d = x_hp.reshape(-1, x_hp.shape[-1])  # [T, k]
         if fprop_be is dgrad_be is wgrad_be:  # y_2d: [T, n]
@@ -46,6 +54,11 @@ class _QuantizedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_y: torch.Tensor):
+        with shared_amax(ctx.amax_reduce):
+            return _QuantizedLinearFn._backward(ctx, g_y) + (None,)
+
+    @staticmethod
+    def _backward(ctx, g_y: torch.Tensor):
         x_keep, w_keep = _unflatten(ctx.saved_tensors, ctx.kept_as)
         dgrad_be, wgrad_be = ctx.backends
         g_2d = g_y.reshape(-1, g_y.shape[-1])  # [T, n]
@@ -179,13 +192,33 @@ class SnipLinear(nn.Linear):
         """The precision of each GEMM as a triple."""
         return self._gemm_precision
 
+    # Tensor parallelism (snip_ds.engine.tensor_parallel): which shard of the whole layer this one holds
+    # ("column": rows of W; "row": columns of W), or None for a whole layer.
+    tp_shard: Optional[str] = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.local_linear(x, self.bias)
+
+    def local_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x Wᵀ + bias`` with this layer's own weight (a tensor-parallel shard's: its part of the product) at
+        the layer's precision."""
         prec = self._gemm_precision
         if prec.uniform == "bf16":
             if self.input_grad_only:
-                return _InputGradOnlyLinearFn.apply(x, self.weight, self.bias, self)
-            return F.linear(x, self.weight, self.bias)
-        return _QuantizedLinearFn.apply(x, self.weight, self.bias, prec, self.quant_config, self.generator)
+                return _InputGradOnlyLinearFn.apply(x, self.weight, bias, self)
+            return F.linear(x, self.weight, bias)
+        return _QuantizedLinearFn.apply(x, self.weight, bias, prec, self.quant_config, self.generator,
+                                        self.amax_reduce)
+
+    @property
+    def amax_reduce(self) -> Optional[AmaxReduce]:
+        """For a tensor-parallel shard, the reduction that turns an operand's amax into the whole tensor's
+        (:func:`snip_ds.backend.operands.shared_amax`); None for a whole layer."""
+        return None
+
+    def tp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks that hold this layer's shards (a whole layer: ``t`` itself)."""
+        return t
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, precision={self.precision!r}"

@@ -243,6 +243,12 @@ class SnipState:
     def zero_stage(self) -> int:
         return int(self.loop.zero_stage)
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the world size over the tensor-parallel degree (the loop's ``dp_size``, where
+        it has one; else every rank is one)."""
+        return int(getattr(self.loop, "dp_size", sdist.world_size()))
+
     def lr(self) -> float:
         return float(self.loop.lr())
 

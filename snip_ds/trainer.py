@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from snip_ds import console, faults, resume
-from snip_ds.deepspeed_config import resolve_ds_config, validate_with_deepspeed
+from snip_ds.deepspeed_config import resolve_ds_config, tensor_parallel_degree, validate_with_deepspeed
 from snip_ds.tensorboard import config_text, make_logger
 from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, with_overrides
 
@@ -213,6 +213,7 @@ def train(args: argparse.Namespace) -> int:
     from snip_ds.data import DataStream, load_dataset_blocks
     from snip_ds.engine import CheckpointError, NonFiniteError, init_distributed, initialize  # imports DeepSpeed
     from snip_ds.engine.core import initial_plan
+    from snip_ds.engine.tensor_parallel import data_parallel
     from snip_ds.engine import checkpoint as ckpt
     from snip_ds.engine.checkpoint import CheckpointSaveError
     from snip_ds.model import build_model
@@ -239,6 +240,10 @@ def train(args: argparse.Namespace) -> int:
                                learning_rate=args.learning_rate, world_size=world)
     validate_with_deepspeed(ds_cfg, args.deepspeed)
     micro_bs, ga = ds_cfg["train_micro_batch_size_per_gpu"], ds_cfg["gradient_accumulation_steps"]
+    # Tensor parallelism: the ranks of one group hold shards of the same layers and read the same batches; the
+    # data (and every batch-size or throughput figure) follows the data-parallel rank and size.
+    tp = tensor_parallel_degree(ds_cfg, args.deepspeed, world)
+    rank_d, world_d = data_parallel(rank, world, tp)
     dtype = torch.bfloat16 if ds_cfg.get("bf16", {}).get("enabled") else torch.float32
 
     # ---------------- data and model: every user error surfaces here, before training ----------------
@@ -247,16 +252,16 @@ def train(args: argparse.Namespace) -> int:
             t.dataset, t.block_size, t.tokenizer_name_or_path, seed=t.seed,
             max_bytes=t.max_corpus_bytes, max_validation_bytes=max(t.max_corpus_bytes // 16, t.block_size * 64))
         try:  # DataStream's messages do not name the dataset
-            stream = DataStream(train_ds, micro_bs, seed=t.seed, rank=rank, world_size=world)
+            stream = DataStream(train_ds, micro_bs, seed=t.seed, rank=rank_d, world_size=world_d)
         except ValueError as err:
             raise ValueError(f"dataset {t.dataset or 'stdlib'}: training split: {err}") from None
         try:
-            eval_batches = _eval_batches(val_ds, micro_bs, t.eval_batches, rank, world)
+            eval_batches = _eval_batches(val_ds, micro_bs, t.eval_batches, rank_d, world_d)
         except ValueError as err:
             raise ValueError(f"dataset {t.dataset or 'stdlib'}: validation split: {err}") from None
         if not eval_batches:
             raise ValueError(f"dataset {t.dataset or 'stdlib'}: validation split has fewer blocks than one "
-                             f"evaluation batch ({micro_bs} per rank x {world} ranks)")
+                             f"evaluation batch ({micro_bs} per rank x {world_d} data-parallel ranks)")
         model = build_model(t.model_name_or_path, t.model_config, vocab_size=vocab, seed=t.seed, dtype=dtype,
                             block_size=t.block_size)
     except (ValueError, FileNotFoundError, OSError) as err:
@@ -292,16 +297,16 @@ def train(args: argparse.Namespace) -> int:
                                                       world, rank, ckpt.model_architecture(model))
             resume.check_resumed_plan(tag_dir, ckpt_meta, plan, settings)
             stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
-            ckpt.check_universal_batch(tag_dir, ckpt_meta, micro_bs * ga * world, micro_bs, ga, world, stage)
+            ckpt.check_universal_batch(tag_dir, ckpt_meta, micro_bs * ga * world_d, micro_bs, ga, world_d, stage)
             data = ckpt_meta.get("data")
             if isinstance(data, dict):  # the data position fits this run's batch (a trial)
-                if not ckpt.is_universal(ckpt_meta) and data.get("global_batch_size", micro_bs * world) != \
-                        micro_bs * world:  # only a universal checkpoint records the whole global batch
+                if not ckpt.is_universal(ckpt_meta) and data.get("global_batch_size", micro_bs * world_d) != \
+                        micro_bs * world_d:  # only a universal checkpoint records the whole global batch
                     raise CheckpointError(f"{tag_dir / ckpt.META_FILE}: data.global_batch_size is "
-                                          f"{data['global_batch_size']}, but this run's per-device batch x ranks is "
-                                          f"{micro_bs} x {world}; resume with the same")
+                                          f"{data['global_batch_size']}, but this run's per-device batch x "
+                                          f"data-parallel ranks is {micro_bs} x {world_d}; resume with the same")
                 try:
-                    DataStream(train_ds, micro_bs, seed=t.seed, rank=rank, world_size=world).load_state_dict(
+                    DataStream(train_ds, micro_bs, seed=t.seed, rank=rank_d, world_size=world_d).load_state_dict(
                         ckpt_meta["data"])
                 except ValueError as err:
                     raise CheckpointError(f"{tag_dir / ckpt.META_FILE}: field 'data': {err}") from None
@@ -324,20 +329,22 @@ def train(args: argparse.Namespace) -> int:
     # neither shifts the training data.
     collect_stream = measure_stream = None
     if settings.is_adaptive:
-        collect_stream = DataStream(train_ds, micro_bs, seed=t.seed + STATS_SEED_OFFSET, rank=rank, world_size=world)
-        measure_stream = DataStream(train_ds, micro_bs, seed=t.seed + MEASURE_SEED_OFFSET, rank=rank,
-                                    world_size=world)
+        collect_stream = DataStream(train_ds, micro_bs, seed=t.seed + STATS_SEED_OFFSET, rank=rank_d,
+                                    world_size=world_d)
+        measure_stream = DataStream(train_ds, micro_bs, seed=t.seed + MEASURE_SEED_OFFSET, rank=rank_d,
+                                    world_size=world_d)
     engine = initialize(model, ds_cfg, settings, tokens_per_step=tokens_per_step, logger=logger, seed=t.seed,
                         plan=plan, statistics_stream=collect_stream, measurement_stream=measure_stream)
     logger.text("run/config", config_text({"snip": settings.to_dict(), "deepspeed": ds_cfg, "data": data_info,
-                                           "world_size": world}), 0)
+                                           "world_size": world, "tensor_parallel": tp}), 0)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     if rank == 0:
         pairs = sum(not isinstance(i, LayerInfo) for i in engine.infos.values())
         layers = f"{len(engine.infos) - pairs} quantizable linears" + (
             f" and {pairs} (expert, projection) pairs" if pairs else "")
         print(f"snip_ds: {n_params / 1e6:.1f}M parameters, {layers}, "
-              f"{world} rank(s), plan {_plan_words(settings, engine)}, "
+              f"{world} rank(s){f' (tensor parallel {tp} x data parallel {world_d})' if tp > 1 else ''}, "
+              f"plan {_plan_words(settings, engine)}, "
               f"{data_info.get('train_blocks', len(train_ds))} train blocks of {t.block_size} tokens, "
               f"GEMM backends: {backend_words}", flush=True)
 
@@ -392,7 +399,7 @@ def train(args: argparse.Namespace) -> int:
         step = engine.step
         if step % t.logging_steps == 0:
             logger.scalars({"train/loss": last_loss, "train/lr": engine.lr(), "perf/step_time_s": elapsed,
-                            "perf/tokens_per_s": tokens_per_step * world / elapsed,
+                            "perf/tokens_per_s": tokens_per_step * world_d / elapsed,
                             "plan/fp4_share": engine.plan_fp4_share()}, step)
         if step % t.eval_steps == 0 or step == t.max_steps:
             val = engine.evaluate(eval_batches)

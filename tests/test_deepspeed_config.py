@@ -40,12 +40,34 @@ def test_unknown_auto_is_named():
                           max_steps=1, on_gpu=False, source="x")
 
 
-@pytest.mark.parametrize("section, key", [("tensor_parallel", "autotp_size"), ("expert_parallel", "autoep_size")])
-def test_layer_replacing_parallelism_is_refused(section, key):
-    """DeepSpeed's AutoTP/AutoEP would swap snip_ds's quantized layers for its own unquantized ones: refused
-    with the field named; a degree of 1 (or 0, DeepSpeed's default) replaces nothing and passes."""
+def test_layer_replacing_parallelism_is_refused():
+    """DeepSpeed's AutoEP would swap snip_ds's quantized experts for its own unquantized ones: refused with the
+    field named; a degree of 1 (or 0, DeepSpeed's default) replaces nothing and passes."""
     base = {"train_micro_batch_size_per_gpu": 1}
-    with pytest.raises(ConfigError, match=rf"^x: {section}\.{key}: 2: .*snip_ds does not quantize yet"):
-        resolve_ds_config({**base, section: {key: 2}}, max_steps=1, on_gpu=False, source="x")
+    with pytest.raises(ConfigError, match=r"^x: expert_parallel\.autoep_size: 2: .*snip_ds does not quantize yet"):
+        resolve_ds_config({**base, "expert_parallel": {"autoep_size": 2}}, max_steps=1, on_gpu=False, source="x")
     for degree in (0, 1):
-        resolve_ds_config({**base, section: {key: degree}}, max_steps=1, on_gpu=False, source="x")
+        resolve_ds_config({**base, "expert_parallel": {"autoep_size": degree}}, max_steps=1, on_gpu=False,
+                          source="x")
+
+
+def test_tensor_parallel_batch_counts_data_parallel_ranks():
+    """With ``autotp_size`` N the ranks of a tensor-parallel group share their batches: ``train_batch_size`` is
+    micro x accumulation x (world / N), checked and then left for DeepSpeed to derive (its own two checks count
+    the ranks differently); a degree that does not divide the world, or is not an integer, is named."""
+    base = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "tensor_parallel": {"autotp_size": 2}}
+    out = resolve_ds_config({**base, "train_batch_size": 12}, max_steps=1, on_gpu=False, source="x", world_size=4)
+    assert "train_batch_size" not in out and out["tensor_parallel"] == {"autotp_size": 2}
+    with pytest.raises(ConfigError, match=r"^x: train_batch_size 24 != micro batch 2 x gradient_accumulation_steps 3 "
+                                          r"x data-parallel ranks 2 \(world size 4 / tensor_parallel.autotp_size 2\)"):
+        resolve_ds_config({**base, "train_batch_size": 24}, max_steps=1, on_gpu=False, source="x", world_size=4)
+    with pytest.raises(ConfigError, match=r"^x: tensor_parallel.autotp_size 2 does not divide the world size 3"):
+        resolve_ds_config(base, max_steps=1, on_gpu=False, source="x", world_size=3)
+    for bad in ("auto", -1, 1.5, True):
+        with pytest.raises(ConfigError, match=r"^x: tensor_parallel.autotp_size must be a positive integer"):
+            resolve_ds_config({**base, "tensor_parallel": {"autotp_size": bad}}, max_steps=1, on_gpu=False,
+                              source="x")
+    for degree in (0, 1):  # no tensor parallelism: train_batch_size counts every rank, and stays
+        out = resolve_ds_config({**base, "train_batch_size": 18, "tensor_parallel": {"autotp_size": degree}},
+                                max_steps=1, on_gpu=False, source="x", world_size=3)
+        assert out["train_batch_size"] == 18

@@ -378,11 +378,13 @@ def test_trainer_logs_the_measured_loss_change(tmp_path):
 
 
 def test_tensor_parallel_config_is_refused(tmp_path):
-    """DeepSpeed's AutoTP would replace the swapped layers with its own unquantized ones: refused at once."""
+    """Under the Trainer, DeepSpeed's AutoTP would replace the swapped layers with its own unquantized ones:
+    refused at once (launch/train.py and snip_ds.initialize run it quantized)."""
     from snip_ds.settings import ConfigError
 
     path = _variant(tmp_path, lambda c: c.update(tensor_parallel={"autotp_size": 2}))
-    with pytest.raises(ConfigError, match=rf"{path}: tensor_parallel.autotp_size: 2: .*does not quantize yet"):
+    with pytest.raises(ConfigError, match=rf"{path}: tensor_parallel.autotp_size: 2: under the Hugging Face "
+                                          rf"Trainer .*does not quantize tensor-parallel layers yet"):
         _trainer(tmp_path, deepspeed=path)
 
 

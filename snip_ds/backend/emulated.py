@@ -15,7 +15,7 @@ Operands and the axis each is quantized along: see :mod:`snip_ds.backend.base`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -24,7 +24,7 @@ from snip_ds.backend import kernels as triton_kernels
 from snip_ds.backend import operands
 from snip_ds.backend.base import GemmBackend
 from snip_ds.backend.operands import (gemm_recipe, hadamard_pair, hadamard_wgrad, operand_recipes,
-                                      tensor_amax)
+                                      tensor_amax, whole_amax)
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GEMMS
 from snip_ds.quant import QuantParts, fake_quantize, get_recipe, quantize_parts, stochastic_moments
@@ -63,6 +63,8 @@ class EmulatedBackend(GemmBackend):
             return _fp32(t)
         recipes = operand_recipes(precision, cfg)
         stochastic = role == "g" and recipes.stochastic_g
+        if amax is None:
+            amax = whole_amax(t, getattr(recipes, role))  # a shard's: the whole tensor's (operands.shared_amax)
         if not stochastic and self.fused_rne:
             if _fusable(t):
                 return cpu_kernels.fake_quantize(t, getattr(recipes, role), axis, tensor_amax=amax)
@@ -152,7 +154,8 @@ class EmulatedBackend(GemmBackend):
     def wgrad_moments(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
                       generator: Optional[torch.Generator] = None,
                       price_tokens: Optional[torch.Tensor] = None,
-                      gram: Optional[torch.Tensor] = None) -> "GemmMoments":
+                      gram: Optional[torch.Tensor] = None,
+                      column_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> "GemmMoments":
         """Mean and element-wise variance of ``G_W = Q(G_Y)^T Q(X)`` over G_Y's stochastic rounding.
 
         The elements of G_Y round independently (deterministic scales), so ``E[G_W] = E[Q(G_Y)]^T Q(X)`` and
@@ -164,7 +167,9 @@ class EmulatedBackend(GemmBackend):
         from ``generator`` as :meth:`wgrad` draws them (the price is the same in either basis: the transform
         is orthogonal along the tokens). With ``gram = XᵀX`` (``[k, k]`` FP32) and no Hadamard transform, each
         sampled token is priced as ``Q(X)_s (XᵀX) Q(X)_sᵀ`` instead (``k²`` multiply-adds, not ``T·k``; the same
-        number in exact arithmetic). Requires a precision that rounds G_Y stochastically.
+        number in exact arithmetic). With ``column_sum`` (``x`` holds some of the input's columns, the other
+        columns on other ranks: a row-parallel shard), each ``X Q(X)_sᵀ`` is summed by it over the ranks before
+        its norm is taken, and ``gram`` must be None. Requires a precision that rounds G_Y stochastically.
         """
         if not self.rounds_g_stochastically(precision, cfg):
             raise ValueError(f"precision {precision!r} does not round G_Y stochastically under this config")
@@ -191,7 +196,11 @@ class EmulatedBackend(GemmBackend):
                 pick = sampled[chunk]
                 if pick.any():
                     q = x_lp[pick]  # [|S ∩ chunk|, k]; h_s = ‖X Q(X)_sᵀ‖² = Q(X)_s XᵀX Q(X)_sᵀ
-                    h = (q @ gram).mul_(q).sum(dim=1) if gram is not None else (x32 @ q.t()).square_().sum(dim=0)
+                    if gram is not None:
+                        h = (q @ gram).mul_(q).sum(dim=1)
+                    else:
+                        xq = x32 @ q.t()
+                        h = (xq if column_sum is None else column_sum(xq)).square_().sum(dim=0)
                     projected.addmv_(g_var[pick].t(), h, alpha=scale)
             var.addmm_(g_var.t(), x_lp.square_())
         return GemmMoments(mean, var, projected)
@@ -260,5 +269,5 @@ def reference_operands(gemm: str, a: torch.Tensor, b: torch.Tensor, precision: s
     if recipe.hadamard:
         a, b = hadamard_pair(a, b, generator)
     return tuple(quantize_parts(t, op.recipe, axis=op.axis, stochastic=op.stochastic,
-                                generator=generator if op.stochastic else None)
+                                generator=generator if op.stochastic else None, tensor_amax=whole_amax(t, op.recipe))
                  for t, op in zip((a, b), recipe.operands))

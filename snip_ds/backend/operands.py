@@ -9,16 +9,23 @@ decides them itself.
 
 Also here, because every backend that streams its operands shares them: how an operand is cut into slices
 (:func:`chunks`) and its amax taken without a full-size temporary (:func:`tensor_amax`).
+
+An operand may be one shard of a larger tensor (tensor parallelism). Its per-tensor scale must then come from the
+whole tensor's amax, so that the quantized values do not depend on how the tensor is split: inside
+:func:`shared_amax` every amax a backend takes (:func:`tensor_amax`, :func:`whole_amax`) goes through the given
+reduction (a MAX all-reduce over the shards' ranks) before any scale is formed from it.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-from snip_ds.quant import hadamard_transform, random_signs
+from snip_ds.quant import get_recipe, hadamard_transform, random_signs
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GEMM_OPERAND_AXES, GEMM_OPERANDS, GEMMS
 
@@ -134,7 +141,45 @@ def chunks(length: int, width: int, device: Optional[torch.device] = None):
     return [slice(start, min(start + rows, length)) for start in range(0, length, rows)]
 
 
+AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
+_AMAX_REDUCE: ContextVar[Optional[AmaxReduce]] = ContextVar("snip_ds_amax_reduce", default=None)
+
+
+@contextmanager
+def shared_amax(reduce: Optional[AmaxReduce]) -> Iterator[None]:
+    """Within this context every operand's amax is ``reduce(local amax)`` (None: the operand's own amax): the
+    quantized GEMMs of one shard of a tensor-parallel layer then scale each operand by the whole tensor's amax.
+    ``reduce`` must be called by every rank of the shard group alike (same operands, same order)."""
+    token = _AMAX_REDUCE.set(reduce)
+    try:
+        yield
+    finally:
+        _AMAX_REDUCE.reset(token)
+
+
+def amax_shared() -> bool:
+    """Whether a :func:`shared_amax` reduction is in force."""
+    return _AMAX_REDUCE.get() is not None
+
+
+def reduced(amax: torch.Tensor) -> torch.Tensor:
+    """``amax`` (one operand's own, FP32) through the :func:`shared_amax` reduction in force, if any."""
+    reduce = _AMAX_REDUCE.get()
+    return amax if reduce is None else reduce(amax)
+
+
 def tensor_amax(t: torch.Tensor) -> torch.Tensor:
-    """max |t| without a full-size temporary (NaN propagates)."""
+    """max |t| without a full-size temporary (NaN propagates); under :func:`shared_amax`, the whole tensor's."""
+    if t.numel() == 0:
+        return reduced(torch.zeros((), dtype=torch.float32, device=t.device))
     lo, hi = torch.aminmax(t)
-    return torch.maximum(-lo, hi).float()
+    return reduced(torch.maximum(-lo, hi).float())
+
+
+def whole_amax(t: torch.Tensor, recipe) -> Optional[torch.Tensor]:
+    """The amax to quantize all of ``t`` with under ``recipe`` (a name or :class:`~snip_ds.quant.Recipe`): None
+    (the quantizer takes ``t``'s own, fused into its pass) unless a :func:`shared_amax` reduction is in force
+    and the recipe has a tensor-level scale (MX recipes have none), then the whole tensor's."""
+    if not amax_shared() or get_recipe(recipe).scale == "e8m0":
+        return None
+    return tensor_amax(t)

@@ -51,7 +51,7 @@ from snip_ds.backend import cpu as cpu_kernels
 from snip_ds.backend.base import BackendError, GemmBackend, kernel_seed, recipe_words, seed_offset
 from snip_ds.backend import operands
 from snip_ds.backend.emulated import reference_operands
-from snip_ds.backend.operands import gemm_recipe, hadamard_pair, tensor_amax
+from snip_ds.backend.operands import gemm_recipe, hadamard_pair, tensor_amax, whole_amax
 from snip_ds.quant_config import QuantConfig
 from snip_ds.quant import QuantParts, get_recipe, quantize_parts
 from snip_ds.types import GEMM_OPERANDS
@@ -118,12 +118,13 @@ class TorchBackend(GemmBackend):
         if out_dtype in _FP8_DTYPES.values() and (k is None or k is cpu_kernels):  # only Triton writes FP8 codes
             p = self.quantize_parts(t, recipe, axis, stochastic, generator, transpose=transpose)
             return QuantParts(p.values.to(out_dtype), p.tensor_scale)  # exact: the values are on its grid
+        amax = whole_amax(t, recipe)  # a shard's: the whole tensor's (operands.shared_amax); else None
         if k is None:
-            p = quantize_parts(t, recipe, axis=axis, stochastic=stochastic, generator=generator)
+            p = quantize_parts(t, recipe, axis=axis, stochastic=stochastic, generator=generator, tensor_amax=amax)
             return p if out_dtype == torch.float32 else QuantParts(p.values.to(out_dtype), p.tensor_scale)
         t = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
         seed = kernel_seed(generator) if stochastic else 0
-        kw = dict(stochastic=stochastic, seed=seed, offset=0, out_dtype=out_dtype)
+        kw = dict(stochastic=stochastic, seed=seed, offset=0, out_dtype=out_dtype, tensor_amax=amax)
         if not transpose:
             return k.quantize_parts(t, recipe, axis, **kw)
         p = k.quantize_parts(t, recipe, axis, transpose=True, **kw)
@@ -348,7 +349,7 @@ class _Streamed:
         self.seed = seed_offset(generator)[0] if stochastic and self.fused else 0
         self.amax = None
         if self.recipe.scale != "e8m0":  # MX has no tensor-level scale
-            self.amax = cpu_kernels.tensor_amax(self.t) if self.fused else tensor_amax(self.t)
+            self.amax = operands.reduced(cpu_kernels.tensor_amax(self.t)) if self.fused else tensor_amax(self.t)
         self.tensor_scale = torch.ones((), dtype=torch.float32)
 
     def rows(self, rows: slice, out_dtype: torch.dtype = torch.float32) -> QuantParts:

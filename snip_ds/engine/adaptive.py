@@ -94,7 +94,7 @@ class AdaptivePlanner:
         with leaf_backward_hooks_suspended(eng.loop.module):  # ZeRO-3 MoE blocks (snip_ds.engine.zero_leaf)
             stats = collect_statistics(eng.loop.module, batches, how, layers=list(eng.layers), lr=eng.lr(),
                                        precond=precond, reduce=sdist.dist_sum, step=eng.step,
-                                       world_size=sdist.world_size())
+                                       world_size=eng.dp_size)
         stats["precond_source"] = source
         return stats
 

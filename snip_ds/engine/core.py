@@ -17,13 +17,14 @@ from snip_ds import distributed as sdist
 from snip_ds import faults
 from snip_ds import jit_builds
 from snip_ds.backend import check_backend
-from snip_ds.deepspeed_config import resolve_ds_config
+from snip_ds.deepspeed_config import resolve_ds_config, tensor_parallel_degree
 from snip_ds.engine import checkpoint as ckpt
+from snip_ds.engine import tensor_parallel as tpar
 from snip_ds.engine.optimizer import working_adam_config
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.settings import SnipSettings, parse_snip_section
 from snip_ds.state import NonFiniteError, SnipState, located_forward_hooks, run_without_update
-from snip_ds.swap import LayerInfo, check_layer_settings, check_still_swapped, swap_model
+from snip_ds.swap import LayerInfo, check_layer_settings, check_still_swapped, snip_layers, swap_model
 
 __all__ = ["DeepSpeedLoop", "NonFiniteError", "SnipEngine", "init_distributed", "initial_plan", "initialize"]
 
@@ -117,6 +118,11 @@ class DeepSpeedLoop:
     @property
     def zero_stage(self) -> int:
         return int(self.ds.zero_optimization_stage())
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (the ranks of a tensor-parallel group share their batches)."""
+        return int(self.ds.dp_world_size)
 
     def lr(self) -> float:
         """The learning rate of the next optimizer step (read from the optimizer, which the scheduler sets)."""
@@ -378,12 +384,20 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
     check_backend(settings.quant, device())  # BackendError (a ValueError) before DeepSpeed starts
     infos = swap_model(model, "bf16", settings.quant, seed=seed, rank=sdist.rank(), exclude=settings.exclude)
     check_layer_settings(infos, settings)
+    tp = tensor_parallel_degree(config, "DeepSpeed config", sdist.world_size())
+    originals = snip_layers(model) if tp > 1 else {}
+    if tp > 1:
+        tpar.check_deepspeed_version(deepspeed.__version__)
+        tpar.check_model(infos, settings)
     if plan is None:
         plan = initial_plan(list(infos), {f: info.flops(tokens_per_step) for f, info in infos.items()}, settings)
     params = [p for p in model.parameters() if p.requires_grad]
     config = working_adam_config(config)  # torch's Adam, with a warning, where DeepSpeed's fused one cannot build
     with jit_builds.deepspeed_arch_list_set():  # the other ops DeepSpeed builds while it starts
         ds_engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    if tp > 1:
+        tpar.check_groups(tp, sdist.rank(), sdist.world_size())
+        tpar.quantize_tp_layers(ds_engine.module, originals, settings.quant)
     check_still_swapped(ds_engine.module, infos, "deepspeed.initialize")
     ckpt.install_safe_loader(ds_engine)
     engine = SnipEngine(ds_engine, infos, settings, tokens_per_step, logger)

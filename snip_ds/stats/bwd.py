@@ -16,7 +16,7 @@ ablation); docs/method.md derives the terms, and :func:`snip_ds.stats.fields.fin
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -154,16 +154,19 @@ class BwdEstimator:
         gw = g2.t() @ x2  # [n, k], BF16-pass weight gradient (mean loss)
         pmat, pfn = layer_precond(self.precond, self.fallback, fqn, gw, self.sources)
         sr = {p: self._expects_sr(module, p) for p in precisions}
-        gram = self._gram_for(fqn, module, x2)
+        # A row-parallel shard holds some of the input's columns: a projection x_t·d_j is summed over the group
+        # before it is squared, and a Gram matrix of its columns alone cannot give it.
+        row_sum = module.tp_sum if module.tp_shard == "row" else None
+        gram = self._gram_for(fqn, module, x2) if row_sum is None else None
         for p in precisions:
             if sr[p]:  # training rounds G_Y stochastically: the exact expectation over that rounding
                 sample = self._price_sample(x2.shape[0], gw.shape[0])
-                mom = be.wgrad_moments(g2, x2, p, module.quant_config, self.had_gen, sample, gram)
+                mom = be.wgrad_moments(g2, x2, p, module.quant_config, self.had_gen, sample, gram, row_sum)
                 dgw, var, projected = mom.mean.sub_(gw), mom.var, mom.projected
                 del mom
             else:
                 dgw, var, projected = be.wgrad(g2, x2, p, cfg, self.had_gen) - gw, None, None
-            self._drift_stats(fqn, p, dgw, var, projected, x2, pmat, pfn, gram)
+            self._drift_stats(fqn, p, dgw, var, projected, x2, pmat, pfn, gram, row_sum)
             del dgw, var, projected
             if self.quant_err:
                 g_lp = be.quantize(g2, p, "g", -1, cfg)
@@ -205,7 +208,8 @@ class BwdEstimator:
 
     def _drift_stats(self, fqn: str, p: str, dgw: torch.Tensor, var: Optional[torch.Tensor],
                      projected: Optional[torch.Tensor], x2: torch.Tensor, pmat: Optional[torch.Tensor],
-                     pfn: Optional[PrecondFn], gram: Optional[torch.Tensor]) -> None:
+                     pfn: Optional[PrecondFn], gram: Optional[torch.Tensor],
+                     row_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         """The weight-gradient error's drift statistics: its systematic part ``dgw`` (the whole error under
         round-to-nearest; its expectation under stochastic rounding) under ``*_bias`` keys (with the
         ``bwd_bias`` study fields only), and with the rounding noise of element-wise variance ``var`` added
@@ -213,31 +217,45 @@ class BwdEstimator:
 
         The noise's loss-unit price per output channel j is ``projected_j`` (estimated from a sample of the
         tokens, :meth:`_price_sample`) times ``P²`` averaged over the row j with weights ``var`` (exact when P
-        is constant within a row)."""
+        is constant within a row).
+
+        ``row_sum``: a row-parallel shard's sum over its group (its columns of the input and of the weight): the
+        per-channel terms are formed from the group's sums and are then whole on every rank of it (counted on
+        the first, :meth:`~snip_ds.stats.common.Shared.once`); the element sums stay the shard's part."""
         st = self.shared.stats
+
+        def channels(d: torch.Tensor) -> torch.Tensor:  # Σ_t (x_t·d_j)² per row j of d
+            if row_sum is None:
+                return dv.projected_sq_sum(x2, d, gram)
+            return dv.channel_sq_sum(row_sum(x2.float() @ d.float().t()))
+
         if pfn is None:
             drift = dgw.mul_(pmat)  # dgw is ours to overwrite
-            bias_sq, bias_ch = (drift * drift).sum(), dv.projected_sq_sum(x2, drift, gram)
+            bias_sq, bias_ch = (drift * drift).sum(), channels(drift)
             noise_sq = None
             if var is not None:
                 row_var = var.sum(dim=1)
                 weighted = var.mul_(pmat).mul_(pmat)  # P²·Var, in place
                 noise_sq = weighted.sum()
-                noise_ch = weighted.sum(dim=1).div_(torch.where(row_var > 0, row_var, 1.0)).mul_(projected)
+                row_w = weighted.sum(dim=1)
+                if row_sum is not None:  # the whole row's averages
+                    row_w, row_var = row_sum(torch.stack((row_w, row_var))).unbind(0)
+                noise_ch = row_w.div_(torch.where(row_var > 0, row_var, 1.0)).mul_(projected)
         else:
             bias_sq = torch.as_tensor(pfn(fqn, dgw), dtype=torch.float32)
-            bias_ch = dv.projected_sq_sum(x2, dgw, gram)
+            bias_ch = channels(dgw)
             dg_sq = (dgw * dgw).sum()
             if self.bias:
                 st.add(fqn, DG_SQ_BIAS.key(p), dg_sq)
             st.add(fqn, DG_SQ.key(p), dg_sq + var.sum() if var is not None else dg_sq)
             noise_sq = torch.as_tensor(pfn(fqn, var.sqrt()), dtype=torch.float32) if var is not None else None
             noise_ch = projected
+        once = self.shared.once if row_sum is not None else (lambda t: t)
         if self.bias:
             st.add(fqn, DRIFT_SQ_BIAS.key(p), bias_sq)
-            st.add(fqn, DRIFT_CH_BIAS.key(p), bias_ch)
+            st.add(fqn, DRIFT_CH_BIAS.key(p), once(bias_ch))
         st.add(fqn, DRIFT_SQ.key(p), bias_sq + noise_sq if noise_sq is not None else bias_sq)
-        st.add(fqn, DRIFT_CH.key(p), bias_ch + noise_ch if noise_sq is not None else bias_ch)
+        st.add(fqn, DRIFT_CH.key(p), once(bias_ch + noise_ch if noise_sq is not None else bias_ch))
 
 
 # ------------------------------------------------------------------------------------------------ pricing

@@ -52,6 +52,7 @@ from torch import nn
 
 from snip_ds import divergence as dv
 from snip_ds.backend import statistics_backend
+from snip_ds.backend.operands import shared_amax
 from snip_ds.options import check_fields, reads
 from snip_ds.linear import SnipLinear
 from snip_ds.stats import bwd, fld
@@ -162,7 +163,8 @@ class Collector:
         self.points = moe.Points({f: m for f, m in layers.items() if isinstance(m, ExpertPoint)})
         self.estimator, self.propagated = settings.estimator, settings.bwd_propagated
         self.forward_drift = settings.forward_drift
-        self.shared = Shared(Sums(), statistics_backend(), self.precisions)
+        self.shared = Shared(Sums(), statistics_backend(), self.precisions,
+                             tp_first=all(getattr(m, "tp_index", 0) == 0 for m in layers.values()))
         self.stats = self.shared.stats
         device = device_of(model)
         self.gen = torch.Generator(device=device).manual_seed(settings.seed)  # probe labels / isotropic noise
@@ -243,6 +245,10 @@ class Collector:
         return g.shape[0] if g.dim() >= 3 else 1
 
     def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
+        with shared_amax(module.amax_reduce):  # a tensor-parallel shard: scales from the whole tensor's amax
+            self._output_grad(fqn, module, g)
+
+    def _output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
         g2 = flat(g)  # [T, n]
         rows = self._rows(fqn, g)
         if self.phase in (Phase.PROBE, Phase.ISO):  # the FLD follows in the layer's backward (_on_layer_backward)
@@ -263,7 +269,8 @@ class Collector:
         (None where the input needs none), for the sequence-form FLD."""
         if self.phase in (Phase.PROBE, Phase.ISO):
             rows = self._rows(fqn, g)
-            self.fld.on_probe(fqn, module, self.xp.get(fqn), flat(g), rows, flat(gx) if gx is not None else None)
+            with shared_amax(module.amax_reduce):
+                self.fld.on_probe(fqn, module, self.xp.get(fqn), flat(g), rows, flat(gx) if gx is not None else None)
 
     def _probe_root(self, ids, mask, labels, retain: bool, last: bool):
         """The logits to back-propagate a probe from: the retained graph's, or a fresh forward's."""
@@ -306,9 +313,10 @@ class Collector:
             self.shared.n_local = float(n)
             loss = F.cross_entropy(lg, tg)
             st = self.stats
-            st.add(GLOBAL, N_TOKENS.key(), torch.tensor(float(n)))
-            st.add(GLOBAL, N_ROWS.key(), torch.tensor(float(ids.numel())))
-            st.add(GLOBAL, LOSS_SUM.key(), loss.detach() * n)
+            once = self.shared.once  # a tensor-parallel group's ranks share the batch: count it once
+            st.add(GLOBAL, N_TOKENS.key(), once(torch.tensor(float(n))))
+            st.add(GLOBAL, N_ROWS.key(), once(torch.tensor(float(ids.numel()))))
+            st.add(GLOBAL, LOSS_SUM.key(), once(loss.detach() * n))
             self.points.add_routed(st)
             extra = self.estimator == "mc_fisher" or self.estimator == "isotropic"
             self.phase = Phase.TRAIN
@@ -488,6 +496,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
             n_batches += 1
     if n_batches == 0:
         raise ValueError("batches is empty: need at least one batch")
+    col.fld.flush()  # tensor-parallel shards' per-sequence sums: reduced over their group, then squared
     col.stats.reduce(reduce, device_of(model))
     return finalize(col.stats, mods, settings, sources=col.bwd.sources, groups=col.bwd.inputs, n_batches=n_batches,
                     tokens_per_step=rows_per_batch * world_size, lr=float(lr), step=int(step),

@@ -200,6 +200,14 @@ class Shared:
     backend: StatisticsBackend
     precisions: Tuple[str, ...]
     n_local: float = 1.0
+    # Tensor parallelism: whether this rank is its group's first (tp_index 0). A sum every rank of the group
+    # holds whole (the batch's counts, a shard's sum already reduced over the group) is added there only, and
+    # as zero elsewhere, so that the all-reduce over all ranks counts it once per data-parallel rank.
+    tp_first: bool = True
+
+    def once(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the tensor-parallel group's first rank, zeros of its shape on the others (:attr:`tp_first`)."""
+        return t if self.tp_first else torch.zeros_like(t)
 
 
 @dataclass(frozen=True)

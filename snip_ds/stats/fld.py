@@ -61,6 +61,7 @@ class FldEstimator:
         self.empirical = settings.estimator == "empirical"
         # whether the training gradient's hook needs the fprop errors E (else only the probe's hook does)
         self.train_errors = self.channel or self.first_order or self.quant_err or (self.empirical and self.sequence)
+        self._pending: list = []  # tensor-parallel shards' per-sequence sums, until flush
 
     def errors(self, module: SnipLinear, x2: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor,
                                                                              torch.Tensor]]:
@@ -132,4 +133,23 @@ class FldEstimator:
             # per row Σ_t g_t·E_t (an expert's tokens: by their sequence index)
             s = terms.reshape(rows, -1).sum(1) if isinstance(rows, int) else dv.row_sums(terms.sum(1), rows)
             del terms
-            st.add(fqn, FLD_SEQ.key(p), (s * s).sum())
+            if module.tp_shard is not None:  # a shard's part of each row's sum: squared once summed (flush)
+                self._pending.append((fqn, p, module, s))
+            else:
+                st.add(fqn, FLD_SEQ.key(p), (s * s).sum())
+
+    def flush(self) -> None:
+        """Tensor-parallel shards: each sequence's ``Σ_t g_t·E_t`` is linear in the shard's outputs (a column
+        shard's channels, a row shard's partial products), so the shards' parts, kept since the start of the
+        collection, are summed over the group in one all-reduce and only then squared (counted on the group's
+        first rank: :meth:`~snip_ds.stats.common.Shared.once`)."""
+        if not self._pending:
+            return
+        parts = [s for _, _, _, s in self._pending]
+        total = self._pending[0][2].tp_sum(torch.cat(parts))
+        st, at = self.shared.stats, 0
+        for (fqn, p, _, s) in self._pending:
+            v = total[at:at + s.numel()]
+            at += s.numel()
+            st.add(fqn, FLD_SEQ.key(p), self.shared.once((v * v).sum()))
+        self._pending.clear()
