@@ -5,7 +5,9 @@
 
 The weights are the FP32 master weights, consolidated from DeepSpeed's shards (any ZeRO stage, any world
 size) by DeepSpeed's own ``deepspeed.utils.zero_to_fp32``; without ZeRO and without mixed precision, the
-module weights DeepSpeed saved are the master weights. Every DeepSpeed file is read with
+module weights DeepSpeed saved are the master weights. A checkpoint of a tensor-parallel run is first converted
+by DeepSpeed's ``ds_to_universal`` (in a temporary folder), which merges the shards of every layer; a universal
+checkpoint (``snip-ds universal``'s) is read directly (its ``zero/<name>/fp32.pt``). Every DeepSpeed file is read with
 ``torch.load(weights_only=True)``: ``zero_to_fp32`` itself unpickles (``weights_only=False``), so while it
 runs its module-level ``torch`` is replaced by :class:`_SafeTorch`, which forces ``weights_only=True`` and
 names the file it cannot read.
@@ -131,6 +133,41 @@ def master_weights(tag_dir: Path) -> Dict[str, torch.Tensor]:
         if not isinstance(module, Mapping) or not all(isinstance(v, torch.Tensor) for v in module.values()):
             raise ExportError(f"{model_files[0]}: holds no 'module' state dict")
         return {k: v.float() for k, v in module.items()}
+
+
+def universal_weights(tag_dir: Path, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The FP32 master weights of a universal checkpoint (``zero/<name>/fp32.pt``, whole parameters: DeepSpeed's
+    conversion merged ZeRO partitions and tensor-parallel shards), by the names of ``model``'s state dict (a
+    tied parameter, stored once, under each of its names); read with ``weights_only=True``.
+
+    Raises:
+        ExportError: an unreadable file, or a parameter of ``model`` that is not there (named).
+    """
+    weights: Dict[str, torch.Tensor] = {}
+    zero = tag_dir / "zero"
+    for folder in sorted(zero.iterdir()) if zero.is_dir() else []:
+        path = folder / "fp32.pt"
+        if not path.is_file():
+            continue
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 -- a damaged or foreign file: name it
+            raise ExportError(f"{path}: cannot be read as a tensor file ({_one_line(err)})") from None
+        tensor = state.get("param") if isinstance(state, dict) else None
+        if not isinstance(tensor, torch.Tensor):
+            raise ExportError(f"{path}: holds no 'param' tensor")
+        weights[folder.name] = tensor.float()
+    names: Dict[int, list] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for group in names.values():  # a tied parameter: under every name that shares it
+        found = next((weights[n] for n in group if n in weights), None)
+        for n in group:
+            if found is None:
+                raise ExportError(f"{zero / n / 'fp32.pt'}: missing; the universal checkpoint does not hold "
+                                  f"parameter {n}")
+            weights.setdefault(n, found)
+    return weights
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -297,9 +334,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     tag_dir = ckpt.resolve(Path(checkpoint))
     meta = ckpt.read_meta(tag_dir)
     meta_path = tag_dir / ckpt.META_FILE
-    if ckpt.is_universal(meta):  # DeepSpeed's universal layout holds no zero_to_fp32 shards
-        raise ExportError(f"{meta_path}: a universal checkpoint ('snip-ds universal'); export the checkpoint it "
-                          f"was converted from, {meta[ckpt.UNIVERSAL_FIELD].get('source')}")
     world_size = meta.get("world_size")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ExportError(f"{meta_path}: world_size is {world_size!r}, expected a positive integer")
@@ -315,12 +349,23 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         raise ExportError(f"{meta_path}: model_config builds no causal LM ({_one_line(err)})") from None
     # The recorded config must rebuild the trained model (parameter names and shapes, architecture fields),
     # and every rank's files must be there.
-    ckpt.validate(tag_dir, ckpt.model_fingerprint(model), world_size, ckpt.model_architecture(model))
+    tp = meta.get("tensor_parallel", 1)
+    ckpt.validate(tag_dir, ckpt.model_fingerprint(model), world_size, ckpt.model_architecture(model), tp)
     if "files" in meta:  # the sizes and sha256 a resume verifies, before any shard is read
         ckpt.verify_files(tag_dir, meta["files"])
     else:
         warn(f"{meta_path} records no checksums (written by an older snip_ds): its files are not verified")
-    weights = master_weights(tag_dir)
+    if ckpt.is_universal(meta):
+        weights = universal_weights(tag_dir, model)
+    elif tp != 1:  # tensor-parallel shards: DeepSpeed's universal conversion merges them
+        with tempfile.TemporaryDirectory(prefix=".snip-export-", dir=out_dir.parent) as tmp:
+            warn(f"{tag_dir}: tensor-parallel shards ({tp} per layer): merged through DeepSpeed's universal "
+                 f"conversion in a temporary folder")
+            with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's converter prints its progress
+                merged = ckpt.convert_to_universal(tag_dir, Path(tmp), log=lambda msg: None)
+            weights = universal_weights(merged, model)
+    else:
+        weights = master_weights(tag_dir)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in weights.items()}
     if expected != got:
@@ -333,7 +378,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     model.config.use_cache = True  # training switched it off; generation wants it
 
     record = {"format": FORMAT, "checkpoint": str(tag_dir.resolve()), "step": meta.get("step"),
-              "dtype": dtype, "world_size": world_size,
+              "dtype": dtype, "world_size": world_size, "tensor_parallel": tp,
               "plan": f"{_plan_file(tag_dir).resolve()} (key 'plan'); not applied by this model, "
                       f"which runs in plain {dtype}",
               "parameters": int(sum(v.numel() for k, v in model.named_parameters()))}

@@ -294,7 +294,7 @@ def train(args: argparse.Namespace) -> int:
         problem = None
         try:
             tag_dir, ckpt_meta = ckpt.check_resumable(Path(args.resume_from_checkpoint), ckpt.model_fingerprint(model),
-                                                      world, rank, ckpt.model_architecture(model))
+                                                      world, rank, ckpt.model_architecture(model), tp)
             resume.check_resumed_plan(tag_dir, ckpt_meta, plan, settings)
             stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
             ckpt.check_universal_batch(tag_dir, ckpt_meta, micro_bs * ga * world_d, micro_bs, ga, world_d, stage)

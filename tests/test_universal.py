@@ -169,7 +169,7 @@ def test_an_unfinished_conversion_and_a_changed_global_batch_stop_with_one_line(
               ["unfinished/step_4: an unfinished 'snip-ds universal' conversion (no snip_meta.json"]),
              (["--resume_from_checkpoint", str(universal)],
               ["step_4/snip_meta.json: universal.train_batch_size is 4, but this run's is 2 "
-               "(train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 1 x 1 ranks)"]),
+               "(train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 1 x 1 data-parallel ranks)"]),
              ]
     for extra, expected in cases:
         code = main(["--deepspeed", str(zero1["cfg"]), "--output_dir", str(tmp / "never"), "--no_progress", *extra])

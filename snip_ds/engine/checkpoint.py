@@ -204,10 +204,17 @@ def model_config(model: torch.nn.Module) -> Dict[str, Any]:
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 of every parameter's name and full shape (``ds_shape`` under ZeRO-3)."""
+    """sha256 of every parameter's name and full shape (``ds_shape`` under ZeRO-3; a tensor-parallel shard's
+    whole, unsharded shape, so that a model fingerprints alike before and after DeepSpeed shards it)."""
+    whole = {}
+    for module in model.modules():  # DeepSpeed's tensor-parallel layers remember their unsharded shapes
+        for attr, shape_attr in (("weight", "_orig_weight_shape"), ("bias", "_orig_bias_shape")):
+            param, shape = getattr(module, attr, None), getattr(module, shape_attr, None)
+            if isinstance(param, torch.nn.Parameter) and shape is not None:
+                whole[id(param)] = tuple(shape)
     h = hashlib.sha256()
     for name, p in model.named_parameters():
-        shape = tuple(getattr(p, "ds_shape", p.shape))
+        shape = whole.get(id(p), tuple(getattr(p, "ds_shape", p.shape)))
         h.update(f"{name}:{shape};".encode())
     return h.hexdigest()
 
@@ -512,8 +519,9 @@ def _check_fields(meta: Mapping[str, Any], path: Path) -> None:
 
 
 def validate(tag_dir: Path, fingerprint: str, world_size: int,
-             architecture: Mapping[str, Any] | None = None) -> Dict[str, Any]:
-    """Checks, before anything is loaded, that the checkpoint fits this model and world size.
+             architecture: Mapping[str, Any] | None = None, tensor_parallel: int = 1) -> Dict[str, Any]:
+    """Checks, before anything is loaded, that the checkpoint fits this model, world size and tensor-parallel
+    degree (``tensor_parallel``; a checkpoint that records none was saved without tensor parallelism).
 
     ``architecture`` (:func:`model_architecture`) is compared field by field with the one the checkpoint
     recorded, where both have the field; checkpoints written before it was recorded are checked by the
@@ -535,6 +543,10 @@ def validate(tag_dir: Path, fingerprint: str, world_size: int,
                               f"model (parameter names or shapes differ)")
     if is_universal(meta):
         _check_universal(meta, path)
+    elif meta.get("tensor_parallel", 1) != tensor_parallel:
+        raise CheckpointError(f"{path}: tensor_parallel is {meta.get('tensor_parallel', 1)}, but this run's "
+                              f"tensor_parallel.autotp_size is {tensor_parallel}; resume with the same, or at "
+                              f"another shape convert it first: snip-ds universal {tag_dir} OUT_DIR")
     elif meta.get("world_size") != world_size:
         raise CheckpointError(f"{path}: world_size is {meta.get('world_size')}, but this run has "
                               f"{world_size} ranks; resume with the same number of ranks, or at another number "
@@ -546,7 +558,8 @@ def validate(tag_dir: Path, fingerprint: str, world_size: int,
 
 
 def check_resumable(path: Path, fingerprint: str, world_size: int, rank: int,
-                    architecture: Mapping[str, Any] | None = None) -> tuple[Path, Dict[str, Any]]:
+                    architecture: Mapping[str, Any] | None = None,
+                    tensor_parallel: int = 1) -> tuple[Path, Dict[str, Any]]:
     """:func:`resolve`, :func:`validate` and :func:`verify_files` (this rank's share of the hashing): the
     checkpoint ``path`` names and its metadata, once nothing in it is found wrong. Not collective: a caller
     with several ranks agrees on the outcome (:func:`snip_ds.distributed.first_error`) before going on.
@@ -554,7 +567,7 @@ def check_resumable(path: Path, fingerprint: str, world_size: int, rank: int,
     A checkpoint written before checksums were recorded (no ``files``) is checked without them.
     """
     tag_dir = resolve(path)
-    meta = validate(tag_dir, fingerprint, world_size, architecture)
+    meta = validate(tag_dir, fingerprint, world_size, architecture, tensor_parallel)
     if "files" in meta:
         verify_files(tag_dir, meta["files"], rank, world_size)
     return tag_dir, meta
@@ -616,8 +629,8 @@ def with_load_universal(ds_config: Mapping[str, Any], meta: Mapping[str, Any]) -
 
 def check_universal_batch(tag_dir: Path, meta: Mapping[str, Any], train_batch_size: int, micro: int, ga: int,
                           world: int, zero_stage: int) -> None:
-    """A universal checkpoint resumes with the global batch it was trained with (DeepSpeed's
-    ``train_batch_size`` = micro-batch x gradient accumulation x ranks) and the ZeRO stage it was saved with.
+    """A universal checkpoint resumes with the global batch it was trained with (micro-batch x gradient
+    accumulation x data-parallel ranks: ``world`` here) and the ZeRO stage it was saved with.
 
     Raises:
         CheckpointError: naming ``snip_meta.json`` and the fields.
@@ -628,9 +641,9 @@ def check_universal_batch(tag_dir: Path, meta: Mapping[str, Any], train_batch_si
     if u["train_batch_size"] != train_batch_size:
         raise CheckpointError(
             f"{path}: universal.train_batch_size is {u['train_batch_size']}, but this run's is {train_batch_size} "
-            f"(train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps {ga} x {world} ranks); keep "
-            f"the global batch: set --gradient_accumulation_steps and --per_device_train_batch_size so that their "
-            f"product x ranks is {u['train_batch_size']}")
+            f"(train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps {ga} x {world} data-parallel "
+            f"ranks); keep the global batch: set --gradient_accumulation_steps and --per_device_train_batch_size so "
+            f"that their product x data-parallel ranks is {u['train_batch_size']}")
     if u["zero_stage"] != zero_stage:
         raise CheckpointError(f"{path}: universal.zero_stage is {u['zero_stage']}, but this run's "
                               f"zero_optimization.stage is {zero_stage}; resume with the stage it was saved with")
@@ -706,7 +719,8 @@ def convert_to_universal(src: Path, dest: Path, log=print) -> Path:
                 raise CheckpointError(f"{tag_dir}: DeepSpeed's ds_to_universal failed ({type(err).__name__}: "
                                       f"{first}); nothing was kept of {out}") from None
         full = {**meta, UNIVERSAL_FIELD: {"zero_stage": zero_stage, "source": str(tag_dir.resolve()),
-                                          "train_batch_size": micro * ga * int(meta["world_size"]),
+                                          "train_batch_size": micro * ga * int(meta["world_size"])
+                                          // int(meta.get("tensor_parallel", 1)),  # data-parallel ranks
                                           "source_sha256": file_digest(tag_dir / META_FILE)["sha256"]},
                 "files": {name: file_digest(out / name) for name in _listing(out)}}
         atomic_write_text(out / META_FILE, json.dumps(full, indent=2, sort_keys=True))

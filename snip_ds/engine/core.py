@@ -173,6 +173,11 @@ class SnipEngine:
     def zero_stage(self) -> int:
         return self.state.zero_stage
 
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel degree (``tensor_parallel.autotp_size``; 1 without tensor parallelism)."""
+        return max(int(self.ds.autotp_size()), 1)
+
     def lr(self) -> float:
         """The learning rate of the next optimizer step (read from the optimizer, which the scheduler sets)."""
         return self.state.lr()
@@ -273,6 +278,8 @@ class SnipEngine:
         (:meth:`snip_ds.state.SnipState.state_dict`, the Trainer's format too); ``snip_meta.json`` holds
         ``extra`` (the data stream, lr schedule, tokenizer), the model's config and every file's checksum."""
         meta = {"step": self.step, "model_config": ckpt.model_config(self.ds.module), **extra}
+        if self.tensor_parallel > 1:
+            meta["tensor_parallel"] = self.tensor_parallel
         return ckpt.save(self.ds, Path(save_dir), f"step_{self.step}", meta, self.state.rank_tensors(),
                          self.state.state_dict(), ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
                          ckpt.model_architecture(self.ds.module))
@@ -290,7 +297,7 @@ class SnipEngine:
         """
         tag_dir = ckpt.resolve(Path(path))
         meta = ckpt.validate(tag_dir, ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
-                             ckpt.model_architecture(self.ds.module))
+                             ckpt.model_architecture(self.ds.module), self.tensor_parallel)
         tensors = ckpt.load(self.ds, tag_dir, sdist.rank())
         self.state.load_rank_tensors(tensors, torch_rng=True)  # {} on a rank the saving run did not have
         snip, source = ckpt.read_snip_state(tag_dir, meta)
@@ -351,6 +358,11 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
             ``"checkpoint": {"load_universal": true}``). The data position is the caller's (the checkpoint's
             ``snip_meta.json`` holds what ``save_checkpoint``'s ``extra`` gave).
 
+    With ``"tensor_parallel": {"autotp_size": N}`` DeepSpeed's AutoTP shards the decoder linears over N ranks and
+    every shard runs at the plan's precision (:mod:`snip_ds.engine.tensor_parallel`); the ranks of a tensor-parallel
+    group must be handed the same batches (data-parallel rank ``rank // N`` of ``world // N``), and
+    ``tokens_per_step`` stays one rank's.
+
     With an adaptive plan, :meth:`SnipEngine.train_step` runs SNIP by itself: statistics before the first
     step, at the ``early_replan_steps`` and every ``replan_every`` steps (:mod:`snip_ds.schedule`), the ILP on
     rank 0, the plan broadcast and checked on every rank.
@@ -364,7 +376,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         ValueError: an invalid plan file.
         snip_ds.backend.BackendError: ``snip.quant.backend`` cannot run here (names backend, recipe, device).
         CheckpointError: ``resume_from`` is missing, incomplete, of another model, or of another number of
-            ranks and not universal (the message names the file or field).
+            ranks or tensor-parallel degree and not universal (the message names the file or field).
     """
     config = dict(config)
     section = config.pop("snip", None)
@@ -408,7 +420,8 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         engine.state.measure_stream = measurement_stream
     if tag_dir is not None:
         ds = engine.ds
-        ckpt.check_universal_batch(tag_dir, meta, ds.train_batch_size(), ds.train_micro_batch_size_per_gpu(),
-                                   ds.gradient_accumulation_steps(), sdist.world_size(), ds.zero_optimization_stage())
+        dp = engine.state.dp_size  # DeepSpeed's train_batch_size() counts tensor-parallel ranks too
+        micro, ga = ds.train_micro_batch_size_per_gpu(), ds.gradient_accumulation_steps()
+        ckpt.check_universal_batch(tag_dir, meta, micro * ga * dp, micro, ga, dp, ds.zero_optimization_stage())
         engine.load_checkpoint(tag_dir)
     return engine

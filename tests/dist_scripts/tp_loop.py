@@ -19,15 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import snip_ds  # noqa: E402
 from snip_ds import distributed as sdist  # noqa: E402
 from snip_ds.engine import init_distributed  # noqa: E402
+from snip_ds.engine.checkpoint import CheckpointError  # noqa: E402
 from snip_ds.settings import ConfigError  # noqa: E402
 
-HIDDEN, INTER, VOCAB, SEQ = 128, 256, 96, 16
+HIDDEN, VOCAB, SEQ = 128, 96, 16
 
 
-def _model():
+def _model(hidden: int = HIDDEN):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                         max_position_embeddings=SEQ, tie_word_embeddings=False))
 
@@ -125,6 +126,20 @@ def _param_sum(engine) -> float:
         return float(sum(p.double().sum() for p in params))
 
 
+def _bf16_loss(engine, ids) -> float:
+    """The model's loss on ``ids`` with every layer unquantized (what an exported model computes)."""
+    saved = {f: m.precision for f, m in engine.layers.items()}
+    for m in engine.layers.values():
+        m.precision = "bf16"
+    engine.ds.eval()
+    with torch.no_grad():
+        loss = float(engine.ds(input_ids=ids, labels=ids).loss)
+    engine.ds.train()
+    for f, m in engine.layers.items():
+        m.precision = saved[f]
+    return loss
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=-1)
@@ -133,6 +148,7 @@ def main() -> int:
     p.add_argument("--zero", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--fp8_recipe", default="fp8_hybrid")
     p.add_argument("--fp4_recipe", default="nvfp4")
     p.add_argument("--collect", action="store_true")
@@ -156,8 +172,9 @@ def main() -> int:
     out = {"rank": rank}
     counts: dict = {}
     try:
-        engine = snip_ds.initialize(_model(), config, tokens_per_step=args.micro * SEQ, resume_from=args.resume)
-    except ConfigError as err:
+        engine = snip_ds.initialize(_model(args.hidden), config, tokens_per_step=args.micro * SEQ,
+                                    resume_from=args.resume)
+    except (ConfigError, CheckpointError) as err:
         out["error"] = str(err)
         Path(f"{args.out}.{rank}").write_text(json.dumps(out))
         return 0
@@ -166,9 +183,12 @@ def main() -> int:
         Path(f"{args.out}.{rank}").write_text(json.dumps(out))
         torch.distributed.barrier()
         return 0
-    dp_rank = rank // args.tp
-    gen = torch.Generator().manual_seed(100 + dp_rank)  # the same batches on a tensor-parallel group's ranks
-    batches = [torch.randint(0, VOCAB, (args.micro, SEQ), generator=gen) for _ in range(args.skip + args.steps + 1)]
+    # One global batch per step, each data-parallel rank its slice (a tensor-parallel group's ranks the same one):
+    # every shape of the same global batch size sees the same data.
+    dp_rank, dp = rank // args.tp, world // args.tp
+    gen = torch.Generator().manual_seed(100)
+    batches = [torch.randint(0, VOCAB, (args.micro * dp, SEQ), generator=gen)[dp_rank * args.micro:][:args.micro]
+               for _ in range(args.skip + args.steps + 1)]
     batches = batches[args.skip:]
     if args.collect:
         from snip_ds.stats import CollectSettings, collect_statistics
@@ -183,6 +203,7 @@ def main() -> int:
         losses.append(engine.train_step([{"input_ids": ids, "labels": ids}]))
     if args.save:
         engine.save_checkpoint(args.save, {})
+        out["bf16_loss"] = _bf16_loss(engine, batches[-1])
     history = engine.planner.history if engine.planner is not None else []
     out.update(losses=losses, dp_size=engine.state.dp_size, gemms=counts, plan=engine.plan.digest(),
                history=[h["step"] for h in history], step=engine.step, param_sum=_param_sum(engine),

@@ -1,0 +1,238 @@
+"""Tensor parallelism (DeepSpeed AutoTP x ZeRO): real multi-process runs of tests/dist_scripts/tp_loop.py and
+launch/train.py under the deepspeed launcher, and the checks that refuse what it does not run."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from train_utils import REPO, TINY_MODEL, env, launch, run_ranks, scalars
+
+SCRIPT = REPO / "tests" / "dist_scripts" / "tp_loop.py"
+SHORT_TRAIN = ["--block_size", "64", "--eval_batches", "1", "--per_device_train_batch_size", "2"]
+NO_SR = json.dumps({"quant": {"stochastic_rounding": False}})
+ADAPTIVE = json.dumps({"replan_every": 2, "efficiency_saving": 0.5, "additional_bf16_fwd_every_n_steps": 0})
+
+
+def _run(tmp_path, name: str, ranks: int, *args) -> list:
+    """tp_loop.py on ``ranks`` ranks (one rank: a plain process); each rank's JSON."""
+    from snip_ds.engine.core import _free_port
+
+    out = tmp_path / name
+    if ranks == 1:
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], cwd=REPO, env=env(),
+                              capture_output=True, text=True, timeout=300)
+    else:
+        proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+                                  "--master_port", str(_free_port()), str(SCRIPT), "--out", str(out), *args],
+                         timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"{name}.{r}").read_text()) for r in range(ranks)]
+
+
+# ----------------------------------------------------------------------------------------- in-process checks
+def test_shard_widths_must_hold_whole_blocks_of_every_recipe():
+    from snip_ds.engine.tensor_parallel import block_multiple
+    from snip_ds.quant_config import QuantConfig
+
+    assert block_multiple(QuantConfig()) == 16  # NVFP4's 16-element blocks (and 16x16 weight tiles)
+    assert block_multiple(QuantConfig(fp4_recipe="mxfp4")) == 32
+    assert block_multiple(QuantConfig(fp8_recipe="mxfp8", fp4_recipe="nvfp4")) == 32
+
+
+def test_deepspeed_versions_outside_the_known_range_are_refused():
+    from snip_ds.engine.tensor_parallel import check_deepspeed_version
+    from snip_ds.settings import ConfigError
+
+    check_deepspeed_version("0.19.8")
+    for version in ("0.18.4", "0.20.0", "1.0", "unknown"):
+        with pytest.raises(ConfigError, match=rf"this is DeepSpeed {version}; install deepspeed==0\.19\.\*"):
+            check_deepspeed_version(version)
+
+
+@pytest.mark.parametrize("snip, field", [
+    ({"research": {"estimator": "empirical"}}, "snip.research.estimator: 'empirical'"),
+    ({"research": {"fld_form": "channel"}}, "snip.research.fld_form: 'channel'"),
+    ({"per_gemm": True, "research": {"dgrad_cost": "upstream"}}, "snip.research.dgrad_cost: 'upstream'"),
+    ({"research": {"study_fields": ["quant_err"]}}, "snip.research.study_fields"),
+])
+def test_statistics_variants_that_are_not_sums_of_shards_are_refused(snip, field):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from snip_ds.engine.tensor_parallel import check_model
+    from snip_ds.settings import ConfigError, parse_snip_section
+    from snip_ds.swap import layer_infos
+
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY_MODEL.items() if k != "model_type"}))
+    infos = layer_infos(model)
+    check_model(infos, parse_snip_section({}, "x"))  # the defaults run
+    with pytest.raises(ConfigError, match=rf"^{field}.*tensor parallelism"):
+        check_model(infos, parse_snip_section(snip, "x"))
+
+
+def test_mixture_of_experts_models_are_refused():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from train_utils import TINY_MIXTRAL
+    from snip_ds.engine.tensor_parallel import check_model
+    from snip_ds.settings import ConfigError, parse_snip_section
+    from snip_ds.swap import layer_infos
+
+    cfg = dict(TINY_MIXTRAL)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    with pytest.raises(ConfigError, match=r"layer model.layers.0.mlp.experts is a Mixture-of-Experts experts module"):
+        check_model(layer_infos(model), parse_snip_section({}, "x"))
+
+
+# ----------------------------------------------------------------------------------------- real runs
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("fp8_recipe, fp4_recipe", [("fp8_hybrid", "nvfp4"), ("mxfp8", "mxfp4")])
+def test_each_shard_computes_what_the_whole_layer_computes(tmp_path, fp8_recipe, fp4_recipe):
+    """TP = 2, every layer at fp8 and fp4, on the same random X and G_Y as one whole SnipLinear of the gathered
+    weight: output, input gradient and weight gradient (gathered) differ from the whole layer's by at most the
+    round-off of summing the same products in another order (tp_loop.check_layers: ``γ_{K+2}|Q(A)||Q(B)|``).
+    Scales from a shard's own amax instead of the whole tensor's exceed that bound ~10⁴-fold (checked by hand)."""
+    ranks = _run(tmp_path, "layers", 2, "--tp", "2", "--zero", "0", "--fp8_recipe", fp8_recipe,
+                 "--fp4_recipe", fp4_recipe, "--snip", NO_SR, "--check_layers")
+    layers = ranks[0]["layers"]
+    assert len(layers) == 2 * 14  # 2 blocks x 7 linears x (fp8, fp4)
+    for name, rec in layers.items():
+        assert rec["worst"] <= 1.0, (name, rec)
+    assert ranks[0]["layers"] == ranks[1]["layers"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_trains_and_measures_like_tp1(tmp_path):
+    """The same global batches at TP = 2 on 2 ranks and TP = 1 on 1 rank, ZeRO-1.
+
+    * bf16 and fp8: losses equal to FP32 round-off (1e-5 relative; measured ≤ 1.1e-7: the row-parallel
+      all-reduce sums partial products in another order, and FP8 products of such small K are exact);
+    * every TP layer is a quantized shard and ran its three GEMMs at the plan's precision, as many as at TP = 1;
+    * fp4 (stochastic rounding off): one statistics collection agrees within 1e-2 relative and the losses
+      within 2e-2. Not round-off: FP4's grid is coarse, so a one-ulp difference of an input (the reduction
+      order above) flips a few elements to the neighbouring FP4 value (measured: 2e-4 in the statistics, 1e-2
+      in the third loss); the layer test above checks each shard's GEMMs to round-off instead.
+    """
+    runs = {}
+    for plan, extra in (("bf16", ()), ("fp8", ()), ("fp4", ("--collect", "--snip", NO_SR))):
+        runs[plan] = (_run(tmp_path, f"{plan}1", 1, "--plan", plan, *extra),
+                      _run(tmp_path, f"{plan}2", 2, "--tp", "2", "--plan", plan, *extra))
+    for plan, (one, two) in runs.items():
+        assert two[0]["losses"] == two[1]["losses"] and two[0]["dp_size"] == 1
+        rel = 1e-5 if plan != "fp4" else 2e-2
+        for a, b in zip(one[0]["losses"], two[0]["losses"]):
+            assert b == pytest.approx(a, rel=rel), plan
+        assert two[0]["gemms"] == one[0]["gemms"]
+        expected = {} if plan == "bf16" else {f"{g}:{plan}": 14 * 3 for g in ("fprop", "dgrad", "wgrad")}
+        assert two[0]["gemms"] == expected
+        for fqn, (cls, precision, shape) in two[0]["layers"].items():
+            assert cls == ("SnipRowParallel" if fqn.endswith(("o_proj", "down_proj")) else "SnipColumnParallel")
+            assert precision == plan
+            assert shape != one[0]["layers"][fqn][2]  # a shard
+    one, two = runs["fp4"][0][0]["stats"], runs["fp4"][1][0]["stats"]
+    assert one.keys() == two.keys()
+    for fqn in one:
+        for field in ("fld", "bwd"):
+            for p in ("fp8", "fp4"):
+                assert two[fqn][field][p] == pytest.approx(one[fqn][field][p], rel=1e-2), (fqn, field, p)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_dp2_adaptive_saves_resumes_bit_for_bit_and_resumes_at_other_shapes(tmp_path):
+    """TP 2 x DP 2 on 4 ranks, ZeRO-1, adaptive (re-plans at steps 0 and 2): 4 steps uninterrupted, and 2 steps
+    saved then resumed for 2 more: the same losses, plan and parameters bit for bit. The checkpoint converted by
+    ``snip-ds universal`` resumes at TP 1 x DP 2 and, with the same global batch, on 1 rank (micro-batch 4):
+    step, re-plan history as saved; the first resumed step at TP 1 x DP 2 (whose statistics saw the same
+    batches) plans as the uninterrupted run did."""
+    from snip_ds.engine.checkpoint import convert_to_universal
+
+    base = ("--tp", "2", "--plan", "adaptive", "--snip", ADAPTIVE)
+    whole = _run(tmp_path, "whole", 4, *base, "--steps", "4")
+    saved = _run(tmp_path, "saved", 4, *base, "--steps", "2", "--save", str(tmp_path / "ckpt"))
+    resumed = _run(tmp_path, "resumed", 4, *base, "--steps", "2", "--skip", "2", "--resume", str(tmp_path / "ckpt"))
+    for w, s, r in zip(whole, saved, resumed):
+        assert w["history"] == r["history"] == [0, 2] and s["history"] == [0]
+        assert s["losses"] == w["losses"][:2] and r["losses"] == w["losses"][2:]
+        assert r["param_sum"] == w["param_sum"] and r["plan"] == w["plan"]
+    meta = json.loads((tmp_path / "ckpt" / "step_2" / "snip_meta.json").read_text())
+    assert meta["tensor_parallel"] == 2 and meta["world_size"] == 4
+    _export_matches(tmp_path, saved[0]["bf16_loss"])
+    # the checkpoint at another shape without conversion: refused, naming the field
+    (refused,) = _run(tmp_path, "refused", 1, "--plan", "adaptive", "--snip", ADAPTIVE, "--micro", "4", "--steps",
+                      "1", "--resume", str(tmp_path / "ckpt"))
+    assert "tensor_parallel is 2, but this run's tensor_parallel.autotp_size is 1" in refused["error"]
+
+    universal = convert_to_universal(tmp_path / "ckpt" / "step_2", tmp_path / "universal", log=lambda m: None)
+    for name, ranks, args in (("tp1dp2", 2, ("--tp", "1")), ("tp1dp1", 1, ("--micro", "4"))):
+        out = _run(tmp_path, name, ranks, "--plan", "adaptive", "--snip", ADAPTIVE, "--steps", "2", "--skip", "2",
+                   "--resume", str(universal), *args)
+        for r in out:
+            assert r["step"] == 4 and r["history"] == [0, 2], name
+            assert all(math.isfinite(x) for x in r["losses"])
+        if name == "tp1dp2":
+            assert out[0]["plan"] == whole[0]["plan"]
+            assert out[0]["losses"][0] == pytest.approx(whole[0]["losses"][2], rel=1e-2)
+
+
+def _export_matches(tmp_path, bf16_loss: float) -> None:
+    """``snip-ds export`` of the TP 2 x DP 2 checkpoint merges the shards into the plain Hugging Face model: its
+    loss on the batch the saving run measured unquantized equals that run's to FP32 round-off (1e-5 relative:
+    the same weights, the row-parallel sums in another order)."""
+    from transformers import AutoModelForCausalLM
+
+    from snip_ds.export import export_checkpoint
+
+    record = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    assert record["tensor_parallel"] == 2 and record["world_size"] == 4
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    gen = torch.Generator().manual_seed(100)  # tp_loop.py's batches: rank 0's slice of the third global batch
+    ids = [torch.randint(0, 96, (2 * 2, 16), generator=gen) for _ in range(3)][-1][:2]
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, labels=ids).loss)
+    assert loss == pytest.approx(bf16_loss, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_dp2_zero3_replans(tmp_path):
+    """TP 2 x DP 2 on 4 ranks under ZeRO-3: adaptive SNIP re-plans at steps 0 and 2, one plan on every rank."""
+    ranks = _run(tmp_path, "z3", 4, "--tp", "2", "--zero", "3", "--plan", "adaptive", "--snip", ADAPTIVE,
+                 "--steps", "3")
+    assert all(r["history"] == [0, 2] and r["plan"] == ranks[0]["plan"] for r in ranks)
+    assert all(r["losses"] == ranks[0]["losses"] and all(math.isfinite(x) for x in r["losses"]) for r in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_shard_that_splits_a_block_is_refused_naming_the_layer(tmp_path):
+    """Hidden 64 with 4 heads, 2 KV heads: k_proj's 32 rows split into shards of 16, which MXFP4's blocks of 32
+    would straddle."""
+    ranks = _run(tmp_path, "blocks", 2, "--tp", "2", "--hidden", "64", "--fp4_recipe", "mxfp4")
+    for r in ranks:
+        assert ("layer model.layers.0.self_attn.k_proj: tensor parallelism splits its output features (rows of W) "
+                "into shards of [16, 16], not multiples of 32") in r["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_launch_train_runs_the_shipped_tp_config_and_resumes(tmp_path):
+    """``deepspeed --num_gpus 2 launch/train.py --deepspeed ds_configs/zero3_tp2.json`` unchanged (TP 2, ZeRO-3,
+    adaptive), 4 steps saving at 2 and 4; then resumed from step 2 to 4: the same step-4 validation loss."""
+    (tmp_path / "model.json").write_text(json.dumps(TINY_MODEL))
+    common = ["--deepspeed", str(REPO / "ds_configs" / "zero3_tp2.json"), "--model_config",
+              str(tmp_path / "model.json"), *SHORT_TRAIN, "--max_steps", "4", "--eval_steps", "2", "--save_steps",
+              "2", "--no_progress"]
+    first = launch([*common, "--output_dir", str(tmp_path / "a")], num_ranks=2)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "2 rank(s) (tensor parallel 2 x data parallel 1)" in first.stdout
+    again = launch([*common, "--output_dir", str(tmp_path / "b"), "--resume_from_checkpoint",
+                    str(tmp_path / "a" / "checkpoints" / "step_2")], num_ranks=2)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    a, b = scalars(tmp_path / "a" / "tensorboard"), scalars(tmp_path / "b" / "tensorboard")
+    assert b["eval/loss"][4] == a["eval/loss"][4]
