@@ -134,7 +134,8 @@ def computed_70b(tokens: int = 4096, tp: int = 8, probes: int = 1, sequences: in
       fp4 also the noise's ``[tokens, |S|]`` (|S| = max(256, 8192 / 4) sampled tokens) and two ``[8192]``
       vectors.
 
-    Over the data-parallel group: the per-layer scalars (bench_collect's count: 12 per layer, 2 global)."""
+    Over the data-parallel group: the per-layer scalars (bench_collect's count: 12 per layer, 2 global). Beside
+    them, for scale, a training step's own tensor-parallel all-reduces of its BF16 activations."""
     blocks, hidden, n_out = 80, 8192, 8192
     layers = 7 * blocks
     amax = layers * 2 * (2 * probes + 2) * 4
@@ -142,9 +143,13 @@ def computed_70b(tokens: int = 4096, tp: int = 8, probes: int = 1, sequences: in
     sample = max(256, n_out // 4)
     row = 2 * blocks * (2 * tokens * n_out * 4 + tokens * sample * 4 + 2 * n_out * 4)
     dp = (12 * layers + 2) * 8
+    # beside it, a training step's own tensor-parallel all-reduces of BF16 activations [tokens, hidden]: per block
+    # the two row-parallel outputs in forward and the five column-parallel inputs' gradients in backward
+    step = blocks * (2 + 5) * tokens * hidden * 2
     return {"model": "Llama-2-70B widths, 80 blocks", "tensor_parallel": tp, "tokens_per_rank": tokens,
             "tp_amax_bytes": amax, "tp_amax_calls": layers * 2 * (2 * probes + 2), "tp_fld_bytes": fld,
             "tp_row_projection_bytes": row, "tp_total_bytes": amax + fld + row, "dp_scalar_bytes": dp,
+            "tp_step_activation_bytes": step,
             "hidden": hidden}
 
 
@@ -187,12 +192,17 @@ def driver(args) -> None:
         lines.append(f"| TP {r['tp']} x DP {r['dp']} | {r['step_s']:.3f} | {r['collect_s']:.3f} | "
                      f"{r['collect_step_equivalents']:.2f} | {r['collect_bytes']:,} ({r['collect_calls']}) | "
                      f"{r['step_bytes']:,} |")
-    lines += ["", f"TP 2's step takes {record['tp2_over_tp1']['step_time']:.2f}x TP 1's.", "",
+    lines += ["", f"TP 2's step takes {record['tp2_over_tp1']['step_time']:.2f}x TP 1's. Bytes are every collective "
+              f"of the calling rank, DeepSpeed's included: at TP 2 most of a collection's are the activation "
+              f"all-reduces of its own forward and backward passes, the rest the row-parallel layers' projections "
+              f"(below).", "",
               "## Llama-2-70B widths, TP 8 x DP 64: computed, not measured", "",
               f"One collection, {c['tokens_per_rank']} tokens per rank, fp8 and fp4: over each tensor-parallel "
               f"group {c['tp_total_bytes'] / 2 ** 30:.1f} GiB per rank ({c['tp_row_projection_bytes'] / 2 ** 30:.1f} "
               f"GiB the row-parallel layers' projections, {c['tp_amax_calls']} amax all-reduces of 4 bytes, "
-              f"{c['tp_fld_bytes']:,} bytes of per-sequence FLD sums); over the data-parallel group "
+              f"{c['tp_fld_bytes']:,} bytes of per-sequence FLD sums), next to "
+              f"{c['tp_step_activation_bytes'] / 2 ** 30:.1f} GiB of a training step's own activation all-reduces "
+              f"(BF16, computed alike); over the data-parallel group "
               f"{c['dp_scalar_bytes']:,} bytes of per-layer scalars. The ILP (560 layers) solves in 0.09 s on a "
               f"CPU core (bench_planner.md); tensor parallelism does not change it."]
     (out_dir / "bench_tp.md").write_text("\n".join(lines) + "\n")
