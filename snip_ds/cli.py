@@ -263,9 +263,9 @@ def _cmd_universal(args: argparse.Namespace) -> int:
         out = convert_to_universal(Path(args.checkpoint), Path(args.out_dir))
     except CheckpointError as err:
         raise UserError(str(err)) from None
-    print(f"{out}: universal checkpoint written; resume it on any number of ranks with "
-          f"--resume_from_checkpoint {out.parent}, keeping the global batch (micro-batch x gradient accumulation x "
-          f"ranks)")
+    print(f"{out}: universal checkpoint written; resume it on any number of ranks (any tensor-parallel degree) "
+          f"with --resume_from_checkpoint {out.parent}, keeping the global batch (micro-batch x gradient "
+          f"accumulation x data-parallel ranks)")
     return 0
 
 

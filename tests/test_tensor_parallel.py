@@ -72,6 +72,25 @@ def test_statistics_variants_that_are_not_sums_of_shards_are_refused(snip, field
         check_model(infos, parse_snip_section(snip, "x"))
 
 
+@pytest.mark.parametrize("field, value", [("num_attention_heads", 5), ("num_key_value_heads", 3),
+                                          ("intermediate_size", 99)])
+def test_a_degree_that_does_not_divide_heads_or_widths_is_refused(field, value):
+    """Read from the model's (text) config, before DeepSpeed would split them unevenly."""
+    from types import SimpleNamespace
+
+    from snip_ds.engine.tensor_parallel import check_model
+    from snip_ds.settings import ConfigError, parse_snip_section
+
+    fits = {"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 128}
+    check_model({}, parse_snip_section({}, "x"), SimpleNamespace(**fits), tp=2)
+    check_model({}, parse_snip_section({}, "x"), SimpleNamespace(**{**fits, field: value}), tp=1)
+    nested = SimpleNamespace(text_config=SimpleNamespace(**{**fits, field: value}))  # a multimodal config
+    for config in (SimpleNamespace(**{**fits, field: value}), nested):
+        with pytest.raises(ConfigError, match=rf"^tensor_parallel.autotp_size: 2 does not divide the model's "
+                                              rf"{field} \({value}\)"):
+            check_model({}, parse_snip_section({}, "x"), config, tp=2)
+
+
 def test_mixture_of_experts_models_are_refused():
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -147,7 +166,8 @@ def test_tp2_trains_and_measures_like_tp1(tmp_path):
 def test_tp2_dp2_adaptive_saves_resumes_bit_for_bit_and_resumes_at_other_shapes(tmp_path):
     """TP 2 x DP 2 on 4 ranks, ZeRO-1, adaptive (re-plans at steps 0 and 2): 4 steps uninterrupted, and 2 steps
     saved then resumed for 2 more: the same losses, plan and parameters bit for bit. The checkpoint converted by
-    ``snip-ds universal`` resumes at TP 1 x DP 2 and, with the same global batch, on 1 rank (micro-batch 4):
+    ``snip-ds universal`` resumes at TP 1 x DP 2 and, with the same global batch (micro-batch 4), at TP 2 x DP 1
+    and on 1 rank:
     step, re-plan history as saved; the first resumed step at TP 1 x DP 2 (whose statistics saw the same
     batches) plans as the uninterrupted run did."""
     from snip_ds.engine.checkpoint import convert_to_universal
@@ -169,7 +189,8 @@ def test_tp2_dp2_adaptive_saves_resumes_bit_for_bit_and_resumes_at_other_shapes(
     assert "tensor_parallel is 2, but this run's tensor_parallel.autotp_size is 1" in refused["error"]
 
     universal = convert_to_universal(tmp_path / "ckpt" / "step_2", tmp_path / "universal", log=lambda m: None)
-    for name, ranks, args in (("tp1dp2", 2, ("--tp", "1")), ("tp1dp1", 1, ("--micro", "4"))):
+    for name, ranks, args in (("tp1dp2", 2, ("--tp", "1")), ("tp2dp1", 2, ("--tp", "2", "--micro", "4")),
+                              ("tp1dp1", 1, ("--micro", "4"))):
         out = _run(tmp_path, name, ranks, "--plan", "adaptive", "--snip", ADAPTIVE, "--steps", "2", "--skip", "2",
                    "--resume", str(universal), *args)
         for r in out:
@@ -200,12 +221,18 @@ def _export_matches(tmp_path, bf16_loss: float) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tp2_dp2_zero3_replans(tmp_path):
-    """TP 2 x DP 2 on 4 ranks under ZeRO-3: adaptive SNIP re-plans at steps 0 and 2, one plan on every rank."""
-    ranks = _run(tmp_path, "z3", 4, "--tp", "2", "--zero", "3", "--plan", "adaptive", "--snip", ADAPTIVE,
-                 "--steps", "3")
-    assert all(r["history"] == [0, 2] and r["plan"] == ranks[0]["plan"] for r in ranks)
-    assert all(r["losses"] == ranks[0]["losses"] and all(math.isfinite(x) for x in r["losses"]) for r in ranks)
+def test_tp2_dp2_zero3_replans_saves_and_resumes_bit_for_bit(tmp_path):
+    """TP 2 x DP 2 on 4 ranks under ZeRO-3: adaptive SNIP re-plans at steps 0 and 2, one plan on every rank; 2
+    steps saved and resumed for 2 more give the uninterrupted 4 steps' losses, plan and parameters bit for bit."""
+    base = ("--tp", "2", "--zero", "3", "--plan", "adaptive", "--snip", ADAPTIVE)
+    whole = _run(tmp_path, "whole", 4, *base, "--steps", "4")
+    assert all(r["history"] == [0, 2] and r["plan"] == whole[0]["plan"] for r in whole)
+    assert all(r["losses"] == whole[0]["losses"] and all(math.isfinite(x) for x in r["losses"]) for r in whole)
+    _run(tmp_path, "saved", 4, *base, "--steps", "2", "--save", str(tmp_path / "ckpt"))
+    resumed = _run(tmp_path, "resumed", 4, *base, "--steps", "2", "--skip", "2", "--resume", str(tmp_path / "ckpt"))
+    for w, r in zip(whole, resumed):
+        assert r["losses"] == w["losses"][2:] and r["param_sum"] == w["param_sum"] and r["plan"] == w["plan"]
+        assert r["history"] == [0, 2]
 
 
 @pytest.mark.slow

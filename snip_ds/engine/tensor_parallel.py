@@ -173,12 +173,21 @@ def quantize_tp_layers(module: torch.nn.Module, originals: Mapping[str, SnipLine
     return kinds
 
 
-def check_model(infos: Mapping[str, object], settings) -> None:
-    """Raises ConfigError for what tensor parallelism does not run with (before ``deepspeed.initialize``): a
+def check_model(infos: Mapping[str, object], settings, model_config=None, tp: int = 1) -> None:
+    """Raises ConfigError for what tensor parallelism does not run with (before ``deepspeed.initialize``): a degree
+    ``tp`` that does not divide the model's attention heads, key-value heads or intermediate size (read from
+    ``model_config``, a Hugging Face config, where it has them: AutoTP would split them unevenly), a
     Mixture-of-Experts model, and the research variants of the statistics whose sums are not the shards' sums
     (``estimator`` other than ``mc_fisher``, ``fld_form: channel``, ``dgrad_cost: upstream``, study fields, or a
     ``method`` solved from them)."""
     from snip_ds.experts import ExpertLayerInfo
+
+    text = getattr(model_config, "text_config", None) or model_config
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(text, field, None)
+        if isinstance(value, int) and value % tp:
+            raise ConfigError(f"tensor_parallel.autotp_size: {tp} does not divide the model's {field} ({value}); "
+                              f"choose a degree that divides the heads, key-value heads and intermediate size")
 
     moe = next((name for name, info in infos.items() if isinstance(info, ExpertLayerInfo)), None)
     if moe is not None:
