@@ -113,7 +113,8 @@ def _classes():
 _COLUMN = _ROW = None
 
 
-def quantize_tp_layers(module: torch.nn.Module, originals: Mapping[str, SnipLinear], cfg: QuantConfig) -> Dict[str, str]:
+def quantize_tp_layers(module: torch.nn.Module, originals: Mapping[str, SnipLinear],
+                       cfg: QuantConfig) -> Dict[str, str]:
     """Turns every AutoTP layer that replaced one of ``originals`` (``{fqn: the SnipLinear before
     deepspeed.initialize}``) into its quantized class, in place, carrying over precision, recipes, generator and
     name. Returns ``{fqn: "column" or "row"}``.
@@ -201,8 +202,9 @@ def check_model(infos: Mapping[str, object], settings, model_config=None, tp: in
             raise ConfigError(f"{field}: {value!r} is not available with tensor parallelism (its statistics are "
                               f"not sums of the shards' parts); use the default")
     if settings.collect_study_fields:
-        raise ConfigError(f"snip.research.study_fields / snip.method: the statistics {list(settings.collect_study_fields)} "
-                          f"are not available with tensor parallelism; use the default method without study fields")
+        fields = list(settings.collect_study_fields)
+        raise ConfigError(f"snip.research.study_fields / snip.method: the statistics {fields} are not available "
+                          f"with tensor parallelism; use the default method without study fields")
 
 
 def check_groups(tp: int, rank: int, world_size: int) -> None:

@@ -156,7 +156,7 @@ class BwdEstimator:
         sr = {p: self._expects_sr(module, p) for p in precisions}
         # A row-parallel shard holds some of the input's columns: a projection x_t·d_j is summed over the group
         # before it is squared, and a Gram matrix of its columns alone cannot give it.
-        row_sum = module.tp_sum if module.tp_shard == "row" else None
+        row_sum = module.tp_sum if getattr(module, "tp_shard", None) == "row" else None
         gram = self._gram_for(fqn, module, x2) if row_sum is None else None
         for p in precisions:
             if sr[p]:  # training rounds G_Y stochastically: the exact expectation over that rounding

@@ -245,7 +245,8 @@ class Collector:
         return g.shape[0] if g.dim() >= 3 else 1
 
     def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
-        with shared_amax(module.amax_reduce):  # a tensor-parallel shard: scales from the whole tensor's amax
+        # a tensor-parallel shard: scales from the whole tensor's amax
+        with shared_amax(getattr(module, "amax_reduce", None)):
             self._output_grad(fqn, module, g)
 
     def _output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
@@ -269,7 +270,7 @@ class Collector:
         (None where the input needs none), for the sequence-form FLD."""
         if self.phase in (Phase.PROBE, Phase.ISO):
             rows = self._rows(fqn, g)
-            with shared_amax(module.amax_reduce):
+            with shared_amax(getattr(module, "amax_reduce", None)):
                 self.fld.on_probe(fqn, module, self.xp.get(fqn), flat(g), rows, flat(gx) if gx is not None else None)
 
     def _probe_root(self, ids, mask, labels, retain: bool, last: bool):

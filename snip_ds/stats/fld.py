@@ -133,7 +133,7 @@ class FldEstimator:
             # per row Σ_t g_t·E_t (an expert's tokens: by their sequence index)
             s = terms.reshape(rows, -1).sum(1) if isinstance(rows, int) else dv.row_sums(terms.sum(1), rows)
             del terms
-            if module.tp_shard is not None:  # a shard's part of each row's sum: squared once summed (flush)
+            if getattr(module, "tp_shard", None) is not None:  # a shard's part of each row's sum (see flush)
                 self._pending.append((fqn, p, module, s))
             else:
                 st.add(fqn, FLD_SEQ.key(p), (s * s).sum())
