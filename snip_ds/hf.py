@@ -381,7 +381,7 @@ class SnipCallback(TrainerCallback):
             refuse_module_replacement(config, config_source)
             tp = (config.get("tensor_parallel") or {}).get("autotp_size", 1) \
                 if isinstance(config.get("tensor_parallel"), dict) else 1
-            if tp != 1:
+            if tp not in (0, 1):  # 0: DeepSpeed's default, no tensor parallelism
                 raise ConfigError(f"{config_source}: tensor_parallel.autotp_size: {tp!r}: under the Hugging Face "
                                   f"Trainer snip_ds does not quantize tensor-parallel layers yet (they would train "
                                   f"unquantized); run tensor parallelism with launch/train.py or "
