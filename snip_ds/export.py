@@ -361,7 +361,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         with tempfile.TemporaryDirectory(prefix=".snip-export-", dir=out_dir.parent) as tmp:
             warn(f"{tag_dir}: tensor-parallel shards ({tp} per layer): merged through DeepSpeed's universal "
                  f"conversion in a temporary folder")
-            with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's converter prints its progress
+            quiet = io.StringIO()  # DeepSpeed's converter prints its progress (stdout) and progress bars (stderr)
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
                 merged = ckpt.convert_to_universal(tag_dir, Path(tmp), log=lambda msg: None)
             weights = universal_weights(merged, model)
     else:
