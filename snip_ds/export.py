@@ -358,13 +358,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     if ckpt.is_universal(meta):
         weights = universal_weights(tag_dir, model)
     elif tp != 1:  # tensor-parallel shards: DeepSpeed's universal conversion merges them
-        with tempfile.TemporaryDirectory(prefix=".snip-export-", dir=out_dir.parent) as tmp:
-            warn(f"{tag_dir}: tensor-parallel shards ({tp} per layer): merged through DeepSpeed's universal "
-                 f"conversion in a temporary folder")
-            quiet = io.StringIO()  # DeepSpeed's converter prints its progress (stdout) and progress bars (stderr)
-            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-                merged = ckpt.convert_to_universal(tag_dir, Path(tmp), log=lambda msg: None)
-            weights = universal_weights(merged, model)
+        weights = _merged_shards(tag_dir, model, tp, out_dir.parent, warn)
     else:
         weights = master_weights(tag_dir)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -384,6 +378,20 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                       f"which runs in plain {dtype}",
               "parameters": int(sum(v.numel() for k, v in model.named_parameters()))}
     return _write_export(model, record, lambda tmp: _write_tokenizer(meta, tmp, warn), out_dir, tag_dir, force)
+
+
+def _merged_shards(tag_dir: Path, model: torch.nn.Module, tp: int, scratch: Path,
+                   warn: Callable[[str], None]) -> Dict[str, torch.Tensor]:
+    """The FP32 master weights of the tensor-parallel DeepSpeed checkpoint ``tag_dir``, its shards merged by
+    DeepSpeed's universal conversion in a temporary folder under ``scratch``."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".snip-export-", dir=scratch) as tmp:
+        warn(f"{tag_dir}: tensor-parallel shards ({tp} per layer): merged through DeepSpeed's universal "
+             f"conversion in a temporary folder")
+        quiet = io.StringIO()  # DeepSpeed's converter prints its progress (stdout) and progress bars (stderr)
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            ckpt.run_ds_to_universal(tag_dir, Path(tmp) / "merged")
+        return universal_weights(Path(tmp) / "merged", model)
 
 
 def _plan_file(tag_dir: Path) -> Path:
@@ -460,19 +468,31 @@ def _warn_if_saved_later(run: Path, folder: Path, warn: Callable[[str], None]) -
              f"(the weights the callback's plan and state belong to)")
 
 
-def _trainer_weights(folder: Path) -> Tuple[Dict[str, torch.Tensor], str]:
+def _trainer_weights(folder: Path, model: torch.nn.Module, tp: int, scratch: Path,
+                     warn: Callable[[str], None]) -> Tuple[Dict[str, torch.Tensor], str]:
     """The weights of a Trainer checkpoint and what they are: DeepSpeed's FP32 masters (``latest`` names the
-    ``global_stepN`` folder), else the Trainer's own safetensors file(s)."""
+    ``global_stepN`` folder), else the Trainer's own safetensors file(s). With tensor parallelism (``tp`` > 1)
+    the Trainer's safetensors first, which DeepSpeed gathered from the shards when the Trainer saved (with
+    ``gather_16bit_weights_on_model_save``); else the masters, merged by DeepSpeed's universal conversion."""
     latest = folder / ckpt.LATEST_FILE
-    if latest.is_file():
+    index = folder / "model.safetensors.index.json"
+    saved = index.is_file() or (folder / "model.safetensors").is_file()
+    if latest.is_file() and not (tp > 1 and saved):
         tag_dir = folder / latest.read_text().strip()
         if not tag_dir.is_dir():
             raise ExportError(f"{latest}: names {tag_dir}, which does not exist; the checkpoint is incomplete")
+        if tp > 1:
+            try:
+                return (_merged_shards(tag_dir, model, tp, scratch, warn),
+                        f"DeepSpeed's FP32 master weights ({tag_dir.name}, {tp} tensor-parallel shards merged)")
+            except ckpt.CheckpointError as err:
+                raise ExportError(f"{err}; set zero_optimization.gather_16bit_weights_on_model_save (ZeRO-3: "
+                                  f"stage3_gather_16bit_weights_on_model_save) to true so that the Trainer saves "
+                                  f"the gathered model.safetensors, which export reads") from None
         return master_weights(tag_dir), f"DeepSpeed's FP32 master weights ({tag_dir.name})"
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -489,7 +509,10 @@ def _trainer_weights(folder: Path) -> Tuple[Dict[str, torch.Tensor], str]:
             weights.update(load_file(str(folder / name), device="cpu"))
         except (OSError, SafetensorError, ValueError) as err:
             raise ExportError(f"{folder / name}: cannot be read ({_one_line(err)})") from None
-    return {k: v.float() for k, v in weights.items()}, f"the Trainer's {files[0] if len(files) == 1 else index.name}"
+    source = f"the Trainer's {files[0] if len(files) == 1 else index.name}"
+    if tp > 1:
+        source += f" ({tp} tensor-parallel shards gathered by DeepSpeed when the Trainer saved)"
+    return {k: v.float() for k, v in weights.items()}, source
 
 
 def _export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: bool,
@@ -512,7 +535,8 @@ def _export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: b
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ExportError(f"{config_file}: builds no causal LM ({_one_line(err)})") from None
-    weights, source = _trainer_weights(folder)
+    tp = meta.get("tensor_parallel", 1)
+    weights, source = _trainer_weights(folder, model, tp, out_dir.parent, warn)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in weights.items()}
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
@@ -528,7 +552,7 @@ def _export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: b
     model.to(DTYPES[dtype])
     model.config.use_cache = True
     record = {"format": FORMAT, "checkpoint": str(folder.resolve()), "step": meta.get("step"), "dtype": dtype,
-              "world_size": meta.get("world_size"), "weights": source,
+              "world_size": meta.get("world_size"), "tensor_parallel": tp, "weights": source,
               "plan": f"{folder.resolve() / 'snip_state.json'} (key 'plan'); not applied by this model, which "
                       f"runs in plain {dtype}",
               "parameters": int(sum(v.numel() for k, v in model.named_parameters()))}

@@ -20,7 +20,10 @@ never attached stops ``trainer.train()`` before the first step, saying what to c
   so the optimizer and ZeRO see the parameters they would have seen; with DeepSpeed it builds the fused Adam
   and, until ``on_train_begin``, holds ``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's JIT builder reads
   (:func:`snip_ds.jit_builds.deepspeed_arch_list_set`), for the ops DeepSpeed builds while the Trainer starts it;
-* ``on_train_begin`` (the DeepSpeed engine or the torch optimizer is built): builds the state over a
+* ``on_train_begin`` (the DeepSpeed engine or the torch optimizer is built): under tensor parallelism
+  (``tensor_parallel.autotp_size`` N above 1) turns the shards DeepSpeed's AutoTP put in place of the swapped
+  layers into quantized ones (:mod:`snip_ds.engine.tensor_parallel`; accelerate hands a TP group the same
+  batches, and SNIP's private streams are split over the data-parallel ranks alike); builds the state over a
   :class:`TrainerLoop`, puts the non-finite check in front of the update (the DeepSpeed engine's ``step``, or
   without DeepSpeed the ``step`` of the torch optimizer inside accelerate's wrapper), and applies the starting plan, or on a resumed run
   the plan, planner state, streams and rounding generators saved in ``checkpoint-N`` (the only plan logged
@@ -63,7 +66,7 @@ from transformers import TrainerCallback
 from snip_ds import distributed as sdist
 from snip_ds import jit_builds
 from snip_ds.artifacts import STATE_FILE, rng_file
-from snip_ds.deepspeed_config import refuse_module_replacement
+from snip_ds.deepspeed_config import refuse_module_replacement, tensor_parallel_degree
 from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
 from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET, SnipState, run_without_update
 
@@ -93,8 +96,8 @@ class TrainerLoop:
     its model, the optimizer holding Adam's state (the DeepSpeed engine's ZeRO optimizer, or the torch
     optimizer inside accelerate's wrapper), its step count and ZeRO stage (0 without DeepSpeed)."""
 
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer, tp: int = 1) -> None:
+        self.trainer, self.tp = trainer, tp
         wrapped = trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else None
         self.ds_engine = wrapped if hasattr(wrapped, "zero_optimization_stage") else None
 
@@ -119,6 +122,15 @@ class TrainerLoop:
     def zero_stage(self) -> int:
         return int(self.ds_engine.zero_optimization_stage()) if self.ds_engine is not None else 0
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the world size over the tensor-parallel degree."""
+        return sdist.world_size() // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return sdist.rank() // self.tp
+
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
@@ -134,8 +146,8 @@ class _TrainerLogger:
     """The engine's logger interface over the Trainer: scalars through ``Trainer.log`` (every reporter),
     images and text to the TensorBoard writer of a ``TensorBoardCallback`` when there is one (rank 0)."""
 
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer, tp: int = 1) -> None:
+        self.trainer, self.tp = trainer, tp
 
     def _tb(self):
         from transformers.integrations import TensorBoardCallback
@@ -246,6 +258,13 @@ def _prepare_fused_adam(args) -> None:
                            getattr(plugin, "deepspeed_config", None)])
 
 
+def _launched_world(args) -> int:
+    """The number of ranks the launcher started (accelerate's count on GPUs)."""
+    if sdist.is_initialized():
+        return sdist.world_size()
+    return max(int(os.environ.get("WORLD_SIZE", "1")), int(getattr(args, "world_size", 1) or 1))
+
+
 def _uses_deepspeed(args) -> bool:
     return bool(getattr(args, "deepspeed", None)) or getattr(args, "deepspeed_plugin", None) is not None
 
@@ -323,7 +342,8 @@ class SnipCallback(TrainerCallback):
     Errors found before training (an unknown or invalid key, a DeepSpeed batch size or accumulation that
     disagrees with the ``TrainingArguments``, a plan file naming layers the model lacks, a model without
     decoder linears or with MoE experts (:mod:`snip_ds.decoder`), an ``exclude`` glob matching no layer, CPU
-    ranks accelerate does not know of) are raised from ``Trainer(...)`` (a
+    ranks accelerate does not know of, a tensor-parallel degree that does not divide the ranks, heads or widths
+    or comes with a ``train_batch_size`` other than "auto") are raised from ``Trainer(...)`` (a
     callback given there) or from :func:`add_snip` as :class:`~snip_ds.settings.ConfigError` or ``ValueError``
     with one line naming the field or file.
 
@@ -343,12 +363,17 @@ class SnipCallback(TrainerCallback):
         self.state: Optional[SnipState] = None
         self._held = None  # the stand-in for the scheduler's step after a skipped update (see _hold_schedule)
         self._builds = contextlib.ExitStack()  # settings held while the Trainer starts DeepSpeed
+        self.tp = 1  # the tensor-parallel degree (tensor_parallel.autotp_size)
+        self._resumed_from = None  # trainer.train(resume_from_checkpoint=...)
+        self._originals = {}  # under tensor parallelism: {fqn: the SnipLinear AutoTP replaces}
 
     # ------------------------------------------------------------------ before the optimizer exists
     def attach(self, trainer) -> "SnipCallback":
         """Connects the callback to ``trainer`` (call before ``trainer.train()``); adds it to the Trainer's
         callbacks if it is not there, and then reads the settings and swaps the linears as ``on_init_end``
-        does. Returns the callback."""
+        does. ``trainer.train`` is wrapped (on this instance) to learn its ``resume_from_checkpoint``, which
+        transformers tells no callback: SNIP's state is restored from there, and a DeepSpeed checkpoint of another
+        number of ranks or tensor-parallel degree is refused before the Trainer reads it. Returns the callback."""
         from transformers import Trainer
 
         if not isinstance(trainer, Trainer):
@@ -360,9 +385,47 @@ class SnipCallback(TrainerCallback):
             raise ConfigError("SnipCallback.attach: the Trainer is training; attach before trainer.train()")
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
+        if self.trainer is None:
+            self._note_resume_argument(trainer)
         self.trainer = trainer
         self._setup(trainer.args, trainer.model)
         return self
+
+    def _note_resume_argument(self, trainer) -> None:
+        """Keeps ``trainer.train(resume_from_checkpoint=...)``'s folder, which transformers tells no callback, for
+        :meth:`_restore` (the Trainer's method is wrapped on this instance only)."""
+        original = trainer.train
+
+        @functools.wraps(original)
+        def train(*args, **kwargs):
+            self._resumed_from = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+            self._check_resume_shape(trainer, self._resumed_from)
+            return original(*args, **kwargs)
+        trainer.train = train
+
+    def _check_resume_shape(self, trainer, given) -> None:
+        """Before the Trainer loads DeepSpeed's files: a checkpoint saved at another tensor-parallel degree or
+        number of ranks is refused naming its ``snip_state.json`` (DeepSpeed would stop on a missing key)."""
+        if given is None or given is False or self.infos is None or not _uses_deepspeed(trainer.args):
+            return
+        if given is True:
+            from transformers.trainer_utils import get_last_checkpoint
+            given = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
+        where = Path(given) / STATE_FILE if given is not None else None
+        if where is None or not where.is_file():
+            return  # the Trainer reports a missing folder; _restore one without SNIP's state
+        try:
+            meta = json.loads(where.read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{where}: cannot be read ({err})") from None
+        if not isinstance(meta, dict):
+            raise ConfigError(f"{where}: not a JSON object")
+        world = _launched_world(trainer.args)
+        saved = (meta.get("tensor_parallel", 1), meta.get("world_size", world))
+        if saved != (self.tp, world):
+            raise ConfigError(f"{where}: saved by {saved[1]} rank(s) at tensor_parallel.autotp_size {saved[0]}, "
+                              f"this run has {world} rank(s) at {self.tp}: the Trainer resumes a DeepSpeed "
+                              f"checkpoint at the shape it was saved at")
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._setup(args, model)
@@ -371,21 +434,25 @@ class SnipCallback(TrainerCallback):
     def _setup(self, args, model) -> None:
         """Settings, checks and the swap; once (``on_init_end`` and :meth:`attach` both call it)."""
         from snip_ds.engine.core import initial_plan
-        from snip_ds.swap import check_layer_settings, model_layers, swap_model
+        from snip_ds.swap import check_layer_settings, model_layers, snip_layers, swap_model
 
         if self.infos is not None:
             return
         settings, source = _settings_from(args, self._given)
         config, config_source = _deepspeed_config(args)
-        if config is not None:  # AutoTP / AutoEP would replace the layers swapped below with unquantized ones
+        tp = 1
+        if config is not None:  # AutoEP would replace the layers swapped below with unquantized ones
             refuse_module_replacement(config, config_source)
-            tp = (config.get("tensor_parallel") or {}).get("autotp_size", 1) \
-                if isinstance(config.get("tensor_parallel"), dict) else 1
-            if tp not in (0, 1):  # 0: DeepSpeed's default, no tensor parallelism
-                raise ConfigError(f"{config_source}: tensor_parallel.autotp_size: {tp!r}: under the Hugging Face "
-                                  f"Trainer snip_ds does not quantize tensor-parallel layers yet (they would train "
-                                  f"unquantized); run tensor parallelism with launch/train.py or "
-                                  f"snip_ds.initialize, or remove 'tensor_parallel'")
+            tp = tensor_parallel_degree(config, config_source, _launched_world(args))
+            if tp > 1:
+                from snip_ds.engine.tensor_parallel import check_deepspeed_version
+                import deepspeed
+                check_deepspeed_version(deepspeed.__version__)
+                if config.get("train_batch_size", "auto") != "auto":
+                    raise ConfigError(f"{config_source}: train_batch_size is {config['train_batch_size']!r}; under "
+                                      f"the Hugging Face Trainer with tensor_parallel.autotp_size {tp} set it to "
+                                      f"\"auto\" or remove it (transformers fills it counting every rank, as "
+                                      f"DeepSpeed's check then reads it; the batch is the TrainingArguments')")
             _prepare_fused_adam(args)
             # The Trainer starts DeepSpeed inside train(), where it may build more ops (the CPU Adam of an
             # optimizer offload): until on_train_begin the architecture list reads as DeepSpeed can parse it.
@@ -404,6 +471,11 @@ class SnipCallback(TrainerCallback):
         infos = swap_model(model, "bf16", self.settings.quant, seed=args.seed, rank=rank,
                            exclude=self.settings.exclude)
         check_layer_settings(infos, self.settings)
+        if tp > 1:  # AutoTP rebuilds these layers as its own shards in deepspeed.initialize: on_train_begin
+            from snip_ds.engine.tensor_parallel import check_model  # makes them quantized shards
+            check_model(infos, self.settings, getattr(model, "config", None), tp)
+            self._originals = snip_layers(model)
+        self.tp = tp
         # FLOPs per step, for the shares (which do not depend on the token count)
         flops = {fqn: info.flops(1) for fqn, info in infos.items()}
         try:
@@ -429,8 +501,12 @@ class SnipCallback(TrainerCallback):
         if sdist.is_initialized():  # DeepSpeed's CPU all-reduce buffers are mapped by now: unlink their names
             from snip_ds.engine.core import release_shm_buffer
             release_shm_buffer()
+        if self.tp > 1:  # AutoTP's shards of the swapped layers, at the plan's precision from here on
+            from snip_ds.engine import tensor_parallel as tpar
+            tpar.check_groups(self.tp, sdist.rank(), sdist.world_size())
+            tpar.quantize_tp_layers(trainer.model, self._originals, s.quant)
         check_still_swapped(trainer.model, self.infos, "the Trainer's model preparation (deepspeed.initialize)")
-        loop = TrainerLoop(trainer)
+        loop = TrainerLoop(trainer, self.tp)
         block = _sequence_length(trainer.train_dataset)
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * block
         self.state = SnipState(loop, self.infos, s, tokens_per_step, _TrainerLogger(trainer), driver="trainer")
@@ -438,7 +514,7 @@ class SnipCallback(TrainerCallback):
             from snip_ds.engine.adaptive import AdaptivePlanner
 
             data = _BatchView(trainer.train_dataset, trainer.data_collator)
-            rank, world = sdist.rank(), sdist.world_size()
+            rank, world = loop.dp_rank, loop.dp_size  # a tensor-parallel group reads the same batches
             try:
                 stream = DataStream(data, args.per_device_train_batch_size, seed=args.seed + STATS_SEED_OFFSET,
                                     rank=rank, world_size=world)
@@ -543,7 +619,8 @@ class SnipCallback(TrainerCallback):
         from safetensors.torch import load_file
 
         step = state.global_step
-        candidates = [Path(p) for p in (getattr(args, "resume_from_checkpoint", None),) if isinstance(p, str)]
+        given = (self._resumed_from, getattr(args, "resume_from_checkpoint", None))
+        candidates = [Path(p) for p in given if isinstance(p, (str, os.PathLike))]
         candidates.append(Path(args.output_dir) / f"checkpoint-{step}")
         folder = next((c for c in candidates if (c / STATE_FILE).is_file()), None)
         if folder is None:
@@ -556,6 +633,9 @@ class SnipCallback(TrainerCallback):
                 raise ValueError("not a JSON object")
             if meta.get("step") != step:
                 raise ValueError(f"it is from step {meta.get('step')}, the Trainer resumed at step {step}")
+            if meta.get("tensor_parallel", 1) != self.tp:
+                raise ValueError(f"saved at tensor_parallel.autotp_size {meta.get('tensor_parallel', 1)}, this "
+                                 f"run has {self.tp}; resume with the same degree")
             tensors = load_file(str(folder / rng_file(sdist.rank())))
             self.state.load_rank_tensors(tensors, torch_rng=False)  # the Trainer restores torch's RNG itself
             self.state.load_state_dict(meta, str(where))

@@ -249,6 +249,11 @@ class SnipState:
         it has one; else every rank is one)."""
         return int(getattr(self.loop, "dp_size", sdist.world_size()))
 
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel degree: the world size over :attr:`dp_size`."""
+        return sdist.world_size() // self.dp_size
+
     def lr(self) -> float:
         return float(self.loop.lr())
 
@@ -334,7 +339,8 @@ class SnipState:
                 "settings": self.settings.to_dict(),
                 "planner": self.planner.state_dict() if self.planner is not None else None,
                 "measure_stream": self.measure_stream.state_dict() if self.measure_stream is not None else None,
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps,
+                **({"tensor_parallel": self.tensor_parallel} if self.tensor_parallel > 1 else {})}
 
     def load_state_dict(self, state: Mapping[str, Any], source: str, any_world_size: bool = False) -> None:
         """Restores :meth:`state_dict`'s output, or an older file: a Trainer's ``snip_ds.hf_checkpoint/1``, or

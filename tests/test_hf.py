@@ -377,14 +377,44 @@ def test_trainer_logs_the_measured_loss_change(tmp_path):
     assert snip.state.measure_stream.step == 3  # its own stream, not the Trainer's batches
 
 
-def test_tensor_parallel_config_is_refused(tmp_path):
-    """Under the Trainer, DeepSpeed's AutoTP would replace the swapped layers with its own unquantized ones:
-    refused at once (launch/train.py and snip_ds.initialize run it quantized)."""
+@pytest.mark.parametrize("tp, message", [
+    ({"autotp_size": 2}, r"tensor_parallel.autotp_size 2 does not divide the world size 1"),
+    ({"autotp_size": "2"}, r"tensor_parallel.autotp_size must be a positive integer, got '2'"),
+    ({"autotp_size": 1}, None),
+    ({"autotp_size": 0}, None),
+])
+def test_tensor_parallel_settings_are_checked_before_training(tmp_path, tp, message):
+    """Under the Trainer a tensor-parallel config trains quantized shards (tests/test_tensor_parallel.py); what
+    cannot run is refused from ``Trainer(...)``/``add_snip``, naming the config file and the field. A degree of 1
+    (or DeepSpeed's default 0) is no tensor parallelism."""
     from snip_ds.settings import ConfigError
 
+    path = _variant(tmp_path, lambda c: c.update(tensor_parallel=tp))
+    if message is None:
+        _trainer(tmp_path, deepspeed=path)
+        return
+    with pytest.raises(ConfigError, match=rf"^{path}: {message}"):
+        _trainer(tmp_path, deepspeed=path)
+
+
+def test_a_degree_that_does_not_divide_the_heads_is_refused_under_the_trainer(tmp_path, monkeypatch):
+    """Two launched ranks at ``autotp_size: 2``: a model of 3 heads is refused before DeepSpeed would split them,
+    and so is a ``train_batch_size`` other than "auto"."""
+    from snip_ds.model import build_model
+    from snip_ds.settings import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("snip_ds.hf._cpu_ranks_unshared", lambda args: False)
     path = _variant(tmp_path, lambda c: c.update(tensor_parallel={"autotp_size": 2}))
-    with pytest.raises(ConfigError, match=rf"{path}: tensor_parallel.autotp_size: 2: under the Hugging Face "
-                                          rf"Trainer .*does not quantize tensor-parallel layers yet"):
+    with pytest.raises(ConfigError, match=r"^tensor_parallel.autotp_size: 2 does not divide the model's "
+                                          r"num_attention_heads \(3\)"):
+        _trainer(tmp_path, deepspeed=path, model=build_model(None, dict(TINY_MODEL, num_attention_heads=3,
+                                                                        num_key_value_heads=3, hidden_size=48),
+                                                             vocab_size=257, seed=0, block_size=64))
+    # a train_batch_size of its own: transformers and DeepSpeed count tensor-parallel ranks in it
+    path = _variant(tmp_path, lambda c: c.update(tensor_parallel={"autotp_size": 2}, train_batch_size=2))
+    with pytest.raises(ConfigError, match=rf"^{path}: train_batch_size is 2; under the Hugging Face Trainer with "
+                                          rf"tensor_parallel.autotp_size 2 set it to \"auto\" or remove it"):
         _trainer(tmp_path, deepspeed=path)
 
 
@@ -594,9 +624,10 @@ def test_statistics_leave_no_trace(tmp_path):
 RUN_CLM = REPO / "tests" / "dist_scripts" / "run_clm_snip.py"
 
 
-def _run_clm_inputs(tmp: Path) -> dict:
+def _run_clm_inputs(tmp: Path, tp: int = 1) -> dict:
     """A tiny Llama config directory, the byte-level tokenizer as a Hugging Face tokenizer directory, a text file
-    of Python's standard-library sources, and the tiny adaptive ZeRO-3 config (re-plans every 2 steps)."""
+    of Python's standard-library sources, and the tiny adaptive ZeRO-3 config (re-plans every 2 steps; with
+    ``tp`` > 1 at ``tensor_parallel.autotp_size`` ``tp``)."""
     from transformers import LlamaConfig
 
     from snip_ds.export import byte_tokenizer
@@ -610,16 +641,21 @@ def _run_clm_inputs(tmp: Path) -> dict:
         if size > 60_000:
             break
     (tmp / "corpus.txt").write_text("".join(text))
-    return {"ds": _config(tmp), "args": [
+    ds = _config(tmp)
+    if tp > 1:
+        cfg = json.loads(ds.read_text())
+        cfg["tensor_parallel"] = {"autotp_size": tp}
+        ds.write_text(json.dumps(cfg, indent=1))
+    return {"ds": ds, "args": [
         "--config_name", str(tmp / "config"), "--tokenizer_name", str(tmp / "tokenizer"), "--train_file",
         str(tmp / "corpus.txt"), "--block_size", "64", "--do_train", "--do_eval", "--max_steps", "4",
         "--save_steps", "4", "--logging_steps", "1", "--report_to", "none", "--seed", "0", *SMALL]}
 
 
-def _run_clm(tmp: Path, launcher: str, out: Path) -> subprocess.CompletedProcess:
+def _run_clm(tmp: Path, launcher: str, out: Path, tp: int = 1) -> subprocess.CompletedProcess:
     from snip_ds.engine.core import _free_port
 
-    inputs = _run_clm_inputs(tmp)
+    inputs = _run_clm_inputs(tmp, tp)
     port = str(_free_port())
     if launcher == "deepspeed":
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port,
@@ -690,6 +726,29 @@ def test_run_clm_zero3_two_ranks_saves_a_loadable_model_and_snip_ds_reads_its_ch
         assert record["tokenizer"]["exported"]
         exported = _logits(tmp_path / name)
         assert exported.shape == saved.shape and bool((exported == saved).all())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_run_clm_tensor_parallel_under_accelerate_launch(tmp_path):
+    """run_clm.py's shape under ``accelerate launch`` whose DeepSpeed plugin config asks ``autotp_size: 2`` (ZeRO-3,
+    the model built under zero.Init, 2 CPU ranks: one tensor-parallel group): SNIP re-plans on the shards,
+    checkpoint-4 records the degree, ``trainer.save_model()`` leaves a whole model from_pretrained loads, and
+    ``snip-ds export`` of checkpoint-4 (the Trainer's model.safetensors, gathered by DeepSpeed) computes the
+    saved model's logits exactly."""
+    from snip_ds.cli import main
+
+    out = tmp_path / "out"
+    proc = _run_clm(tmp_path, "accelerate", out, tp=2)
+    assert "step 0: plan optimal" in proc.stdout and "step 2: plan optimal" in proc.stdout
+    state = json.loads((out / "checkpoint-4" / "snip_state.json").read_text())
+    assert state["tensor_parallel"] == 2 and state["world_size"] == 2
+    assert math.isfinite(json.loads((out / "eval_results.json").read_text())["eval_loss"])
+    saved = _logits(out)
+    assert main(["export", str(out / "checkpoint-4"), str(tmp_path / "hf")]) == 0
+    record = json.loads((tmp_path / "hf" / "snip_export.json").read_text())
+    assert record["tensor_parallel"] == 2 and "gathered by DeepSpeed" in record["weights"]
+    assert bool((_logits(tmp_path / "hf") == saved).all())
 
 
 def test_plain_trainer_checkpoint_exports_its_safetensors_with_tied_weights(tmp_path, capsys):

@@ -263,3 +263,85 @@ def test_launch_train_runs_the_shipped_tp_config_and_resumes(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     a, b = scalars(tmp_path / "a" / "tensorboard"), scalars(tmp_path / "b" / "tensorboard")
     assert b["eval/loss"][4] == a["eval/loss"][4]
+
+
+# ----------------------------------------------------------------------------------------- the Trainer
+HF_SCRIPT = REPO / "tests" / "dist_scripts" / "hf_tp.py"
+
+
+def _hf(tmp_path, name: str, ranks: int, *args) -> list:
+    """hf_tp.py (add_snip(trainer)) on ``ranks`` ranks under the deepspeed launcher; each rank's JSON."""
+    from snip_ds.engine.core import _free_port
+
+    out = tmp_path / name
+    proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+                              "--master_port", str(_free_port()), str(HF_SCRIPT), "--out", str(out),
+                              "--output_dir", str(tmp_path / f"{name}_run"), *args], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"{name}.{r}").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trainer_tp2_trains_like_tp1(tmp_path):
+    """``add_snip(trainer)`` with ``autotp_size: 2``, a fixed fp8 plan: TP 2 on 2 ranks under ZeRO-1, and under
+    ZeRO-3 with the model built after ``TrainingArguments`` (partitioned by zero.Init, as run_clm.py builds
+    it), against TP 1 on 1 rank, the same batches: losses equal to FP32 round-off (1e-5 relative, as in the own
+    loop's test above); every TP layer is a quantized shard that ran its three GEMMs at fp8, as many as at TP 1."""
+    (one,) = _hf(tmp_path, "tp1", 1, "--plan", "fp8")
+    for name, extra in (("zero1", ()), ("zero3", ("--zero", "3", "--zero_init"))):
+        two = _hf(tmp_path, name, 2, "--tp", "2", "--plan", "fp8", *extra)
+        assert two[0]["losses"] == two[1]["losses"] and two[0]["dp_size"] == 1, name
+        assert len(two[0]["losses"]) == 3
+        for a, b in zip(one["losses"], two[0]["losses"]):
+            assert b == pytest.approx(a, rel=1e-5), name
+        assert two[0]["gemms"] == one["gemms"] == {f"{g}:fp8": 14 * 3 for g in ("fprop", "dgrad", "wgrad")}
+        for fqn, (cls, precision, shape) in two[0]["layers"].items():
+            assert cls == ("SnipRowParallel" if fqn.endswith(("o_proj", "down_proj")) else "SnipColumnParallel")
+            assert precision == "fp8" and one["layers"][fqn][1] == "fp8"
+            axis = 1 if cls == "SnipRowParallel" else 0
+            assert shape[axis] * 2 == one["layers"][fqn][2][axis], (name, fqn)  # half of the whole layer
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trainer_tp2_dp2_adaptive_resumes_bit_for_bit_and_exports(tmp_path):
+    """The Trainer at TP 2 x DP 2 on 4 ranks, ZeRO-1, adaptive (re-plans at steps 0, 2, 4), saving at step 3:
+    its first plan is TP 1 x DP 2's (the statistics do not depend on the degree); resumed from checkpoint-3
+    (``trainer.train(resume_from_checkpoint=...)``) it continues bit for bit (losses, parameters, plans); a resume
+    at another degree is refused naming the checkpoint before DeepSpeed reads it; ``snip-ds export`` of the
+    checkpoint reads the Trainer's gathered model.safetensors, and without it DeepSpeed's FP32 masters with
+    the shards merged: the same weights exactly (an FP32 run: the module's weights are the masters)."""
+    import shutil
+
+    from snip_ds.export import export_checkpoint
+
+    adaptive = ("--plan", "adaptive", "--snip", ADAPTIVE)
+    base = (*adaptive, "--max_steps", "5", "--save_steps", "3", "--gather")
+    whole = _hf(tmp_path, "whole", 4, "--tp", "2", *base)
+    (dp_only, _) = _hf(tmp_path, "dp", 2, *adaptive, "--max_steps", "1")
+    assert whole[0]["plans"][0] == dp_only["plans"][0]
+    assert whole[0]["losses"][0] == pytest.approx(dp_only["losses"][0], rel=1e-5)
+    ckpt = tmp_path / "whole_run" / "checkpoint-3"
+    resumed = _hf(tmp_path, "resumed", 4, "--tp", "2", *base, "--resume", str(ckpt))
+    for w, r in zip(whole, resumed):
+        assert w["history"] == r["history"] == [0, 2, 4] and w["dp_size"] == 2
+        assert r["losses"] == w["losses"] and r["param_sum"] == w["param_sum"] and r["plans"] == w["plans"][3:]
+    assert json.loads((ckpt / "snip_state.json").read_text())["tensor_parallel"] == 2
+    refused = _hf(tmp_path, "refused", 4, *base, "--resume", str(ckpt))
+    for r in refused:
+        assert r["error"] == (f"{ckpt / 'snip_state.json'}: saved by 4 rank(s) at tensor_parallel.autotp_size 2, "
+                              f"this run has 4 rank(s) at 1: the Trainer resumes a DeepSpeed checkpoint at the "
+                              f"shape it was saved at")
+
+    gathered = export_checkpoint(ckpt, tmp_path / "hf_gathered")
+    assert gathered["tensor_parallel"] == 2 and "gathered by DeepSpeed" in gathered["weights"]
+    masters_only = tmp_path / "masters" / "checkpoint-3"
+    shutil.copytree(ckpt, masters_only)
+    (masters_only / "model.safetensors").unlink()
+    merged = export_checkpoint(masters_only, tmp_path / "hf_merged")
+    assert merged["weights"] == "DeepSpeed's FP32 master weights (global_step3, 2 tensor-parallel shards merged)"
+    from safetensors.torch import load_file
+    a, b = load_file(str(tmp_path / "hf_gathered" / "model.safetensors")), \
+        load_file(str(tmp_path / "hf_merged" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

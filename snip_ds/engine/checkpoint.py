@@ -654,6 +654,30 @@ def _read_torch(path: Path) -> Any:
         return torch.load(str(path), map_location="cpu")
 
 
+def run_ds_to_universal(tag_dir: Path, out: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` of the DeepSpeed checkpoint folder ``tag_dir`` (a ``global_stepN`` or
+    ``step_N``) into ``out``: ZeRO partitions and tensor-parallel shards merged into whole parameters
+    (``out/zero/<name>/fp32.pt``). In this process, every ``torch.load`` with ``weights_only=True`` (DeepSpeed's
+    worker processes would load with its own ``weights_only=False``); its progress output is printed.
+
+    Raises:
+        CheckpointError: DeepSpeed's converter refused the checkpoint (its first line, naming ``tag_dir``).
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with safe_torch_load():
+        try:
+            ds_to_universal.main(args)
+        except CheckpointError:
+            raise
+        except Exception as err:  # noqa: BLE001 -- DeepSpeed's converter refused the checkpoint: say so
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise CheckpointError(f"{tag_dir}: DeepSpeed's ds_to_universal failed ({type(err).__name__}: "
+                                  f"{first}); nothing was kept of {out}") from None
+
+
 def convert_to_universal(src: Path, dest: Path, log=print) -> Path:
     """Converts the snip_ds checkpoint ``src`` names (see :func:`resolve`) into a universal one under ``dest``
     (``dest/<tag>``, with ``latest``) that a run of any number of ranks resumes; returns its directory.
@@ -668,8 +692,6 @@ def convert_to_universal(src: Path, dest: Path, log=print) -> Path:
         CheckpointError: ``src`` is damaged or not convertible (no ZeRO, another format), or ``dest/<tag>``
             exists; the message names the file or folder.
     """
-    from deepspeed.checkpoint import ds_to_universal
-
     tag_dir = resolve(Path(src))
     meta = read_meta(tag_dir)
     if is_universal(meta):
@@ -704,20 +726,9 @@ def convert_to_universal(src: Path, dest: Path, log=print) -> Path:
         for name in [STATE_FILE] + [_rank_file(tag_dir, r).name for r in range(meta["world_size"])]:
             if (tag_dir / name).is_file():  # a checkpoint of an older snip_ds keeps SNIP's state in snip_meta.json
                 shutil.copy2(tag_dir / name, out / name)
-        args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
-                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-        # One process: DeepSpeed's worker processes would load with its own weights_only=False.
         log(f"snip-ds: converting {tag_dir} (ZeRO-{zero_stage}, {meta['world_size']} rank(s)) with DeepSpeed's "
             f"ds_to_universal into {out}")
-        with safe_torch_load():  # DeepSpeed's converter prints its progress
-            try:
-                ds_to_universal.main(args)
-            except CheckpointError:
-                raise
-            except Exception as err:  # noqa: BLE001 -- DeepSpeed's converter refused the checkpoint: say so
-                first = str(err).splitlines()[0] if str(err) else ""
-                raise CheckpointError(f"{tag_dir}: DeepSpeed's ds_to_universal failed ({type(err).__name__}: "
-                                      f"{first}); nothing was kept of {out}") from None
+        run_ds_to_universal(tag_dir, out)
         full = {**meta, UNIVERSAL_FIELD: {"zero_stage": zero_stage, "source": str(tag_dir.resolve()),
                                           "train_batch_size": micro * ga * int(meta["world_size"])
                                           // int(meta.get("tensor_parallel", 1)),  # data-parallel ranks

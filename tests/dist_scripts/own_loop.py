@@ -36,6 +36,8 @@ from snip_ds import distributed as sdist  # noqa: E402
 from snip_ds.engine import init_distributed  # noqa: E402
 from snip_ds.settings import ConfigError  # noqa: E402
 
+from probes import param_sum  # noqa: E402  (tests/dist_scripts, the script's folder)
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -128,16 +130,6 @@ def main() -> int:
     return 0
 
 
-def _param_sum(engine) -> float:
-    """Σ of every parameter in float64 (ZeRO-3's partitions gathered): equal before and after a step only if
-    the step changed nothing."""
-    import deepspeed
-
-    params = list(engine.ds.module.parameters())
-    with deepspeed.zero.GatheredParameters(params), torch.no_grad():
-        return float(sum(p.double().sum() for p in params))
-
-
 def _save_or_resume(model, config, args, rank) -> dict:
     from snip_ds.engine.checkpoint import CheckpointError
 
@@ -146,7 +138,7 @@ def _save_or_resume(model, config, args, rank) -> dict:
         engine = snip_ds.initialize(model, config, tokens_per_step=micro * 2 * 16, resume_from=args.resume)
     except CheckpointError as err:
         return {"error": str(err)}
-    after = {"step": engine.step, "sum": _param_sum(engine), "digest": engine.plan.digest(),
+    after = {"step": engine.step, "sum": param_sum(engine.ds.module), "digest": engine.plan.digest(),
              "history": engine.planner.history}
     gen = torch.Generator().manual_seed(1 + rank)
     batches = lambda: [{"input_ids": ids, "labels": ids} for ids in  # noqa: E731
@@ -156,7 +148,7 @@ def _save_or_resume(model, config, args, rank) -> dict:
     for _ in range(3):
         engine.train_step(batches())
     engine.save_checkpoint(f"{args.out}.ckpt", {})
-    return {"step": engine.step, "sum": _param_sum(engine), "digest": engine.plan.digest(),
+    return {"step": engine.step, "sum": param_sum(engine.ds.module), "digest": engine.plan.digest(),
             "history": engine.planner.history}
 
 
@@ -165,7 +157,7 @@ def _nonfinite_run(model, config, logger, poison, rank) -> dict:
     second micro-batch, and the re-run of it that locates the module)."""
     engine = snip_ds.initialize(model, config, tokens_per_step=2 * 2 * 16, logger=logger)
     gen = torch.Generator().manual_seed(1 + rank)
-    rec = {"losses": [], "sums": [_param_sum(engine)], "steps": [], "lrs": [engine.ds.get_lr()[0]]}
+    rec = {"losses": [], "sums": [param_sum(engine.ds.module)], "steps": [], "lrs": [engine.ds.get_lr()[0]]}
     for step in range(1, 6):
         batches = []
         for _ in range(2):
@@ -174,7 +166,7 @@ def _nonfinite_run(model, config, logger, poison, rank) -> dict:
         poison.update(on=rank == 1 and step == 3, calls=0)
         rec["losses"].append(engine.train_step(batches))
         poison["on"] = False
-        rec["sums"].append(_param_sum(engine))
+        rec["sums"].append(param_sum(engine.ds.module))
         rec["steps"].append(engine.step)
         rec["lrs"].append(engine.ds.get_lr()[0])  # the next step's
     rec["skipped"] = engine.skipped_steps

@@ -22,6 +22,8 @@ from snip_ds.engine import init_distributed  # noqa: E402
 from snip_ds.engine.checkpoint import CheckpointError  # noqa: E402
 from snip_ds.settings import ConfigError  # noqa: E402
 
+from probes import count_gemms, param_sum  # noqa: E402  (tests/dist_scripts, the script's folder)
+
 HIDDEN, VOCAB, SEQ = 128, 96, 16
 
 
@@ -31,22 +33,6 @@ def _model(hidden: int = HIDDEN):
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                         max_position_embeddings=SEQ, tie_word_embeddings=False))
-
-
-def _count_gemms(counts):
-    """Wraps every registered backend's three GEMMs so that each call is counted per (layer-less) precision."""
-    from snip_ds.backend.base import _REGISTRY, GemmBackend
-
-    for be in _REGISTRY.values():
-        if not isinstance(be, GemmBackend):
-            continue
-        for gemm in ("fprop", "dgrad", "wgrad"):
-            orig = getattr(be, gemm)
-
-            def counted(*a, _orig=orig, _gemm=gemm, **k):
-                counts[f"{_gemm}:{a[2]}"] = counts.get(f"{_gemm}:{a[2]}", 0) + 1
-                return _orig(*a, **k)
-            setattr(be, gemm, counted)
 
 
 def _gather(t, group, dim):
@@ -115,15 +101,6 @@ def check_layers(engine) -> dict:
                 worst = max(worst, float((diff / bound.clamp_min(1e-30)).max()))
             out[f"{fqn}:{prec}"] = {"worst": worst, "differ": differ}
     return out
-
-
-def _param_sum(engine) -> float:
-    """Σ of this rank's parameter shards in float64 (ZeRO-3's partitions gathered within the data-parallel group)."""
-    import deepspeed
-
-    params = list(engine.ds.module.parameters())
-    with deepspeed.zero.GatheredParameters(params), torch.no_grad():
-        return float(sum(p.double().sum() for p in params))
 
 
 def _bf16_loss(engine, ids) -> float:
@@ -197,7 +174,7 @@ def main() -> int:
                                    lr=1e-2, reduce=sdist.dist_sum, world_size=engine.state.dp_size,
                                    layers=list(engine.layers))
         out["stats"] = {f: {k: rec[k] for k in ("fld", "bwd")} for f, rec in stats["layers"].items()}
-    _count_gemms(counts)
+    count_gemms(counts)
     losses = []
     for ids in batches[:args.steps]:
         losses.append(engine.train_step([{"input_ids": ids, "labels": ids}]))
@@ -206,7 +183,7 @@ def main() -> int:
         out["bf16_loss"] = _bf16_loss(engine, batches[-1])
     history = engine.planner.history if engine.planner is not None else []
     out.update(losses=losses, dp_size=engine.state.dp_size, gemms=counts, plan=engine.plan.digest(),
-               history=[h["step"] for h in history], step=engine.step, param_sum=_param_sum(engine),
+               history=[h["step"] for h in history], step=engine.step, param_sum=param_sum(engine.ds.module),
                layers={f: [type(m).__name__, m.precision, list(m.weight.shape)] for f, m in engine.layers.items()})
     Path(f"{args.out}.{rank}").write_text(json.dumps(out))
     if world > 1:
