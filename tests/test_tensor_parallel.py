@@ -197,8 +197,15 @@ def test_tp2_dp2_adaptive_saves_resumes_bit_for_bit_and_resumes_at_other_shapes(
             assert r["step"] == 4 and r["history"] == [0, 2], name
             assert all(math.isfinite(x) for x in r["losses"])
         if name == "tp1dp2":
+            # The same FP32 weights and Adam state (the conversion copies them), batches, probe draws (one seed on
+            # every rank, drawn over each rank's micro-batch: the DP layout is the saved one) and so the same
+            # step-2 plan. The first loss comes before any update: only the forward's order of summation differs
+            # (no row-parallel all-reduce), FP32 round-off of K <= 256 products, < 256 * 2^-24 = 1.5e-5 relative
+            # per sum, and an FP4/FP8 element a one-ulp input difference moves to its neighbour; 1e-4 absorbs both
+            # (measured: equal bit for bit). At DP 1 the probes fall on other sequences, so the re-plan, and the
+            # losses, may differ more (measured: 7e-4).
             assert out[0]["plan"] == whole[0]["plan"]
-            assert out[0]["losses"][0] == pytest.approx(whole[0]["losses"][2], rel=1e-2)
+            assert out[0]["losses"][0] == pytest.approx(whole[0]["losses"][2], rel=1e-4)
 
 
 def _export_matches(tmp_path, bf16_loss: float) -> None:
