@@ -146,8 +146,8 @@ class _TrainerLogger:
     """The engine's logger interface over the Trainer: scalars through ``Trainer.log`` (every reporter),
     images and text to the TensorBoard writer of a ``TensorBoardCallback`` when there is one (rank 0)."""
 
-    def __init__(self, trainer, tp: int = 1) -> None:
-        self.trainer, self.tp = trainer, tp
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
 
     def _tb(self):
         from transformers.integrations import TensorBoardCallback
