@@ -89,3 +89,16 @@ def assert_stochastic_rounding_unbiased(quantize_parts, recipe_name, seeds, copi
     assert (error.abs() <= bound).all()
     assert abs(error.sum().item()) <= 5 * math.sqrt(var.sum().item())
     assert var.sum() > 0  # the test exercised rounding between grid points
+
+
+def skip_without_cpu_scaled_mm() -> None:
+    """Skips the calling test where this CPU's ``torch._scaled_mm`` has no FP8 kernel (oneDNN builds one for AMX
+    CPUs; limited to AVX2 or AVX-512 it cannot create the primitive). The product never calls it on a CPU; tests
+    use it to check the FP8 GEMM plumbing."""
+    import pytest
+
+    one = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(one, one.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0))
+    except RuntimeError as err:
+        pytest.skip(f"this CPU's torch._scaled_mm does not run: {str(err).splitlines()[0]}")

@@ -17,7 +17,7 @@ from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 from snip_ds.quant import stochastic_moments
 from snip_ds.settings import ConfigError, parse_snip_section
-from tests.quant_inputs import RECIPE_CASES
+from tests.quant_inputs import RECIPE_CASES, skip_without_cpu_scaled_mm
 from tests.reference_quant import GRIDS, assert_bitwise_equal
 
 BACKENDS_HERE = ["torch"]  # every backend that runs on this machine besides the emulated reference
@@ -145,11 +145,7 @@ def test_fp8_scaled_mm_path(monkeypatch):
     BF16-exact path's result. CPU's _scaled_mm is slow but a real implementation of the same op, so it is
     run here on small shapes. Tolerance: both sum exact products in FP32 (at most 96 terms) in different
     orders and apply the scales differently: each within 100 * 2**-24 of the sum of |terms|."""
-    one = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(one, one.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0))
-    except RuntimeError as err:  # e.g. oneDNN limited to AVX2 has no FP8 matmul
-        pytest.skip(f"this CPU's torch._scaled_mm does not run: {str(err).splitlines()[0]}")
+    skip_without_cpu_scaled_mm()
     precision, cfg = CASES["fp8_hybrid"]
     x, w, g = _data(4)
     be = TorchBackend()

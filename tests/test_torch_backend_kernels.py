@@ -30,7 +30,7 @@ from snip_ds.backend import EmulatedBackend, TorchBackend, torch_native
 from snip_ds.backend import kernels
 from snip_ds.quant_config import QuantConfig
 from snip_ds.quant import stochastic_moments
-from quant_inputs import RECIPE_CASES
+from quant_inputs import RECIPE_CASES, skip_without_cpu_scaled_mm
 from triton_mode import DEVICE, SKIP_REASON, interpreter_on  # noqa: F401 (a fixture)
 
 if SKIP_REASON:
@@ -171,6 +171,7 @@ def test_fp8_operands_quantized_once_give_the_same_layer(through_kernels, monkey
     from snip_ds.linear import SnipLinear
 
     if scaled_mm and DEVICE == "cpu":
+        skip_without_cpu_scaled_mm()
         monkeypatch.setattr(torch_native, "SCALED_MM_DEVICES", ("cpu", "cuda"))
     x, w, g = _data(shape, dtype, seed=7)
     layer = SnipLinear(shape[1], shape[2], bias=True, device=DEVICE, dtype=dtype, precision=precision,
@@ -212,6 +213,7 @@ def test_fp8_gemms_read_the_codes_the_kernels_write(through_kernels, monkeypatch
     reference's within the FP32 bound of the first test (here the CPU's ``_scaled_mm``, which sums in FP32,
     is allowed: on a CPU it is exact but slow, so the backend does not use it by itself)."""
     if DEVICE == "cpu":
+        skip_without_cpu_scaled_mm()
         monkeypatch.setattr(torch_native, "SCALED_MM_DEVICES", ("cpu", "cuda"))
     seen = []
     mm = TorchBackend._mm
