@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snip_ds.linear import _InputGradOnlyLinearFn, _QuantizedLinearFn
+from snip_ds.linear import InputGradOnlyLinearFn, QuantizedLinearFn
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GemmPrecision, LayerPrecision, block_index
 
@@ -295,8 +295,8 @@ class ExpertPoint(nn.Module):
         """``x`` ``[t, in]`` (the pair's routed tokens) -> ``[t, out]``; ``bias_rows`` as
         :meth:`SnipExperts._project` takes it."""
         if bias_rows is not None:
-            return _InputGradOnlyLinearFn.apply(x, self.weight, None, self) + bias_rows
-        return _InputGradOnlyLinearFn.apply(x, self.weight, self.bias, self)
+            return InputGradOnlyLinearFn.apply(x, self.weight, None, self) + bias_rows
+        return InputGradOnlyLinearFn.apply(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:
         return f"{self.fqn}, in_features={self.in_features}, out_features={self.out_features}"
@@ -500,7 +500,7 @@ class SnipExperts(nn.Module):
             point.token_index = tokens
             return point(x, bias_rows)
         if prec.uniform != "bf16":
-            return _QuantizedLinearFn.apply(x, self.weight(expert, j), bias, prec, self.quant_config,
+            return QuantizedLinearFn.apply(x, self.weight(expert, j), bias, prec, self.quant_config,
                                             self.generators[expert][j])
         w = getattr(self, name)[expert]  # the family's own operation
         if bias is not None and bias_rows is not None:

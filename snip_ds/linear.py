@@ -24,7 +24,7 @@ from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GemmPrecision, LayerPrecision
 
 
-class _QuantizedLinearFn(torch.autograd.Function):
+class QuantizedLinearFn(torch.autograd.Function):
     """``Y = X W^T + b`` with fprop, dgrad and wgrad each at its own precision (FP32 accumulation)."""
 
     @staticmethod
@@ -33,7 +33,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 amax_reduce: Optional[AmaxReduce] = None) -> torch.Tensor:
         ctx.amax_reduce = amax_reduce  # a tensor-parallel shard's: operands scaled by the whole tensor's amax
         with shared_amax(amax_reduce):
-            return _QuantizedLinearFn._forward(ctx, x_hp, w_hp, bias, prec, cfg, generator)
+            return QuantizedLinearFn._forward(ctx, x_hp, w_hp, bias, prec, cfg, generator)
 
     @staticmethod
     def _forward(ctx, x_hp, w_hp, bias, prec, cfg, generator) -> torch.Tensor:
@@ -55,7 +55,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_y: torch.Tensor):
         with shared_amax(ctx.amax_reduce):
-            return _QuantizedLinearFn._backward(ctx, g_y) + (None,)
+            return QuantizedLinearFn._backward(ctx, g_y) + (None,)
 
     @staticmethod
     def _backward(ctx, g_y: torch.Tensor):
@@ -98,7 +98,7 @@ def _unflatten(tensors: Sequence[torch.Tensor], parts: Tuple[bool, ...]) -> Tupl
     return tuple(out)
 
 
-class _InputGradOnlyLinearFn(torch.autograd.Function):
+class InputGradOnlyLinearFn(torch.autograd.Function):
     """``Y = X W^T + b`` (torch's own linear kernel) whose backward returns the input's gradient only.
 
     For statistics passes, which back-propagate to the input alone. Plain ``F.linear`` already skips the
@@ -205,9 +205,9 @@ class SnipLinear(nn.Linear):
         prec = self._gemm_precision
         if prec.uniform == "bf16":
             if self.input_grad_only:
-                return _InputGradOnlyLinearFn.apply(x, self.weight, bias, self)
+                return InputGradOnlyLinearFn.apply(x, self.weight, bias, self)
             return F.linear(x, self.weight, bias)
-        return _QuantizedLinearFn.apply(x, self.weight, bias, prec, self.quant_config, self.generator,
+        return QuantizedLinearFn.apply(x, self.weight, bias, prec, self.quant_config, self.generator,
                                         self.amax_reduce)
 
     @property
