@@ -1,22 +1,26 @@
-"""How a causal LM's quantizable GEMMs are found: the one place that knows model layouts.
+"""The inventory of a causal LM's quantizable GEMMs: which linears and experts modules snip_ds plans.
 
-A decoder block is a module named ``...layers.<i>`` (Hugging Face's Llama, Mistral, Qwen2, Phi-3, GPT-NeoX,
-DeepSeek-V3 ... all name them so). Every ``nn.Linear`` inside a block is a quantizable layer, found by walking
-the block, not from a table of names, except
+The decoder blocks are the numbered entries of the model's block list (:mod:`snip_ds.layouts.blocks`): Llama's
+``model.layers.<i>``, GPT-2's ``transformer.h.<i>``, OPT's ``model.decoder.layers.<i>``. Every linear GEMM inside a
+block (:func:`snip_ds.layouts.linears.linear_form`: ``nn.Linear``, a weight stored transposed as GPT-2's
+``Conv1D``, any class proved to compute one of the two) is a quantizable layer, found by walking the block, not
+from a table of names, except
 
-* MoE routers: a linear that scores the experts (its output width is the config's expert count, or it is named
-  ``gate``/``router`` beside an experts module) is small and precision-sensitive, and stays as it is;
+* MoE routers: a linear in a block holding experts whose output width is their count (or 1: a shared expert's
+  scalar gate) is small and precision-sensitive, and stays as it is (:func:`snip_ds.layouts.linears.is_router`);
 * what the user excludes (``snip.exclude``: globs matched on the fully qualified name).
 
-A layer's *kind* is its path inside the block (``self_attn.q_proj``, ``self_attn.qkv_proj``,
-``mlp.dense_h_to_4h``); kinds keep the block's module order, so Llama's are q, k, v, o, gate, up, down as before.
-Which layers read one input tensor (q/k/v, gate/up; nothing for fused projections) is measured by
-:func:`input_groups` with one tiny forward.
+A layer's *kind* is its path inside the block (``self_attn.q_proj``, ``attn.c_attn``, ``mlp.dense_h_to_4h``);
+kinds keep the block's module order, so Llama's are q, k, v, o, gate, up, down as before. Which layers read one
+input tensor (q/k/v, gate/up; nothing for fused projections) is measured by :func:`input_groups` with one tiny
+forward.
 
-Mixture-of-Experts experts modules (transformers' ``<Family>Experts`` with 3-D Parameters) hold no ``nn.Linear``;
-:mod:`snip_ds.experts` makes each of their (expert, projection) pairs a layer of its own. An experts module it
-does not know, or a list of expert MLPs, is refused by :func:`decoder_linears`, naming the module, before
-anything trains.
+Mixture-of-Experts experts modules hold no linear per expert: :mod:`snip_ds.experts` makes each of their
+(expert, projection) pairs a layer of its own once :mod:`snip_ds.layouts.experts` has proved their layout; an
+experts module whose layout is not proved is refused by :func:`decoder_linears`, naming the module, its class and
+what did not match, before anything trains. A linear that a block holds but the model never calls (Mamba's
+``dt_proj``, whose weight the mixer multiplies itself) is planned here and left out of the plan once a step shows
+it receives no call (:mod:`snip_ds.state`).
 """
 from __future__ import annotations
 
@@ -26,69 +30,23 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from snip_ds.types import BLOCK_NAME_RE, block_index
-
-ROUTER_NAMES = ("gate", "router")  # the usual names of an MoE block's scoring linear
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_BLOCKS_HINT = "modules named '...layers.<i>' as in Hugging Face's Llama, Phi-3, GPT-NeoX or DeepSeek-V3 models"
+from snip_ds.experts.model import find_experts_modules
+from snip_ds.layouts.blocks import decoder_blocks as _blocks
+from snip_ds.layouts.experts import ExpertsLayoutError, counts_around, experts_candidates
+from snip_ds.layouts.linears import is_router, linear_form
 
 
 class UnsupportedModelError(ValueError):
-    """The model has no quantizable layers, or modules snip_ds cannot quantize (MoE experts it does not know)."""
+    """The model has no quantizable layers, or modules snip_ds cannot quantize (MoE experts it cannot prove)."""
+
+
+def _holds_gemm(module: nn.Module) -> bool:
+    return any(linear_form(m) is not None for m in module.modules()) or bool(experts_candidates(module))
 
 
 def decoder_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The decoder blocks as ``(fqn, module)`` in block order: the outermost modules named ``...layers.<i>``."""
-    found = [(name, m) for name, m in model.named_modules() if BLOCK_NAME_RE.match(name)]
-    names = {name for name, _ in found}
-    outer = [(name, m) for name, m in found
-             if not any(name.startswith(other + ".") for other in names if other != name)]
-    return sorted(outer, key=lambda item: block_index(item[0]))
-
-
-def expert_count(model: nn.Module) -> Optional[int]:
-    """The number of experts the model's config declares (``num_experts``, ``num_local_experts``,
-    ``n_routed_experts``, ``moe_num_experts``), or None."""
-    config = getattr(model, "config", None)
-    for key in EXPERT_COUNT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return value
-    return None
-
-
-def _is_experts(name: str, module: nn.Module) -> bool:
-    """An MoE experts module: transformers' ``<Family>Experts`` (3-D Parameters: one matrix per expert; a
-    convolution's 3-D kernel is no such thing) or a list of expert MLPs named ``experts``."""
-    if not isinstance(module, nn.modules.conv._ConvNd) and any(
-            len(getattr(p, "ds_shape", p.shape)) == 3 for p in module.parameters(recurse=False)):  # ds_shape: ZeRO-3
-        return True
-    if type(module).__name__.endswith("Experts"):
-        return True
-    return name.rsplit(".", 1)[-1] == "experts" and isinstance(module, (nn.ModuleList, nn.ModuleDict))
-
-
-def find_experts(model: nn.Module) -> List[Tuple[str, str]]:
-    """``(fqn, class name)`` of every MoE experts module of the model (the outermost ones)."""
-    found: List[Tuple[str, str]] = []
-    for name, module in model.named_modules():
-        if any(name.startswith(f + ".") for f, _ in found):
-            continue
-        if _is_experts(name, module):
-            found.append((name, type(module).__name__))
-    return found
-
-
-def is_router(fqn: str, linear: nn.Linear, parent: Optional[nn.Module], n_experts: Optional[int]) -> bool:
-    """Whether ``linear`` scores an MoE block's experts (and so stays unquantized): its output width is the
-    config's expert count and it is named like a router or sits beside an experts module; or it is named like a
-    router beside an experts module (a scalar gate of a shared expert included)."""
-    leaf = fqn.rsplit(".", 1)[-1]
-    named = leaf in ROUTER_NAMES or leaf.endswith(tuple(f"_{n}" for n in ROUTER_NAMES))
-    beside_experts = parent is not None and any(_is_experts(n, m) for n, m in parent.named_children())
-    if n_experts is not None and linear.out_features == n_experts and (named or beside_experts):
-        return True
-    return named and beside_experts
+    """The decoder blocks as ``(fqn, module)`` in model order (:mod:`snip_ds.layouts.blocks`)."""
+    return _blocks(model, _holds_gemm)
 
 
 def _check_patterns(exclude: Iterable[str]) -> Tuple[str, ...]:
@@ -99,50 +57,75 @@ def _check_patterns(exclude: Iterable[str]) -> Tuple[str, ...]:
     return patterns
 
 
-def decoder_linears(model: nn.Module, exclude: Sequence[str] = ()) -> List[str]:
-    """Fully qualified names of the model's quantizable linears: every ``nn.Linear`` (subclasses included) inside
-    a decoder block, block by block and in each block's module order, less MoE routers (:func:`is_router`) and
-    the names matching a glob of ``exclude``. Pure: only reads the model.
+def decoder_experts(model: nn.Module) -> Dict[str, nn.Module]:
+    """``{path: module}`` of the experts modules inside the decoder blocks, each layout proved.
 
     Raises:
-        UnsupportedModelError: the model has MoE experts in a layout :mod:`snip_ds.experts` does not know
-            (named with their class), or no quantizable linear (named by the model's class).
+        UnsupportedModelError: an experts module whose layout is not proved (the first such, named, and how
+            many more there are).
+    """
+    try:
+        return find_experts_modules(model)
+    except ExpertsLayoutError as err:
+        raise UnsupportedModelError(f"{type(model).__name__}: {err}; it refuses to train them unquantized under "
+                                    f"a plan that says otherwise") from None
+
+
+def _expert_lists(block: nn.Module, prefix: str) -> Dict[str, set]:
+    """``{path of the module holding it: {count}}`` for the lists of expert MLPs inside a block: a container of
+    two or more entries of one class, each holding a linear GEMM (older MoE layouts keep experts so)."""
+    out: Dict[str, set] = {}
+    for sub, module in block.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 2:
+            continue
+        entries = list(module.children())
+        if len({type(e) for e in entries}) == 1 and next(entries[0].children(), None) is not None and \
+                all(any(linear_form(m) is not None for m in e.modules()) for e in entries):
+            holder = f"{prefix}.{sub.rsplit('.', 1)[0]}" if "." in sub else prefix
+            out.setdefault(holder, set()).add(len(entries))
+    return out
+
+
+def decoder_linears(model: nn.Module, exclude: Sequence[str] = ()) -> List[str]:
+    """Fully qualified names of the model's quantizable linears: every linear GEMM inside a decoder block, block
+    by block and in each block's module order, less MoE routers and the names matching a glob of ``exclude``.
+    Pure: only reads the model (a linear class other than ``nn.Linear`` is proved once on a random probe).
+
+    Raises:
+        UnsupportedModelError: the model has MoE experts whose layout is not proved (named with their class),
+            or no quantizable linear (named by the model's class).
         ValueError: a pattern of ``exclude`` matches no decoder linear.
     """
     patterns = _check_patterns(exclude)
-    from snip_ds.experts import LAYOUTS, SnipExperts
-
-    unknown = [(name, cls) for name, cls in find_experts(model)
-               if cls not in LAYOUTS and not isinstance(model.get_submodule(name), SnipExperts)]
-    if unknown:
-        name, cls = unknown[0]
-        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: module {name!r} ({cls}){more} holds Mixture-of-Experts weights in a layout "
-            f"snip_ds does not know (it knows {', '.join(sorted(LAYOUTS))}); it refuses to train them unquantized "
-            f"under a plan that says otherwise")
+    experts = decoder_experts(model)
+    around = counts_around(model, experts_candidates(model))
     blocks = decoder_blocks(model)
-    n_experts = expert_count(model)
     names: List[str] = []
     for prefix, block in blocks:
-        modules = dict(block.named_modules())
+        for holder, counts in _expert_lists(block, prefix).items():
+            around.setdefault(holder, set()).update(counts)
         for sub, module in block.named_modules():
-            if not isinstance(module, nn.Linear):
+            fqn = f"{prefix}.{sub}" if sub else prefix
+            if any(fqn.startswith(e + ".") for e in experts):
+                continue  # the experts' own Parameters are planned per pair
+            form = linear_form(module)
+            if form is None:
                 continue
-            parent = modules.get(sub.rsplit(".", 1)[0]) if "." in sub else block
-            fqn = f"{prefix}.{sub}"
-            if not is_router(fqn, module, parent, n_experts):
+            counts = set().union(*(c for path, c in around.items() if fqn.startswith(path + ".") or not path))
+            if not is_router(module, form, counts):
                 names.append(fqn)
     for p in patterns:
         if not any(fnmatch.fnmatchcase(n, p) for n in names):
             raise ValueError(f"snip.exclude: pattern {p!r} matches no decoder linear of {type(model).__name__} "
                              f"(e.g. {names[0] if names else 'none'})")
     kept = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    if not kept:
+    if not kept and not experts:
         why = ("every one is excluded by snip.exclude" if names else
-               "its decoder blocks hold no nn.Linear" if blocks else f"it has no decoder blocks ({_BLOCKS_HINT})")
+               "its decoder blocks hold no linear GEMM (x·Wᵀ + b)" if blocks else
+               "it has no decoder blocks (numbered entries of a block list, such as model.layers.<i>, that hold "
+               "a linear GEMM)")
         raise UnsupportedModelError(f"{type(model).__name__}: no quantizable linears found: snip_ds quantizes the "
-                                    f"nn.Linear layers of decoder blocks, and {why}")
+                                    f"linear GEMMs of decoder blocks, and {why}")
     return kept
 
 

@@ -473,7 +473,7 @@ class SnipCallback(TrainerCallback):
         check_layer_settings(infos, self.settings)
         if tp > 1:  # AutoTP rebuilds these layers as its own shards in deepspeed.initialize: on_train_begin
             from snip_ds.engine.tensor_parallel import check_model  # makes them quantized shards
-            check_model(infos, self.settings, getattr(model, "config", None), tp)
+            check_model(infos, self.settings, getattr(model, "config", None), tp, model)
             self._originals = snip_layers(model)
         self.tp = tp
         # FLOPs per step, for the shares (which do not depend on the token count)

@@ -1,6 +1,9 @@
 """The quantized linear layer: an ``nn.Linear`` whose three GEMMs run at a per-layer, per-GEMM precision.
 
-:class:`SnipLinear` is built from an existing ``nn.Linear`` by :meth:`SnipLinear.from_linear`, which reuses
+:class:`SnipLinear` is built from an existing linear GEMM by :meth:`SnipLinear.from_linear`: an ``nn.Linear``, or a
+module whose weight is stored transposed (``[in, out]``, ``y = x·W + b``: GPT-2's ``Conv1D``), which keeps its
+Parameter as it is stored (its checkpoints and ``state_dict`` unchanged) and multiplies by its transpose
+(:attr:`SnipLinear.matrix`, the ``[out, in]`` view every GEMM and statistic reads). The swap reuses
 the original Parameter objects (ZeRO-3 partitions parameters in place and keeps its bookkeeping on them, so
 the swap must not copy them). At ``bf16`` the layer runs ``F.linear`` itself and is bit-identical to
 ``nn.Linear``, forward and backward. Otherwise one ``autograd.Function`` runs each GEMM through the backend
@@ -21,7 +24,7 @@ from snip_ds.backend.base import Kept
 from snip_ds.backend.operands import AmaxReduce, shared_amax
 from snip_ds.quant import QuantParts
 from snip_ds.quant_config import QuantConfig
-from snip_ds.types import GemmPrecision, LayerPrecision
+from snip_ds.types import GemmPrecision, LayerPrecision, full_shape
 
 
 class QuantizedLinearFn(torch.autograd.Function):
@@ -156,6 +159,32 @@ class SnipLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_snip(precision, quant_config)
 
+    transposed = False  # the weight Parameter is stored [in, out] (Conv1D) and multiplied as its transpose
+
+    @property
+    def gemm_form(self) -> str:
+        """``"linear"`` (``y = x·Wᵀ + b``) or ``"transposed"`` (``y = x·W + b``, W stored ``[in, out]``), as
+        :func:`snip_ds.layouts.linears.linear_form` names them."""
+        return "transposed" if self.transposed else "linear"
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """The GEMM's ``[out, in]`` matrix: the weight, or a view of its transpose where it is stored ``[in, out]``."""
+        return self.weight.t() if self.transposed else self.weight
+
+    @property
+    def parameter(self) -> nn.Parameter:
+        """The Parameter the GEMM's matrix is (a view of): what the optimizer holds state for."""
+        return self.weight
+
+    def slice(self, t: torch.Tensor) -> torch.Tensor:
+        """The ``[out, in]`` view of a tensor shaped like :attr:`parameter` (an optimizer state)."""
+        return t.t() if self.transposed else t
+
+    def to_storage(self, t: torch.Tensor) -> torch.Tensor:
+        """An ``[out, in]`` tensor in :attr:`parameter`'s storage order (the inverse of :meth:`slice`)."""
+        return t.t() if self.transposed else t
+
     def _init_snip(self, precision: LayerPrecision, quant_config: Optional[QuantConfig]) -> None:
         self.precision = precision
         self.quant_config = quant_config or QuantConfig()
@@ -165,16 +194,27 @@ class SnipLinear(nn.Linear):
         self.input_grad_observer: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], None]] = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, precision: LayerPrecision = "fp8",
-                    quant_config: Optional[QuantConfig] = None) -> "SnipLinear":
-        """Wraps ``linear`` without copying: the new layer holds the very same weight and bias Parameters."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+    def from_linear(cls, linear: nn.Module, precision: LayerPrecision = "fp8",
+                    quant_config: Optional[QuantConfig] = None, *, transposed: bool = False) -> "SnipLinear":
+        """Wraps ``linear`` without copying: the new layer holds the very same weight and bias Parameters.
+
+        Args:
+            linear: an ``nn.Linear``, or (``transposed``) a module computing ``y = x·W + b`` with ``weight``
+                ``[in, out]`` (:func:`snip_ds.layouts.linears.linear_form` proves which).
+        """
+        weight = getattr(linear, "weight", None)
+        if not isinstance(weight, torch.Tensor) or len(full_shape(weight)) != 2:
+            raise TypeError(f"from_linear expects a module with a 2-D weight, got {type(linear).__name__}")
+        if not transposed and not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects an nn.Linear (or transposed=True), got {type(linear).__name__}")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias
+        rows, cols = full_shape(weight)
+        new.in_features, new.out_features = (rows, cols) if transposed else (cols, rows)
+        if transposed:
+            new.transposed = True
+        new.weight = weight
+        new.bias = getattr(linear, "bias", None)
         new.train(linear.training)
         new._init_snip(precision, quant_config)
         return new
@@ -203,12 +243,12 @@ class SnipLinear(nn.Linear):
         """``x Wᵀ + bias`` with this layer's own weight (a tensor-parallel shard's: its part of the product) at
         the layer's precision."""
         prec = self._gemm_precision
+        w = self.matrix
         if prec.uniform == "bf16":
             if self.input_grad_only:
-                return InputGradOnlyLinearFn.apply(x, self.weight, bias, self)
-            return F.linear(x, self.weight, bias)
-        return QuantizedLinearFn.apply(x, self.weight, bias, prec, self.quant_config, self.generator,
-                                        self.amax_reduce)
+                return InputGradOnlyLinearFn.apply(x, w, bias, self)
+            return F.linear(x, w, bias)
+        return QuantizedLinearFn.apply(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce)
 
     @property
     def amax_reduce(self) -> Optional[AmaxReduce]:
@@ -221,4 +261,5 @@ class SnipLinear(nn.Linear):
         return t
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, precision={self.precision!r}"
+        stored = ", stored [in, out]" if self.transposed else ""
+        return f"{super().extra_repr()}{stored}, precision={self.precision!r}"

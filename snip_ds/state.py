@@ -25,7 +25,7 @@ from torch import nn
 from snip_ds import distributed as sdist
 from snip_ds.artifacts import STATE_FORMAT, TRAINER_STATE_FORMAT
 from snip_ds.console import say
-from snip_ds.experts import ExpertPoint
+from snip_ds.experts.points import ExpertPoint
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.schedule import measure_due, replan_due
 from snip_ds.settings import SnipSettings

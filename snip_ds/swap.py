@@ -1,15 +1,14 @@
 """Swapping a model's decoder linears for :class:`~snip_ds.linear.SnipLinear` and its MoE experts for
-:class:`~snip_ds.experts.SnipExperts`.
+:class:`~snip_ds.experts.module.SnipExperts`.
 
-Every ``nn.Linear`` of every decoder block (:mod:`snip_ds.decoder`: q, k, v, o, gate, up, down in a Llama; fused
-projections such as Phi-3's ``qkv_proj`` as one layer) is swapped, except MoE routers and what ``snip.exclude``
-names; ``lm_head``, embeddings, norms and attention's own matmuls stay as they are. :func:`swap_model` also
+Every linear GEMM of every decoder block (:mod:`snip_ds.decoder`: q, k, v, o, gate, up, down in a Llama; fused
+projections such as Phi-3's ``qkv_proj`` as one layer; GPT-2's ``Conv1D`` with its weight stored transposed) is
+swapped, except MoE routers and what ``snip.exclude`` names; ``lm_head``, embeddings, norms and attention's own matmuls stay as they are. :func:`swap_model` also
 replaces every MoE experts module, each (expert, projection) pair becoming a layer of its own
 (``<experts path>.<expert>.<projection>``), which ``snip.exclude`` cannot leave out.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -19,9 +18,11 @@ from torch import nn
 from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 from snip_ds.decoder import decoder_linears
-from snip_ds.experts import (ExpertLayerInfo, ExpertPoint, SnipExperts, expert_points, find_experts_modules,
-                             swap_experts)
-from snip_ds.types import LayerPrecision, block_index, layer_kind
+from snip_ds.experts.model import expert_points, find_experts_modules, swap_experts
+from snip_ds.experts.module import SnipExperts
+from snip_ds.experts.points import ExpertLayerInfo, ExpertPoint
+from snip_ds.layouts.linears import TRANSPOSED, gemm_shape, linear_form
+from snip_ds.types import LayerPrecision, block_index, layer_kind, layer_seed
 
 
 
@@ -42,7 +43,7 @@ class LayerInfo:
 
 def find_decoder_linears(model: nn.Module, exclude: Sequence[str] = ()) -> List[str]:
     """Fully qualified names of the quantizable linears of the decoder blocks, in block order and each block's
-    module order (:func:`snip_ds.decoder.decoder_linears`: every ``nn.Linear`` of a block but MoE routers and
+    module order (:func:`snip_ds.decoder.decoder_linears`: every linear GEMM of a block but MoE routers and
     the names matching a glob of ``exclude``).
 
     Raises:
@@ -50,11 +51,6 @@ def find_decoder_linears(model: nn.Module, exclude: Sequence[str] = ()) -> List[
             matches no layer.
     """
     return decoder_linears(model, exclude)
-
-
-def _layer_seed(seed: int, fqn: str, rank: int) -> int:
-    digest = hashlib.sha256(f"{seed}:{rank}:{fqn}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def swap_linears(model: nn.Module, precision: LayerPrecision = "fp8",
@@ -67,7 +63,7 @@ def swap_linears(model: nn.Module, precision: LayerPrecision = "fp8",
     ``(seed, rank, fqn)``.
 
     Args:
-        model: a Hugging Face causal LM whose decoder blocks are named ``...layers.<i>``.
+        model: a Hugging Face causal LM (decoder blocks found by :mod:`snip_ds.layouts.blocks`).
         precision: initial precision of every swapped layer.
         quant_config: recipes shared by all layers.
         seed: seed of the per-layer stochastic-rounding generators.
@@ -83,12 +79,13 @@ def swap_linears(model: nn.Module, precision: LayerPrecision = "fp8",
         parent_name, child = fqn.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        new = old if isinstance(old, SnipLinear) else SnipLinear.from_linear(old, precision, quant_config)
+        new = old if isinstance(old, SnipLinear) else SnipLinear.from_linear(
+            old, precision, quant_config, transposed=linear_form(old) == TRANSPOSED)
         new.precision, new.quant_config, new.fqn = precision, quant_config, fqn
         device = old.weight.device if old.weight.device.type != "meta" else torch.device("cpu")
-        new.generator = torch.Generator(device=device).manual_seed(_layer_seed(seed, fqn, rank))
+        new.generator = torch.Generator(device=device).manual_seed(layer_seed(seed, fqn, rank))
         setattr(parent, child, new)
-        infos[fqn] = LayerInfo(fqn, block_index(fqn), layer_kind(fqn), old.in_features, old.out_features)
+        infos[fqn] = LayerInfo(fqn, block_index(fqn), layer_kind(fqn), new.in_features, new.out_features)
     return infos
 
 
@@ -98,8 +95,8 @@ AnyLayerInfo = Union[LayerInfo, "ExpertLayerInfo"]
 def swap_model(model: nn.Module, precision: LayerPrecision = "fp8",
                quant_config: Optional[QuantConfig] = None, *, seed: int = 0,
                rank: int = 0, exclude: Sequence[str] = ()) -> Dict[str, AnyLayerInfo]:
-    """:func:`swap_linears`, then every MoE experts module replaced by a :class:`~snip_ds.experts.SnipExperts`
-    (:func:`snip_ds.experts.swap_experts`, the same precision, recipes and seeding).
+    """:func:`swap_linears`, then every MoE experts module replaced by a :class:`~snip_ds.experts.module.SnipExperts`
+    (:func:`snip_ds.experts.model.swap_experts`, the same precision, recipes and seeding).
 
     Returns:
         ``{layer name: LayerInfo or ExpertLayerInfo}`` of every planned layer in model order (a block's MoE
@@ -128,8 +125,8 @@ def layer_infos(model: nn.Module, exclude: Sequence[str] = ()) -> Dict[str, AnyL
     infos: Dict[str, AnyLayerInfo] = {}
     for name, module in model.named_modules():
         if name in linears:
-            infos[name] = LayerInfo(name, block_index(name), layer_kind(name), module.in_features,
-                                    module.out_features)
+            infos[name] = LayerInfo(name, block_index(name), layer_kind(name),
+                                    *gemm_shape(module, linear_form(module)))
         elif name in experts:
             wrapped = module if isinstance(module, SnipExperts) else SnipExperts.from_family(module, name, seed=None)
             infos.update(wrapped.layers())
@@ -138,7 +135,7 @@ def layer_infos(model: nn.Module, exclude: Sequence[str] = ()) -> Dict[str, AnyL
 
 def model_layers(model: nn.Module) -> Dict[str, Union[SnipLinear, ExpertPoint]]:
     """Every planned layer of ``model`` by name, in model order: its :class:`SnipLinear` modules and its
-    experts' (expert, projection) :class:`~snip_ds.experts.ExpertPoint` (each with ``precision``,
+    experts' (expert, projection) :class:`~snip_ds.experts.points.ExpertPoint` (each with ``precision``,
     ``generator``, ``weight``)."""
     points = expert_points(model)
     out: Dict[str, Union[SnipLinear, ExpertPoint]] = {}

@@ -2,13 +2,15 @@
 
 A layer's precision is one of ``bf16`` (no quantization), ``fp8`` or ``fp4``, either for the whole layer or
 separately for each of its three GEMMs (fprop, dgrad, wgrad); :class:`GemmPrecision` is that triple.
-The swapped layers are the linears of the decoder blocks (``...layers.<i>``; :mod:`snip_ds.decoder` finds them);
-a layer's kind is its path inside its block (``self_attn.q_proj``, ``mlp.dense_h_to_4h``).
+The swapped layers are the linears of the decoder blocks (the entries of the model's block list, ``...layers.<i>``
+or ``...h.<i>``; :mod:`snip_ds.decoder` finds them); a layer's kind is its path inside its block
+(``self_attn.q_proj``, ``mlp.dense_h_to_4h``, ``attn.c_attn``).
 
 This module is pure data: no torch, no torch.distributed.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -30,28 +32,44 @@ LayerPrecision = Union[str, Mapping[str, str]]
 LLAMA_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
 
-_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-BLOCK_NAME_RE = re.compile(r"^(?:.*\.)?layers\.\d+$")  # a decoder block's own module name
+def _block_position(fqn: str) -> Optional[int]:
+    """The index, in ``fqn``'s dotted components, of the decoder block's number: the first all-digit component
+    that follows a named one, after any wrapper in front (``module`` and the numbers of a container around the
+    model: DeepSpeed, DDP, ``nn.Sequential``). A model's blocks are the entries of its block list
+    (:mod:`snip_ds.layouts.blocks`), so a layer's name is ``<block list>.<i>.<path in the block>`` whatever the
+    list is called (``model.layers``, ``transformer.h``, ``gpt_neox.layers``, ``model.decoder.layers``)."""
+    parts = fqn.split(".")
+    start = 0
+    if parts and parts[0] == "module":
+        start = 1
+        while start < len(parts) and parts[start].isdigit():
+            start += 1
+    for i in range(start + 1, len(parts)):
+        if parts[i].isdigit() and not parts[i - 1].isdigit():
+            return i
+    return None
 
 
 def block_index(fqn: str) -> int:
-    """The decoder block number in a name like ``model.layers.3.self_attn.q_proj``: the ``<i>`` of the
-    first ``layers.<i>`` component (so wrappers such as ``module.`` or ``module.0.`` in front do not matter).
+    """The decoder block number in a layer name: ``3`` for ``model.layers.3.self_attn.q_proj`` or
+    ``transformer.h.3.attn.c_attn``, the first number that follows a named component (wrappers such as
+    ``module.`` or ``module.0.`` in front do not count).
 
     Raises:
-        ValueError: the name has no ``layers.<i>`` component.
+        ValueError: the name has no such component.
     """
-    match = _BLOCK_RE.search(fqn)
-    if match is None:
-        raise ValueError(f"layer {fqn!r}: no decoder block index ('layers.<i>.') in its name")
-    return int(match.group(1))
+    at = _block_position(fqn)
+    if at is None:
+        raise ValueError(f"layer {fqn!r}: no decoder block index ('<blocks>.<i>.') in its name")
+    return int(fqn.split(".")[at])
 
 
 def layer_kind(fqn: str) -> str:
     """A layer's path inside its decoder block: ``self_attn.q_proj`` for ``model.layers.3.self_attn.q_proj``
-    (the whole name where it has no ``layers.<i>.`` component)."""
-    match = _BLOCK_RE.search(fqn)
-    return fqn[match.end():] if match is not None and match.end() < len(fqn) else fqn
+    (the whole name where it has no block index)."""
+    at = _block_position(fqn)
+    parts = fqn.split(".")
+    return ".".join(parts[at + 1:]) if at is not None and at + 1 < len(parts) else fqn
 
 
 def check_precision(name: object, field: str = "precision") -> str:
@@ -105,17 +123,16 @@ class GemmPrecision:
         return sum(getattr(self, g) == "fp4" for g in GEMMS) / 3.0
 
 
-_EXPERT_PAIR_RE = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>[A-Za-z_]\w*)$")
-
-
 def expert_pair(fqn: str) -> Optional[Tuple[str, int, str]]:
-    """``(experts module path, expert, projection)`` for an MoE pair's layer name
-    (``model.layers.3.mlp.experts.17.down_proj`` -> ``("model.layers.3.mlp.experts", 17, "down_proj")``), None
-    for any other layer. Displays split a plan's experts from its dense layers with it."""
-    match = _EXPERT_PAIR_RE.match(fqn)
-    if match is None:
+    """``(experts module path, expert, projection)`` for an MoE pair's layer name: a number inside the decoder
+    block followed by one last name (``model.layers.3.mlp.experts.17.down_proj`` ->
+    ``("model.layers.3.mlp.experts", 17, "down_proj")``; an expert list's linear ``...experts.17.w1`` alike);
+    None for any other layer. Displays split a plan's experts from its dense layers with it."""
+    at = _block_position(fqn)
+    parts = fqn.split(".")
+    if at is None or len(parts) < at + 4 or not parts[-2].isdigit() or parts[-1].isdigit():
         return None
-    return match["module"], int(match["expert"]), match["projection"]
+    return ".".join(parts[:-2]), int(parts[-2]), parts[-1]
 
 
 def layer_kinds(fqns: Iterable[str]) -> Tuple[str, ...]:
@@ -147,3 +164,17 @@ def kind_labels(kinds: Sequence[str]) -> Dict[str, str]:
     for label in short.values():
         counts[label] = counts.get(label, 0) + 1
     return {k: (label if counts[label] == 1 else k) for k, label in short.items()}
+
+
+def layer_seed(seed: int, fqn: str, rank: int) -> int:
+    """The stochastic-rounding seed of the planned layer ``fqn`` on ``rank`` (a linear, or an MoE pair): a hash
+    of ``(seed, rank, fqn)``, so that every layer draws its own rounding noise, the same at every resume."""
+    digest = hashlib.sha256(f"{seed}:{rank}:{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def full_shape(param) -> Tuple[int, ...]:
+    """A Parameter's shape, also when ZeRO-3 has partitioned it (its data then an empty placeholder, its shape in
+    ``ds_shape``)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+

@@ -17,7 +17,8 @@ from snip_ds.backend import get_backend
 from snip_ds.engine import adam_state
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.engine.expert_state import expert_preconditioner
-from snip_ds.experts import SnipExperts, expert_parameters, expert_points, swap_experts
+from snip_ds.experts.module import SnipExperts
+from snip_ds.experts.model import expert_parameters, expert_points, swap_experts
 from snip_ds.linear import SnipLinear
 from snip_ds.planner import CostSettings, SolverSettings, costs_from_stats, solve_baseline
 from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics

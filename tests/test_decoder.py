@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from snip_ds.cli import render_plan
-from snip_ds.decoder import UnsupportedModelError, decoder_linears, input_groups, is_router
+from snip_ds.decoder import UnsupportedModelError, decoder_linears, input_groups
 from snip_ds.swap import layer_infos
 from snip_ds.model import build_model
 from snip_ds.plan import Plan
 from snip_ds.swap import snip_layers, swap_linears
 from snip_ds.tensorboard import precision_map_figure
-from snip_ds.types import LLAMA_KINDS, block_index, display_kinds, kind_labels, layer_kinds
+from snip_ds.types import LLAMA_KINDS, block_index, display_kinds, expert_pair, kind_labels, layer_kinds
 
 DENSE = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -115,49 +115,52 @@ def test_exclude_globs_match_fully_qualified_names():
         decoder_linears(model, ["*"])
 
 
+class _ExpertMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+
 class _Block(nn.Module):
     def __init__(self, experts: bool):
         super().__init__()
         self.attn = nn.Linear(32, 32)
         self.mlp = nn.Module()
-        self.mlp.gate = nn.Linear(32, 4)  # the router: output width = the config's expert count
-        self.mlp.proj = nn.Linear(32, 4)  # the same width, not named like a router: quantized
+        self.mlp.gate = nn.Linear(32, 4)  # four outputs: a router only where it has four experts to score
         if experts:
-            self.mlp.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+            self.mlp.experts = nn.ModuleList(_ExpertMLP() for _ in range(4))  # a list of expert MLPs
+            self.mlp.shared_expert_gate = nn.Linear(32, 1)  # a shared expert's scalar gate
 
 
 class _Toy(nn.Module):
-    def __init__(self, n_experts=None, experts=False):
+    def __init__(self, experts=False):
         super().__init__()
-        self.config = type("Config", (), {"num_local_experts": n_experts})()
         self.layers = nn.ModuleList(_Block(experts) for _ in range(2))
 
 
-def test_routers_stay_unquantized_and_a_gate_that_is_no_router_does_not():
-    model = _Toy(n_experts=4)
-    assert decoder_linears(model) == [f"layers.{b}.{k}" for b in range(2) for k in ("attn", "mlp.proj")]
-    # no expert count in the config, no experts beside it: a layer named gate is an ordinary projection
-    assert "layers.0.mlp.gate" in decoder_linears(_Toy(n_experts=None))
-    # beside an experts module a router is one whatever the config says (Qwen2-MoE's scalar shared_expert_gate
-    # too); such models are refused as a whole for now, so the rule is checked on its own
-    block = _Toy(n_experts=None, experts=True).layers[0]
-    assert is_router("layers.0.mlp.gate", block.mlp.gate, block.mlp, None)
-    assert not is_router("layers.0.mlp.proj", block.mlp.proj, block.mlp, None)
-    shared_gate = nn.Linear(32, 1)
-    assert is_router("layers.0.mlp.shared_expert_gate", shared_gate, block.mlp, None)
-    llama_mlp = build_model(model_config=DENSE).model.layers[0].mlp
-    assert not is_router("model.layers.0.mlp.gate_proj", llama_mlp.gate_proj, llama_mlp, 4)
+def test_routers_are_found_by_what_they_score_not_by_their_names():
+    """A linear beside experts whose output width is their count (or 1) is a router and stays as it is; the same
+    linear with no experts beside it is an ordinary projection; a list of expert MLPs is planned expert by
+    expert (each of its linears a layer of its own)."""
+    assert decoder_linears(_Toy()) == [f"layers.{b}.{k}" for b in range(2) for k in ("attn", "mlp.gate")]
+    names = decoder_linears(_Toy(experts=True))
+    assert names == [f"layers.{b}.{k}" for b in range(2) for k in
+                     ["attn"] + [f"mlp.experts.{e}.{fc}" for e in range(4) for fc in ("fc1", "fc2")]]
+    assert {expert_pair(n) for n in names if "experts" in n} == {
+        (f"layers.{b}.mlp.experts", e, fc) for b in range(2) for e in range(4) for fc in ("fc1", "fc2")}
+    llama = build_model(model_config=DENSE)
+    assert "model.layers.0.mlp.gate_proj" in decoder_linears(llama)  # a SwiGLU's gate: no experts beside it
 
 
 @pytest.mark.parametrize("config, module, cls", [
     (MIXTRAL, "model.layers.0.mlp.experts", "MixtralExperts"),
     (QWEN2_MOE, "model.layers.0.mlp.experts", "Qwen2MoeExperts"),
     ({**DEEPSEEK_V3, "first_k_dense_replace": 1}, "model.layers.1.mlp.experts", "DeepseekV3Experts"),
+    ({**MIXTRAL, "model_type": "olmoe", "num_experts": 4}, "model.layers.0.mlp.experts", "OlmoeExperts"),
 ])
-def test_known_experts_are_planned_and_unknown_ones_refused_naming_the_module(config, module, cls):
-    """Known experts modules: their linears are the attention's (and a shared expert's), no router, and every
-    (expert, projection) pair is a planned layer. Unknown experts (another class, a list of expert MLPs) are
-    refused, naming the module and its class."""
+def test_experts_modules_are_planned_per_pair(config, module, cls):
+    """Experts modules: their linears are the attention's (and a shared expert's), no router, and every
+    (expert, projection) pair is a planned layer."""
     model = build_model(model_config=config)
     names = decoder_linears(model)
     assert not any(".experts." in n or n.endswith((".gate", "_gate")) for n in names)
@@ -168,20 +171,17 @@ def test_known_experts_are_planned_and_unknown_ones_refused_naming_the_module(co
     assert sorted(n for n in infos if n not in names) == sorted(
         f"{path}.{e}.{p}" for path in paths for e in range(4) for p in ("gate_up_proj", "down_proj"))
     assert type(model.get_submodule(module)).__name__ == cls  # layer_infos changed nothing
-    with pytest.raises(UnsupportedModelError, match=r"module 'layers.0.mlp.experts' \(ModuleList\) \(and 1 more\) holds "
-                                                    r"Mixture-of-Experts weights in a layout snip_ds does not know"):
-        decoder_linears(_Toy(n_experts=4, experts=True))  # a list of expert MLPs
 
 
-def test_an_experts_class_snip_ds_does_not_know_is_refused_naming_it():
-    config = {**MIXTRAL, "model_type": "olmoe", "num_experts": 4}
-    with pytest.raises(ValueError, match=r"^OlmoeForCausalLM: module 'model.layers.0.mlp.experts' \(OlmoeExperts\) "
-                                         r"\(and 1 more\) holds Mixture-of-Experts weights in a layout snip_ds does "
-                                         r"not know \(it knows DeepseekV3Experts, GptOssExperts"):
-        build_model(model_config=config)
+def test_a_three_dimensional_parameter_that_is_no_expert_is_not_refused():
+    """A convolution's kernel, or a stack of per-head weights no router scores, makes no experts module: the
+    block's linears are planned and the module stays as it is."""
     conv = _Toy()
-    conv.layers[0].conv = nn.Conv1d(32, 32, 3)  # a 3-D kernel, but no experts
-    assert len(decoder_linears(conv)) == 6
+    conv.layers[0].conv = nn.Conv1d(32, 32, 3)
+    conv.layers[0].heads = nn.Module()
+    conv.layers[0].heads.w = nn.Parameter(torch.zeros(3, 32, 32))
+    conv.layers[0].heads.v = nn.Parameter(torch.zeros(3, 32, 32))
+    assert len(decoder_linears(conv)) == 4
 
 
 def test_displays_take_their_columns_from_the_kinds():

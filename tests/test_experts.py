@@ -13,8 +13,11 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts, Qw
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock
 
 from snip_ds import swap
-from snip_ds.experts import (LAYOUTS, SnipExperts, expert_layers, find_experts_modules, layer_seed, routed_flops,
-                              set_expert_precisions, swap_experts, take_routed_tokens)
+from snip_ds.layouts.experts import ExpertsLayout, recognize
+from snip_ds.experts.module import SnipExperts
+from snip_ds.experts.model import expert_layers, find_experts_modules, set_expert_precisions, swap_experts, take_routed_tokens
+from snip_ds.types import layer_seed
+from snip_ds.experts.points import routed_flops
 from snip_ds.linear import SnipLinear
 
 E, H, I = 4, 32, 48  # experts, hidden size, expert intermediate size
@@ -50,8 +53,15 @@ BLOCKS = {"mixtral": MixtralSparseMoeBlock, "qwen2_moe": Qwen2MoeSparseMoeBlock,
 FAMILIES = list(EXPERTS)
 
 
-def test_every_family_in_the_layout_table_is_tested_here():
-    assert set(LAYOUTS) == {cls.__name__ for cls in EXPERTS.values()}
+@pytest.mark.parametrize("family, layout", [
+    ("mixtral", ExpertsLayout(("gate_up_proj", "down_proj"), transposed=False, bias=False, gated=True)),
+    ("qwen2_moe", ExpertsLayout(("gate_up_proj", "down_proj"), transposed=False, bias=False, gated=True)),
+    ("qwen3_moe", ExpertsLayout(("gate_up_proj", "down_proj"), transposed=False, bias=False, gated=True)),
+    ("deepseek_v3", ExpertsLayout(("gate_up_proj", "down_proj"), transposed=False, bias=False, gated=True)),
+    ("gpt_oss", ExpertsLayout(("gate_up_proj", "down_proj"), transposed=True, bias=True, gated=True)),
+])
+def test_each_familys_layout_is_read_from_its_interface_and_proved(family, layout):
+    assert recognize(_experts(family), PATH, SnipExperts.unquantized) == layout
 
 
 def _randomize(module: nn.Module, dtype: torch.dtype, seed: int = 0) -> nn.Module:
@@ -242,7 +252,7 @@ def test_generators_are_seeded_per_expert_and_projection_like_linear_layers():
     for name, info in snip.layers().items():
         j = snip.layout.projections.index(info.kind)
         assert generators[name] is snip.generators[info.expert][j]
-        assert generators[name].initial_seed() == swap._layer_seed(7, name, 3)
+        assert generators[name].initial_seed() == layer_seed(7, name, 3)
     assert len({g.initial_seed() for g in generators.values()}) == 2 * E
 
 
@@ -345,7 +355,7 @@ def test_unknown_experts_layout_is_refused_naming_path_and_class():
     model = _tiny_mixtral()
     model.model.layers[1].mlp.experts = ToyExperts()
     with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.experts' \(test_experts\.ToyExperts\): "
-                                         r"unknown experts layout"):
+                                         r"its experts' weights \(w \[4, 32, 32\]\) fit no layout"):
         swap_experts(model)
     assert isinstance(model.model.layers[0].mlp.experts, MixtralExperts)  # nothing was replaced
 
@@ -353,8 +363,8 @@ def test_unknown_experts_layout_is_refused_naming_path_and_class():
 def test_known_class_with_other_flags_is_refused():
     model = _tiny_mixtral(layers=1)
     model.model.layers[0].mlp.experts.has_bias = True
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts' \(.*MixtralExperts\) does not have the "
-                                         r"layout .*has_bias=True \(expected False\)"):
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts' \(.*MixtralExperts\) is not one "
+                                         r"snip_ds can quantize per expert: no Parameter 'gate_up_proj_bias'"):
         swap_experts(model)
 
 

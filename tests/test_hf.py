@@ -481,7 +481,8 @@ def test_mixtral_under_the_trainer_plans_every_expert_pair(tmp_path):
     """SnipCallback on a Mixtral: its experts modules are swapped too, and the first adaptive plan (solved from
     the Trainer's batches before step 1) gives every (expert, projection) pair its own precision, applied to
     the model, at the FP4 share asked for."""
-    from snip_ds.experts import ExpertLayerInfo, SnipExperts
+    from snip_ds.experts.points import ExpertLayerInfo
+    from snip_ds.experts.module import SnipExperts
     from snip_ds.hf import SnipCallback
     from snip_ds.model import build_model
     from snip_ds.swap import model_layers

@@ -137,11 +137,12 @@ def test_config_and_path_errors(tmp_path):
         build_model(tmp_path, model_config=TINY)
 
 
-def test_a_model_without_quantizable_linears_is_named():
-    gpt2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 32}
-    with pytest.raises(ValueError, match=r"^GPT2LMHeadModel: no quantizable linears found: snip_ds quantizes the "
-                                         r"nn.Linear layers of decoder blocks, and it has no decoder blocks"):
-        build_model(model_config=gpt2)
+def test_gpt2_builds_with_its_transposed_conv1d_layers_found():
+    """GPT-2 keeps its blocks in transformer.h and its projections in Conv1D modules (weights stored [in, out])."""
+    gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 32}
+    names = decoder_linear_names(build_model(model_config=gpt2))
+    assert names == [f"transformer.h.{b}.{k}" for b in range(2)
+                     for k in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
 
 
 def test_vocab_smaller_than_tokenizer():

@@ -54,7 +54,7 @@ def test_block_index_and_errors():
     with pytest.raises(ValueError, match="no decoder block index"):
         block_index("lm_head")
     with pytest.raises(ValueError, match=r"^Sequential: no quantizable linears found: .* it has no decoder "
-                                         r"blocks \(modules named '...layers.<i>'"):
+                                         r"blocks \(numbered entries of a block list"):
         find_decoder_linears(nn.Sequential(nn.Linear(2, 2)))
     model = tiny_llama(layers=2)
     model.model.layers[0].mlp.up_proj = nn.Identity()  # blocks need not be alike: what each holds is swapped
@@ -84,7 +84,7 @@ def test_a_layer_replaced_after_the_swap_is_an_error_naming_it():
 def test_settings_that_do_not_fit_the_layers_stop_before_any_step():
     """snip.pinned names or globs that match no layer, and research.dgrad_cost "upstream" on an MoE model, are
     one ConfigError naming the field (raised by initialize and SnipCallback before training)."""
-    from snip_ds.experts import ExpertLayerInfo
+    from snip_ds.experts.points import ExpertLayerInfo
     from snip_ds.settings import ConfigError, parse_snip_section
     from snip_ds.swap import check_layer_settings
 

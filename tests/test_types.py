@@ -1,25 +1,42 @@
 """Tests for snip_ds.types: the block index of layer names and the per-GEMM precision triple."""
 import pytest
 
-from snip_ds.types import GEMM_OPERAND_AXES, GEMM_OPERANDS, GEMMS, OPERANDS, GemmPrecision, block_index
+from snip_ds.types import (GEMM_OPERAND_AXES, GEMM_OPERANDS, GEMMS, OPERANDS, GemmPrecision, block_index,
+                           expert_pair, layer_kind)
 
 
-@pytest.mark.parametrize("fqn, block", [
-    ("model.layers.3.mlp.down_proj", 3),
-    ("module.model.layers.12.self_attn.q_proj", 12),   # a DeepSpeed / DDP wrapper in front
-    ("module.0.model.layers.5.mlp.up_proj", 5),        # a digit before 'layers.<i>' is not the block
-    ("layers.7.self_attn.o_proj", 7),
-    ("model.layers.30", 30),                           # the block's own module name
+@pytest.mark.parametrize("fqn, block, kind", [
+    ("model.layers.3.mlp.down_proj", 3, "mlp.down_proj"),
+    ("module.model.layers.12.self_attn.q_proj", 12, "self_attn.q_proj"),  # a DeepSpeed / DDP wrapper in front
+    ("module.0.model.layers.5.mlp.up_proj", 5, "mlp.up_proj"),  # a container's number in front is no block
+    ("layers.7.self_attn.o_proj", 7, "self_attn.o_proj"),
+    ("model.layers.30", 30, "model.layers.30"),  # the block's own module name
+    ("transformer.h.17.mlp.c_fc", 17, "mlp.c_fc"),  # GPT-2's block list is transformer.h
+    ("model.decoder.layers.2.fc1", 2, "fc1"),  # OPT's
+    ("model.mylayers.3.q_proj", 3, "q_proj"),  # whatever the list is called
+    ("model.layers.3.mlp.experts.17.down_proj", 3, "mlp.experts.17.down_proj"),  # the first number is the block
 ])
-def test_block_index_reads_the_layers_component(fqn, block):
+def test_block_index_reads_the_block_lists_entry(fqn, block, kind):
     assert block_index(fqn) == block
+    assert layer_kind(fqn) == kind
 
 
-@pytest.mark.parametrize("fqn", ["lm_head", "model.embed_tokens", "model.layers.x.q_proj", "transformer.h.17.mlp.c_fc",
-                                 "model.mylayers.3.q_proj"])
+@pytest.mark.parametrize("fqn", ["lm_head", "model.embed_tokens", "model.layers.x.q_proj", "module.0.lm_head"])
 def test_block_index_rejects_names_without_a_decoder_block(fqn):
     with pytest.raises(ValueError, match="no decoder block index"):
         block_index(fqn)
+    assert layer_kind(fqn) == fqn
+
+
+@pytest.mark.parametrize("fqn, pair", [
+    ("model.layers.3.mlp.experts.17.down_proj", ("model.layers.3.mlp.experts", 17, "down_proj")),
+    ("transformer.h.0.moe.experts.2.w1", ("transformer.h.0.moe.experts", 2, "w1")),  # a list of expert MLPs
+    ("model.layers.3.mlp.down_proj", None),
+    ("model.layers.3", None),
+    ("lm_head", None),
+])
+def test_expert_pair_is_a_numbered_entry_inside_a_block(fqn, pair):
+    assert expert_pair(fqn) == pair
 
 
 def test_gemm_operands_cover_each_operand_twice():

@@ -27,11 +27,12 @@ from snip_ds import divergence as dv
 from snip_ds import faults
 from snip_ds.stats import CollectSettings, collect_statistics
 from snip_ds.stats.artifact import carry_unrouted
+from snip_ds.stats.precond import in_storage_order
 from snip_ds.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.engine.expert_state import expert_preconditioner
 from snip_ds.engine.zero_leaf import leaf_backward_hooks_suspended
-from snip_ds.experts import ExpertPoint
+from snip_ds.experts.points import ExpertPoint
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.schedule import measure_due, replan_due
@@ -77,8 +78,10 @@ class AdaptivePlanner:
         eng, s = self.state, self.settings
         faults.pause_point("collect", eng.step, sdist.rank())  # a test's fault injection; else a no-op
         points = {fqn: layer for fqn, layer in eng.layers.items() if isinstance(layer, ExpertPoint)}
-        weights = {fqn: layer.weight for fqn, layer in eng.layers.items() if fqn not in points}
+        weights = {fqn: layer.parameter for fqn, layer in eng.layers.items() if fqn not in points}
         precond, source = layer_preconditioner(eng.loop.optimizer, weights, eng.step)
+        if precond is not None:  # weights stored [in, out] (Conv1D): the state in that order
+            precond = in_storage_order(precond, {f: eng.layers[f] for f in weights})
         if points and precond is not None:  # MoE pairs: their slice of their 3-D Parameter's Adam state
             precond = expert_preconditioner(eng.loop.optimizer, points, eng.step, dense=precond)[0]
         if self.stream is not None:

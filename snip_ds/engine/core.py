@@ -400,7 +400,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
     originals = snip_layers(model) if tp > 1 else {}
     if tp > 1:
         tpar.check_deepspeed_version(deepspeed.__version__)
-        tpar.check_model(infos, settings, getattr(model, "config", None), tp)
+        tpar.check_model(infos, settings, getattr(model, "config", None), tp, model)
     if plan is None:
         plan = initial_plan(list(infos), {f: info.flops(tokens_per_step) for f, info in infos.items()}, settings)
     params = [p for p in model.parameters() if p.requires_grad]

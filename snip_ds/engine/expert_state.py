@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Optional, Tuple
 import torch
 
 from snip_ds.engine.adam_state import _hyper, _inner, zero_state
-from snip_ds.experts import ExpertPoint
+from snip_ds.experts.points import ExpertPoint
 
 PrecondFn = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -22,7 +22,7 @@ PrecondFn = Callable[[str, torch.Tensor], torch.Tensor]
 def expert_preconditioner(ds_optimizer, points: Mapping[str, ExpertPoint], step: int,
                           dense: Optional[PrecondFn] = None) -> Tuple[Optional[PrecondFn], str]:
     """The ``Σ_owned (t ⊙ P)²`` callable of the pairs in ``points`` (``{layer name: ExpertPoint}``, e.g.
-    :func:`snip_ds.experts.expert_points`), as :func:`snip_ds.engine.adam_state.layer_preconditioner` gives it
+    :func:`snip_ds.experts.model.expert_points`), as :func:`snip_ds.engine.adam_state.layer_preconditioner` gives it
     for linear layers; names not in ``points`` go to ``dense`` (that function's callable).
 
     Args:

@@ -174,14 +174,15 @@ def quantize_tp_layers(module: torch.nn.Module, originals: Mapping[str, SnipLine
     return kinds
 
 
-def check_model(infos: Mapping[str, object], settings, model_config=None, tp: int = 1) -> None:
+def check_model(infos: Mapping[str, object], settings, model_config=None, tp: int = 1, model=None) -> None:
     """Raises ConfigError for what tensor parallelism does not run with (before ``deepspeed.initialize``): a degree
     ``tp`` that does not divide the model's attention heads, key-value heads or intermediate size (read from
     ``model_config``, a Hugging Face config, where it has them: AutoTP would split them unevenly), a
-    Mixture-of-Experts model, and the research variants of the statistics whose sums are not the shards' sums
+    Mixture-of-Experts model, a layer whose weight is stored transposed (GPT-2's ``Conv1D``, which AutoTP's
+    layers do not shard as snip_ds runs them; ``model`` is where they are looked for), and the research variants of the statistics whose sums are not the shards' sums
     (``estimator`` other than ``mc_fisher``, ``fld_form: channel``, ``dgrad_cost: upstream``, study fields, or a
     ``method`` solved from them)."""
-    from snip_ds.experts import ExpertLayerInfo
+    from snip_ds.experts.points import ExpertLayerInfo
 
     text = getattr(model_config, "text_config", None) or model_config
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -190,6 +191,11 @@ def check_model(infos: Mapping[str, object], settings, model_config=None, tp: in
             raise ConfigError(f"tensor_parallel.autotp_size: {tp} does not divide the model's {field} ({value}); "
                               f"choose a degree that divides the heads, key-value heads and intermediate size")
 
+    stored = next((name for name, m in (model.named_modules() if model is not None else ())
+                   if name in infos and getattr(m, "transposed", False)), None)
+    if stored is not None:
+        raise ConfigError(f"tensor_parallel.autotp_size: layer {stored} stores its weight [in, out] (a Conv1D), which "
+                          f"snip_ds does not run tensor-parallel; remove 'tensor_parallel'")
     moe = next((name for name, info in infos.items() if isinstance(info, ExpertLayerInfo)), None)
     if moe is not None:
         raise ConfigError(f"tensor_parallel.autotp_size: layer {moe.rsplit('.', 2)[0]} is a Mixture-of-Experts "

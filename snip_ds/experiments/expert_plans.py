@@ -306,7 +306,8 @@ def run_comparison(args) -> Dict[str, Any]:
     from snip_ds.experiments.plans import collect_phase_stats
     from snip_ds.experiments.results import write_json
     from snip_ds.experiments.runs import checkpoint_fld, prepare_run, run_cell, warm_up
-    from snip_ds.experts import expert_layers, routed_flops
+    from snip_ds.experts.model import expert_layers
+    from snip_ds.experts.points import routed_flops
     from snip_ds.swap import block_index
 
     t0 = time.perf_counter()

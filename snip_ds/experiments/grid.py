@@ -48,7 +48,7 @@ def _model_config(name: str, block_size: int):
 
 def build(args):
     """The grid's model (every decoder linear a BF16 SnipLinear, every MoE experts module a BF16
-    :class:`~snip_ds.experts.SnipExperts`), training blocks and fixed validation batches."""
+    :class:`~snip_ds.experts.module.SnipExperts`), training blocks and fixed validation batches."""
     caps = dict(max_bytes=2 ** 18, max_validation_bytes=2 ** 15) if args.quick and args.dataset is None else {}
     train_ds, val_ds, vocab, _ = load_dataset_blocks(args.dataset, args.block_size, **caps)
     config = args.model_config or _model_config(args.model, args.block_size)

@@ -101,7 +101,7 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
 # --------------------------------------------------------------------------------------------------------
 def apply_plan(model: nn.Module, plan: Plan) -> None:
     """Sets every planned layer's precision from ``plan`` (per-layer or per-GEMM): each SnipLinear, and each MoE
-    (expert, projection) pair of a :class:`~snip_ds.experts.SnipExperts`.
+    (expert, projection) pair of a :class:`~snip_ds.experts.module.SnipExperts`.
 
     Raises:
         ValueError: The plan and the model's planned layers are not the same set of names.

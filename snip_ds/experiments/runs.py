@@ -20,7 +20,7 @@ import torch
 
 from snip_ds.quant_config import QuantConfig
 from snip_ds.data import DataStream
-from snip_ds.experts import take_routed_tokens
+from snip_ds.experts.model import take_routed_tokens
 from snip_ds.experiments.grid import build
 from snip_ds.experiments.plans import apply_plan, bf16_forward, collect_phase_stats, solve_plans
 from snip_ds.experiments.report import write_report

@@ -150,7 +150,7 @@ class BwdEstimator:
         FP32; returns its weight-shaped preconditioner (None for a partitioned state's callable)."""
         st, cfg, be = self.shared.stats, rne_config(module), self.shared.backend
         precisions = self.shared.precisions
-        w = module.weight.detach().float() if self.propagated else None
+        w = module.matrix.detach().float() if self.propagated else None
         gw = g2.t() @ x2  # [n, k], BF16-pass weight gradient (mean loss)
         pmat, pfn = layer_precond(self.precond, self.fallback, fqn, gw, self.sources)
         sr = {p: self._expects_sr(module, p) for p in precisions}

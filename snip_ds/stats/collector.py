@@ -1,5 +1,5 @@
 """One SNIP statistics collection: hooks on every :class:`~snip_ds.linear.SnipLinear` and every MoE (expert,
-projection) pair's :class:`~snip_ds.experts.ExpertPoint` (docs/method.md; what differs for experts:
+projection) pair's :class:`~snip_ds.experts.points.ExpertPoint` (docs/method.md; what differs for experts:
 :mod:`snip_ds.stats.experts`).
 
 For each batch the model runs one BF16 (unquantized) forward with a graph, one backward of the training loss
@@ -57,7 +57,8 @@ from snip_ds.options import check_fields, reads
 from snip_ds.linear import SnipLinear
 from snip_ds.stats import bwd, fld
 from snip_ds.stats.bwd import BwdEstimator
-from snip_ds.experts import ExpertPoint, routed_tokens_kept
+from snip_ds.experts.points import ExpertPoint
+from snip_ds.experts.model import routed_tokens_kept
 from snip_ds.stats import experts as moe
 from snip_ds.stats.common import (GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, PROBE_SQ, Layer, Phase, Reduce, Rows, Shared,
                                   Sums, device_of, flat, fp32_matmuls, select_layers, targets,
@@ -407,7 +408,7 @@ class _ZeroWeight:
 
     def __init__(self, point, device: torch.device) -> None:
         self._point = point
-        self.weight = torch.zeros(point.out_features, point.in_features, device=device)
+        self.weight = self.matrix = torch.zeros(point.out_features, point.in_features, device=device)
 
     def __getattr__(self, name: str):
         return getattr(self._point, name)
@@ -464,7 +465,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
         world_size: data-parallel ranks ``W`` behind ``reduce``.
         reduce: ``reduce(t) -> t`` summing over data-parallel ranks (called exactly once); None = identity.
         layers: fqns to measure; default every SnipLinear and every (expert, projection) pair of the model's
-            :class:`~snip_ds.experts.SnipExperts` (``<experts path>.<expert>.<projection>``).
+            :class:`~snip_ds.experts.module.SnipExperts` (``<experts path>.<expert>.<projection>``).
 
     Returns:
         The ``snip_ds.stats/1`` artifact (JSON-ready). Per layer: ``flops``; ``fld``, ``bwd`` (loss units,

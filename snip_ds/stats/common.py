@@ -10,7 +10,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, P
 import torch
 from torch import nn
 
-from snip_ds.experts import ExpertPoint, expert_points
+from snip_ds.experts.points import ExpertPoint
+from snip_ds.experts.model import expert_points
 from snip_ds.linear import SnipLinear
 from snip_ds.quant_config import QuantConfig
 from snip_ds.swap import snip_layers
@@ -28,8 +29,8 @@ Layer = Union[SnipLinear, ExpertPoint]
 
 def select_layers(model: nn.Module, layers: Optional[Iterable[str]]) -> Dict[str, Layer]:
     """The layers a collection measures: ``layers`` (names), default every :class:`SnipLinear` and every
-    (expert, projection) pair of the model's :class:`~snip_ds.experts.SnipExperts` (its
-    :class:`~snip_ds.experts.ExpertPoint`)."""
+    (expert, projection) pair of the model's :class:`~snip_ds.experts.module.SnipExperts` (its
+    :class:`~snip_ds.experts.points.ExpertPoint`)."""
     found: Dict[str, Layer] = dict(snip_layers(model))
     found.update(expert_points(model))
     if not found:

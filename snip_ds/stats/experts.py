@@ -1,7 +1,7 @@
 """A statistics collection's MoE experts: each (expert, projection) pair measured as a linear layer on its tokens.
 
-A :class:`~snip_ds.experts.SnipExperts` module's pairs are observed through their
-:class:`~snip_ds.experts.ExpertPoint` (the collector hooks it as it hooks a
+A :class:`~snip_ds.experts.module.SnipExperts` module's pairs are observed through their
+:class:`~snip_ds.experts.points.ExpertPoint` (the collector hooks it as it hooks a
 :class:`~snip_ds.linear.SnipLinear`): its input is the expert's routed tokens ``X_e`` ``[t_e, k]``, its output
 gradient ``∂ℒ/∂y_e``, the routing weight that scales the expert's output included (chain rule). The estimators
 then run unchanged, with three differences, all kept here:
@@ -20,7 +20,7 @@ then run unchanged, with three differences, all kept here:
   precision is chosen for the harm it did when it last saw tokens, so it stays out of FP4 for nothing.
 
 ``routed_tokens`` (each pair's routed tokens per step, summed over ranks, averaged over the collection's batches)
-gives the pair's ``flops = 6·routed_tokens·k·n``, as :meth:`~snip_ds.experts.ExpertLayerInfo.flops` does.
+gives the pair's ``flops = 6·routed_tokens·k·n``, as :meth:`~snip_ds.experts.points.ExpertLayerInfo.flops` does.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Tuple
 
 import torch
 
-from snip_ds.experts import ExpertPoint
+from snip_ds.experts.points import ExpertPoint
 from snip_ds.stats.common import Layer, Sums, SumField
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 from snip_ds.linear import SnipLinear
-from snip_ds.experts import ExpertPoint
+from snip_ds.experts.points import ExpertPoint
 from snip_ds.stats import bwd, experts, fld, fwd, isotropic
 from snip_ds.stats.artifact import STUDY_FIELDS, clean_layer, stats_header
 from snip_ds.stats.common import GLOBAL, LOSS_SUM, N_TOKENS, Pricing, Sums, SumField

@@ -68,7 +68,7 @@ class FldEstimator:
         """Per precision ``(p, E, Q_p(X), Q_p(W))`` with ``E = Q_p(X)Q_p(W)ᵀ - XWᵀ`` (RNE), one at a time;
         ``x2`` is the layer's input as ``[T, k]`` FP32."""
         be, cfg = self.shared.backend, rne_config(module)
-        w = module.weight.detach().float()  # [n, k]
+        w = module.matrix.detach().float()  # [n, k]
         y_ref = x2 @ w.t()  # [T, n]
         for p in self.shared.precisions:
             x_lp = be.quantize(x2, p, "x", -1, cfg)
@@ -83,7 +83,7 @@ class FldEstimator:
         (``quant_err``), and the first-order term ``⟨G_Y, E⟩`` from the same E (and, for the empirical
         estimator, its per-sequence square: the sequence form with ``G_Y`` as the probe)."""
         st, n_local = self.shared.stats, self.shared.n_local
-        w = module.weight.detach().float()  # [n, k]
+        w = module.matrix.detach().float()  # [n, k]
         if self.train_errors:  # else nothing below needs E (only the study fields and the empirical FLD do)
             for p, e, x_lp, w_lp in self.errors(module, x2):
                 if self.channel:
@@ -126,7 +126,7 @@ class FldEstimator:
                 del e
             return
         be, cfg = self.shared.backend, rne_config(module)
-        w = module.weight.detach().float()  # [n, k]
+        w = module.matrix.detach().float()  # [n, k]
         for p in self.shared.precisions:
             terms = (g2 @ be.quantize(w, p, "w", -1, cfg)).mul_(be.quantize(x2, p, "x", -1, cfg))
             terms.addcmul_(dx, x2, value=-1.0)

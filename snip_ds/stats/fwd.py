@@ -50,7 +50,7 @@ class ForwardDrift:
 
     def on_weights(self, fqn: str, module: SnipLinear, pmat: Optional[torch.Tensor]) -> None:
         """The layer's ``‖W‖²`` and (once its training gradient has given it) its preconditioner."""
-        w = module.weight.detach().float()
+        w = module.matrix.detach().float()
         self.w_sq[fqn] = float((w * w).sum())
         if pmat is not None:
             self.p[fqn] = pmat

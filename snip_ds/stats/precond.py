@@ -16,13 +16,14 @@ independent, so the error of the averaged gradient has ``1/W`` of a rank's squar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from snip_ds import divergence as dv
-from snip_ds.experts import ExpertPoint, full_shape
+from snip_ds.experts.points import ExpertPoint
+from snip_ds.types import full_shape
 from snip_ds.linear import SnipLinear
 from snip_ds.stats.common import select_layers
 
@@ -80,7 +81,7 @@ def adam_precond(model: nn.Module, optimizer: torch.optim.Optimizer,
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     entries, steps, lrs, beta1 = {}, set(), set(), None
     for fqn, mod in mods.items():
-        param = mod.parameter if isinstance(mod, ExpertPoint) else mod.weight  # an expert: its 3-D Parameter
+        param = mod.parameter  # a linear's weight; an expert's 3-D Parameter
         group = group_of.get(id(param))
         if group is None:
             raise ValueError(f"optimizer: layer {fqn!r}'s weight is in no param group")
@@ -93,7 +94,7 @@ def adam_precond(model: nn.Module, optimizer: torch.optim.Optimizer,
             continue
         step = int(state["step"])
         steps.add(step)
-        v = mod.slice(state["exp_avg_sq"]) if isinstance(mod, ExpertPoint) else state["exp_avg_sq"]
+        v = mod.slice(state["exp_avg_sq"])  # its [out, in] part, as the GEMM's matrix
         entries[fqn] = (v, step, beta2, group["eps"])
     step = max(steps) if steps else 0
     if entries and len(entries) != len(mods):
@@ -114,9 +115,9 @@ def check_precond(precond: Precond, mods: Dict[str, SnipLinear], forward_drift: 
         lazy = isinstance(precond, AdamPreconditioners)  # its shapes are known without computing P
         for fqn in mods:
             shape = precond.shape(fqn) if lazy else getattr(precond[fqn], "shape", None)  # None: a callable
-            if shape is not None and tuple(shape) != tuple(mods[fqn].weight.shape):
-                raise ValueError(f"precond[{fqn!r}] has shape {tuple(shape)}, the weight "
-                                 f"{tuple(mods[fqn].weight.shape)}")
+            if shape is not None and tuple(shape) != tuple(mods[fqn].matrix.shape):
+                raise ValueError(f"precond[{fqn!r}] has shape {tuple(shape)}, the layer's [out, in] matrix "
+                                 f"{tuple(mods[fqn].matrix.shape)}")
     elif precond is not None and not callable(precond):
         raise ValueError(f"precond must be None, a mapping fqn -> tensor/callable, or a callable; "
                          f"got {type(precond).__name__}")
@@ -149,12 +150,27 @@ def layer_precond(precond: Precond, fallback: str, fqn: str, gw: torch.Tensor,
     return None, entry
 
 
+def in_storage_order(precond: PrecondFn, layers: Mapping[str, Any]) -> PrecondFn:
+    """A partitioned state's callable for layers whose weight is stored ``[in, out]`` (GPT-2's ``Conv1D``):
+    ``precond(fqn, t)`` reads the Parameter's state element by element in its storage order, and the statistics
+    hand it ``[out, in]`` tensors, so those are put in the Parameter's order first (``layer.to_storage``); every
+    other layer's tensor goes through unchanged."""
+    stored = {f: m for f, m in layers.items() if getattr(m, "transposed", False)}
+    if not stored:
+        return precond
+
+    def fn(fqn: str, t: torch.Tensor) -> torch.Tensor:
+        layer = stored.get(fqn)
+        return precond(fqn, t if layer is None else layer.to_storage(t).contiguous())
+    return fn
+
+
 def with_experts(precond: PrecondFn, points: Mapping[str, ExpertPoint]) -> PrecondFn:
     """A partitioned state's callable for the MoE experts' pairs too.
 
     ``precond(name, t)`` is the callable of :func:`snip_ds.engine.adam_state.layer_preconditioner` built with
     the experts' 3-D Parameters among its weights, under their parameter names
-    (:func:`snip_ds.experts.expert_parameters`). The returned callable answers a pair's name (in ``points``)
+    (:func:`snip_ds.experts.model.expert_parameters`). The returned callable answers a pair's name (in ``points``)
     by placing its ``[out, in]`` tensor at the expert's flat range ``[e·out·in, (e+1)·out·in)`` of an otherwise
     zero tensor shaped like the Parameter, in the Parameter's storage order, and asking ``precond`` about that
     Parameter: the zeros add nothing, so this rank's sum covers exactly the elements of the expert's slice

@@ -21,7 +21,8 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from snip_ds.experts import SnipExperts, swap_experts  # noqa: E402
+from snip_ds.experts.module import SnipExperts  # noqa: E402
+from snip_ds.experts.model import swap_experts  # noqa: E402
 
 CONFIG = MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
