@@ -77,6 +77,16 @@ def row_sums(v: torch.Tensor, rows: Union[int, torch.Tensor]) -> torch.Tensor:
     return v.reshape(rows, -1).sum(1)
 
 
+def sequence_index(rows: Union[int, torch.Tensor], tokens: int, device=None) -> torch.Tensor:
+    """Each token's sequence as an int64 ``[T]`` tensor, for ``rows`` as :func:`row_sums` takes it (an int: that
+    many equal, contiguous sequences of the ``tokens`` tokens; a tensor: itself)."""
+    if isinstance(rows, torch.Tensor):
+        return rows
+    if rows < 1 or tokens % rows:
+        raise ValueError(f"rows={rows} does not divide the {tokens} tokens")
+    return torch.arange(rows, device=device).repeat_interleave(tokens // rows)
+
+
 def sequence_sq_sum(g: torch.Tensor, e: torch.Tensor, rows: Union[int, torch.Tensor]) -> torch.Tensor:
     """``Σ_r (Σ_{t in row r} g_t·e_t)²``: ``[T, n], [T, n] -> []`` with the T tokens split into ``rows`` equal,
     contiguous sequences, or assigned to sequences by an int64 tensor ``rows`` ``[T]`` (:func:`row_sums`) (FP32).

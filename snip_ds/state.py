@@ -25,7 +25,7 @@ from torch import nn
 from snip_ds import distributed as sdist
 from snip_ds.artifacts import STATE_FORMAT, TRAINER_STATE_FORMAT
 from snip_ds.console import say
-from snip_ds.experts.points import ExpertPoint
+from snip_ds.experts.points import ExpertPoint, recomputing
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.schedule import measure_due, replan_due
 from snip_ds.settings import SnipSettings
@@ -203,8 +203,10 @@ class SnipState:
         infos: ``{fqn: LayerInfo}`` of the planned layers (MoE pairs' ``ExpertLayerInfo`` included), in model
             order.
         layers: ``{fqn: SnipLinear or ExpertPoint}`` (:func:`snip_ds.swap.model_layers`).
-        flops: ``{fqn: FLOPs per optimizer step}`` (the shares depend only on their ratios; MoE pairs' follow
-            the routed tokens once statistics are in, :meth:`flops_from`).
+        flops: ``{fqn: FLOPs per optimizer step}`` (the shares depend only on their ratios): from the calls each
+            layer really receives once they are counted (a statistics collection's, :meth:`flops_from`; in a
+            fixed-plan run the first step's, :meth:`before_step`), MoE pairs' from their routed tokens; a
+            layer no call reaches has none, and is named once.
         settings: the validated ``"snip"`` section.
         plan: the plan in force.
         planner: the :class:`~snip_ds.engine.adaptive.AdaptivePlanner` of an adaptive run, else None.
@@ -227,6 +229,9 @@ class SnipState:
         self.layers = model_layers(loop.module)
         self.flops = {fqn: info.flops(tokens_per_step) for fqn, info in self.infos.items()}
         self.has_experts = any(isinstance(m, ExpertPoint) for m in self.layers.values())
+        self.unrun: List[str] = []  # planned layers no call reached (named once, no FLOPs)
+        self._calls: Optional[CallCounter] = None  # a fixed-plan run's first step: each layer's rows
+        self._calls_settled = False
         self.plan: Optional[Plan] = None
         self.planner = None
         self.measure_stream = None
@@ -283,15 +288,49 @@ class SnipState:
                 self.logger.text("plan/changes", f"step {self.step}: {reason}", self.step)
 
     def flops_from(self, stats: Optional[Mapping[str, Any]]) -> None:
-        """In a model with MoE experts, takes every layer's FLOPs from a statistics collection's (an expert pair's
-        follow the tokens routed to it, :mod:`snip_ds.stats.experts`), so that the FP4 shares logged are the
-        planner's. Before the first collection an expert pair counts the even share of the tokens (its
-        ``LayerInfo.flops``). Dense models keep ``6·T·k·n``: the same ratios."""
-        if not self.has_experts or not stats:
+        """Takes every layer's FLOPs from a statistics collection's (a linear's follow the rows of all its calls,
+        an expert pair's the tokens routed to it, :mod:`snip_ds.stats.experts`), so that the FP4 shares logged
+        are the planner's; names, once, the planned layers that no call reached (``no_calls``: the plan keeps
+        them at bf16, out of its share). Before the first collection a linear counts ``6·T·k·n`` and an expert
+        pair the even share of the tokens (its ``LayerInfo.flops``)."""
+        if not stats:
             return
         layers = stats.get("layers", {})
         if set(self.flops) <= set(layers):
             self.flops = {fqn: float(layers[fqn]["flops"]) for fqn in self.flops}
+            self._name_unrun([f for f in self.flops if layers[f].get("no_calls") is True], "the statistics pass")
+
+    def _name_unrun(self, names: Sequence[str], where: str) -> None:
+        """Says once (rank 0) which planned layers received no call: they run nowhere, so their FLOPs are 0."""
+        new = [n for n in names if n not in self.unrun]
+        if not new:
+            return
+        self.unrun.extend(new)
+        shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
+        msg = (f"{len(new)} planned layer(s) received no call in {where} (the model never runs them: {shown}); "
+               f"they are left out of the plan's FP4 share")
+        self.logger.text("plan/unrun_layers", msg, self.step)
+        if sdist.rank() == 0:
+            say(f"snip_ds: note: {msg}")
+
+    def _settle_calls(self) -> None:
+        """A fixed-plan run after its first step: each linear's FLOPs follow the rows its calls saw (summed over
+        ranks), relative to the most common count (a layer run twice per forward costs twice); layers no call
+        reached get none and are named."""
+        counter, self._calls = self._calls, None
+        rows = counter.finish()
+        totals = sdist.dist_sum(torch.tensor([float(rows[f]) for f in rows], dtype=torch.float64)).tolist()
+        counted = dict(zip(rows, totals))
+        nonzero = [t for t in counted.values() if t > 0]
+        if not nonzero:
+            return
+        usual = max(set(nonzero), key=nonzero.count)
+        for fqn, t in counted.items():
+            if t != usual:
+                self.flops[fqn] = self.flops[fqn] * (t / usual)
+        self._name_unrun([f for f, t in counted.items() if t == 0], f"step {self.step}")
+        if self.plan is not None:
+            self.logger.scalar("plan/fp4_share", self.plan_fp4_share(), self.step)
 
     def plan_fp4_share(self) -> float:
         """FP4 share of the linear-GEMM FLOPs under the current plan."""
@@ -313,7 +352,12 @@ class SnipState:
         and measurements without a private stream use them). Also resets the non-finite guard for the step."""
         self.guard.begin_step()
         planner = self.planner
-        if planner is None:
+        if planner is None:  # a fixed plan: the first step's calls tell each layer's FLOPs (and who never runs)
+            if self._calls is not None:
+                self._settle_calls()
+            elif not self._calls_settled:
+                self._calls = CallCounter({f: m for f, m in self.layers.items() if not isinstance(m, ExpertPoint)})
+                self._calls_settled = True
             return
         step = self.step
         if planner.due(step) and planner.planned_at != step:
@@ -392,6 +436,28 @@ class SnipState:
                 layer.generator.set_state(value)
         if torch_rng and "torch_rng" in tensors:
             torch.set_rng_state(tensors["torch_rng"])
+
+
+class CallCounter:
+    """Forward hooks that count the rows (tokens) each layer's calls receive until :meth:`finish` (activation
+    checkpointing's recomputation not counted again)."""
+
+    def __init__(self, layers: Mapping[str, nn.Module]) -> None:
+        self.rows = {fqn: 0 for fqn in layers}
+        self._handles = [m.register_forward_hook(self._hook(fqn)) for fqn, m in layers.items()]
+
+    def _hook(self, fqn: str):
+        def count(module, inputs, output):
+            x = inputs[0] if inputs else None
+            if isinstance(x, torch.Tensor) and x.dim() and not recomputing():
+                self.rows[fqn] += x.numel() // max(x.shape[-1], 1)
+        return count
+
+    def finish(self) -> Dict[str, int]:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return self.rows
 
 
 def located_forward_hooks(module: nn.Module, found: List[str]) -> list:

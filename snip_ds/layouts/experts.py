@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -287,6 +288,22 @@ def _compare(names: List[str], ref: List, got: List, dtype: torch.dtype, reducti
     return None
 
 
+@contextmanager
+def _ieee_fp32(device: torch.device) -> Iterator[None]:
+    """FP32 products in IEEE FP32 on a CUDA device (not TF32) while the probe runs; the setting restored after."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    attr, value = ("fp32_precision", "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
+    saved = getattr(matmul, attr)
+    setattr(matmul, attr, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, attr, saved)
+
+
 def prove(module: nn.Module, fqn: str, layout: ExpertsLayout, wrap: Wrap) -> None:
     """Raises :class:`ExpertsLayoutError` unless ``wrap(module, fqn, layout)`` (snip_ds's replacement, every pair
     unquantized) computes what ``module`` does (module docstring)."""
@@ -310,12 +327,10 @@ def prove(module: nn.Module, fqn: str, layout: ExpertsLayout, wrap: Wrap) -> Non
         w = (0.1 + torch.rand(PROBE_TOKENS, top_k, generator=gen, dtype=torch.float64)).to(device, dtype)
         g = torch.randn(PROBE_TOKENS, hidden, generator=gen, dtype=torch.float64).to(device, dtype)
         saved = [(m, m.num_experts) for m in (module, replacement) if hasattr(m, "num_experts")]
-        tf32 = torch.backends.cuda.matmul.allow_tf32
         try:
-            torch.backends.cuda.matmul.allow_tf32 = False
             for m, _ in saved:
                 m.num_experts = experts
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _ieee_fp32(device):
                 try:
                     ref = _run(module, params, (x, idx, w), g)
                 except ExpertsLayoutError:
@@ -329,7 +344,6 @@ def prove(module: nn.Module, fqn: str, layout: ExpertsLayout, wrap: Wrap) -> Non
                     raise ExpertsLayoutError(f"snip_ds's replacement failed on the probe: {type(err).__name__}: "
                                              f"{err}") from None
         finally:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
             for m, n in saved:
                 m.num_experts = n
         names = ["output", "input gradient", "routing weights' gradient"] + [f"{n}'s gradient" for n in params]

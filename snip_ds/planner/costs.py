@@ -233,21 +233,26 @@ def method_costs(method: str, stats: Mapping, cost: CostSettings | None = None, 
     * ``quant_err``, ``rel_quant_err``: the artifact's quantization errors (:func:`quant_err_costs`);
     * ``random``: uniform random costs drawn from ``seed`` (:func:`random_costs`).
 
-    ``flops`` and ``pinned`` (layers with non-finite statistics, pinned to fp8) come from the artifact for
-    every method. The uniform methods have no costs (a fixed plan): asking for theirs is a ValueError.
+    ``flops`` and ``pinned`` (layers with non-finite statistics, pinned to fp8; layers that no call reached,
+    ``no_calls``, pinned to bf16: they run nowhere, and an FP4 label would claim a saving the run does not make)
+    come from the artifact for every method. The uniform methods have no costs (a fixed plan): asking for theirs
+    is a ValueError.
     """
     c = CostSettings() if cost is None else cost
     if method in ("best", "first_last_fp8"):
-        return costs_from_stats(stats, c.lam, per_gemm=c.per_gemm, dgrad=c.dgrad, dgrad_calibration=c.dgrad_calibration,
-                                bwd_key=c.bwd_key, forward_drift=c.forward_drift, fwd_lambda=c.fwd_lambda)
-    if method in ("quant_err", "rel_quant_err"):
-        return quant_err_costs(stats, method, per_gemm=c.per_gemm)
-    if method == "random":
+        sc = costs_from_stats(stats, c.lam, per_gemm=c.per_gemm, dgrad=c.dgrad, dgrad_calibration=c.dgrad_calibration,
+                              bwd_key=c.bwd_key, forward_drift=c.forward_drift, fwd_lambda=c.fwd_lambda)
+    elif method in ("quant_err", "rel_quant_err"):
+        sc = quant_err_costs(stats, method, per_gemm=c.per_gemm)
+    elif method == "random":
         sc = metric_costs(stats, {"fld": 0.0}, c.per_gemm)  # only for the flops and non-finite pins
-        return sc._replace(costs=random_costs(sorted(stats["layers"]), seed, c.per_gemm))
-    if method in METHODS:
+        sc = sc._replace(costs=random_costs(sorted(stats["layers"]), seed, c.per_gemm))
+    elif method in METHODS:
         raise ValueError(f"method {method!r} is a fixed plan: it has no costs")
-    raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
+    else:
+        raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
+    unrun = {fqn: "bf16" for fqn, rec in stats["layers"].items() if rec.get("no_calls") is True}
+    return sc._replace(pinned={**sc.pinned, **unrun}) if unrun else sc
 
 
 def plan_study_fields(method: str, bwd_key: str = "bwd") -> tuple:

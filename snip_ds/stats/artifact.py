@@ -12,8 +12,11 @@ A statistics artifact is one JSON object::
 
 An MoE expert's (expert, projection) pair also has ``routed_tokens`` (a number) and ``no_tokens`` (a flag); in a
 training run's statistics a pair without tokens keeps its last collection's fields, with ``carried_from_step``
-(:func:`carry_unrouted`).
-Every per-layer field but ``flops``, ``nonfinite``, ``routed_tokens`` and ``no_tokens`` maps a quantized precision
+(:func:`carry_unrouted`). A layer that no call of the collection's forwards reached (a linear a block holds but
+never calls) has ``no_calls: true`` and ``flops`` 0; a linear's ``flops`` otherwise follow the rows of all its
+calls (a layer run twice per forward counts twice).
+Every per-layer field but ``flops``, ``nonfinite``, ``routed_tokens``, ``no_tokens`` and ``no_calls`` maps a quantized
+precision
 to a number, or to null
 where the collection gave a non-finite value (the layer is then flagged ``nonfinite`` and the planner pins
 it to fp8). :data:`PRECISION_FIELDS` lists the fields the reader checks; ``fld`` and ``bwd`` are required.
@@ -152,9 +155,11 @@ def validate_stats(stats: Any, source: str = "<stats>") -> dict:
             if field not in rec:
                 raise ValueError(f"{where} lacks field '{field}'")
         f = rec["flops"]
-        idle = rec.get("no_tokens") is True  # an MoE expert no token reached: no FLOPs in this collection
+        # an MoE expert no token reached, a layer the forward never called: no FLOPs in this collection
+        idle = rec.get("no_tokens") is True or rec.get("no_calls") is True
         if not _is_number(f) or not math.isfinite(f) or f < 0 or (f == 0 and not idle):
-            raise ValueError(f"{where}.flops must be a positive finite number (0 only with no_tokens), got {f!r}")
+            raise ValueError(f"{where}.flops must be a positive finite number (0 only with no_tokens or no_calls), "
+                             f"got {f!r}")
         for field in PRECISION_FIELDS:
             if field not in rec:
                 continue

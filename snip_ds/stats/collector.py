@@ -34,6 +34,17 @@ into one flat tensor and summed across data-parallel ranks with a single call of
 :func:`snip_ds.stats.artifact.load_stats` reads. Preconditioners (Adam state, the partitioned states of ZeRO,
 the fallback) and how they combine across data-parallel ranks: :mod:`snip_ds.stats.precond`.
 
+A layer may run more than once per forward (a block applied twice, a layer shared by several blocks): every call
+is observed, and a layer's statistics are those of all its calls, as its weight gradient is the sum of theirs.
+The training gradient's terms are formed once all its calls' output gradients have arrived, from their inputs and
+gradients stacked along the tokens (one GEMM over all of them: its quantization scales are taken over all the
+calls' rows, where training scales each call on its own); the sequence-form FLD sums each sequence's
+``g_t·E_t`` over all calls before squaring (the calls' errors meet in the same loss). Each layer's calls and rows
+per batch are counted (``rows``, all-reduced): its FLOPs follow them (``6·rows·k·n`` per step), and a layer that
+no call reached in the whole collection is flagged ``no_calls`` (FLOPs 0; its estimators ran on one all-zero token
+per batch, so every rank all-reduces the same sums). ``forward_drift`` and ``bwd_propagated`` measure layers that
+run once per forward only (a ValueError names the first that does not).
+
 Limits: gradient checkpointing must be off during a collection (recomputation would re-run the forward hooks).
 Under ZeRO-3 no gathering is needed: the layer hooks run before ZeRO-3 releases a weight after forward and
 after it re-gathers it for backward.
@@ -60,8 +71,8 @@ from snip_ds.stats.bwd import BwdEstimator
 from snip_ds.experts.points import ExpertPoint
 from snip_ds.experts.model import routed_tokens_kept
 from snip_ds.stats import experts as moe
-from snip_ds.stats.common import (GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, PROBE_SQ, Layer, Phase, Reduce, Rows, Shared,
-                                  Sums, device_of, flat, fp32_matmuls, select_layers, targets,
+from snip_ds.stats.common import (CALL_ROWS, GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, PROBE_SQ, Layer, Phase, Reduce,
+                                  Rows, Shared, Sums, device_of, flat, fp32_matmuls, select_layers, targets,
                                   unpack)
 from snip_ds.stats.fields import finalize
 from snip_ds.stats.fld import FldEstimator
@@ -175,8 +186,14 @@ class Collector:
         self.fwd = ForwardDrift(self.shared, self.fld) if self.forward_drift else None
         self.iso = IsotropicProbe(self.shared, self.gen) if self.estimator == "isotropic" else None
         self.phase = Phase.OFF
-        self.x: Dict[str, torch.Tensor] = {}  # layer inputs ([T, k] FP32) until their training gradient
-        self.xp: Dict[str, torch.Tensor] = {}  # layer inputs as autograd saved them, for the probe hooks
+        # per layer and call of the running forward (call c: the layer's c-th run in it)
+        self.calls: Dict[str, int] = {}  # calls so far
+        self.x: Dict[str, Dict[int, torch.Tensor]] = {}  # inputs ([T, k] FP32) until their training gradient
+        self.g: Dict[str, Dict[int, torch.Tensor]] = {}  # training gradients until every call's has arrived
+        self.xp: Dict[str, Dict[int, torch.Tensor]] = {}  # inputs as autograd saved them, for the probe hooks
+        self.rows: Dict[str, Dict[int, Rows]] = {}  # each call's sequences (Collector._rows_of)
+        self.current: Dict[str, int] = {}  # the call whose backward runs (set by its output-gradient hook)
+        self.seen: Dict[str, int] = {}  # rows the layer saw in the batch's forward, over all its calls
         self.emb: Optional[torch.Tensor] = None
         self._lg: Optional[torch.Tensor] = None
 
@@ -202,36 +219,58 @@ class Collector:
         self.emb = output.detach().requires_grad_(True)  # our own leaf: no gradient reaches parameters
         return self.emb
 
+    def new_forward(self) -> None:
+        """A forward of the model starts: its layers' calls are counted from 0."""
+        self.calls.clear()
+        self.xp.clear()
+        self.rows.clear()
+        self.current.clear()
+
     def _forward_hook(self, fqn: str):
         def hook(module: SnipLinear, inputs: Any, output: torch.Tensor) -> Optional[torch.Tensor]:
             if self.phase is Phase.FWD_PASS:
                 return self.fwd.shifted_output(fqn, module, inputs[0], output)
-            if self.phase is Phase.PROBE_FORWARD:  # a fresh forward for a probe: only its output gradient counts
-                self.xp[fqn] = inputs[0].detach()
-                self.points.on_forward(fqn, module, inputs[0], counted=False)
+            if self.phase not in (Phase.FORWARD, Phase.PROBE_FORWARD):
+                return
+            x = inputs[0]
+            call = self.calls.get(fqn, 0)
+            self.calls[fqn] = call + 1
+            counted = self.phase is Phase.FORWARD
+            self.points.on_forward(fqn, module, x, counted=counted)
+            self.rows.setdefault(fqn, {})[call] = self._rows_of(fqn, x)
+            if not counted:  # a fresh forward for a probe: only its output gradient counts
+                self.xp.setdefault(fqn, {})[call] = x.detach()
                 if output.requires_grad:
-                    output.register_hook(lambda g: self._on_output_grad(fqn, module, g))
+                    output.register_hook(lambda g: self._on_output_grad(fqn, module, g, call))
                 return
-            if self.phase is not Phase.FORWARD:
-                return
-            self.points.on_forward(fqn, module, inputs[0], counted=True)
-            self._on_forward(fqn, module, inputs[0], output)
+            if call == 1 and (self.fwd is not None or self.groups is not None):
+                raise ValueError(f"layer {fqn!r} runs more than once per forward: forward_drift and "
+                                 f"bwd_propagated measure layers that run once; collect without them")
+            self.seen[fqn] = self.seen.get(fqn, 0) + x.numel() // x.shape[-1]
+            self._on_forward(fqn, module, x, output, call)
         return hook
 
-    def _on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _rows_of(self, fqn: str, x: torch.Tensor) -> Rows:
+        """The sequences of a layer's input (and so of its output's gradient): ``[B, L, k]``'s B, or an expert's
+        tokens' sequences."""
+        if fqn in self.points:
+            return self.points.rows(fqn)
+        return x.shape[0] if x.dim() >= 3 else 1
+
+    def _on_forward(self, fqn: str, module: SnipLinear, x: torch.Tensor, y: torch.Tensor, call: int) -> None:
         x2 = flat(x)  # [T, k]
-        self.x[fqn] = x2
         gid = self.bwd.on_forward(fqn, module, x)
         if self.fwd is not None:
             self.fwd.on_forward(fqn, x2)
         if self.estimator != "empirical":
-            self.xp[fqn] = x.detach()  # the tensor autograd keeps anyway: no copy
+            self.xp.setdefault(fqn, {})[call] = x.detach()  # the tensor autograd keeps anyway: no copy
         if self.groups is not None and gid is not None and x.requires_grad:
             x.register_hook(lambda g, gid=gid: self._on_input_grad(gid, g))
         if y.requires_grad:
-            y.register_hook(lambda g: self._on_output_grad(fqn, module, g))
+            self.x.setdefault(fqn, {})[call] = x2
+            y.register_hook(lambda g: self._on_output_grad(fqn, module, g, call))
         else:  # no training gradient will arrive: the fprop statistics now (no first-order term)
-            self.fld.on_output(fqn, module, self.x.pop(fqn), None)
+            self.fld.on_output(fqn, module, x2, None)
             if self.fwd is not None:
                 self.fwd.on_weights(fqn, module, None)
 
@@ -239,26 +278,37 @@ class Collector:
         if self.phase is Phase.TRAIN:
             self.bwd.on_input_grad(gid, g)
 
-    def _rows(self, fqn: str, g: torch.Tensor) -> Rows:
-        """The sequences of a layer's output gradient: ``[B, L, n]``'s B, or an expert's tokens' sequences."""
-        if fqn in self.points:
-            return self.points.rows(fqn)
-        return g.shape[0] if g.dim() >= 3 else 1
-
-    def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
+    def _on_output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor, call: int) -> None:
         # a tensor-parallel shard: scales from the whole tensor's amax
         with shared_amax(getattr(module, "amax_reduce", None)):
-            self._output_grad(fqn, module, g)
+            self._output_grad(fqn, module, g, call)
 
-    def _output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor) -> None:
+    def _stacked(self, fqn: str) -> Optional[Tuple[torch.Tensor, torch.Tensor, Rows]]:
+        """The layer's inputs, training gradients and sequences over all its calls once every call's gradient
+        has arrived (one call: as they are; several: stacked along the tokens in call order), else None."""
+        xs, gs = self.x[fqn], self.g[fqn]
+        if len(gs) < len(xs):
+            return None
+        del self.x[fqn], self.g[fqn]
+        calls = sorted(xs)
+        if len(calls) == 1:
+            return xs[calls[0]], gs[calls[0]], self.rows[fqn][calls[0]]
+        seqs = [dv.sequence_index(self.rows[fqn][c], xs[c].shape[0], xs[c].device) for c in calls]
+        return torch.cat([xs[c] for c in calls]), torch.cat([gs[c] for c in calls]), torch.cat(seqs)
+
+    def _output_grad(self, fqn: str, module: SnipLinear, g: torch.Tensor, call: int) -> None:
         g2 = flat(g)  # [T, n]
-        rows = self._rows(fqn, g)
         if self.phase in (Phase.PROBE, Phase.ISO):  # the FLD follows in the layer's backward (_on_layer_backward)
+            self.current[fqn] = call
             self.stats.add(fqn, PROBE_SQ.key(), dv.channel_sq_sum(g2))
-            if self.fwd is not None and fqn in self.xp:
-                self.fwd.on_probe(fqn, self.xp[fqn], g2)
+            if self.fwd is not None and call in self.xp.get(fqn, {}):
+                self.fwd.on_probe(fqn, self.xp[fqn][call], g2)
         elif self.phase is Phase.TRAIN:
-            x2 = self.x.pop(fqn)
+            self.g.setdefault(fqn, {})[call] = g2
+            stacked = self._stacked(fqn)
+            if stacked is None:  # more calls' gradients to come
+                return
+            x2, g2, rows = stacked
             self.fld.on_output(fqn, module, x2, g2, rows)
             pmat = self.bwd.on_train_grad(fqn, module, x2, g2)
             if self.fwd is not None:
@@ -268,17 +318,22 @@ class Collector:
 
     def on_layer_backward(self, fqn: str, module: SnipLinear, g: torch.Tensor, gx: Optional[torch.Tensor]) -> None:
         """A probe's backward through layer ``fqn``: its output gradient g and its own input gradient ``gW``
-        (None where the input needs none), for the sequence-form FLD."""
+        (None where the input needs none), for the sequence-form FLD (the call is the one whose output gradient
+        hook ran last: a layer's backward follows its output's gradient at once)."""
         if self.phase in (Phase.PROBE, Phase.ISO):
-            rows = self._rows(fqn, g)
+            call = self.current.get(fqn, 0)
+            rows = self.rows.get(fqn, {}).get(call, 1)
+            several = self.calls.get(fqn, 0) > 1
             with shared_amax(getattr(module, "amax_reduce", None)):
-                self.fld.on_probe(fqn, module, self.xp.get(fqn), flat(g), rows, flat(gx) if gx is not None else None)
+                self.fld.on_probe(fqn, module, self.xp.get(fqn, {}).get(call), flat(g), rows,
+                                  flat(gx) if gx is not None else None, several=several)
 
     def _probe_root(self, ids, mask, labels, retain: bool, last: bool):
         """The logits to back-propagate a probe from: the retained graph's, or a fresh forward's."""
         if retain:
             return self._lg, not last
         self.phase = Phase.PROBE_FORWARD
+        self.new_forward()
         lg = targets(self.model(input_ids=ids, attention_mask=mask).logits, labels)[0]
         return lg, False
 
@@ -302,6 +357,8 @@ class Collector:
         ids = ids.to(device)
         mask = mask.to(device) if mask is not None else None
         self.points.begin_batch(ids.shape[1])
+        self.seen.clear()
+        self.new_forward()
         with torch.enable_grad():
             self.phase = Phase.FORWARD
             self.bwd.begin_forward()
@@ -324,6 +381,7 @@ class Collector:
             self.phase = Phase.TRAIN
             torch.autograd.grad(loss, self.emb, retain_graph=extra and retain_graph)
             self.x.clear()
+            self.g.clear()
             if not retain_graph:
                 self.xp.clear()  # the probes' fresh forwards record their own inputs
             self._lg = lg
@@ -338,6 +396,7 @@ class Collector:
                     self.phase = Phase.PROBE
                     torch.autograd.grad(F.cross_entropy(root, y_hat, reduction="sum"), self.emb,
                                         retain_graph=keep)
+                    self.fld.end_probe()
                     if self.fwd is not None:
                         emb = self.emb
                         self.fwd.passes(lambda: self._drift_pass(ids, mask, labels))
@@ -347,11 +406,12 @@ class Collector:
                     _, keep = self._probe_root(ids, mask, labels, retain_graph, r == num_probes - 1)
                     self.phase = Phase.ISO
                     torch.autograd.grad(self.iso.probe_loss(), self.emb, retain_graph=keep)
+                    self.fld.end_probe()
             self._lg = None
             self.xp.clear()
             if self.fwd is not None:
                 self.fwd.end_batch()
-            self._unrouted(device)
+            self._uncalled(device)
             self._fold(int(ids.numel()), num_probes)
             self.phase = Phase.OFF
         if self.iso is not None:
@@ -360,12 +420,21 @@ class Collector:
         self.emb = None
         return int(ids.numel())
 
-    def _unrouted(self, device: torch.device) -> None:
-        """The experts no token of this batch was routed to: each hook's estimators on one all-zero token, whose
-        fprop error, weight-gradient error and probe are exactly 0, so that they add zeros under the same keys
-        as the experts that saw tokens (every rank then all-reduces the same sums; snip_ds.stats.experts)."""
+    def _uncalled(self, device: torch.device) -> None:
+        """Each layer's rows this batch (``rows``, the tokens of all its calls); and the layers that saw none
+        (an expert no token was routed to, a layer the forward never called): each hook's estimators on one
+        all-zero token, whose fprop error, weight-gradient error and probe are exactly 0, so that they add zeros
+        under the same keys as the layers that ran (every rank then all-reduces the same sums, whichever layers
+        its batch reached; snip_ds.stats.experts)."""
         probe = self.estimator != "empirical"
-        for fqn, point in self.points.unrouted():
+        idle = list(self.points.unrouted())
+        for fqn, module in self.layers.items():
+            if fqn in self.points:
+                continue
+            self.stats.add(fqn, CALL_ROWS.key(), self.shared.once(torch.tensor(float(self.seen.get(fqn, 0)))))
+            if fqn not in self.seen:
+                idle.append((fqn, module))
+        for fqn, point in idle:
             param = point.parameter
             module = point if tuple(param.shape) == tuple(getattr(param, "ds_shape", param.shape)) else \
                 _ZeroWeight(point, device)  # ZeRO-3: partitioned outside its module's forward
@@ -393,7 +462,7 @@ class Collector:
         for fqn in self.layers:
             probe = st.pop(fqn, PROBE_SQ.key())
             # mean_t g_tj² over the tokens the layer saw: the batch's, or an expert's routed tokens
-            seen = self.points.tokens(fqn) if fqn in self.points else rows
+            seen = self.points.tokens(fqn) if fqn in self.points else self.seen.get(fqn, rows)
             m = probe / float(seen * probes) if probe is not None and seen else None
             for vec, suffix in folds:
                 v = st.pop(fqn, vec.key(suffix))
@@ -402,7 +471,7 @@ class Collector:
 
 
 class _ZeroWeight:
-    """An expert pair whose weight ZeRO-3 has partitioned, as :meth:`Collector._unrouted` measures it: its own
+    """A layer whose weight ZeRO-3 has partitioned, as :meth:`Collector._uncalled` measures it: its own
     attributes, but an all-zero weight. With a zero token every training term is 0 whatever the weight; only
     the study field ``quant_err_w`` (the weight's own operand error) reads 0 instead of the weight's."""
 

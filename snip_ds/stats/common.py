@@ -133,6 +133,7 @@ class SumField:
 # The collection's own sums: model-wide (GLOBAL) target tokens, rows and loss; per layer the probes' Σ_t g_tj²,
 # which price the estimators' per-channel vectors at the end of each batch (SumField.folded_into).
 N_TOKENS, N_ROWS, LOSS_SUM = SumField("n_tokens"), SumField("n_rows"), SumField("loss_sum")
+CALL_ROWS = SumField("rows")  # per layer: the rows (tokens) of all its calls in a batch's forward
 PROBE_SQ = SumField("probe_sq")
 
 

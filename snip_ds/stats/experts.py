@@ -74,11 +74,11 @@ class Points:
         if module.token_index is None:
             raise RuntimeError(f"expert layer {fqn!r} ran without its tokens' indices")
         self._rows[fqn] = module.token_index.to(x.device) // self.seq_len
-        if counted:
-            self._tokens[fqn] = x.numel() // x.shape[-1]
+        if counted:  # every call of the batch's forward (a pair inside a block that runs twice counts twice)
+            self._tokens[fqn] = self._tokens.get(fqn, 0) + x.numel() // x.shape[-1]
 
     def rows(self, fqn: str) -> torch.Tensor:
-        """Each of the pair's tokens' sequence index (int64 ``[t_e]``)."""
+        """Each of the pair's tokens' sequence index (int64 ``[t_e]``) in its last call."""
         return self._rows[fqn]
 
     def tokens(self, fqn: str) -> int:

@@ -16,7 +16,7 @@ from snip_ds.linear import SnipLinear
 from snip_ds.experts.points import ExpertPoint
 from snip_ds.stats import bwd, experts, fld, fwd, isotropic
 from snip_ds.stats.artifact import STUDY_FIELDS, clean_layer, stats_header
-from snip_ds.stats.common import GLOBAL, LOSS_SUM, N_TOKENS, Pricing, Sums, SumField
+from snip_ds.stats.common import CALL_ROWS, GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, Pricing, Sums, SumField
 from snip_ds.types import OPERANDS
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ def finalize(sums: Sums, mods: Dict[str, SnipLinear], settings: "CollectSettings
     where the preconditioners came from, ``groups`` which layers share an input (``bwd_propagated``)."""
     W, B = float(world_size), float(n_batches)
     n_tot = float(sums.get(GLOBAL, N_TOKENS.key())[0])
+    n_rows = float(sums.get(GLOBAL, N_ROWS.key())[0])
     callable_mode = "callable" in sources
     isotropic_run = settings.estimator == "isotropic"
     px = Pricing(sums=sums, precisions=tuple(settings.precisions), tokens=n_tot, batches=B, ranks=W,
@@ -55,8 +56,12 @@ def finalize(sums: Sums, mods: Dict[str, SnipLinear], settings: "CollectSettings
     for fqn, mod in mods.items():
         if isinstance(mod, ExpertPoint):  # an MoE expert's pair: its FLOPs follow its routed tokens
             rec: Dict[str, Any] = experts.record_fields(sums, fqn, mod, n_batches)
-        else:
-            rec = {"flops": 6.0 * tokens_per_step * mod.in_features * mod.out_features}
+        else:  # a linear's follow the rows its calls saw: a step's tokens once per call
+            rows = float(sums.get(fqn, CALL_ROWS.key(), default=float("nan"))[0])
+            share = 1.0 if rows != rows or rows == n_rows else rows / n_rows  # nan: no count (1 call per token)
+            rec = {"flops": 6.0 * (tokens_per_step * share) * mod.in_features * mod.out_features}
+            if rows == 0.0:
+                rec["no_calls"] = True
         fld_fields, bwd_fields = fld.price(px, fqn, settings.fld_form), bwd.price(px, fqn)
         ops = {r: _operand_errors(px, fqn, *_OPERAND_SUMS[r]) for r in OPERANDS}
         rec.update(fld=fld_fields["fld"], fld_sequence=fld_fields["fld_sequence"],

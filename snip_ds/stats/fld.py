@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Dict, Iterator, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from snip_ds import divergence as dv
 from snip_ds.linear import SnipLinear
@@ -62,6 +63,7 @@ class FldEstimator:
         # whether the training gradient's hook needs the fprop errors E (else only the probe's hook does)
         self.train_errors = self.channel or self.first_order or self.quant_err or (self.empirical and self.sequence)
         self._pending: list = []  # tensor-parallel shards' per-sequence sums, until flush
+        self._calls: dict = {}  # (layer, precision) -> (module, per-row sums so far) of a layer run several times
 
     def errors(self, module: SnipLinear, x2: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor,
                                                                              torch.Tensor]]:
@@ -102,7 +104,7 @@ class FldEstimator:
             st.add(fqn, QNORM["w"].key(), (w * w).sum())
 
     def on_probe(self, fqn: str, module: SnipLinear, x: Optional[torch.Tensor], g2: torch.Tensor,
-                 rows: Rows, dx: Optional[torch.Tensor] = None) -> None:
+                 rows: Rows, dx: Optional[torch.Tensor] = None, several: bool = False) -> None:
         """Sequence form: ``Σ_rows (Σ_t g_t·E_t)²`` per precision with one probe's output gradient ``g2``
         (``[T, n]`` FP32) and the layer's saved input ``x`` (None: not saved, nothing to add); ``rows``: the
         sequences, as :func:`snip_ds.divergence.row_sums` takes them (an MoE expert's: each token's sequence).
@@ -115,6 +117,9 @@ class FldEstimator:
         With probe labels drawn from the model's softmax, ``E_ŷ[(g·E)²] = Eᵀ(Σ_s J_sᵀF_sJ_s)E``: the exact
         Gauss-Newton quadratic form of the perturbation, cross-token and cross-channel terms included
         (sequences are independent, so their cross terms vanish in expectation and are left out).
+
+        ``several``: the layer runs more than once per forward; each row's sum is added over its calls in this
+        probe's backward and squared by :meth:`end_probe` (the calls' errors meet in one loss).
         """
         if x is None or not self.sequence:
             return
@@ -133,10 +138,28 @@ class FldEstimator:
             # per row Σ_t g_t·E_t (an expert's tokens: by their sequence index)
             s = terms.reshape(rows, -1).sum(1) if isinstance(rows, int) else dv.row_sums(terms.sum(1), rows)
             del terms
-            if getattr(module, "tp_shard", None) is not None:  # a shard's part of each row's sum (see flush)
-                self._pending.append((fqn, p, module, s))
+            if several:  # squared once every call has added its part (end_probe)
+                held = self._calls.get((fqn, p))
+                if held is not None and held[1].shape != s.shape:  # calls over other sequences: pad to the longer
+                    n = max(held[1].numel(), s.numel())
+                    held = (module, F.pad(held[1], (0, n - held[1].numel())))
+                    s = F.pad(s, (0, n - s.numel()))
+                self._calls[(fqn, p)] = (module, s if held is None else held[1] + s)
             else:
-                st.add(fqn, FLD_SEQ.key(p), (s * s).sum())
+                self._square(fqn, p, module, s)
+
+    def _square(self, fqn: str, p: str, module: SnipLinear, s: torch.Tensor) -> None:
+        if getattr(module, "tp_shard", None) is not None:  # a shard's part of each row's sum (see flush)
+            self._pending.append((fqn, p, module, s))
+        else:
+            self.shared.stats.add(fqn, FLD_SEQ.key(p), (s * s).sum())
+
+    def end_probe(self) -> None:
+        """A probe's backward ended: the per-row sums of layers that run more than once, summed over their
+        calls, are squared now."""
+        for (fqn, p), (module, s) in self._calls.items():
+            self._square(fqn, p, module, s)
+        self._calls.clear()
 
     def flush(self) -> None:
         """Tensor-parallel shards: each sequence's ``Σ_t g_t·E_t`` is linear in the shard's outputs (a column
