@@ -3,6 +3,7 @@ transposed; a linear subclass whose forward is something else left alone), exper
 equivalence (a look-alike whose forward differs refused, naming what differs), and the statistics of a layer
 that runs twice per forward or never."""
 import copy
+import json
 
 import pytest
 import torch
@@ -353,3 +354,32 @@ def test_a_planned_layer_that_never_runs_is_flagged_and_left_out_of_the_plan():
     plan = solve_baseline("best", stats, 0.5)[0]
     assert plan.assignment["layers.0.idle"] == "bf16"  # no FP4 label on a layer that runs nowhere
     assert plan.fp4_share >= 0.5
+
+
+def test_a_fixed_plan_run_names_its_never_run_layers_once_and_leaves_them_out_of_the_share(tmp_path, capsys):
+    """Mamba's dt_proj is a linear of every block that transformers never calls (the mixer multiplies its
+    weight itself). Under the Trainer with a fixed plan, the first step's calls show it: named once, no FLOPs,
+    so the FP4 share logged is the share that runs."""
+    from transformers import MambaConfig, MambaForCausalLM, Trainer, TrainingArguments, default_data_collator
+
+    from snip_ds.data import BlockDataset
+    from snip_ds.hf import add_snip
+
+    torch.manual_seed(0)
+    model = MambaForCausalLM(MambaConfig(vocab_size=V, hidden_size=H, state_size=8, num_hidden_layers=2, expand=2,
+                                         conv_kernel=4, time_step_rank=4, use_cache=False))
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({f"backbone.layers.{b}.mixer.{k}": ("fp4" if k == "dt_proj" else "fp8")
+                                     for b in range(2) for k in ("in_proj", "x_proj", "dt_proj", "out_proj")}))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=3,
+                             report_to="none", use_cpu=True, save_strategy="no")
+    data = BlockDataset(torch.randint(0, V, (8, 16), generator=torch.Generator().manual_seed(0)).int())
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
+    callback = add_snip(trainer, {"plan": str(plan_file)})
+    trainer.train()
+    state = callback.state
+    assert state.unrun == ["backbone.layers.0.mixer.dt_proj", "backbone.layers.1.mixer.dt_proj"]
+    assert state.flops["backbone.layers.0.mixer.dt_proj"] == 0.0 and state.flops["backbone.layers.0.mixer.in_proj"] > 0
+    assert state.plan_fp4_share() == 0.0  # the FP4 layers run nowhere
+    out = capsys.readouterr().out
+    assert out.count("planned layer(s) received no call") == 1
