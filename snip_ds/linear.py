@@ -28,7 +28,9 @@ from snip_ds.types import GemmPrecision, LayerPrecision, full_shape
 
 
 class QuantizedLinearFn(torch.autograd.Function):
-    """``Y = X W^T + b`` with fprop, dgrad and wgrad each at its own precision (FP32 accumulation)."""
+    """``Y = X W^T + b`` with fprop, dgrad and wgrad each at its own precision (FP32 accumulation). Returns ``Y``
+    as ``[T, n]`` (``T`` the product of X's leading dims): a tensor of its own, which the model may modify in
+    place once the caller has given it X's leading dims back (``reshape``)."""
 
     @staticmethod
     def forward(ctx, x_hp: torch.Tensor, w_hp: torch.Tensor, bias: Optional[torch.Tensor],
@@ -53,7 +55,7 @@ class QuantizedLinearFn(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x_hp.shape, x_hp.dtype, w_hp.dtype
         ctx.backends = (dgrad_be, wgrad_be)
         ctx.prec, ctx.cfg, ctx.generator = prec, cfg, generator
-        return y_2d.reshape(*x_hp.shape[:-1], w_hp.shape[0])
+        return y_2d  # [T, n]: the caller restores x's leading dims (a view made here would forbid in-place ops)
 
     @staticmethod
     def backward(ctx, g_y: torch.Tensor):
@@ -248,7 +250,8 @@ class SnipLinear(nn.Linear):
             if self.input_grad_only:
                 return InputGradOnlyLinearFn.apply(x, w, bias, self)
             return F.linear(x, w, bias)
-        return QuantizedLinearFn.apply(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce)
+        y = QuantizedLinearFn.apply(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @property
     def amax_reduce(self) -> Optional[AmaxReduce]:

@@ -383,3 +383,32 @@ def test_a_fixed_plan_run_names_its_never_run_layers_once_and_leaves_them_out_of
     assert state.plan_fp4_share() == 0.0  # the FP4 layers run nowhere
     out = capsys.readouterr().out
     assert out.count("planned layer(s) received no call") == 1
+
+
+def test_llama4s_batched_experts_are_proved_and_planned_per_expert_over_every_token():
+    """Llama 4's experts take one input of E equal parts (the MoE block scales every token for every expert):
+    recognised from their shapes with that calling convention, bit for bit at bf16, and each expert's FLOPs are
+    all of the tokens."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    cfg = Llama4TextConfig(vocab_size=V, hidden_size=H, intermediate_size=16, intermediate_size_mlp=H,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           num_local_experts=4, num_experts_per_tok=1, max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    ref = Llama4ForCausalLM(cfg)
+    model = copy.deepcopy(ref)
+    infos = swap_model(model, "bf16")
+    experts = model.model.layers[0].feed_forward.experts
+    assert isinstance(experts, SnipExperts) and experts.layout.convention == "batched"
+    assert sorted(n for n in infos if ".experts." in n) == sorted(
+        f"model.layers.{b}.feed_forward.experts.{e}.{p}" for b in range(2) for e in range(4)
+        for p in ("gate_up_proj", "down_proj"))
+    ids = _ids(length=8)
+    a, b = ref(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    a.loss.backward()
+    b.loss.backward()
+    assert torch.equal(a.logits, b.logits)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    stats = collect_statistics(model, [ids], CollectSettings(lam=1.0), lr=1e-3)["layers"]
+    assert stats["model.layers.0.feed_forward.experts.3.down_proj"]["routed_tokens"] == ids.numel()

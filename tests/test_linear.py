@@ -371,3 +371,22 @@ def test_layer_equals_its_three_separate_gemms(data, chunk_elements, fp8_recipe,
         assert_bitwise_equal(y, be.fprop(x, w, p.fprop, cfg, bias=b))
         assert_bitwise_equal(gx, be.dgrad(g, w, p.dgrad, cfg, gen))
         assert_bitwise_equal(gw, be.wgrad(g, x, p.wgrad, cfg, gen))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp4", {"fprop": "fp4", "dgrad": "fp8", "wgrad": "bf16"}])
+def test_the_output_may_be_modified_in_place_as_nn_linears_can(precision):
+    """Models add into a linear's output in place (Llama 4's MoE block: ``out.add_(...)``); autograd forbids
+    that on a view made inside a custom Function, so the quantized output is a tensor of its own. The gradient
+    is the one the same sum out of place gives."""
+    torch.manual_seed(0)
+    layer = SnipLinear(32, 16, precision=precision)
+    x = torch.randn(2, 8, 32)
+    grads = []
+    for in_place in (True, False):
+        layer.generator = torch.Generator().manual_seed(1)  # the same stochastic rounding both times
+        xx = x.clone().requires_grad_(True)
+        y = layer(xx)
+        y = y.add_(1.0) if in_place else y + 1.0
+        y.square().sum().backward()
+        grads.append(xx.grad)
+    assert torch.equal(grads[0], grads[1])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from snip_ds.experts.points import ExpertLayerInfo, ExpertPoint, recomputing
-from snip_ds.layouts.experts import ExpertsLayout, recognize
+from snip_ds.layouts.experts import BATCHED, ExpertsLayout, recognize
 from snip_ds.linear import QuantizedLinearFn
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GemmPrecision, LayerPrecision, block_index, full_shape, layer_seed
@@ -120,6 +120,8 @@ class SnipExperts(nn.Module):
         top_k = getattr(getattr(self, "config", None), "num_experts_per_tok", None)
         share = min(top_k, self.num_experts) / self.num_experts if isinstance(top_k, int) and top_k > 0 else \
             1.0 / self.num_experts
+        if self.layout.convention == BATCHED:  # every expert runs on every token
+            share = 1.0
         out = {}
         for e in range(self.num_experts):
             for j, proj in enumerate(self.layout.projections):
@@ -244,11 +246,13 @@ class SnipExperts(nn.Module):
         h = self._project(h, expert, 1, tokens=tokens)
         return self.post_expert_norm(h) if self.layout.post_norm else h
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: Optional[torch.Tensor] = None,
+                top_k_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``hidden_states`` ``[T, H]``, ``top_k_index`` and ``top_k_weights`` ``[T, K]`` -> ``[T, H]``: the sum
         over each token's experts of routing weight times expert output (an index ``>= num_experts``, expert
         parallelism's placeholder, contributes nothing)."""
+        if self.layout.convention == BATCHED:
+            return self._forward_batched(hidden_states)
         num_experts = self.num_experts
         with torch.no_grad():
             counts = torch.bincount(top_k_index.reshape(-1).clamp(max=num_experts),
@@ -292,6 +296,18 @@ class SnipExperts(nn.Module):
             h = self.post_expert_norm(h)
         weighted = h * top_k_weights.reshape(-1)[perm].unsqueeze(-1)  # [S, H]
         return weighted[inv_perm].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _forward_batched(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states`` ``[E·T, H]`` -> ``[E·T, H]``, expert ``e`` on rows ``e·T .. (e+1)·T`` (each expert sees
+        every token, scaled by the MoE block's routing weight for it): the :data:`BATCHED` convention."""
+        num_experts = self.num_experts
+        tokens = hidden_states.shape[0] // num_experts
+        if not recomputing():
+            counts = torch.full((num_experts,), tokens, dtype=torch.int64, device=hidden_states.device)
+            self._routed_tokens = counts if self._routed_tokens is None else self._routed_tokens + counts
+        parts = hidden_states.view(num_experts, tokens, hidden_states.shape[-1])
+        index = torch.arange(tokens, device=hidden_states.device)
+        return torch.cat([self._expert(parts[e], e, index) for e in range(num_experts)])
 
     def extra_repr(self) -> str:
         kinds = sorted({p.to_json() if isinstance(p.to_json(), str) else "per-GEMM"

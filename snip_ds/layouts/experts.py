@@ -39,6 +39,8 @@ from snip_ds.types import full_shape
 
 INTERFACE_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 ROUTED = "routed"  # forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])
+BATCHED = "batched"  # forward(hidden_states [E·T, H]): expert e runs on rows e·T .. (e+1)·T (Llama 4)
+_ARITY = {ROUTED: 3, BATCHED: 1}
 
 # The probe's sizes: enough to cover uneven routing and every projection, small enough to cost nothing.
 PROBE_EXPERTS, PROBE_WIDTH, PROBE_TOKENS, PROBE_TOP_K = 3, 8, 8, 2
@@ -61,7 +63,9 @@ class ExpertsLayout:
             one: ``act_fn(first half) * second half``). Else the first projection is an up projection and
             ``act_fn`` follows it.
         post_norm: the module's ``post_expert_norm`` is applied to each expert's output.
-        convention: how the module is called (:data:`ROUTED`).
+        convention: how the module is called: :data:`ROUTED` (each token's top-k experts and routing weights),
+            or :data:`BATCHED` (one input of ``E`` equal parts, expert ``e`` on part ``e``: every expert runs
+            on every token, the routing weights already applied by the MoE block).
     """
 
     projections: Tuple[str, str]
@@ -178,9 +182,13 @@ def _interface_layout(module: nn.Module) -> ExpertsLayout:
 
 def hypotheses(module: nn.Module) -> List[ExpertsLayout]:
     """The layouts to try for an experts candidate: the interface's, or those its 3-D Parameters' shapes allow
-    (two projections chained through the hidden width; gated where the first has twice the second's input)."""
+    (two projections chained through the hidden width; gated where the first has twice the second's input),
+    called as its forward's inputs say (three: routed; one: batched)."""
     if has_interface(module):
         return [_interface_layout(module)]
+    convention = {arity: name for name, arity in _ARITY.items()}.get(_positional_arity(module))
+    if convention is None:
+        return []
     stacked = _stacked(module)
     if len(stacked) != 2 or any(len(s) != 3 for s in stacked.values()):
         return []
@@ -195,7 +203,8 @@ def hypotheses(module: nn.Module) -> List[ExpertsLayout]:
                    ((p1, o1), (p2, o2)))
         for gated in (True, False):
             if (o1 == 2 * i2) if gated else (o1 == i2):
-                out.append(ExpertsLayout((p1, p2), transposed=transposed, bias=bias, gated=gated))
+                out.append(ExpertsLayout((p1, p2), transposed=transposed, bias=bias, gated=gated,
+                                         convention=convention))
     return out
 
 
@@ -252,12 +261,12 @@ def _probe_params(module: nn.Module, layout: ExpertsLayout, experts: int, device
 def _run(module: nn.Module, params: Dict[str, torch.Tensor], inputs, g: torch.Tensor):
     x, idx, w = inputs
     x = x.clone().requires_grad_(True)
-    w = w.clone().requires_grad_(True)
-    out = functional_call(module, params, (x, idx, w))
+    w = w.clone().requires_grad_(True) if w is not None else None
+    out = functional_call(module, params, (x, idx, w) if idx is not None else (x,))
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         raise ExpertsLayoutError(f"forward returned {type(out).__name__} "
                                  f"{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}, not [tokens, hidden]")
-    leaves = [x, w] + list(params.values())
+    leaves = [x] + ([w] if w is not None else []) + list(params.values())
     grads = torch.autograd.grad(out, leaves, g, allow_unused=True)
     return [out.detach()] + [None if t is None else t.detach() for t in grads]
 
@@ -308,9 +317,10 @@ def prove(module: nn.Module, fqn: str, layout: ExpertsLayout, wrap: Wrap) -> Non
     """Raises :class:`ExpertsLayoutError` unless ``wrap(module, fqn, layout)`` (snip_ds's replacement, every pair
     unquantized) computes what ``module`` does (module docstring)."""
     arity = _positional_arity(module)
-    if arity != 3:
+    if arity != _ARITY[layout.convention]:
         raise ExpertsLayoutError(f"its forward takes {arity} positional input(s), not (hidden_states, top_k_index, "
                                  f"top_k_weights)")
+    batched = layout.convention == BATCHED
     total = expert_count(module) or full_shape(getattr(module, layout.projections[0]))[0]
     experts = min(total, PROBE_EXPERTS)
     top_k = min(PROBE_TOP_K, experts)
@@ -322,10 +332,13 @@ def prove(module: nn.Module, fqn: str, layout: ExpertsLayout, wrap: Wrap) -> Non
     last_error = None
     for dtype in (torch.float64, torch.float32):
         params = _probe_params(module, layout, experts, device, dtype, gen)
-        x = torch.randn(PROBE_TOKENS, hidden, generator=gen, dtype=torch.float64).to(device, dtype)
+        rows = PROBE_TOKENS * (experts if batched else 1)
+        x = torch.randn(rows, hidden, generator=gen, dtype=torch.float64).to(device, dtype)
         idx = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(PROBE_TOKENS)]).to(device)
         w = (0.1 + torch.rand(PROBE_TOKENS, top_k, generator=gen, dtype=torch.float64)).to(device, dtype)
-        g = torch.randn(PROBE_TOKENS, hidden, generator=gen, dtype=torch.float64).to(device, dtype)
+        g = torch.randn(rows, hidden, generator=gen, dtype=torch.float64).to(device, dtype)
+        if batched:
+            idx = w = None
         saved = [(m, m.num_experts) for m in (module, replacement) if hasattr(m, "num_experts")]
         try:
             for m, _ in saved:
@@ -346,7 +359,8 @@ def prove(module: nn.Module, fqn: str, layout: ExpertsLayout, wrap: Wrap) -> Non
         finally:
             for m, n in saved:
                 m.num_experts = n
-        names = ["output", "input gradient", "routing weights' gradient"] + [f"{n}'s gradient" for n in params]
+        names = ["output", "input gradient"] + ([] if batched else ["routing weights' gradient"]) + [
+            f"{n}'s gradient" for n in params]
         mismatch = _compare(names, ref, got, dtype, reduction=hidden + PROBE_TOKENS * top_k)
         if mismatch is not None:
             raise ExpertsLayoutError(f"its forward and snip_ds's ({layout.describe()}) differ on a random routing: "
