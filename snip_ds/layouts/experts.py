@@ -9,7 +9,9 @@ then the activation) and a norm after each expert. :class:`ExpertsLayout` is tha
 
 * **Candidates** (:func:`experts_candidates`): a module carrying the interface's flags, or one whose Parameters
   of three or more dimensions share a leading ``E`` that its MoE block scores (a linear GEMM with ``E`` outputs
-  or a router's ``[E, hidden]`` weight beside it) or that the config declares as its expert count. A 3-D Parameter alone (a
+  or a router's ``[E, hidden]`` weight beside it) or that the config declares as its expert count, or one called
+  as routed experts (``forward(hidden_states, top_k_index, top_k_weights)``) beside a router that scores the
+  config's expert count, whatever its weights' shapes (which then decide whether any layout fits). A 3-D Parameter alone (a
   convolution's kernel, RWKV's time mixing, Zamba's per-head projections) makes no experts module.
 * **Layout** (:func:`hypotheses`): from the interface's flags where the class has them, else every layout
   consistent with the Parameters' shapes.
@@ -133,11 +135,16 @@ def _declared_counts(config: Any) -> set:
     return out
 
 
+def _weights(module: nn.Module) -> Dict[str, Tuple[int, ...]]:
+    """The Parameters of two or more dimensions in ``module``'s subtree, by name, with their full shapes."""
+    return {n: full_shape(p) for n, p in module.named_parameters() if len(full_shape(p)) >= 2}
+
+
 def _scores(parent: nn.Module, skip: nn.Module, count: int) -> bool:
     """Whether something under ``parent`` (``skip``'s subtree aside) scores ``count`` experts from an input of a
     width ``skip``'s experts read or write: a linear GEMM ``[hidden -> count]``, or a router's own
     ``[count, hidden]`` weight."""
-    widths = {d for s in _stacked(skip).values() for d in s[1:]}
+    widths = {d for s in (_stacked(skip) or _weights(skip)).values() for d in s[1:]}
     skipped = {id(m) for m in skip.modules()}
     for m in parent.modules():
         if id(m) in skipped:
@@ -161,12 +168,15 @@ def experts_candidates(model: nn.Module) -> List[Tuple[str, nn.Module]]:
         if has_interface(module) or isinstance(getattr(module, "layout", None), ExpertsLayout):
             found.append((fqn, module))  # the interface's flags, or snip_ds's own replacement
             continue
-        count = expert_count(module)
-        if count is None or count < 2 or isinstance(module, nn.modules.conv._ConvNd):  # a kernel: no experts
+        if isinstance(module, nn.modules.conv._ConvNd) or not _weights(module):  # a kernel, or no weights
             continue
         parent = modules.get(fqn.rsplit(".", 1)[0] if "." in fqn else "", model)
-        if count in declared or _scores(parent, module, count):
+        count = expert_count(module)
+        if count is not None and count >= 2 and (count in declared or _scores(parent, module, count)):
             found.append((fqn, module))
+        elif _positional_arity(module) == 3 and parent is not module and any(
+                _scores(parent, module, c) for c in declared | {s[0] for s in _stacked(module).values()}):
+            found.append((fqn, module))  # called as routed experts, beside their router
     return found
 
 
@@ -193,6 +203,8 @@ def hypotheses(module: nn.Module) -> List[ExpertsLayout]:
     if len(stacked) != 2 or any(len(s) != 3 for s in stacked.values()):
         return []
     (p1, s1), (p2, s2) = stacked.items()
+    if s1[0] != s2[0]:  # every expert needs both projections
+        return []
     params = dict(module.named_parameters(recurse=False))
     out = []
     for transposed in (False, True):
@@ -388,7 +400,7 @@ def recognize(module: nn.Module, fqn: str, wrap: Wrap) -> ExpertsLayout:
     name = f"experts module {fqn!r} ({cls.__module__}.{cls.__qualname__})"
     options = hypotheses(module)
     if not options:
-        stacked = ", ".join(f"{n} {list(s)}" for n, s in _stacked(module).items()) or "none"
+        stacked = ", ".join(f"{n} {list(s)}" for n, s in (_stacked(module) or _weights(module)).items())
         raise ExpertsLayoutError(f"{name}: its experts' weights ({stacked}) fit no layout snip_ds knows (two "
                                  f"projections [E, out, in] or [E, in, out] through the hidden width)")
     reasons = []
