@@ -4,10 +4,11 @@ The default is a ~10M-parameter Llama (6 blocks, hidden 384, GQA with 2 KV heads
 ``LlamaConfig`` in code, so training works on a fresh machine with nothing to download. Every GEMM
 contraction width (384, 128, 1024) is a multiple of 32, the largest block size any SNIP format uses.
 
-Users may instead pass a local Hugging Face model directory or a JSON config file. Any causal LM whose
-decoder blocks (``...layers.<i>``) hold ``nn.Linear`` layers is accepted (Llama, Mistral, Qwen2, Phi-3,
-GPT-NeoX, DeepSeek-V3 with dense blocks, ...; :mod:`snip_ds.decoder` finds the layers); a model without such
-layers, or with Mixture-of-Experts modules, is refused in one line naming the model class or the module.
+Users may instead pass a local Hugging Face model directory or a JSON config file. Any causal LM whose decoder
+blocks hold linear GEMMs is accepted (:mod:`snip_ds.decoder` finds them by structure: Llama, Mistral, Qwen2,
+Phi-3, GPT-NeoX, GPT-2, OPT, the Mixture-of-Experts families whose experts layout it proves, ...); a model
+without such layers, or with experts modules whose layout cannot be proved, is refused in one line naming the
+model class or the module.
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def build_model(
 
     Raises:
         FileNotFoundError: A path does not exist or lacks ``config.json``.
-        ValueError: Both sources given, malformed config, no quantizable linears or MoE experts
-            (:func:`decoder_linear_names`), vocab too small.
+        ValueError: Both sources given, malformed config, no quantizable linears or MoE experts whose layout
+            cannot be proved (:func:`decoder_linear_names`), vocab too small.
     """
     if model_name_or_path is not None and model_config is not None:
         raise ValueError("pass model_name_or_path or model_config, not both")
@@ -213,18 +214,19 @@ def _config_from_dict(data: dict[str, Any], source: str) -> PretrainedConfig:
 
 
 def decoder_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The decoder blocks as ``(fqn, module)``: the modules named ``...layers.<i>``, in block order."""
+    """The decoder blocks as ``(fqn, module)`` in model order (:func:`snip_ds.decoder.decoder_blocks`)."""
     return _decoder.decoder_blocks(model)
 
 
 def decoder_linear_names(model: nn.Module) -> list[str]:
     """Fully qualified names of the quantizable linears of every decoder block, lm_head excluded
     (:func:`snip_ds.decoder.decoder_linears`): block by block, each in its module order (a Llama's q, k, v, o,
-    gate, up, down). Pure: only reads the model. ``nn.Linear`` subclasses (e.g. quantized swaps) count.
+    gate, up, down). Pure: only reads the model. Any class proved to compute a linear GEMM counts (GPT-2's
+    ``Conv1D``, ``nn.Linear`` subclasses that keep its forward).
 
     Raises:
-        ValueError: the model has no quantizable linear (named by its class) or MoE experts of a layout snip_ds
-            does not know (the module named).
+        ValueError: the model has no quantizable linear (named by its class) or MoE experts whose layout cannot be
+            proved (the module named, and why).
     """
     return _decoder.decoder_linears(model)
 
