@@ -61,21 +61,21 @@ def build_tiny(model_type: str, seed: int = 0) -> TinyModel:
     """The tiny model of ``model_type`` (FP32, CPU, training mode, seeded)."""
     from transformers import AutoModelForCausalLM
 
-    from snip_ds.families.overrides import OVERRIDES
+    from snip_ds.families.overrides import after_build, base_type, config_path
 
     tiny = tiny_config(model_type)
     _no_cache(tiny.config)
     torch.manual_seed(seed)
-    entry = OVERRIDES.get(model_type)
-    if entry is not None and entry.config_path:  # the class takes a part of the composite config
+    part = config_path(model_type)
+    if part:  # the class takes a part of the composite config
         import transformers
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-        model = model_class._from_config(getattr(tiny.config, entry.config_path), dtype=torch.float32)
+        model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[base_type(model_type)])
+        model = model_class._from_config(getattr(tiny.config, part), dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(tiny.config, dtype=torch.float32)
-    for method, args in (entry.after_build.items() if entry is not None else ()):
+    for method, args in after_build(model_type).items():
         getattr(model, method)(*args)
     model.train()
     return TinyModel(model_type, model, tiny)

@@ -17,7 +17,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 from snip_ds.families.probe import PLANS
 from snip_ds.families.sweep import DEFAULT_TIMEOUT
@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     command = "snip-ds " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", sys.argv[1:]))
     meta = {"transformers": transformers.__version__, "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "command": command, "plans": plans,
-            "timeout_s": args.timeout, "jobs": args.jobs, "threads": args.threads, "wall_seconds": round(wall, 1)}
+            "timeout_s": args.timeout, "jobs": args.jobs, "threads": args.threads, "wall_seconds": round(wall, 1),
+            "peak_rss_mb": max((r.get("peak_rss_mb", 0.0) for r in rows), default=0.0)}
     report.write(rows, markdown, json_path, meta)
     counts = report.summary(rows)
     a, m = counts["all"], counts["moe"]

@@ -1,15 +1,17 @@
 """Per-family config overrides for the families survey, where the general rules of
-:mod:`snip_ds.families.shrink` do not give a model that builds.
+:mod:`snip_ds.families.shrink` do not give a model that builds, and the variants the survey adds.
 
 Each entry of :data:`OVERRIDES` names the model type, the fields it sets (a dotted path reaches into a
 sub-config: ``"text_config.vocab_size"``) and one line saying why. transformers' own model tests keep such
-per-model tiny configs too. This table belongs to the survey only: snip_ds recognises models by their
-structure, never by a list of names.
+per-model tiny configs too. :data:`VARIANTS` adds rows ``<model type>:<variant>`` for what a family's defaults
+switch off (its Mixture-of-Experts layers), built from the family's config with the variant's fields set on
+top. These tables belong to the survey only: snip_ds recognises models by their structure, never by a list
+of names.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 
 @dataclass(frozen=True)
@@ -81,15 +83,54 @@ OVERRIDES: Dict[str, Override] = {
 }
 
 
-def apply_override(model_type: str, d: dict) -> None:
-    """Sets ``model_type``'s override values in the shrunk config dictionary ``d`` (none: unchanged)."""
-    entry = OVERRIDES.get(model_type)
-    if entry is None:
-        return
+VARIANTS: Dict[str, Override] = {
+    "doge:moe": Override("Doge's mixture of experts (is_moe), off in its defaults", {"is_moe": True}),
+    "gemma4_text:moe": Override("Gemma-4's MoE block beside its MLP (enable_moe_block, the 26B-A4B layout), off in "
+                                "its defaults", {"enable_moe_block": True}),
+}
 
-    for path, value in entry.values.items():
-        *parents, key = path.split(".")
-        target = d
-        for p in parents:
-            target = target[p]
-        target[key] = value
+
+def base_type(name: str) -> str:
+    """The model type of a survey name (``"gemma4_text:moe"`` -> ``"gemma4_text"``)."""
+    return name.partition(":")[0]
+
+
+def entries(name: str) -> List[Override]:
+    """The overrides of a survey name: its model type's, then its variant's."""
+    found = [OVERRIDES[base_type(name)]] if base_type(name) in OVERRIDES else []
+    return found + ([VARIANTS[name]] if name in VARIANTS else [])
+
+
+def config_init(name: str) -> Dict[str, Any]:
+    """Keyword arguments of the config class for the defaults (see :attr:`Override.init`)."""
+    return {k: v for entry in entries(name) for k, v in entry.init.items()}
+
+
+def config_path(name: str) -> str:
+    """The sub-config the causal LM is built from (see :attr:`Override.config_path`); "" for the whole."""
+    return next((e.config_path for e in entries(name) if e.config_path), "")
+
+
+def after_build(name: str) -> Dict[str, tuple]:
+    """``{method: args}`` to call on the built model (see :attr:`Override.after_build`)."""
+    return {k: v for entry in entries(name) for k, v in entry.after_build.items()}
+
+
+def reasons(name: str) -> str:
+    """Why the survey name needs more than the general rules (empty if it does not)."""
+    return "; ".join(e.reason for e in entries(name))
+
+
+def apply_override(name: str, d: dict) -> None:
+    """Sets the override (and variant) values of ``name`` in the shrunk config dictionary ``d``."""
+    for entry in entries(name):
+        for path, value in entry.values.items():
+            *parents, key = path.split(".")
+            target = d
+            for p in parents:
+                target = target[p]
+            target[key] = value
+
+
+__all__ = ["OVERRIDES", "Override", "VARIANTS", "after_build", "apply_override", "base_type", "config_init",
+           "config_path", "entries", "reasons"]

@@ -101,6 +101,8 @@ def reason_key(text: str) -> str:
         return f"{kind}: {inner}"
     rest = re.sub(r"'[^']*'", "'…'", rest)
     rest = re.sub(r"\btransformers\.models\.\w+\.\w+", "transformers.models.…", rest)
+    rest = re.sub(r"\btransformers/models/\w+/\w+\.py", "transformers/models/….py", rest)
+    rest = re.sub(r" \(and \d+ more\)", "", rest)
     rest = re.sub(r"\b\w*[A-Z]\w*[A-Z]\w*\b", lambda m: m.group(0) if m.group(0).isupper() else "<class>", rest)
     rest = re.sub(r"\d+", "N", rest)
     return ((kind + ": ") if kind else "") + rest[:240]
@@ -167,8 +169,10 @@ def render_markdown(rows: Sequence[dict], meta: Dict[str, Any]) -> str:
         meta["command"],
         "```",
         "",
-        f"({meta['wall_seconds']:.0f} s with {meta['jobs']} job(s); raw rows: [{meta['json_name']}]"
-        f"({meta['json_name']})). How a family is built, run and judged: `snip_ds/families/`.",
+        f"({meta['wall_seconds']:.0f} s with {meta['jobs']} job(s), each family in a process of its own that "
+        f"peaked at {meta.get('peak_rss_mb', 0):.0f} MB resident at most; raw rows: [{meta['json_name']}]"
+        f"({meta['json_name']})). How a family is built, run and judged: `snip_ds/families/`; rows named "
+        "`<model type>:<variant>` switch on what the family's defaults leave off (its MoE layers).",
         "",
         "A family **trains** when every plan ran its step with quantized layers, every planned layer ran "
         "quantized in the step (each `SnipLinear` called, each MoE expert routed tokens), the losses were "

@@ -15,7 +15,8 @@ it derives from the smaller values. The rules, by field:
   :data:`HEAD_DIM`, so that sums and equalities among them hold; state-space heads kept at
   ``hidden * expand / head_dim`` where they were;
 * vocabulary to :data:`VOCAB`, positions to :data:`POSITIONS`, sliding windows and chunks to :data:`WINDOW`;
-* experts to :data:`EXPERTS` with top-:data:`TOP_K` routing, one shared expert, one expert group;
+* experts to :data:`EXPERTS` (also where the defaults have a single one) with top-:data:`TOP_K` routing at most,
+  one shared expert, one expert group;
 * special token ids at or above the new vocabulary mapped to distinct ids at its top (the same old id to
   the same new id everywhere in the config), so that :func:`TinyConfig.token_range` can draw the inputs
   below all of them;
@@ -30,7 +31,6 @@ it derives from the smaller values. The rules, by field:
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -80,7 +80,7 @@ _HEAD_DIM_RE = _RE(r"head_dim$", r"head_size$", r"^d_head$", r"^dim_head$", r"^k
                    r"^rotary_dim$", r"^rotary_emb_dim$", r"lora_rank$", r"^d_rel$", r"^attention_head_dim$",
                    r"headdim$", r"^mamba_d_head$", r"^qk_head_dim$")
 _INTERMEDIATE_RE = _RE(r"intermediate_size", r"ffn_dim$", r"^n_inner$", r"^d_ff$", r"^dff$", r"^dim_ff$",
-                       r"^d_inner$", r"^mlp_dim$", r"feed_forward_size$", r"ffn_hidden_size$", r"^intermediate_size_mlp$")
+                       r"^d_inner$", r"^mlp_dim$", r"feed_forward_size$", r"ffn_hidden_size$")
 _EXPERT_RE = re.compile(r"moe|expert|shared")
 _VOCAB_RE = re.compile(r"vocab_size$|^vocab_size|_vocab$|ngram_vocab_size_base$")
 _POSITION_RE = _RE(r"^max_position_embeddings$", r"^n_positions$", r"^n_ctx$", r"^max_seq_len$", r"^context_length$",
@@ -98,7 +98,6 @@ _SHARED_RE = _RE(r"^n_shared_experts$", r"^num_shared_experts$", r"^moe_num_shar
 _GROUP_RE = _RE(r"^n_group$", r"^num_expert_group$", r"^topk_group$")
 _STATE_RE = _RE(r"^mamba_d_state$", r"^state_size$", r"^ssm_state_size$", r"^d_state$", r"^mamba_d_ssm$")
 _MAMBA_HEADS_RE = _RE(r"^mamba_n_heads$", r"^mamba_num_heads$", r"^n_mamba_heads$", r"^num_heads$")
-_EXPAND_RE = _RE(r"^expand$", r"^mamba_expand$")
 _TOKEN_RE = re.compile(r"(_token_id|_token_index|token_id$|^(unk|mask|pad|bos|eos)_index$|^decoder_start_token_id$)")
 _SIZE_WORD_RE = re.compile(r"size|dim|width|embd|embed|hidden|channels")
 
@@ -205,8 +204,8 @@ class _Shrinker:
             return POSITIONS if v > POSITIONS else None
         if _WINDOW_RE.search(key):
             return WINDOW if v > WINDOW else None
-        if _EXPERTS_RE.search(key):
-            return EXPERTS if v > EXPERTS else None
+        if _EXPERTS_RE.search(key):  # a single routed expert (HunYuan-MoE's defaults) routes nothing: four
+            return EXPERTS if v > EXPERTS or (v == 1 and key != "zero_expert_num") else None
         if _TOP_K_RE.search(key):
             return TOP_K if v > TOP_K else None
         if _SHARED_RE.search(key):
@@ -241,8 +240,8 @@ class _Shrinker:
 
     def _fill_unset(self, d: dict, heads0) -> None:
         """Fields a family's defaults leave None that its model code divides or indexes by (a checkpoint's
-        config sets them): head dims and key-value heads of an attention with heads, expert counts, top-k and
-        expert groups of a config with experts."""
+        config sets them): head dims and key-value heads of an attention with heads, expert counts, top-k,
+        expert groups and expert sizes of a config with experts."""
         if heads0 is not None:
             for key in ("head_dim",) + _KV_HEAD_KEYS:
                 if key in d and d[key] is None:
@@ -258,6 +257,8 @@ class _Shrinker:
                         d[key] = TOP_K
                     elif _GROUP_RE.search(key):
                         d[key] = 1
+                    elif _INTERMEDIATE_RE.search(key) and _EXPERT_RE.search(key):
+                        d[key] = EXPERT_INTERMEDIATE
 
     def _periods(self, d: dict) -> None:
         for key in _PERIODS:
@@ -316,7 +317,8 @@ class _Shrinker:
         d[depth_key] = len(kept)
         for k in per_layer:
             value = d[k]
-            d[k] = type(value)(value[i] for i in kept) if not isinstance(value, str) else "".join(value[i] for i in kept)
+            picked = [value[i] for i in kept]
+            d[k] = "".join(picked) if isinstance(value, str) else type(value)(picked)
         for k in index_lists:
             d[k] = [j for j, i in enumerate(kept) if i in d[k]]
         for k, c in starts.items():
@@ -429,7 +431,8 @@ def _hidden_sizes(d: dict) -> Set[int]:
 
 
 def tiny_config(model_type: str) -> TinyConfig:
-    """The tiny config of ``model_type`` (a key of transformers' ``CONFIG_MAPPING``).
+    """The tiny config of ``model_type`` (a key of transformers' ``CONFIG_MAPPING``, or one of
+    :data:`snip_ds.families.overrides.VARIANTS`).
 
     Raises:
         KeyError: ``model_type`` is not a config transformers knows.
@@ -438,11 +441,10 @@ def tiny_config(model_type: str) -> TinyConfig:
     """
     from transformers import CONFIG_MAPPING
 
-    from snip_ds.families.overrides import OVERRIDES, apply_override
+    from snip_ds.families.overrides import apply_override, base_type, config_init
 
-    config_class = CONFIG_MAPPING[model_type]
-    entry = OVERRIDES.get(model_type)
-    base = config_class(**(entry.init if entry is not None else {}))
+    config_class = CONFIG_MAPPING[base_type(model_type)]
+    base = config_class(**config_init(model_type))
     d = base.to_dict()
     shrinker = _Shrinker(_hidden_sizes(d))
     shrinker.shrink(d, base)

@@ -1,19 +1,21 @@
 """Whether a model holds Mixture-of-Experts experts, decided from its structure alone (no class or attribute
 names), for the survey's "MoE" column.
 
-An experts module is one of:
+An experts module sits beside a router and is one of:
 
-* **stacked**: a module (not a convolution) holding, as its own Parameters, two or more 3-D tensors with the
-  same leading size ``E >= 2`` (``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``), or one such tensor
-  next to a router;
+* **stacked**: a module (not a convolution) holding 3-D Parameters ``[E, out, in]`` with a leading size
+  ``E >= 2`` (``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; some families hold up to ``2E`` rows
+  for identity experts in one of them);
+* **flattened**: a module holding two or more 2-D Parameters of one shape ``[E * I, H]`` (DBRX);
 * **listed**: an ``nn.ModuleList`` of ``E >= 2`` children of one class, each made of linear layers only
-  (every Parameter belongs to an ``nn.Linear`` or a transposed linear such as GPT-2's ``Conv1D``), next to a
-  router.
+  (every Parameter belongs to an ``nn.Linear`` or a transposed linear such as GPT-2's ``Conv1D``).
 
-A router is a 2-D Parameter with a side of size ``E`` among the parent module's Parameters outside the experts
-(``gate.weight [E, H]``, a top-k router's own ``weight``): what turns the hidden states into one logit per
-expert. Decoder blocks are never "listed" experts (they hold norms), and a convolution's 3-D weight is not
-stacked experts.
+A router is a 2-D Parameter near the experts (below their parent, or their grandparent where the parent only
+wraps them; outside the experts) that gives one logit per expert, or up to twice as many where identity
+("zero") experts are routed beside them, from a wider input: ``gate.weight [E, H]``, a top-k router's own
+``weight``, the last layer of a router MLP. Decoder blocks are never "listed" experts (they hold norms), a
+convolution's 3-D weight is not stacked experts, and per-head weights ``[heads, d, d]`` with no router beside
+them (RecurrentGemma's RG-LRU, Zamba's Mamba) are not experts.
 """
 from __future__ import annotations
 
@@ -41,10 +43,10 @@ def _near(ancestor: nn.Module, depth: int = 2):
 
 
 def _routes(count: int, ancestors: List[nn.Module], experts: nn.Module, exact: bool = False) -> bool:
-    """Whether a router for ``count`` experts sits near them: a 2-D Parameter (of the experts' parent, or of
-    a module at most three steps below it, or of the grandparent or a module at most two steps below that;
-    outside the experts) that gives one logit per expert, or up to as many again where identity ("zero")
-    experts are routed beside them (LongCat-Flash, ZAYA), from a wider input."""
+    """Whether a router for ``count`` experts sits near them: a 2-D Parameter (of the experts' parent or a
+    module at most three steps below it; where the parent only wraps the experts, of the grandparent or a module
+    at most two steps below that; outside the experts) that gives one logit per expert, or up to as many again
+    where identity ("zero") experts are routed beside them (LongCat-Flash, ZAYA), from a wider input."""
     inside = {id(p) for p in experts.parameters()}
     for ancestor, depth in zip(ancestors, (3, 2)):
         for module in _near(ancestor, depth):
@@ -88,7 +90,9 @@ def find_experts(model: nn.Module) -> List[ExpertsFound]:
         parent = parents.get(id(module))
         if parent is None or isinstance(module, _CONVOLUTIONS):
             continue
-        ancestors = [parent] + ([parents[id(parent)]] if id(parent) in parents else [])
+        ancestors = [parent]
+        if id(parent) in parents and {id(p) for p in parent.parameters()} <= {id(p) for p in module.parameters()}:
+            ancestors.append(parents[id(parent)])  # the parent only wraps the experts (DBRX): look one level up
         own = list(module.parameters(recurse=False))
         stacked = [p for p in own if p.dim() == 3 and p.shape[0] >= 2]
         if stacked:  # [E, out, in] each (some families hold identity experts' rows too: up to 2E)

@@ -26,10 +26,15 @@ _LOG_TAIL = 2000
 
 
 def causal_lm_families() -> Dict[str, str]:
-    """``{model_type: causal-LM class name}`` of the installed transformers, sorted by model type."""
+    """``{model type: causal-LM class name}`` of the installed transformers, sorted by model type, each followed
+    by its variants (:data:`snip_ds.families.overrides.VARIANTS`, ``<model type>:<variant>``)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
+    from snip_ds.families.overrides import VARIANTS, base_type
+
+    names = dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    names.update({v: names[base_type(v)] for v in VARIANTS if base_type(v) in names})
+    return dict(sorted(names.items(), key=lambda kv: (base_type(kv[0]), kv[0])))
 
 
 def _warm_imports() -> None:
@@ -54,13 +59,13 @@ def _warm_imports() -> None:
 def survey_family(model_type: str, plans: Sequence[str] = PLANS) -> dict:
     """The row of one family, computed in this process (the child's work; never raises)."""
     from snip_ds.families.build import build_tiny, plain_step
-    from snip_ds.families.overrides import OVERRIDES
+    from snip_ds.families.overrides import reasons
     from snip_ds.families.probe import first_line, frames_of, probe_family
     from snip_ds.families.structure import find_experts
 
     row: dict = {"model_type": model_type, "class": causal_lm_families().get(model_type, ""), "buildable": False}
-    if model_type in OVERRIDES:
-        row["override"] = OVERRIDES[model_type].reason
+    if reasons(model_type):
+        row["override"] = reasons(model_type)
     start = time.perf_counter()
     try:
         tiny = build_tiny(model_type)
