@@ -218,8 +218,12 @@ def render_markdown(rows: Sequence[dict], meta: Dict[str, Any]) -> str:
 def write(rows: Sequence[dict], markdown: Path, json_path: Path, meta: Dict[str, Any]) -> None:
     """Writes the table and the raw rows (each file atomically)."""
     meta = dict(meta, json_name=os.path.relpath(json_path, markdown.parent))
-    payload = {"format": FORMAT, "meta": meta, "summary": summary(rows), "rows": list(rows)}
-    atomic_write_text(json_path, json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    head = {"format": FORMAT, "meta": meta, "summary": summary(rows)}
+    # one row a line: small, and a re-run's diff shows the families that changed
+    lines = [json.dumps(head)[:-1] + ', "rows": ['] + [json.dumps(r) + "," for r in rows]
+    if rows:
+        lines[-1] = lines[-1][:-1]
+    atomic_write_text(json_path, "\n".join(lines) + "\n]}\n")
     atomic_write_text(markdown, render_markdown(rows, meta))
 
 

@@ -4,8 +4,8 @@ The parent imports torch, transformers (the Trainer included) and snip_ds once, 
 family (``--jobs`` at a time), so that a child pays only for its own model's module. A child builds the
 family's tiny model (:mod:`snip_ds.families.build`), runs the plain step, looks for experts by structure
 (:mod:`snip_ds.families.structure`), runs every plan through the Trainer (:mod:`snip_ds.families.probe`) and
-sends back its row (a JSON-able dict); its stdout and stderr go to a log file whose tail the row keeps where
-something failed. A child that outlives the timeout is killed (the row says so); one that dies without a row
+sends back its row (a JSON-able dict); its stdout and stderr go to a log file, whose tail the row of a child
+that timed out or died keeps. A child that outlives the timeout is killed (the row says so); one that dies without a row
 (a signal, an abort in native code) becomes a row too. Nothing a family does can stop the sweep.
 """
 from __future__ import annotations
@@ -170,8 +170,6 @@ def _finished(job: _Running, timeout: float) -> Optional[dict]:
             job.process.kill()
             job.process.join()
         if row is not None:
-            if _failed(row):
-                row["log_tail"] = _log_tail(job.log)
             return row
         return _died(job, elapsed)
     if not job.process.is_alive():
@@ -192,11 +190,6 @@ def _died(job: _Running, elapsed: float) -> dict:
     return {"model_type": job.model_type, "class": causal_lm_families().get(job.model_type, ""), "died": True,
             "seconds": round(elapsed, 1), "error": f"the child process died ({how}) without a row",
             "log_tail": _log_tail(job.log)}
-
-
-def _failed(row: dict) -> bool:
-    return not row.get("buildable") or any(p.get("result") != "ok" or p.get("unrun")
-                                           for p in row.get("plans", {}).values())
 
 
 __all__ = ["DEFAULT_TIMEOUT", "causal_lm_families", "survey_family", "sweep"]
