@@ -9,6 +9,7 @@
     snip-ds export runs/zero3/checkpoints hf_model
     snip-ds universal runs/zero3 runs/zero3_universal   # resumable on any number of ranks
     snip-ds show runs/hf/checkpoint-60              # a Hugging Face Trainer's checkpoint (snip_ds.hf.SnipCallback)
+    snip-ds families                                # which transformers families train: docs/families.md
 
 User errors (missing file, bad JSON, bad field, impossible target) print one line to stderr and exit 2.
 """
@@ -253,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("out_dir", help="the directory to write: OUT_DIR/step_N and OUT_DIR/latest (pass OUT_DIR to "
                    "--resume_from_checkpoint)")
     u.set_defaults(func=_cmd_universal)
+
+    from snip_ds.families.command import add_parser as add_families  # (imports neither torch nor transformers)
+    add_families(sub)
     return parser
 
 
@@ -282,6 +286,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``snip-ds``; returns the exit code (2 for user errors)."""
     args = build_parser().parse_args(argv)
+    args._argv = list(argv) if argv is not None else sys.argv[1:]  # the command line, for what records it
     try:
         return args.func(args)
     except (UserError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
