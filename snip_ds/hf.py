@@ -588,6 +588,7 @@ class SnipCallback(TrainerCallback):
         if scheduler is not None and self._held is not None and vars(scheduler).get("step") is self._held:
             del scheduler.step
         self._held = None
+        self.state.after_step()
         return control
 
     def _nonfinite_step(self) -> bool:

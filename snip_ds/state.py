@@ -313,6 +313,12 @@ class SnipState:
         if sdist.rank() == 0:
             say(f"snip_ds: note: {msg}")
 
+    def after_step(self) -> None:
+        """At the end of an optimizer step (every rank: collective the first time in a fixed-plan run): the
+        first step's calls settle each layer's FLOPs (:meth:`_settle_calls`)."""
+        if self._calls is not None:
+            self._settle_calls()
+
     def _settle_calls(self) -> None:
         """A fixed-plan run after its first step: each linear's FLOPs follow the rows its calls saw (summed over
         ranks), relative to the most common count (a layer run twice per forward costs twice); layers no call
@@ -353,9 +359,7 @@ class SnipState:
         self.guard.begin_step()
         planner = self.planner
         if planner is None:  # a fixed plan: the first step's calls tell each layer's FLOPs (and who never runs)
-            if self._calls is not None:
-                self._settle_calls()
-            elif not self._calls_settled:
+            if self._calls is None and not self._calls_settled:
                 self._calls = CallCounter({f: m for f, m in self.layers.items() if not isinstance(m, ExpertPoint)})
                 self._calls_settled = True
             return

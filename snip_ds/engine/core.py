@@ -238,6 +238,7 @@ class SnipEngine:
             else:
                 self.ds.step()
             losses.append(loss.detach().double().cpu())
+        st.after_step()
         return float(sdist.dist_mean(torch.stack(losses).mean()))
 
     @torch.no_grad()

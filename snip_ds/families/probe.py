@@ -9,7 +9,7 @@ the training step itself (after snip_ds's ``on_step_begin`` has collected and so
 * every planned layer (:func:`snip_ds.swap.model_layers` after the swap) ran, and at a quantized precision
   under a quantized plan: a :class:`~snip_ds.linear.SnipLinear` by its forward calls during the step (a forward
   hook reading its precision at the call); an MoE (expert, projection) pair by its expert's routed tokens
-  (:func:`snip_ds.experts.take_routed_tokens`, taken at the step's start and end) and its precision;
+  (:func:`snip_ds.experts.model.take_routed_tokens`, taken at the step's start and end) and its precision;
 * the step's loss is finite (the Trainer's ``training_loss``);
 * for the adaptive plan, that a plan was solved before the step: the ``plan/fp4_share`` and
   ``snip/solve_time_s`` that snip_ds logs through ``Trainer.log`` (``trainer.state.log_history``), and the
@@ -59,6 +59,7 @@ class Outcome:
     quantized_linears: int = 0  # planned SnipLinear layers
     expert_pairs: int = 0  # planned (expert, projection) pairs
     unrun: List[str] = field(default_factory=list)  # planned layers that did not run (quantized, where planned so)
+    left_out: List[str] = field(default_factory=list)  # layers snip_ds found never run and left out of the share
     fp4_share: Optional[float] = None  # adaptive: the solved plan's share
     plan_status: str = ""  # adaptive: the solve's status
     seconds: float = 0.0
@@ -111,7 +112,7 @@ class _StepWatch:
     snip_ds's collection and solve."""
 
     def __init__(self, model) -> None:
-        from snip_ds.experts import ExpertPoint
+        from snip_ds.experts.points import ExpertPoint
         from snip_ds.swap import model_layers
 
         self.model = model
@@ -158,7 +159,7 @@ class _StepWatch:
     def _take_routed(self) -> Dict[str, int]:
         if not self.points:
             return {}
-        from snip_ds.experts import take_routed_tokens
+        from snip_ds.experts.model import take_routed_tokens
 
         return take_routed_tokens(self.model)
 
@@ -209,7 +210,9 @@ def run_plan(model, samples: Sequence[dict], plan: str, workdir: str) -> Outcome
         result = trainer.train()
         out.stage = "step"
         out.loss = float(result.training_loss)
-        out.unrun = watch.unrun(quantized_plan=plan != "bf16")
+        left_out = set(getattr(snip.state, "unrun", ()) or ())  # named by snip_ds, out of the plan's share
+        out.left_out = sorted(left_out)
+        out.unrun = [n for n in watch.unrun(quantized_plan=plan != "bf16") if n not in left_out]
         if plan == "adaptive":
             solved = [e for e in trainer.state.log_history if "snip/solve_time_s" in e and "plan/fp4_share" in e]
             if solved:

@@ -82,7 +82,11 @@ def classify(row: dict) -> Tuple[str, str]:
         status = min((kind for kind, _ in found), key=order.__getitem__)
         return status, "; ".join(msg for _, msg in found)
     share = row.get("plans", {}).get("adaptive", {}).get("fp4_share")
-    return "trains", "" if share is None else f"adaptive FP4 share {share:.2f}"
+    note = "" if share is None else f"adaptive FP4 share {share:.2f}"
+    left_out = sorted({_pattern(n) for p in row.get("plans", {}).values() for n in p.get("left_out", [])})
+    if left_out:  # named by snip_ds as never run, and out of the plan's share
+        note += ("; " if note else "") + "never run, left out of the plan: " + ", ".join(left_out)
+    return "trains", note
 
 
 def _pattern(name: str) -> str:
