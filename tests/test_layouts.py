@@ -412,3 +412,24 @@ def test_llama4s_batched_experts_are_proved_and_planned_per_expert_over_every_to
         assert torch.equal(p.grad, q.grad), name
     stats = collect_statistics(model, [ids], CollectSettings(lam=1.0), lr=1e-3)["layers"]
     assert stats["model.layers.0.feed_forward.experts.3.down_proj"]["routed_tokens"] == ids.numel()
+
+
+class _Mixer(nn.Module):
+    """An attention-like module called with three inputs (not a routing) beside an MoE block's router."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(H, 4 * H)
+        self.heads = nn.Linear(H, 4)  # as many outputs as the router has experts
+
+    def forward(self, hidden_states, cache=None, attention_mask=None):
+        return self.proj(hidden_states)[..., :H] + self.heads(hidden_states).sum(-1, keepdim=True)
+
+
+def test_a_module_called_with_three_inputs_that_are_no_routing_is_no_experts_module():
+    model = _MoeLM(PlainExperts())
+    model.layers[0].mixer = _Mixer()
+    model.config = type("Config", (), {"num_experts": 4})()
+    infos = swap_model(model, "fp8")
+    assert "layers.0.mixer.proj" in infos  # an ordinary linear of the block
+    assert not isinstance(model.layers[0].mixer, SnipExperts)

@@ -164,12 +164,17 @@ class _StepWatch:
         return take_routed_tokens(self.model)
 
     def unrun(self, quantized_plan: bool) -> List[str]:
-        """Planned layers that did not run in the step (under a quantized plan: did not run quantized)."""
+        """Planned layers that did not run in the step (under a quantized plan: did not run quantized). An
+        expert pair without tokens in this step is no such layer (routing chose other experts: its FLOPs follow
+        its routed tokens); an experts module none of whose pairs saw a token is."""
+        modules = {}
+        for name in self.points:
+            modules.setdefault(name.rsplit(".", 2)[0], []).append(name)
+        idle = {n for names in modules.values() if not any(self.routed.get(m, 0) for m in names) for n in names}
         out = []
         for name in self.layers:
             if name in self.points:
-                ran = self.routed.get(name, 0) > 0 and (not quantized_plan or _quantized(self.precisions.get(
-                    name, "bf16")))
+                ran = name not in idle and (not quantized_plan or _quantized(self.precisions.get(name, "bf16")))
             else:
                 ran = (self.quantized_calls if quantized_plan else self.calls).get(name, 0) > 0
             if not ran:

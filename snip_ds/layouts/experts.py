@@ -10,7 +10,7 @@ then the activation) and a norm after each expert. :class:`ExpertsLayout` is tha
 * **Candidates** (:func:`experts_candidates`): a module carrying the interface's flags, or one whose Parameters
   of three or more dimensions share a leading ``E`` that its MoE block scores (a linear GEMM with ``E`` outputs
   or a router's ``[E, hidden]`` weight beside it) or that the config declares as its expert count, or one called
-  as routed experts (``forward(hidden_states, top_k_index, top_k_weights)``) beside a router that scores the
+  as routed experts (``forward(hidden_states, <indices>, <weights>)``) beside a router that scores the
   config's expert count, whatever its weights' shapes (which then decide whether any layout fits). A 3-D Parameter alone (a
   convolution's kernel, RWKV's time mixing, Zamba's per-head projections) makes no experts module.
 * **Layout** (:func:`hypotheses`): from the interface's flags where the class has them, else every layout
@@ -174,7 +174,7 @@ def experts_candidates(model: nn.Module) -> List[Tuple[str, nn.Module]]:
         count = expert_count(module)
         if count is not None and count >= 2 and (count in declared or _scores(parent, module, count)):
             found.append((fqn, module))
-        elif _positional_arity(module) == 3 and parent is not module and any(
+        elif _routed_signature(module) and parent is not module and any(
                 _scores(parent, module, c) for c in declared | {s[0] for s in _stacked(module).values()}):
             found.append((fqn, module))  # called as routed experts, beside their router
     return found
@@ -225,6 +225,17 @@ def hypotheses(module: nn.Module) -> List[ExpertsLayout]:
 # ------------------------------------------------------------------------------------------------------
 
 Wrap = Callable[[nn.Module, str, ExpertsLayout], nn.Module]  # (family module, fqn, layout) -> unquantized replacement
+
+
+def _routed_signature(module: nn.Module) -> bool:
+    """Whether ``forward`` is called as routed experts are: three inputs, the second the tokens' expert indices
+    and the third their routing weights (transformers' ``top_k_index, top_k_weights`` or ``router_indices,
+    routing_weights``)."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return (_positional_arity(module) == 3 and "ind" in params[1].lower() and "weight" in params[2].lower())
 
 
 def _positional_arity(module: nn.Module) -> int:

@@ -217,7 +217,7 @@ class Collector:
         if self.phase not in (Phase.FORWARD, Phase.PROBE_FORWARD, Phase.FWD_PASS):
             return output
         self.emb = output.detach().requires_grad_(True)  # our own leaf: no gradient reaches parameters
-        return self.emb
+        return self.emb.clone()  # what the model gets: a tensor it may scale in place (CTRL, BLT do)
 
     def new_forward(self) -> None:
         """A forward of the model starts: its layers' calls are counted from 0."""
