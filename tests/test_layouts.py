@@ -433,3 +433,33 @@ def test_a_module_called_with_three_inputs_that_are_no_routing_is_no_experts_mod
     infos = swap_model(model, "fp8")
     assert "layers.0.mixer.proj" in infos  # an ordinary linear of the block
     assert not isinstance(model.layers[0].mixer, SnipExperts)
+
+
+@pytest.mark.parametrize("model_type, layout", [
+    ("mixtral", dict(gated=True, transposed=False, bias=False, convention="routed")),
+    ("nemotron_h", dict(gated=False, transposed=False, bias=False, convention="routed")),  # up_proj, relu²
+    ("gpt_oss", dict(gated=True, transposed=True, bias=True, convention="routed")),  # interleaved, clamped
+    ("olmoe", dict(gated=True, transposed=False, bias=False, convention="routed")),
+    ("llama4_text", dict(gated=True, transposed=True, bias=False, convention="batched")),
+])
+def test_each_experts_layout_family_swapped_at_bf16_trains_as_the_family_model(model_type, layout):
+    """One model of each experts layout transformers ships (built tiny by the families survey's shrinker):
+    its layout as proved, and the swapped model's loss and every gradient at bf16 those of the family's own
+    (the same products; the experts' sums grouped as the family groups them)."""
+    from snip_ds.families.build import build_tiny
+
+    ref = build_tiny(model_type).model
+    model = copy.deepcopy(ref)
+    swap_model(model, "bf16")
+    experts = [m for m in model.modules() if isinstance(m, SnipExperts)]
+    assert experts and all(getattr(experts[0].layout, k) == v for k, v in layout.items())
+    ids = _ids(length=8) % ref.config.get_text_config().vocab_size
+    a, b = ref(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    a.loss.backward()
+    b.loss.backward()
+    # Tolerance: FP32, the same products summed in another grouping: reductions of at most a few hundred terms
+    # (n·u = 256·6e-8 = 1.5e-5 relative worst case) -> 1e-4; any wrong layout is off by far more
+    assert b.loss.item() == pytest.approx(a.loss.item(), rel=1e-6)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        if p.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
