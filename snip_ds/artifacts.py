@@ -176,7 +176,7 @@ def _snip_state(path: Path) -> dict:
     return dict(state)
 
 
-def _checkpoint_meta(tag_dir: Path) -> dict:
+def checkpoint_meta(tag_dir: Path) -> dict:
     """What a checkpoint records: ``snip_meta.json`` of ``launch/train.py``'s (with the plan and planner state
     of its ``snip_state.json``, or inside it in an older one), or a Trainer's ``snip_state.json``."""
     if (tag_dir / CHECKPOINT_META_FILE).is_file():
@@ -229,7 +229,7 @@ def load_plan(path: str | os.PathLike) -> Tuple[Plan, str]:
     if path.is_dir():
         how, where = _resolve_dir(path, PLAN_FILE)
         if how == "checkpoint":
-            meta = _checkpoint_meta(where)
+            meta = checkpoint_meta(where)
             source = str(_meta_file(where))
             if not isinstance(meta.get("plan"), Mapping):
                 raise ValueError(f"{source}: the checkpoint holds no plan")
@@ -257,7 +257,7 @@ def load_stats(path: str | os.PathLike) -> Tuple[dict, str]:
     if path.is_dir():
         how, where = _resolve_dir(path, STATS_FILE)
         if how == "checkpoint":
-            meta = _checkpoint_meta(where)
+            meta = checkpoint_meta(where)
             source = str(_meta_file(where))
             planner = meta.get("planner")
             stats = planner.get("last_stats") if isinstance(planner, Mapping) else None

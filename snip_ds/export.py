@@ -519,10 +519,10 @@ def _export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: b
                                warn: Callable[[str], None]) -> Dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from snip_ds.artifacts import _checkpoint_meta
+    from snip_ds.artifacts import checkpoint_meta
 
     try:
-        meta = _checkpoint_meta(folder)
+        meta = checkpoint_meta(folder)
     except ValueError as err:
         raise ExportError(str(err)) from None
     _check_out_dir(out_dir, folder, force)

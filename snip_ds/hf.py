@@ -433,8 +433,8 @@ class SnipCallback(TrainerCallback):
 
     def _setup(self, args, model) -> None:
         """Settings, checks and the swap; once (``on_init_end`` and :meth:`attach` both call it)."""
-        from snip_ds.engine.core import initial_plan
-        from snip_ds.swap import check_layer_settings, model_layers, snip_layers, swap_model
+        from snip_ds.model_settings import check_layer_settings, initial_plan
+        from snip_ds.swap import model_layers, snip_layers, swap_model
 
         if self.infos is not None:
             return

@@ -212,7 +212,7 @@ def train(args: argparse.Namespace) -> int:
     from snip_ds import distributed as sdist
     from snip_ds.data import DataStream, load_dataset_blocks
     from snip_ds.engine import CheckpointError, NonFiniteError, init_distributed, initialize  # imports DeepSpeed
-    from snip_ds.engine.core import initial_plan
+    from snip_ds.model_settings import initial_plan
     from snip_ds.engine.tensor_parallel import data_parallel
     from snip_ds.engine import checkpoint as ckpt
     from snip_ds.engine.checkpoint import CheckpointSaveError

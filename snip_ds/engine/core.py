@@ -1,7 +1,6 @@
 """``snip_ds.initialize`` and :class:`SnipEngine`: a DeepSpeed engine plus the current precision plan."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import socket
@@ -21,12 +20,13 @@ from snip_ds.deepspeed_config import resolve_ds_config, tensor_parallel_degree
 from snip_ds.engine import checkpoint as ckpt
 from snip_ds.engine import tensor_parallel as tpar
 from snip_ds.engine.optimizer import working_adam_config
-from snip_ds.plan import Plan, fp4_share
+from snip_ds.plan import Plan
 from snip_ds.settings import SnipSettings, parse_snip_section
 from snip_ds.state import NonFiniteError, SnipState, located_forward_hooks, run_without_update
-from snip_ds.swap import LayerInfo, check_layer_settings, check_still_swapped, snip_layers, swap_model
+from snip_ds.model_settings import check_layer_settings, initial_plan
+from snip_ds.swap import LayerInfo, check_still_swapped, snip_layers, swap_model
 
-__all__ = ["DeepSpeedLoop", "NonFiniteError", "SnipEngine", "init_distributed", "initial_plan", "initialize"]
+__all__ = ["DeepSpeedLoop", "NonFiniteError", "SnipEngine", "init_distributed", "initialize"]
 
 
 def _free_port() -> int:
@@ -303,29 +303,6 @@ class SnipEngine:
         snip, source = ckpt.read_snip_state(tag_dir, meta)
         self.state.load_state_dict(snip, source, any_world_size=ckpt.is_universal(meta))
         return meta
-
-
-def initial_plan(fqns: Sequence[str], flops: Mapping[str, float], settings: SnipSettings) -> Plan:
-    """The plan a run starts from: the plan file's, a uniform precision's, or (adaptive) uniform FP8 as a
-    placeholder until the first statistics are in, before step 1.
-
-    Raises:
-        ValueError: the plan file is missing or invalid, or names other layers than ``fqns`` (the message
-            names the file).
-    """
-    fqns = list(fqns)
-    if settings.plan_file:
-        path = Path(settings.plan_file)
-        if not path.is_file():
-            raise ValueError(f"{path}: plan file not found")
-        plan = Plan.load(path)
-        plan.check_layers(fqns, source=str(path))  # before the FLOPs, whose error would not name the file
-        if plan.fp4_share is None:
-            plan = dataclasses.replace(plan, fp4_share=fp4_share(plan.assignment, flops))
-        return plan
-    if settings.is_adaptive:
-        return Plan.uniform(fqns, "fp8", flops)
-    return Plan.uniform(fqns, settings.plan, flops)
 
 
 def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[SnipSettings] = None, *,

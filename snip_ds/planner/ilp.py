@@ -42,7 +42,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import mip
 
 from snip_ds.options import reads
-from snip_ds.plan import Plan, fp4_share, _listed
+from snip_ds.plan import Plan, fp4_share, listed_names
 from snip_ds.types import GEMMS, PRECISIONS, QUANTIZED
 
 # Relative cost of one GEMM FLOP per precision (BF16 = 1): tensor-core throughput doubles per halving of
@@ -126,7 +126,7 @@ def expand_pinned(pinned: Mapping[str, Any], names) -> dict:
     exact = {k: v for k, v in pinned.items() if not is_pattern(k)}
     unknown = set(exact) - set(names)
     if unknown:
-        raise ValueError(f"'pinned' names {len(unknown)} layer(s) not in the cost table: {_listed(unknown)}")
+        raise ValueError(f"'pinned' names {len(unknown)} layer(s) not in the cost table: {listed_names(unknown)}")
     out, source = {}, {}
     for pattern, value in pinned.items():
         if not is_pattern(pattern):
@@ -151,8 +151,8 @@ def _setup(costs, flops, target, allowed, pinned, previous, flip_penalty, per_ge
         raise ValueError(f"'flops' must be a mapping fqn -> FLOPs, got {type(flops).__name__}")
     missing, extra = set(costs) - set(flops), set(flops) - set(costs)
     if missing or extra:
-        raise ValueError(f"costs and flops name different layers: no FLOPs for {len(missing)} [{_listed(missing)}], "
-                         f"no costs for {len(extra)} [{_listed(extra)}]")
+        raise ValueError(f"costs and flops name different layers: no FLOPs for {len(missing)} [{listed_names(missing)}], "
+                         f"no costs for {len(extra)} [{listed_names(extra)}]")
     for fqn, f in flops.items():
         if not _is_number(f) or not math.isfinite(f) or f < 0:
             raise ValueError(f"flops of layer {fqn!r} must be a finite number >= 0, got {f!r}")
