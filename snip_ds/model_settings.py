@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from snip_ds.experts import ExpertLayerInfo
 from snip_ds.plan import Plan, fp4_share
-from snip_ds.planner.ilp import expand_pinned
+from snip_ds.planner.problem import expand_pinned
 from snip_ds.settings import ConfigError, SnipSettings
 
 

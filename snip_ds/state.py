@@ -46,7 +46,7 @@ class NonFiniteError(RuntimeError):
 
 class TrainingLoop(Protocol):
     """What SNIP's state needs from a training loop; a DeepSpeed engine and a ``Trainer`` both give it through
-    small adapters (:class:`snip_ds.engine.core.DeepSpeedLoop`, :class:`snip_ds.hf.TrainerLoop`)."""
+    small adapters (:class:`snip_ds.engine.core.DeepSpeedLoop`, :class:`snip_ds.hf_loop.TrainerLoop`)."""
 
     @property
     def module(self) -> nn.Module:

@@ -214,8 +214,10 @@ def train(args: argparse.Namespace) -> int:
     from snip_ds.engine import CheckpointError, NonFiniteError, init_distributed, initialize  # imports DeepSpeed
     from snip_ds.model_settings import initial_plan
     from snip_ds.engine.tensor_parallel import data_parallel
-    from snip_ds.engine import checkpoint as ckpt
     from snip_ds.engine.checkpoint import CheckpointSaveError
+    from snip_ds.engine.checkpoint_layout import META_FILE, is_universal, model_architecture, model_fingerprint
+    from snip_ds.engine.checkpoint_verify import check_resumable
+    from snip_ds.engine.universal import check_universal_batch, with_load_universal
     from snip_ds.model import build_model
     from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET
     from snip_ds.swap import LayerInfo, layer_infos
@@ -293,34 +295,34 @@ def train(args: argparse.Namespace) -> int:
         # error before any other collective, so that every rank stops with the same line.
         problem = None
         try:
-            tag_dir, ckpt_meta = ckpt.check_resumable(Path(args.resume_from_checkpoint), ckpt.model_fingerprint(model),
-                                                      world, rank, ckpt.model_architecture(model), tp)
+            tag_dir, ckpt_meta = check_resumable(Path(args.resume_from_checkpoint), model_fingerprint(model),
+                                                 world, rank, model_architecture(model), tp)
             resume.check_resumed_plan(tag_dir, ckpt_meta, plan, settings)
             stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
-            ckpt.check_universal_batch(tag_dir, ckpt_meta, micro_bs * ga * world_d, micro_bs, ga, world_d, stage)
+            check_universal_batch(tag_dir, ckpt_meta, micro_bs * ga * world_d, micro_bs, ga, world_d, stage)
             data = ckpt_meta.get("data")
             if isinstance(data, dict):  # the data position fits this run's batch (a trial)
-                if not ckpt.is_universal(ckpt_meta) and data.get("global_batch_size", micro_bs * world_d) != \
+                if not is_universal(ckpt_meta) and data.get("global_batch_size", micro_bs * world_d) != \
                         micro_bs * world_d:  # only a universal checkpoint records the whole global batch
-                    raise CheckpointError(f"{tag_dir / ckpt.META_FILE}: data.global_batch_size is "
+                    raise CheckpointError(f"{tag_dir / META_FILE}: data.global_batch_size is "
                                           f"{data['global_batch_size']}, but this run's per-device batch x "
                                           f"data-parallel ranks is {micro_bs} x {world_d}; resume with the same")
                 try:
                     DataStream(train_ds, micro_bs, seed=t.seed, rank=rank_d, world_size=world_d).load_state_dict(
                         ckpt_meta["data"])
                 except ValueError as err:
-                    raise CheckpointError(f"{tag_dir / ckpt.META_FILE}: field 'data': {err}") from None
+                    raise CheckpointError(f"{tag_dir / META_FILE}: field 'data': {err}") from None
         except CheckpointError as err:
             problem = str(err)
         problem = sdist.first_error(problem)
         if problem:
             raise UserError(problem, all_ranks=True)
         if rank == 0 and "files" not in ckpt_meta:
-            print(f"snip_ds: {tag_dir / ckpt.META_FILE} records no checksums (written by an older snip_ds): "
+            print(f"snip_ds: {tag_dir / META_FILE} records no checksums (written by an older snip_ds): "
                   f"its files are not verified", flush=True)
         saved = resume.checkpoint_schedule(ckpt_meta, raw_cfg, args, on_gpu, world)
         ds_cfg, schedule_line = resume.resume_schedule(ds_cfg, saved, args.reset_lr_schedule)
-        ds_cfg = ckpt.with_load_universal(ds_cfg, ckpt_meta)  # another world size: DeepSpeed reads zero/
+        ds_cfg = with_load_universal(ds_cfg, ckpt_meta)  # another world size: DeepSpeed reads zero/
 
     out_dir = Path(t.output_dir)
     global _logger
@@ -359,7 +361,7 @@ def train(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"snip_ds: resumed from {args.resume_from_checkpoint} at step {engine.step}" + (
                 f" (universal, saved by {ckpt_meta['world_size']} rank(s), resumed by {world})"
-                if ckpt.is_universal(ckpt_meta) else ""), flush=True)
+                if is_universal(ckpt_meta) else ""), flush=True)
             print(schedule_line, flush=True)
     if planner is None or planner.planned_at is not None:  # not adaptive's placeholder plan
         _write_artifacts(out_dir, engine.plan, planner.last_stats if planner else None)

@@ -404,7 +404,7 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused_under_the_trainer(tm
     from snip_ds.settings import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr("snip_ds.hf._cpu_ranks_unshared", lambda args: False)
+    monkeypatch.setattr("snip_ds.hf_checks.cpu_ranks_unshared", lambda args: False)
     path = _variant(tmp_path, lambda c: c.update(tensor_parallel={"autotp_size": 2}))
     with pytest.raises(ConfigError, match=r"^tensor_parallel.autotp_size: 2 does not divide the model's "
                                           r"num_attention_heads \(3\)"):
@@ -630,7 +630,7 @@ def _run_clm_inputs(tmp: Path, tp: int = 1) -> dict:
     ``tp`` > 1 at ``tensor_parallel.autotp_size`` ``tp``)."""
     from transformers import LlamaConfig
 
-    from snip_ds.export import byte_tokenizer
+    from snip_ds.export_config import byte_tokenizer
 
     LlamaConfig(**{k: v for k, v in TINY_MODEL.items() if k != "model_type"}).save_pretrained(tmp / "config")
     byte_tokenizer().save_pretrained(str(tmp / "tokenizer"))

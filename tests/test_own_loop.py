@@ -29,7 +29,7 @@ def test_resume_from_restores_a_checkpoint_and_a_universal_one_at_another_number
     (accumulation 2: the same global batch) its own checkpoint is refused, naming the number of ranks; the
     universal one (``snip-ds universal``'s conversion) resumes: step, plan and re-plan history as saved, and
     the parameters exactly the saved ones (the same FP32 values, summed in the same order), then it trains."""
-    from snip_ds.engine.checkpoint import convert_to_universal
+    from snip_ds.engine.universal import convert_to_universal
 
     saved = _run("save", tmp_path)
     assert saved[0]["step"] == 3 and saved[0]["sum"] == saved[1]["sum"] and saved[0]["digest"] == saved[1]["digest"]

@@ -35,7 +35,7 @@ def engine_run(tmp_path_factory):
 def _as_old_engine_checkpoint(tag: Path, dest: Path) -> Path:
     """``tag`` rewritten as snip_ds wrote checkpoints before snip_state.json: plan, planner state and skipped
     steps inside snip_meta.json, and ``snip_rank00000.safetensors`` (the same tensors, other name)."""
-    from snip_ds.engine.checkpoint import file_digest
+    from snip_ds.engine.checkpoint_verify import file_digest
 
     old = dest / tag.name
     shutil.copytree(tag, old)

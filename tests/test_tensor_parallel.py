@@ -170,7 +170,7 @@ def test_tp2_dp2_adaptive_saves_resumes_bit_for_bit_and_resumes_at_other_shapes(
     and on 1 rank: step and re-plan history continue as saved, and the first resumed step (under the restored
     plan) continues the uninterrupted run within round-off where its micro-batches are the same (TP 1 x DP 2),
     and agrees across TP degrees where they are not (TP 2 x DP 1 against one rank)."""
-    from snip_ds.engine.checkpoint import convert_to_universal
+    from snip_ds.engine.universal import convert_to_universal
 
     base = ("--tp", "2", "--plan", "adaptive", "--snip", ADAPTIVE)
     whole = _run(tmp_path, "whole", 4, *base, "--steps", "5")

@@ -9,14 +9,16 @@ convert, and resume on 1 rank through the deepspeed launcher. ``tests/test_train
 import json
 import pickle
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from train_utils import TINY_MODEL, launch, restore_environ, scalars, write_configs  # noqa: F401  (a fixture)
 
-from snip_ds.engine import checkpoint as ckpt
-from snip_ds.engine.checkpoint import CheckpointError, convert_to_universal, safe_torch_load
+from snip_ds.engine.checkpoint_io import safe_torch_load
+from snip_ds.engine.checkpoint_layout import CheckpointError
+from snip_ds.engine.universal import convert_to_universal, with_load_universal
 
 pytestmark = pytest.mark.usefixtures("restore_environ")  # main() runs in process here
 
@@ -49,8 +51,8 @@ def test_safe_torch_load_refuses_pickled_code_also_in_deepspeeds_own_loads(tmp_p
 
 def test_with_load_universal_sets_the_flag_only_for_a_universal_checkpoint():
     cfg = {"zero_optimization": {"stage": 1}}
-    assert ckpt.with_load_universal(cfg, {"world_size": 2}) == cfg
-    assert ckpt.with_load_universal(cfg, {"universal": {"zero_stage": 1}})["checkpoint"] == {"load_universal": True}
+    assert with_load_universal(cfg, {"world_size": 2}) == cfg
+    assert with_load_universal(cfg, {"universal": {"zero_stage": 1}})["checkpoint"] == {"load_universal": True}
     assert "checkpoint" not in cfg
 
 
@@ -192,8 +194,8 @@ def test_a_conversion_that_fails_part_way_leaves_nothing(zero1, monkeypatch):
     real = ds_to_universal.main
 
     def full_disk(args):
-        (ckpt.Path(args.output_folder) / "zero").mkdir()
-        (ckpt.Path(args.output_folder) / "zero" / "partial.pt").write_bytes(b"\0" * 64)
+        (Path(args.output_folder) / "zero").mkdir()
+        (Path(args.output_folder) / "zero" / "partial.pt").write_bytes(b"\0" * 64)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     src, dest = zero1["out"] / "checkpoints" / "step_4", zero1["tmp"] / "failed_conversion"

@@ -11,7 +11,7 @@ from snip_ds import jit_builds
 
 jit_builds.prepare()  # before DeepSpeed can build an op
 
-from snip_ds.engine.checkpoint import CheckpointError  # noqa: E402
+from snip_ds.engine.checkpoint_layout import CheckpointError  # noqa: E402
 from snip_ds.engine.core import NonFiniteError, SnipEngine, init_distributed, initialize  # noqa: E402
 
 __all__ = ["SnipEngine", "initialize", "init_distributed", "CheckpointError", "NonFiniteError"]

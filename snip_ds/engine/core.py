@@ -18,6 +18,11 @@ from snip_ds import jit_builds
 from snip_ds.backend import check_backend
 from snip_ds.deepspeed_config import resolve_ds_config, tensor_parallel_degree
 from snip_ds.engine import checkpoint as ckpt
+from snip_ds.engine.checkpoint_io import install_safe_loader
+from snip_ds.engine.checkpoint_layout import (is_universal, model_architecture, model_config, model_fingerprint,
+                                              read_meta, read_snip_state, resolve)
+from snip_ds.engine.checkpoint_verify import validate
+from snip_ds.engine.universal import check_universal_batch, with_load_universal
 from snip_ds.engine import tensor_parallel as tpar
 from snip_ds.engine.optimizer import working_adam_config
 from snip_ds.plan import Plan
@@ -277,12 +282,12 @@ class SnipEngine:
         SNIP's state goes into ``snip_state.json`` and ``snip_rng_rank<r>.safetensors``
         (:meth:`snip_ds.state.SnipState.state_dict`, the Trainer's format too); ``snip_meta.json`` holds
         ``extra`` (the data stream, lr schedule, tokenizer), the model's config and every file's checksum."""
-        meta = {"step": self.step, "model_config": ckpt.model_config(self.ds.module), **extra}
+        meta = {"step": self.step, "model_config": model_config(self.ds.module), **extra}
         if self.tensor_parallel > 1:
             meta["tensor_parallel"] = self.tensor_parallel
         return ckpt.save(self.ds, Path(save_dir), f"step_{self.step}", meta, self.state.rank_tensors(),
-                         self.state.state_dict(), ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
-                         ckpt.model_architecture(self.ds.module))
+                         self.state.state_dict(), model_fingerprint(self.ds.module), sdist.world_size(),
+                         model_architecture(self.ds.module))
 
     def load_checkpoint(self, path: str | Path) -> Dict[str, Any]:
         """Restores a checkpoint written by :meth:`save_checkpoint` (or by an older snip_ds, whose plan and
@@ -291,17 +296,17 @@ class SnipEngine:
         Raises:
             CheckpointError: missing/incomplete checkpoint, a different model or a different world size (a
                 universal checkpoint, ``snip-ds universal``'s, resumes at any world size, when the DeepSpeed
-                engine was initialized with :func:`~snip_ds.engine.checkpoint.with_load_universal`'s config, as
+                engine was initialized with :func:`~snip_ds.engine.universal.with_load_universal`'s config, as
                 :func:`initialize` with ``resume_from`` does).
             ValueError: SNIP's state does not fit this run (an adaptive run from a fixed-plan checkpoint).
         """
-        tag_dir = ckpt.resolve(Path(path))
-        meta = ckpt.validate(tag_dir, ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
-                             ckpt.model_architecture(self.ds.module), self.tensor_parallel)
+        tag_dir = resolve(Path(path))
+        meta = validate(tag_dir, model_fingerprint(self.ds.module), sdist.world_size(),
+                        model_architecture(self.ds.module), self.tensor_parallel)
         tensors = ckpt.load(self.ds, tag_dir, sdist.rank())
         self.state.load_rank_tensors(tensors, torch_rng=True)  # {} on a rank the saving run did not have
-        snip, source = ckpt.read_snip_state(tag_dir, meta)
-        self.state.load_state_dict(snip, source, any_world_size=ckpt.is_universal(meta))
+        snip, source = read_snip_state(tag_dir, meta)
+        self.state.load_state_dict(snip, source, any_world_size=is_universal(meta))
         return meta
 
 
@@ -365,9 +370,9 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
                                source="DeepSpeed config", world_size=sdist.world_size())
     tag_dir = None
     if resume_from is not None:
-        tag_dir = ckpt.resolve(Path(resume_from))
-        meta = ckpt.read_meta(tag_dir)
-        config = ckpt.with_load_universal(config, meta)
+        tag_dir = resolve(Path(resume_from))
+        meta = read_meta(tag_dir)
+        config = with_load_universal(config, meta)
     if not any(getattr(p, "ds_id", None) is not None for p in model.parameters()):  # not zero.Init-partitioned
         model.to(device())  # so the stochastic-rounding generators live where the activations do
     check_backend(settings.quant, device())  # BackendError (a ValueError) before DeepSpeed starts
@@ -388,7 +393,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         tpar.check_groups(tp, sdist.rank(), sdist.world_size())
         tpar.quantize_tp_layers(ds_engine.module, originals, settings.quant)
     check_still_swapped(ds_engine.module, infos, "deepspeed.initialize")
-    ckpt.install_safe_loader(ds_engine)
+    install_safe_loader(ds_engine)
     engine = SnipEngine(ds_engine, infos, settings, tokens_per_step, logger)
     engine.set_plan(plan, "initial plan")
     if settings.is_adaptive:
@@ -399,6 +404,6 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         ds = engine.ds
         dp = engine.state.dp_size  # DeepSpeed's train_batch_size() counts tensor-parallel ranks too
         micro, ga = ds.train_micro_batch_size_per_gpu(), ds.gradient_accumulation_steps()
-        ckpt.check_universal_batch(tag_dir, meta, micro * ga * dp, micro, ga, dp, ds.zero_optimization_stage())
+        check_universal_batch(tag_dir, meta, micro * ga * dp, micro, ga, dp, ds.zero_optimization_stage())
         engine.load_checkpoint(tag_dir)
     return engine
