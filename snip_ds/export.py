@@ -31,13 +31,13 @@ from typing import Any, Callable, Dict
 
 import torch
 
-from snip_ds.artifacts import STATE_FILE
+from snip_ds.artifacts import STATE_FILE, trainer_checkpoint
 from snip_ds.engine.checkpoint_layout import (META_FILE, is_universal, model_architecture, model_fingerprint,
                                               read_meta, resolve)
 from snip_ds.engine.checkpoint_verify import validate, verify_files
 from snip_ds.export_config import hf_config, write_tokenizer
 from snip_ds.export_files import DTYPES, FORMAT, ExportError, check_out_dir, one_line, write_export
-from snip_ds.export_trainer import export_trainer_checkpoint, trainer_checkpoint, warn_if_saved_later
+from snip_ds.export_trainer import export_trainer_checkpoint, warn_if_saved_later
 from snip_ds.export_weights import master_weights, merged_shards, universal_weights
 
 
@@ -54,7 +54,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
-    trainer_dir = trainer_checkpoint(Path(checkpoint))
+    try:
+        trainer_dir = trainer_checkpoint(Path(checkpoint))
+    except ValueError as err:  # a Trainer checkpoint without SnipCallback's state
+        raise ExportError(str(err)) from None
     if trainer_dir is not None:
         if trainer_dir != Path(checkpoint):
             warn_if_saved_later(Path(checkpoint), trainer_dir, warn)

@@ -10,36 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-from snip_ds.artifacts import TRAINER_CHECKPOINT_PREFIX, TRAINER_STATE_FILE, checkpoint_meta, last_trainer_checkpoint
-from snip_ds.engine.checkpoint_layout import LATEST_FILE, META_FILE, RUN_CHECKPOINTS, CheckpointError
+from snip_ds.artifacts import checkpoint_meta
+from snip_ds.engine.checkpoint_layout import LATEST_FILE, CheckpointError
+from snip_ds.engine.universal import unmergeable_shards
 from snip_ds.export_files import DTYPES, FORMAT, ExportError, check_out_dir, one_line, write_export
 from snip_ds.export_weights import master_weights, merged_shards
-
-
-def trainer_checkpoint(path: Path) -> Optional[Path]:
-    """The Trainer ``checkpoint-N`` that ``path`` names (itself, or an output directory's last one), or None
-    when ``path`` is not a Trainer's (then it is read as a snip_ds checkpoint).
-
-    Raises:
-        ExportError: a Trainer checkpoint (or output directory of them) without SnipCallback's state.
-    """
-    if not path.is_dir() or (path / META_FILE).is_file():  # launch/train.py's (its snip_state.json too)
-        return None
-    if (path / TRAINER_STATE_FILE).is_file():
-        return path
-    if path.name.startswith(TRAINER_CHECKPOINT_PREFIX) and (path / "trainer_state.json").is_file():
-        raise ExportError(f"{path}: a Trainer checkpoint without {TRAINER_STATE_FILE}: it was not saved by a run "
-                          f"with snip_ds.hf's SnipCallback, or its save was interrupted")
-    if (path / LATEST_FILE).exists() or (path / RUN_CHECKPOINTS).is_dir():
-        return None
-    try:
-        return last_trainer_checkpoint(path)
-    except ValueError as err:
-        raise ExportError(str(err)) from None
 
 
 def warn_if_saved_later(run: Path, folder: Path, warn: Callable[[str], None]) -> None:
@@ -55,12 +34,17 @@ def warn_if_saved_later(run: Path, folder: Path, warn: Callable[[str], None]) ->
              f"(the weights the callback's plan and state belong to)")
 
 
-def _trainer_weights(folder: Path, model: torch.nn.Module, tp: int, scratch: Path,
+def _trainer_weights(folder: Path, model: torch.nn.Module, state: Dict[str, Any], scratch: Path,
                      warn: Callable[[str], None]) -> Tuple[Dict[str, torch.Tensor], str]:
     """The weights of a Trainer checkpoint and what they are: DeepSpeed's FP32 masters (``latest`` names the
-    ``global_stepN`` folder), else the Trainer's own safetensors file(s). With tensor parallelism (``tp`` > 1)
-    the Trainer's safetensors first, which DeepSpeed gathered from the shards when the Trainer saved (with
-    ``gather_16bit_weights_on_model_save``); else the masters, merged by DeepSpeed's universal conversion."""
+    ``global_stepN`` folder), else the Trainer's own safetensors file(s). With tensor parallelism (a degree above
+    1) the Trainer's safetensors first, which DeepSpeed gathered from the shards when the Trainer saved (with
+    ``gather_16bit_weights_on_model_save``); else the masters, merged by DeepSpeed's universal conversion, unless
+    ``state`` (the checkpoint's ``snip_state.json``) says that cannot merge them (:func:`unmergeable_shards`)."""
+    tp = state.get("tensor_parallel", 1)
+    advice = ("set zero_optimization.gather_16bit_weights_on_model_save (ZeRO-3: "
+              "stage3_gather_16bit_weights_on_model_save) to true so that the Trainer saves the gathered "
+              "model.safetensors, which export reads")
     latest = folder / LATEST_FILE
     index = folder / "model.safetensors.index.json"
     saved = index.is_file() or (folder / "model.safetensors").is_file()
@@ -69,13 +53,15 @@ def _trainer_weights(folder: Path, model: torch.nn.Module, tp: int, scratch: Pat
         if not tag_dir.is_dir():
             raise ExportError(f"{latest}: names {tag_dir}, which does not exist; the checkpoint is incomplete")
         if tp > 1:
+            why = unmergeable_shards(state)
+            if why is not None:  # up front: the converter would only stop part-way
+                raise ExportError(f"{folder}: holds no gathered model.safetensors, and its FP32 master weights "
+                                  f"cannot be merged: {why}; {advice}")
             try:
                 return (merged_shards(tag_dir, model, tp, scratch, warn),
                         f"DeepSpeed's FP32 master weights ({tag_dir.name}, {tp} tensor-parallel shards merged)")
             except CheckpointError as err:
-                raise ExportError(f"{err}; set zero_optimization.gather_16bit_weights_on_model_save (ZeRO-3: "
-                                  f"stage3_gather_16bit_weights_on_model_save) to true so that the Trainer saves "
-                                  f"the gathered model.safetensors, which export reads") from None
+                raise ExportError(f"{err}; {advice}") from None
         return master_weights(tag_dir), f"DeepSpeed's FP32 master weights ({tag_dir.name})"
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -123,7 +109,7 @@ def export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: bo
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ExportError(f"{config_file}: builds no causal LM ({one_line(err)})") from None
     tp = meta.get("tensor_parallel", 1)
-    weights, source = _trainer_weights(folder, model, tp, out_dir.parent, warn)
+    weights, source = _trainer_weights(folder, model, meta, out_dir.parent, warn)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in weights.items()}
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))

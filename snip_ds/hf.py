@@ -69,6 +69,7 @@ from snip_ds import distributed as sdist
 from snip_ds import hf_checkpoint, hf_tp, jit_builds
 from snip_ds.artifacts import STATE_FILE
 from snip_ds.deepspeed_config import refuse_module_replacement, tensor_parallel_degree
+from snip_ds.deprecations import show_deprecations_once
 from snip_ds.hf_checks import (check_against_trainer, check_cpu_ranks, deepspeed_config, launched_world,
                                prepare_fused_adam, settings_from, uses_deepspeed)
 from snip_ds.hf_loop import BatchView, TrainerLogger, TrainerLoop, sequence_length
@@ -76,6 +77,7 @@ from snip_ds.settings import ConfigError, SnipSettings, with_overrides
 from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET, SnipState, run_without_update
 
 jit_builds.prepare()  # where DeepSpeed builds its ops when the Trainer starts it (snip_ds.jit_builds)
+show_deprecations_once()  # torch's FutureWarnings for the collectives DeepSpeed calls: once, not every step
 
 
 def share_cpu_ranks_with_accelerate(args) -> None:
@@ -154,11 +156,12 @@ class SnipCallback(TrainerCallback):
             force, the planner, the streams, the skipped steps; the same object ``snip_ds.initialize``'s engine
             drives.
         planner: its :class:`~snip_ds.engine.adaptive.AdaptivePlanner` in an adaptive run, else None.
+        settings: the validated ``"snip"`` section, held by the state once it exists (one owner).
     """
 
     def __init__(self, settings: Optional[Mapping[str, Any] | SnipSettings] = None) -> None:
         self._given = settings
-        self.settings: Optional[SnipSettings] = None
+        self._settings: Optional[SnipSettings] = None  # the resolved settings until the state takes them
         self.trainer = None
         self.infos = None
         self.plan = None
@@ -168,6 +171,7 @@ class SnipCallback(TrainerCallback):
         self.tp = 1  # the tensor-parallel degree (tensor_parallel.autotp_size)
         self._resumed_from = None  # trainer.train(resume_from_checkpoint=...)
         self._originals = {}  # under tensor parallelism: {fqn: the SnipLinear AutoTP replaces}
+        self._zero_init = False  # whether deepspeed.zero.Init partitioned the model as it was built
 
     # ------------------------------------------------------------------ before the optimizer exists
     def attach(self, trainer) -> "SnipCallback":
@@ -231,7 +235,9 @@ class SnipCallback(TrainerCallback):
             self._builds.enter_context(jit_builds.deepspeed_arch_list_set())
         check_against_trainer(args, source)
         check_cpu_ranks(args)
-        self.settings = with_overrides(settings, seed=args.seed)
+        self._settings = with_overrides(settings, seed=args.seed)
+        # partitioned by deepspeed.zero.Init as transformers built it under ZeRO-3 (DeepSpeed has not started yet)
+        self._zero_init = any(getattr(p, "ds_id", None) is not None for p in model.parameters())
         rank = int(os.environ.get("RANK", "0")) if not sdist.is_initialized() else sdist.rank()
         infos = swap_model(model, "bf16", self.settings.quant, seed=args.seed, rank=rank,
                            exclude=self.settings.exclude)
@@ -256,7 +262,7 @@ class SnipCallback(TrainerCallback):
 
         self._builds.close()  # DeepSpeed is started: the user's architecture list again
 
-        trainer, s = self.trainer, self.settings
+        trainer, s = self.trainer, self.settings  # the state's, where an earlier train() built one
         if trainer is None:
             raise RuntimeError("SnipCallback is not attached to its Trainer (transformers does not hand it to "
                                "callbacks): after trainer = Trainer(...), call snip_ds.hf.add_snip(trainer), or "
@@ -270,7 +276,9 @@ class SnipCallback(TrainerCallback):
         loop = TrainerLoop(trainer, self.tp)
         block = sequence_length(trainer.train_dataset)
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * block
-        self.state = SnipState(loop, self.infos, s, tokens_per_step, TrainerLogger(trainer), driver="trainer")
+        self.state = SnipState(loop, self.infos, s, tokens_per_step, TrainerLogger(trainer), driver="trainer",
+                               zero_init=self._zero_init)
+        self._settings = None  # the state's from here on: one owner
         if s.is_adaptive:
             from snip_ds.engine.adaptive import AdaptivePlanner
 
@@ -290,6 +298,13 @@ class SnipCallback(TrainerCallback):
         else:
             self.state.set_plan(self.plan, "initial plan")
         return control
+
+    @property
+    def settings(self) -> Optional[SnipSettings]:
+        """The validated ``"snip"`` section (``TrainingArguments.seed`` as ``train.seed``), once read: the
+        state's (:attr:`snip_ds.state.SnipState.settings`) from ``on_train_begin`` on, the callback's until then;
+        None before the callback has read them."""
+        return self.state.settings if self.state is not None else self._settings
 
     @property
     def planner(self):
@@ -368,7 +383,7 @@ class SnipCallback(TrainerCallback):
         return control
 
     def _restore(self, args, state) -> None:
-        hf_checkpoint.restore_state(self.state, args, state.global_step, self._resumed_from, self.tp)
+        hf_checkpoint.restore_state(self.state, args, state.global_step, self._resumed_from)
 
 
 __all__ = ["SnipCallback", "STATE_FILE", "add_snip", "share_cpu_ranks_with_accelerate"]

@@ -33,11 +33,16 @@ def save_state(state, output_dir: str | os.PathLike, step: int) -> None:
 
 
 def check_resume_shape(args, given: Any, tp: int) -> None:
-    """Before the Trainer loads DeepSpeed's files: a checkpoint saved at another tensor-parallel degree or
-    number of ranks is refused naming its ``snip_state.json`` (DeepSpeed would stop on a missing key).
+    """Before the Trainer loads a checkpoint, the one check of its shape: one saved at another tensor-parallel
+    degree is refused naming its ``snip_state.json``, and under DeepSpeed so is one saved by another number of
+    ranks (DeepSpeed would stop on a missing key; without DeepSpeed the Trainer's own files load at any number).
     ``given`` is ``trainer.train``'s ``resume_from_checkpoint`` (a folder, or True for the output directory's
-    last checkpoint); ``tp`` this run's tensor-parallel degree."""
-    if given is None or given is False or not uses_deepspeed(args):
+    last checkpoint); ``tp`` this run's tensor-parallel degree.
+
+    Raises:
+        ConfigError: naming the file and both shapes.
+    """
+    if given is None or given is False:
         return
     if given is True:
         from transformers.trainer_utils import get_last_checkpoint
@@ -53,16 +58,20 @@ def check_resume_shape(args, given: Any, tp: int) -> None:
         raise ConfigError(f"{where}: not a JSON object")
     world = launched_world(args)
     saved = (meta.get("tensor_parallel", 1), meta.get("world_size", world))
-    if saved != (tp, world):
+    if uses_deepspeed(args) and saved != (tp, world):
         raise ConfigError(f"{where}: saved by {saved[1]} rank(s) at tensor_parallel.autotp_size {saved[0]}, "
                           f"this run has {world} rank(s) at {tp}: the Trainer resumes a DeepSpeed "
                           f"checkpoint at the shape it was saved at")
+    if saved[0] != tp:
+        raise ConfigError(f"{where}: saved at tensor_parallel.autotp_size {saved[0]}, this run has {tp}: the "
+                          f"Trainer resumes a checkpoint at the tensor-parallel degree it was saved at")
 
 
-def restore_state(state, args, step: int, resumed_from: Optional[Any], tp: int) -> None:
+def restore_state(state, args, step: int, resumed_from: Optional[Any]) -> None:
     """Restores ``state`` (plan, planner, streams, rounding generators) from the checkpoint the Trainer resumed
     at ``step``: ``resumed_from`` (``trainer.train``'s argument), ``TrainingArguments.resume_from_checkpoint``
-    or the output directory's ``checkpoint-<step>``, whichever holds ``snip_state.json`` first.
+    or the output directory's ``checkpoint-<step>``, whichever holds ``snip_state.json`` first. Its shape was
+    checked before the Trainer loaded it (:func:`check_resume_shape`).
 
     Raises:
         ConfigError: no such folder, or its files do not fit this run (the message names the file).
@@ -83,11 +92,8 @@ def restore_state(state, args, step: int, resumed_from: Optional[Any], tp: int) 
             raise ValueError("not a JSON object")
         if meta.get("step") != step:
             raise ValueError(f"it is from step {meta.get('step')}, the Trainer resumed at step {step}")
-        if meta.get("tensor_parallel", 1) != tp:
-            raise ValueError(f"saved at tensor_parallel.autotp_size {meta.get('tensor_parallel', 1)}, this "
-                             f"run has {tp}; resume with the same degree")
         tensors = load_file(str(folder / rng_file(sdist.rank())))
-        state.load_rank_tensors(tensors, torch_rng=False)  # the Trainer restores torch's RNG itself
+        state.load_rank_tensors(tensors, global_rngs=False)  # the Trainer restores its own
         state.load_state_dict(meta, str(where))
     except (OSError, KeyError, ValueError, TypeError) as err:
         raise ConfigError(f"{where}: cannot be restored ({err})") from None

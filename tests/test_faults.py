@@ -48,7 +48,8 @@ def test_plan_and_stats_writes_fail_whole_under_a_file_size_limit(tmp_path):
 import json, sys
 sys.path.insert(0, {str(REPO)!r})
 from snip_ds.plan import Plan
-from snip_ds.trainer import RunFault, _write_artifacts
+from snip_ds.train_args import RunFault
+from snip_ds.trainer import _write_artifacts
 plan = Plan.uniform(["model.layers.0.mlp.up_proj"], "fp8", {{"model.layers.0.mlp.up_proj": 1.0}})
 stats = {{"format": "snip_ds.stats/1", "padding": "x" * 200000}}
 try:

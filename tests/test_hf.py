@@ -375,6 +375,13 @@ def test_trainer_logs_the_measured_loss_change(tmp_path):
     assert all(math.isfinite(e["snip/measured_loss_change"]) and e["snip/measured_loss_change"] != 0
                and e["snip/measured_fld"] > 0 for e in logged)
     assert snip.state.measure_stream.step == 3  # its own stream, not the Trainer's batches
+    # One owner of the settings, the state: the callback and the planner read them there, so settings the state
+    # is given are the ones the schedule follows (the planner used to keep a copy of its own).
+    from snip_ds.settings import with_overrides
+
+    assert not snip.planner.due(5)
+    snip.state.settings = with_overrides(snip.state.settings, replan_every=5)
+    assert snip.settings.replan_every == 5 and snip.planner.due(5)
 
 
 @pytest.mark.parametrize("tp, message", [

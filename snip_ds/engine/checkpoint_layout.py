@@ -31,13 +31,13 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from snip_ds.artifacts import (CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE, STATE_FILE,
-                               rng_file)
+from snip_ds.artifacts import (CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE, CHECKPOINT_RUN_DIR,
+                               STATE_FILE, rng_file)
 
 META_FILE = CHECKPOINT_META_FILE
 LATEST_FILE = CHECKPOINT_LATEST_FILE
 FORMAT = CHECKPOINT_FORMAT
-RUN_CHECKPOINTS = "checkpoints"  # a training run's save directory, inside its output directory
+RUN_CHECKPOINTS = CHECKPOINT_RUN_DIR  # a training run's save directory, inside its output directory
 UNIVERSAL_FIELD = "universal"  # in snip_meta.json: what `snip-ds universal` converted (absent in a plain one)
 UNIVERSAL_LATEST_FILE = "latest_universal"  # ds_to_universal writes it beside its output folder
 

@@ -149,9 +149,10 @@ class SnipEngine:
     """
 
     def __init__(self, ds_engine, infos: Mapping[str, LayerInfo], settings: SnipSettings,
-                 tokens_per_step: int, logger=None) -> None:
+                 tokens_per_step: int, logger=None, zero_init: bool = False) -> None:
         self.ds = ds_engine
-        self.state = SnipState(DeepSpeedLoop(ds_engine), infos, settings, tokens_per_step, logger, driver="engine")
+        self.state = SnipState(DeepSpeedLoop(ds_engine), infos, settings, tokens_per_step, logger, driver="engine",
+                               zero_init=zero_init)
 
     # ------------------------------------------------------------------ the state's parts
     infos = property(lambda self: self.state.infos)
@@ -304,7 +305,7 @@ class SnipEngine:
         meta = validate(tag_dir, model_fingerprint(self.ds.module), sdist.world_size(),
                         model_architecture(self.ds.module), self.tensor_parallel)
         tensors = ckpt.load(self.ds, tag_dir, sdist.rank())
-        self.state.load_rank_tensors(tensors, torch_rng=True)  # {} on a rank the saving run did not have
+        self.state.load_rank_tensors(tensors, global_rngs=True)  # {} on a rank the saving run did not have
         snip, source = read_snip_state(tag_dir, meta)
         self.state.load_state_dict(snip, source, any_world_size=is_universal(meta))
         return meta
@@ -373,7 +374,8 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         tag_dir = resolve(Path(resume_from))
         meta = read_meta(tag_dir)
         config = with_load_universal(config, meta)
-    if not any(getattr(p, "ds_id", None) is not None for p in model.parameters()):  # not zero.Init-partitioned
+    zero_init = any(getattr(p, "ds_id", None) is not None for p in model.parameters())  # built under zero.Init
+    if not zero_init:
         model.to(device())  # so the stochastic-rounding generators live where the activations do
     check_backend(settings.quant, device())  # BackendError (a ValueError) before DeepSpeed starts
     infos = swap_model(model, "bf16", settings.quant, seed=seed, rank=sdist.rank(), exclude=settings.exclude)
@@ -394,7 +396,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         tpar.quantize_tp_layers(ds_engine.module, originals, settings.quant)
     check_still_swapped(ds_engine.module, infos, "deepspeed.initialize")
     install_safe_loader(ds_engine)
-    engine = SnipEngine(ds_engine, infos, settings, tokens_per_step, logger)
+    engine = SnipEngine(ds_engine, infos, settings, tokens_per_step, logger, zero_init=zero_init)
     engine.set_plan(plan, "initial plan")
     if settings.is_adaptive:
         from snip_ds.engine.adaptive import AdaptivePlanner

@@ -17,12 +17,46 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from snip_ds.artifacts import STATE_FILE
+from snip_ds.artifacts import STATE_FILE, checkpoint_meta, trainer_checkpoint
 from snip_ds.engine.checkpoint_io import safe_torch_load
 from snip_ds.engine.checkpoint_layout import (LATEST_FILE, META_FILE, UNIVERSAL_FIELD, CheckpointError,
                                               is_universal, rank_file, read_meta, resolve)
 from snip_ds.engine.checkpoint_verify import checkpoint_files, file_digest, verify_files
 from snip_ds.fileio import atomic_write_text
+
+
+def unmergeable_shards(state: Mapping[str, Any]) -> str | None:
+    """Why DeepSpeed's ``ds_to_universal`` cannot merge the checkpoint whose ``snip_state.json`` is ``state``, or
+    None: a tensor-parallel run whose model ``deepspeed.zero.Init`` partitioned as it was built (what
+    :class:`snip_ds.state.SnipState` records as ``zero_init``; ZeRO-3, as zero.Init is). zero.Init cut every
+    parameter over all the ranks before the tensor-parallel groups existed, so the saved partitions are not the
+    shards the converter expects: DeepSpeed 0.19.8 stops with "start (0) + length (...) exceeds dimension size
+    (...)"."""
+    tp = state.get("tensor_parallel", 1)
+    if state.get("zero_init") is True and isinstance(tp, int) and tp > 1:
+        return (f"its model was built under deepspeed.zero.Init (ZeRO-3) and trained at tensor_parallel.autotp_size "
+                f"{tp}: zero.Init partitioned the parameters over all {state.get('world_size', '?')} ranks before the "
+                f"tensor-parallel groups existed, and DeepSpeed's ds_to_universal cannot merge such shards (it stops "
+                f"with \"start (0) + length (...) exceeds dimension size (...)\")")
+    return None
+
+
+def _refuse_trainer_checkpoint(folder: Path) -> None:
+    """Raises CheckpointError for a Hugging Face Trainer ``checkpoint-N``, naming why and what works instead."""
+    try:
+        state = checkpoint_meta(folder)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    tp, world = state.get("tensor_parallel", 1), state.get("world_size", "?")
+    instead = (f"resume it with the Trainer on {world} rank(s) at tensor_parallel.autotp_size {tp}, the shape it was "
+               f"saved at, and 'snip-ds export {folder} OUT_DIR' writes its model")
+    why = unmergeable_shards(state)
+    if why is not None:
+        raise CheckpointError(f"{folder}: a Hugging Face Trainer checkpoint that cannot be converted: {why}; "
+                              f"{instead} (from the gathered model.safetensors the ZeRO-3 configs save)")
+    raise CheckpointError(f"{folder}: a Hugging Face Trainer checkpoint; 'snip-ds universal' converts the checkpoints "
+                          f"of launch/train.py and snip_ds.initialize, and the Trainer resumes its own only at the "
+                          f"shape it was saved at: {instead}")
 
 
 def with_load_universal(ds_config: Mapping[str, Any], meta: Mapping[str, Any]) -> Dict[str, Any]:
@@ -96,9 +130,16 @@ def convert_to_universal(src: Path, dest: Path, log=print) -> Path:
     resumed from.
 
     Raises:
-        CheckpointError: ``src`` is damaged or not convertible (no ZeRO, another format), or ``dest/<tag>``
-            exists; the message names the file or folder.
+        CheckpointError: ``src`` is damaged or not convertible (no ZeRO, another format, a Hugging Face Trainer's
+            checkpoint: :func:`unmergeable_shards` says when even DeepSpeed's converter cannot take one), or
+            ``dest/<tag>`` exists; the message names the file or folder and what works instead.
     """
+    try:
+        trainer_dir = trainer_checkpoint(Path(src))
+    except ValueError as err:  # a Trainer checkpoint without SnipCallback's state
+        raise CheckpointError(str(err)) from None
+    if trainer_dir is not None:
+        _refuse_trainer_checkpoint(trainer_dir)
     tag_dir = resolve(Path(src))
     meta = read_meta(tag_dir)
     if is_universal(meta):
