@@ -742,8 +742,16 @@ def test_run_clm_tensor_parallel_under_accelerate_launch(tmp_path):
     the model built under zero.Init, 2 CPU ranks: one tensor-parallel group): SNIP re-plans on the shards,
     checkpoint-4 records the degree, ``trainer.save_model()`` leaves a whole model from_pretrained loads, and
     ``snip-ds export`` of checkpoint-4 (the Trainer's model.safetensors, gathered by DeepSpeed) computes the
-    saved model's logits exactly."""
+    saved model's logits exactly. The checkpoint records that zero.Init partitioned the model, so ``snip-ds
+    universal`` refuses it up front saying DeepSpeed's converter cannot merge its shards, which the converter
+    confirms, and an export without the gathered model.safetensors stops before running it."""
+    import shutil
+
     from snip_ds.cli import main
+    from snip_ds.engine.checkpoint_layout import CheckpointError
+    from snip_ds.engine.universal import convert_to_universal, run_ds_to_universal
+    from snip_ds.export import export_checkpoint
+    from snip_ds.export_files import ExportError
 
     out = tmp_path / "out"
     proc = _run_clm(tmp_path, "accelerate", out, tp=2)
@@ -756,6 +764,20 @@ def test_run_clm_tensor_parallel_under_accelerate_launch(tmp_path):
     record = json.loads((tmp_path / "hf" / "snip_export.json").read_text())
     assert record["tensor_parallel"] == 2 and "gathered by DeepSpeed" in record["weights"]
     assert bool((_logits(tmp_path / "hf") == saved).all())
+
+    ckpt = out / "checkpoint-4"
+    assert state["zero_init"] is True
+    with pytest.raises(CheckpointError, match=r"cannot be converted: its model was built under deepspeed.zero.Init "
+                                              r"\(ZeRO-3\) and trained at tensor_parallel.autotp_size 2: "):
+        convert_to_universal(ckpt, tmp_path / "universal")
+    with pytest.raises(CheckpointError, match=r"exceeds dimension size"):  # what the refusal spares the user
+        run_ds_to_universal(ckpt / (ckpt / "latest").read_text().strip(), tmp_path / "ds_universal")
+    masters_only = tmp_path / "masters" / "checkpoint-4"
+    shutil.copytree(ckpt, masters_only)
+    (masters_only / "model.safetensors").unlink()
+    with pytest.raises(ExportError, match=r"holds no gathered model.safetensors, and its FP32 master weights cannot "
+                                          r"be merged: its model was built under deepspeed.zero.Init"):
+        export_checkpoint(masters_only, tmp_path / "hf_masters")
 
 
 def test_plain_trainer_checkpoint_exports_its_safetensors_with_tied_weights(tmp_path, capsys):

@@ -293,27 +293,22 @@ def _hf(tmp_path, name: str, ranks: int, *args) -> list:
 @pytest.mark.distributed
 def test_trainer_tp2_trains_like_tp1(tmp_path):
     """``add_snip(trainer)`` with ``autotp_size: 2``, a fixed fp8 plan: TP 2 on 2 ranks under ZeRO-1, and under
-    ZeRO-3 with the model built after ``TrainingArguments`` (partitioned by zero.Init, as run_clm.py builds
-    it), against TP 1 on 1 rank, the same batches: losses equal to FP32 round-off (1e-5 relative, as in the own
-    loop's test above); every TP layer is a quantized shard that ran its three GEMMs at fp8, as many as at TP 1."""
+    ZeRO-3 with the model built after ``TrainingArguments`` (by its constructor, which transformers does not wrap
+    in zero.Init: ``from_config`` and ``from_pretrained`` do, as run_clm.py builds it, tests/test_hf.py), against
+    TP 1 on 1 rank, the same batches: losses equal to FP32 round-off (1e-5 relative, as in the own loop's test
+    above); every TP layer is a quantized shard that ran its three GEMMs at fp8, as many as at TP 1. Their
+    checkpoints record that no zero.Init partitioned the model, and ``snip-ds universal`` refuses them up front
+    (the Trainer resumes its own at the saved shape)."""
     from snip_ds.engine.checkpoint_layout import CheckpointError
-    from snip_ds.engine.universal import convert_to_universal, run_ds_to_universal
+    from snip_ds.engine.universal import convert_to_universal
 
     (one,) = _hf(tmp_path, "tp1", 1, "--plan", "fp8")
     for name, extra in (("zero1", ()), ("zero3", ("--zero", "3", "--zero_init"))):
         two = _hf(tmp_path, name, 2, "--tp", "2", "--plan", "fp8", "--save_steps", "3", *extra)
-        # snip-ds universal refuses the Trainer's checkpoint up front; under zero.Init it says why even DeepSpeed's
-        # converter cannot take it, which the converter confirms
         ckpt = tmp_path / f"{name}_run" / "checkpoint-3"
-        zero_init = json.loads((ckpt / "snip_state.json").read_text())["zero_init"]
-        assert zero_init is (name == "zero3")
-        why = "cannot be converted: its model was built under deepspeed.zero.Init" if zero_init else \
-            "the Trainer resumes its own only at the shape it was saved at"
-        with pytest.raises(CheckpointError, match=why):
+        assert json.loads((ckpt / "snip_state.json").read_text())["zero_init"] is False
+        with pytest.raises(CheckpointError, match="the Trainer resumes its own only at the shape it was saved at"):
             convert_to_universal(ckpt, tmp_path / f"{name}_universal")
-        if zero_init:
-            with pytest.raises(CheckpointError, match=r"exceeds dimension size"):
-                run_ds_to_universal(ckpt / "global_step3", tmp_path / f"{name}_ds_universal")
         assert two[0]["losses"] == two[1]["losses"] and two[0]["dp_size"] == 1, name
         assert len(two[0]["losses"]) == 3
         for a, b in zip(one["losses"], two[0]["losses"]):

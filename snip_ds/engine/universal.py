@@ -6,6 +6,11 @@ files, its ``snip_meta.json`` marked ``universal``. A run resumes it with DeepSp
 :func:`with_load_universal`'s config, at the global batch and ZeRO stage it was saved with
 (:func:`check_universal_batch`); DeepSpeed's own ``torch.load`` calls then run under
 :func:`~snip_ds.engine.checkpoint_io.safe_torch_load`.
+
+It converts the checkpoints of ``launch/train.py`` and :func:`snip_ds.initialize`. A Hugging Face Trainer's
+``checkpoint-N`` is refused up front, saying what works instead (the Trainer resumes its own at the saved
+shape); one that even DeepSpeed's converter cannot merge, a tensor-parallel run of a model built under
+``deepspeed.zero.Init``, says so (:func:`unmergeable_shards`, from what ``snip_state.json`` records).
 """
 from __future__ import annotations
 
