@@ -159,4 +159,5 @@ def test_both_loops_write_one_state_format(engine_run, trainer_run):
     e_keys = set(load_file(str(engine_dir / "snip_rng_rank0.safetensors")))
     t_keys = set(load_file(str(trainer_dir / "snip_rng_rank0.safetensors")))
     assert e_keys == t_keys and "torch_rng" in e_keys
-    assert {k.split("/", 1)[0] for k in e_keys} == {"generator", "torch_rng"}
+    assert {k.split("/", 1)[0] for k in e_keys} == {"generator", "torch_rng", "python_rng", "numpy_rng"}
+    assert e["zero_init"] is False and isinstance(t["zero_init"], bool)
