@@ -28,6 +28,7 @@ STATS_FILE = "stats.json"
 CHECKPOINT_FORMAT = "snip_ds.checkpoint/1"
 CHECKPOINT_META_FILE = "snip_meta.json"
 CHECKPOINT_LATEST_FILE = "latest"
+CHECKPOINT_RUN_DIR = "checkpoints"  # a training run's save directory, inside its output directory
 STATE_FILE = "snip_state.json"  # SNIP's own state (snip_ds.state.SnipState), in either loop's checkpoint folder
 STATE_FORMAT = "snip_ds.state/1"
 TRAINER_STATE_FILE = STATE_FILE  # the name the Trainer's checkpoints have always used
@@ -165,6 +166,25 @@ def last_trainer_checkpoint(path: Path) -> Path | None:
     return complete[-1]
 
 
+def trainer_checkpoint(path: Path) -> Path | None:
+    """The Trainer ``checkpoint-N`` that ``path`` names (itself, or an output directory's last one), or None
+    when ``path`` is not a Trainer's (then it is read as a snip_ds checkpoint).
+
+    Raises:
+        ValueError: a Trainer checkpoint (or output directory of them) without SnipCallback's state.
+    """
+    if not path.is_dir() or (path / CHECKPOINT_META_FILE).is_file():  # launch/train.py's (its snip_state.json too)
+        return None
+    if (path / TRAINER_STATE_FILE).is_file():
+        return path
+    if path.name.startswith(TRAINER_CHECKPOINT_PREFIX) and (path / "trainer_state.json").is_file():
+        raise ValueError(f"{path}: a Trainer checkpoint without {TRAINER_STATE_FILE}: it was not saved by a run "
+                         f"with snip_ds.hf's SnipCallback, or its save was interrupted")
+    if (path / CHECKPOINT_LATEST_FILE).exists() or (path / CHECKPOINT_RUN_DIR).is_dir():
+        return None
+    return last_trainer_checkpoint(path)
+
+
 def _snip_state(path: Path) -> dict:
     """A ``snip_state.json``: :data:`STATE_FORMAT` (either loop) or :data:`TRAINER_STATE_FORMAT` (the Trainer's
     before it; files from before the 'format' field have the keys SnipCallback has always written)."""
@@ -176,7 +196,7 @@ def _snip_state(path: Path) -> dict:
     return dict(state)
 
 
-def _checkpoint_meta(tag_dir: Path) -> dict:
+def checkpoint_meta(tag_dir: Path) -> dict:
     """What a checkpoint records: ``snip_meta.json`` of ``launch/train.py``'s (with the plan and planner state
     of its ``snip_state.json``, or inside it in an older one), or a Trainer's ``snip_state.json``."""
     if (tag_dir / CHECKPOINT_META_FILE).is_file():
@@ -204,8 +224,8 @@ def _resolve_dir(path: Path, run_file: str) -> Tuple[str, Path]:
         return "checkpoint", tag_dir
     if (path / run_file).is_file():
         return "file", path / run_file
-    if (path / "checkpoints").is_dir() and _checkpoint_dir(path / "checkpoints") is not None:
-        return "checkpoint", _checkpoint_dir(path / "checkpoints")
+    if (path / CHECKPOINT_RUN_DIR).is_dir() and _checkpoint_dir(path / CHECKPOINT_RUN_DIR) is not None:
+        return "checkpoint", _checkpoint_dir(path / CHECKPOINT_RUN_DIR)
     trainer_checkpoint = last_trainer_checkpoint(path)
     if trainer_checkpoint is not None:
         return "checkpoint", trainer_checkpoint
@@ -229,7 +249,7 @@ def load_plan(path: str | os.PathLike) -> Tuple[Plan, str]:
     if path.is_dir():
         how, where = _resolve_dir(path, PLAN_FILE)
         if how == "checkpoint":
-            meta = _checkpoint_meta(where)
+            meta = checkpoint_meta(where)
             source = str(_meta_file(where))
             if not isinstance(meta.get("plan"), Mapping):
                 raise ValueError(f"{source}: the checkpoint holds no plan")
@@ -257,7 +277,7 @@ def load_stats(path: str | os.PathLike) -> Tuple[dict, str]:
     if path.is_dir():
         how, where = _resolve_dir(path, STATS_FILE)
         if how == "checkpoint":
-            meta = _checkpoint_meta(where)
+            meta = checkpoint_meta(where)
             source = str(_meta_file(where))
             planner = meta.get("planner")
             stats = planner.get("last_stats") if isinstance(planner, Mapping) else None

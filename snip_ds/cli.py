@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_universal(args: argparse.Namespace) -> int:
-    from snip_ds.engine.checkpoint import CheckpointError, convert_to_universal  # imports DeepSpeed
+    from snip_ds.engine.checkpoint_layout import CheckpointError
+    from snip_ds.engine.universal import convert_to_universal  # imports DeepSpeed
 
     try:
         out = convert_to_universal(Path(args.checkpoint), Path(args.out_dir))

@@ -15,19 +15,19 @@ never attached stops ``trainer.train()`` before the first step, saying what to c
 * ``on_init_end`` or :meth:`~SnipCallback.attach`, whichever comes first (both before the Trainer builds
   the optimizer): reads the ``"snip"`` section of the Trainer's DeepSpeed config (``TrainingArguments.
   deepspeed``, or the config file of accelerate's DeepSpeed plugin under ``accelerate launch``) or the
-  settings given to the callback, checks it against the ``TrainingArguments``, and swaps the decoder linears
-  for :class:`~snip_ds.linear.SnipLinear` keeping the very same Parameters (:func:`snip_ds.swap.swap_linears`),
-  so the optimizer and ZeRO see the parameters they would have seen; with DeepSpeed it builds the fused Adam
-  and, until ``on_train_begin``, holds ``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's JIT builder reads
-  (:func:`snip_ds.jit_builds.deepspeed_arch_list_set`), for the ops DeepSpeed builds while the Trainer starts it;
+  settings given to the callback, checks it against the ``TrainingArguments`` (:mod:`snip_ds.hf_checks`), and
+  swaps the decoder linears for :class:`~snip_ds.linear.SnipLinear` keeping the very same Parameters
+  (:func:`snip_ds.swap.swap_linears`), so the optimizer and ZeRO see the parameters they would have seen; with
+  DeepSpeed it builds the fused Adam and, until ``on_train_begin``, holds ``TORCH_CUDA_ARCH_LIST`` in the form
+  DeepSpeed's JIT builder reads (:func:`snip_ds.jit_builds.deepspeed_arch_list_set`), for the ops DeepSpeed
+  builds while the Trainer starts it;
 * ``on_train_begin`` (the DeepSpeed engine or the torch optimizer is built): under tensor parallelism
   (``tensor_parallel.autotp_size`` N above 1) turns the shards DeepSpeed's AutoTP put in place of the swapped
-  layers into quantized ones (:mod:`snip_ds.engine.tensor_parallel`; accelerate hands a TP group the same
-  batches, and SNIP's private streams are split over the data-parallel ranks alike); builds the state over a
-  :class:`TrainerLoop`, puts the non-finite check in front of the update (the DeepSpeed engine's ``step``, or
-  without DeepSpeed the ``step`` of the torch optimizer inside accelerate's wrapper), and applies the starting plan, or on a resumed run
-  the plan, planner state, streams and rounding generators saved in ``checkpoint-N`` (the only plan logged
-  then is the restored one);
+  layers into quantized ones (:mod:`snip_ds.hf_tp`); builds the state over a
+  :class:`~snip_ds.hf_loop.TrainerLoop`, puts the non-finite check in front of the update (the DeepSpeed
+  engine's ``step``, or without DeepSpeed the ``step`` of the torch optimizer inside accelerate's wrapper), and
+  applies the starting plan, or on a resumed run the plan, planner state, streams and rounding generators saved
+  in ``checkpoint-N`` (the only plan logged then is the restored one; :mod:`snip_ds.hf_checkpoint`);
 * ``on_step_begin`` (the optimizer-step boundary, before the step's first micro-batch):
   :meth:`~snip_ds.state.SnipState.before_step`: in an adaptive run, before step 1, at the ``early_replan_steps``
   and every ``replan_every`` steps (:mod:`snip_ds.schedule`), the
@@ -49,231 +49,35 @@ never attached stops ``trainer.train()`` before the first step, saying what to c
 
 Scalars go through ``Trainer.log`` (so every ``report_to`` integration receives them); the precision map and
 the plan-change notes go to TensorBoard when a ``TensorBoardCallback`` is reporting.
+
+This module holds the callback's lifecycle; the Trainer-specific checks are :mod:`snip_ds.hf_checks`', the
+Trainer as SNIP's loop :mod:`snip_ds.hf_loop`'s, the checkpoint files :mod:`snip_ds.hf_checkpoint`'s and
+tensor parallelism :mod:`snip_ds.hf_tp`'s.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import functools
-import json
 import os
-from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
 from transformers import TrainerCallback
 
 from snip_ds import distributed as sdist
-from snip_ds import jit_builds
-from snip_ds.artifacts import STATE_FILE, rng_file
+from snip_ds import hf_checkpoint, hf_tp, jit_builds
+from snip_ds.artifacts import STATE_FILE
 from snip_ds.deepspeed_config import refuse_module_replacement, tensor_parallel_degree
-from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
+from snip_ds.deprecations import show_deprecations_once
+from snip_ds.hf_checks import (check_against_trainer, check_cpu_ranks, deepspeed_config, launched_world,
+                               prepare_fused_adam, settings_from, uses_deepspeed)
+from snip_ds.hf_loop import BatchView, TrainerLogger, TrainerLoop, sequence_length
+from snip_ds.settings import ConfigError, SnipSettings, with_overrides
 from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET, SnipState, run_without_update
 
 jit_builds.prepare()  # where DeepSpeed builds its ops when the Trainer starts it (snip_ds.jit_builds)
-
-
-class _BatchView:
-    """The training set as :class:`~snip_ds.data.DataStream` reads it: ``get_batch(indices)`` through the
-    Trainer's data collator (datasets of dicts of lists), or the dataset's own ``get_batch``."""
-
-    def __init__(self, dataset, collator) -> None:
-        self.dataset, self.collator = dataset, collator
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def get_batch(self, indices):
-        if hasattr(self.dataset, "get_batch"):
-            batch = self.dataset.get_batch(indices)
-        else:
-            batch = self.collator([self.dataset[i] for i in indices])
-        return {k: v for k, v in batch.items() if k in ("input_ids", "labels", "attention_mask")}
-
-
-class TrainerLoop:
-    """The :class:`~snip_ds.state.TrainingLoop` of a ``Trainer`` whose optimizer is built (``on_train_begin``):
-    its model, the optimizer holding Adam's state (the DeepSpeed engine's ZeRO optimizer, or the torch
-    optimizer inside accelerate's wrapper), its step count and ZeRO stage (0 without DeepSpeed)."""
-
-    def __init__(self, trainer, tp: int = 1) -> None:
-        self.trainer, self.tp = trainer, tp
-        wrapped = trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else None
-        self.ds_engine = wrapped if hasattr(wrapped, "zero_optimization_stage") else None
-
-    @property
-    def module(self):
-        return self.trainer.model
-
-    @property
-    def optimizer(self):
-        if self.ds_engine is not None:
-            return self.ds_engine.optimizer
-        opt = self.trainer.optimizer
-        while hasattr(opt, "optimizer") and not isinstance(opt, _TORCH_OPTIMIZERS):  # accelerate's wrapper
-            opt = opt.optimizer
-        return opt
-
-    @property
-    def step(self) -> int:
-        return int(self.trainer.state.global_step)
-
-    @property
-    def zero_stage(self) -> int:
-        return int(self.ds_engine.zero_optimization_stage()) if self.ds_engine is not None else 0
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel ranks: the world size over the tensor-parallel degree."""
-        return sdist.world_size() // self.tp
-
-    @property
-    def dp_rank(self) -> int:
-        return sdist.rank() // self.tp
-
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def forward(self, **inputs):
-        # The model itself (under ZeRO-3 its partitioned parameters are gathered by DeepSpeed's module hooks).
-        return self.trainer.model(**inputs)
-
-
-_TORCH_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
-
-
-class _TrainerLogger:
-    """The engine's logger interface over the Trainer: scalars through ``Trainer.log`` (every reporter),
-    images and text to the TensorBoard writer of a ``TensorBoardCallback`` when there is one (rank 0)."""
-
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
-
-    def _tb(self):
-        from transformers.integrations import TensorBoardCallback
-
-        for cb in self.trainer.callback_handler.callbacks:
-            if isinstance(cb, TensorBoardCallback) and getattr(cb, "tb_writer", None) is not None:
-                return cb.tb_writer
-        return None
-
-    def scalar(self, tag: str, value: float, step: int) -> None:
-        self.scalars({tag: value}, step)
-
-    def scalars(self, values: Mapping[str, float], step: int) -> None:
-        self.trainer.log({k: float(v) for k, v in values.items()})
-
-    @property
-    def writes_images(self) -> bool:
-        return self.trainer.is_world_process_zero() and self._tb() is not None
-
-    def image(self, tag: str, chw, step: int) -> None:
-        tb = self._tb() if self.trainer.is_world_process_zero() else None
-        if tb is not None:
-            tb.add_image(tag, chw, step)
-
-    def text(self, tag: str, text: str, step: int) -> None:
-        tb = self._tb() if self.trainer.is_world_process_zero() else None
-        if tb is not None:
-            tb.add_text(tag, text, step)
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _deepspeed_config(args) -> tuple[Optional[dict], Optional[str]]:
-    """The DeepSpeed config the Trainer trains with, as ``(config, where)``; ``(None, None)`` without DeepSpeed.
-
-    ``TrainingArguments.deepspeed`` (a path or a dict) first; else, under ``accelerate launch`` with a DeepSpeed
-    plugin, the plugin's config (``TrainingArguments.deepspeed_plugin``, which transformers builds from
-    ``ACCELERATE_USE_DEEPSPEED``): read from its file, ``ACCELERATE_DEEPSPEED_CONFIG_FILE``, when there is one
-    (so errors name the file), else the dict accelerate holds. File errors name the file.
-    """
-    ds = getattr(args, "deepspeed", None)
-    if isinstance(ds, (str, os.PathLike)):
-        return _read_config(ds), str(ds)
-    if isinstance(ds, dict):
-        return ds, "TrainingArguments.deepspeed"
-    plugin = getattr(args, "deepspeed_plugin", None)
-    if plugin is None:
-        return None, None
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if path != "none":
-        return _read_config(path), path
-    config = getattr(getattr(plugin, "hf_ds_config", None), "config", None) or getattr(plugin, "deepspeed_config", None)
-    return (dict(config) if isinstance(config, Mapping) else None), "accelerate's DeepSpeed plugin (deepspeed_config)"
-
-
-def _read_config(path) -> dict:
-    load_ds_config(path)  # file errors (missing, not JSON, not an object) and the section's, named by path
-    return json.loads(Path(path).read_text())
-
-
-def _settings_from(args, settings) -> tuple[SnipSettings, str]:
-    """The validated settings and where they came from; errors name the field and the file."""
-    config, source = _deepspeed_config(args)
-    section = None if config is None else config.get("snip")
-    if settings is not None:
-        if section is not None:
-            raise ConfigError(f"{source}: has a 'snip' section and SnipCallback was given settings too; "
-                              "give them in one place")
-        if isinstance(settings, SnipSettings):
-            return settings, "SnipCallback(settings=...)"
-        if not isinstance(settings, Mapping):
-            raise ConfigError(f"SnipCallback(settings=...): expected a mapping like the 'snip' section, got "
-                              f"{type(settings).__name__}")
-        return parse_snip_section(dict(settings), "SnipCallback(settings=...)"), "SnipCallback(settings=...)"
-    if section is None:
-        raise ConfigError(f"{source or 'TrainingArguments'}: no 'snip' section; name a DeepSpeed config with one "
-                          "(TrainingArguments(deepspeed=...), or deepspeed_config_file in accelerate's config) or "
-                          "pass SnipCallback(settings={...})")
-    return parse_snip_section(section, source), source
-
-
-def _check_against_trainer(args, source: str) -> None:
-    """The DeepSpeed config's batch geometry must be the Trainer's (or "auto")."""
-    cfg, _ = _deepspeed_config(args)
-    if cfg is None:
-        return
-    for key, arg in (("gradient_accumulation_steps", "gradient_accumulation_steps"),
-                     ("train_micro_batch_size_per_gpu", "per_device_train_batch_size")):
-        value = cfg.get(key, "auto")
-        if value != "auto" and value != getattr(args, arg):
-            raise ConfigError(f"{source}: {key} is {value!r} but TrainingArguments.{arg} is "
-                              f"{getattr(args, arg)!r}; make them equal or set {key} to \"auto\"")
-
-
-def _prepare_fused_adam(args) -> None:
-    """DeepSpeed's fused Adam, built before the Trainer starts DeepSpeed (so a ``TORCH_CUDA_ARCH_LIST`` such as
-    ``9.0a`` does not stop its build), or torch's AdamW in the configs the Trainer will hand DeepSpeed, with a
-    warning, where it cannot be built (:mod:`snip_ds.engine.optimizer`)."""
-    from snip_ds.engine.optimizer import prepare_adam_in_place
-
-    plugin = getattr(args, "deepspeed_plugin", None)
-    prepare_adam_in_place([getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
-                           getattr(getattr(plugin, "hf_ds_config", None), "config", None),
-                           getattr(plugin, "deepspeed_config", None)])
-
-
-def _launched_world(args) -> int:
-    """The number of ranks the launcher started (accelerate's count on GPUs)."""
-    if sdist.is_initialized():
-        return sdist.world_size()
-    return max(int(os.environ.get("WORLD_SIZE", "1")), int(getattr(args, "world_size", 1) or 1))
-
-
-def _uses_deepspeed(args) -> bool:
-    return bool(getattr(args, "deepspeed", None)) or getattr(args, "deepspeed_plugin", None) is not None
-
-
-def _cpu_ranks_unshared(args) -> bool:
-    """DeepSpeed on CPUs with several launched ranks, but accelerate's state counting one process."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    return (_uses_deepspeed(args) and not torch.cuda.is_available() and launched > 1
-            and int(args.distributed_state.num_processes) != launched)
+show_deprecations_once()  # torch's FutureWarnings for the collectives DeepSpeed calls: once, not every step
 
 
 def share_cpu_ranks_with_accelerate(args) -> None:
@@ -290,7 +94,7 @@ def share_cpu_ranks_with_accelerate(args) -> None:
     collection, a plan broadcast, the non-finite flag) that a peer does not join within it raises on the
     waiting rank, and a peer that dies is noticed at once (its connections close).
     """
-    if not _uses_deepspeed(args) or torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if not uses_deepspeed(args) or torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
     import deepspeed
     import torch.distributed as dist
@@ -352,11 +156,12 @@ class SnipCallback(TrainerCallback):
             force, the planner, the streams, the skipped steps; the same object ``snip_ds.initialize``'s engine
             drives.
         planner: its :class:`~snip_ds.engine.adaptive.AdaptivePlanner` in an adaptive run, else None.
+        settings: the validated ``"snip"`` section, held by the state once it exists (one owner).
     """
 
     def __init__(self, settings: Optional[Mapping[str, Any] | SnipSettings] = None) -> None:
         self._given = settings
-        self.settings: Optional[SnipSettings] = None
+        self._settings: Optional[SnipSettings] = None  # the resolved settings until the state takes them
         self.trainer = None
         self.infos = None
         self.plan = None
@@ -366,6 +171,7 @@ class SnipCallback(TrainerCallback):
         self.tp = 1  # the tensor-parallel degree (tensor_parallel.autotp_size)
         self._resumed_from = None  # trainer.train(resume_from_checkpoint=...)
         self._originals = {}  # under tensor parallelism: {fqn: the SnipLinear AutoTP replaces}
+        self._zero_init = False  # whether deepspeed.zero.Init partitioned the model as it was built
 
     # ------------------------------------------------------------------ before the optimizer exists
     def attach(self, trainer) -> "SnipCallback":
@@ -399,33 +205,10 @@ class SnipCallback(TrainerCallback):
         @functools.wraps(original)
         def train(*args, **kwargs):
             self._resumed_from = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-            self._check_resume_shape(trainer, self._resumed_from)
+            if self.infos is not None:
+                hf_checkpoint.check_resume_shape(trainer.args, self._resumed_from, self.tp)
             return original(*args, **kwargs)
         trainer.train = train
-
-    def _check_resume_shape(self, trainer, given) -> None:
-        """Before the Trainer loads DeepSpeed's files: a checkpoint saved at another tensor-parallel degree or
-        number of ranks is refused naming its ``snip_state.json`` (DeepSpeed would stop on a missing key)."""
-        if given is None or given is False or self.infos is None or not _uses_deepspeed(trainer.args):
-            return
-        if given is True:
-            from transformers.trainer_utils import get_last_checkpoint
-            given = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
-        where = Path(given) / STATE_FILE if given is not None else None
-        if where is None or not where.is_file():
-            return  # the Trainer reports a missing folder; _restore one without SNIP's state
-        try:
-            meta = json.loads(where.read_text())
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"{where}: cannot be read ({err})") from None
-        if not isinstance(meta, dict):
-            raise ConfigError(f"{where}: not a JSON object")
-        world = _launched_world(trainer.args)
-        saved = (meta.get("tensor_parallel", 1), meta.get("world_size", world))
-        if saved != (self.tp, world):
-            raise ConfigError(f"{where}: saved by {saved[1]} rank(s) at tensor_parallel.autotp_size {saved[0]}, "
-                              f"this run has {world} rank(s) at {self.tp}: the Trainer resumes a DeepSpeed "
-                              f"checkpoint at the shape it was saved at")
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._setup(args, model)
@@ -433,48 +216,34 @@ class SnipCallback(TrainerCallback):
 
     def _setup(self, args, model) -> None:
         """Settings, checks and the swap; once (``on_init_end`` and :meth:`attach` both call it)."""
-        from snip_ds.engine.core import initial_plan
-        from snip_ds.swap import check_layer_settings, model_layers, snip_layers, swap_model
+        from snip_ds.model_settings import check_layer_settings, initial_plan
+        from snip_ds.swap import model_layers, swap_model
 
         if self.infos is not None:
             return
-        settings, source = _settings_from(args, self._given)
-        config, config_source = _deepspeed_config(args)
+        settings, source = settings_from(args, self._given)
+        config, config_source = deepspeed_config(args)
         tp = 1
         if config is not None:  # AutoEP would replace the layers swapped below with unquantized ones
             refuse_module_replacement(config, config_source)
-            tp = tensor_parallel_degree(config, config_source, _launched_world(args))
+            tp = tensor_parallel_degree(config, config_source, launched_world(args))
             if tp > 1:
-                from snip_ds.engine.tensor_parallel import check_deepspeed_version
-                import deepspeed
-                check_deepspeed_version(deepspeed.__version__)
-                if config.get("train_batch_size", "auto") != "auto":
-                    raise ConfigError(f"{config_source}: train_batch_size is {config['train_batch_size']!r}; under "
-                                      f"the Hugging Face Trainer with tensor_parallel.autotp_size {tp} set it to "
-                                      f"\"auto\" or remove it (transformers fills it counting every rank, as "
-                                      f"DeepSpeed's check then reads it; the batch is the TrainingArguments')")
-            _prepare_fused_adam(args)
+                hf_tp.check_config(config, config_source, tp)
+            prepare_fused_adam(args)
             # The Trainer starts DeepSpeed inside train(), where it may build more ops (the CPU Adam of an
             # optimizer offload): until on_train_begin the architecture list reads as DeepSpeed can parse it.
             self._builds.enter_context(jit_builds.deepspeed_arch_list_set())
-        _check_against_trainer(args, source)
-        if _cpu_ranks_unshared(args):  # the same on every rank: each unlinks its DeepSpeed buffer, then stops
-            if sdist.is_initialized():
-                from snip_ds.engine.core import release_shm_buffer
-                release_shm_buffer()
-            raise ConfigError(f"{os.environ.get('WORLD_SIZE')} ranks were launched with DeepSpeed on CPUs, but "
-                              f"accelerate counts {args.distributed_state.num_processes} process: every rank would "
-                              f"read the same batches; call snip_ds.hf.share_cpu_ranks_with_accelerate(args) right "
-                              f"after building TrainingArguments, before the Trainer")
-        self.settings = with_overrides(settings, seed=args.seed)
+        check_against_trainer(args, source)
+        check_cpu_ranks(args)
+        self._settings = with_overrides(settings, seed=args.seed)
+        # partitioned by deepspeed.zero.Init as transformers built it under ZeRO-3 (DeepSpeed has not started yet)
+        self._zero_init = any(getattr(p, "ds_id", None) is not None for p in model.parameters())
         rank = int(os.environ.get("RANK", "0")) if not sdist.is_initialized() else sdist.rank()
         infos = swap_model(model, "bf16", self.settings.quant, seed=args.seed, rank=rank,
                            exclude=self.settings.exclude)
         check_layer_settings(infos, self.settings)
         if tp > 1:  # AutoTP rebuilds these layers as its own shards in deepspeed.initialize: on_train_begin
-            from snip_ds.engine.tensor_parallel import check_model  # makes them quantized shards
-            check_model(infos, self.settings, getattr(model, "config", None), tp, model)
-            self._originals = snip_layers(model)
+            self._originals = hf_tp.check_swapped_model(model, infos, self.settings, tp)  # quantizes them again
         self.tp = tp
         # FLOPs per step, for the shares (which do not depend on the token count)
         flops = {fqn: info.flops(1) for fqn, info in infos.items()}
@@ -493,7 +262,7 @@ class SnipCallback(TrainerCallback):
 
         self._builds.close()  # DeepSpeed is started: the user's architecture list again
 
-        trainer, s = self.trainer, self.settings
+        trainer, s = self.trainer, self.settings  # the state's, where an earlier train() built one
         if trainer is None:
             raise RuntimeError("SnipCallback is not attached to its Trainer (transformers does not hand it to "
                                "callbacks): after trainer = Trainer(...), call snip_ds.hf.add_snip(trainer), or "
@@ -502,18 +271,18 @@ class SnipCallback(TrainerCallback):
             from snip_ds.engine.core import release_shm_buffer
             release_shm_buffer()
         if self.tp > 1:  # AutoTP's shards of the swapped layers, at the plan's precision from here on
-            from snip_ds.engine import tensor_parallel as tpar
-            tpar.check_groups(self.tp, sdist.rank(), sdist.world_size())
-            tpar.quantize_tp_layers(trainer.model, self._originals, s.quant)
+            hf_tp.quantize_shards(trainer.model, self._originals, s, self.tp)
         check_still_swapped(trainer.model, self.infos, "the Trainer's model preparation (deepspeed.initialize)")
         loop = TrainerLoop(trainer, self.tp)
-        block = _sequence_length(trainer.train_dataset)
+        block = sequence_length(trainer.train_dataset)
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * block
-        self.state = SnipState(loop, self.infos, s, tokens_per_step, _TrainerLogger(trainer), driver="trainer")
+        self.state = SnipState(loop, self.infos, s, tokens_per_step, TrainerLogger(trainer), driver="trainer",
+                               zero_init=self._zero_init)
+        self._settings = None  # the state's from here on: one owner
         if s.is_adaptive:
             from snip_ds.engine.adaptive import AdaptivePlanner
 
-            data = _BatchView(trainer.train_dataset, trainer.data_collator)
+            data = BatchView(trainer.train_dataset, trainer.data_collator)
             rank, world = loop.dp_rank, loop.dp_size  # a tensor-parallel group reads the same batches
             try:
                 stream = DataStream(data, args.per_device_train_batch_size, seed=args.seed + STATS_SEED_OFFSET,
@@ -529,6 +298,13 @@ class SnipCallback(TrainerCallback):
         else:
             self.state.set_plan(self.plan, "initial plan")
         return control
+
+    @property
+    def settings(self) -> Optional[SnipSettings]:
+        """The validated ``"snip"`` section (``TrainingArguments.seed`` as ``train.seed``), once read: the
+        state's (:attr:`snip_ds.state.SnipState.settings`) from ``on_train_begin`` on, the callback's until then;
+        None before the callback has read them."""
+        return self.state.settings if self.state is not None else self._settings
 
     @property
     def planner(self):
@@ -603,62 +379,12 @@ class SnipCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save(self, args, state, control, **kwargs):
-        from safetensors.torch import save_file
-
-        if self.state is None:
-            return control
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = self.state.rank_tensors()
-        _atomic(folder / rng_file(sdist.rank()), lambda tmp: save_file(tensors, str(tmp)))
-        if sdist.rank() == 0:
-            payload = json.dumps(self.state.state_dict())
-            _atomic(folder / STATE_FILE, lambda tmp: tmp.write_text(payload))
+        if self.state is not None:
+            hf_checkpoint.save_state(self.state, args.output_dir, state.global_step)
         return control
 
     def _restore(self, args, state) -> None:
-        from safetensors.torch import load_file
-
-        step = state.global_step
-        given = (self._resumed_from, getattr(args, "resume_from_checkpoint", None))
-        candidates = [Path(p) for p in given if isinstance(p, (str, os.PathLike))]
-        candidates.append(Path(args.output_dir) / f"checkpoint-{step}")
-        folder = next((c for c in candidates if (c / STATE_FILE).is_file()), None)
-        if folder is None:
-            raise ConfigError(f"SnipCallback: resumed at step {step} but none of {[str(c) for c in candidates]} "
-                              f"holds {STATE_FILE}; set TrainingArguments.resume_from_checkpoint to the folder")
-        where = folder / STATE_FILE
-        try:
-            meta = json.loads(where.read_text())
-            if not isinstance(meta, dict):
-                raise ValueError("not a JSON object")
-            if meta.get("step") != step:
-                raise ValueError(f"it is from step {meta.get('step')}, the Trainer resumed at step {step}")
-            if meta.get("tensor_parallel", 1) != self.tp:
-                raise ValueError(f"saved at tensor_parallel.autotp_size {meta.get('tensor_parallel', 1)}, this "
-                                 f"run has {self.tp}; resume with the same degree")
-            tensors = load_file(str(folder / rng_file(sdist.rank())))
-            self.state.load_rank_tensors(tensors, torch_rng=False)  # the Trainer restores torch's RNG itself
-            self.state.load_state_dict(meta, str(where))
-        except (OSError, KeyError, ValueError, TypeError) as err:
-            raise ConfigError(f"{where}: cannot be restored ({err})") from None
-        if sdist.rank() == 0:
-            print(f"snip_ds: restored the plan and planner state from {folder} at step {step}", flush=True)
-
-
-def _sequence_length(dataset) -> int:
-    """Tokens per sample, for the FLOP counts (plans depend only on their ratios); 1 if unknown."""
-    try:
-        ids = dataset[0]["input_ids"]
-        return max(1, len(ids))
-    except Exception:  # an iterable dataset or items without input_ids: the shares do not need it
-        return 1
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+        hf_checkpoint.restore_state(self.state, args, state.global_step, self._resumed_from)
 
 
 __all__ = ["SnipCallback", "STATE_FILE", "add_snip", "share_cpu_ranks_with_accelerate"]

@@ -17,6 +17,11 @@ installed torch and DeepSpeed. Ranks started by a launcher compute the same root
 files under that root older than :data:`STALE_LOCK_SECONDS` (no build of these ops takes that long; a live
 build's lock is younger), naming each one in a warning.
 
+:func:`prune_superseded_builds` removes the build folders of snip_ds's own ops (the CPU kernels,
+``<name>-<key>``, one per build key) that the same environment and checkout built from an earlier source, flags
+or compiler: this version never loads them again. Each build folder records who built it (:func:`record_build`);
+those of other environments or checkouts sharing the root are theirs and stay.
+
 :func:`deepspeed_arch_list_set` wraps DeepSpeed's CUDA builds: it rewrites a ``TORCH_CUDA_ARCH_LIST`` that torch
 accepts but DeepSpeed cannot read (``9.0a``, ``Hopper``) for their duration.
 
@@ -26,15 +31,17 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
+import shutil
 import sys
 import time
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Mapping, Optional
 
 log = logging.getLogger("snip_ds")
 
@@ -105,6 +112,72 @@ def remove_stale_locks(root: Path, max_age_s: float = STALE_LOCK_SECONDS) -> Lis
         log.warning("snip_ds: removed %s, left by a build of that op killed more than %.0f min ago (a later "
                     "load would have waited for it forever)", lock, max_age_s / 60)
         removed.append(lock)
+    return removed
+
+
+BUILD_RECORD = "snip_ds_build.json"  # in a build folder of snip_ds's own ops: who built it (:func:`record_build`)
+
+
+def record_build(folder: Path, identity: Mapping[str, str]) -> None:
+    """Writes :data:`BUILD_RECORD` into the build folder ``folder``: ``identity`` says which environment and
+    checkout built it (:func:`superseded_builds` reads it). Atomic; a no-op when it says so already."""
+    path = Path(folder) / BUILD_RECORD
+    text = json.dumps({"identity": dict(identity)}, sort_keys=True)
+    try:
+        if path.read_text() == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def superseded_builds(own: Path, identity: Mapping[str, str],
+                      legacy: Optional[Callable[[Path], bool]] = None) -> List[Path]:
+    """The build folders beside ``own`` (``<name>-<key>``, the same ``<name>``) that the same environment and
+    checkout built from an earlier source, flags or compiler, so that this build never loads them again: their
+    :data:`BUILD_RECORD` names ``identity``, or, in a folder built before records were written, ``legacy(folder)``
+    says it is this checkout's. Never ``own``, a folder whose build is under way (a ``lock``), or one of another
+    environment or checkout (they load their own: removing it would make them rebuild)."""
+    own = Path(own)
+    name = own.name.rsplit("-", 1)[0]
+    found = []
+    for folder in sorted(own.parent.glob(f"{name}-*")):
+        if folder == own or not folder.is_dir() or folder.is_symlink() or (folder / "lock").exists():
+            continue
+        try:
+            record = json.loads((folder / BUILD_RECORD).read_text())
+            mine = isinstance(record, dict) and record.get("identity") == dict(identity)
+        except FileNotFoundError:
+            mine = legacy is not None and legacy(folder)
+        except (OSError, ValueError):  # unreadable: not known to be ours
+            mine = False
+        if mine:
+            found.append(folder)
+    return found
+
+
+def prune_superseded_builds(own: Path, identity: Mapping[str, str], what: str,
+                            legacy: Optional[Callable[[Path], bool]] = None) -> List[Path]:
+    """Removes :func:`superseded_builds` of ``own`` and says so in one line (``what``: the op); returns those
+    removed. A folder that cannot be removed is left, and named in the same line."""
+    removed, kept, size = [], [], 0
+    for folder in superseded_builds(own, identity, legacy):
+        bytes_ = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+        shutil.rmtree(folder, ignore_errors=True)
+        if folder.exists():
+            kept.append(folder.name)
+        else:
+            removed.append(folder)
+            size += bytes_
+    if removed or kept:
+        line = (f"snip_ds: removed {len(removed)} build folder(s) of earlier versions of {what} that this version "
+                f"never loads ({size / 2**20:.1f} MiB) from {Path(own).parent}: "
+                f"{', '.join(f.name for f in removed) or 'none'}")
+        if kept:
+            line += f"; could not remove {', '.join(kept)}"
+        log.warning(line)
     return removed
 
 

@@ -30,7 +30,7 @@ PLAN_FORMAT = "snip_ds.plan/1"
 _MAX_LISTED = 5
 
 
-def _listed(names: Iterable[str]) -> str:
+def listed_names(names: Iterable[str]) -> str:
     """Returns the first few names joined by commas, with '(+N more)' when there are more."""
     names = sorted(names)
     shown = ", ".join(names[:_MAX_LISTED])
@@ -72,7 +72,7 @@ def _normalise_assignment(assignment: Mapping[str, Any], source: str) -> Mapping
                              f"got {type(value).__name__}")
         unknown = set(value) - set(GEMMS)
         if unknown:
-            raise ValueError(f"{source}: layer {fqn!r} names unknown GEMM(s) {_listed(map(str, unknown))}; "
+            raise ValueError(f"{source}: layer {fqn!r} names unknown GEMM(s) {listed_names(map(str, unknown))}; "
                              f"valid GEMMs are {', '.join(GEMMS)}")
         missing = [g for g in GEMMS if g not in value]
         if missing:
@@ -108,8 +108,8 @@ def fp4_share(assignment: Mapping[str, Any], flops: Mapping[str, float]) -> floa
     extra = set(flops) - set(assignment)
     if missing or extra:
         raise ValueError(f"flops and assignment name different layers: missing FLOPs for "
-                         f"[{_listed(missing)}] ({len(missing)}), FLOPs for unplanned layers "
-                         f"[{_listed(extra)}] ({len(extra)})")
+                         f"[{listed_names(missing)}] ({len(missing)}), FLOPs for unplanned layers "
+                         f"[{listed_names(extra)}] ({len(extra)})")
     total = 0.0
     fp4 = 0.0
     for fqn, value in assignment.items():
@@ -233,7 +233,7 @@ class Plan:
             raise ValueError(f"unknown GEMM {gemm!r}; valid GEMMs are {', '.join(GEMMS)}")
         if fqn not in self.assignment:
             raise ValueError(f"plan has no layer {fqn!r} (it plans {len(self.assignment)} layers, "
-                             f"e.g. {_listed(self.assignment)})")
+                             f"e.g. {listed_names(self.assignment)})")
         return _gemm_view(self.assignment[fqn])[gemm]
 
     def gemm_assignment(self) -> dict[str, dict[str, str]]:
@@ -254,9 +254,9 @@ class Plan:
         if unknown or missing:
             parts = []
             if unknown:
-                parts.append(f"{len(unknown)} layer(s) the model lacks: {_listed(unknown)}")
+                parts.append(f"{len(unknown)} layer(s) the model lacks: {listed_names(unknown)}")
             if missing:
-                parts.append(f"{len(missing)} model layer(s) the plan misses: {_listed(missing)}")
+                parts.append(f"{len(missing)} model layer(s) the plan misses: {listed_names(missing)}")
             raise ValueError(f"{source}: plan does not match the model: " + "; ".join(parts))
 
     def digest(self) -> str:
@@ -301,7 +301,7 @@ class Plan:
         known = {"format", "assignment", "fp4_share", "objective", "status", "method", "meta"}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"{source}: unknown field(s) {_listed(map(str, unknown))}; "
+            raise ValueError(f"{source}: unknown field(s) {listed_names(map(str, unknown))}; "
                              f"valid fields are {', '.join(sorted(known))}")
         for field in ("status", "method"):
             if field in d and not isinstance(d[field], str):

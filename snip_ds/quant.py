@@ -29,7 +29,8 @@ Conventions of :func:`fake_quantize` (all recipes):
 :func:`quantize_parts` is the same computation stopped one step earlier, for GEMM backends that multiply the
 quantized operands themselves: the grid values (times their block scale) and the tensor-level scale.
 
-Also here: the 16x16 random Hadamard transform applied to both wgrad operands along the token axis.
+Also here: the 16x16 random Hadamard transform applied to both wgrad operands along the token axis. The
+scales themselves (MX's E8M0, NVFP4's two levels) are :mod:`snip_ds.scales`'.
 """
 from __future__ import annotations
 
@@ -41,12 +42,11 @@ import torch.nn.functional as F
 
 from snip_ds.formats import (E2M1, E4M3, E5M2, ElementFormat, get_format, round_magnitude_, round_signed_,
                              round_to_format, stochastic_moments_)
+from snip_ds.scales import (F32_MIN_SUBNORMAL, exact_div, mx_scale, nvfp4_block_and_tensor_scales, nvfp4_div_mul,
+                            poison_non_finite)
 
 SCALE_KINDS = ("fp32", "e8m0", "nvfp4")
-E8M0_MIN_EXP = -127  # smallest E8M0 scale, 2**-127
-E8M0_MAX_EXP = 127  # largest E8M0 scale, 2**127
 HADAMARD_SIZE = 16  # order of the block-diagonal Hadamard used on wgrad operands
-_F32_MIN_SUBNORMAL = 2.0 ** -149  # floor for FP32 scales so tiny non-zero amaxes never divide by zero
 
 
 @dataclass(frozen=True)
@@ -278,8 +278,8 @@ def _per_tensor(x32: torch.Tensor, recipe: Recipe, tensor_amax: Optional[torch.T
 
 
 def _per_tensor_scale(amax: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    scale = torch.where(amax > 0, _div(amax, recipe.element.max_normal), 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
-    return _poison_non_finite(scale, amax)
+    scale = torch.where(amax > 0, exact_div(amax, recipe.element.max_normal), 1.0).clamp_min_(F32_MIN_SUBNORMAL)
+    return poison_non_finite(scale, amax)
 
 
 def _per_tensor_rne(x32: torch.Tensor, recipe: Recipe,
@@ -342,63 +342,9 @@ def _block_scales(amax: torch.Tensor, recipe: Recipe, tensor_amax: Optional[torc
     if recipe.scale == "e8m0":
         div, mul = mx_scale(amax, recipe.element.emax)
         return div, mul, mul, torch.ones((), dtype=torch.float32, device=amax.device)
-    block_scale, tensor_scale = _nvfp4_block_and_tensor_scales(amax, recipe.element, tensor_amax)
-    div, mul = _nvfp4_div_mul(block_scale, tensor_scale)
+    block_scale, tensor_scale = nvfp4_block_and_tensor_scales(amax, recipe.element, tensor_amax)
+    div, mul = nvfp4_div_mul(block_scale, tensor_scale)
     return div, mul, block_scale, tensor_scale
-
-
-def mx_scale(amax: torch.Tensor, emax: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """OCP MX shared scale ``X = 2**clamp(floor(log2 amax) - emax, -127, 127)``, returned twice.
-
-    Dividing by a power of two is exact, so the divisor and the multiplier are the same ``X``. Blocks with
-    amax 0 get ``X = 1``; blocks with a non-finite amax get NaN.
-    """
-    _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, m in [0.5, 1): floor(log2 amax) = exponent - 1
-    exp = (exponent.to(torch.int64) - 1 - emax).clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
-    exp = torch.where(amax > 0, exp, 0)
-    # 2**exp built from float64 bits: exact, also for 2**-127 (an FP32 subnormal)
-    scale = ((exp + 1023) << 52).view(torch.float64).to(torch.float32)
-    scale = _poison_non_finite(scale, amax)
-    return scale, scale
-
-
-def nvfp4_scales(amax: torch.Tensor, element: ElementFormat = E2M1,
-                 tensor_amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 per-block ``d = s_b * S`` as (divisor, multiplier), from the block amaxes.
-
-    ``S = amax_tensor / (448 * 6)``, ``s_b = E4M3_RNE(amax_block / (6 * S))``. A block with ``s_b = 0``
-    (all zero, or negligible next to the tensor amax) divides by +Inf and multiplies by 0, giving zeros.
-    ``tensor_amax`` overrides ``amax_tensor`` when the blocks are a slice of a larger tensor.
-    """
-    return _nvfp4_div_mul(*_nvfp4_block_and_tensor_scales(amax, element, tensor_amax))
-
-
-def _nvfp4_block_and_tensor_scales(amax: torch.Tensor, element: ElementFormat,
-                                   tensor_amax: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4's E4M3 block scales ``s_b`` (held in FP32) and FP32 tensor scale ``S``."""
-    amax_t = amax.amax() if tensor_amax is None else tensor_amax.float()
-    six = element.max_normal
-    tensor_scale = torch.where(amax_t > 0, _div(amax_t, E4M3.max_normal * six), 1.0).clamp_min_(_F32_MIN_SUBNORMAL)
-    tensor_scale = _poison_non_finite(tensor_scale, amax_t)
-    block_scale = round_to_format(amax / (tensor_scale * six), E4M3)
-    return block_scale, tensor_scale
-
-
-def _nvfp4_div_mul(block_scale: torch.Tensor, tensor_scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    mul = block_scale * tensor_scale
-    div = torch.where(mul == 0, float("inf"), mul)
-    return div, mul
-
-
-def _div(t: torch.Tensor, constant: float) -> torch.Tensor:
-    """``t / constant`` correctly rounded on every device. (CUDA divides by a Python number as a product with
-    its rounded reciprocal, which is one ulp off for some ``t``: the scales, and so the quantized values,
-    would then differ between a GPU and the CPU.)"""
-    return t / t.new_full((), constant)  # a fill kernel: no host-to-device copy, no synchronization
-
-
-def _poison_non_finite(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(amax), scale, float("nan"))
 
 
 def _block_amax(mag: torch.Tensor, dim: int) -> torch.Tensor:
@@ -431,7 +377,7 @@ def hadamard_matrix(n: int = HADAMARD_SIZE, device: Optional[torch.device] = Non
     h = torch.ones(1, 1, dtype=torch.float32, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return _div(h, n ** 0.5)
+    return exact_div(h, n ** 0.5)
 
 
 def random_signs(n: int, generator: Optional[torch.Generator] = None,

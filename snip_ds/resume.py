@@ -1,6 +1,6 @@
 """What a resumed training run takes over from its checkpoint: the learning-rate schedule and the plan.
 
-:mod:`snip_ds.trainer` calls these after :func:`snip_ds.engine.checkpoint.check_resumable` has verified the
+:mod:`snip_ds.trainer` calls these after :func:`snip_ds.engine.checkpoint_verify.check_resumable` has verified the
 checkpoint and before DeepSpeed starts, so a mismatch is reported as one line naming the checkpoint's file.
 """
 from __future__ import annotations
@@ -62,8 +62,7 @@ def check_resumed_plan(tag_dir: Path, meta: Dict[str, Any], plan, settings: Snip
     """A fixed-plan run (uniform precision or plan file) resumes only a checkpoint trained on that plan; an
     adaptive run takes over the checkpoint's plan (and re-plans). The checkpoint's plan is read from its
     ``snip_state.json``, or from ``snip_meta.json`` in a checkpoint of an older snip_ds."""
-    from snip_ds.engine import CheckpointError
-    from snip_ds.engine.checkpoint import read_snip_state
+    from snip_ds.engine.checkpoint_layout import CheckpointError, read_snip_state
     from snip_ds.plan import Plan
 
     if settings.is_adaptive:

@@ -26,6 +26,7 @@ from snip_ds import distributed as sdist
 from snip_ds.artifacts import STATE_FORMAT, TRAINER_STATE_FORMAT
 from snip_ds.console import say
 from snip_ds.experts.points import ExpertPoint, recomputing
+from snip_ds.global_rng import global_rng_tensors, restore_global_rngs
 from snip_ds.plan import Plan, fp4_share
 from snip_ds.schedule import measure_due, replan_due
 from snip_ds.settings import SnipSettings
@@ -46,7 +47,7 @@ class NonFiniteError(RuntimeError):
 
 class TrainingLoop(Protocol):
     """What SNIP's state needs from a training loop; a DeepSpeed engine and a ``Trainer`` both give it through
-    small adapters (:class:`snip_ds.engine.core.DeepSpeedLoop`, :class:`snip_ds.hf.TrainerLoop`)."""
+    small adapters (:class:`snip_ds.engine.core.DeepSpeedLoop`, :class:`snip_ds.hf_loop.TrainerLoop`)."""
 
     @property
     def module(self) -> nn.Module:
@@ -216,16 +217,20 @@ class SnipState:
         guard: the :class:`NonFiniteGuard`.
         logger: scalars, images and text (a TensorBoard logger on the logging rank, or the Trainer's reporters).
         driver: ``"engine"`` or ``"trainer"``: which loop wrote a checkpoint (recorded in ``snip_state.json``).
+        zero_init: whether ``deepspeed.zero.Init`` partitioned the model's parameters when it was built, before
+            DeepSpeed started (recorded in ``snip_state.json``: DeepSpeed's ``ds_to_universal`` cannot merge such a
+            model's tensor-parallel shards, :mod:`snip_ds.engine.universal`).
     """
 
     def __init__(self, loop: TrainingLoop, infos: Mapping[str, LayerInfo], settings: SnipSettings,
-                 tokens_per_step: int, logger=None, *, driver: str) -> None:
+                 tokens_per_step: int, logger=None, *, driver: str, zero_init: bool = False) -> None:
         self.loop = loop
         self.infos = dict(infos)
         self.settings = settings
         self.tokens_per_step = tokens_per_step
         self.logger = logger or NullLogger()
         self.driver = driver
+        self.zero_init = bool(zero_init)
         self.layers = model_layers(loop.module)
         self.flops = {fqn: info.flops(tokens_per_step) for fqn, info in self.infos.items()}
         self.has_experts = any(isinstance(m, ExpertPoint) for m in self.layers.values())
@@ -381,13 +386,14 @@ class SnipState:
     def state_dict(self) -> Dict[str, Any]:
         """SNIP's state as JSON (``snip_state.json``, :data:`~snip_ds.artifacts.STATE_FORMAT`; the same on every
         rank): the plan, the planner's state (its stream's position, last statistics, history), the measurement
-        stream's position, the skipped steps and the settings."""
+        stream's position, the skipped steps, the settings, and whether the model was built under
+        ``deepspeed.zero.Init`` (``zero_init``)."""
         return {"format": STATE_FORMAT, "driver": self.driver, "step": self.step,
                 "world_size": sdist.world_size(), "plan": self.plan.to_dict() if self.plan else None,
                 "settings": self.settings.to_dict(),
                 "planner": self.planner.state_dict() if self.planner is not None else None,
                 "measure_stream": self.measure_stream.state_dict() if self.measure_stream is not None else None,
-                "skipped_steps": self.skipped_steps,
+                "skipped_steps": self.skipped_steps, "zero_init": self.zero_init,
                 **({"tensor_parallel": self.tensor_parallel} if self.tensor_parallel > 1 else {})}
 
     def load_state_dict(self, state: Mapping[str, Any], source: str, any_world_size: bool = False) -> None:
@@ -424,22 +430,24 @@ class SnipState:
 
     def rank_tensors(self) -> Dict[str, torch.Tensor]:
         """This rank's tensors for ``snip_rng_rank<r>.safetensors``: every stochastic-rounding generator's state
-        (``generator/<fqn>``) and torch's CPU RNG state (``torch_rng``)."""
+        (``generator/<fqn>``) and the process-wide generators' (torch's CPU RNG as ``torch_rng``, Python's
+        ``random`` as ``python_rng/*``, NumPy's as ``numpy_rng/*``: :func:`snip_ds.global_rng.global_rng_tensors`)."""
         tensors = {f"generator/{fqn}": layer.generator.get_state().clone() for fqn, layer in self.layers.items()
                    if layer.generator is not None}
-        tensors["torch_rng"] = torch.get_rng_state().clone()
+        tensors.update(global_rng_tensors())
         return tensors
 
-    def load_rank_tensors(self, tensors: Mapping[str, torch.Tensor], torch_rng: bool) -> None:
-        """Restores :meth:`rank_tensors`' output, or an older Trainer file (generator states keyed by the bare
-        fqn, no torch RNG). ``torch_rng``: restore torch's RNG too (the engine; the Trainer restores its own)."""
+    def load_rank_tensors(self, tensors: Mapping[str, torch.Tensor], global_rngs: bool) -> None:
+        """Restores :meth:`rank_tensors`' output, or an older file (a Trainer's: generator states keyed by the bare
+        fqn, no torch RNG; an engine's: torch's RNG without Python's and NumPy's). ``global_rngs``: restore the
+        process-wide generators too (the engine; the Trainer restores its own from its ``rng_state.pth``)."""
         for key, value in tensors.items():
             fqn = key.split("/", 1)[1] if key.startswith("generator/") else key
             layer = self.layers.get(fqn)
             if layer is not None and layer.generator is not None:
                 layer.generator.set_state(value)
-        if torch_rng and "torch_rng" in tensors:
-            torch.set_rng_state(tensors["torch_rng"])
+        if global_rngs:
+            restore_global_rngs(tensors)
 
 
 class CallCounter:

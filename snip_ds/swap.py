@@ -147,23 +147,6 @@ def model_layers(model: nn.Module) -> Dict[str, Union[SnipLinear, ExpertPoint]]:
     return out
 
 
-def check_layer_settings(infos: Dict[str, AnyLayerInfo], settings) -> None:
-    """Raises :class:`~snip_ds.settings.ConfigError` for ``"snip"`` settings that do not fit the model's layers:
-    a ``pinned`` name or glob that matches none of them, and, for a model with MoE experts,
-    ``research.dgrad_cost: "upstream"`` (the propagated backward estimate follows one input per layer, not an
-    expert's routed tokens)."""
-    from snip_ds.planner.ilp import expand_pinned
-    from snip_ds.settings import ConfigError
-
-    try:  # a pinned name or glob that matches no layer: an error before any step, not at the first solve
-        expand_pinned(settings.pinned, list(infos))
-    except ValueError as err:
-        raise ConfigError(f"snip.pinned: {err}") from None
-    if settings.dgrad_cost == "upstream" and any(isinstance(i, ExpertLayerInfo) for i in infos.values()):
-        raise ConfigError('snip.research.dgrad_cost: "upstream" is not available for Mixture-of-Experts models (the '
-                          'propagated estimate does not follow routed tokens); use "local"')
-
-
 def snip_layers(model: nn.Module) -> Dict[str, SnipLinear]:
     """The model's :class:`SnipLinear` layers by fully qualified name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, SnipLinear)}

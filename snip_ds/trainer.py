@@ -1,178 +1,32 @@
 """The training loop behind ``launch/train.py``: data, model, plan, DeepSpeed engine, logging, checkpoints.
 
 Everything a user can get wrong (config, plan, dataset, model, checkpoint) is checked before the first
-step and reported as one ``error: ...`` line naming the file or field (exit code 2).
+step and reported as one ``error: ...`` line naming the file or field (exit code 2). The command line is
+:mod:`snip_ds.train_args`', stopping on a signal :mod:`snip_ds.train_stop`'s.
 """
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from snip_ds import console, faults, resume
 from snip_ds.deepspeed_config import resolve_ds_config, tensor_parallel_degree, validate_with_deepspeed
+from snip_ds.settings import ConfigError, SnipSettings
 from snip_ds.tensorboard import config_text, make_logger
-from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, with_overrides
+from snip_ds.train_args import RunFault, UserError, build_parser, settings_from_args
+from snip_ds.train_stop import StopFlag
 
 # torch, transformers and DeepSpeed are imported inside train() and main(), so that `--help` answers at once.
-
-TRAIN_FLAGS = ("model_name_or_path", "model_config", "dataset", "tokenizer_name_or_path", "block_size",
-               "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps", "seed", "output_dir")
-
-
-class UserError(Exception):
-    """A mistake in the user's input; reported as one line, no traceback (by rank 0, or with ``all_ranks``,
-    for an error the ranks agreed on, by every rank)."""
-
-    code = 2
-
-    def __init__(self, message: str, all_ranks: bool = False) -> None:
-        super().__init__(message)
-        self.all_ranks = all_ranks
-
-
-class RunFault(UserError):
-    """A fault during training (a checkpoint that cannot be written, a non-finite loss or gradient): the same
-    one line on every rank (``all_ranks``), exit code 1."""
-
-    code = 1
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, all_ranks=True)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Train a decoder-only causal LM with SNIP FP8/FP4 mixed precision on DeepSpeed.",
-        epilog="Example: deepspeed launch/train.py --deepspeed ds_configs/zero3.json")
-    p.add_argument("--deepspeed", required=True, metavar="PATH", help="DeepSpeed JSON with a 'snip' section")
-    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    g = p.add_argument_group("model and data (override snip.train in the JSON)")
-    g.add_argument("--model_name_or_path", help="local Hugging Face model directory")
-    g.add_argument("--model_config", help="JSON model config, trained from scratch")
-    g.add_argument("--dataset", help="text/JSON-lines file or a launch/prepare_dataset.py directory")
-    g.add_argument("--tokenizer_name_or_path", help="local Hugging Face tokenizer for raw text")
-    g.add_argument("--block_size", type=int)
-    g = p.add_argument_group("training (Hugging Face Trainer names; override the JSON)")
-    g.add_argument("--output_dir")
-    g.add_argument("--max_steps", type=int)
-    g.add_argument("--eval_steps", type=int)
-    g.add_argument("--eval_batches", type=int)
-    g.add_argument("--save_steps", type=int)
-    g.add_argument("--logging_steps", type=int)
-    g.add_argument("--learning_rate", type=float)
-    g.add_argument("--per_device_train_batch_size", type=int)
-    g.add_argument("--gradient_accumulation_steps", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--resume_from_checkpoint", metavar="DIR",
-                   help="a checkpoint directory (step_N), the checkpoints directory (its 'latest') or a run's output "
-                        "directory (its last complete checkpoint)")
-    g.add_argument("--reset_lr_schedule", action="store_true",
-                   help="on resume, follow this run's learning-rate schedule (resolved from its --max_steps) "
-                        "instead of the checkpoint's")
-    g = p.add_argument_group("precision plan (override snip.plan)")
-    x = g.add_mutually_exclusive_group()
-    x.add_argument("--precision", choices=("bf16", "fp8", "fp4", "adaptive"), help="uniform plan, or adaptive SNIP")
-    x.add_argument("--plan", metavar="PLAN.json", help="a fixed plan: {fqn: precision} or a snip-ds plan file")
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    p.add_argument("--dist_timeout", type=float, metavar="SECONDS",
-                   help="process-group timeout: a rank whose peer stops answering in a collective for this long "
-                        "exits with an error (default 600, DeepSpeed's; must exceed the longest legitimate wait "
-                        "of one rank for another)")
-    return p
-
-
-@dataclass
-class Run:
-    """What one training run was built from."""
-
-    settings: SnipSettings
-    ds_config: Dict[str, Any]
-    out_dir: Path
-    rank: int
-    world_size: int
-
-
-def _settings_from_args(args: argparse.Namespace) -> tuple[Dict[str, Any], SnipSettings]:
-    ds_cfg, settings = load_ds_config(args.deepspeed)
-    overrides = {k: getattr(args, k) for k in TRAIN_FLAGS}
-    if args.precision or args.plan:
-        overrides["plan"] = args.precision or args.plan
-    return ds_cfg, with_overrides(settings, **overrides)
-
-
-def _launcher_processes() -> list:
-    """The launcher processes this rank outlives only if the job was stopped (psutil handles; [] if none).
-
-    The ``deepspeed`` runner forwards SIGTERM/SIGINT to its ranks only in its multi-node (pdsh) mode; on one
-    node a SIGTERM sent to it alone (as a scheduler signalling the job's main process does) kills it and
-    leaves ``deepspeed.launcher.launch`` and the ranks training on. So each rank watches its parent (the
-    launcher: ``deepspeed.launcher.launch`` or ``torchrun``) and, above ``deepspeed.launcher.launch``, the
-    ``deepspeed`` runner. A plain ``python`` run watches nothing.
-    """
-    if os.environ.get("SNIP_DS_SINGLE_PROCESS") == "1":
-        return []
-    import psutil
-    try:
-        parent = psutil.Process().parent()
-        if parent is None or parent.pid == 1:
-            return []
-        watched = [parent]
-        if any("deepspeed.launcher.launch" in arg for arg in parent.cmdline()):
-            runner = parent.parent()
-            if runner is not None and runner.pid != 1:
-                watched.append(runner)
-        return watched
-    except psutil.Error:
-        return []
-
-
-def _exited(process) -> bool:
-    import psutil
-    try:
-        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
-
 
 def _plan_words(settings: SnipSettings, engine) -> str:
     if settings.is_adaptive:
         return (f"adaptive (rho {settings.efficiency_saving}, method {settings.method}, "
                 f"re-planned every {settings.replan_every} steps)")
     return f"{settings.plan!r} (fp4 share {engine.plan_fp4_share():.2f})"
-
-
-class _StopFlag:
-    """Set by SIGTERM/SIGINT, or when a launcher process has exited (see :func:`_launcher_processes`); the
-    loop saves a checkpoint at the next step boundary and exits."""
-
-    def __init__(self) -> None:
-        self.signal: Optional[int] = None
-        self.reason = ""
-        self._watched = _launcher_processes()
-
-    def __call__(self, signum, frame) -> None:
-        self.signal = signum
-        self.reason = signal.Signals(signum).name
-
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self)
-        signal.signal(signal.SIGINT, self)
-
-    def is_set(self) -> bool:
-        """Whether to stop: a signal arrived, or a watched launcher process has exited."""
-        if self.signal is None:
-            gone = [p for p in self._watched if _exited(p)]
-            if gone:
-                self.signal = signal.SIGTERM
-                self.reason = f"the exit of launcher process {gone[0].pid}"
-        return self.signal is not None
 
 
 def _write_artifacts(out_dir: Path, plan, stats: Optional[Dict[str, Any]]) -> None:
@@ -212,10 +66,13 @@ def train(args: argparse.Namespace) -> int:
     from snip_ds import distributed as sdist
     from snip_ds.data import DataStream, load_dataset_blocks
     from snip_ds.engine import CheckpointError, NonFiniteError, init_distributed, initialize  # imports DeepSpeed
-    from snip_ds.engine.core import initial_plan
+    from snip_ds.model_settings import initial_plan
     from snip_ds.engine.tensor_parallel import data_parallel
-    from snip_ds.engine import checkpoint as ckpt
     from snip_ds.engine.checkpoint import CheckpointSaveError
+    from snip_ds.engine.checkpoint_layout import META_FILE, is_universal, model_architecture, model_fingerprint
+    from snip_ds.engine.checkpoint_verify import check_resumable
+    from snip_ds.engine.universal import check_universal_batch, with_load_universal
+    from snip_ds.global_rng import seed_global_rngs
     from snip_ds.model import build_model
     from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET
     from snip_ds.swap import LayerInfo, layer_infos
@@ -223,7 +80,7 @@ def train(args: argparse.Namespace) -> int:
     # Subnormal FP32 intermediates (squares of tiny gradient errors in the statistics) are ~100x slower on
     # CPUs and lie far below every FP8/FP4 grid step: flush them to zero for the whole (training) process.
     torch.set_flush_denormal(True)
-    raw_cfg, settings = _settings_from_args(args)
+    raw_cfg, settings = settings_from_args(args)
     t = settings.train
     if args.dist_timeout is not None and not 0 < args.dist_timeout < math.inf:
         raise UserError(f"--dist_timeout: must be a positive number of seconds, got {args.dist_timeout}")
@@ -266,7 +123,10 @@ def train(args: argparse.Namespace) -> int:
                             block_size=t.block_size)
     except (ValueError, FileNotFoundError, OSError) as err:
         raise UserError(str(err)) from None
-    _seed_global_rngs(t.seed)
+    # Python's, NumPy's and torch's global generators, as the Trainer's set_seed: dropout and any other random
+    # operation of the model draw from them (torch seeds its own randomly at start-up); a resume restores the
+    # saved states after this.
+    seed_global_rngs(t.seed)
 
     tokenizer = str(data_info.get("tokenizer", "unknown"))  # recorded in checkpoints for `snip-ds export`
     if tokenizer not in ("byte", "unknown") and Path(tokenizer).exists():
@@ -293,34 +153,35 @@ def train(args: argparse.Namespace) -> int:
         # error before any other collective, so that every rank stops with the same line.
         problem = None
         try:
-            tag_dir, ckpt_meta = ckpt.check_resumable(Path(args.resume_from_checkpoint), ckpt.model_fingerprint(model),
-                                                      world, rank, ckpt.model_architecture(model), tp)
+            tag_dir, ckpt_meta = check_resumable(Path(args.resume_from_checkpoint), model_fingerprint(model),
+                                                 world, rank, model_architecture(model), tp)
             resume.check_resumed_plan(tag_dir, ckpt_meta, plan, settings)
             stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
-            ckpt.check_universal_batch(tag_dir, ckpt_meta, micro_bs * ga * world_d, micro_bs, ga, world_d, stage)
+            check_universal_batch(tag_dir, ckpt_meta, micro_bs * ga * world_d, micro_bs, ga, world_d, stage)
             data = ckpt_meta.get("data")
-            if isinstance(data, dict):  # the data position fits this run's batch (a trial)
-                if not ckpt.is_universal(ckpt_meta) and data.get("global_batch_size", micro_bs * world_d) != \
-                        micro_bs * world_d:  # only a universal checkpoint records the whole global batch
-                    raise CheckpointError(f"{tag_dir / ckpt.META_FILE}: data.global_batch_size is "
-                                          f"{data['global_batch_size']}, but this run's per-device batch x "
-                                          f"data-parallel ranks is {micro_bs} x {world_d}; resume with the same")
-                try:
-                    DataStream(train_ds, micro_bs, seed=t.seed, rank=rank_d, world_size=world_d).load_state_dict(
-                        ckpt_meta["data"])
-                except ValueError as err:
-                    raise CheckpointError(f"{tag_dir / ckpt.META_FILE}: field 'data': {err}") from None
+            if not isinstance(data, dict):
+                raise CheckpointError(f"{tag_dir / META_FILE}: field 'data' missing: the checkpoint records no "
+                                      f"data stream position (launch/train.py's checkpoints do)")
+            if not is_universal(ckpt_meta) and data.get("global_batch_size", micro_bs * world_d) != \
+                    micro_bs * world_d:  # only a universal checkpoint records the whole global batch
+                raise CheckpointError(f"{tag_dir / META_FILE}: data.global_batch_size is "
+                                      f"{data['global_batch_size']}, but this run's per-device batch x "
+                                      f"data-parallel ranks is {micro_bs} x {world_d}; resume with the same")
+            try:  # the training stream goes on from the saved position (read nowhere before the first step)
+                stream.load_state_dict(data)
+            except ValueError as err:
+                raise CheckpointError(f"{tag_dir / META_FILE}: field 'data': {err}") from None
         except CheckpointError as err:
             problem = str(err)
         problem = sdist.first_error(problem)
         if problem:
             raise UserError(problem, all_ranks=True)
         if rank == 0 and "files" not in ckpt_meta:
-            print(f"snip_ds: {tag_dir / ckpt.META_FILE} records no checksums (written by an older snip_ds): "
+            print(f"snip_ds: {tag_dir / META_FILE} records no checksums (written by an older snip_ds): "
                   f"its files are not verified", flush=True)
         saved = resume.checkpoint_schedule(ckpt_meta, raw_cfg, args, on_gpu, world)
         ds_cfg, schedule_line = resume.resume_schedule(ds_cfg, saved, args.reset_lr_schedule)
-        ds_cfg = ckpt.with_load_universal(ds_cfg, ckpt_meta)  # another world size: DeepSpeed reads zero/
+        ds_cfg = with_load_universal(ds_cfg, ckpt_meta)  # another world size: DeepSpeed reads zero/
 
     out_dir = Path(t.output_dir)
     global _logger
@@ -351,20 +212,19 @@ def train(args: argparse.Namespace) -> int:
     planner = engine.planner
 
     if args.resume_from_checkpoint:
-        try:  # DeepSpeed's state, then SNIP's (plan, planner, streams, generators), then the data's position
-            meta = engine.load_checkpoint(args.resume_from_checkpoint)
-            stream.load_state_dict(meta["data"])
+        try:  # DeepSpeed's state, then SNIP's (plan, planner, streams, generators); the data's position is set
+            engine.load_checkpoint(args.resume_from_checkpoint)
         except (CheckpointError, KeyError, ValueError) as err:  # a corrupt file inside a complete checkpoint
             raise UserError(f"{args.resume_from_checkpoint}: cannot be restored ({err})") from None
         if rank == 0:
             print(f"snip_ds: resumed from {args.resume_from_checkpoint} at step {engine.step}" + (
                 f" (universal, saved by {ckpt_meta['world_size']} rank(s), resumed by {world})"
-                if ckpt.is_universal(ckpt_meta) else ""), flush=True)
+                if is_universal(ckpt_meta) else ""), flush=True)
             print(schedule_line, flush=True)
     if planner is None or planner.planned_at is not None:  # not adaptive's placeholder plan
         _write_artifacts(out_dir, engine.plan, planner.last_stats if planner else None)
 
-    stop = _StopFlag()
+    stop = StopFlag()
     stop.install()
     ckpt_dir = out_dir / "checkpoints"
     bar = None
@@ -443,22 +303,6 @@ def _lost_peer(err: BaseException) -> bool:
     from snip_ds.distributed import lost_peer
 
     return lost_peer(err)
-
-
-def _seed_global_rngs(seed: int) -> None:
-    """Seeds Python's, NumPy's and torch's global generators (CPU and every GPU) with the run's seed on every rank,
-    as the Hugging Face Trainer's ``set_seed`` does: dropout and any other random operation of the model draw
-    from them, and torch seeds its default generator randomly at start-up, so without this two runs of the same
-    configuration would differ. SNIP's own randomness (data order, statistics, measurements, stochastic
-    rounding) has generators of its own; a resume restores the saved global states after this."""
-    import random
-
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

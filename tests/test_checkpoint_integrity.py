@@ -17,8 +17,8 @@ import pytest
 
 from train_utils import launch, ranks_directly, write_configs
 
-from snip_ds.engine.checkpoint import (CheckpointError, META_FILE, file_digest, read_meta, record_files, resolve,
-                                       verify_files)
+from snip_ds.engine.checkpoint_layout import META_FILE, CheckpointError, read_meta, resolve
+from snip_ds.engine.checkpoint_verify import file_digest, record_files, verify_files
 
 
 # ---------------------------------------------------------------------------------------------- unit tests
@@ -126,7 +126,7 @@ def test_read_meta_names_a_field_of_the_wrong_type(tmp_path, change, words):
 
 
 def test_validate_names_the_fields_a_resume_needs(tmp_path):
-    from snip_ds.engine.checkpoint import validate
+    from snip_ds.engine.checkpoint_verify import validate
 
     tag = _meta(tmp_path)
     meta = json.loads((tag / META_FILE).read_text())

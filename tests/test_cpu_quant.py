@@ -314,6 +314,46 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
         cpu.quantize_parts(torch.zeros(2, 32), "nvfp4", 1)
 
 
+def test_a_load_removes_this_checkouts_earlier_builds_and_says_so(kernels, tmp_path, monkeypatch, caplog):
+    """In a temporary extensions folder: this checkout's build of an earlier source (recorded), and one written
+    before builds recorded who built them (its build.ninja compiles this source against this torch), go when the
+    kernels load, in one warning line; another checkout's build and this build's own folder stay."""
+    from torch.utils import cpp_extension
+
+    from snip_ds import jit_builds
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    own = Path(cpu.build_directory())
+    parent = own.parent
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+
+    def build(key, ninja_source=None, identity=None):
+        folder = parent / f"{cpu.EXTENSION_NAME}-{key}"
+        folder.mkdir(parents=True)
+        (folder / f"{cpu.EXTENSION_NAME}.so").write_bytes(b"\0" * 1024)
+        if ninja_source is not None:
+            (folder / "build.ninja").write_text(f"cflags = -isystem {include} -O3\n\n"
+                                                f"build quantize.o: compile {ninja_source}\n")
+        if identity is not None:
+            jit_builds.record_build(folder, identity)
+        return folder
+
+    earlier = build("0000000000000001", identity=cpu.build_identity())
+    legacy = build("0000000000000002", ninja_source=cpu.SOURCE)
+    other = build("0000000000000003", ninja_source="/elsewhere/snip_ds/backend/cpu/quantize.cpp")
+    monkeypatch.setattr(cpu, "_ops", None)
+    monkeypatch.setattr(cpu, "_error", None)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: None)  # the library is loaded in this process
+    with caplog.at_level(logging.WARNING, logger="snip_ds"):
+        assert cpu.load()
+    lines = [r.getMessage() for r in caplog.records if "build folder" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("snip_ds: removed 2 build folder(s) of earlier versions of "
+                                                   "snip_ds's CPU kernels that this version never loads")
+    assert earlier.name in lines[0] and legacy.name in lines[0] and other.name not in lines[0]
+    assert not earlier.exists() and not legacy.exists() and other.exists()
+    assert json.loads((own / jit_builds.BUILD_RECORD).read_text()) == {"identity": cpu.build_identity()}
+
+
 @pytest.mark.parametrize("recipe", ["fp8_hybrid", "mxfp8", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("fallback", [False, True])
 def test_torch_backend_operands_with_and_without_the_kernels(recipe, fallback, request):

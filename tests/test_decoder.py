@@ -207,8 +207,8 @@ def test_displays_take_their_columns_from_the_kinds():
                                                   ("gpt_neox", "layer_norm_eps", 1e-3)])
 def test_a_resume_check_sees_family_fields_that_shapes_miss(family, field, other):
     """Fields that change a family's arithmetic but not its tensors' names and shapes are in the architecture a
-    checkpoint records, so a resume with another value is refused (engine.checkpoint.validate compares them)."""
-    from snip_ds.engine.checkpoint import model_architecture, model_fingerprint
+    checkpoint records, so a resume with another value is refused (engine.checkpoint_verify.validate compares them)."""
+    from snip_ds.engine.checkpoint_layout import model_architecture, model_fingerprint
     config = FAMILIES[family][0]
     a, b = build_model(model_config=config), build_model(model_config={**config, field: other})
     assert getattr(a.config, field) != other and getattr(b.config, field) == other

@@ -38,7 +38,7 @@ def _texts():
 def test_byte_tokenizer_encodes_and_decodes_like_the_byte_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from snip_ds.export import byte_tokenizer
+    from snip_ds.export_config import byte_tokenizer
 
     byte_tokenizer().save_pretrained(str(tmp_path))
     hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)  # what a user of the export loads
@@ -66,17 +66,17 @@ def test_byte_tokenizer_encodes_and_decodes_like_the_byte_tokenizer(tmp_path):
 def test_tokenizer_of_the_run_is_copied_or_reported_missing(tmp_path):
     from transformers import AutoTokenizer
 
-    from snip_ds.export import _write_tokenizer, byte_tokenizer, tokenizer_source
+    from snip_ds.export_config import byte_tokenizer, tokenizer_source, write_tokenizer
 
     user_tok = tmp_path / "user_tok"  # a local Hugging Face tokenizer a run trained with
     byte_tokenizer().save_pretrained(str(user_tok))
     out = tmp_path / "out"
     out.mkdir()
     warnings = []
-    record = _write_tokenizer({"tokenizer": str(user_tok)}, out, warnings.append)
+    record = write_tokenizer({"tokenizer": str(user_tok)}, out, warnings.append)
     assert record == {"kind": "huggingface", "source": str(user_tok), "exported": True} and not warnings
     assert AutoTokenizer.from_pretrained(str(out)).encode("ab", add_special_tokens=False) == [97, 98]
-    record = _write_tokenizer({"tokenizer": str(tmp_path / "gone")}, tmp_path / "out2", warnings.append)
+    record = write_tokenizer({"tokenizer": str(tmp_path / "gone")}, tmp_path / "out2", warnings.append)
     assert not record["exported"] and len(warnings) == 1 and str(tmp_path / "gone") in warnings[0]
     # Checkpoints that predate the recorded tokenizer: read from the settings.
     assert tokenizer_source({"settings": {"train": {"dataset": None}}})[0] == "byte"
@@ -85,7 +85,7 @@ def test_tokenizer_of_the_run_is_copied_or_reported_missing(tmp_path):
 
 
 def test_a_checkpoint_without_the_full_config_exports_its_architecture_with_a_warning(tmp_path):
-    from snip_ds.export import hf_config
+    from snip_ds.export_config import hf_config
 
     arch = {"model_type": "llama", "vocab_size": 264, "hidden_size": 64, "num_attention_heads": 4,
             "num_key_value_heads": 2, "rms_norm_eps": 1e-6}
@@ -315,7 +315,7 @@ class _Payload:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_pickle_payload_in_a_shard_is_refused(zero3_run, tmp_path, capsys):
-    from snip_ds.engine.checkpoint import file_digest
+    from snip_ds.engine.checkpoint_verify import file_digest
 
     tag = tmp_path / "evil" / "step_6"
     shutil.copytree(zero3_run / "checkpoints" / "step_6", tag)

@@ -48,7 +48,8 @@ def test_plan_and_stats_writes_fail_whole_under_a_file_size_limit(tmp_path):
 import json, sys
 sys.path.insert(0, {str(REPO)!r})
 from snip_ds.plan import Plan
-from snip_ds.trainer import RunFault, _write_artifacts
+from snip_ds.train_args import RunFault
+from snip_ds.trainer import _write_artifacts
 plan = Plan.uniform(["model.layers.0.mlp.up_proj"], "fp8", {{"model.layers.0.mlp.up_proj": 1.0}})
 stats = {{"format": "snip_ds.stats/1", "padding": "x" * 200000}}
 try:
@@ -98,7 +99,7 @@ def reference(tmp_path_factory, extensions):
 def test_disk_full_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint(reference, extensions, tmp_path):
     """The save of step 4 fails on both ranks: one error line each, the partial step_4 removed (by every rank
     that wrote it), step_2 and 'latest' untouched, and resuming the run continues from step_2 bit for bit."""
-    from snip_ds.engine.checkpoint import CheckpointError, resolve
+    from snip_ds.engine.checkpoint_layout import CheckpointError, resolve
 
     ref_ckpts = reference["out"] / "checkpoints"
     run = tmp_path / "run"  # the state of a run that has saved step_2: its checkpoint and 'latest'

@@ -375,6 +375,13 @@ def test_trainer_logs_the_measured_loss_change(tmp_path):
     assert all(math.isfinite(e["snip/measured_loss_change"]) and e["snip/measured_loss_change"] != 0
                and e["snip/measured_fld"] > 0 for e in logged)
     assert snip.state.measure_stream.step == 3  # its own stream, not the Trainer's batches
+    # One owner of the settings, the state: the callback and the planner read them there, so settings the state
+    # is given are the ones the schedule follows (the planner used to keep a copy of its own).
+    from snip_ds.settings import with_overrides
+
+    assert not snip.planner.due(5)
+    snip.state.settings = with_overrides(snip.state.settings, replan_every=5)
+    assert snip.settings.replan_every == 5 and snip.planner.due(5)
 
 
 @pytest.mark.parametrize("tp, message", [
@@ -404,7 +411,7 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused_under_the_trainer(tm
     from snip_ds.settings import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr("snip_ds.hf._cpu_ranks_unshared", lambda args: False)
+    monkeypatch.setattr("snip_ds.hf_checks.cpu_ranks_unshared", lambda args: False)
     path = _variant(tmp_path, lambda c: c.update(tensor_parallel={"autotp_size": 2}))
     with pytest.raises(ConfigError, match=r"^tensor_parallel.autotp_size: 2 does not divide the model's "
                                           r"num_attention_heads \(3\)"):
@@ -631,7 +638,7 @@ def _run_clm_inputs(tmp: Path, tp: int = 1) -> dict:
     ``tp`` > 1 at ``tensor_parallel.autotp_size`` ``tp``)."""
     from transformers import LlamaConfig
 
-    from snip_ds.export import byte_tokenizer
+    from snip_ds.export_config import byte_tokenizer
 
     LlamaConfig(**{k: v for k, v in TINY_MODEL.items() if k != "model_type"}).save_pretrained(tmp / "config")
     byte_tokenizer().save_pretrained(str(tmp / "tokenizer"))
@@ -736,8 +743,16 @@ def test_run_clm_tensor_parallel_under_accelerate_launch(tmp_path):
     the model built under zero.Init, 2 CPU ranks: one tensor-parallel group): SNIP re-plans on the shards,
     checkpoint-4 records the degree, ``trainer.save_model()`` leaves a whole model from_pretrained loads, and
     ``snip-ds export`` of checkpoint-4 (the Trainer's model.safetensors, gathered by DeepSpeed) computes the
-    saved model's logits exactly."""
+    saved model's logits exactly. The checkpoint records that zero.Init partitioned the model, so ``snip-ds
+    universal`` refuses it up front saying DeepSpeed's converter cannot merge its shards, which the converter
+    confirms, and an export without the gathered model.safetensors stops before running it."""
+    import shutil
+
     from snip_ds.cli import main
+    from snip_ds.engine.checkpoint_layout import CheckpointError
+    from snip_ds.engine.universal import convert_to_universal, run_ds_to_universal
+    from snip_ds.export import export_checkpoint
+    from snip_ds.export_files import ExportError
 
     out = tmp_path / "out"
     proc = _run_clm(tmp_path, "accelerate", out, tp=2)
@@ -750,6 +765,20 @@ def test_run_clm_tensor_parallel_under_accelerate_launch(tmp_path):
     record = json.loads((tmp_path / "hf" / "snip_export.json").read_text())
     assert record["tensor_parallel"] == 2 and "gathered by DeepSpeed" in record["weights"]
     assert bool((_logits(tmp_path / "hf") == saved).all())
+
+    ckpt = out / "checkpoint-4"
+    assert state["zero_init"] is True
+    with pytest.raises(CheckpointError, match=r"cannot be converted: its model was built under deepspeed.zero.Init "
+                                              r"\(ZeRO-3\) and trained at tensor_parallel.autotp_size 2: "):
+        convert_to_universal(ckpt, tmp_path / "universal")
+    with pytest.raises(CheckpointError, match=r"exceeds dimension size"):  # what the refusal spares the user
+        run_ds_to_universal(ckpt / (ckpt / "latest").read_text().strip(), tmp_path / "ds_universal")
+    masters_only = tmp_path / "masters" / "checkpoint-4"
+    shutil.copytree(ckpt, masters_only)
+    (masters_only / "model.safetensors").unlink()
+    with pytest.raises(ExportError, match=r"holds no gathered model.safetensors, and its FP32 master weights cannot "
+                                          r"be merged: its model was built under deepspeed.zero.Init"):
+        export_checkpoint(masters_only, tmp_path / "hf_masters")
 
 
 def test_plain_trainer_checkpoint_exports_its_safetensors_with_tied_weights(tmp_path, capsys):

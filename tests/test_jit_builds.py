@@ -74,3 +74,60 @@ def test_a_killed_builds_lock_does_not_hang_the_next_load(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(target)
     assert f"removed {lock}" in proc.stderr and not lock.exists()
+
+
+def _build(parent, key, identity=None, ninja=None, lock=False):
+    """A build folder ``<parent>/snip_ds_cpu_quant-<key>`` with a library, and a record naming ``identity`` or a
+    ``build.ninja`` (a folder written before builds recorded who built them), or neither."""
+    folder = parent / f"snip_ds_cpu_quant-{key}"
+    folder.mkdir(parents=True)
+    (folder / "snip_ds_cpu_quant.so").write_bytes(b"\0" * 2048)
+    if identity is not None:
+        jit_builds.record_build(folder, identity)
+    if ninja is not None:
+        (folder / "build.ninja").write_text(ninja)
+    if lock:
+        (folder / "lock").touch()
+    return folder
+
+
+def test_only_this_checkouts_earlier_builds_are_pruned_with_one_line(tmp_path, caplog):
+    import logging
+
+    me = {"python": "/env/bin/python", "prefix": "/env", "source_path": "/repo/snip_ds/backend/cpu/quantize.cpp"}
+    parent = tmp_path / "py311_cpu"
+    own = _build(parent, "own", me)
+    earlier = _build(parent, "earlier", me)  # another source hash, torch or flags: this key is never loaded again
+    legacy = _build(parent, "legacy", ninja="mine")  # written before records: legacy() decides
+    kept = [_build(parent, "other_checkout", {**me, "source_path": "/repo2/snip_ds/backend/cpu/quantize.cpp"}),
+            _build(parent, "other_env", {**me, "prefix": "/env2", "python": "/env2/bin/python"}),
+            _build(parent, "other_legacy", ninja="theirs"), _build(parent, "unknown"),
+            _build(parent, "building", me, lock=True), _build(tmp_path / "py310_cpu", "earlier", me)]
+    (parent / "fused_adam").mkdir()
+
+    def legacy_check(folder):
+        return (folder / "build.ninja").is_file() and (folder / "build.ninja").read_text() == "mine"
+
+    assert jit_builds.superseded_builds(own, me, legacy_check) == [earlier, legacy]
+    with caplog.at_level(logging.WARNING, logger="snip_ds"):
+        assert jit_builds.prune_superseded_builds(own, me, "snip_ds's CPU kernels", legacy_check) == [earlier, legacy]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"snip_ds: removed 2 build folder(s) of earlier versions of snip_ds's CPU kernels that this "
+                     f"version never loads (0.0 MiB) from {parent}: snip_ds_cpu_quant-earlier, "
+                     f"snip_ds_cpu_quant-legacy"]
+    assert not earlier.exists() and not legacy.exists() and own.exists() and all(k.exists() for k in kept)
+    assert (parent / "fused_adam").exists()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="snip_ds"):  # nothing left to prune: nothing said
+        assert jit_builds.prune_superseded_builds(own, me, "snip_ds's CPU kernels", legacy_check) == []
+    assert not caplog.records
+
+
+def test_the_build_record_names_who_built_the_folder(tmp_path):
+    folder = tmp_path / "b"
+    folder.mkdir()
+    jit_builds.record_build(folder, {"prefix": "/env"})
+    first = (folder / jit_builds.BUILD_RECORD).stat().st_mtime_ns
+    jit_builds.record_build(folder, {"prefix": "/env"})  # the same: not rewritten
+    assert (folder / jit_builds.BUILD_RECORD).stat().st_mtime_ns == first
+    assert jit_builds.superseded_builds(tmp_path / "a-x", {"prefix": "/env"}) == []  # "b" has another name

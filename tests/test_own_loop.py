@@ -29,7 +29,7 @@ def test_resume_from_restores_a_checkpoint_and_a_universal_one_at_another_number
     (accumulation 2: the same global batch) its own checkpoint is refused, naming the number of ranks; the
     universal one (``snip-ds universal``'s conversion) resumes: step, plan and re-plan history as saved, and
     the parameters exactly the saved ones (the same FP32 values, summed in the same order), then it trains."""
-    from snip_ds.engine.checkpoint import convert_to_universal
+    from snip_ds.engine.universal import convert_to_universal
 
     saved = _run("save", tmp_path)
     assert saved[0]["step"] == 3 and saved[0]["sum"] == saved[1]["sum"] and saved[0]["digest"] == saved[1]["digest"]
@@ -157,3 +157,51 @@ def test_a_nonfinite_step_is_skipped_on_every_rank_and_counted(tmp_path, case):
     assert ranks[0]["sums"] == ranks[1]["sums"] and ranks[0]["losses"][3:] == ranks[1]["losses"][3:]
     logged = scalars(tmp_path / f"{case}.tb")
     assert logged["train/skipped_steps"] == {3: 1.0}
+
+
+_RANDOM_DATA_LOOP = """
+import json, random, sys
+import numpy as np, torch, snip_ds
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg, save_dir, resume, steps = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3] or None, int(sys.argv[4])
+random.seed(0)
+np.random.seed(0)
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+engine = snip_ds.initialize(model, cfg, tokens_per_step=4 * 16, resume_from=resume)
+out = {}
+while engine.step < steps:
+    # the user's data code: token ids from NumPy, a crop from Python's random
+    start = random.randrange(8)
+    ids = torch.from_numpy(np.random.randint(0, 64, (4, 24)))[:, start:start + 16]
+    loss = engine.train_step([{"input_ids": ids, "labels": ids}])
+    out[engine.step] = loss
+    if engine.step == 2 and not resume:
+        engine.save_checkpoint(save_dir, {})
+print(json.dumps(out))
+"""
+
+
+def test_a_resume_repeats_a_run_whose_data_code_draws_from_python_and_numpy_random(tmp_path):
+    """``snip_ds.initialize`` in a loop whose batches come from Python's ``random`` and NumPy's global generator
+    (seeded once at the start, as a user's script does): 4 steps in one go, saving at step 2, and steps 3-4 again
+    from that checkpoint in a fresh process. The checkpoint carries both generators' states (and torch's), so the
+    resumed steps see the same batches and give the same losses bit for bit; without them the fresh process
+    would draw step 1's batches again."""
+    cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    cfg["snip"] = {"plan": "fp8"}
+    path = tmp_path / "z3.json"
+    path.write_text(json.dumps(cfg))
+
+    def run(resume: str, steps: int) -> dict:
+        proc = subprocess.run([sys.executable, "-c", _RANDOM_DATA_LOOP, str(path), str(tmp_path / "ckpt"), resume,
+                               str(steps)], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+    whole = run("", 4)
+    resumed = run(str(tmp_path / "ckpt"), 4)
+    assert sorted(whole) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    assert resumed == {3: whole[3], 4: whole[4]}
+    assert len(set(whole.values())) == 4  # the batches differ from step to step

@@ -628,7 +628,7 @@ def test_moe_scale_instance_solves_within_the_large_instance_gap():
 
 
 def test_pinned_globs_expand_over_the_layers_and_exact_names_win():
-    from snip_ds.planner.ilp import expand_pinned
+    from snip_ds.planner.problem import expand_pinned
 
     names = [f"m.layers.{b}.mlp.experts.{e}.{p}" for b in range(2) for e in range(3) for p in ("gate_up_proj", "down_proj")]
     names += ["m.layers.0.self_attn.q_proj"]

@@ -7,7 +7,8 @@ import torch
 
 from snip_ds.formats import E2M1, E4M3, E5M2
 from snip_ds.quant import (RECIPES, Recipe, cast_to_format, fake_quantize, get_recipe, hadamard_matrix,
-                           hadamard_transform, mx_scale, quantize_parts, random_signs, stochastic_moments)
+                           hadamard_transform, quantize_parts, random_signs, stochastic_moments)
+from snip_ds.scales import mx_scale
 from tests.reference_quant import (GRIDS, assert_bitwise_equal, block_diagonal_hadamard, floor_log2, ref_mx_rows,
                                    ref_nvfp4_2d, ref_nvfp4_parts_rows, ref_nvfp4_rows, ref_per_tensor,
                                    ref_sr_moments_rows, round_rne)

@@ -35,7 +35,7 @@ def engine_run(tmp_path_factory):
 def _as_old_engine_checkpoint(tag: Path, dest: Path) -> Path:
     """``tag`` rewritten as snip_ds wrote checkpoints before snip_state.json: plan, planner state and skipped
     steps inside snip_meta.json, and ``snip_rank00000.safetensors`` (the same tensors, other name)."""
-    from snip_ds.engine.checkpoint import file_digest
+    from snip_ds.engine.checkpoint_verify import file_digest
 
     old = dest / tag.name
     shutil.copytree(tag, old)
@@ -159,4 +159,5 @@ def test_both_loops_write_one_state_format(engine_run, trainer_run):
     e_keys = set(load_file(str(engine_dir / "snip_rng_rank0.safetensors")))
     t_keys = set(load_file(str(trainer_dir / "snip_rng_rank0.safetensors")))
     assert e_keys == t_keys and "torch_rng" in e_keys
-    assert {k.split("/", 1)[0] for k in e_keys} == {"generator", "torch_rng"}
+    assert {k.split("/", 1)[0] for k in e_keys} == {"generator", "torch_rng", "python_rng", "numpy_rng"}
+    assert e["zero_init"] is False and isinstance(t["zero_init"], bool)

@@ -79,23 +79,3 @@ def test_a_layer_replaced_after_the_swap_is_an_error_naming_it():
     del model.model.layers[1].mlp.down_proj
     with pytest.raises(RuntimeError, match=r"down_proj: deepspeed\.initialize removed snip_ds's quantized layer"):
         check_still_swapped(model, infos, "deepspeed.initialize")
-
-
-def test_settings_that_do_not_fit_the_layers_stop_before_any_step():
-    """snip.pinned names or globs that match no layer, and research.dgrad_cost "upstream" on an MoE model, are
-    one ConfigError naming the field (raised by initialize and SnipCallback before training)."""
-    from snip_ds.experts.points import ExpertLayerInfo
-    from snip_ds.settings import ConfigError, parse_snip_section
-    from snip_ds.swap import check_layer_settings
-
-    model = tiny_llama(layers=2)
-    infos = swap_linears(model, "fp8")
-    check_layer_settings(infos, parse_snip_section({"pinned": {"model.layers.*.mlp.down_proj": "fp8"}}))
-    with pytest.raises(ConfigError, match=r"^snip.pinned: 'pinned' pattern '\*.experts.\*' matches no layer"):
-        check_layer_settings(infos, parse_snip_section({"pinned": {"*.experts.*": "fp8"}}))
-    upstream = parse_snip_section({"per_gemm": True, "research": {"dgrad_cost": "upstream"}})
-    check_layer_settings(infos, upstream)  # a dense model may
-    pair = ExpertLayerInfo("model.layers.0.mlp.experts.0.down_proj", 0, "down_proj", 0, 48, 32)
-    with pytest.raises(ConfigError, match=r'^snip.research.dgrad_cost: "upstream" is not available for '
-                                          r"Mixture-of-Experts models"):
-        check_layer_settings({**infos, pair.fqn: pair}, upstream)

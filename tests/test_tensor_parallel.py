@@ -170,7 +170,7 @@ def test_tp2_dp2_adaptive_saves_resumes_bit_for_bit_and_resumes_at_other_shapes(
     and on 1 rank: step and re-plan history continue as saved, and the first resumed step (under the restored
     plan) continues the uninterrupted run within round-off where its micro-batches are the same (TP 1 x DP 2),
     and agrees across TP degrees where they are not (TP 2 x DP 1 against one rank)."""
-    from snip_ds.engine.checkpoint import convert_to_universal
+    from snip_ds.engine.universal import convert_to_universal
 
     base = ("--tp", "2", "--plan", "adaptive", "--snip", ADAPTIVE)
     whole = _run(tmp_path, "whole", 4, *base, "--steps", "5")
@@ -293,12 +293,22 @@ def _hf(tmp_path, name: str, ranks: int, *args) -> list:
 @pytest.mark.distributed
 def test_trainer_tp2_trains_like_tp1(tmp_path):
     """``add_snip(trainer)`` with ``autotp_size: 2``, a fixed fp8 plan: TP 2 on 2 ranks under ZeRO-1, and under
-    ZeRO-3 with the model built after ``TrainingArguments`` (partitioned by zero.Init, as run_clm.py builds
-    it), against TP 1 on 1 rank, the same batches: losses equal to FP32 round-off (1e-5 relative, as in the own
-    loop's test above); every TP layer is a quantized shard that ran its three GEMMs at fp8, as many as at TP 1."""
+    ZeRO-3 with the model built after ``TrainingArguments`` (by its constructor, which transformers does not wrap
+    in zero.Init: ``from_config`` and ``from_pretrained`` do, as run_clm.py builds it, tests/test_hf.py), against
+    TP 1 on 1 rank, the same batches: losses equal to FP32 round-off (1e-5 relative, as in the own loop's test
+    above); every TP layer is a quantized shard that ran its three GEMMs at fp8, as many as at TP 1. Their
+    checkpoints record that no zero.Init partitioned the model, and ``snip-ds universal`` refuses them up front
+    (the Trainer resumes its own at the saved shape)."""
+    from snip_ds.engine.checkpoint_layout import CheckpointError
+    from snip_ds.engine.universal import convert_to_universal
+
     (one,) = _hf(tmp_path, "tp1", 1, "--plan", "fp8")
     for name, extra in (("zero1", ()), ("zero3", ("--zero", "3", "--zero_init"))):
-        two = _hf(tmp_path, name, 2, "--tp", "2", "--plan", "fp8", *extra)
+        two = _hf(tmp_path, name, 2, "--tp", "2", "--plan", "fp8", "--save_steps", "3", *extra)
+        ckpt = tmp_path / f"{name}_run" / "checkpoint-3"
+        assert json.loads((ckpt / "snip_state.json").read_text())["zero_init"] is False
+        with pytest.raises(CheckpointError, match="the Trainer resumes its own only at the shape it was saved at"):
+            convert_to_universal(ckpt, tmp_path / f"{name}_universal")
         assert two[0]["losses"] == two[1]["losses"] and two[0]["dp_size"] == 1, name
         assert len(two[0]["losses"]) == 3
         for a, b in zip(one["losses"], two[0]["losses"]):

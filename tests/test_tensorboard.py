@@ -193,7 +193,7 @@ def test_the_precision_map_is_rendered_only_where_a_logger_writes_images(monkeyp
     from types import SimpleNamespace
 
     from snip_ds import state as state_module
-    from snip_ds.engine.core import initial_plan
+    from snip_ds.model_settings import initial_plan
     from snip_ds.model import build_model
     from snip_ds.settings import SnipSettings
     from snip_ds.swap import swap_model

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from train_utils import images, launch, scalars, write_configs
+from train_utils import images, launch, restore_environ, scalars, write_configs  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -87,7 +87,11 @@ def test_adaptive_two_rank_zero3_replans_logs_and_resumes_exactly(tmp_path):
     data = json.loads(cfg.read_text())
     data["snip"].update(replan_every=4, additional_bf16_fwd_every_n_steps=2, efficiency_saving=0.5)
     cfg.write_text(json.dumps(data))
-    _ok(launch(["--deepspeed", str(cfg)], num_ranks=2))
+    run = _ok(launch(["--deepspeed", str(cfg)], num_ranks=2))
+    # torch's FutureWarnings for the collectives ZeRO-3 calls (all_gather_into_tensor, reduce_scatter_tensor):
+    # once per rank, not again after each re-plan (whose warning capture used to make Python show them anew)
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        assert (run.stdout + run.stderr).count(f"`torch.distributed.{name}` is deprecated") <= 2, name
     logged = scalars(tmp_path / "out" / "tensorboard")
     assert sorted(logged["snip/solve_time_s"]) == [0, 4]
     # measured before steps 1 and 5 (right after the re-plans at 0 and 4) and before every 2nd step (2, 4, 6);
@@ -140,3 +144,33 @@ def test_a_model_with_dropout_trains_the_same_twice_and_resumes_exactly(tmp_path
                 str(tmp_path / "resumed")]))
     again = scalars(tmp_path / "resumed" / "tensorboard")["train/loss"]
     assert sorted(again) == [3, 4] and all(again[s] == runs["a"][s] for s in (3, 4))
+
+
+def test_a_resume_builds_the_training_stream_once(tmp_path, monkeypatch, restore_environ):  # noqa: F811
+    """``--resume_from_checkpoint``: the training data stream is built once and set to the checkpoint's position
+    once, while the checkpoint is checked (before DeepSpeed starts); the run then goes on from there. (A trial
+    stream used to be built for the check and the real one set again after DeepSpeed had loaded.)"""
+    from snip_ds import data
+    from snip_ds.trainer import main
+
+    cfg = write_configs(tmp_path, stage=3, plan="fp8", max_steps=2, save_steps=2, eval_steps=2)
+    _ok(launch(["--deepspeed", str(cfg)]))
+    built, loaded = [], []
+    init, load = data.DataStream.__init__, data.DataStream.load_state_dict
+
+    def counted_init(self, dataset, batch_size, *args, **kwargs):
+        init(self, dataset, batch_size, *args, **kwargs)
+        if self.shuffle:  # the training stream (the validation batches come unshuffled)
+            built.append(self)
+
+    def counted_load(self, state, *args, **kwargs):
+        load(self, state, *args, **kwargs)
+        loaded.append((self, self.step))
+
+    monkeypatch.setattr(data.DataStream, "__init__", counted_init)
+    monkeypatch.setattr(data.DataStream, "load_state_dict", counted_load)
+    assert main(["--deepspeed", str(cfg), "--resume_from_checkpoint", str(tmp_path / "out"), "--max_steps", "3",
+                 "--output_dir", str(tmp_path / "resumed"), "--no_progress"]) == 0
+    assert len(built) == 1 and loaded == [(built[0], 2)]
+    assert built[0].step == 3  # it fed step 3
+    assert sorted(scalars(tmp_path / "resumed" / "tensorboard")["train/loss"]) == [3]

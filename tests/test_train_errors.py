@@ -81,6 +81,18 @@ def _snip_universal(run) -> str:
     return str(out)
 
 
+def _without_data(run) -> str:
+    """``snip-ds universal``'s step_1 (which 1 rank resumes at gradient accumulation 2) whose snip_meta.json lost its
+    data stream position, as a checkpoint written by a user's own loop without it would be."""
+    out = run["tmp"] / "without_data"
+    if not out.exists():
+        shutil.copytree(_snip_universal(run), out)
+        meta = json.loads((out / "step_1" / "snip_meta.json").read_text())
+        del meta["data"]
+        (out / "step_1" / "snip_meta.json").write_text(json.dumps(meta))
+    return str(out)
+
+
 def _zero_layers_plan(run) -> str:
     fqns = [f"model.layers.{i}.{m}" for i in range(TINY_MODEL["num_hidden_layers"])
             for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -176,6 +188,10 @@ CASES = {
         zero_optimization={"stage": 1})), "--gradient_accumulation_steps", "2", "--resume_from_checkpoint",
         _snip_universal(r)], ["snip_universal/step_1/snip_meta.json: universal.zero_stage is 3, but this run's "
                               "zero_optimization.stage is 1"]),
+    "checkpoint_without_data_position": (lambda r: ["--deepspeed", str(r["cfg"]), "--gradient_accumulation_steps",
+                                                    "2", "--resume_from_checkpoint", _without_data(r)],
+                                         ["without_data/step_1/snip_meta.json: field 'data' missing",
+                                          "no data stream position"]),
     "checkpoint_interrupted_latest": (lambda r: ["--deepspeed", str(r["cfg"]), "--resume_from_checkpoint",
                                                  _interrupted(r)],
                                       ["interrupted/latest", "not a complete snip_ds checkpoint"]),

@@ -9,14 +9,16 @@ convert, and resume on 1 rank through the deepspeed launcher. ``tests/test_train
 import json
 import pickle
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from train_utils import TINY_MODEL, launch, restore_environ, scalars, write_configs  # noqa: F401  (a fixture)
 
-from snip_ds.engine import checkpoint as ckpt
-from snip_ds.engine.checkpoint import CheckpointError, convert_to_universal, safe_torch_load
+from snip_ds.engine.checkpoint_io import safe_torch_load
+from snip_ds.engine.checkpoint_layout import CheckpointError
+from snip_ds.engine.universal import convert_to_universal, with_load_universal
 
 pytestmark = pytest.mark.usefixtures("restore_environ")  # main() runs in process here
 
@@ -49,9 +51,45 @@ def test_safe_torch_load_refuses_pickled_code_also_in_deepspeeds_own_loads(tmp_p
 
 def test_with_load_universal_sets_the_flag_only_for_a_universal_checkpoint():
     cfg = {"zero_optimization": {"stage": 1}}
-    assert ckpt.with_load_universal(cfg, {"world_size": 2}) == cfg
-    assert ckpt.with_load_universal(cfg, {"universal": {"zero_stage": 1}})["checkpoint"] == {"load_universal": True}
+    assert with_load_universal(cfg, {"world_size": 2}) == cfg
+    assert with_load_universal(cfg, {"universal": {"zero_stage": 1}})["checkpoint"] == {"load_universal": True}
     assert "checkpoint" not in cfg
+
+
+def _trainer_checkpoint(run, step: int, **state) -> Path:
+    """A Hugging Face Trainer's ``checkpoint-N`` as SnipCallback and DeepSpeed leave it (no weights needed here)."""
+    folder = run / f"checkpoint-{step}"
+    (folder / f"global_step{step}").mkdir(parents=True)
+    (folder / "latest").write_text(f"global_step{step}")
+    (folder / "trainer_state.json").write_text("{}")
+    (folder / "snip_state.json").write_text(json.dumps({"format": "snip_ds.state/1", "driver": "trainer",
+                                                         "step": step, "plan": None, "planner": None, **state}))
+    return folder
+
+
+def test_a_trainer_checkpoint_is_refused_up_front_with_the_reason_and_what_works(tmp_path):
+    """``snip-ds universal`` converts launch/train.py's and snip_ds.initialize's checkpoints. A Trainer's is refused
+    before anything is read but its snip_state.json: at ZeRO-3 with tensor parallelism and a model built under
+    zero.Init (``zero_init``, recorded by SnipCallback) because DeepSpeed's converter cannot merge its shards,
+    otherwise because the Trainer resumes only at the saved shape; both say what works instead."""
+    from snip_ds.cli import main
+
+    tp_zero_init = _trainer_checkpoint(tmp_path / "a", 3, world_size=2, tensor_parallel=2, zero_init=True)
+    with pytest.raises(CheckpointError, match=rf"^{tp_zero_init}: a Hugging Face Trainer checkpoint that cannot be "
+                                              r"converted: its model was built under deepspeed.zero.Init \(ZeRO-3\) "
+                                              r"and trained at tensor_parallel.autotp_size 2: .*ds_to_universal "
+                                              r"cannot merge such shards .*; resume it with the Trainer on 2 rank\(s\) "
+                                              r"at tensor_parallel.autotp_size 2, .*snip-ds export "):
+        convert_to_universal(tmp_path / "a", tmp_path / "out")  # the output directory: its last checkpoint
+    for state in ({"world_size": 2, "tensor_parallel": 2, "zero_init": False}, {"world_size": 2, "zero_init": True},
+                  {"world_size": 1}):
+        folder = _trainer_checkpoint(tmp_path / f"b{len(list(tmp_path.iterdir()))}", 3, **state)
+        with pytest.raises(CheckpointError, match=rf"^{folder}: a Hugging Face Trainer checkpoint; 'snip-ds "
+                                                  r"universal' converts the checkpoints of launch/train.py and "
+                                                  r"snip_ds.initialize, .*at the shape it was saved at"):
+            convert_to_universal(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert main(["universal", str(tp_zero_init), str(tmp_path / "out")]) == 2  # one line, exit code 2
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -192,8 +230,8 @@ def test_a_conversion_that_fails_part_way_leaves_nothing(zero1, monkeypatch):
     real = ds_to_universal.main
 
     def full_disk(args):
-        (ckpt.Path(args.output_folder) / "zero").mkdir()
-        (ckpt.Path(args.output_folder) / "zero" / "partial.pt").write_bytes(b"\0" * 64)
+        (Path(args.output_folder) / "zero").mkdir()
+        (Path(args.output_folder) / "zero" / "partial.pt").write_bytes(b"\0" * 64)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     src, dest = zero1["out"] / "checkpoints" / "step_4", zero1["tmp"] / "failed_conversion"

@@ -5,13 +5,16 @@
 driver of SNIP's state (:class:`snip_ds.state.SnipState`: the plan, the planner, the streams) in a loop of
 one's own: it switches plans at optimizer-step boundaries and saves the state with checkpoints.
 
-Importing it first settles where DeepSpeed's JIT ops build (:func:`snip_ds.jit_builds.prepare`).
+Importing it first settles where DeepSpeed's JIT ops build (:func:`snip_ds.jit_builds.prepare`), and has torch's
+deprecation warnings for the collectives DeepSpeed calls shown once (:mod:`snip_ds.deprecations`).
 """
 from snip_ds import jit_builds
+from snip_ds.deprecations import show_deprecations_once
 
 jit_builds.prepare()  # before DeepSpeed can build an op
+show_deprecations_once()  # torch's FutureWarnings for the collectives DeepSpeed calls: once, not every step
 
-from snip_ds.engine.checkpoint import CheckpointError  # noqa: E402
+from snip_ds.engine.checkpoint_layout import CheckpointError  # noqa: E402
 from snip_ds.engine.core import NonFiniteError, SnipEngine, init_distributed, initialize  # noqa: E402
 
 __all__ = ["SnipEngine", "initialize", "init_distributed", "CheckpointError", "NonFiniteError"]

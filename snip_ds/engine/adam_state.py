@@ -33,13 +33,19 @@ class _Slice:
     state_start: int
 
 
-def _inner(ds_optimizer):
-    """DeepSpeed's ZeRO optimizers wrap the torch optimizer as ``.optimizer``."""
+def torch_optimizer(ds_optimizer):
+    """The torch optimizer holding Adam's state: DeepSpeed's ZeRO and bf16 optimizers wrap it as ``.optimizer``;
+    a torch optimizer is its own."""
     return getattr(ds_optimizer, "optimizer", ds_optimizer)
 
 
-def _hyper(ds_optimizer) -> Tuple[float, float]:
-    group = _inner(ds_optimizer).param_groups[0]
+def adam_hyperparameters(ds_optimizer) -> Tuple[float, float]:
+    """Adam's ``(β₂, eps)`` of the optimizer's first parameter group (what the preconditioner divides by).
+
+    Raises:
+        ValueError: the optimizer is not Adam or AdamW.
+    """
+    group = torch_optimizer(ds_optimizer).param_groups[0]
     if "betas" not in group or "eps" not in group:
         raise ValueError("optimizer: expected Adam or AdamW (param groups need 'betas' and 'eps') for the "
                          "backward divergence")
@@ -115,7 +121,7 @@ def zero_state(ds_optimizer, params: Mapping[str, torch.nn.Parameter], what: str
         source = f"zero{getattr(ds_optimizer, 'partition_gradients', False) and 2 or 1}"
     else:
         return None
-    inner = _inner(ds_optimizer)
+    inner = torch_optimizer(ds_optimizer)
     states: Optional[list] = []
     for flat in sources:
         state = inner.state.get(flat, {})
@@ -141,8 +147,8 @@ def layer_preconditioner(ds_optimizer, weights: Mapping[str, torch.nn.Parameter]
     Returns:
         ``(precond, source)``; ``source`` names where the state came from (logged with the statistics).
     """
-    beta2, eps = _hyper(ds_optimizer)
-    inner = _inner(ds_optimizer)
+    beta2, eps = adam_hyperparameters(ds_optimizer)
+    inner = torch_optimizer(ds_optimizer)
     if step < 1:
         return None, "none (no optimizer step yet)"
     partitioned_state = zero_state(ds_optimizer, weights)

@@ -54,12 +54,16 @@ class AdaptivePlanner:
 
     def __init__(self, state, collect_stream=None) -> None:
         self.state = state
-        self.settings = state.settings
         self.stream = collect_stream
         self.last_stats: Optional[Dict[str, Any]] = None
         self.history: List[Dict[str, Any]] = []
         self.planned_at: Optional[int] = None  # step of the last re-plan (so a resumed run does not repeat it)
         self.last_error = ""  # why rank 0 could not solve the last failed re-plan
+
+    @property
+    def settings(self):
+        """The run's validated ``"snip"`` section: its state's (:attr:`snip_ds.state.SnipState.settings`)."""
+        return self.state.settings
 
     # ------------------------------------------------------------------ schedule
     def due(self, step: int) -> bool:

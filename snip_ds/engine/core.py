@@ -1,7 +1,6 @@
 """``snip_ds.initialize`` and :class:`SnipEngine`: a DeepSpeed engine plus the current precision plan."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import socket
@@ -19,14 +18,20 @@ from snip_ds import jit_builds
 from snip_ds.backend import check_backend
 from snip_ds.deepspeed_config import resolve_ds_config, tensor_parallel_degree
 from snip_ds.engine import checkpoint as ckpt
+from snip_ds.engine.checkpoint_io import install_safe_loader
+from snip_ds.engine.checkpoint_layout import (is_universal, model_architecture, model_config, model_fingerprint,
+                                              read_meta, read_snip_state, resolve)
+from snip_ds.engine.checkpoint_verify import validate
+from snip_ds.engine.universal import check_universal_batch, with_load_universal
 from snip_ds.engine import tensor_parallel as tpar
 from snip_ds.engine.optimizer import working_adam_config
-from snip_ds.plan import Plan, fp4_share
+from snip_ds.plan import Plan
 from snip_ds.settings import SnipSettings, parse_snip_section
 from snip_ds.state import NonFiniteError, SnipState, located_forward_hooks, run_without_update
-from snip_ds.swap import LayerInfo, check_layer_settings, check_still_swapped, snip_layers, swap_model
+from snip_ds.model_settings import check_layer_settings, initial_plan
+from snip_ds.swap import LayerInfo, check_still_swapped, snip_layers, swap_model
 
-__all__ = ["DeepSpeedLoop", "NonFiniteError", "SnipEngine", "init_distributed", "initial_plan", "initialize"]
+__all__ = ["DeepSpeedLoop", "NonFiniteError", "SnipEngine", "init_distributed", "initialize"]
 
 
 def _free_port() -> int:
@@ -144,9 +149,10 @@ class SnipEngine:
     """
 
     def __init__(self, ds_engine, infos: Mapping[str, LayerInfo], settings: SnipSettings,
-                 tokens_per_step: int, logger=None) -> None:
+                 tokens_per_step: int, logger=None, zero_init: bool = False) -> None:
         self.ds = ds_engine
-        self.state = SnipState(DeepSpeedLoop(ds_engine), infos, settings, tokens_per_step, logger, driver="engine")
+        self.state = SnipState(DeepSpeedLoop(ds_engine), infos, settings, tokens_per_step, logger, driver="engine",
+                               zero_init=zero_init)
 
     # ------------------------------------------------------------------ the state's parts
     infos = property(lambda self: self.state.infos)
@@ -278,12 +284,12 @@ class SnipEngine:
         SNIP's state goes into ``snip_state.json`` and ``snip_rng_rank<r>.safetensors``
         (:meth:`snip_ds.state.SnipState.state_dict`, the Trainer's format too); ``snip_meta.json`` holds
         ``extra`` (the data stream, lr schedule, tokenizer), the model's config and every file's checksum."""
-        meta = {"step": self.step, "model_config": ckpt.model_config(self.ds.module), **extra}
+        meta = {"step": self.step, "model_config": model_config(self.ds.module), **extra}
         if self.tensor_parallel > 1:
             meta["tensor_parallel"] = self.tensor_parallel
         return ckpt.save(self.ds, Path(save_dir), f"step_{self.step}", meta, self.state.rank_tensors(),
-                         self.state.state_dict(), ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
-                         ckpt.model_architecture(self.ds.module))
+                         self.state.state_dict(), model_fingerprint(self.ds.module), sdist.world_size(),
+                         model_architecture(self.ds.module))
 
     def load_checkpoint(self, path: str | Path) -> Dict[str, Any]:
         """Restores a checkpoint written by :meth:`save_checkpoint` (or by an older snip_ds, whose plan and
@@ -292,41 +298,18 @@ class SnipEngine:
         Raises:
             CheckpointError: missing/incomplete checkpoint, a different model or a different world size (a
                 universal checkpoint, ``snip-ds universal``'s, resumes at any world size, when the DeepSpeed
-                engine was initialized with :func:`~snip_ds.engine.checkpoint.with_load_universal`'s config, as
+                engine was initialized with :func:`~snip_ds.engine.universal.with_load_universal`'s config, as
                 :func:`initialize` with ``resume_from`` does).
             ValueError: SNIP's state does not fit this run (an adaptive run from a fixed-plan checkpoint).
         """
-        tag_dir = ckpt.resolve(Path(path))
-        meta = ckpt.validate(tag_dir, ckpt.model_fingerprint(self.ds.module), sdist.world_size(),
-                             ckpt.model_architecture(self.ds.module), self.tensor_parallel)
+        tag_dir = resolve(Path(path))
+        meta = validate(tag_dir, model_fingerprint(self.ds.module), sdist.world_size(),
+                        model_architecture(self.ds.module), self.tensor_parallel)
         tensors = ckpt.load(self.ds, tag_dir, sdist.rank())
-        self.state.load_rank_tensors(tensors, torch_rng=True)  # {} on a rank the saving run did not have
-        snip, source = ckpt.read_snip_state(tag_dir, meta)
-        self.state.load_state_dict(snip, source, any_world_size=ckpt.is_universal(meta))
+        self.state.load_rank_tensors(tensors, global_rngs=True)  # {} on a rank the saving run did not have
+        snip, source = read_snip_state(tag_dir, meta)
+        self.state.load_state_dict(snip, source, any_world_size=is_universal(meta))
         return meta
-
-
-def initial_plan(fqns: Sequence[str], flops: Mapping[str, float], settings: SnipSettings) -> Plan:
-    """The plan a run starts from: the plan file's, a uniform precision's, or (adaptive) uniform FP8 as a
-    placeholder until the first statistics are in, before step 1.
-
-    Raises:
-        ValueError: the plan file is missing or invalid, or names other layers than ``fqns`` (the message
-            names the file).
-    """
-    fqns = list(fqns)
-    if settings.plan_file:
-        path = Path(settings.plan_file)
-        if not path.is_file():
-            raise ValueError(f"{path}: plan file not found")
-        plan = Plan.load(path)
-        plan.check_layers(fqns, source=str(path))  # before the FLOPs, whose error would not name the file
-        if plan.fp4_share is None:
-            plan = dataclasses.replace(plan, fp4_share=fp4_share(plan.assignment, flops))
-        return plan
-    if settings.is_adaptive:
-        return Plan.uniform(fqns, "fp8", flops)
-    return Plan.uniform(fqns, settings.plan, flops)
 
 
 def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[SnipSettings] = None, *,
@@ -389,10 +372,11 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
                                source="DeepSpeed config", world_size=sdist.world_size())
     tag_dir = None
     if resume_from is not None:
-        tag_dir = ckpt.resolve(Path(resume_from))
-        meta = ckpt.read_meta(tag_dir)
-        config = ckpt.with_load_universal(config, meta)
-    if not any(getattr(p, "ds_id", None) is not None for p in model.parameters()):  # not zero.Init-partitioned
+        tag_dir = resolve(Path(resume_from))
+        meta = read_meta(tag_dir)
+        config = with_load_universal(config, meta)
+    zero_init = any(getattr(p, "ds_id", None) is not None for p in model.parameters())  # built under zero.Init
+    if not zero_init:
         model.to(device())  # so the stochastic-rounding generators live where the activations do
     check_backend(settings.quant, device())  # BackendError (a ValueError) before DeepSpeed starts
     infos = swap_model(model, "bf16", settings.quant, seed=seed, rank=sdist.rank(), exclude=settings.exclude)
@@ -412,8 +396,8 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         tpar.check_groups(tp, sdist.rank(), sdist.world_size())
         tpar.quantize_tp_layers(ds_engine.module, originals, settings.quant)
     check_still_swapped(ds_engine.module, infos, "deepspeed.initialize")
-    ckpt.install_safe_loader(ds_engine)
-    engine = SnipEngine(ds_engine, infos, settings, tokens_per_step, logger)
+    install_safe_loader(ds_engine)
+    engine = SnipEngine(ds_engine, infos, settings, tokens_per_step, logger, zero_init=zero_init)
     engine.set_plan(plan, "initial plan")
     if settings.is_adaptive:
         from snip_ds.engine.adaptive import AdaptivePlanner
@@ -423,6 +407,6 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         ds = engine.ds
         dp = engine.state.dp_size  # DeepSpeed's train_batch_size() counts tensor-parallel ranks too
         micro, ga = ds.train_micro_batch_size_per_gpu(), ds.gradient_accumulation_steps()
-        ckpt.check_universal_batch(tag_dir, meta, micro * ga * dp, micro, ga, dp, ds.zero_optimization_stage())
+        check_universal_batch(tag_dir, meta, micro * ga * dp, micro, ga, dp, ds.zero_optimization_stage())
         engine.load_checkpoint(tag_dir)
     return engine

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Optional, Tuple
 
 import torch
 
-from snip_ds.engine.adam_state import _hyper, _inner, zero_state
+from snip_ds.engine.adam_state import adam_hyperparameters, torch_optimizer, zero_state
 from snip_ds.experts.points import ExpertPoint
 
 PrecondFn = Callable[[str, torch.Tensor], torch.Tensor]
@@ -35,8 +35,8 @@ def expert_preconditioner(ds_optimizer, points: Mapping[str, ExpertPoint], step:
         ``(precond, source)`` as ``layer_preconditioner`` returns them; precond None before the optimizer has
         state.
     """
-    beta2, eps = _hyper(ds_optimizer)
-    inner = _inner(ds_optimizer)
+    beta2, eps = adam_hyperparameters(ds_optimizer)
+    inner = torch_optimizer(ds_optimizer)
     if step < 1:
         return None, "none (no optimizer step yet)"
     params = {p.parameter_name: p.parameter for p in points.values()}

@@ -2,7 +2,9 @@
 
 * :mod:`snip_ds.planner.costs`: the cost model, C(p) = FLD(p) + λ·BWD(p) per layer or per GEMM, the
   baselines' costs (one mapping of every method to its costs) and a plan's predicted (FLD, BWD);
-* :mod:`snip_ds.planner.ilp`: the integer linear program over given costs (python-mip / CBC);
+* :mod:`snip_ds.planner.problem`: the integer linear program's model (decision units, costs, constraints),
+  :mod:`snip_ds.planner.ilp` its solve over given costs (python-mip / CBC), :mod:`snip_ds.planner.greedy` the
+  greedy knapsack fallback, :mod:`snip_ds.planner.report` the plan a solve returns;
 * :mod:`snip_ds.planner.baselines`: :func:`solve_baseline`, any method end to end.
 
 The plan object itself is :class:`snip_ds.plan.Plan`. Names are loaded lazily, so that importing the cost
@@ -23,7 +25,7 @@ _EXPORTS = {
     "method_costs": "snip_ds.planner.costs",
     "predicted_divergence": "snip_ds.planner.costs",
     "GEMM_COST": "snip_ds.planner.ilp",
-    "DEFAULT_ALLOWED": "snip_ds.planner.ilp",
+    "DEFAULT_ALLOWED": "snip_ds.planner.problem",
     "solve_plan": "snip_ds.planner.ilp",
     "solve_baseline": "snip_ds.planner.baselines",
 }

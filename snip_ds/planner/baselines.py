@@ -11,7 +11,8 @@ from typing import Mapping
 
 from snip_ds.plan import Plan
 from snip_ds.planner.costs import METHODS, CostSettings, method_costs, random_costs
-from snip_ds.planner.ilp import SolverSettings, expand_pinned, solve_plan
+from snip_ds.planner.ilp import SolverSettings, solve_plan
+from snip_ds.planner.problem import expand_pinned
 from snip_ds.types import block_index
 
 

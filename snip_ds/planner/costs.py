@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from snip_ds.options import BWD_ESTIMATES, DGRAD_COSTS, METHODS, reads
-from snip_ds.plan import _listed
+from snip_ds.plan import listed_names
 from snip_ds.stats.artifact import STUDY_FIELDS
 from snip_ds.types import GEMM_OPERANDS, GEMMS, OPERANDS, PRECISIONS, QUANTIZED
 
@@ -110,7 +110,7 @@ def metric_costs(stats: Mapping, fields: Mapping[str, float], per_gemm: bool,
             pinned[fqn] = "fp8"
     if pinned:
         warnings.warn(f"{len(pinned)} layer(s) have non-finite statistics and are pinned to fp8: "
-                      f"{_listed(pinned)}", RuntimeWarning, stacklevel=3)
+                      f"{listed_names(pinned)}", RuntimeWarning, stacklevel=3)
     return StatsCosts(costs, flops, pinned)
 
 

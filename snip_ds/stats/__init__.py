@@ -17,7 +17,7 @@ import importlib
 
 _EXPORTS = {
     "collect_statistics": "snip_ds.stats.collector",
-    "CollectSettings": "snip_ds.stats.collector",
+    "CollectSettings": "snip_ds.stats.settings",
     "AdamPrecond": "snip_ds.stats.precond",
     "adam_precond": "snip_ds.stats.precond",
     "STATS_FORMAT": "snip_ds.stats.artifact",

@@ -27,7 +27,7 @@ from snip_ds.stats.common import GLOBAL, Pricing, Shared, SumField, rne_config
 from snip_ds.stats.precond import Precond, PrecondFn, layer_precond
 
 if TYPE_CHECKING:
-    from snip_ds.stats.collector import CollectSettings
+    from snip_ds.stats.settings import CollectSettings
 
 PRICE_TOKENS_MIN = 256  # tokens that price stochastic rounding's noise: at least this many (all, if fewer)
 

@@ -32,7 +32,7 @@ from snip_ds.experts.points import ExpertPoint
 from snip_ds.stats.common import Layer, Sums, SumField
 
 if TYPE_CHECKING:
-    from snip_ds.stats.collector import CollectSettings
+    from snip_ds.stats.settings import CollectSettings
 
 ROUTED = SumField("routed_tokens")  # per pair: its routed tokens, summed over batches (and ranks)
 

@@ -20,7 +20,7 @@ from snip_ds.stats.common import CALL_ROWS, GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, 
 from snip_ds.types import OPERANDS
 
 if TYPE_CHECKING:
-    from snip_ds.stats.collector import CollectSettings
+    from snip_ds.stats.settings import CollectSettings
 
 # Each operand's error sum and norm, by the estimator that measures it.
 _OPERAND_SUMS = {"x": (fld.QERR["x"], fld.QNORM["x"]), "w": (fld.QERR["w"], fld.QNORM["w"]),

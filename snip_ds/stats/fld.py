@@ -26,7 +26,7 @@ from snip_ds.linear import SnipLinear
 from snip_ds.stats.common import Pricing, Rows, Shared, SumField, rne_config
 
 if TYPE_CHECKING:
-    from snip_ds.stats.collector import CollectSettings
+    from snip_ds.stats.settings import CollectSettings
 
 
 FLD_PROD = SumField("fld_prod")  # the channel form: ERR_SQ priced with the batch's probes

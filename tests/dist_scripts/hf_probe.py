@@ -19,7 +19,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, default_da
 from snip_ds import distributed as sdist  # noqa: E402
 from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.engine.core import init_distributed, initialize  # noqa: E402
-from snip_ds.hf import STATS_SEED_OFFSET, SnipCallback, share_cpu_ranks_with_accelerate  # noqa: E402
+from snip_ds.hf import SnipCallback, share_cpu_ranks_with_accelerate  # noqa: E402
+from snip_ds.state import STATS_SEED_OFFSET  # noqa: E402
 from snip_ds.model import build_model  # noqa: E402
 from snip_ds.settings import load_ds_config  # noqa: E402
 

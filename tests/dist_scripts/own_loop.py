@@ -131,7 +131,7 @@ def main() -> int:
 
 
 def _save_or_resume(model, config, args, rank) -> dict:
-    from snip_ds.engine.checkpoint import CheckpointError
+    from snip_ds.engine.checkpoint_layout import CheckpointError
 
     micro = config["gradient_accumulation_steps"]
     try:

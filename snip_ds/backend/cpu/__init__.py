@@ -14,7 +14,9 @@ of time. Each environment builds into its own folder, :func:`build_directory`:
 ``$TORCH_EXTENSIONS_DIR/pyXY_cpu/snip_ds_cpu_quant-<key>`` (default root ``~/.cache/torch_extensions``), the
 key a hash of everything that makes a build incompatible (:func:`build_key`: the Python executable and prefix,
 torch's version and C++ ABI, the compiler, the flags, the source's bytes and path), so two virtual
-environments or checkouts on one machine never rebuild over each other and a changed source builds anew. When
+environments or checkouts on one machine never rebuild over each other and a changed source builds anew; the
+folders of this checkout's earlier builds, which it never loads again, are then removed (:func:`build_identity`,
+:func:`snip_ds.jit_builds.prune_superseded_builds`). When
 there is no compiler or the build fails, :func:`available` is false after one logged warning and callers
 quantize with :mod:`snip_ds.quant` instead (the same values with stochastic rounding off).
 """
@@ -24,10 +26,12 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import time
-from typing import Optional, Union
+from pathlib import Path
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -107,7 +111,38 @@ def load(verbose: bool = False) -> bool:
                     "plain torch ops on CPU (same values, slower)", _error)
         return False
     _build_seconds = time.perf_counter() - start
+    try:  # the folders of this checkout's earlier builds: never loaded again (one line says what went)
+        jit_builds.record_build(Path(folder), build_identity())
+        jit_builds.prune_superseded_builds(Path(folder), build_identity(), "snip_ds's CPU kernels",
+                                           legacy=_built_here_before_records)
+    except OSError as err:  # a read-only extensions folder: the kernels are loaded all the same
+        log.warning("snip_ds: the CPU kernels' build folders under %s were not tidied (%s)",
+                    os.path.dirname(folder), err)
     return True
+
+
+def build_identity() -> Dict[str, str]:
+    """The environment and checkout a build belongs to (the parts of :func:`build_key` a new version of the
+    kernels, of torch, of the compiler or of the flags leaves as they are): the Python executable and prefix, and
+    the source's path. Recorded in each build folder, so that :func:`load` removes this checkout's earlier
+    builds and never another environment's or checkout's (:func:`snip_ds.jit_builds.prune_superseded_builds`)."""
+    return {"python": os.path.realpath(sys.executable), "prefix": os.path.realpath(sys.prefix),
+            "source_path": os.path.realpath(SOURCE)}
+
+
+def _built_here_before_records(folder: Path) -> bool:
+    """Whether ``folder``, a build folder written before builds recorded their :func:`build_identity`, is this
+    checkout's with this torch: its ``build.ninja`` compiles this :data:`SOURCE` against this torch's headers
+    (another checkout compiles its own source, another environment's torch has its own headers)."""
+    try:
+        text = (folder / "build.ninja").read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    compiled = re.findall(r"^build \S+: compile (\S+)$", text, flags=re.M)
+    headers = re.findall(r"-isystem (\S+)", text)
+    torch_include = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "include"))
+    return ([os.path.realpath(s) for s in compiled] == [os.path.realpath(SOURCE)]
+            and torch_include in {os.path.realpath(h) for h in headers})
 
 
 def available() -> bool:

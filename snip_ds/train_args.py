@@ -1,0 +1,85 @@
+"""``launch/train.py``'s command line: its flags (:func:`build_parser`, Hugging Face Trainer names, each
+overriding the ``"snip"`` section of the DeepSpeed JSON), the settings they give (:func:`settings_from_args`) and
+the errors a run reports as one line (:class:`UserError`, :class:`RunFault`). Imports neither torch nor DeepSpeed,
+so that ``--help`` answers at once.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict
+
+from snip_ds.settings import SnipSettings, load_ds_config, with_overrides
+
+TRAIN_FLAGS = ("model_name_or_path", "model_config", "dataset", "tokenizer_name_or_path", "block_size",
+               "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps", "seed", "output_dir")
+
+
+class UserError(Exception):
+    """A mistake in the user's input; reported as one line, no traceback (by rank 0, or with ``all_ranks``,
+    for an error the ranks agreed on, by every rank)."""
+
+    code = 2
+
+    def __init__(self, message: str, all_ranks: bool = False) -> None:
+        super().__init__(message)
+        self.all_ranks = all_ranks
+
+
+class RunFault(UserError):
+    """A fault during training (a checkpoint that cannot be written, a non-finite loss or gradient): the same
+    one line on every rank (``all_ranks``), exit code 1."""
+
+    code = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, all_ranks=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train a decoder-only causal LM with SNIP FP8/FP4 mixed precision on DeepSpeed.",
+        epilog="Example: deepspeed launch/train.py --deepspeed ds_configs/zero3.json")
+    p.add_argument("--deepspeed", required=True, metavar="PATH", help="DeepSpeed JSON with a 'snip' section")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    g = p.add_argument_group("model and data (override snip.train in the JSON)")
+    g.add_argument("--model_name_or_path", help="local Hugging Face model directory")
+    g.add_argument("--model_config", help="JSON model config, trained from scratch")
+    g.add_argument("--dataset", help="text/JSON-lines file or a launch/prepare_dataset.py directory")
+    g.add_argument("--tokenizer_name_or_path", help="local Hugging Face tokenizer for raw text")
+    g.add_argument("--block_size", type=int)
+    g = p.add_argument_group("training (Hugging Face Trainer names; override the JSON)")
+    g.add_argument("--output_dir")
+    g.add_argument("--max_steps", type=int)
+    g.add_argument("--eval_steps", type=int)
+    g.add_argument("--eval_batches", type=int)
+    g.add_argument("--save_steps", type=int)
+    g.add_argument("--logging_steps", type=int)
+    g.add_argument("--learning_rate", type=float)
+    g.add_argument("--per_device_train_batch_size", type=int)
+    g.add_argument("--gradient_accumulation_steps", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--resume_from_checkpoint", metavar="DIR",
+                   help="a checkpoint directory (step_N), the checkpoints directory (its 'latest') or a run's output "
+                        "directory (its last complete checkpoint)")
+    g.add_argument("--reset_lr_schedule", action="store_true",
+                   help="on resume, follow this run's learning-rate schedule (resolved from its --max_steps) "
+                        "instead of the checkpoint's")
+    g = p.add_argument_group("precision plan (override snip.plan)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--precision", choices=("bf16", "fp8", "fp4", "adaptive"), help="uniform plan, or adaptive SNIP")
+    x.add_argument("--plan", metavar="PLAN.json", help="a fixed plan: {fqn: precision} or a snip-ds plan file")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--dist_timeout", type=float, metavar="SECONDS",
+                   help="process-group timeout: a rank whose peer stops answering in a collective for this long "
+                        "exits with an error (default 600, DeepSpeed's; must exceed the longest legitimate wait "
+                        "of one rank for another)")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> tuple[Dict[str, Any], SnipSettings]:
+    """The DeepSpeed config and the validated ``"snip"`` settings of ``--deepspeed``, the flags applied."""
+    ds_cfg, settings = load_ds_config(args.deepspeed)
+    overrides = {k: getattr(args, k) for k in TRAIN_FLAGS}
+    if args.precision or args.plan:
+        overrides["plan"] = args.precision or args.plan
+    return ds_cfg, with_overrides(settings, **overrides)
