@@ -100,7 +100,13 @@ class TrainerLogger:
         self.scalars({tag: value}, step)
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
+        # Trainer.log clears control.should_log (its on_log event): logged from a callback's on_step_end, after
+        # the Trainer's flow callback asked for the step's log, it would swallow the step's loss and learning
+        # rate. The request stands as it was.
+        control = self.trainer.control
+        should_log = control.should_log
         self.trainer.log({k: float(v) for k, v in values.items()})
+        self.trainer.control.should_log = should_log
 
     @property
     def writes_images(self) -> bool:

@@ -165,10 +165,12 @@ CASES = {
                                            ["step_1/snip_meta.json", "different model",
                                             "model_architecture.num_attention_heads is 4 there and 8 here",
                                             "model_architecture.num_key_value_heads is 2 there and 4 here"]),
+    # JetMoE's experts: one [E, 2·inner, hidden] weight per projection module, no layout snip_ds can prove
     "model_moe_unknown_experts": (lambda r: ["--deepspeed", str(r["cfg"]), "--model_config", _write(
-        r, "moe.json", json.dumps({**TINY_MODEL, "model_type": "olmoe", "num_experts": 4}))],
-        ["OlmoeForCausalLM: module 'model.layers.0.mlp.experts' (OlmoeExperts)", "Mixture-of-Experts",
-         "in a layout snip_ds does not know (it knows DeepseekV3Experts"]),
+        r, "moe.json", json.dumps({**TINY_MODEL, "model_type": "jetmoe", "kv_channels": 16,
+                                   "num_local_experts": 4, "num_experts_per_tok": 2}))],
+        ["JetMoeForCausalLM: experts module 'model.layers.0.mlp.input_linear'",
+         "fit no layout snip_ds knows"]),
     "exclude_matches_nothing": (lambda r: ["--deepspeed", _variant(r, "x1", lambda d: d["snip"].update(
         exclude=["*.qkv_proj"]))], ["snip.exclude: pattern '*.qkv_proj' matches no decoder linear of "
                                     "LlamaForCausalLM"]),
