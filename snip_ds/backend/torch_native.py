@@ -48,7 +48,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from snip_ds.backend import cpu as cpu_kernels
-from snip_ds.backend.base import BackendError, GemmBackend, kernel_seed, recipe_words, seed_offset
+from snip_ds.backend.base import BackendError, GemmBackend, kernel_seed, recipe_words
 from snip_ds.backend import operands
 from snip_ds.backend.emulated import reference_operands
 from snip_ds.backend.operands import gemm_recipe, hadamard_pair, tensor_amax, whole_amax
@@ -123,7 +123,7 @@ class TorchBackend(GemmBackend):
             p = quantize_parts(t, recipe, axis=axis, stochastic=stochastic, generator=generator, tensor_amax=amax)
             return p if out_dtype == torch.float32 else QuantParts(p.values.to(out_dtype), p.tensor_scale)
         t = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
-        seed = kernel_seed(generator) if stochastic else 0
+        seed = kernel_seed(generator, t.device) if stochastic else 0
         kw = dict(stochastic=stochastic, seed=seed, offset=0, out_dtype=out_dtype, tensor_amax=amax)
         if not transpose:
             return k.quantize_parts(t, recipe, axis, **kw)
@@ -176,6 +176,10 @@ class TorchBackend(GemmBackend):
         if len(ops) != 2 or len({op.recipe for op in ops}) != 1 or any(op.stochastic for op in ops):
             return None
         return _FP8_DTYPES[ops[0].recipe]
+
+    def kept_x_dtype(self, x, prec, cfg):
+        """X's FP8 dtype where :meth:`fprop_and_keep` keeps its codes, else None."""
+        return self._shared_fp8("x", ("fprop", "wgrad"), prec, cfg, x)
 
     def fprop_and_keep(self, x, w, prec, cfg, *, bias=None, out_dtype=torch.float32):
         """Per-tensor FP8 fprop and wgrad quantize X identically: X is quantized once, its E4M3 codes serve
@@ -346,7 +350,7 @@ class _Streamed:
         self.axis = operand.axis
         stochastic = self.stochastic = operand.stochastic
         self.generator = generator if stochastic else None
-        self.seed = seed_offset(generator)[0] if stochastic and self.fused else 0
+        self.seed = kernel_seed(generator, "cpu") if stochastic and self.fused else 0
         self.amax = None
         if self.recipe.scale != "e8m0":  # MX has no tensor-level scale
             self.amax = operands.reduced(cpu_kernels.tensor_amax(self.t)) if self.fused else tensor_amax(self.t)

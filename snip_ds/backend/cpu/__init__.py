@@ -99,6 +99,7 @@ def load(verbose: bool = False) -> bool:
                            build_directory=folder, is_python_module=False, verbose=verbose)
         _ops = torch.ops.snip_ds_cpu
         _ops.supported_isa()  # the library answers
+        _register_fakes()
     except Exception as err:  # no compiler, a failed build, a stale or broken cached library
         _ops = None
         first = str(err).strip().splitlines()[0] if str(err).strip() else "no message"
@@ -108,6 +109,27 @@ def load(verbose: bool = False) -> bool:
         return False
     _build_seconds = time.perf_counter() - start
     return True
+
+
+_fakes_registered = False
+
+
+def _register_fakes() -> None:
+    """Shape functions of the kernels' ops, so that ``torch.compile`` traces calls of them (once a process)."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    _fakes_registered = True
+
+    @torch.library.register_fake("snip_ds_cpu::tensor_amax")
+    def _amax_fake(x, isa):
+        return x.new_empty((), dtype=torch.float32)
+
+    @torch.library.register_fake("snip_ds_cpu::quantize")
+    def _quantize_fake(x, amax, kind, axis, block, mbits, emin, emax, max_normal, divisor, stochastic, seed, offset,
+                       out_bf16, dequantize, isa):
+        values = x.new_empty(x.shape, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+        return values, x.new_empty((), dtype=torch.float32)
 
 
 def available() -> bool:
@@ -125,11 +147,20 @@ def load_seconds() -> Optional[float]:
     return _build_seconds
 
 
+_isa_level: Optional[int] = None
+
+
 def isa_level() -> int:
     """The instruction-set variant the kernels run: 2 AVX-512, 1 AVX2, 0 baseline -- torch's own CPU
-    capability (``ATEN_CPU_CAPABILITY`` limits both), within what the CPU supports."""
-    level = _ISA.get(torch.backends.cpu.get_cpu_capability(), 0)
-    return min(level, int(_ops.supported_isa())) if _ops is not None else level
+    capability (``ATEN_CPU_CAPABILITY`` limits both, read at start-up), within what the CPU supports; asked
+    once, so a compiled graph reads a constant."""
+    global _isa_level
+    if _isa_level is None or _ops is None:
+        level = _ISA.get(torch.backends.cpu.get_cpu_capability(), 0)
+        if _ops is None:
+            return level
+        _isa_level = min(level, int(_ops.supported_isa()))
+    return _isa_level
 
 
 def _require() -> None:
@@ -193,7 +224,11 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
     recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     check_kernel_input(x, "CPU", "cpu")
     check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype)
-    seed = int(seed) if isinstance(seed, torch.Tensor) else seed  # a CPU tensor: reading it waits for nothing
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.full((), seed, dtype=torch.int64)
+    elif seed.device.type != "cpu":
+        raise ValueError(f"seed: the CPU quantizer takes an int or a one-element int64 CPU tensor, got a tensor on "
+                         f"{seed.device}")
     x = x.contiguous()
     kind = _kind(recipe)
     if kind == 1 or x.numel() == 0:
