@@ -264,3 +264,48 @@ def test_the_cpu_kernels_trace_as_operators(recipe):
     compiled = torch.compile(quantize, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x, seed), quantize(x, seed))
     assert not math.isnan(float(compiled(x, seed + 1).sum()))
+
+
+_DS_RUN = """
+import json, sys, torch, snip_ds
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+cfg = json.load(open(%r))
+cfg["snip"].update(early_replan_steps=[2], replan_every=1000, additional_bf16_fwd_every_n_steps=2)
+engine = snip_ds.initialize(model, cfg, tokens_per_step=4 * 16)
+if sys.argv[1] == "compiled":
+    engine.ds.compile(backend="aot_eager")
+gen = torch.Generator().manual_seed(1)
+losses = []
+for _ in range(4):
+    ids = torch.randint(0, 64, (4, 16), generator=gen)
+    losses.append(engine.train_step([{"input_ids": ids, "labels": ids}]))
+from torch._dynamo.utils import counters
+print("RESULT " + json.dumps({"losses": losses, "plans": [h["step"] for h in engine.planner.history],
+                              "breaks": sum(counters["graph_break"].values())}))
+"""
+
+
+@pytest.mark.slow
+def test_deepspeed_engine_compile_trains_as_eager_without_graph_breaks(tmp_path):
+    """``engine.ds.compile()`` (DeepSpeed's own compile: ``module.compile()``) on an adaptive ZeRO-1 run of a
+    small Llama: no graph break, and the losses -- the first plan, a re-plan at step 2, the measured BF16
+    forwards -- are eager's bit for bit: SNIP's collection and measuring forwards run eagerly inside the
+    compiled model (snip_ds/compile_stance.py)."""
+    import json
+    import subprocess
+    import sys
+
+    from train_utils import REPO, env
+
+    code = _DS_RUN % str(REPO / "ds_configs" / "zero1.json")
+    runs = {}
+    for mode in ("eager", "compiled"):
+        proc = subprocess.run([sys.executable, "-c", code, mode], cwd=tmp_path, env=env(), capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert runs["compiled"]["breaks"] == 0
+    assert runs["compiled"]["losses"] == runs["eager"]["losses"] and runs["compiled"]["plans"] == [0, 2]
