@@ -147,6 +147,7 @@ class OpCounts:
     kernels: Counter = field(default_factory=Counter)
     views: Counter = field(default_factory=Counter)
     triton: Counter = field(default_factory=Counter)
+    inside_launch: int = 0  # > 0 while a Triton kernel runs: its interpreter's own operators are not counted
 
     @property
     def launches(self) -> int:
@@ -180,7 +181,8 @@ class _Counting(TorchDispatchMode):
         self.counts = counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        (self.counts.views if _is_view(func) else self.counts.kernels)[_name(func)] += 1
+        if not self.counts.inside_launch:
+            (self.counts.views if _is_view(func) else self.counts.kernels)[_name(func)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -195,7 +197,11 @@ class _CountedKernel:
 
         def counted(*args, **kwargs):
             self.counts.triton[f"triton::{self.name}"] += 1
-            return launch(*args, **kwargs)
+            self.counts.inside_launch += 1  # (under the interpreter the kernel itself runs torch operators)
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                self.counts.inside_launch -= 1
         return counted
 
 

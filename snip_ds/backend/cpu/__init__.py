@@ -224,22 +224,46 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
     recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     check_kernel_input(x, "CPU", "cpu")
     check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype)
-    if not isinstance(seed, torch.Tensor):
-        seed = torch.full((), seed, dtype=torch.int64)
-    elif seed.device.type != "cpu":
+    if isinstance(seed, torch.Tensor) and seed.device.type != "cpu":
         raise ValueError(f"seed: the CPU quantizer takes an int or a one-element int64 CPU tensor, got a tensor on "
                          f"{seed.device}")
-    x = x.contiguous()
+    return quantize_checked(x.contiguous(), recipe, axis % 2, tensor_amax, stochastic, seed, offset, out_dtype,
+                            dequantize)
+
+
+_CONSTANTS: dict = {}  # read-only 0-d tensors the kernels are passed where they read nothing from them
+
+
+def _constant(name: str, dtype: torch.dtype) -> torch.Tensor:
+    t = _CONSTANTS.get(name)
+    if t is None:
+        t = _CONSTANTS[name] = torch.zeros((), dtype=dtype)
+    return t
+
+
+def quantize_checked(x: torch.Tensor, recipe: Recipe, axis: int, tensor_amax: Optional[torch.Tensor],
+                     stochastic: bool, seed: Union[int, torch.Tensor], offset: int, out_dtype: torch.dtype,
+                     dequantize: bool = False) -> QuantParts:
+    """:func:`quantize_parts` for arguments that are known to be valid (the torch backend's own calls: a
+    contiguous 2-D FP32/BF16 CPU ``x``, a :class:`~snip_ds.quant.Recipe`, ``axis`` 0 or 1, a 0-d FP32 CPU
+    ``tensor_amax`` or None, ``seed`` an int or a 0-d int64 CPU tensor), without checking them again: the
+    kernels' own checks still refuse a wrong tensor."""
     kind = _kind(recipe)
     if kind == 1 or x.numel() == 0:
-        amax = torch.zeros((), dtype=torch.float32)  # unused (MX), or nothing to quantize
+        amax = _constant("amax", torch.float32)  # unused (MX), or nothing to quantize
     elif tensor_amax is not None:
-        amax = tensor_amax.detach().to(device="cpu", dtype=torch.float32).reshape(())
+        amax = tensor_amax
+        if amax.dtype != torch.float32 or amax.device.type != "cpu" or amax.dim() or amax.requires_grad:
+            amax = amax.detach().to(device="cpu", dtype=torch.float32).reshape(())
     else:
         amax = _ops.tensor_amax(x, isa_level())
+    if not stochastic:
+        seed = _constant("seed", torch.int64)  # not read
+    elif not isinstance(seed, torch.Tensor):
+        seed = torch.full((), seed, dtype=torch.int64)
     element = recipe.element
     values, scale = _ops.quantize(
-        x, amax, kind, axis % 2, recipe.block_size, element.mbits, element.emin, element.emax,
+        x, amax, kind, axis, recipe.block_size, element.mbits, element.emin, element.emax,
         element.max_normal, _NVFP4_TENSOR_DIVISOR if kind in (2, 3) else element.max_normal, bool(stochastic),
         seed, offset, out_dtype == torch.bfloat16, dequantize, isa_level())
     if x.numel() == 0:

@@ -22,7 +22,8 @@ int64 tensor on the device, so a seed drawn from a CUDA generator never waits fo
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import functools
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
@@ -225,7 +226,9 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
         values = torch.empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype, device=x.device)
         return QuantParts(values, torch.ones((), dtype=torch.float32, device=x.device))
     if tensor_amax is not None and recipe.scale != "e8m0":
-        tensor_amax = tensor_amax.detach().to(device=x.device, dtype=torch.float32).reshape(())
+        if (tensor_amax.dtype != torch.float32 or tensor_amax.device != x.device or tensor_amax.dim()
+                or tensor_amax.requires_grad):
+            tensor_amax = tensor_amax.detach().to(device=x.device, dtype=torch.float32).reshape(())
     else:
         tensor_amax = None  # MX: unused
     seed = _seed_tensor(seed, x.device) if stochastic else None
@@ -240,34 +243,24 @@ def _quantize_launch(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed:
     """The launches of :func:`_quantize` for a non-empty ``x`` whose arguments are checked: the amax kernel
     (only where the recipe needs a tensor amax that is not given), then the quantization kernel. ``seed``:
     None rounds to nearest, else the one-element int64 tensor on ``x``'s device the kernel reads."""
-    recipe = get_recipe(recipe)
     rows, cols = x.shape
-    codes = out_dtype in FP8_CODES.values()
-    values = torch.empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype, device=x.device)
     in_bf16 = x.dtype == torch.bfloat16
+    config = _launch_config if isinstance(rows, int) and isinstance(cols, int) else _launch_config.__wrapped__
+    cfg = config(rows, cols, recipe, axis, out_dtype, transpose, in_bf16, dequantize)  # (symbolic shapes: uncached)
+    values = torch.empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype, device=x.device)
     x_bits = x.view(torch.int16 if in_bf16 else torch.int32)  # the kernels convert by bit shifting
-    out = int(OUT_FP8) if codes else int(OUT_BF16) if out_dtype == torch.bfloat16 else int(OUT_FP32)
-    out_bits = values.view((torch.float32, torch.int16, torch.uint8)[out])  # as OUT_FP32, OUT_BF16, OUT_FP8
+    out_bits = values.view(cfg.out_view)
     scale = torch.empty((), dtype=torch.float32, device=x.device)  # the kernel's first program writes it
-    kind = _kind(recipe)
-    bs = recipe.block_size
-    br = _tile(rows, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 0) else 1)
-    bc = _tile(cols, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 1) else 1)
-    launch = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
-    if kind == MX:
+    if cfg.kind == MX:
         amax = scale  # unused
     elif tensor_amax is not None:
         amax = tensor_amax
     else:
-        amax = _amax(x_bits, in_bf16, br, bc, launch)
-    element = recipe.element
-    _launchable(_quantize_kernel)[launch](
+        amax = _amax(x_bits, in_bf16, cfg.br, cfg.bc, cfg.grid)
+    _launchable(_quantize_kernel)[cfg.grid](
         x_bits, out_bits, amax, scale, rows, cols, x.stride(0), x.stride(1),
         scale if seed is None else seed, offset,  # round to nearest reads no seed
-        KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin, EMAX=element.emax,
-        MAXN=element.max_normal, TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D)
-        else element.max_normal, STOCHASTIC=seed is not None, TRANSPOSE=transpose, IN_BF16=in_bf16,
-        OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize))
+        STOCHASTIC=seed is not None, **cfg.constants)
     if dequantize:
         scale = torch.ones((), dtype=torch.float32, device=x.device)
     return values, scale
@@ -345,6 +338,36 @@ def _define(name: str, fn, fake):
         op.register_fake(fake)
         return op
     return torch.library.triton_op(f"snip_ds::{name}", fn, mutates_args=())
+
+
+class _LaunchConfig(NamedTuple):
+    kind: int
+    br: int
+    bc: int
+    grid: Tuple[int]
+    out_view: torch.dtype  # the integer (or FP32) view the kernel writes the values through
+    constants: Dict[str, Any]  # the quantization kernel's compile-time arguments but STOCHASTIC
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torch.dtype, transpose: bool,
+                   in_bf16: bool, dequantize: bool) -> _LaunchConfig:
+    """The tiles, grid and compile-time arguments of one quantization (worked out once per shape and recipe:
+    the launch's host time)."""
+    recipe = get_recipe(recipe)
+    kind = _kind(recipe)
+    bs = recipe.block_size
+    br = _tile(rows, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 0) else 1)
+    bc = _tile(cols, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 1) else 1)
+    out = int(OUT_FP8) if out_dtype in FP8_CODES.values() else int(OUT_BF16) if out_dtype == torch.bfloat16 \
+        else int(OUT_FP32)
+    element = recipe.element
+    constants = dict(KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin,
+                     EMAX=element.emax, MAXN=element.max_normal,
+                     TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D) else element.max_normal,
+                     TRANSPOSE=transpose, IN_BF16=in_bf16, OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize))
+    return _LaunchConfig(kind, br, bc, (triton.cdiv(rows, br) * triton.cdiv(cols, bc),),
+                         (torch.float32, torch.int16, torch.uint8)[out], constants)
 
 
 def _triton_quantize(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed: Optional[torch.Tensor],
