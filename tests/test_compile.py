@@ -309,3 +309,50 @@ def test_deepspeed_engine_compile_trains_as_eager_without_graph_breaks(tmp_path)
         runs[mode] = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert runs["compiled"]["breaks"] == 0
     assert runs["compiled"]["losses"] == runs["eager"]["losses"] and runs["compiled"]["plans"] == [0, 2]
+
+
+_HF_RUN = """
+import json, sys, torch
+from transformers import Trainer, TrainingArguments, default_data_collator, TrainerCallback
+from snip_ds.data import BlockDataset
+from snip_ds.hf import SnipCallback
+from snip_ds.model import build_model
+TINY = {"model_type": "llama", "vocab_size": 257, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+compiled = sys.argv[1] == "compiled"
+model = build_model(None, dict(TINY), vocab_size=257, seed=0, block_size=64)
+args = TrainingArguments(output_dir="%s", per_device_train_batch_size=2, max_steps=4, learning_rate=1e-2,
+                         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+                         torch_compile=compiled, torch_compile_backend="aot_eager" if compiled else None)
+losses = []
+class L(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs: losses.append(logs["loss"])
+snip = SnipCallback(settings={"plan": "adaptive", "replan_every": 2, "additional_bf16_fwd_every_n_steps": 2})
+trainer = Trainer(model=model, args=args, train_dataset=BlockDataset(torch.randint(0, 257, (16, 64), generator=torch.Generator().manual_seed(0))),
+                  data_collator=default_data_collator, callbacks=[snip, L()])
+snip.attach(trainer)
+trainer.train()
+from torch._dynamo.utils import counters
+print("RESULT", json.dumps({"losses": losses, "breaks": sum(counters["graph_break"].values()), "frames": dict(counters["stats"])}))
+"""
+
+
+@pytest.mark.slow
+def test_the_trainer_with_torch_compile_trains_as_eager_without_graph_breaks(tmp_path):
+    """The Hugging Face Trainer's ``torch_compile`` (here with the aot_eager backend) and SnipCallback, an
+    adaptive plan re-planned at step 2: no graph break and the logged losses of the eager run, bit for bit."""
+    import json
+    import subprocess
+    import sys
+
+    from train_utils import env
+
+    runs = {}
+    for mode in ("eager", "compiled"):
+        proc = subprocess.run([sys.executable, "-c", _HF_RUN % str(tmp_path / mode), mode], cwd=tmp_path, env=env(),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert runs["compiled"]["breaks"] == 0 and runs["compiled"]["frames"]["unique_graphs"] >= 1
+    assert len(runs["eager"]["losses"]) == 4 and runs["compiled"]["losses"] == runs["eager"]["losses"]
