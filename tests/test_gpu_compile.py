@@ -130,3 +130,16 @@ def test_inductor_traces_into_the_triton_quantization_ops(recipe, axis, out_dtyp
     for a, b in zip(got, want):
         assert a.dtype == b.dtype
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_scaled_gemm_result_is_cast_in_the_multiply_s_pass_bit_for_bit(dtype):
+    """The torch backend writes ``y * s`` straight into a BF16/FP16 output (``torch.mul(..., out=)``): on CUDA
+    too the FP32 product rounded once, what ``y.mul_(s).to(dtype)`` gives, for values of every class."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    y = torch.randn(1024, 1031, device="cuda", generator=gen)
+    y *= torch.exp2(torch.randint(-140, 120, y.shape, device="cuda", generator=gen).float())
+    y[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0], device="cuda")
+    for s in (torch.tensor(3.0e-5, device="cuda"), torch.tensor(7.25, device="cuda")):
+        fused = torch.mul(y, s, out=torch.empty(y.shape, dtype=dtype, device="cuda"))
+        assert torch.equal(fused.view(torch.int16), y.clone().mul_(s).to(dtype).view(torch.int16))
