@@ -24,8 +24,10 @@ Results go to benchmarks/results/bench_train.{json,md}.
 
 On a CUDA GPU: tokens/s of a ~1.0B-parameter Llama (22 blocks, hidden 2048, SwiGLU 5632, GQA 32/4 heads,
 TinyLlama-1.1B's shape with the byte-level vocabulary) under the bf16, fp8, fp4 and adaptive plans, each a
-run of launch/train.py through the deepspeed launcher on one GPU with the shipped ds_configs/zero3.json (ZeRO-3,
-BF16, ``backend: auto``), micro-batch 8 x 1024 tokens; only the model, the batch, the run's length, the
+training run (``snip_ds.trainer.main``, what launch/train.py runs) on one GPU with the shipped
+ds_configs/zero3.json (ZeRO-3, BF16, ``backend: auto``), micro-batch 8 x 1024 tokens. The four runs go one
+after another in this one process (Python, torch, CUDA and the JIT-built ops start once; each run builds its own model and engine in the one process group, and the GPU's peak memory is read per run);
+``--separate_launches`` makes each a launch/train.py process of its own through the deepspeed launcher instead. only the model, the batch, the run's length, the
 re-planning cadence of the adaptive run, evaluation (once, at the end) and the output directory differ from
 the shipped file. From each run's TensorBoard: the median step time (the first two steps left out as warm-up,
 and the steps carrying the extra BF16 forward that measures the plan's divergence), and for the adaptive run
@@ -35,7 +37,8 @@ the medians of the collection and the solve, from which SNIP's share of training
 ``--output_dir`` writes elsewhere (gpu/run_device.sh does both to fit its time budget); ``--plans`` runs some of
 the plans (bf16 first: the ratios are against it). The results are rewritten after every plan's run, with
 ``"complete": false`` until the last, so a run cut short keeps the plans it finished.
-Without CUDA, ``--device cuda`` is an error (exit 2).
+Without CUDA, ``--device cuda`` is an error (exit 2); ``--plumbing`` runs the same code on a 2-block, 64-wide
+Llama on this machine's device and writes nothing (gpu/run_device.sh's dry run).
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -212,15 +216,40 @@ def summarize_run(series: dict, tokens_per_step: int, measure_every: int, shippe
     return row
 
 
-def _launch_run(plan: str, steps: int, replan_every: int) -> dict:
-    """One launch/train.py run on one GPU; its TensorBoard series."""
+PLUMBING_MODEL = {**GPU_MODEL, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+PLUMBING_MICRO_BATCH, PLUMBING_BLOCK = 2, 128
+
+
+def _read_series(tensorboard: Path) -> dict:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    acc = EventAccumulator(str(tensorboard), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in
+            ("perf/step_time_s", "snip/collect_time_s", "snip/solve_time_s") if tag in tags}
+
+
+def _write_run_config(tmp: Path, plan: str, steps: int, replan_every: int, model_cfg: Optional[dict],
+                      micro_batch: Optional[int], block: Optional[int]) -> Path:
+    """The run's model and DeepSpeed configs in ``tmp`` (None: the GPU model, micro-batch and block)."""
+    model_cfg = GPU_MODEL if model_cfg is None else model_cfg
+    micro_batch = GPU_MICRO_BATCH if micro_batch is None else micro_batch
+    block = GPU_BLOCK if block is None else block
+    model = tmp / "model.json"
+    model.write_text(json.dumps(model_cfg))
+    path = tmp / f"bench_{plan}.json"
+    path.write_text(json.dumps(gpu_run_config(plan, model, tmp / "out", steps, replan_every, micro_batch, block)))
+    return path
+
+
+def _launch_run(plan: str, steps: int, replan_every: int, model_cfg: Optional[dict] = None,
+                micro_batch: Optional[int] = None, block: Optional[int] = None) -> dict:
+    """One launch/train.py run on one GPU, a process of its own through the deepspeed launcher; its
+    TensorBoard series."""
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "model.json"
-        model.write_text(json.dumps(GPU_MODEL))
-        path = Path(tmp) / f"bench_{plan}.json"
-        path.write_text(json.dumps(gpu_run_config(plan, model, Path(tmp) / "out", steps, replan_every)))
+        path = _write_run_config(Path(tmp), plan, steps, replan_every, model_cfg, micro_batch, block)
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", str(REPO / "launch" / "train.py"),
@@ -228,29 +257,71 @@ def _launch_run(plan: str, steps: int, replan_every: int) -> dict:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"plan {plan}: launch/train.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        acc = EventAccumulator(str(Path(tmp) / "out" / "tensorboard"), size_guidance={"scalars": 0})
-        acc.Reload()
-        tags = set(acc.Tags()["scalars"])
-        return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in
-                ("perf/step_time_s", "snip/collect_time_s", "snip/solve_time_s") if tag in tags}
+        return _read_series(Path(tmp) / "out" / "tensorboard")
 
 
-def bench_cuda(steps: int, replan_every: int, plans=GPU_PLANS, on_row=None) -> dict:
-    """One launch/train.py run per plan (``bf16`` first: the others' ratios are against it); after each run,
-    ``on_row(result so far)``, so that a run cut short still leaves the rows it finished."""
+def _in_process_run(plan: str, steps: int, replan_every: int, model_cfg: Optional[dict] = None,
+                    micro_batch: Optional[int] = None, block: Optional[int] = None) -> dict:
+    """The same run as :func:`_launch_run`, but ``snip_ds.trainer.main`` called in this process (one rank; the
+    first run makes the process group, the later ones reuse it): the interpreter, torch, CUDA and the JIT-built ops start
+    once for every plan. Its TensorBoard series, and the GPU's peak memory over the run."""
+    import gc
+
+    from snip_ds.trainer import main as train_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write_run_config(Path(tmp), plan, steps, replan_every, model_cfg, micro_batch, block)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        code = train_main(["--deepspeed", str(path), "--no_progress"], keep_process_group=True)
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if code != 0:
+            raise RuntimeError(f"plan {plan}: snip_ds.trainer.main returned {code}")
+        series = _read_series(Path(tmp) / "out" / "tensorboard")
+    series["peak_memory_bytes"] = peak
+    return series
+
+
+def bench_cuda(steps: int, replan_every: int, plans=GPU_PLANS, on_row=None, in_process: bool = True,
+               plumbing: bool = False) -> dict:
+    """One run per plan (``bf16`` first: the others' ratios are against it), all in this process
+    (``in_process``) or each through the deepspeed launcher; after each run, ``on_row(result so far)``, so that
+    a run cut short still leaves the rows it finished. ``plumbing``: a 2-block, 64-wide Llama on whatever device
+    is here (a check of the code, not a measurement)."""
     shipped = json.loads(SHIPPED_CONFIG.read_text())["snip"]
-    res = {"parameters": llama_parameters(GPU_MODEL), "tokens_per_step": GPU_MICRO_BATCH * GPU_BLOCK,
-           "replan_every_shipped": shipped["replan_every"], "plans": list(plans), "rows": {}}
-    rows = res["rows"]
-    for plan in plans:
-        series = _launch_run(plan, steps, replan_every)
-        rows[plan] = summarize_run(series, GPU_MICRO_BATCH * GPU_BLOCK, shipped["additional_bf16_fwd_every_n_steps"],
-                                   shipped["replan_every"])
-        rows[plan]["tokens_per_s_ratio_vs_bf16"] = rows[plan]["tokens_per_s"] / rows["bf16"]["tokens_per_s"]
-        print(f"{plan:>8}: {rows[plan]['tokens_per_s']:.0f} tokens/s", flush=True)
-        if on_row is not None:
-            on_row(res)
+    model_cfg, micro_batch, block = ((PLUMBING_MODEL, PLUMBING_MICRO_BATCH, PLUMBING_BLOCK) if plumbing
+                                     else (GPU_MODEL, GPU_MICRO_BATCH, GPU_BLOCK))
+    res = {"parameters": llama_parameters(model_cfg), "tokens_per_step": micro_batch * block,
+           "replan_every_shipped": shipped["replan_every"], "plans": list(plans), "rows": {},
+           "runs": "in one process" if in_process else "one deepspeed-launcher process per plan"}
+    run = _in_process_run if in_process else _launch_run
+    try:
+        for plan in plans:
+            _one_plan(res, plan, run(plan, steps, replan_every, model_cfg, micro_batch, block), shipped, on_row)
+    finally:
+        if in_process:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return res
+
+
+def _one_plan(res: dict, plan: str, series: dict, shipped: dict, on_row) -> None:
+    """Adds ``plan``'s row (from its run's series) to ``res``, then calls ``on_row(res)``."""
+    rows = res["rows"]
+    rows[plan] = row = summarize_run(series, res["tokens_per_step"], shipped["additional_bf16_fwd_every_n_steps"],
+                                     shipped["replan_every"])
+    if series.get("peak_memory_bytes") is not None:
+        row["peak_memory_bytes"] = series["peak_memory_bytes"]
+        row["peak_memory_ratio_vs_bf16"] = series["peak_memory_bytes"] / rows["bf16"]["peak_memory_bytes"]
+    row["tokens_per_s_ratio_vs_bf16"] = row["tokens_per_s"] / rows["bf16"]["tokens_per_s"]
+    print(f"{plan:>8}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
+    if on_row is not None:
+        on_row(res)
 
 
 def cuda_report(res: dict, steps: int, gpu: str) -> list:
@@ -261,11 +332,14 @@ def cuda_report(res: dict, steps: int, gpu: str) -> list:
              "", f"{gpu}, torch {torch.__version__}, micro-batch {GPU_MICRO_BATCH} x {GPU_BLOCK} tokens, "
              f"{steps} steps per plan (launch/train.py, ds_configs/zero3.json, backend auto). tokens/s: median step "
              "time after two warm-up steps, the steps with the plan-divergence BF16 forward left out.", "",
-             "| plan | step time (s) | tokens/s | vs bf16 |", "|---|---|---|---|"]
+             f"Runs: {res.get('runs', 'one deepspeed-launcher process per plan')}.", "",
+             "| plan | step time (s) | tokens/s | vs bf16 | peak GPU memory | vs bf16 |", "|---|---|---|---|---|---|"]
     for name, r in rows.items():
+        peak = (f"{r['peak_memory_bytes'] / 2 ** 30:.1f} GiB | {r['peak_memory_ratio_vs_bf16']:.2f}x"
+                if "peak_memory_bytes" in r else "not measured | ")
         lines.append(f"| {name} | {r['step_time_s']:.3f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['tokens_per_s_ratio_vs_bf16']:.2f}x |")
-    lines += [f"| {name} | not measured (the run stopped before it) | | |" for name in missing]
+                     f"{r['tokens_per_s_ratio_vs_bf16']:.2f}x | {peak} |")
+    lines += [f"| {name} | not measured (the run stopped before it) | | | | |" for name in missing]
     a = rows.get("adaptive", {})
     if "snip_overhead_share" in a:
         lines += ["", f"SNIP (adaptive): collection {a['collect_s']:.2f} s, solve {a['solve_s']:.2f} s (medians of "
@@ -276,11 +350,12 @@ def cuda_report(res: dict, steps: int, gpu: str) -> list:
 
 
 def main_cuda(quick: bool, steps: int | None = None, replan_every: int | None = None,
-              output_dir: Path = RESULTS, plans=GPU_PLANS) -> int:
-    steps = steps or (8 if quick else GPU_STEPS)
-    replan_every = replan_every or (4 if quick else GPU_REPLAN_EVERY)
+              output_dir: Path = RESULTS, plans=GPU_PLANS, in_process: bool = True, plumbing: bool = False) -> int:
+    steps = steps or (8 if quick or plumbing else GPU_STEPS)
+    replan_every = replan_every or (4 if quick or plumbing else GPU_REPLAN_EVERY)
+    quick = quick or plumbing  # a plumbing check writes nothing
     start = time.perf_counter()
-    gpu = torch.cuda.get_device_name(0)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (plumbing check, not a measurement)"
 
     def write(res: dict) -> None:  # after every plan: a run cut short keeps what it measured
         lines = cuda_report(res, steps, gpu)
@@ -293,7 +368,7 @@ def main_cuda(quick: bool, steps: int | None = None, replan_every: int | None = 
         atomic_write_text(output_dir / "bench_train_cuda.json", json.dumps({"meta": meta, **res}, indent=2) + "\n")
         atomic_write_text(output_dir / "bench_train_cuda.md", "\n".join(lines) + "\n")
 
-    res = bench_cuda(steps, replan_every, plans, write)
+    res = bench_cuda(steps, replan_every, plans, write, in_process, plumbing)
     print("\n".join(cuda_report(res, steps, gpu)) + f"\n({time.perf_counter() - start:.0f} s)")
     if not quick:
         print(f"wrote {output_dir / 'bench_train_cuda.json'} and .md")
@@ -319,9 +394,15 @@ def main(argv=None) -> int:
                    help="cpu: the default model (below); cuda: a ~1B Llama under ZeRO-3 on one GPU (module docstring)")
     p.add_argument("--plans", nargs="+", choices=GPU_PLANS, default=list(GPU_PLANS),
                    help="cuda: the plans to run, in this order (default all; bf16 first: the ratios are against it)")
+    p.add_argument("--separate_launches", action="store_true",
+                   help="cuda: each plan a launch/train.py process of its own through the deepspeed launcher (default: "
+                        "every plan in this process, started once)")
+    p.add_argument("--plumbing", action="store_true",
+                   help="the --device cuda code path (every plan, in one process) on a 2-block 64-wide Llama on this "
+                        "machine's device, 8 steps: a check of the script, nothing written")
     p.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.plans != list(GPU_PLANS) and (args.device != "cuda" or args.plans[0] != "bf16"
+    if args.plans != list(GPU_PLANS) and (not (args.device == "cuda" or args.plumbing) or args.plans[0] != "bf16"
                                          or len(set(args.plans)) != len(args.plans)):
         p.error(f"--plans: with --device cuda only, bf16 first, each plan once (got {' '.join(args.plans)})")
     if args.steps is not None and args.steps < (5 if args.device == "cuda" else 1):
@@ -329,12 +410,16 @@ def main(argv=None) -> int:
                 f"got {args.steps}")
     if args.replan_every is not None and (args.device != "cuda" or args.replan_every < 1):
         p.error(f"--replan_every: a positive number, with --device cuda only (got {args.replan_every})")
+    if args.plumbing:
+        return main_cuda(True, args.steps, args.replan_every, args.output_dir, tuple(args.plans),
+                         not args.separate_launches, plumbing=True)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("error: --device cuda: torch finds no CUDA device here (torch.cuda.is_available() is False); "
                   "run on a machine with a GPU, or without --device for the CPU benchmark", file=sys.stderr)
             return 2
-        return main_cuda(args.quick, args.steps, args.replan_every, args.output_dir, tuple(args.plans))
+        return main_cuda(args.quick, args.steps, args.replan_every, args.output_dir, tuple(args.plans),
+                         not args.separate_launches)
     if args._memory:
         print(json.dumps(_memory_child(args._memory[0], int(args._memory[1]), int(args._memory[2]))))
         return 0

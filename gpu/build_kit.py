@@ -5,7 +5,8 @@
 Run it with the repository's virtual environment (Python 3.11 with torch and pip; building DeepSpeed's wheel
 imports torch). What goes in the kit is derived, not listed by hand:
 
-- roots: setup.cfg's install_requires and its ``dev`` extra (the tests' needs);
+- roots: setup.cfg's install_requires and its ``dev`` extra (the tests' needs), and the peers a GPU benchmark
+  measures beside snip_ds (:data:`PEERS`: torchao's float8);
 - each root or requirement (the wheels' Requires-Dist, markers evaluated for CPython 3.12 on x86_64 Linux, no
   extras) that gpu/image_packages.txt, the image's package list, lacks is carried, at the version
   constraints.txt pins (an error if it pins none);
@@ -55,6 +56,11 @@ TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "implem
               "platform_machine": "x86_64", "os_name": "posix", "extra": ""}
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64"]
+# Carried beside snip_ds's own needs: the peer that benchmarks/bench_layer_gpu.py measures in the same process.
+# torchao 0.18.0 is the release for torch >= 2.11 (its __init__ checks for it), the image's torch 2.11.0+cu130;
+# its float8 training (the tensorwise recipe) is Python over torch._scaled_mm, so the wheel's compiled
+# extensions (built for PyPI's CUDA) are not needed: where they do not load, torchao says so and goes on.
+PEERS = {"torchao": ("0.18.0", "the peer of benchmarks/bench_layer_gpu.py (torchao float8, tensorwise)")}
 BUILT_FROM_SDIST = {"deepspeed": {"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cuda"}}
 CBCBOX_DROPPED = re.compile(r"/cbcbox/cbc_dist_[^/]+/")  # cbc_dist_avx2/, cbc_dist_debug_avx2/: all but generic
 TRANSFER_LIMIT = 64 * 2 ** 20  # what one device call may send: working tree + carried folders
@@ -278,6 +284,8 @@ def resolve(cache: Path, image: dict, pins: dict) -> tuple:
     conflicts: list = []
     device_checks: dict = {}
     queue = [(r, "setup.cfg") for r in read_roots() if applies(r)]
+    queue += [(Requirement(f"{name}=={version}"), f"peer: {why}") for name, (version, why) in PEERS.items()]
+    pins = {**pins, **{canonicalize_name(name): version for name, (version, _) in PEERS.items()}}
     while queue:
         req, by = queue.pop(0)
         name = canonicalize_name(req.name)
@@ -288,7 +296,7 @@ def resolve(cache: Path, image: dict, pins: dict) -> tuple:
             continue
         reason = None
         if name not in image:
-            reason = "missing from the image"
+            reason = "missing from the image" + (f"; {by}" if by.startswith("peer: ") else "")
         elif image[name] is not None:
             if image[name] not in req.specifier:
                 conflicts.append(f"{by} requires {req}; the image has {image[name]}")

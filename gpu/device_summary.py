@@ -81,6 +81,19 @@ def bench_facts(work: Path) -> dict:
         out["bench_train"] = {p: {k: r.get(k) for k in ("step_time_s", "tokens_per_s", "tokens_per_s_ratio_vs_bf16",
                                                        "collect_s", "snip_overhead_share")}
                               for p, r in train.get("rows", {}).items()}
+    layer = _load(b / "bench_layer_gpu.json")
+    if layer:
+        out["bench_layer"] = {
+            "torchao": layer.get("torchao"), "not_reached": len(layer.get("not_reached", [])),
+            "rows": {f"{r['shape']}@{r['tokens']} {r['mode']} {r['variant']}":
+                     r.get("error") or {k: round(r[k], 3) for k in ("wall_vs_bf16", "kernel_vs_bf16", "peak_vs_bf16")
+                                        if isinstance(r.get(k), float)} | {"host_us": round(r["host_issue_us"])}
+                     for r in layer.get("rows", [])}}
+    host = _load(b / "bench_layer_host_cuda.json")
+    if host:
+        out["bench_layer_host"] = {"launches": {v: r.get("launches") for v, r in host["launches"].get("cuda", {}).items()},
+                                   "host_us": {f"{mode} {v}": round(r["step_us"]) for mode, rows in
+                                               host.get("host", {}).items() for v, r in rows.items()}}
     gemm = _load(b / "bench_gpu_gemm.json")
     if gemm:
         out["bench_gpu_gemm"] = {f"{r['k']}x{r['n']}": r.get("step_vs_bf16") for r in gemm.get("rows", [])}

@@ -24,15 +24,23 @@
 # Steps (each under `timeout -k 10`; pass / fail / skip / timeout / not run in the summary):
 #   env                  kit installed and importable, versions, requirement checks, a tiny CBC solve
 #   gpu_tests            pytest -m gpu tests/test_gpu.py (own process, junit XML)
+#   compile_tests        pytest -m gpu tests/test_gpu_compile.py: no synchronisation in a layer step (sync debug
+#                        mode), a layer step captured in a CUDA graph, inductor through the custom ops and triton_ops
 #   kernel_tests         pytest tests/test_kernels.py tests/test_torch_backend_kernels.py (own process, junit XML;
 #                        compiled Triton kernels, and the torch backend through them against the emulated reference)
 #   train                launch/train.py through the deepspeed launcher, ds_configs/zero3.json, 20 steps (FusedAdam
 #                        JIT-built by DeepSpeed with nvcc); plan.json, stats.json and TensorBoard kept, checkpoints not
+#   bench_layer          benchmarks/bench_layer_gpu.py: fp8_hybrid / mxfp8 / nvfp4 / mxfp4 and torchao float8
+#                        (tensorwise, the kit's wheel) against BF16 nn.Linear, eager and compiled, 4096^3 and the
+#                        Llama-7B/70B layer shapes at 4096 and 16384 tokens: CUDA-event wall time, kernel-table time,
+#                        launches, host time, peak memory; stops starting configurations 40 s before its timeout
+#   bench_layer_host     benchmarks/bench_layer_host.py --device cuda: launches and host time per layer step
 #   bench_gpu_gemm       benchmarks/bench_gpu_gemm.py --tokens 4096 --repeats 10
 #   bench_quant_kernels  benchmarks/bench_quant_kernels.py --repeats 20
 #   profile_gemm         benchmarks/profile_gpu_gemm.py (one 4096^3 SnipLinear fwd+bwd per recipe under torch.profiler:
 #                        GEMM / quantize / other shares, launches per step, the top kernels)
-#   bench_train          benchmarks/bench_train.py --device cuda --steps 8 --replan_every 4 (bf16/fp8/fp4/adaptive)
+#   bench_train          benchmarks/bench_train.py --device cuda --steps 8 --replan_every 4 (bf16/fp8/fp4/adaptive,
+#                        one after another in one process)
 #   bench_scale          benchmarks/bench_scale.py (two Llama-70B-wide blocks, ZeRO-3, one collection; profiled, and
 #                        again with the CPU's 3 Mi-element statistics slices and with collect_tf32 off)
 #
@@ -44,7 +52,7 @@ START=$(date +%s)
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 DEADLINE_S=${SNIP_DEVICE_DEADLINE_S:-540}
-ALL_STEPS="env,gpu_tests,kernel_tests,train,bench_gpu_gemm,bench_quant_kernels,profile_gemm,bench_train,bench_scale"
+ALL_STEPS="env,gpu_tests,compile_tests,kernel_tests,train,bench_layer,bench_layer_host,bench_gpu_gemm,bench_quant_kernels,profile_gemm,bench_train,bench_scale"
 STEPS=${SNIP_DEVICE_STEPS:-$ALL_STEPS}
 DRY=${SNIP_DEVICE_DRY_RUN:-0}
 FACTOR=${SNIP_DEVICE_TIMEOUT_FACTOR:-1}
@@ -95,6 +103,12 @@ if [ "$DRY" != "1" ]; then
     export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+    # the kit's peer (torchao) where gpu/build_kit.py made the kit: bench_layer's torchao rows run on the CPU too
+    if ls .kit/torchao-*.whl > /dev/null 2>&1 && "$PY" -m pip install -q --no-index --no-deps --no-compile \
+            --target "$WORK/peer_site" .kit/torchao-*.whl > "$WORK/logs/peer_install.log" 2>&1; then
+        export PYTHONPATH="$PYTHONPATH:$WORK/peer_site"
+        INSTALL_NOTE="$INSTALL_NOTE; the kit's torchao wheel in $WORK/peer_site"
+    fi
 fi
 # the interpreter's own bin (ninja for DeepSpeed's and snip_ds's JIT builds, the deepspeed script's python)
 PY_BIN=$(dirname "$("$PY" -c 'import sys; print(sys.executable)' 2>/dev/null || echo /usr/bin/python3)")
@@ -140,7 +154,7 @@ run_step() {
     [ "$limit" -gt "$left" ] && limit=$left
     log "$name: start (timeout ${limit}s): $cmd"
     t0=$(date +%s.%N)
-    timeout -k 10 "$limit" bash -c "$cmd" > "$WORK/logs/$name.log" 2>&1 < /dev/null
+    SNIP_DEVICE_STEP_LIMIT_S=$limit timeout -k 10 "$limit" bash -c "$cmd" > "$WORK/logs/$name.log" 2>&1 < /dev/null
     rc=$?
     t1=$(date +%s.%N)
     # A step killed while JIT-building an op leaves the build folder's `lock`; the next load of that op would wait on
@@ -166,7 +180,9 @@ if [ "$DRY" = "1" ]; then
     TRAIN_ARGS="--max_steps 6 --eval_steps 3 --save_steps 6"
     GEMM_ARGS="--device cpu --tokens 64 --repeats 1"
     QUANT_ARGS="--repeats 2"
-    TRAIN_BENCH="benchmarks/bench_train.py --quick"   # the CPU benchmark's plumbing: --device cuda needs CUDA
+    TRAIN_BENCH="benchmarks/bench_train.py --plumbing --plans bf16 fp8"   # the GPU code path, in-process, tiny model
+    LAYER_ARGS="--device cpu"
+    LAYER_HOST_ARGS="--steps 20"
     SCALE_ARGS="--scale 64 --block_size 128 --steps 2 --profile --chunk_elements 786432 --ieee_collection"
     PROFILE_ARGS="--device cpu --tokens 64 --k 256 --n 256 --steps 2"
 else
@@ -177,12 +193,15 @@ else
     [ -n "${SNIP_DEVICE_BENCH_TRAIN_PLANS:-}" ] && TRAIN_BENCH="$TRAIN_BENCH --plans ${SNIP_DEVICE_BENCH_TRAIN_PLANS//[^a-z0-9 ]/}"
     SCALE_ARGS="--steps 3 --profile --chunk_elements 786432 --ieee_collection"   # where it goes; CPU-sized slices; IEEE FP32
     PROFILE_ARGS="--output_dir $WORK/bench"
+    LAYER_ARGS="--output_dir $WORK/bench"
+    LAYER_HOST_ARGS="--device cuda --steps 100 --output_dir $WORK/bench"
 fi
 
 run_step env 90 "" "'$PY' gpu/device_env.py --output '$WORK/env.json' --pip_list '$WORK/pip_list.txt'"
 GPU_TESTS_K=""
 [ -n "${SNIP_DEVICE_GPU_TESTS_K:-}" ] && GPU_TESTS_K="-k '${SNIP_DEVICE_GPU_TESTS_K//\'/}'"
 run_step gpu_tests 180 "" "'$PY' -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu.py $GPU_TESTS_K --junitxml '$WORK/junit_gpu_tests.xml'"
+run_step compile_tests 180 "" "'$PY' -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_compile.py --junitxml '$WORK/junit_compile_tests.xml'"
 # Each (recipe, axis, dtype, layout) is a kernel of its own, compiled on first use: one process compiled 101 of
 # the 166 tests' kernels in 240 s on an H100 machine. pytest-xdist (on the GPU image) compiles in parallel.
 XDIST=""
@@ -193,6 +212,9 @@ run_step train 300 "" "'$PY' -m deepspeed.launcher.runner --num_gpus 1 --master_
     mkdir -p '$WORK/train'; cp '$WORK/run_gpu'/plan.json '$WORK/run_gpu'/stats.json '$WORK/train/' 2>/dev/null; \
     cp -r '$WORK/run_gpu'/tensorboard '$WORK/train/' 2>/dev/null; ls -R '$WORK/run_gpu' > '$WORK/train/files.txt' 2>&1; \
     rm -rf '$WORK/run_gpu'; exit \$rc"
+# bench_layer: as many configurations as fit (most valuable first), each shape's results written as it finishes
+run_step bench_layer 330 "" "'$PY' benchmarks/bench_layer_gpu.py $LAYER_ARGS --deadline_s \$(( SNIP_DEVICE_STEP_LIMIT_S > 80 ? SNIP_DEVICE_STEP_LIMIT_S - 40 : 40 ))"
+run_step bench_layer_host 150 "" "'$PY' benchmarks/bench_layer_host.py $LAYER_HOST_ARGS"
 run_step bench_gpu_gemm 150 "" "'$PY' benchmarks/bench_gpu_gemm.py $GEMM_ARGS --output_dir '$WORK/bench'"
 run_step bench_quant_kernels 120 "needs a CUDA GPU" "'$PY' benchmarks/bench_quant_kernels.py $QUANT_ARGS --output_dir '$WORK/bench'"
 run_step profile_gemm 120 "" "'$PY' benchmarks/profile_gpu_gemm.py $PROFILE_ARGS"

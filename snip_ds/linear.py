@@ -9,7 +9,9 @@ the swap must not copy them). At ``bf16`` the layer runs ``F.linear`` itself and
 ``nn.Linear``, forward and backward. Otherwise one ``autograd.Function`` runs each GEMM through the backend
 :mod:`snip_ds.backend` picks for its precision (``QuantConfig.backend``), which quantizes the operands and
 decides what is kept for backward (by default what ``nn.Linear`` keeps: input and weight in high
-precision, re-quantized along the right axis in backward).
+precision, re-quantized along the right axis in backward). Under ``torch.compile`` the layer calls the same
+step through the custom ops of :mod:`snip_ds.backend.custom_ops` instead, which dynamo traces without a graph
+break; each layer has a handle (``op_handle``) through which those ops find its generator.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snip_ds.backend import layer_backends
+from snip_ds.backend import custom_ops, layer_step
 from snip_ds.backend.base import Kept
 from snip_ds.backend.operands import AmaxReduce, shared_amax
 from snip_ds.quant import QuantParts
@@ -28,8 +30,10 @@ from snip_ds.types import GemmPrecision, LayerPrecision, full_shape
 
 
 class QuantizedLinearFn(torch.autograd.Function):
-    """``Y = X W^T + b`` with fprop, dgrad and wgrad each at its own precision (FP32 accumulation). Returns ``Y``
-    as ``[T, n]`` (``T`` the product of X's leading dims): a tensor of its own, which the model may modify in
+    """``Y = X W^T + b`` with fprop, dgrad and wgrad each at its own precision (FP32 accumulation): the eager
+    autograd function around :mod:`snip_ds.backend.layer_step` (under ``torch.compile`` :class:`SnipLinear`
+    runs the same functions through the custom ops of :mod:`snip_ds.backend.custom_ops`). Returns ``Y`` as
+    ``[T, n]`` (``T`` the product of X's leading dims): a tensor of its own, which the model may modify in
     place once the caller has given it X's leading dims back (``reshape``)."""
 
     @staticmethod
@@ -38,52 +42,23 @@ class QuantizedLinearFn(torch.autograd.Function):
                 amax_reduce: Optional[AmaxReduce] = None) -> torch.Tensor:
         ctx.amax_reduce = amax_reduce  # a tensor-parallel shard's: operands scaled by the whole tensor's amax
         with shared_amax(amax_reduce):
-            return QuantizedLinearFn._forward(ctx, x_hp, w_hp, bias, prec, cfg, generator)
-
-    @staticmethod
-    def _forward(ctx, x_hp, w_hp, bias, prec, cfg, generator) -> torch.Tensor:
-        fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x_hp.device)
-        x_2d = x_hp.reshape(-1, x_hp.shape[-1])  # [T, k]
-        if fprop_be is dgrad_be is wgrad_be:  # y_2d: [T, n]
-            y_2d, x_keep, w_keep = fprop_be.fprop_and_keep(x_2d, w_hp, prec, cfg, bias=bias, out_dtype=x_hp.dtype)
-        else:  # backends differ between the GEMMs: keep what every backend accepts
-            y_2d = fprop_be.fprop(x_2d, w_hp, prec.fprop, cfg, bias=bias, out_dtype=x_hp.dtype)
-            x_keep, w_keep = x_2d, w_hp
+            y_2d, x_keep, w_keep = layer_step.forward(x_hp.reshape(-1, x_hp.shape[-1]), w_hp, bias, prec, cfg,
+                                                      x_hp.dtype)
         tensors, ctx.kept_as = _flatten((x_keep, w_keep))
         ctx.save_for_backward(*tensors)
         ctx.has_bias = bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x_hp.shape, x_hp.dtype, w_hp.dtype
-        ctx.backends = (dgrad_be, wgrad_be)
         ctx.prec, ctx.cfg, ctx.generator = prec, cfg, generator
         return y_2d  # [T, n]: the caller restores x's leading dims (a view made here would forbid in-place ops)
 
     @staticmethod
     def backward(ctx, g_y: torch.Tensor):
-        with shared_amax(ctx.amax_reduce):
-            return QuantizedLinearFn._backward(ctx, g_y) + (None,)
-
-    @staticmethod
-    def _backward(ctx, g_y: torch.Tensor):
         x_keep, w_keep = _unflatten(ctx.saved_tensors, ctx.kept_as)
-        dgrad_be, wgrad_be = ctx.backends
-        g_2d = g_y.reshape(-1, g_y.shape[-1])  # [T, n]
-        g_q = g_2d  # G_Y as both GEMMs take it: quantized once where their backend can
-        if dgrad_be is wgrad_be and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
-            g_q = dgrad_be.prepare_grad(g_2d, ctx.prec, ctx.cfg)
-
-        # ---------------- grad_input (dgrad): G_X = G_Y W, contraction over n ----------------
-        g_x = None
-        if ctx.needs_input_grad[0]:
-            g_x = dgrad_be.dgrad(g_q, w_keep, ctx.prec.dgrad, ctx.cfg, ctx.generator, out_dtype=ctx.x_dtype)
-            g_x = g_x.reshape(ctx.x_shape)
-
-        # ---------------- grad_weight (wgrad): G_W = G_Y^T X, contraction over T ----------------
-        g_w = None
-        if ctx.needs_input_grad[1]:
-            g_w = wgrad_be.wgrad(g_q, x_keep, ctx.prec.wgrad, ctx.cfg, ctx.generator, out_dtype=ctx.w_dtype)
-
-        g_b = g_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return g_x, g_w, g_b, None, None, None
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        with shared_amax(ctx.amax_reduce):
+            g_x, g_w, g_b = layer_step.backward(g_y.reshape(-1, g_y.shape[-1]), x_keep, w_keep, ctx.prec, ctx.cfg,
+                                                ctx.generator, needs, ctx.x_dtype, ctx.w_dtype)
+        return (None if g_x is None else g_x.reshape(ctx.x_shape)), g_w, g_b, None, None, None, None
 
 
 def _flatten(kept: Tuple[Kept, ...]) -> Tuple[List[torch.Tensor], Tuple[bool, ...]]:
@@ -194,6 +169,17 @@ class SnipLinear(nn.Linear):
         self.fqn: str = ""
         self.input_grad_only = False
         self.input_grad_observer: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], None]] = None
+        self.register_op_handle()
+
+    def register_op_handle(self) -> None:
+        """Gives this layer its own handle for the custom ops that ``torch.compile`` traces
+        (:func:`snip_ds.backend.custom_ops.register_layer`): set when the layer is built, copied or unpickled,
+        and by whatever turns another module into a SnipLinear by assigning its class."""
+        self.op_handle = custom_ops.register_layer(self)
+
+    def __setstate__(self, state) -> None:  # copy.deepcopy and pickle: a new layer, a handle of its own
+        super().__setstate__(state)
+        self.register_op_handle()
 
     @classmethod
     def from_linear(cls, linear: nn.Module, precision: LayerPrecision = "fp8",
@@ -250,6 +236,9 @@ class SnipLinear(nn.Linear):
             if self.input_grad_only:
                 return InputGradOnlyLinearFn.apply(x, w, bias, self)
             return F.linear(x, w, bias)
+        if torch.compiler.is_compiling():  # dynamo traces the custom op; the same functions run either way
+            return custom_ops.quantized_linear(x, w, bias, custom_ops.op_spec(prec, self.quant_config),
+                                               self.op_handle)[0]
         y = QuantizedLinearFn.apply(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -305,7 +305,10 @@ def _lost_peer(err: BaseException) -> bool:
     return lost_peer(err)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, keep_process_group: bool = False) -> int:
+    """Runs launch/train.py's training with ``argv``; returns the exit code. The process group is destroyed at
+    the end unless ``keep_process_group`` (a caller that runs several trainings in one process, as
+    benchmarks/bench_train.py does: DeepSpeed keeps its groups of the first one)."""
     args = build_parser().parse_args(argv)
     import torch.distributed as dist
 
@@ -334,7 +337,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         console.detach()  # a failed run's bar must not catch a later in-process run's messages
     if lost:  # no collective (barrier, the group's teardown) can complete without the lost rank
         return code
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_process_group:
         if code == 0:
             dist.barrier()
         dist.destroy_process_group()

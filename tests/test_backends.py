@@ -349,6 +349,9 @@ def test_kernel_dispatch_with_a_kernels_module(monkeypatch):
 
     def fake_quantize_parts(x, recipe, axis, *, tensor_amax=None, stochastic=False, seed=0, offset=0,
                             out_dtype=torch.float32, transpose=False):
+        if isinstance(seed, torch.Tensor):  # a generator on the kernels' device: the seed stays a tensor there
+            assert seed.dtype == torch.int64 and seed.numel() == 1 and seed.device == x.device
+            seed = int(seed)
         calls.append((recipe, axis, stochastic, seed, offset, transpose))
         gen = torch.Generator().manual_seed(seed) if stochastic else None
         p = quantize_parts(x, recipe, axis=axis, stochastic=stochastic, generator=gen, tensor_amax=tensor_amax)

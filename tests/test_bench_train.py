@@ -35,12 +35,12 @@ def test_a_cuda_run_cut_short_keeps_the_plans_it_finished(monkeypatch, tmp_path,
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Test GPU")
     step_time = {"bf16": 0.5, "fp8": 1.0}
 
-    def launch(plan, steps, replan_every):
+    def launch(plan, steps, replan_every, *sizes):
         if plan not in step_time:
             raise RuntimeError(f"plan {plan}: launch/train.py failed (1)")
         return {"perf/step_time_s": {s: step_time[plan] for s in range(1, steps + 1)}}
 
-    monkeypatch.setattr(bench, "_launch_run", launch)
+    monkeypatch.setattr(bench, "_in_process_run", launch)
     with pytest.raises(RuntimeError, match="plan fp4"):
         bench.main(["--device", "cuda", "--steps", "6", "--output_dir", str(tmp_path)])
     saved = json.loads((tmp_path / "bench_train_cuda.json").read_text())
@@ -126,3 +126,17 @@ def test_a_gpu_run_s_path_on_the_cpu_at_a_tiny_size(monkeypatch):
         len(series["snip/collect_time_s"]) == 2  # steps 0 and 4
     row = bench.summarize_run(series, 2 * 64, measure_every=10, shipped_replan_every=200)
     assert row["tokens_per_s"] > 0 and 0 < row["snip_overhead_share"] < 1
+
+
+@pytest.mark.slow
+def test_the_gpu_plans_run_one_after_another_in_one_process():
+    """--plumbing: the --device cuda code path with every plan trained in this process (snip_ds.trainer.main in
+    turn, the process group kept between runs) on a 2-block Llama on the CPU: each plan yields its row, the
+    adaptive one its collections, and the process group is gone at the end."""
+    import torch.distributed as dist
+
+    bench = _bench()
+    res = bench.bench_cuda(6, 3, plumbing=True)
+    assert list(res["rows"]) == list(bench.GPU_PLANS) and res["runs"] == "in one process"
+    assert all(r["tokens_per_s"] > 0 for r in res["rows"].values())
+    assert res["rows"]["adaptive"]["collections"] == 2 and not dist.is_initialized()

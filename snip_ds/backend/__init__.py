@@ -4,6 +4,9 @@ One module per backend: :mod:`.emulated` (the numerical reference; the statistic
 :func:`statistics_backend`), :mod:`.torch_native` (``torch``) and :mod:`.te` (``te``, Transformer Engine:
 registered as a :class:`LazyBackend`, imported only when chosen); :mod:`.base` holds the interface, the
 registry and ``auto``; :mod:`.operands` resolves a precision into each GEMM's operand recipes for all of them.
+:mod:`.layer_step` is one quantized layer's forward and backward through them (what the eager autograd function
+runs), :mod:`.custom_ops` the same as torch custom operators (what ``torch.compile`` traces), and
+:mod:`.dispatch_audit` counts what a step dispatches and finds host reads (tests and benchmarks).
 """
 from snip_ds.backend.base import (BackendError, GemmBackend, LazyBackend, check_backend, get_backend,
                                   kernel_seed, layer_backends, register, resolve, seed_offset)

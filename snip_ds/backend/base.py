@@ -86,6 +86,13 @@ class GemmBackend(ABC):
         of it, when the forward already made exactly that."""
         return self.fprop(x, w, prec.fprop, cfg, bias=bias, out_dtype=out_dtype), x, w
 
+    def kept_x_dtype(self, x: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig) -> Optional[torch.dtype]:
+        """The dtype of the values :meth:`fprop_and_keep` keeps of ``x`` as :class:`~snip_ds.quant.QuantParts`
+        instead of ``x`` itself, or None where it keeps ``x``; decided from ``x``'s device, shape and dtype
+        alone, never its values (the shape functions of :mod:`snip_ds.backend.custom_ops` ask it). A backend
+        that overrides :meth:`fprop_and_keep` overrides this too."""
+        return None
+
     def prepare_grad(self, g: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig) -> Kept:
         """``G_Y`` as :meth:`dgrad` and :meth:`wgrad` (both of this backend) take it in one backward: by
         default ``g`` itself, which each quantizes; a backend may quantize it once, as
@@ -228,14 +235,18 @@ def seed_offset(generator: Optional[torch.Generator]) -> Tuple[int, int]:
     return seed, 0
 
 
-def kernel_seed(generator: Optional[torch.Generator]) -> Union[int, torch.Tensor]:
+def kernel_seed(generator: Optional[torch.Generator],
+                device: Union[str, torch.device, None] = None) -> Union[int, torch.Tensor]:
     """The seed of a fused quantization kernel's stochastic rounding, drawn from ``generator`` (or torch's
-    default CPU generator) as :func:`seed_offset` draws it: an int from a CPU generator; from a generator on
-    another device a one-element int64 tensor on that device, which the kernel reads itself, so drawing it
-    never waits for the device. The generator advances either way: a restored state gives the same seed."""
-    if generator is None or generator.device.type == "cpu":
+    default CPU generator) as :func:`seed_offset` draws it. Where the generator lives on the kernel's
+    ``device`` (None: on the generator's own), a one-element int64 tensor there, which the kernel reads itself:
+    drawing the seed reads no tensor on the host and never waits for a device (and a CUDA graph replays the
+    draw). A generator on another device than the kernel's (a CPU generator for CUDA kernels) gives an int: a
+    read of host memory. The generator advances either way: a restored state gives the same seed."""
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    if device is not None and torch.device(device).type != gen_device.type:
         return seed_offset(generator)[0]
-    return torch.randint(0, 2 ** 62, (), generator=generator, device=generator.device)
+    return torch.randint(0, 2 ** 62, (), generator=generator, device=gen_device)
 
 
 def check_kernel_input(x, quantizer: str, device: Optional[str]) -> None:

@@ -44,10 +44,12 @@ Our recipes on TE's quantizers (transformer_engine/pytorch/tensor/{float8,mxfp8,
 
 Stochastic rounding: TE's NVFP4 quantizer takes its Philox seed and offset from torch's default CUDA
 generator of the current device (``NVFP4Quantizer::quantize_impl`` in transformer_engine/pytorch/csrc/
-quantizer.cpp, 2.9 - 2.19). This backend seeds that generator from the layer's generator
-(:func:`~snip_ds.backend.base.seed_offset`) for the one quantization and restores its state afterwards, so
-the rounding follows the layer's generator (restored from checkpoints) like every other backend's, and the
-global CUDA random state (dropout and so on) is left as it was. TE's draws are not the reference's: the same
+quantizer.cpp, 2.9 - 2.19). This backend hands that generator the state of the layer's generator (a CUDA
+generator on the same device, as :func:`snip_ds.swap.swap_linears` makes them: no host synchronisation) or
+seeds it from the layer's generator (:func:`~snip_ds.backend.base.seed_offset`, any other generator) for the one
+quantization, and restores its state afterwards, so the rounding follows the layer's generator (restored from
+checkpoints) like every other backend's, and the global CUDA random state (dropout and so on) is left as it
+was. TE's draws are not the reference's: the same
 generator state gives the same rounding under ``te`` (same GPU and TE version), not the emulated backend's.
 
 Accumulation is FP32 (``use_split_accumulator=True`` for every GEMM, also fprop where te.Linear's default on
@@ -293,16 +295,25 @@ class TEBackend(GemmBackend):
 
 @contextlib.contextmanager
 def _seeded_cuda_rng(device: torch.device, generator: Optional[torch.Generator]):
-    """Torch's default CUDA generator of ``device``, seeded from ``generator`` (:func:`seed_offset`) for the
-    block, its previous state restored afterwards (module docstring: stochastic rounding)."""
-    seed, offset = seed_offset(generator)
+    """Torch's default CUDA generator of ``device``, drawing from ``generator`` for the block, its previous state
+    restored afterwards (module docstring: stochastic rounding). A generator on that CUDA device lends its
+    state (seed and Philox offset, held on the host: no device synchronisation) and takes back the advanced
+    one; another generator (a CPU one, or None: torch's default CPU generator) seeds it
+    (:func:`seed_offset`, a read of host memory)."""
     cuda_gen = torch.cuda.default_generators[_index(device)]
     saved = cuda_gen.get_state()
-    cuda_gen.manual_seed(seed)
-    if offset:
-        cuda_gen.set_offset(offset)
+    lent = generator is not None and generator.device.type == "cuda" and _index(generator.device) == _index(device)
+    if lent:
+        cuda_gen.set_state(generator.get_state())
+    else:
+        seed, offset = seed_offset(generator)
+        cuda_gen.manual_seed(seed)
+        if offset:
+            cuda_gen.set_offset(offset)
     try:
         yield
+        if lent:
+            generator.set_state(cuda_gen.get_state())
     finally:
         cuda_gen.set_state(saved)
 

@@ -48,7 +48,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from snip_ds.backend import cpu as cpu_kernels
-from snip_ds.backend.base import BackendError, GemmBackend, kernel_seed, recipe_words, seed_offset
+from snip_ds.backend.base import BackendError, GemmBackend, kernel_seed, recipe_words
 from snip_ds.backend import operands
 from snip_ds.backend.emulated import reference_operands
 from snip_ds.backend.operands import gemm_recipe, hadamard_pair, tensor_amax, whole_amax
@@ -123,7 +123,7 @@ class TorchBackend(GemmBackend):
             p = quantize_parts(t, recipe, axis=axis, stochastic=stochastic, generator=generator, tensor_amax=amax)
             return p if out_dtype == torch.float32 else QuantParts(p.values.to(out_dtype), p.tensor_scale)
         t = t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
-        seed = kernel_seed(generator) if stochastic else 0
+        seed = kernel_seed(generator, t.device) if stochastic else 0
         kw = dict(stochastic=stochastic, seed=seed, offset=0, out_dtype=out_dtype, tensor_amax=amax)
         if not transpose:
             return k.quantize_parts(t, recipe, axis, **kw)
@@ -177,6 +177,10 @@ class TorchBackend(GemmBackend):
             return None
         return _FP8_DTYPES[ops[0].recipe]
 
+    def kept_x_dtype(self, x, prec, cfg):
+        """X's FP8 dtype where :meth:`fprop_and_keep` keeps its codes, else None."""
+        return self._shared_fp8("x", ("fprop", "wgrad"), prec, cfg, x)
+
     def fprop_and_keep(self, x, w, prec, cfg, *, bias=None, out_dtype=torch.float32):
         """Per-tensor FP8 fprop and wgrad quantize X identically: X is quantized once, its E4M3 codes serve
         the forward's GEMM and are kept for wgrad (one byte per element, where ``nn.Linear`` keeps X itself)."""
@@ -207,7 +211,8 @@ class TorchBackend(GemmBackend):
         px, pw = self.quantized_operands("fprop", x, w, precision, cfg, values_dtype=self._values("fprop", x, w,
                                                                                                   precision, cfg))
         return self._mm("fprop", px.values, pw.values.t(), px.tensor_scale, pw.tensor_scale,
-                        self._fp8_pair("x", "w", precision, cfg), bias, out_dtype)
+                        self._fp8_pair("x", "w", precision, cfg), bias, out_dtype,
+                        _unit_scales(*gemm_recipe("fprop", precision, cfg).operands))
 
     def dgrad(self, g: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig,
               generator: Optional[torch.Generator] = None, *,
@@ -219,7 +224,8 @@ class TorchBackend(GemmBackend):
         pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator,
                                          values_dtype=self._values("dgrad", g, w, precision, cfg))
         return self._mm("dgrad", pg.values, pw.values, pg.tensor_scale, pw.tensor_scale,
-                        self._fp8_pair("g", "w", precision, cfg), None, out_dtype)
+                        self._fp8_pair("g", "w", precision, cfg), None, out_dtype,
+                        _unit_scales(*gemm_recipe("dgrad", precision, cfg).operands))
 
     def wgrad(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
               generator: Optional[torch.Generator] = None, *,
@@ -231,7 +237,8 @@ class TorchBackend(GemmBackend):
         pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator,
                                          values_dtype=self._values("wgrad", g, x, precision, cfg))
         return self._mm("wgrad", pg.values.t(), px.values, pg.tensor_scale, px.tensor_scale,
-                        self._fp8_pair("g", "x", precision, cfg), None, out_dtype)
+                        self._fp8_pair("g", "x", precision, cfg), None, out_dtype,
+                        _unit_scales(*gemm_recipe("wgrad", precision, cfg).operands))
 
     # ---------------- CPU: operands streamed slice by slice, as the emulated backend does ----------------
     def _streams(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig) -> bool:
@@ -253,7 +260,7 @@ class TorchBackend(GemmBackend):
         y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
         for rows in operands.chunks(x.shape[0], x.shape[1]):
             _mm_into(y[rows], qx.rows(rows, op_dtype).values, pw.values.t())
-        return _finish(y.mul_(qx.tensor_scale * pw.tensor_scale), bias, out_dtype)
+        return _scaled(y, qx.tensor_scale, pw.tensor_scale, bias, out_dtype, _unit_scales(ox, ow))
 
     def _cpu_dgrad(self, g, w, precision, cfg, generator, out_dtype):
         og, ow = gemm_recipe("dgrad", precision, cfg).operands
@@ -263,7 +270,7 @@ class TorchBackend(GemmBackend):
         out = torch.empty(g.shape[0], w.shape[1], dtype=torch.float32)
         for rows in operands.chunks(g.shape[0], g.shape[1]):
             _mm_into(out[rows], qg.rows(rows, op_dtype).values, pw.values)
-        return _finish(out.mul_(qg.tensor_scale * pw.tensor_scale), None, out_dtype)
+        return _scaled(out, qg.tensor_scale, pw.tensor_scale, None, out_dtype, _unit_scales(og, ow))
 
     def _cpu_wgrad(self, g, x, precision, cfg, generator, out_dtype):
         recipe = gemm_recipe("wgrad", precision, cfg)
@@ -273,7 +280,7 @@ class TorchBackend(GemmBackend):
         g_w = torch.zeros(g.shape[1], x.shape[1], dtype=torch.float32)
         for tokens in operands.chunks(g.shape[0], g.shape[1] + x.shape[1]):
             g_w.addmm_(qg.rows(tokens).values.t(), qx.rows(tokens).values)
-        return _finish(g_w.mul_(qg.tensor_scale * qx.tensor_scale), None, out_dtype)
+        return _scaled(g_w, qg.tensor_scale, qx.tensor_scale, None, out_dtype, _unit_scales(recipe.a, recipe.b))
 
     def check(self, precision: str, cfg: QuantConfig, device: torch.device) -> None:
         if torch.device(device).type not in DEVICES:
@@ -293,8 +300,9 @@ class TorchBackend(GemmBackend):
 
     def _mm(self, gemm: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
             fp8: Optional[Tuple[torch.dtype, torch.dtype]], bias: Optional[torch.Tensor],
-            out_dtype: torch.dtype) -> torch.Tensor:
-        """``(a @ b) * scale_a * scale_b (+ bias)`` in ``out_dtype``; a: [M, K], b: [K, N] exact grid values."""
+            out_dtype: torch.dtype, unit_scales: bool = False) -> torch.Tensor:
+        """``(a @ b) * scale_a * scale_b (+ bias)`` in ``out_dtype``; a: [M, K], b: [K, N] exact grid values;
+        ``unit_scales``: both tensor scales are 1 by the recipe (MX), and are not multiplied in."""
         if fp8 is not None and _scaled_mm_ok(gemm, a, b, fp8):
             # row-major first operand, column-major second (cuBLASLt's layout)
             a8 = a.to(fp8[0]).contiguous()
@@ -310,7 +318,7 @@ class TorchBackend(GemmBackend):
             y = torch.mm(_fp32(a), _fp32(b))  # in an FP32 GEMM
         else:  # CPU: BF16 GEMM, its FP32 sum rounded once to BF16 (the result is rounded to out_dtype anyway)
             y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
-        return _finish(y.mul_(scale_a * scale_b), bias, out_dtype)
+        return _scaled(y, scale_a, scale_b, bias, out_dtype, unit_scales)
 
 
 _fast_bf16: Optional[bool] = None
@@ -342,22 +350,23 @@ class _Streamed:
     def __init__(self, t: torch.Tensor, operand: operands.Operand, generator: Optional[torch.Generator] = None):
         self.fused = cpu_kernels.available()
         self.t = t if not self.fused or t.dtype in (torch.float32, torch.bfloat16) else t.float()
+        if self.fused:
+            self.t = self.t.contiguous()  # (the kernels' layout; a slice of rows of it stays contiguous)
         self.recipe = get_recipe(operand.recipe)
         self.axis = operand.axis
         stochastic = self.stochastic = operand.stochastic
         self.generator = generator if stochastic else None
-        self.seed = seed_offset(generator)[0] if stochastic and self.fused else 0
+        self.seed = kernel_seed(generator, "cpu") if stochastic and self.fused else 0
         self.amax = None
         if self.recipe.scale != "e8m0":  # MX has no tensor-level scale
             self.amax = operands.reduced(cpu_kernels.tensor_amax(self.t)) if self.fused else tensor_amax(self.t)
-        self.tensor_scale = torch.ones((), dtype=torch.float32)
+        self.tensor_scale = None  # the quantizer's, from the first slice (a streamed operand is never empty)
 
     def rows(self, rows: slice, out_dtype: torch.dtype = torch.float32) -> QuantParts:
         part = self.t[rows]
-        if self.fused:
-            p = cpu_kernels.quantize_parts(part, self.recipe, self.axis, tensor_amax=self.amax,
-                                           stochastic=self.stochastic, seed=self.seed,
-                                           offset=rows.start * self.t.shape[1], out_dtype=out_dtype)
+        if self.fused:  # the arguments are the kernels' already: no second check per slice
+            p = cpu_kernels.quantize_checked(part, self.recipe, self.axis % 2, self.amax, self.stochastic, self.seed,
+                                             rows.start * self.t.shape[1], out_dtype)
         else:
             p = quantize_parts(part, self.recipe, axis=self.axis, stochastic=self.stochastic,
                                generator=self.generator, tensor_amax=self.amax)
@@ -387,6 +396,25 @@ def _bf16_mm_fp32(a16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:
         _say_once(("mm_out_dtype",), "torch backend: torch.mm(..., out_dtype=float32) is not available (%s); "
                   "BF16 GEMM results are rounded to BF16", str(err).splitlines()[0] if str(err) else err)
         return torch.mm(a16, b16).float()
+
+
+def _unit_scales(op_a: operands.Operand, op_b: operands.Operand) -> bool:
+    """Whether both operands' tensor scales are 1 by their recipes (MX: block scales only)."""
+    return get_recipe(op_a.recipe).scale == "e8m0" and get_recipe(op_b.recipe).scale == "e8m0"
+
+
+def _scaled(y: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor],
+            out_dtype: torch.dtype, unit_scales: bool) -> torch.Tensor:
+    """``fl(y * fl(scale_a * scale_b)) (+ bias)`` in ``out_dtype`` (``y``: an FP32 GEMM result, written over).
+    MX recipes' tensor scales are 1 (``unit_scales``): nothing is multiplied. Without a bias, the product is
+    written in ``out_dtype`` in the same pass (the FP32 product rounded once, as ``.to(out_dtype)`` of it
+    rounds it): one pass over the result instead of two."""
+    if unit_scales:
+        return _finish(y, bias, out_dtype)
+    scale = scale_a * scale_b
+    if bias is None and out_dtype != y.dtype:
+        return torch.mul(y, scale, out=torch.empty(y.shape, dtype=out_dtype, device=y.device))
+    return _finish(y.mul_(scale), bias, out_dtype)
 
 
 def _finish(y: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:

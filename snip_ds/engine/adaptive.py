@@ -24,7 +24,7 @@ import torch
 
 from snip_ds import distributed as sdist
 from snip_ds import divergence as dv
-from snip_ds import faults
+from snip_ds import compile_stance, faults
 from snip_ds.stats import CollectSettings, collect_statistics
 from snip_ds.stats.artifact import carry_unrouted
 from snip_ds.stats.precond import in_storage_order
@@ -98,7 +98,8 @@ class AdaptivePlanner:
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
         how = build(CollectSettings, s, seed=s.train.seed + eng.step, retain_graph=eng.zero_stage < 3,
                     bwd_propagated=s.dgrad_cost == "upstream", study_fields=s.collect_study_fields)
-        with leaf_backward_hooks_suspended(eng.loop.module):  # ZeRO-3 MoE blocks (snip_ds.engine.zero_leaf)
+        # eagerly, also in a compiled model (snip_ds.compile_stance); ZeRO-3 MoE blocks: snip_ds.engine.zero_leaf
+        with compile_stance.eager(), leaf_backward_hooks_suspended(eng.loop.module):
             stats = collect_statistics(eng.loop.module, batches, how, layers=list(eng.layers), lr=eng.lr(),
                                        precond=precond, reduce=sdist.dist_sum, step=eng.step,
                                        world_size=eng.dp_size)
@@ -220,10 +221,11 @@ class AdaptivePlanner:
             module.eval()
             for layer in st.layers.values():
                 layer.precision = "bf16"
-            unquantized = st.loop.forward(input_ids=ids, labels=labels)
-            for fqn, layer in st.layers.items():
-                layer.precision = saved[fqn]
-            planned = st.loop.forward(input_ids=ids, labels=labels)
+            with compile_stance.eager():  # also in a compiled model (snip_ds.compile_stance)
+                unquantized = st.loop.forward(input_ids=ids, labels=labels)
+                for fqn, layer in st.layers.items():
+                    layer.precision = saved[fqn]
+                planned = st.loop.forward(input_ids=ids, labels=labels)
         finally:
             for fqn, layer in st.layers.items():
                 layer.precision = saved[fqn]

@@ -170,6 +170,7 @@ def quantize_tp_layers(module: torch.nn.Module, originals: Mapping[str, SnipLine
         m._gemm_precision = old.gemm_precision
         m.quant_config, m.generator, m.fqn = old.quant_config, old.generator, old.fqn
         m.input_grad_only, m.input_grad_observer = old.input_grad_only, old.input_grad_observer
+        m.register_op_handle()
         kinds[fqn] = cls.tp_shard
     return kinds
 

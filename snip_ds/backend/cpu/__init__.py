@@ -103,6 +103,7 @@ def load(verbose: bool = False) -> bool:
                            build_directory=folder, is_python_module=False, verbose=verbose)
         _ops = torch.ops.snip_ds_cpu
         _ops.supported_isa()  # the library answers
+        _register_fakes()
     except Exception as err:  # no compiler, a failed build, a stale or broken cached library
         _ops = None
         first = str(err).strip().splitlines()[0] if str(err).strip() else "no message"
@@ -145,6 +146,27 @@ def _built_here_before_records(folder: Path) -> bool:
             and torch_include in {os.path.realpath(h) for h in headers})
 
 
+_fakes_registered = False
+
+
+def _register_fakes() -> None:
+    """Shape functions of the kernels' ops, so that ``torch.compile`` traces calls of them (once a process)."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    _fakes_registered = True
+
+    @torch.library.register_fake("snip_ds_cpu::tensor_amax")
+    def _amax_fake(x, isa):
+        return x.new_empty((), dtype=torch.float32)
+
+    @torch.library.register_fake("snip_ds_cpu::quantize")
+    def _quantize_fake(x, amax, kind, axis, block, mbits, emin, emax, max_normal, divisor, stochastic, seed, offset,
+                       out_bf16, dequantize, isa):
+        values = x.new_empty(x.shape, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+        return values, x.new_empty((), dtype=torch.float32)
+
+
 def available() -> bool:
     """Whether the fused kernels run here (compiling them on the first call)."""
     return load()
@@ -160,11 +182,20 @@ def load_seconds() -> Optional[float]:
     return _build_seconds
 
 
+_isa_level: Optional[int] = None
+
+
 def isa_level() -> int:
     """The instruction-set variant the kernels run: 2 AVX-512, 1 AVX2, 0 baseline -- torch's own CPU
-    capability (``ATEN_CPU_CAPABILITY`` limits both), within what the CPU supports."""
-    level = _ISA.get(torch.backends.cpu.get_cpu_capability(), 0)
-    return min(level, int(_ops.supported_isa())) if _ops is not None else level
+    capability (``ATEN_CPU_CAPABILITY`` limits both, read at start-up), within what the CPU supports; asked
+    once, so a compiled graph reads a constant."""
+    global _isa_level
+    if _isa_level is None or _ops is None:
+        level = _ISA.get(torch.backends.cpu.get_cpu_capability(), 0)
+        if _ops is None:
+            return level
+        _isa_level = min(level, int(_ops.supported_isa()))
+    return _isa_level
 
 
 def _require() -> None:
@@ -228,18 +259,46 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
     recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     check_kernel_input(x, "CPU", "cpu")
     check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype)
-    seed = int(seed) if isinstance(seed, torch.Tensor) else seed  # a CPU tensor: reading it waits for nothing
-    x = x.contiguous()
+    if isinstance(seed, torch.Tensor) and seed.device.type != "cpu":
+        raise ValueError(f"seed: the CPU quantizer takes an int or a one-element int64 CPU tensor, got a tensor on "
+                         f"{seed.device}")
+    return quantize_checked(x.contiguous(), recipe, axis % 2, tensor_amax, stochastic, seed, offset, out_dtype,
+                            dequantize)
+
+
+_CONSTANTS: dict = {}  # read-only 0-d tensors the kernels are passed where they read nothing from them
+
+
+def _constant(name: str, dtype: torch.dtype) -> torch.Tensor:
+    t = _CONSTANTS.get(name)
+    if t is None:
+        t = _CONSTANTS[name] = torch.zeros((), dtype=dtype)
+    return t
+
+
+def quantize_checked(x: torch.Tensor, recipe: Recipe, axis: int, tensor_amax: Optional[torch.Tensor],
+                     stochastic: bool, seed: Union[int, torch.Tensor], offset: int, out_dtype: torch.dtype,
+                     dequantize: bool = False) -> QuantParts:
+    """:func:`quantize_parts` for arguments that are known to be valid (the torch backend's own calls: a
+    contiguous 2-D FP32/BF16 CPU ``x``, a :class:`~snip_ds.quant.Recipe`, ``axis`` 0 or 1, a 0-d FP32 CPU
+    ``tensor_amax`` or None, ``seed`` an int or a 0-d int64 CPU tensor), without checking them again: the
+    kernels' own checks still refuse a wrong tensor."""
     kind = _kind(recipe)
     if kind == 1 or x.numel() == 0:
-        amax = torch.zeros((), dtype=torch.float32)  # unused (MX), or nothing to quantize
+        amax = _constant("amax", torch.float32)  # unused (MX), or nothing to quantize
     elif tensor_amax is not None:
-        amax = tensor_amax.detach().to(device="cpu", dtype=torch.float32).reshape(())
+        amax = tensor_amax
+        if amax.dtype != torch.float32 or amax.device.type != "cpu" or amax.dim() or amax.requires_grad:
+            amax = amax.detach().to(device="cpu", dtype=torch.float32).reshape(())
     else:
         amax = _ops.tensor_amax(x, isa_level())
+    if not stochastic:
+        seed = _constant("seed", torch.int64)  # not read
+    elif not isinstance(seed, torch.Tensor):
+        seed = torch.full((), seed, dtype=torch.int64)
     element = recipe.element
     values, scale = _ops.quantize(
-        x, amax, kind, axis % 2, recipe.block_size, element.mbits, element.emin, element.emax,
+        x, amax, kind, axis, recipe.block_size, element.mbits, element.emin, element.emax,
         element.max_normal, _NVFP4_TENSOR_DIVISOR if kind in (2, 3) else element.max_normal, bool(stochastic),
         seed, offset, out_dtype == torch.bfloat16, dequantize, isa_level())
     if x.numel() == 0:

@@ -428,8 +428,9 @@ at::Tensor tensor_amax(const at::Tensor& x, int64_t isa) {
 // per-tensor and NVFP4 kinds. grid = (mbits, emin, max_normal, emax) of the element format.
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tensor& amax, int64_t kind, int64_t axis,
                                             int64_t block, int64_t mbits, int64_t emin, int64_t emax,
-                                            double max_normal, double divisor, bool stochastic, int64_t seed,
-                                            int64_t offset, bool out_bf16, bool dequantize, int64_t isa) {
+                                            double max_normal, double divisor, bool stochastic,
+                                            const at::Tensor& seed, int64_t offset, bool out_bf16, bool dequantize,
+                                            int64_t isa) {
   check_input(x);
   TORCH_CHECK(kind >= PER_TENSOR && kind <= NVFP4_2D, "kind: expected 0..3, got ", kind);
   TORCH_CHECK(axis == 0 || axis == 1, "axis: expected 0 or 1, got ", axis);
@@ -446,12 +447,17 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tenso
   p.six = float(max_normal);
   p.stochastic = stochastic;
   p.dequantize = dequantize;
-  p.seed = uint64_t(seed);
+  // the seed and the amax are read here, in the kernel, as a GPU kernel reads them from device memory: the caller
+  // never reads a tensor's value on the host
+  TORCH_CHECK(seed.numel() == 1 && seed.scalar_type() == at::kLong && seed.device().is_cpu(),
+              "seed: expected a one-element int64 CPU tensor");
+  p.seed = uint64_t(*seed.contiguous().data_ptr<int64_t>());
   p.offset = offset;
   p.scale = 1.0f;
   if (kind != MX) {
-    TORCH_CHECK(amax.numel() == 1 && amax.scalar_type() == at::kFloat, "tensor_amax: expected a 0-d float32 tensor");
-    p.scale = tensor_scale(amax.item<float>(), float(divisor));
+    TORCH_CHECK(amax.numel() == 1 && amax.scalar_type() == at::kFloat && amax.device().is_cpu(),
+                "tensor_amax: expected a one-element float32 CPU tensor");
+    p.scale = tensor_scale(*amax.contiguous().data_ptr<float>(), float(divisor));
   }
   at::Tensor values = at::empty({R, C}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   at::Tensor scale = at::full({}, p.scale, x.options().dtype(at::kFloat));
@@ -486,13 +492,19 @@ int64_t supported_isa() {
 
 }  // namespace
 
+// The two quantization ops are CPU kernels (not catch-all ones), so that the package can give them shape functions
+// (torch.library.register_fake) and torch.compile traces calls of them.
 TORCH_LIBRARY(snip_ds_cpu, m) {
-  m.def("tensor_amax(Tensor x, int isa) -> Tensor", &tensor_amax);
+  m.def("tensor_amax(Tensor x, int isa) -> Tensor");
   m.def("quantize(Tensor x, Tensor amax, int kind, int axis, int block, int mbits, int emin, int emax, "
-        "float max_normal, float divisor, bool stochastic, int seed, int offset, bool out_bf16, bool dequantize, "
+        "float max_normal, float divisor, bool stochastic, Tensor seed, int offset, bool out_bf16, bool dequantize, "
         "int isa) "
-        "-> (Tensor, Tensor)",
-        &quantize);
+        "-> (Tensor, Tensor)");
   m.def("philox_draws(int seed, int offset, int n) -> Tensor", &philox_draws);
   m.def("supported_isa() -> int", &supported_isa);
+}
+
+TORCH_LIBRARY_IMPL(snip_ds_cpu, CPU, m) {
+  m.impl("tensor_amax", &tensor_amax);
+  m.impl("quantize", &quantize);
 }

@@ -11,7 +11,6 @@ call to :func:`quantize_parts`): set it before then to run them on CPU tensors t
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import sys
@@ -34,9 +33,14 @@ def available() -> bool:
     return _triton_installed() and (interpreting() or torch.cuda.is_available())
 
 
-@functools.lru_cache(maxsize=None)  # asked on every statistics quantization of a CUDA operand
+_TRITON_INSTALLED = None  # asked on every statistics quantization of a CUDA operand: looked up once
+
+
 def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    global _TRITON_INSTALLED
+    if _TRITON_INSTALLED is None:
+        _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def _kernels():

@@ -22,7 +22,8 @@ int64 tensor on the device, so a seed drawn from a CUDA generator never waits fo
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+import functools
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
@@ -212,45 +213,57 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
 def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype, transpose,
               dequantize: bool) -> QuantParts:
     """:func:`quantize_parts`; with ``dequantize`` the values carry the tensor scale (:func:`fake_quantize`)
-    and the returned tensor scale is 1."""
+    and the returned tensor scale is 1. The arguments are checked here, the launches run in
+    :func:`_quantize_launch` -- through the ``snip_ds::triton_quantize`` op when ``torch.compile`` traces."""
     recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     codes = out_dtype in FP8_CODES.values()
     if codes and (recipe.block_size != 0 or FP8_CODES.get(recipe.element.name) != out_dtype or dequantize):
         raise ValueError(f"out_dtype: {out_dtype} holds the codes of a per-tensor recipe of that format only, "
                          f"not of {recipe.name!r}")
     _check_args(x, axis, tensor_amax, seed, offset, torch.bfloat16 if codes else out_dtype, transpose, INTERPRETED)
-    rows, cols = x.shape
-    axis = axis % 2
-    values = torch.empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype, device=x.device)
-    in_bf16 = x.dtype == torch.bfloat16
-    x_bits = x.view(torch.int16 if in_bf16 else torch.int32)  # the kernels convert by bit shifting
-    out = int(OUT_FP8) if codes else int(OUT_BF16) if out_dtype == torch.bfloat16 else int(OUT_FP32)
-    out_bits = values.view((torch.float32, torch.int16, torch.uint8)[out])  # as OUT_FP32, OUT_BF16, OUT_FP8
     if x.numel() == 0:
+        rows, cols = x.shape
+        values = torch.empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype, device=x.device)
         return QuantParts(values, torch.ones((), dtype=torch.float32, device=x.device))
+    if tensor_amax is not None and recipe.scale != "e8m0":
+        if (tensor_amax.dtype != torch.float32 or tensor_amax.device != x.device or tensor_amax.dim()
+                or tensor_amax.requires_grad):
+            tensor_amax = tensor_amax.detach().to(device=x.device, dtype=torch.float32).reshape(())
+    else:
+        tensor_amax = None  # MX: unused
+    seed = _seed_tensor(seed, x.device) if stochastic else None
+    run = triton_quantize if torch.compiler.is_compiling() else _quantize_launch
+    values, scale = run(x, tensor_amax, seed, recipe.name, axis % 2, offset, out_dtype, transpose, dequantize)
+    return QuantParts(values, scale)
+
+
+def _quantize_launch(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed: Optional[torch.Tensor],
+                     recipe: str, axis: int, offset: int, out_dtype: torch.dtype, transpose: bool,
+                     dequantize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The launches of :func:`_quantize` for a non-empty ``x`` whose arguments are checked: the amax kernel
+    (only where the recipe needs a tensor amax that is not given), then the quantization kernel. ``seed``:
+    None rounds to nearest, else the one-element int64 tensor on ``x``'s device the kernel reads."""
+    rows, cols = x.shape
+    in_bf16 = x.dtype == torch.bfloat16
+    config = _launch_config if isinstance(rows, int) and isinstance(cols, int) else _launch_config.__wrapped__
+    cfg = config(rows, cols, recipe, axis, out_dtype, transpose, in_bf16, dequantize)  # (symbolic shapes: uncached)
+    values = torch.empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype, device=x.device)
+    x_bits = x.view(torch.int16 if in_bf16 else torch.int32)  # the kernels convert by bit shifting
+    out_bits = values.view(cfg.out_view)
     scale = torch.empty((), dtype=torch.float32, device=x.device)  # the kernel's first program writes it
-    kind = _kind(recipe)
-    bs = recipe.block_size
-    br = _tile(rows, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 0) else 1)
-    bc = _tile(cols, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 1) else 1)
-    launch = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
-    if kind == MX:
+    if cfg.kind == MX:
         amax = scale  # unused
     elif tensor_amax is not None:
-        amax = tensor_amax.detach().to(device=x.device, dtype=torch.float32).reshape(())
+        amax = tensor_amax
     else:
-        amax = _amax(x_bits, in_bf16, br, bc, launch)
-    element = recipe.element
-    _quantize_kernel[launch](
+        amax = _amax(x_bits, in_bf16, cfg.br, cfg.bc, cfg.grid)
+    _launchable(_quantize_kernel)[cfg.grid](
         x_bits, out_bits, amax, scale, rows, cols, x.stride(0), x.stride(1),
-        _seed_tensor(seed if stochastic else None, x.device), offset,
-        KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin, EMAX=element.emax,
-        MAXN=element.max_normal, TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D)
-        else element.max_normal, STOCHASTIC=bool(stochastic), TRANSPOSE=transpose, IN_BF16=in_bf16,
-        OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize))
+        scale if seed is None else seed, offset,  # round to nearest reads no seed
+        STOCHASTIC=seed is not None, **cfg.constants)
     if dequantize:
-        return QuantParts(values, torch.ones((), dtype=torch.float32, device=x.device))
-    return QuantParts(values, scale)
+        scale = torch.ones((), dtype=torch.float32, device=x.device)
+    return values, scale
 
 
 def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
@@ -268,6 +281,10 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     _check_args(x, -1, None, 0, 0, torch.float32, False, INTERPRETED)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    return (triton_amax if torch.compiler.is_compiling() else _amax_launch)(x)
+
+
+def _amax_launch(x: torch.Tensor) -> torch.Tensor:
     in_bf16 = x.dtype == torch.bfloat16
     br, bc = _tile(x.shape[0], 1), _tile(x.shape[1], 1)
     return _amax(x.view(torch.int16 if in_bf16 else torch.int32), in_bf16, br, bc,
@@ -276,23 +293,14 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, launch) -> torch.Tensor:
     amax_bits = torch.zeros((), dtype=torch.int32, device=x_bits.device)
-    _amax_kernel[launch](x_bits, amax_bits, x_bits.shape[0], x_bits.shape[1], x_bits.stride(0), x_bits.stride(1),
-                         IN_BF16=in_bf16, BR=br, BC=bc)
+    _launchable(_amax_kernel)[launch](x_bits, amax_bits, x_bits.shape[0], x_bits.shape[1], x_bits.stride(0),
+                                      x_bits.stride(1), IN_BF16=in_bf16, BR=br, BC=bc)
     return amax_bits.view(torch.float32)
 
 
-_UNUSED_SEED = {}  # device -> a 0-d int64 tensor the kernel is passed where it draws nothing
-
-
-def _seed_tensor(seed: Union[int, torch.Tensor, None], device: torch.device) -> torch.Tensor:
+def _seed_tensor(seed: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
     """The seed as the one-element int64 tensor on ``device`` that the kernel reads (an int becomes one by a
-    fill kernel, which needs no host synchronisation either). None (round to nearest: the kernel reads no
-    seed): one tensor kept per device, so such a call launches no fill kernel."""
-    if seed is None:
-        key = str(device)
-        if key not in _UNUSED_SEED:
-            _UNUSED_SEED[key] = torch.zeros((), dtype=torch.int64, device=device)
-        return _UNUSED_SEED[key]
+    fill kernel, which needs no host synchronisation either)."""
     if isinstance(seed, torch.Tensor):
         return seed.reshape(()).to(device=device, non_blocking=True)
     return torch.full((), seed, dtype=torch.int64, device=device)
@@ -306,3 +314,81 @@ def _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, interp
     check_kernel_arguments(axis, tensor_amax, seed, offset, out_dtype)
     if not isinstance(transpose, bool):
         raise ValueError(f"transpose: expected true or false, got {transpose!r}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# the launches as torch custom ops, for torch.compile
+# ------------------------------------------------------------------------------------------------------
+
+def _launchable(kernel):
+    """``kernel`` as :func:`_quantize_launch` and :func:`_amax` launch it: through ``torch.library.wrap_triton``
+    for compiled kernels (so that inductor sees the launch where it traces a ``triton_op``; outside a trace
+    it launches directly), as it is under the interpreter (``wrap_triton`` takes compiled kernels only)."""
+    if INTERPRETED or not isinstance(kernel, triton.runtime.JITFunction):  # (a wrapper counting launches)
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
+def _define(name: str, fn, fake):
+    """``fn`` as the op ``snip_ds::<name>``: a ``torch.library.triton_op`` (inductor traces into it and
+    schedules its kernels itself) for compiled kernels; under the interpreter an opaque ``custom_op`` with the
+    shape function ``fake``."""
+    if INTERPRETED:
+        op = torch.library.custom_op(f"snip_ds::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+        return op
+    return torch.library.triton_op(f"snip_ds::{name}", fn, mutates_args=())
+
+
+class _LaunchConfig(NamedTuple):
+    kind: int
+    br: int
+    bc: int
+    grid: Tuple[int]
+    out_view: torch.dtype  # the integer (or FP32) view the kernel writes the values through
+    constants: Dict[str, Any]  # the quantization kernel's compile-time arguments but STOCHASTIC
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torch.dtype, transpose: bool,
+                   in_bf16: bool, dequantize: bool) -> _LaunchConfig:
+    """The tiles, grid and compile-time arguments of one quantization (worked out once per shape and recipe:
+    the launch's host time)."""
+    recipe = get_recipe(recipe)
+    kind = _kind(recipe)
+    bs = recipe.block_size
+    br = _tile(rows, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 0) else 1)
+    bc = _tile(cols, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 1) else 1)
+    out = int(OUT_FP8) if out_dtype in FP8_CODES.values() else int(OUT_BF16) if out_dtype == torch.bfloat16 \
+        else int(OUT_FP32)
+    element = recipe.element
+    constants = dict(KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin,
+                     EMAX=element.emax, MAXN=element.max_normal,
+                     TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D) else element.max_normal,
+                     TRANSPOSE=transpose, IN_BF16=in_bf16, OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize))
+    return _LaunchConfig(kind, br, bc, (triton.cdiv(rows, br) * triton.cdiv(cols, bc),),
+                         (torch.float32, torch.int16, torch.uint8)[out], constants)
+
+
+def _triton_quantize(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed: Optional[torch.Tensor],
+                     recipe: str, axis: int, offset: int, out_dtype: torch.dtype, transpose: bool,
+                     dequantize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_launch(x, tensor_amax, seed, recipe, axis, offset, out_dtype, transpose, dequantize)
+
+
+def _triton_quantize_fake(x, tensor_amax, seed, recipe, axis, offset, out_dtype, transpose, dequantize):
+    rows, cols = x.shape
+    return (x.new_empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype),
+            x.new_empty((), dtype=torch.float32))
+
+
+def _triton_amax(x: torch.Tensor) -> torch.Tensor:
+    return _amax_launch(x)
+
+
+def _triton_amax_fake(x):
+    return x.new_empty((), dtype=torch.float32)
+
+
+triton_quantize = _define("triton_quantize", _triton_quantize, _triton_quantize_fake)
+triton_amax = _define("triton_amax", _triton_amax, _triton_amax_fake)

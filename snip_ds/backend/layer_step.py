@@ -1,0 +1,59 @@
+"""One quantized linear layer's forward and backward through the GEMM backends, as plain functions.
+
+:class:`~snip_ds.linear.QuantizedLinearFn` (eager autograd) and the custom ops of :mod:`.custom_ops` (what
+``torch.compile`` traces) both run these two functions, so a layer computes the same numbers bit for bit
+whether it runs eagerly or compiled. :func:`forward` picks each GEMM's backend (:func:`layer_backends`),
+runs fprop and returns what backward needs of X and W (:meth:`GemmBackend.fprop_and_keep`);
+:func:`backward` quantizes G_Y once where both backward GEMMs can share it
+(:meth:`GemmBackend.prepare_grad`), then runs dgrad and wgrad. Neither reads a tensor's value on the host.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from snip_ds.backend.base import Kept, layer_backends
+from snip_ds.quant import QuantParts
+from snip_ds.quant_config import QuantConfig
+from snip_ds.types import GemmPrecision
+
+
+def forward(x_2d: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], prec: GemmPrecision,
+            cfg: QuantConfig, out_dtype: torch.dtype) -> Tuple[torch.Tensor, Kept, Kept]:
+    """``Y = X W^T + b`` (x_2d: [T, k], w: [n, k] -> [T, n] in ``out_dtype``) and what backward keeps of X
+    and W: the tensors themselves, or an operand's :class:`~snip_ds.quant.QuantParts` where the backend
+    quantized it in the forward exactly as its backward GEMM would."""
+    fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x_2d.device)
+    if fprop_be is dgrad_be is wgrad_be:
+        return fprop_be.fprop_and_keep(x_2d, w, prec, cfg, bias=bias, out_dtype=out_dtype)
+    # backends differ between the GEMMs: keep what every backend accepts
+    return fprop_be.fprop(x_2d, w, prec.fprop, cfg, bias=bias, out_dtype=out_dtype), x_2d, w
+
+
+def kept_x_dtype(x_2d: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig) -> Optional[torch.dtype]:
+    """The dtype of the quantized values :func:`forward` keeps of X instead of X itself (None: it keeps X),
+    decided from ``x_2d``'s device, shape and dtype alone (the custom ops' shape functions ask it)."""
+    fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x_2d.device)
+    if fprop_be is dgrad_be is wgrad_be:
+        return fprop_be.kept_x_dtype(x_2d, prec, cfg)
+    return None
+
+
+def backward(g_2d: torch.Tensor, x_keep: Kept, w_keep: Kept, prec: GemmPrecision, cfg: QuantConfig,
+             generator: Optional[torch.Generator], needs: Tuple[bool, bool, bool], x_dtype: torch.dtype,
+             w_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(G_X, G_W, G_b)`` from ``G_Y`` (g_2d: [T, n]) and what :func:`forward` kept: G_X [T, k] in
+    ``x_dtype``, G_W [n, k] in ``w_dtype``, G_b [n] (G_Y summed over the tokens), each None where ``needs``
+    (X, W, bias) says it is not wanted. Stochastic rounding and the Hadamard signs draw from ``generator``
+    (None: torch's default generator) in the order dgrad, then wgrad."""
+    device = (x_keep.values if isinstance(x_keep, QuantParts) else x_keep).device
+    _, dgrad_be, wgrad_be = layer_backends(prec, cfg, device)
+    g_q = g_2d  # G_Y as both GEMMs take it: quantized once where their backend can
+    if dgrad_be is wgrad_be and needs[0] and needs[1]:
+        g_q = dgrad_be.prepare_grad(g_2d, prec, cfg)
+    # dgrad: G_X = G_Y W, contraction over n; wgrad: G_W = G_Y^T X, contraction over T
+    g_x = dgrad_be.dgrad(g_q, w_keep, prec.dgrad, cfg, generator, out_dtype=x_dtype) if needs[0] else None
+    g_w = wgrad_be.wgrad(g_q, x_keep, prec.wgrad, cfg, generator, out_dtype=w_dtype) if needs[1] else None
+    g_b = g_2d.sum(0) if needs[2] else None
+    return g_x, g_w, g_b
