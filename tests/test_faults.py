@@ -69,11 +69,17 @@ except RunFault as err:
 # ---------------------------------------------------------------------------- a full disk (2-rank runs)
 @pytest.fixture(scope="module")
 def extensions(tmp_path_factory):
-    """A private, initially empty TORCH_EXTENSIONS_DIR for this module's runs. The reference run (no file-size
-    limit) JIT-builds there every op the runs load (DeepSpeed's and snip_ds's), so a run under RLIMIT_FSIZE
-    only loads them: a compiler under the limit would die. No other environment on the machine builds into it,
-    so the limited runs do not depend on the state of the machine's shared cache."""
+    """A private TORCH_EXTENSIONS_DIR for this module's runs. It starts as a copy of this environment's builds
+    (``launch/warm_ops.py``'s, when they exist: building them again would cost minutes); the reference run (no
+    file-size limit) JIT-builds there whatever op the runs load that is missing (DeepSpeed's and snip_ds's), so
+    a run under RLIMIT_FSIZE only loads them: a compiler under the limit would die. No other environment on the
+    machine builds into it, so the limited runs do not depend on the state of the machine's shared cache."""
+    from snip_ds.jit_builds import build_root
+
     path = tmp_path_factory.mktemp("torch_extensions")
+    shared = build_root()
+    if shared.is_dir():
+        shutil.copytree(shared, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_EXTENSIONS_DIR", str(path))  # env() copies os.environ
         yield path
@@ -90,7 +96,7 @@ def reference(tmp_path_factory, extensions):
     tmp = tmp_path_factory.mktemp("faults_ref")
     cfg = write_configs(tmp, stage=3, plan="fp8", max_steps=4, save_steps=2, eval_steps=4)
     _ok(launch(["--deepspeed", str(cfg)], num_ranks=2))
-    assert any(extensions.rglob("*.so")), "the reference run built no JIT op into the private folder"
+    assert any(extensions.rglob("*.so")), "no JIT op in the private folder after the reference run"
     return {"tmp": tmp, "cfg": cfg, "out": tmp / "out", "loss": scalars(tmp / "out" / "tensorboard")["train/loss"]}
 
 
