@@ -13,11 +13,11 @@ import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from snip_ds.backend import kernels, torch_native
+from snip_ds.backend import kernels
 from snip_ds.backend.dispatch_audit import HostReads
 from snip_ds.linear import SnipLinear
 from snip_ds.quant_config import QuantConfig
-from triton_mode import DEVICE, SKIP_REASON, interpreter_on, kq  # noqa: F401 (a fixture)
+from triton_mode import DEVICE, SKIP_REASON, interpreter_on, kq, through_kernels  # noqa: F401 (fixtures)
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -37,16 +37,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-@pytest.fixture
-def through_kernels(monkeypatch):
-    """The torch backend quantizing with the Triton kernels on DEVICE (on a CPU: the interpreted kernels)."""
-    if DEVICE == "cpu":
-        monkeypatch.setattr(torch_native, "KERNEL_DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(torch_native, "_kernels_checked", False)
-    monkeypatch.setattr(torch_native, "_kernels_module", None)
-    assert torch_native.kernels() is kernels
 
 
 def _layer(precision, fields, dtype):

@@ -31,7 +31,7 @@ from snip_ds.backend import kernels
 from snip_ds.quant_config import QuantConfig
 from snip_ds.quant import stochastic_moments
 from quant_inputs import RECIPE_CASES, skip_without_cpu_scaled_mm
-from triton_mode import DEVICE, SKIP_REASON, interpreter_on  # noqa: F401 (a fixture)
+from triton_mode import DEVICE, SKIP_REASON, interpreter_on, through_kernels  # noqa: F401 (fixtures)
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -44,18 +44,6 @@ CASES = {**RECIPE_CASES,
 SHAPES = [(64, 96, 80), (48, 100, 72), (33, 70, 45)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 OUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2 * 2.0 ** -8, torch.float16: 2 * 2.0 ** -11}
-
-
-@pytest.fixture
-def through_kernels(monkeypatch):
-    """The torch backend with the Triton kernels quantizing on DEVICE (on a CPU: the interpreted kernels)."""
-    if DEVICE == "cpu":
-        monkeypatch.setattr(torch_native, "KERNEL_DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(torch_native, "_kernels_checked", False)
-    monkeypatch.setattr(torch_native, "_kernels_module", None)
-    assert torch_native.kernels() is kernels  # the real kernels, in the mode DEVICE says
-    assert kernels.interpreting() == (DEVICE == "cpu")
-    return TorchBackend()
 
 
 def _data(shape, dtype, seed):

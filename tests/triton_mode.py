@@ -68,3 +68,18 @@ def amax(x) -> torch.Tensor:
     return kq.tensor_amax(x.to(DEVICE)).cpu()
 
 
+
+
+@pytest.fixture
+def through_kernels(monkeypatch):
+    """The torch backend (returned) quantizing with the Triton kernels on DEVICE (on a CPU: the interpreted
+    kernels)."""
+    from snip_ds.backend import TorchBackend, kernels, torch_native
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(torch_native, "KERNEL_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(torch_native, "_kernels_checked", False)
+    monkeypatch.setattr(torch_native, "_kernels_module", None)
+    assert torch_native.kernels() is kernels  # the real kernels, in the mode DEVICE says
+    assert kernels.interpreting() == (DEVICE == "cpu")
+    return TorchBackend()
