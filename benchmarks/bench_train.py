@@ -303,10 +303,9 @@ def bench_cuda(steps: int, replan_every: int, plans=GPU_PLANS, on_row=None, in_p
             _one_plan(res, plan, run(plan, steps, replan_every, model_cfg, micro_batch, block), shipped, on_row)
     finally:
         if in_process:
-            import torch.distributed as dist
+            from snip_ds.engine import destroy_distributed
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            destroy_distributed()
     return res
 
 

@@ -307,8 +307,9 @@ def _lost_peer(err: BaseException) -> bool:
 
 def main(argv: Optional[List[str]] = None, keep_process_group: bool = False) -> int:
     """Runs launch/train.py's training with ``argv``; returns the exit code. The process group is destroyed at
-    the end unless ``keep_process_group`` (a caller that runs several trainings in one process, as
-    benchmarks/bench_train.py does: DeepSpeed keeps its groups of the first one)."""
+    the end (with DeepSpeed's references to it, :func:`snip_ds.engine.destroy_distributed`) unless
+    ``keep_process_group`` (a caller that runs several trainings in one process on one group, as
+    benchmarks/bench_train.py does)."""
     args = build_parser().parse_args(argv)
     import torch.distributed as dist
 
@@ -338,7 +339,9 @@ def main(argv: Optional[List[str]] = None, keep_process_group: bool = False) -> 
     if lost:  # no collective (barrier, the group's teardown) can complete without the lost rank
         return code
     if dist.is_initialized() and not keep_process_group:
+        from snip_ds.engine import destroy_distributed  # imported already: it set the process group up
+
         if code == 0:
             dist.barrier()
-        dist.destroy_process_group()
+        destroy_distributed()
     return code

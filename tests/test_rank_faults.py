@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import REPO, TRAIN, assert_no_shm_left, env, launch_cmd, scalars, write_configs
+from train_utils import REPO, TRAIN, assert_no_shm_left, env, launch_cmd, restore_environ, scalars, write_configs  # noqa: F401
 
 from snip_ds import faults
 
@@ -58,6 +58,31 @@ def test_init_distributed_refuses_a_timeout_that_is_not_a_positive_number():
         with pytest.raises(ValueError, match="init_distributed: timeout_s must be a positive number of seconds"):
             init_distributed(bad)
     assert not dist.is_initialized()
+
+
+def test_a_second_process_group_in_one_process_gets_deepspeed_groups_of_its_own(monkeypatch, restore_environ):  # noqa: F811
+    """Two trainings in one process (a notebook, bench_train's plans, in-process tests): the second's
+    ``deepspeed.initialize`` broadcasts from DeepSpeed's clone of the world group, which must belong to the
+    second process group. Torch's own teardown alone left DeepSpeed's clone of the first, destroyed, group in
+    place ("Group ... is not registered")."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    from snip_ds.engine import destroy_distributed, init_distributed
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SNIP_DS_SINGLE_PROCESS"):
+        monkeypatch.delenv(key, raising=False)
+    clones = []
+    for _ in range(2):
+        init_distributed(60)
+        try:
+            clones.append(groups._clone_world_group())
+            assert dist.get_global_rank(clones[-1], 0) == 0  # raises for a group of a destroyed process group
+        finally:
+            destroy_distributed()
+        assert not dist.is_initialized()
+    assert clones[0] is not clones[1]
+    destroy_distributed()  # nothing up: a no-op
 
 
 @pytest.mark.parametrize("flag, words", [

@@ -15,6 +15,7 @@ jit_builds.prepare()  # before DeepSpeed can build an op
 show_deprecations_once()  # torch's FutureWarnings for the collectives DeepSpeed calls: once, not every step
 
 from snip_ds.engine.checkpoint_layout import CheckpointError  # noqa: E402
-from snip_ds.engine.core import NonFiniteError, SnipEngine, init_distributed, initialize  # noqa: E402
+from snip_ds.engine.core import (NonFiniteError, SnipEngine, destroy_distributed, init_distributed,  # noqa: E402
+                                 initialize)
 
-__all__ = ["SnipEngine", "initialize", "init_distributed", "CheckpointError", "NonFiniteError"]
+__all__ = ["SnipEngine", "initialize", "init_distributed", "destroy_distributed", "CheckpointError", "NonFiniteError"]

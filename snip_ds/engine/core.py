@@ -31,7 +31,7 @@ from snip_ds.state import NonFiniteError, SnipState, located_forward_hooks, run_
 from snip_ds.model_settings import check_layer_settings, initial_plan
 from snip_ds.swap import LayerInfo, check_still_swapped, snip_layers, swap_model
 
-__all__ = ["DeepSpeedLoop", "NonFiniteError", "SnipEngine", "init_distributed", "initialize"]
+__all__ = ["DeepSpeedLoop", "NonFiniteError", "SnipEngine", "destroy_distributed", "init_distributed", "initialize"]
 
 
 def _free_port() -> int:
@@ -72,6 +72,25 @@ def init_distributed(timeout_s: Optional[float] = None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     release_shm_buffer()
+
+
+def destroy_distributed() -> None:
+    """Destroys the process group that :func:`init_distributed` made, and DeepSpeed's references to it.
+
+    DeepSpeed keeps groups it derives from the world group (its clone of it, the data-parallel group) in
+    module globals; ``torch.distributed.destroy_process_group`` alone leaves them pointing at the destroyed
+    group, and the next ``deepspeed.initialize`` in the same process (a second in-process training run)
+    fails with "Group ... is not registered". ``deepspeed.comm.destroy_process_group`` releases them.
+    A no-op when no process group is up.
+    """
+    if not dist.is_initialized():
+        return
+    from deepspeed.comm import comm as ds_comm  # the module: the package re-exports its `cdb` at import (None)
+
+    if getattr(ds_comm, "cdb", None) is not None:
+        ds_comm.destroy_process_group()
+    else:  # set up by someone else than deepspeed.init_distributed: DeepSpeed holds nothing of it
+        dist.destroy_process_group()
 
 
 def shm_buffer_path(rank: int) -> Path:
