@@ -164,8 +164,9 @@ def test_tp2_trains_and_measures_like_tp1(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_dp2_adaptive_saves_resumes_bit_for_bit_and_resumes_at_other_shapes(tmp_path):
-    """TP 2 x DP 2 on 4 ranks, ZeRO-1, adaptive (re-plans at steps 0, 2 and 4): 5 steps uninterrupted, and 3 steps
-    saved then resumed for 2 more: the same losses, plan and parameters bit for bit. The checkpoint converted by
+    """TP 2 x DP 2 on 4 ranks, ZeRO-1, adaptive (re-plans at steps 0, 2 and 4): 5 steps uninterrupted, saving
+    after step 3, and a new run resumed from that checkpoint for the last 2: the same losses, plan and
+    parameters bit for bit. The checkpoint converted by
     ``snip-ds universal`` resumes at TP 1 x DP 2 and, with the same global batch (micro-batch 4), at TP 2 x DP 1
     and on 1 rank: step and re-plan history continue as saved, and the first resumed step (under the restored
     plan) continues the uninterrupted run within round-off where its micro-batches are the same (TP 1 x DP 2),
@@ -173,16 +174,14 @@ def test_tp2_dp2_adaptive_saves_resumes_bit_for_bit_and_resumes_at_other_shapes(
     from snip_ds.engine.universal import convert_to_universal
 
     base = ("--tp", "2", "--plan", "adaptive", "--snip", ADAPTIVE)
-    whole = _run(tmp_path, "whole", 4, *base, "--steps", "5")
-    saved = _run(tmp_path, "saved", 4, *base, "--steps", "3", "--save", str(tmp_path / "ckpt"))
+    whole = _run(tmp_path, "whole", 4, *base, "--steps", "5", "--save", str(tmp_path / "ckpt"), "--save_at", "3")
     resumed = _run(tmp_path, "resumed", 4, *base, "--steps", "2", "--skip", "3", "--resume", str(tmp_path / "ckpt"))
-    for w, s, r in zip(whole, saved, resumed):
-        assert w["history"] == r["history"] == [0, 2, 4] and s["history"] == [0, 2]
-        assert s["losses"] == w["losses"][:3] and r["losses"] == w["losses"][3:]
+    for w, r in zip(whole, resumed):
+        assert w["history"] == r["history"] == [0, 2, 4] and r["losses"] == w["losses"][3:]
         assert r["param_sum"] == w["param_sum"] and r["plan"] == w["plan"]
     meta = json.loads((tmp_path / "ckpt" / "step_3" / "snip_meta.json").read_text())
     assert meta["tensor_parallel"] == 2 and meta["world_size"] == 4
-    _export_matches(tmp_path, saved[0]["bf16_loss"])
+    _export_matches(tmp_path, whole[0]["bf16_loss"])
     # the checkpoint at another shape without conversion: refused, naming the field
     (refused,) = _run(tmp_path, "refused", 1, "--plan", "adaptive", "--snip", ADAPTIVE, "--micro", "4", "--steps",
                       "1", "--resume", str(tmp_path / "ckpt"))
@@ -230,13 +229,13 @@ def _export_matches(tmp_path, bf16_loss: float) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_dp2_zero3_replans_saves_and_resumes_bit_for_bit(tmp_path):
-    """TP 2 x DP 2 on 4 ranks under ZeRO-3: adaptive SNIP re-plans at steps 0 and 2, one plan on every rank; 2
-    steps saved and resumed for 2 more give the uninterrupted 4 steps' losses, plan and parameters bit for bit."""
+    """TP 2 x DP 2 on 4 ranks under ZeRO-3: adaptive SNIP re-plans at steps 0 and 2, one plan on every rank; 4
+    steps saving after step 2, and a new run resumed from that checkpoint for the last 2: the same losses, plan
+    and parameters bit for bit."""
     base = ("--tp", "2", "--zero", "3", "--plan", "adaptive", "--snip", ADAPTIVE)
-    whole = _run(tmp_path, "whole", 4, *base, "--steps", "4")
+    whole = _run(tmp_path, "whole", 4, *base, "--steps", "4", "--save", str(tmp_path / "ckpt"), "--save_at", "2")
     assert all(r["history"] == [0, 2] and r["plan"] == whole[0]["plan"] for r in whole)
     assert all(r["losses"] == whole[0]["losses"] and all(math.isfinite(x) for x in r["losses"]) for r in whole)
-    _run(tmp_path, "saved", 4, *base, "--steps", "2", "--save", str(tmp_path / "ckpt"))
     resumed = _run(tmp_path, "resumed", 4, *base, "--steps", "2", "--skip", "2", "--resume", str(tmp_path / "ckpt"))
     for w, r in zip(whole, resumed):
         assert r["losses"] == w["losses"][2:] and r["param_sum"] == w["param_sum"] and r["plan"] == w["plan"]

@@ -131,7 +131,8 @@ def main() -> int:
     p.add_argument("--collect", action="store_true")
     p.add_argument("--check_layers", action="store_true", help="check_layers() instead of training")
     p.add_argument("--snip", default="{}", help="more snip settings (JSON)")
-    p.add_argument("--save", help="save a checkpoint here after the steps")
+    p.add_argument("--save", help="save a checkpoint here after --save_at steps (default: all), then go on")
+    p.add_argument("--save_at", type=int, help="the step after which --save saves (default: --steps)")
     p.add_argument("--resume", help="resume from this checkpoint, then take the steps")
     p.add_argument("--skip", type=int, default=0, help="batches the resumed run skips (those taken before)")
     p.add_argument("--out", required=True)
@@ -176,11 +177,13 @@ def main() -> int:
         out["stats"] = {f: {k: rec[k] for k in ("fld", "bwd")} for f, rec in stats["layers"].items()}
     count_gemms(counts)
     losses = []
-    for ids in batches[:args.steps]:
-        losses.append(engine.train_step([{"input_ids": ids, "labels": ids}]))
-    if args.save:
-        engine.save_checkpoint(args.save, {})
-        out["bf16_loss"] = _bf16_loss(engine, batches[-1])
+    save_at = args.steps if args.save_at is None else args.save_at
+    for step, ids in enumerate(batches[:args.steps] + [None]):
+        if args.save and step == save_at:
+            engine.save_checkpoint(args.save, {})
+            out["bf16_loss"] = _bf16_loss(engine, batches[step])  # the next batch, as an exported model sees it
+        if ids is not None:
+            losses.append(engine.train_step([{"input_ids": ids, "labels": ids}]))
     history = engine.planner.history if engine.planner is not None else []
     out.update(losses=losses, dp_size=engine.state.dp_size, gemms=counts, plan=engine.plan.digest(),
                history=[h["step"] for h in history], step=engine.step, param_sum=param_sum(engine.ds.module),
