@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from snip_ds.artifacts import load_plan, load_stats
-from train_utils import TINY_MODEL, launch, scalars, write_configs
+from train_utils import TINY_MODEL, launch, launch_all, scalars, write_configs
 
 pytestmark = [pytest.mark.slow]
 
@@ -74,11 +74,12 @@ def test_old_and_new_engine_checkpoints_resume_bit_for_bit(engine_run, tmp_path)
     assert load_plan(old)[0].digest() == load_plan(tag)[0].digest()  # snip-ds reads both
     assert load_stats(old)[0] == load_stats(tag)[0]
     logged = scalars(out / "tensorboard")
-    for name, source in (("new", tag), ("old", old)):
+    sources = (("new", tag), ("old", old))
+    procs = launch_all([["--deepspeed", str(cfg), "--resume_from_checkpoint", str(source), "--output_dir",
+                         str(tmp_path / name)] for name, source in sources])
+    for (name, source), proc in zip(sources, procs):
         run = tmp_path / name
-        proc = _ok(launch(["--deepspeed", str(cfg), "--resume_from_checkpoint", str(source), "--output_dir",
-                           str(run)], num_ranks=1))
-        assert "resumed from" in proc.stdout
+        assert "resumed from" in _ok(proc).stdout
         again = scalars(run / "tensorboard")
         for step in (3, 4):
             assert again["train/loss"][step] == logged["train/loss"][step], (name, step)

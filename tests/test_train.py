@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from train_utils import images, launch, restore_environ, scalars, write_configs  # noqa: F401  (a fixture)
+from train_utils import images, launch, launch_all, restore_environ, scalars, write_configs  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -59,12 +59,13 @@ def test_zero0_equals_zero3_and_fp8_stays_close_to_bf16(tmp_path):
     """Same data and init: ZeRO-3 only partitions, so bf16-plan losses match ZeRO-0's to 1e-5 relative
     (the all-gathered parameters are bitwise the same; only gradient-norm and reduction order differ).
     An fp8 plan perturbs each loss by the fp8 rounding noise only: loss-curve SQNR above 30 dB."""
-    series = {}
-    for stage, plan in ((0, "bf16"), (3, "bf16"), (3, "fp8")):
-        cfg = write_configs(tmp_path, stage=stage, plan=plan, save_steps=0,
-                            output_dir=str(tmp_path / f"s{stage}_{plan}"))
-        _ok(launch(["--deepspeed", str(cfg)], num_ranks=1))
-        series[stage, plan] = scalars(tmp_path / f"s{stage}_{plan}" / "tensorboard")["train/loss"]
+    runs = ((0, "bf16"), (3, "bf16"), (3, "fp8"))
+    cfgs = [write_configs(tmp_path, stage=stage, plan=plan, save_steps=0, output_dir=str(tmp_path / f"s{stage}_{plan}"))
+            for stage, plan in runs]
+    for proc in launch_all([["--deepspeed", str(cfg)] for cfg in cfgs]):
+        _ok(proc)
+    series = {(stage, plan): scalars(tmp_path / f"s{stage}_{plan}" / "tensorboard")["train/loss"]
+              for stage, plan in runs}
     ref = series[0, "bf16"]
     # measured: bitwise equal at all 6 steps, natively (AVX-512) and under MKL/oneDNN limited to AVX2; 1e-5
     # leaves room for a change of reduction order (the Adam-state probe of test_zero_state measured weight
@@ -129,10 +130,9 @@ def test_a_model_with_dropout_trains_the_same_twice_and_resumes_exactly(tmp_path
 
     cfg = write_configs(tmp_path, stage=3, plan="fp8", model={**TINY_MODEL, "attention_dropout": 0.5},
                         max_steps=4, save_steps=2, eval_steps=4)
-    runs = {}
-    for name in ("a", "b"):
-        _ok(launch(["--deepspeed", str(cfg), "--output_dir", str(tmp_path / name)]))
-        runs[name] = scalars(tmp_path / name / "tensorboard")["train/loss"]
+    for proc in launch_all([["--deepspeed", str(cfg), "--output_dir", str(tmp_path / name)] for name in "ab"]):
+        _ok(proc)
+    runs = {name: scalars(tmp_path / name / "tensorboard")["train/loss"] for name in "ab"}
     assert sorted(runs["a"]) == [1, 2, 3, 4] and runs["a"] == runs["b"]
     rng = [load_file(str(tmp_path / n / "checkpoints" / "step_2" / "snip_rng_rank0.safetensors"))["torch_rng"]
            for n in ("a", "b")]

@@ -84,6 +84,26 @@ def launch(args: List[str], num_ranks: int = 1, timeout: int = 600, port: Option
     return proc
 
 
+def launch_all(arg_lists: List[List[str]], num_ranks: int = 1, timeout: int = 600) -> List[subprocess.CompletedProcess]:
+    """:func:`launch` of independent runs (none reads what another writes), as many at once as the machine has
+    cores for their ranks (each rank runs one thread: :func:`env`); returns the finished processes in order.
+    Their master ports are chosen up front, all held open together, so two runs cannot draw the same one."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    socks = [socket.socket() for _ in arg_lists]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        ports = [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    at_once = max(1, (os.cpu_count() or 1) // num_ranks)
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        return list(pool.map(lambda a: launch(a[0], num_ranks, timeout, port=a[1]), zip(arg_lists, ports)))
+
+
 def assert_no_shm_left(cmd: List[str]) -> None:
     """Every launched run must leave none of DeepSpeed's shared-memory all-reduce buffers in /dev/shm."""
     if "--master_port" not in cmd:  # not a launcher command (the runner's own tests use stand-ins)
