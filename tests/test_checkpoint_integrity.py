@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import launch, ranks_directly, write_configs
+from train_utils import copy_of_run, launch, ranks_directly
 
 from snip_ds.engine.checkpoint_layout import META_FILE, CheckpointError, read_meta, resolve
 from snip_ds.engine.checkpoint_verify import file_digest, record_files, verify_files
@@ -160,14 +160,10 @@ def test_resolve_a_run_directory_to_its_latest_checkpoint(tmp_path):
 
 # --------------------------------------------------------------------------- real 2-rank runs (slow)
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A finished 2-rank ZeRO-3 fp8 run: ``out/checkpoints`` holds step_1, step_2 and latest."""
-    tmp = tmp_path_factory.mktemp("integrity")
-    cfg = write_configs(tmp, stage=3, plan="fp8", max_steps=2, save_steps=1, eval_steps=2)
-    proc = launch(["--deepspeed", str(cfg)], num_ranks=2)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (tmp / "out" / "checkpoints" / "latest").read_text() == "step_2"
-    return {"tmp": tmp, "cfg": cfg, "out": tmp / "out"}
+def run(tmp_path_factory, zero3_fp8_run):
+    """This module's copy of the shared finished 2-rank ZeRO-3 fp8 run (conftest's ``zero3_fp8_run``):
+    ``out/checkpoints`` holds step_1, step_2 and latest."""
+    return copy_of_run(zero3_fp8_run, tmp_path_factory.mktemp("integrity"))
 
 
 def _damaged(run, name: str, damage) -> Path:

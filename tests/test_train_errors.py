@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import TINY_MODEL, launch, restore_environ, write_configs  # noqa: F401  (a fixture)
+from train_utils import TINY_MODEL, copy_of_run, launch, restore_environ  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.usefixtures("restore_environ")]
 
@@ -22,16 +22,11 @@ def _snapshot(root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A finished 2-rank ZeRO-3 run: ``out/`` holds step_1, step_2, latest and TensorBoard event files."""
-    tmp = tmp_path_factory.mktemp("train_errors")
-    cfg = write_configs(tmp, stage=3, plan="fp8", max_steps=2, save_steps=1, eval_steps=2)
-    proc = launch(["--deepspeed", str(cfg)], num_ranks=2)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp / "out"
-    assert (out / "checkpoints" / "latest").read_text() == "step_2"
-    assert list((out / "tensorboard").iterdir())
-    return {"tmp": tmp, "cfg": cfg, "out": out, "snapshot": _snapshot(out)}
+def run(tmp_path_factory, zero3_fp8_run):
+    """This module's copy of the shared finished 2-rank ZeRO-3 fp8 run (conftest's ``zero3_fp8_run``): ``out/``
+    holds step_1, step_2, latest and TensorBoard event files."""
+    run = copy_of_run(zero3_fp8_run, tmp_path_factory.mktemp("train_errors"))
+    return {**run, "snapshot": _snapshot(run["out"])}
 
 
 def _variant(run, name: str, mutate) -> str:

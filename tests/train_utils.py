@@ -191,3 +191,19 @@ def restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+def copy_of_run(run: dict, into: Path) -> dict:
+    """A module's own copy of a shared finished run (``run``: its ``cfg`` and ``out``): ``into/out`` holds a copy
+    of its output directory and ``into/<cfg name>`` its config with ``output_dir`` pointing there, so a module
+    that writes beside the run or resumes it cannot change what another module reads."""
+    import shutil
+
+    shutil.copytree(run["out"], into / "out")
+    shutil.copy(run["cfg"].parent / "model.json", into / "model.json")  # write_configs' model config
+    data = json.loads(run["cfg"].read_text())
+    data["snip"]["train"].update(output_dir=str(into / "out"), model_config=str(into / "model.json"))
+    cfg = into / run["cfg"].name
+    cfg.write_text(json.dumps(data, indent=1))
+    return {"tmp": into, "cfg": cfg, "out": into / "out"}
+
