@@ -41,4 +41,3 @@ def zero3_fp8_run(tmp_path_factory):
     assert (out / "checkpoints" / "latest").read_text() == "step_2"
     assert list((out / "tensorboard").iterdir())
     return {"cfg": cfg, "out": out}
-

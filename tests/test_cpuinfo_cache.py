@@ -6,22 +6,14 @@ import sys
 
 from snip_ds import cpuinfo_cache
 
-EPYC = """processor\t: 0
-vendor_id\t: AuthenticAMD
-cpu family\t: 25
-model name\t: AMD EPYC
-cpu MHz\t\t: 2445.406
-flags\t\t: fpu sse sse2 avx avx2
-bogomips\t: 4890.81
 
-processor\t: 1
-vendor_id\t: AuthenticAMD
-cpu family\t: 25
-model name\t: AMD EPYC
-cpu MHz\t\t: 2399.998
-flags\t\t: fpu sse sse2 avx avx2
-bogomips\t: 4890.81
-"""
+def _core(n: int, mhz: str) -> str:
+    """One core's block of /proc/cpuinfo on a 2-core AMD EPYC."""
+    return (f"processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel name\t: AMD EPYC\n"
+            f"cpu MHz\t\t: {mhz}\nflags\t\t: fpu sse sse2 avx avx2\nbogomips\t: 4890.81\n")
+
+
+EPYC = _core(0, "2445.406") + "\n" + _core(1, "2399.998")
 
 
 class Probe:
