@@ -27,7 +27,7 @@ def _subnormals_kept():
 
 @pytest.fixture(scope="session")
 def zero3_fp8_run(tmp_path_factory):
-    """One finished 2-rank ZeRO-3 fp8 run of 2 steps through the deepspeed launcher, for the modules that check
+    """One finished 2-rank ZeRO-3 fp8 run of 2 steps through DeepSpeed's launcher, for the modules that check
     what is done with a finished run's checkpoints (tests/test_checkpoint_integrity.py, test_train_errors.py):
     ``out/checkpoints`` holds step_1, step_2 and latest, ``out/tensorboard`` the event file. Read it through
     :func:`train_utils.copy_of_run`, never in place."""
@@ -35,7 +35,7 @@ def zero3_fp8_run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("zero3_fp8_run")
     cfg = write_configs(tmp, stage=3, plan="fp8", max_steps=2, save_steps=1, eval_steps=2)
-    proc = launch(["--deepspeed", str(cfg)], num_ranks=2)
+    proc = launch(["--deepspeed", str(cfg)], num_ranks=2, launcher="deepspeed")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp / "out"
     assert (out / "checkpoints" / "latest").read_text() == "step_2"

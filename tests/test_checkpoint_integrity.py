@@ -244,7 +244,7 @@ def test_damaged_checkpoint_stops_every_rank_with_the_same_error(run, case):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_truncated_shard_through_the_launcher(run):
-    """The deepspeed launcher exits 2; both ranks' error lines reach its stderr whole, and no traceback."""
+    """The launcher exits 2; both ranks' error lines reach its stderr whole, and no traceback."""
     tag = _damaged(run, "launcher", lambda t: _truncate(t / RANK1_OPTIM))
     proc = launch(["--deepspeed", str(run["cfg"]), "--resume_from_checkpoint", str(tag),
                    "--output_dir", str(run["tmp"] / "out_launcher")], num_ranks=2)

@@ -498,7 +498,7 @@ def test_expert_preconditioner_sums_each_ranks_part_of_the_expert(family, stage,
 @pytest.mark.parametrize("stage,ranks", [(0, 1), (3, 1), (2, 2), (3, 2)])
 def test_expert_preconditioner_and_collection_under_deepspeed(stage, ranks, tmp_path):
     """A real DeepSpeed run (tests/dist_scripts/experts_state_probe.py: a tiny Mixtral with 3 experts trained 3
-    steps; two ranks through the deepspeed launcher, where a rank boundary falls inside an expert):
+    steps; two ranks through the launcher (tests/launch_ranks.py), where a rank boundary falls inside an expert):
     expert_preconditioner's sum over the ranks equals the one from the full Adam state DeepSpeed gathers for
     the expert, and a collection of the experts (ZeRO-3: its Parameters partitioned, released between passes)
     gives finite statistics for every pair, the routed tokens adding up to the batch's token-expert pairs."""
@@ -507,7 +507,7 @@ def test_expert_preconditioner_and_collection_under_deepspeed(stage, ranks, tmp_
     import sys
 
     from snip_ds.engine.core import _free_port
-    from train_utils import REPO, env, run_ranks
+    from train_utils import REPO, env, launcher_head, run_ranks
 
     out = tmp_path / "probe.json"
     script = str(REPO / "tests" / "dist_scripts" / "experts_state_probe.py")
@@ -516,7 +516,7 @@ def test_expert_preconditioner_and_collection_under_deepspeed(stage, ranks, tmp_
         proc = subprocess.run([sys.executable, script, *args], cwd=REPO, env=env(), capture_output=True, text=True,
                               timeout=600)
     else:
-        proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+        proc = run_ranks(lambda: [*launcher_head(), "--num_gpus", str(ranks),
                                   "--master_port", str(_free_port()), script, *args], timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())

@@ -3,7 +3,8 @@
 - ``deepspeed launch/train.py`` (1 rank, ZeRO-3, adaptive): statistics, a solved plan, TensorBoard, a checkpoint;
 - the ``snip-ds`` command on that run (``show``, ``plan``, ``export``), each in a process of its own;
 - ``python launch/train_hf.py``: the Hugging Face Trainer with SNIP's callback (torch AdamW, no DeepSpeed);
-- the README's own-loop snippet (``snip_ds.initialize``) in a plain Python process.
+- the README's own-loop snippet (``snip_ds.initialize``) in a plain Python process;
+- ``python launch/warm_ops.py`` on this environment's builds.
 
 The multi-rank, resume and fault runs of the same entry points are in the ``slow`` tier.
 """
@@ -35,7 +36,7 @@ def adaptive_run(tmp_path_factory):
     """``deepspeed launch/train.py`` on 1 rank: an adaptive ZeRO-3 run of 2 steps, saved at step 2."""
     tmp = tmp_path_factory.mktemp("entry_train")
     cfg = write_configs(tmp, stage=3, plan="adaptive", max_steps=2, save_steps=2, eval_steps=2)
-    proc = _ok(launch(["--deepspeed", str(cfg)], num_ranks=1))
+    proc = _ok(launch(["--deepspeed", str(cfg)], num_ranks=1, launcher="deepspeed"))
     return {"tmp": tmp, "out": tmp / "out", "stdout": proc.stdout}
 
 
@@ -99,3 +100,19 @@ print(json.dumps({"loss": loss, "method": engine.plan.method, "share": engine.pl
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["method"] == "best" and out["history"] == [0] and out["share"] >= 0.75 - 1e-9  # FP64 share round-off
     assert math.isfinite(out["loss"])  # x == x let an infinite loss through
+
+
+WARM_OPS = ["snip_ds_cpu_quant", "ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"]
+
+
+def test_warm_ops_says_each_op_is_ready_in_the_build_root():
+    """Each op says it is ready once; the root printed is the one runs load from."""
+    from snip_ds import jit_builds
+
+    proc = _run([str(REPO / "launch" / "warm_ops.py")], timeout=1200)
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if line.startswith("warm_ops: ops build under ")] == [
+        f"warm_ops: ops build under {jit_builds.build_root()}"], proc.stdout
+    for name in WARM_OPS:
+        assert sum(line.startswith(f"warm_ops: {name} ready in ") for line in lines) == 1, (name, proc.stdout)
+

@@ -1,6 +1,7 @@
 """Faults injected into real runs: a full disk during a checkpoint save, non-finite losses and gradients, a
-re-plan the solver cannot solve. Each run is a real process (2 ranks through the deepspeed launcher, or one
-plain process); the fault comes from an input a user can reach (a file-size limit, a config, a model).
+re-plan the solver cannot solve. Each run is a real process (2 ranks through the launcher
+(tests/launch_ranks.py), or one plain process); the fault comes from an input a user can reach (a file-size
+limit, a config, a model).
 
 docs/reliability.md lists what each run did.
 """

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import REPO, TINY_MODEL, assert_no_shm_left, env, images, run_ranks, scalars
+from train_utils import REPO, TINY_MODEL, assert_no_shm_left, env, images, launcher_head, run_ranks, scalars
 
 pytest.importorskip("accelerate")  # transformers' Trainer needs it
 
@@ -51,7 +51,7 @@ def _config(tmp: Path, stage: int = 3, **snip) -> Path:
 def _launcher(script: Path, args, ranks: int):
     from snip_ds.engine.core import _free_port
 
-    return lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+    return lambda: [*launcher_head(), "--num_gpus", str(ranks), "--master_port",
                     str(_free_port()), str(script), *args]
 
 
@@ -872,7 +872,7 @@ def test_cpu_ranks_unknown_to_accelerate_are_refused(tmp_path):
         "os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))", repr(str(REPO))))
     inputs = _run_clm_inputs(tmp_path)
     port = str(_free_port())
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, str(script),
+    cmd = [*launcher_head(), "--num_gpus", "2", "--master_port", port, str(script),
            "--deepspeed", str(inputs["ds"]), *inputs["args"], "--output_dir", str(tmp_path / "out")]
     e = env()
     e.update(HF_DATASETS_CACHE=str(tmp_path / "datasets_cache"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")

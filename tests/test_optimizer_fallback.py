@@ -85,7 +85,8 @@ def test_configs_get_torch_adam_only_where_fused_adam_is_asked_for_and_cannot_bu
 
 @pytest.mark.slow
 def test_training_runs_on_torch_adamw_when_fused_adam_cannot_build(tmp_path):
-    """launch/train.py through the deepspeed launcher, ZeRO-3, adaptive: a warning, then the run completes."""
+    """launch/train.py through the launcher (tests/launch_ranks.py), ZeRO-3, adaptive: a warning, then the run
+    completes."""
     cfg = write_configs(tmp_path, stage=3, plan="adaptive", max_steps=3, eval_steps=3, save_steps=3)
     proc = subprocess.run(launch_cmd(["--deepspeed", str(cfg)]), cwd=REPO,
                           env={**env(), "TORCH_EXTENSIONS_DIR": str(_blocked_root(tmp_path))},
@@ -99,7 +100,7 @@ def test_training_runs_on_torch_adamw_when_fused_adam_cannot_build(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_runs_on_torch_adamw_when_fused_adam_cannot_build(tmp_path):
-    """launch/train_hf.py (the Trainer with SnipCallback) through the deepspeed launcher on ZeRO-3."""
+    """launch/train_hf.py (the Trainer with SnipCallback) through the launcher (tests/launch_ranks.py) on ZeRO-3."""
     (tmp_path / "model.json").write_text(json.dumps(TINY_MODEL))
     cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     cfg["snip"].update(replan_every=2)

@@ -1,5 +1,5 @@
 """``snip_ds.initialize`` runs SNIP inside a user's own loop: real 2-rank ZeRO-3 runs of
-tests/dist_scripts/own_loop.py through the deepspeed launcher."""
+tests/dist_scripts/own_loop.py through the launcher (tests/launch_ranks.py)."""
 import json
 import math
 import subprocess
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from train_utils import REPO, env, run_ranks
+from train_utils import REPO, env, launcher_head, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = REPO / "tests" / "dist_scripts" / "own_loop.py"
@@ -17,7 +17,7 @@ def _run(case: str, tmp_path, ranks: int = 2, extra=()) -> list:
     from snip_ds.engine.core import _free_port
 
     out = tmp_path / case
-    proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+    proc = run_ranks(lambda: [*launcher_head(), "--num_gpus", str(ranks),
                               "--master_port", str(_free_port()), str(SCRIPT), "--case", case, "--out", str(out),
                               *extra], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -186,8 +186,8 @@ def _ok(codes, logs):
 @pytest.mark.distributed
 def test_a_hung_rank_stops_its_peer_after_the_dist_timeout(tmp_path):
     """Rank 1 hangs inside step 2 (paused, alive): rank 0's collective times out after --dist_timeout (10 s;
-    the gloo message carries the timeout in ms), rank 0 exits 1 with one error line, and the deepspeed
-    launcher stops rank 1 and exits non-zero. /dev/shm is left clean."""
+    the gloo message carries the timeout in ms), rank 0 exits 1 with one error line, and the launcher
+    stops rank 1 and exits non-zero. /dev/shm is left clean."""
     cfg = write_configs(tmp_path, stage=3, plan="fp8", max_steps=4, save_steps=2)
     cmd = launch_cmd(["--deepspeed", str(cfg), "--dist_timeout", "10"], num_ranks=2)
     log = tmp_path / "hung.log"

@@ -1,5 +1,5 @@
 """Tensor parallelism (DeepSpeed AutoTP x ZeRO): real multi-process runs of tests/dist_scripts/tp_loop.py and
-launch/train.py under the deepspeed launcher, and the checks that refuse what it does not run."""
+launch/train.py under the launcher (tests/launch_ranks.py), and the checks that refuse what it does not run."""
 import json
 import math
 import subprocess
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from train_utils import REPO, TINY_MODEL, env, launch, run_ranks, scalars
+from train_utils import REPO, TINY_MODEL, env, launch, launcher_head, run_ranks, scalars
 
 SCRIPT = REPO / "tests" / "dist_scripts" / "tp_loop.py"
 SHORT_TRAIN = ["--block_size", "64", "--eval_batches", "1", "--per_device_train_batch_size", "2"]
@@ -25,7 +25,7 @@ def _run(tmp_path, name: str, ranks: int, *args) -> list:
         proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], cwd=REPO, env=env(),
                               capture_output=True, text=True, timeout=300)
     else:
-        proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+        proc = run_ranks(lambda: [*launcher_head(), "--num_gpus", str(ranks),
                                   "--master_port", str(_free_port()), str(SCRIPT), "--out", str(out), *args],
                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -279,11 +279,11 @@ HF_SCRIPT = REPO / "tests" / "dist_scripts" / "hf_tp.py"
 
 
 def _hf(tmp_path, name: str, ranks: int, *args) -> list:
-    """hf_tp.py (add_snip(trainer)) on ``ranks`` ranks under the deepspeed launcher; each rank's JSON."""
+    """hf_tp.py (add_snip(trainer)) on ``ranks`` ranks under the launcher (tests/launch_ranks.py); each rank's JSON."""
     from snip_ds.engine.core import _free_port
 
     out = tmp_path / name
-    proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+    proc = run_ranks(lambda: [*launcher_head(), "--num_gpus", str(ranks),
                               "--master_port", str(_free_port()), str(HF_SCRIPT), "--out", str(out),
                               "--output_dir", str(tmp_path / f"{name}_run"), *args], timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

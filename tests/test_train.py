@@ -1,5 +1,5 @@
-"""launch/train.py end to end through the deepspeed launcher: ZeRO-3 on 2 ranks, TensorBoard, exact resume,
-ZeRO-0 vs ZeRO-3, fp8 vs bf16."""
+"""launch/train.py end to end through the launcher (tests/launch_ranks.py): ZeRO-3 on 2 ranks, TensorBoard,
+exact resume, ZeRO-0 vs ZeRO-3, fp8 vs bf16."""
 import json
 import math
 

@@ -88,8 +88,9 @@ def test_sigterm_to_the_launcher_saves_and_torchrun_resumes(tmp_path):
     both ranks stop at the same step boundary, save a complete checkpoint and exit 0. torchrun with 2 ranks
     then resumes from it."""
     cfg = write_configs(tmp_path, stage=3, plan="fp8", max_steps=100_000, eval_steps=100_000, save_steps=0)
-    proc = subprocess.Popen(launch_cmd(["--deepspeed", str(cfg)], num_ranks=2), cwd=REPO, env=env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(launch_cmd(["--deepspeed", str(cfg)], num_ranks=2, launcher="deepspeed"), cwd=REPO,
+                            env=env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
         lines = _wait_until_training(proc)
         proc.send_signal(signal.SIGTERM)

@@ -225,7 +225,7 @@ def test_launcher_exit_code_and_stderr(run):
     """Through the deepspeed launcher (1 rank resuming a 2-rank checkpoint): the launcher exits 2, its stderr
     carries one error line, and neither stream has a traceback."""
     proc = launch(["--deepspeed", str(run["cfg"]), "--resume_from_checkpoint", str(run["out"] / "checkpoints")],
-                  num_ranks=1)
+                  num_ranks=1, launcher="deepspeed")
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "world_size is 2" in errors[0], proc.stderr[-3000:]

@@ -3,7 +3,7 @@
 initializes DeepSpeed with ``"checkpoint": {"load_universal": true}``.
 
 The unit tests check the safe loading in one process; the slow ones save on 2 ranks (ZeRO-1 and ZeRO-3),
-convert, and resume on 1 rank through the deepspeed launcher. ``tests/test_train_errors.py`` resumes its
+convert, and resume on 1 rank through the launcher (tests/launch_ranks.py). ``tests/test_train_errors.py`` resumes its
 2-rank ZeRO-3 run's checkpoint on 2 ranks through a universal one, and checks the error lines.
 """
 import json

@@ -1,6 +1,6 @@
 """DeepSpeed's partitioned optimizer state and one statistics collection, across ZeRO stages and rank counts.
 
-Real multi-process runs of tests/dist_scripts/adam_state_probe.py through the deepspeed launcher: a tiny
+Real multi-process runs of tests/dist_scripts/adam_state_probe.py through the launcher (tests/launch_ranks.py): a tiny
 Llama trains 3 steps on a fixed global batch, then reports Σ_ranks precond(fqn, t) per layer and one
 statistics collection. ZeRO-0 on one rank (full per-parameter Adam state) is the reference.
 """
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from train_utils import REPO, run_ranks
+from train_utils import REPO, launcher_head, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = REPO / "tests" / "dist_scripts" / "adam_state_probe.py"
@@ -32,7 +32,7 @@ def run(tmp_path_factory):
 
             extra = ["--load", str(_run(3, 1)["dump_path"])] if (stage, ranks) == (0, 1) else []
             out, dump = tmp / f"stage{stage}_{ranks}.json", tmp / f"stage{stage}_{ranks}.safetensors"
-            proc = run_ranks(lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+            proc = run_ranks(lambda: [*launcher_head(), "--num_gpus", str(ranks),
                                       "--master_port", str(_free_port()), str(SCRIPT), "--stage", str(stage),
                                       "--out", str(out), "--dump", str(dump), *extra], timeout=600)
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -13,6 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "launch" / "train.py"
+LAUNCH_RANKS = REPO / "tests" / "launch_ranks.py"
 
 TINY_MODEL = {"model_type": "llama", "vocab_size": 264, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -60,24 +61,36 @@ def env() -> Dict[str, str]:
     return e
 
 
+def launcher_head(launcher: str = "ranks") -> List[str]:
+    """The command that starts ranks on this machine, before its ``--num_gpus N --master_port P SCRIPT ARGS``:
+    ``"deepspeed"`` is DeepSpeed's launcher as ``deepspeed --num_gpus N`` runs it; ``"ranks"`` is
+    tests/launch_ranks.py, which gives each rank the same command and environment without importing torch and
+    DeepSpeed twice first (about 10 s a launch here). Tests whose subject is how users start a run use
+    ``"deepspeed"``; the others ``"ranks"``."""
+    if launcher == "deepspeed":
+        return [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if launcher == "ranks":
+        return [sys.executable, str(LAUNCH_RANKS)]
+    raise ValueError(f"launcher: unknown value {launcher!r}; valid: ranks, deepspeed")
+
+
 def launch_cmd(args: List[str], num_ranks: int = 1, port: Optional[int] = None,
-               launcher: str = "deepspeed") -> List[str]:
-    """The command line ``deepspeed --num_gpus N launch/train.py ARGS`` (or ``torchrun --nproc_per_node N``)."""
+               launcher: str = "ranks") -> List[str]:
+    """The command line that starts ``launch/train.py ARGS`` on N ranks: ``launcher`` is one of
+    :func:`launcher_head`'s or ``"torchrun"`` (``torchrun --nproc_per_node N``)."""
     from snip_ds.engine.core import _free_port
 
     port = str(port or _free_port())
     if launcher == "torchrun":
-        head = ["torch.distributed.run", "--nproc_per_node", str(num_ranks), "--master_port", port]
-    elif launcher == "deepspeed":
-        head = ["deepspeed.launcher.runner", "--num_gpus", str(num_ranks), "--master_port", port]
+        head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_ranks)]
     else:
-        raise ValueError(f"launcher: unknown value {launcher!r}; valid: deepspeed, torchrun")
-    return [sys.executable, "-m", *head, str(TRAIN), *args, "--no_progress"]
+        head = [*launcher_head(launcher), "--num_gpus", str(num_ranks)]
+    return [*head, "--master_port", port, str(TRAIN), *args, "--no_progress"]
 
 
 def launch(args: List[str], num_ranks: int = 1, timeout: int = 600, port: Optional[int] = None,
-           cwd: Optional[Path] = None, launcher: str = "deepspeed") -> subprocess.CompletedProcess:
-    """Runs ``deepspeed --num_gpus N launch/train.py ARGS`` (or torchrun) and returns the finished process."""
+           cwd: Optional[Path] = None, launcher: str = "ranks") -> subprocess.CompletedProcess:
+    """Runs :func:`launch_cmd`'s command and returns the finished process."""
     cmd = launch_cmd(args, num_ranks, port, launcher)
     proc = subprocess.run(cmd, cwd=cwd or REPO, env=env(), capture_output=True, text=True, timeout=timeout)
     assert_no_shm_left(cmd)
