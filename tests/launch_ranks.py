@@ -82,8 +82,7 @@ def main(argv: List[str]) -> int:
         return code
 
     def on_signal(signum, frame):
-        for p in procs:
-            _terminate_tree(p.pid)
+        stop(0)
         sys.exit(1)
 
     signal.signal(signal.SIGINT, on_signal)

@@ -115,4 +115,3 @@ def test_warm_ops_says_each_op_is_ready_in_the_build_root():
         f"warm_ops: ops build under {jit_builds.build_root()}"], proc.stdout
     for name in WARM_OPS:
         assert sum(line.startswith(f"warm_ops: {name} ready in ") for line in lines) == 1, (name, proc.stdout)
-
