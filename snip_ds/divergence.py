@@ -23,8 +23,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-PRECOND_SOURCES = ("tensor", "callable", "grad_sq", "ones")  # where a P came from, for logging
-FALLBACKS = ("grad_sq", "ones")
+PRECOND_SOURCES = ("tensor", "callable", "factored", "grad_sq", "ones")  # where a P came from, for logging
+FALLBACKS = ("factored", "grad_sq", "ones")
 DEFAULT_ADAM_EPS = 1e-8
 
 
@@ -177,14 +177,41 @@ def adam_step_scale(step: int, beta1: float) -> float:
     return (1.0 - beta1) / (1.0 - beta1 ** t)
 
 
-def fallback_preconditioner(grad_w: Optional[torch.Tensor], shape: Sequence[int], mode: str = "grad_sq",
-                            eps: float = DEFAULT_ADAM_EPS) -> Tuple[torch.Tensor, str]:
+def factored_second_moment(grad_w: torch.Tensor, row_sum=None, col_sum=None) -> torch.Tensor:
+    """Adafactor's rank-1 estimate of ``G_W²``: ``v̂_ij = R_i C_j / S`` with the row sums ``R_i = Σ_j G_ij²``,
+    the column sums ``C_j = Σ_i G_ij²`` and the total ``S``, so ``Σ v̂ = Σ G_W²`` (Adam's first-step scale
+    over the layer). Each factor is a sum of squares: an element whose gradient nearly cancels (and so moves
+    with the order of summation) changes it by no more than its own square. Rows or columns without any
+    gradient get ``v̂ = 0``.
+
+    ``row_sum``/``col_sum`` (optional) complete a tensor-parallel shard's partial sums over its group: a
+    column-parallel shard (some rows) passes ``col_sum``, a row-parallel one (some columns) ``row_sum``, so
+    every shard computes the unsharded layer's ``v̂`` on its part.
+    """
+    g2 = grad_w.float().square()
+    rows, cols = g2.sum(1), g2.sum(0)
+    if row_sum is not None:
+        rows = row_sum(rows)
+    if col_sum is not None:
+        cols = col_sum(cols)
+    total = cols.sum() if col_sum is not None else rows.sum()  # the complete one holds every element
+    if not total > 0:
+        return torch.zeros_like(g2)
+    return rows[:, None] * (cols[None, :] / total)
+
+
+def fallback_preconditioner(grad_w: Optional[torch.Tensor], shape: Sequence[int], mode: str = "factored",
+                            eps: float = DEFAULT_ADAM_EPS, row_sum=None, col_sum=None) -> Tuple[torch.Tensor, str]:
     """A preconditioner before the optimizer has state; returns ``(P, source)`` for logging.
 
     Modes:
-        ``grad_sq`` (default): ``v̂ = G_W²`` from the current BF16 gradient, i.e. ``P = 1/(|G_W| + eps)``.
-            This is exactly Adam's first-step ``v̂`` (``v̂₁ = g₁²``), so drifts come out on Adam's scale;
-            it is noisy (one batch) and large where the gradient is near zero.
+        ``factored`` (default): ``P = 1/(sqrt(v̂) + eps)`` with ``v̂`` the rank-1 (row × column) estimate of
+            ``G_W²`` (:func:`factored_second_moment`; ``row_sum``/``col_sum`` for a tensor-parallel shard): on
+            Adam's scale over the layer, and set by sums of squares, so the price does not follow the round-off
+            of the elements whose gradient nearly cancels.
+        ``grad_sq``: ``v̂ = G_W²`` from the current gradient, i.e. ``P = 1/(|G_W| + eps)``, exactly Adam's
+            first-step ``v̂`` (``v̂₁ = g₁²``). Ill-conditioned: its largest terms are the elements whose gradient
+            nearly cancels over the tokens, and those move with the GEMM's order of summation.
         ``ones``: ``P = 1`` (plain SGD drift ``lr·ΔG``); scale differs between layers from Adam's.
     """
     if mode not in FALLBACKS:
@@ -192,5 +219,7 @@ def fallback_preconditioner(grad_w: Optional[torch.Tensor], shape: Sequence[int]
     if mode == "ones":
         return torch.ones(tuple(shape)), "ones"
     if grad_w is None:
-        raise ValueError("fallback 'grad_sq' needs the current weight gradient grad_w")
+        raise ValueError(f"fallback {mode!r} needs the current weight gradient grad_w")
+    if mode == "factored":
+        return 1.0 / (factored_second_moment(grad_w, row_sum, col_sum).sqrt() + eps), "factored"
     return 1.0 / (grad_w.float().abs() + eps), "grad_sq"

@@ -1,10 +1,11 @@
 """When an adaptive run re-plans and measures: step arithmetic only (no torch, no I/O).
 
 An adaptive run collects statistics and re-solves its plan before optimizer step ``s + 1`` when :func:`replan_due`
-says so: before the first step (``s = 0``; Adam holds no state yet, so that plan sees only the forward
-divergence), at each of ``early_replan_steps`` (by default after 16, 32, 64 and 128 steps: early in training the
-weights and Adam's moments move fastest, and the first plan's placeholder BWD is replaced by a real one as soon as
-Adam has state), then every ``replan_every`` steps. The plan's forward divergence is measured
+says so: before the first step (``s = 0``; Adam holds no state yet, so that plan prices BWD with a prior in place
+of Adam's second moments, and sees the forward divergence alone where a warm-up starts the rate at 0), at each of
+``early_replan_steps`` (by default after 16, 32, 64 and 128 steps: early in training the weights and Adam's
+moments move fastest, and the first plan's provisional BWD is replaced by one priced with Adam's state as soon as
+it exists), then every ``replan_every`` steps. The plan's forward divergence is measured
 (:func:`measure_due`) right after every re-plan, beside the prediction it was solved from, and every
 ``additional_bf16_fwd_every_n_steps`` steps.
 """

@@ -214,16 +214,62 @@ def test_adam_preconditioner_and_step_scale():
         dv.adam_preconditioner(v, 0, 0.999)
 
 
+def test_factored_second_moment_is_rank_one_on_adams_scale():
+    """v̂ = R Cᵀ / S: the same total as G_W² (Adam's first-step scale), equal to G_W² wherever G_W² is itself
+    rank one, zero on rows and columns without gradient, and a tensor-parallel shard that completes its partial
+    sums over the group gets exactly its part of the whole layer's v̂."""
+    g = torch.Generator().manual_seed(0)
+    gw = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    v = dv.factored_second_moment(gw)
+    assert v.dtype == torch.float32 and torch.allclose(v.double().sum(), (gw ** 2).sum(), rtol=1e-6)
+    by_hand = torch.tensor([[(gw[i] ** 2).sum() * (gw[:, j] ** 2).sum() / (gw ** 2).sum() for j in range(5)]
+                            for i in range(6)], dtype=torch.float64)
+    assert torch.allclose(v.double(), by_hand, rtol=1e-6)  # FP32 sums of 6 terms: a few 2^-24
+    outer = torch.outer(torch.tensor([1.0, -2.0, 0.5]), torch.tensor([3.0, 0.25]))  # G² rank one: v̂ = G²
+    assert torch.allclose(dv.factored_second_moment(outer), outer ** 2, rtol=1e-6)
+    holes = gw.clone().float()
+    holes[2], holes[:, 4] = 0.0, 0.0
+    v = dv.factored_second_moment(holes)
+    assert v[2].abs().max() == 0 and v[:, 4].abs().max() == 0 and (v[:2, :4] > 0).all()
+    assert torch.equal(dv.factored_second_moment(torch.zeros(3, 2)), torch.zeros(3, 2))
+    full = dv.factored_second_moment(gw)
+    col_shards, row_shards = gw.split(3, 0), gw.split([2, 3], 1)  # column-parallel: rows; row-parallel: columns
+    for k, shard in enumerate(col_shards):
+        total = lambda t: sum(s_.float().square().sum(0) for s_ in col_shards)  # noqa: E731 (the group's sum)
+        assert torch.allclose(dv.factored_second_moment(shard, col_sum=total), full[3 * k:3 * k + 3], rtol=1e-6)
+    for k, shard in enumerate(row_shards):
+        total = lambda t: sum(s_.float().square().sum(1) for s_ in row_shards)  # noqa: E731
+        got = dv.factored_second_moment(shard, row_sum=total)
+        assert torch.allclose(got, full[:, [0, 1] if k == 0 else [2, 3, 4]], rtol=1e-6)
+
+
+def test_factored_prior_does_not_follow_an_element_that_cancels():
+    """The default fallback's P is set by sums of squares: an element of G_W near zero (a sum over tokens that
+    cancels, whose value the order of summation decides) moves grad_sq's P by orders of magnitude and the
+    factored P by no more than its own square's share of the sums."""
+    gw = torch.tensor([[1.0, -2.0, 0.5], [0.75, 1e-7, -1.5]])
+    moved = gw.clone()
+    moved[1, 1] = -3e-7  # another order of summation: the same cancelling sum, another round-off
+    ratio = {}
+    for mode in ("factored", "grad_sq"):
+        p0, p1 = (dv.fallback_preconditioner(t, t.shape, mode)[0] for t in (gw, moved))
+        ratio[mode] = float((p1 / p0).max() / (p1 / p0).min())
+    assert ratio["grad_sq"] > 2.5  # 1/|1e-7| against 1/|3e-7|
+    assert ratio["factored"] < 1 + 1e-6  # (3e-7)² against row sums ~3: below FP32's resolution
+
+
 def test_fallback_preconditioner():
+    p, src = dv.fallback_preconditioner(torch.tensor([[3.0, 4.0]]), (1, 2), eps=0.0)
+    assert src == "factored" and torch.allclose(p, torch.tensor([[1 / 3.0, 1 / 4.0]]))  # one row: v̂ = G²
     gw = torch.tensor([[2.0, -0.5]])
-    p, src = dv.fallback_preconditioner(gw, gw.shape, eps=1e-3)
+    p, src = dv.fallback_preconditioner(gw, gw.shape, "grad_sq", eps=1e-3)
     # Adam's first step (v̂₁ = g₁²) from torch's Adam: P = -Δw/(lr·g), whatever β₂
     want, _, _ = _adam_update_ratio([gw.double()], beta2=0.99, eps=1e-3)
     assert src == "grad_sq" and torch.allclose(p.double(), want, rtol=1e-6)  # FP32 vs FP64: rel 2^-24 ≪ 1e-6
     assert torch.allclose(p, torch.tensor([[1 / 2.001, 1 / 0.501]]))  # by hand
     p, src = dv.fallback_preconditioner(None, (2, 3), "ones")
     assert src == "ones" and torch.equal(p, torch.ones(2, 3))
-    with pytest.raises(ValueError, match="valid: grad_sq, ones"):
+    with pytest.raises(ValueError, match="valid: factored, grad_sq, ones"):
         dv.fallback_preconditioner(gw, gw.shape, "identity")
 
 

@@ -4,7 +4,7 @@ A statistics artifact is one JSON object::
 
     {"format": "snip_ds.stats/1", "step": 0, "lr": 3e-4, "world_size": 2, "estimator": "mc_fisher",
      "num_probes": 1, "fld_form": "sequence", "step_scale": 1.0, "bwd_rounding": "recipe",
-     "precond": "grad_sq", "batches": 1, "tokens": 1020, "loss": 5.63, "seed": 0, "forward_drift": false,
+     "precond": "factored", "batches": 1, "tokens": 1020, "loss": 5.63, "seed": 0, "forward_drift": false,
      "study_fields": [],                              # the study-only field groups recorded (below)
      "lambda": 2.0,                                   # optional: the planner's default λ
      "alpha": ..., "quadratic_ratio": ...,            # isotropic estimator only

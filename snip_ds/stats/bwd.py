@@ -152,7 +152,7 @@ class BwdEstimator:
         precisions = self.shared.precisions
         w = module.matrix.detach().float() if self.propagated else None
         gw = g2.t() @ x2  # [n, k], BF16-pass weight gradient (mean loss)
-        pmat, pfn = layer_precond(self.precond, self.fallback, fqn, gw, self.sources)
+        pmat, pfn = layer_precond(self.precond, self.fallback, fqn, gw, self.sources, module)
         sr = {p: self._expects_sr(module, p) for p in precisions}
         # A row-parallel shard holds some of the input's columns: a projection x_t·d_j is summed over the group
         # before it is squared, and a Gram matrix of its columns alone cannot give it.

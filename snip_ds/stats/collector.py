@@ -445,7 +445,8 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
         precond: ``{fqn: P}`` (weight-shaped tensors, e.g. :func:`adam_precond`), or a callable
             ``(fqn, t) -> Σ_owned (t⊙P)²`` for partitioned states (module docstring), or a mapping of such
             callables; None (or an empty mapping: no optimizer state yet) uses ``settings.precond_fallback``
-            (``"grad_sq"``: Adam's first-step ``v̂ = G_W²``; ``"ones"``). The artifact's ``"precond"`` says
+            (default ``"factored"``: a rank-1 estimate of Adam's first-step ``v̂ = G_W²``; ``"grad_sq"``;
+            ``"ones"``). The artifact's ``"precond"`` says
             which was used.
         step_scale: ``c`` in the drift ``lr·c·ΔG⊙P``: 1 = eventual drift (the planner's λ is a horizon in
             steps); :func:`snip_ds.divergence.adam_step_scale` = one step's drift.

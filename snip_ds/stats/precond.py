@@ -132,14 +132,18 @@ def check_precond(precond: Precond, mods: Dict[str, SnipLinear], forward_drift: 
     return precond
 
 
-def layer_precond(precond: Precond, fallback: str, fqn: str, gw: torch.Tensor,
-                  sources: set) -> Tuple[Optional[torch.Tensor], Optional[PrecondFn]]:
+def layer_precond(precond: Precond, fallback: str, fqn: str, gw: torch.Tensor, sources: set,
+                  module: Optional[nn.Module] = None) -> Tuple[Optional[torch.Tensor], Optional[PrecondFn]]:
     """Layer ``fqn``'s preconditioner: ``(P, None)`` for a weight-shaped one (a given tensor, or the fallback
-    computed from its weight gradient ``gw``), ``(None, fn)`` for a partitioned state's callable. Adds where
-    it came from to ``sources``."""
+    computed from its weight gradient ``gw``; a tensor-parallel ``module``'s shard completes the fallback's
+    sums over its group), ``(None, fn)`` for a partitioned state's callable. Adds where it came from to
+    ``sources``."""
     pc = precond
     if pc is None:
-        p, source = dv.fallback_preconditioner(gw, gw.shape, fallback)
+        shard = getattr(module, "tp_shard", None)
+        p, source = dv.fallback_preconditioner(gw, gw.shape, fallback,
+                                               row_sum=module.tp_sum if shard == "row" else None,
+                                               col_sum=module.tp_sum if shard == "column" else None)
         sources.add(source)
         return p.to(gw.device), None
     entry = pc if callable(pc) and not isinstance(pc, Mapping) else pc[fqn]

@@ -54,7 +54,10 @@ class CollectSettings:
             fields recorded either way are the same numbers.
         precisions: quantized precisions to measure (``fp8``, ``fp4``).
         precond_fallback: the preconditioner where :func:`collect_statistics` gets none (no optimizer state
-            yet): ``"grad_sq"`` (Adam's first-step ``v̂ = G_W²``) or ``"ones"``.
+            yet): ``"factored"`` (the rank-1 row × column estimate of ``G_W²``, on Adam's first-step scale
+            and not moved by the round-off of the elements whose gradient cancels:
+            :func:`snip_ds.divergence.factored_second_moment`), ``"grad_sq"`` (Adam's first-step
+            ``v̂ = G_W²`` element by element; ill-conditioned) or ``"ones"``.
         seed: seed of the private generators (probe labels, isotropic noise, Hadamard signs).
         lam: λ to record in the artifact (the BWD weight the planner uses by default).
         retain_graph: back-propagate every probe through the first forward's retained graph (cheapest).
@@ -72,7 +75,7 @@ class CollectSettings:
     forward_drift: bool = False
     study_fields: Tuple[str, ...] = reads("study_fields")
     precisions: Tuple[str, ...] = QUANTIZED
-    precond_fallback: str = "grad_sq"
+    precond_fallback: str = "factored"
     seed: int = 0
     lam: Optional[float] = reads("bwd_lambda", default=None)
     retain_graph: bool = True

@@ -171,7 +171,8 @@ def main() -> int:
     if args.collect:
         from snip_ds.stats import CollectSettings, collect_statistics
         stats = collect_statistics(engine.ds.module, [{"input_ids": batches[-1], "labels": batches[-1]}],
-                                   CollectSettings(precond_fallback="ones", retain_graph=args.zero < 3),
+                                   # the default prior (factored): each shard completes its sums over the group
+                                   CollectSettings(retain_graph=args.zero < 3),
                                    lr=1e-2, reduce=sdist.dist_sum, world_size=engine.state.dp_size,
                                    layers=list(engine.layers))
         out["stats"] = {f: {k: rec[k] for k in ("fld", "bwd")} for f, rec in stats["layers"].items()}
