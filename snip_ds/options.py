@@ -24,7 +24,8 @@ from snip_ds.types import PRECISIONS
 ESTIMATORS = ("mc_fisher", "empirical", "isotropic")  # where the FLD's output sensitivities come from
 FLD_FORMS = ("sequence", "channel")  # which quadratic form prices a layer's output error
 BWD_ROUNDINGS = ("recipe", "nearest")  # how the backward statistics round G_Y (snip_ds.stats)
-METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8")
+METHODS = ("best", "random", "quant_err", "rel_quant_err", "uniform_fp8", "uniform_fp4", "first_last_fp8",
+           "last_k_fp8")
 """How a plan is chosen: ``best`` (SNIP's costs) or a baseline (:func:`snip_ds.planner.costs.method_costs`)."""
 DGRAD_COSTS = ("split", "upstream")
 """How a per-GEMM SNIP plan prices the dgrad GEMM (:func:`snip_ds.planner.costs.costs_from_stats`)."""

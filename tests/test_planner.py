@@ -429,11 +429,11 @@ def test_baselines():
     flops = {f: stats["layers"][f]["flops"] for f in fqns}
     target = 0.45  # first_last_fp8 pins 2 of 4 blocks: at most ~0.5 is reachable
     plans = {m: solve_baseline(m, stats, target, seed=3, num_random=3) for m in METHODS}
-    assert [len(v) for v in plans.values()] == [1, 3, 1, 1, 1, 1, 1]
+    assert [len(v) for v in plans.values()] == [1, 3, 1, 1, 1, 1, 1, 1]
     for m, ps in plans.items():
         for p in ps:
             assert p.method == m and p.meta["rho"] == target
-            if not m.startswith("uniform"):
+            if not m.startswith("uniform") and m != "last_k_fp8":
                 _assert_valid(p, flops, target)
     assert plans["uniform_fp8"][0].fp4_share == 0.0 and plans["uniform_fp4"][0].fp4_share == 1.0
     # best == the ILP on FLD + λ BWD; quant_err == the ILP on the quant_err table.
@@ -485,6 +485,29 @@ def test_quant_err_per_gemm_prices_each_gemm_by_its_two_operands():
     stats["layers"][fqn]["rel_quant_err_w"] = {"fp4": "big"}
     with pytest.raises(ValueError, match=r"rel_quant_err_w.fp4 must be a number"):
         validate_stats(stats)
+
+
+def test_last_k_fp8_keeps_the_last_blocks_nearest_the_share():
+    """The rule: the last k blocks in fp8, the rest in fp4, k the one whose share is nearest ρ (ties: more
+    FP8); pins (non-finite statistics, the user's) stay; per GEMM every GEMM of a layer alike."""
+    stats = make_stats(n_blocks=4)
+    for rec in stats["layers"].values():
+        rec["flops"] = 1e9  # every block a quarter of the FLOPs: shares 1, 0.75, 0.5, 0.25, 0
+    fqns = sorted(stats["layers"])
+    for target, k in ((0.75, 1), (0.7, 1), (0.6, 2), (0.625, 2), (0.95, 0), (0.0, 4)):
+        plan = solve_baseline("last_k_fp8", stats, target)[0]
+        assert plan.meta["k"] == k and plan.meta["blocks"] == 4 and plan.status == "fixed", target
+        assert plan.fp4_share == pytest.approx(1 - k / 4) and plan.meta["rho"] == target
+        assert all(p == ("fp8" if block_index(f) >= 4 - k else "fp4") for f, p in plan.assignment.items())
+    bad = fqns[0]  # block 0: non-finite, pinned to fp8 like in every solved method
+    stats["layers"][bad]["fld"]["fp4"] = float("nan")
+    with pytest.warns(RuntimeWarning):
+        plan = solve_baseline("last_k_fp8", stats, 0.75, solver=SolverSettings(pinned={fqns[1]: "bf16"}))[0]
+    assert plan.assignment[bad] == "fp8" and plan.assignment[fqns[1]] == "bf16" and plan.meta["k"] == 1
+    assert plan.fp4_share == pytest.approx(0.75 - 2 / len(fqns))
+    per_gemm = solve_baseline("last_k_fp8", stats, 0.75, CostSettings(per_gemm=True))[0]
+    assert per_gemm.assignment[fqns[-1]] == {"fprop": "fp8", "dgrad": "fp8", "wgrad": "fp8"}
+    assert per_gemm.assignment[fqns[2]] == {"fprop": "fp4", "dgrad": "fp4", "wgrad": "fp4"}
 
 
 def test_first_last_unreachable_target_is_an_error():

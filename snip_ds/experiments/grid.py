@@ -15,8 +15,9 @@ from snip_ds.model import build_model
 from snip_ds.planner.costs import METHODS
 from snip_ds.swap import swap_model
 
-# the planner's methods that an ILP solves (the uniform ones are plans without a solve, and so is BF16)
-SOLVED = tuple(m for m in METHODS if not m.startswith("uniform_"))
+# the planner's methods that an ILP solves at the grid's share (the uniform ones are plans without a solve, and
+# so is BF16; last_k_fp8 is a rule whose share moves in whole blocks, so it cannot be paired at one share)
+SOLVED = tuple(m for m in METHODS if not m.startswith("uniform_") and m != "last_k_fp8")
 UNIFORM = ("bf16", "uniform_fp8", "uniform_fp4")
 # one GEMM kind in FP4 in every layer, the rest FP8 (ρ-independent, opt-in): what each kind costs on its own
 KIND_PLANS = {"fp4_fprop": ("fprop",), "fp4_dgrad": ("dgrad",), "fp4_wgrad": ("wgrad",),

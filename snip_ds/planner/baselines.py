@@ -7,9 +7,9 @@ This module is pure data: no torch, no torch.distributed.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Any, Mapping
 
-from snip_ds.plan import Plan
+from snip_ds.plan import GEMMS, Plan, fp4_share
 from snip_ds.planner.costs import METHODS, CostSettings, method_costs, random_costs
 from snip_ds.planner.ilp import SolverSettings, solve_plan
 from snip_ds.planner.problem import expand_pinned
@@ -35,6 +35,9 @@ def solve_baseline(method: str, stats: Mapping, target: float, cost: CostSetting
         uniform_fp8 / uniform_fp4: every layer at that precision (``target`` is not enforced; recorded).
         first_last_fp8: first and last decoder blocks pinned to fp8; the rest solved with the SNIP costs
             (so it differs from ``best`` only by the pin rule).
+        last_k_fp8: a rule, not a solve (:func:`last_k_plan`): the last k decoder blocks in fp8 and every other
+            layer in fp4, k chosen so that the FP4 share comes as close to ``target`` as whole blocks allow
+            (the share reached is the plan's ``fp4_share``); only the solver's pins apply to it.
 
     Returns:
         A list of plans (one, or ``num_random`` for ``random``). Layers with non-finite statistics are
@@ -74,9 +77,34 @@ def solve_baseline(method: str, stats: Mapping, target: float, cost: CostSetting
         ends = {min(blocks.values()), max(blocks.values())}
         pins = {**{fqn: "fp8" for fqn, b in blocks.items() if b in ends}, **pins}
 
+    if method == "last_k_fp8":
+        return [last_k_plan(fqns, sc.flops, target, pins, per_gemm, meta)]
+
     common = dict(previous=previous, per_gemm=per_gemm, method=method)
     solver = replace(solver, pinned=pins)
     if method != "random":
         return [solve_plan(sc.costs, sc.flops, target, solver, meta=meta, **common)]
     return [solve_plan(random_costs(fqns, s, per_gemm), sc.flops, target, solver, meta={**meta, "seed": s}, **common)
             for s in range(seed, seed + num_random)]
+
+
+def last_k_plan(fqns: list, flops: Mapping[str, float], target: float, pins: Mapping[str, Any],
+                per_gemm: bool = False, meta: Mapping[str, Any] | None = None) -> Plan:
+    """The "last k blocks in FP8" rule (NVIDIA's NVFP4 pretraining recipe keeps the last blocks in high
+    precision by rule): every layer of the last ``k`` decoder blocks in fp8, every other in fp4, ``pins`` (the
+    layers with non-finite statistics, those no call reached, the user's) as pinned. ``k`` (0 to all blocks) is
+    the one whose FP4 share is nearest ``target``; between two equally near, the larger k (more FP8). The plan
+    records ``k`` and the block count in its meta; its ``fp4_share`` is the share reached, not ``target``."""
+    blocks = {fqn: block_index(fqn) for fqn in fqns}
+    order = sorted(set(blocks.values()))
+
+    def assignment(k: int) -> dict:
+        kept = set(order[len(order) - k:]) if k else set()
+        out = {f: pins.get(f, "fp8" if blocks[f] in kept else "fp4") for f in fqns}
+        return {f: {g: p for g in GEMMS} if per_gemm and isinstance(p, str) else p for f, p in out.items()}
+
+    reached = [(k, fp4_share(assignment(k), flops)) for k in range(len(order) + 1)]
+    # nearest share first; shares equally near up to round-off (equal blocks around ρ) go to the larger k
+    k, share = min(reached, key=lambda ks: (round(abs(ks[1] - target), 9), -ks[0]))
+    return Plan(assignment=assignment(k), fp4_share=share, objective=None, status="fixed", method="last_k_fp8",
+                meta={**(meta or {}), "k": k, "blocks": len(order)})

@@ -231,7 +231,8 @@ def method_costs(method: str, stats: Mapping, cost: CostSettings | None = None, 
     * ``best``, ``first_last_fp8``: SNIP's FLD + λ·BWD (:func:`costs_from_stats` as ``cost`` says);
       ``first_last_fp8`` differs only by the layers it pins (:mod:`snip_ds.planner.baselines`);
     * ``quant_err``, ``rel_quant_err``: the artifact's quantization errors (:func:`quant_err_costs`);
-    * ``random``: uniform random costs drawn from ``seed`` (:func:`random_costs`).
+    * ``random``: uniform random costs drawn from ``seed`` (:func:`random_costs`);
+    * ``last_k_fp8``: a rule, not costs: zero costs here, for the flops and the pins.
 
     ``flops`` and ``pinned`` (layers with non-finite statistics, pinned to fp8; layers that no call reached,
     ``no_calls``, pinned to bf16: they run nowhere, and an FP4 label would claim a saving the run does not make)
@@ -244,9 +245,10 @@ def method_costs(method: str, stats: Mapping, cost: CostSettings | None = None, 
                               bwd_key=c.bwd_key, forward_drift=c.forward_drift, fwd_lambda=c.fwd_lambda)
     elif method in ("quant_err", "rel_quant_err"):
         sc = quant_err_costs(stats, method, per_gemm=c.per_gemm)
-    elif method == "random":
+    elif method in ("random", "last_k_fp8"):
         sc = metric_costs(stats, {"fld": 0.0}, c.per_gemm)  # only for the flops and non-finite pins
-        sc = sc._replace(costs=random_costs(sorted(stats["layers"]), seed, c.per_gemm))
+        if method == "random":
+            sc = sc._replace(costs=random_costs(sorted(stats["layers"]), seed, c.per_gemm))
     elif method in METHODS:
         raise ValueError(f"method {method!r} is a fixed plan: it has no costs")
     else:
