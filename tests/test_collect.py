@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from snip_ds import divergence as dv
 from snip_ds.backend import get_backend
-from snip_ds.planner import costs_from_stats
+from snip_ds.experiments.first_plan import SplitK, round_to_tf32 as _round_to_tf32
+from snip_ds.planner import CostSettings, costs_from_stats, solve_baseline
 from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics
 from snip_ds.stats.artifact import load_stats, save_stats
 from snip_ds.swap import snip_layers, swap_linears
@@ -798,11 +799,6 @@ def test_fp32_matmuls_sets_tf32_on_cuda_only_and_restores_the_flag():
 
 
 
-def _round_to_tf32(t):
-    from snip_ds.experiments.first_plan import round_to_tf32
-    return round_to_tf32(t)
-
-
 def _first_collection_model():
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -827,9 +823,6 @@ def test_first_collection_does_not_follow_the_order_of_summation():
     cancels, moves this model's BWD about 300× as much as ``ones`` (the default model's up to 196-fold, changing
     the first plan in 7 of 8 seeds:
     docs/experiments.md)."""
-    from snip_ds.experiments.first_plan import SplitK
-    from snip_ds.planner import CostSettings, solve_baseline
-
     model, batch = _first_collection_model()
     change, plans = {}, {}
     for prior in ("ones", "factored"):

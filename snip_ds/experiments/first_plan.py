@@ -121,8 +121,7 @@ def run_seed(seed: int, priors: Sequence[str], *, rho: float = 0.75, lam: float 
     changes and its largest relative FP4-BWD change; per prior its distance to the step-``replan_step`` plan."""
     train_ds, vocab = data if data is not None else load_dataset_blocks(None, block_size)[::2]
     model = build_model(vocab_size=vocab, seed=seed, block_size=block_size)  # FP32 master weights
-    quant = QuantConfig()
-    swap_model(model, "fp8", quant, seed=seed)
+    swap_model(model, "fp8", QuantConfig(), seed=seed)
     settings = TrainSettings(lr=lr, batch_size=micro_batch, lr_warmup_steps=warmup_steps)
     private = DataStream(train_ds, micro_batch, seed=seed + 777)
 
@@ -140,8 +139,8 @@ def run_seed(seed: int, priors: Sequence[str], *, rho: float = 0.75, lam: float 
         moved_stats = {}
         for name in PERTURBATIONS:
             moved = moved_stats[name] = collect(first_batch, prior, perturb=name)
-            plan = solve(moved, rho, lam)
-            rel = max(abs(fp4_bwd(moved)[f] - b) / b for f, b in entry["bwd_fp4"].items() if b > 0)
+            plan, moved_bwd = solve(moved, rho, lam), fp4_bwd(moved)
+            rel = max(abs(moved_bwd[f] - b) / b for f, b in entry["bwd_fp4"].items() if b > 0)
             entry["perturbed"][name] = {"changed": changed(entry["plan"], plan), "max_rel_bwd": rel}
         record["priors"][prior] = entry
         if prior == priors[0]:  # FLD does not depend on the prior
