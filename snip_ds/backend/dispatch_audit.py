@@ -19,6 +19,16 @@ an amax from CPU memory) is not a host read: it reads where the data lives, and 
 those that only make a view or read metadata -- on CUDA about one launch per kernel-running operator -- plus
 the launches of snip_ds's Triton kernels, which are not dispatched operators. Both are for tests and
 benchmarks; nothing in training uses them.
+
+Both look inside tensor subclasses (torchao's ``Float8TrainingTensor``, any wrapper subclass with its own
+``__torch_dispatch__``): an operator called on a subclass is handed on to the subclass (the mode returns
+``NotImplemented``), which runs its own operators on plain tensors with the mode still active, so those are
+what is counted and checked -- the operator on the subclass itself runs no kernel of its own and is listed
+apart (:attr:`OpCounts.subclass`). Whether an operator ran a kernel is decided from what it did, not from its
+schema alone: one that writes an argument (in place, ``out=``) or returns a tensor in new memory ran one; one
+whose every output shares an input's storage (a view; ``aten::contiguous``, ``reshape`` or ``_unsafe_view``
+of a tensor that needed no copy) did not, whatever its schema says -- ``aten::contiguous`` is annotated as
+an alias yet copies a non-contiguous tensor.
 """
 from __future__ import annotations
 
@@ -26,9 +36,10 @@ import traceback
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -98,6 +109,17 @@ class _FunctionLevel(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _is_subclass(t) -> bool:
+    """A tensor subclass with a ``__torch_dispatch__`` of its own (torch.Tensor and Parameter have none)."""
+    return isinstance(t, torch.Tensor) and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _subclass_call(args, kwargs) -> bool:
+    """Whether an operator's arguments hold a tensor subclass: then a mode hands the call on to it
+    (``NotImplemented``) and sees the operators it runs on plain tensors."""
+    return any(_is_subclass(t) for t in pytree.tree_leaves((args, kwargs)))
+
+
 class _DispatchLevel(TorchDispatchMode):
     def __init__(self, reads: List[HostRead]) -> None:
         super().__init__()
@@ -105,6 +127,8 @@ class _DispatchLevel(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _subclass_call(args, kwargs):
+            return NotImplemented  # the subclass's own operators, on plain tensors, come here next
         name = _name(func)
         if name in _VALUE_DEPENDENT_OPS:
             self.reads.append(HostRead(name, _where()))
@@ -147,6 +171,7 @@ class OpCounts:
     kernels: Counter = field(default_factory=Counter)
     views: Counter = field(default_factory=Counter)
     triton: Counter = field(default_factory=Counter)
+    subclass: Counter = field(default_factory=Counter)  # operators called on tensor subclasses (no kernel)
     inside_launch: int = 0  # > 0 while a Triton kernel runs: its interpreter's own operators are not counted
 
     @property
@@ -157,22 +182,43 @@ class OpCounts:
     def as_dict(self) -> Dict[str, object]:
         return {"launches": self.launches, "kernel_ops": sum(self.kernels.values()),
                 "view_ops": sum(self.views.values()), "triton_launches": sum(self.triton.values()),
+                "subclass_ops": sum(self.subclass.values()),
                 "by_op": dict(sorted((self.kernels + self.triton).items(), key=lambda kv: (-kv[1], kv[0])))}
 
 
-_NO_KERNEL = frozenset({"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::alias",
-                        "aten::lift_fresh", "aten::_reshape_alias", "aten::set_", "aten::resize_"})
+_NO_KERNEL = frozenset({"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+                        "aten::new_empty_strided", "aten::detach", "aten::alias", "aten::lift_fresh",
+                        "aten::_reshape_alias", "aten::set_", "aten::resize_"})
 
 
-def _is_view(func) -> bool:
-    schema = getattr(func, "_schema", None)
-    if schema is None:
+def _storage(t: torch.Tensor) -> Optional[int]:
+    """The address of ``t``'s storage, or None where it has none to compare (empty, meta, a subclass)."""
+    try:
+        if t.numel() == 0 or t.device.type == "meta" or _is_subclass(t):
+            return None
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def runs_kernel(func, args, kwargs, out) -> bool:
+    """Whether the call ``func(*args, **kwargs) -> out`` ran a kernel: it wrote an argument (in place,
+    ``out=``) or returned a tensor outside its inputs' storages, or returned no tensor at all (a scalar read,
+    a check); not an allocation without a fill (``empty``), nor a view -- every output in an input's storage,
+    whatever the schema's alias annotation says (``aten::contiguous`` of a non-contiguous tensor copies)."""
+    name = _name(func)
+    if name in _NO_KERNEL:
         return False
-    if _name(func) in _NO_KERNEL:
+    schema = getattr(func, "_schema", None)
+    if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return True
-    returns = schema.returns
-    # a view: every output aliases an input without writing to it (Tensor(a) returned from Tensor(a) input)
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if not outs:
+        return True
+    inputs = {_storage(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    inputs.discard(None)
+    fresh = [t for t in outs if t.numel() > 0 and _storage(t) not in inputs]
+    return bool(fresh)
 
 
 class _Counting(TorchDispatchMode):
@@ -181,21 +227,37 @@ class _Counting(TorchDispatchMode):
         self.counts = counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.counts.inside_launch:
-            (self.counts.views if _is_view(func) else self.counts.kernels)[_name(func)] += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if self.counts.inside_launch:
+            return func(*args, **kwargs)
+        if _subclass_call(args, kwargs):
+            self.counts.subclass[_name(func)] += 1
+            return NotImplemented  # the subclass runs its own operators on plain tensors: counted next
+        out = func(*args, **kwargs)
+        (self.counts.kernels if runs_kernel(func, args, kwargs, out) else self.counts.views)[_name(func)] += 1
+        return out
 
 
 class _CountedKernel:
-    """A Triton kernel whose launches (``kernel[grid](...)``) are counted."""
+    """A Triton kernel whose launches (``kernel[grid](...)``) are counted (``counts``) and, unless ``run``,
+    not run: the launch returns at once, its outputs left as allocated -- the host's work up to the launch,
+    without the kernel (what a benchmark times when the kernel's arithmetic would run on the host, under
+    Triton's interpreter)."""
 
-    def __init__(self, kernel, name: str, counts: OpCounts) -> None:
-        self.kernel, self.name, self.counts = kernel, name, counts
+    def __init__(self, kernel, name: str, counts: Optional[OpCounts], run: bool = True) -> None:
+        self.kernel, self.name, self.counts, self.run = kernel, name, counts, run
 
     def __getitem__(self, grid):
+        if not self.run:
+            def skipped(*args, **kwargs):
+                if self.counts is not None:
+                    self.counts.triton[f"triton::{self.name}"] += 1
+            return skipped
         launch = self.kernel[grid]
 
         def counted(*args, **kwargs):
+            if self.counts is None:
+                return launch(*args, **kwargs)
             self.counts.triton[f"triton::{self.name}"] += 1
             self.counts.inside_launch += 1  # (under the interpreter the kernel itself runs torch operators)
             try:
@@ -203,6 +265,34 @@ class _CountedKernel:
             finally:
                 self.counts.inside_launch -= 1
         return counted
+
+
+def _triton_kernels() -> List[Tuple[object, str]]:
+    """(module, attribute) of every Triton kernel launched from the host in snip_ds's imported kernel modules
+    (``snip_ds.backend.kernels.*``): the jitted functions whose names end in ``kernel`` (the others are device
+    functions, called from kernels)."""
+    import sys
+
+    found = []
+    for mod_name, module in list(sys.modules.items()):
+        if not mod_name.startswith("snip_ds.backend.kernels.") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            kind = type(value).__name__
+            if attr.endswith("kernel") and kind in ("JITFunction", "InterpretedFunction", "_CountedKernel"):
+                found.append((module, attr))
+    return found
+
+
+def patch_triton_launches(stack: ExitStack, counts: Optional[OpCounts], run: bool = True) -> int:
+    """Wraps every launch of snip_ds's Triton kernels (:func:`_triton_kernels`) until ``stack`` closes: counted
+    into ``counts`` (None: not counted), and run only if ``run``. Returns how many kernels were wrapped."""
+    kernels = _triton_kernels()
+    for module, attr in kernels:
+        original = getattr(module, attr)
+        setattr(module, attr, _CountedKernel(original, attr.strip("_"), counts, run))
+        stack.callback(setattr, module, attr, original)
+    return len(kernels)
 
 
 class OpCounter:
@@ -214,15 +304,8 @@ class OpCounter:
         self._stack: Optional[ExitStack] = None
 
     def __enter__(self) -> "OpCounter":
-        import sys
-
         self._stack = ExitStack()
-        kq = sys.modules.get("snip_ds.backend.kernels.quantize")
-        if kq is not None:
-            for attr in ("_quantize_kernel", "_amax_kernel"):
-                original = getattr(kq, attr)
-                setattr(kq, attr, _CountedKernel(original, attr.strip("_"), self.counts))
-                self._stack.callback(setattr, kq, attr, original)
+        patch_triton_launches(self._stack, self.counts)
         self._stack.enter_context(_Counting(self.counts))
         return self
 
