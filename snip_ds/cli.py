@@ -9,7 +9,9 @@
     snip-ds export runs/zero3/checkpoints hf_model
     snip-ds universal runs/zero3 runs/zero3_universal   # resumable on any number of ranks
     snip-ds show runs/hf/checkpoint-60              # a Hugging Face Trainer's checkpoint (snip_ds.hf.SnipCallback)
-    snip-ds families                                # which transformers families train: docs/families.md
+    snip-ds show runs/zero3/stats.json --sort fld   # per-layer FLD, BWD and the plan's precision
+    snip-ds families --output /tmp/survey           # which transformers families train (docs/families.md)
+    snip-ds --version
 
 User errors (missing file, bad JSON, bad field, impossible target) print one line to stderr and exit 2.
 """
@@ -22,10 +24,12 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+from snip_ds import __version__
 from snip_ds.artifacts import load_plan, load_stats
 from snip_ds.plan import Plan
-from snip_ds.options import OPTIONS, add_flags, build, from_flags, plain
+from snip_ds.options import OPTIONS, add_flags, build, check_flags, from_flags, plain
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
+from snip_ds.stats_table import SORTS as STATS_SORTS, is_stats_file, show_stats
 from snip_ds.types import display_kinds, kind_labels
 from snip_ds.types import GEMMS, PRECISIONS, block_index, expert_pair, layer_kind
 
@@ -54,19 +58,38 @@ def _output_paths(output: str, seeds: Sequence[int]) -> list[str]:
     return [f"{stem}.seed{s}{ext or '.json'}" for s in seeds]
 
 
+_OBJECTIVE_UNITS = {"best": "nats, Σ FLD + λ·BWD: the predicted loss increase",
+                    "first_last_fp8": "nats, Σ FLD + λ·BWD: the predicted loss increase",
+                    "quant_err": "Σ quantization error, no unit", "rel_quant_err": "Σ relative quantization error",
+                    "random": "Σ random costs, no unit"}
+
+
 def _describe(plan: Plan) -> str:
+    """One line: method, status, layers, the FP4 share of the linear FLOPs and the objective with its unit."""
     share = "unknown" if plan.fp4_share is None else f"{plan.fp4_share:.4f}"
-    return (f"method {plan.method}, status {plan.status}, {len(plan.assignment)} layers, FP4 share {share}"
-            + ("" if plan.objective is None else f", objective {plan.objective:.6g}"))
+    objective = ""
+    if plan.objective is not None:
+        unit = _OBJECTIVE_UNITS.get(plan.method, "the method's costs")
+        objective = f", objective {plan.objective:.6g} ({unit})"
+    return (f"method {plan.method}, status {plan.status}, {len(plan.assignment)} layers, FP4 share {share} of the "
+            f"linear FLOPs{objective}")
 
 
 # --------------------------------------------------------------------------------------------------------
 # plan
 # --------------------------------------------------------------------------------------------------------
 def _cmd_plan(args: argparse.Namespace) -> int:
-    stats, _ = load_stats(args.stats)
+    check_flags(args, args._argv)  # each value checked as the "snip" section checks it, named as the flag
+    if args.num_random < 1:
+        raise UserError(f"--num-random: must be at least 1, got {args.num_random}")
+    if args.max_share is not None and not args.efficiency_saving <= args.max_share <= 1.0:
+        raise UserError(f"--max-share: must lie in [--efficiency-saving, 1] = [{args.efficiency_saving:g}, 1], "
+                        f"got {args.max_share:g}")
+    if args.dgrad_cost == "upstream" and not args.per_gemm:
+        raise UserError("--dgrad-cost upstream: prices the dgrad GEMM on its own, so it needs --per-gemm")
     pinned = dict(_parse_pin(p) for p in args.pin or [])
-    allowed = tuple(a for a in args.allowed.split(",") if a)
+    allowed = OPTIONS["allowed"].validate("--allowed", tuple(a.strip() for a in args.allowed.split(",") if a.strip()))
+    stats, _ = load_stats(args.stats)
     previous = load_plan(args.previous)[0] if args.previous else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -124,7 +147,8 @@ def render_plan(plan: Plan, title: str = "plan") -> str:
             counts[p] = counts.get(p, 0) + 1
     total = sum(counts.values())
     lines.append("legend: " + legend)
-    lines.append("GEMMs: " + ", ".join(f"{p} {counts.get(p, 0)}/{total}" for p in PRECISIONS))
+    lines.append("GEMMs counted (fprop, dgrad and wgrad of each layer, not weighted by FLOPs): "
+                 + ", ".join(f"{p} {counts.get(p, 0)}/{total}" for p in PRECISIONS))
     return "\n".join(lines)
 
 
@@ -168,6 +192,11 @@ def _render_experts(plan: Plan) -> list:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    if is_stats_file(args.plan):  # a stats.json: per-layer FLD, BWD and the plan beside it
+        print(show_stats(args.plan, sort=args.sort, plan_path=args.with_plan))
+        return 0
+    if args.with_plan is not None:
+        raise UserError(f"--plan: only with a statistics file; {args.plan} is a plan")
     plan, source = load_plan(args.plan)
     print(render_plan(plan, title=source))
     return 0
@@ -212,26 +241,39 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
-    parser = argparse.ArgumentParser(prog="snip-ds", description="SNIP FP8/FP4 precision plans.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="snip-ds", description="SNIP FP8/FP4 precision plans: solve, show and "
+                                     "compare them; export and convert checkpoints; survey model families.")
+    parser.add_argument("--version", action="version", version=f"snip-ds {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("plan", help="solve a plan from a statistics file")
     p.add_argument("stats", help="statistics JSON (format snip_ds.stats/1), a run's output directory (its "
                    "stats.json) or a checkpoint directory of an adaptive run")
     add_flags(p)  # --efficiency-saving, --method, --lambda ...: the "snip" section's settings that a solve takes
     p.add_argument("--num-random", type=int, default=1,
-                   help="number of random plans (seeds seed..seed+N-1; files OUT.seedS.json when N > 1)")
+                   help="number of random plans (seeds seed..seed+N-1; files OUT.seedS.json when N > 1; default 1)")
     p.add_argument("--pin", action="append", metavar="FQN=PRECISION",
-                   help=f"fix a layer (repeatable): {plain(OPTIONS['pinned'].help)}")
+                   help="hold a layer at a precision, e.g. --pin model.layers.0.mlp.down_proj=fp8 (repeatable; "
+                   "PRECISION one of bf16, fp8, fp4; FQN a layer's full name or a glob such as "
+                   "'model.layers.*.mlp.down_proj'; an exact name beats a glob; default: none)")
     p.add_argument("--allowed", default=",".join(OPTIONS["allowed"].default),
-                   help=f"comma-separated: {plain(OPTIONS['allowed'].help)}")
+                   help=f"comma-separated: {plain(OPTIONS['allowed'].help)} (default "
+                   f"{','.join(OPTIONS['allowed'].default)})")
     p.add_argument("--previous", default=None, help="previous plan JSON or checkpoint directory (for --flip-penalty)")
     p.add_argument("-o", "--output", required=True, help="plan JSON to write")
     p.set_defaults(func=_cmd_plan)
 
-    s = sub.add_parser("show", help="print a plan as a per-block precision map")
+    s = sub.add_parser("show", help="print a plan as a per-block precision map, or a statistics file as a "
+                       "per-layer table")
     s.add_argument("plan", help="plan JSON, a run's output directory (its plan.json) or a checkpoint directory "
-                   "(step_N, or a Hugging Face Trainer's checkpoint-N)")
+                   "(step_N, or a Hugging Face Trainer's checkpoint-N); or a statistics file (a run's stats.json): "
+                   "per layer its FLOPs, FLD and BWD at fp8 and fp4, and its precision in the plan.json beside it")
+    s.add_argument("--sort", choices=STATS_SORTS, default="layer",
+                   help="statistics only: the rows in the model's order (layer), or by a column's fp4 value, "
+                   "largest first: fld, bwd, cost (FLD + λ·BWD), flops (default: layer)")
+    s.add_argument("--plan", dest="with_plan", metavar="PLAN", default=None,
+                   help="statistics only: the plan whose precisions the table shows (a plan JSON, output or "
+                   "checkpoint directory; default: the plan.json beside the statistics file, if there is one)")
     s.set_defaults(func=_cmd_show)
 
     d = sub.add_parser("diff", help="compare two plans")

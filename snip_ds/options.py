@@ -172,10 +172,10 @@ def _budget(name: str, value: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------------ the table
 OPTIONS: Dict[str, Option] = {o.name: o for o in (
-    Option("plan", str, "fp8", "``bf16``/``fp8``/``fp4`` (uniform), ``adaptive`` (SNIP re-planning) or a plan JSON "
-           "file.", check=_plan),
+    Option("plan", str, "adaptive", "``adaptive`` (SNIP re-planning; the default), ``bf16``/``fp8``/``fp4`` "
+           "(uniform) or a plan JSON file.", check=_plan),
     Option("efficiency_saving", float, 0.75, "Minimum share of linear-GEMM FLOPs in FP4 (SNIP's rho), in [0, 1].",
-           check=_share, flag=Flag(("--efficiency-saving", "--rho"), required=True)),
+           check=_share, flag=Flag(("--efficiency-saving", "--rho"))),
     Option("method", str, "best", "How the adaptive plan is chosen: ``best`` (SNIP) or one of the baselines.",
            choices=METHODS, flag=Flag(("--method",))),
     Option("replan_every", int, 250, "Collect statistics and re-solve every this many optimizer steps (and before "
@@ -230,10 +230,10 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     Option("allowed", Tuple[str, ...], ("fp8", "fp4"), "Precisions the plan may give a layer; with ``bf16`` among "
            "them a layer has one-hot choices.", check=_allowed),
     Option("compute_budget", Optional[float], None, "Upper bound on the linears' GEMM cost relative to all-BF16 "
-           "(fp8 costs 1/2, fp4 1/4 of bf16); with bf16 allowed it decides which layers may stay in bf16. None: "
-           "none.", check=_budget, flag=Flag(("--compute-budget",))),
+           "(fp8 costs 1/2, fp4 1/4 of bf16), in (0, 1]; with bf16 allowed it decides which layers may stay in bf16. "
+           "Default: no bound.", check=_budget, flag=Flag(("--compute-budget",))),
     Option("max_share", Optional[float], None, "Upper bound on the FP4 share (so that every method lands on the "
-           "same share); None: none.", research=True, flag=Flag(("--max-share",))),
+           "same share), in [efficiency_saving, 1]. Default: no bound.", research=True, flag=Flag(("--max-share",))),
     Option("nonfinite", str, "stop", "What a NaN or Inf loss or gradient does: ``stop`` the run before the step's "
            "update (one line naming the step, the micro-batch and the first module whose output went non-finite), "
            "or ``skip`` the step (no optimizer update, gradients dropped, the learning rate held, counted as "
@@ -294,6 +294,21 @@ def from_flags(args: argparse.Namespace, **given: Any) -> argparse.Namespace:
     return argparse.Namespace(**values, **given)
 
 
+def _typed(flag: Flag, argv) -> str:
+    """The name of ``flag`` as the command line spelled it (``--rho`` for ``--efficiency-saving``)."""
+    spelled = [a.split("=", 1)[0] for a in argv or ()]
+    return next((n for n in flag.names if n in spelled), flag.names[0])
+
+
+def check_flags(args: argparse.Namespace, argv=None) -> None:
+    """Validates the value of every flag of :func:`add_flags` with its setting's checks; a ValueError names the
+    flag as ``argv`` (the command line) spelled it, e.g. ``--rho: must lie in [0, 1], got 1.5``."""
+    for o in OPTIONS.values():
+        value = None if o.flag is None else getattr(args, o.flag.dest or o.name)
+        if value is not None:
+            o.validate(_typed(o.flag, argv), value)
+
+
 def plain(text: str) -> str:
     """A help text for a terminal: ````code```` as ``'code'``."""
     return re.sub(r"``([^`]*)``", r"'\1'", text)
@@ -315,4 +330,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                 kwargs["required"] = True
             else:
                 kwargs["default"] = o.default if o.flag.default is _UNSET else o.flag.default
+                if kwargs["default"] is not None and "default" not in kwargs["help"].lower():
+                    kwargs["help"] += f" (default {kwargs['default']:g})" if isinstance(kwargs["default"], float) \
+                        else f" (default {kwargs['default']})"
         parser.add_argument(*o.flag.names, **kwargs)

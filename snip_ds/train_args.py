@@ -6,9 +6,12 @@ so that ``--help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Dict
 
-from snip_ds.settings import SnipSettings, load_ds_config, with_overrides
+from snip_ds.deepspeed_config import AUTO_DEFAULTS
+from snip_ds.options import OPTIONS
+from snip_ds.settings import SnipSettings, TrainSettings, load_ds_config, with_overrides
 
 TRAIN_FLAGS = ("model_name_or_path", "model_config", "dataset", "tokenizer_name_or_path", "block_size",
                "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps", "seed", "output_dir")
@@ -35,36 +38,67 @@ class RunFault(UserError):
         super().__init__(message, all_ranks=True)
 
 
+_TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
+
+
+def _train(name: str, what: str, unset: str = "") -> str:
+    """Help for a flag that overrides ``snip.train.<name>``: what it is, and its default (``unset``: what a
+    default of None means)."""
+    default = _TRAIN_DEFAULTS[name]
+    return f"{what} (default: the JSON's snip.train.{name}, else {unset if default is None else default})"
+
+
+def _auto(key: str, what: str) -> str:
+    """Help for a flag that fills a DeepSpeed value the JSON leaves "auto"."""
+    return f"{what} (default: the JSON's {key}; when that is \"auto\", {AUTO_DEFAULTS[key]:g})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Train a decoder-only causal LM with SNIP FP8/FP4 mixed precision on DeepSpeed.",
+        description="Train a decoder-only causal LM with SNIP FP8/FP4 mixed precision on DeepSpeed. Every flag but "
+                    "--deepspeed is optional and overrides the JSON.",
         epilog="Example: deepspeed launch/train.py --deepspeed ds_configs/zero3.json")
-    p.add_argument("--deepspeed", required=True, metavar="PATH", help="DeepSpeed JSON with a 'snip' section")
+    p.add_argument("--deepspeed", required=True, metavar="PATH", help="DeepSpeed JSON with a 'snip' section "
+                   "(required; ds_configs/ has the shipped ones)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     g = p.add_argument_group("model and data (override snip.train in the JSON)")
-    g.add_argument("--model_name_or_path", help="local Hugging Face model directory")
-    g.add_argument("--model_config", help="JSON model config, trained from scratch")
-    g.add_argument("--dataset", help="text/JSON-lines file or a launch/prepare_dataset.py directory")
-    g.add_argument("--tokenizer_name_or_path", help="local Hugging Face tokenizer for raw text")
-    g.add_argument("--block_size", type=int)
+    g.add_argument("--model_name_or_path", help=_train("model_name_or_path", "local Hugging Face model directory",
+                   "--model_config's model, without it the embedded 9.6M-parameter Llama"))
+    g.add_argument("--model_config", help=_train("model_config", "JSON model config, trained from scratch",
+                                                    "none"))
+    g.add_argument("--dataset", help=_train("dataset", "text/JSON-lines file or a launch/prepare_dataset.py "
+                   "directory", "the running Python's standard-library sources"))
+    g.add_argument("--tokenizer_name_or_path", help=_train("tokenizer_name_or_path", "local Hugging Face tokenizer "
+                   "for raw text", "the byte-level tokenizer"))
+    g.add_argument("--block_size", type=int, metavar="TOKENS", help=_train("block_size", "tokens per training "
+                   "sequence"))
     g = p.add_argument_group("training (Hugging Face Trainer names; override the JSON)")
-    g.add_argument("--output_dir")
-    g.add_argument("--max_steps", type=int)
-    g.add_argument("--eval_steps", type=int)
-    g.add_argument("--eval_batches", type=int)
-    g.add_argument("--save_steps", type=int)
-    g.add_argument("--logging_steps", type=int)
-    g.add_argument("--learning_rate", type=float)
-    g.add_argument("--per_device_train_batch_size", type=int)
-    g.add_argument("--gradient_accumulation_steps", type=int)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--output_dir", help=_train("output_dir", "checkpoints, plan.json, stats.json and TensorBoard go "
+                   "here"))
+    g.add_argument("--max_steps", type=int, help=_train("max_steps", "optimizer steps"))
+    g.add_argument("--eval_steps", type=int, help=_train("eval_steps", "validate every this many steps and at the "
+                   "end"))
+    g.add_argument("--eval_batches", type=int, help=_train("eval_batches", "validation batches per evaluation, per "
+                   "rank"))
+    g.add_argument("--save_steps", type=int, help=_train("save_steps", "checkpoint every this many steps; 0: at the "
+                   "end and on SIGTERM/SIGINT only"))
+    g.add_argument("--logging_steps", type=int, help=_train("logging_steps", "log training scalars every this many "
+                   "steps"))
+    g.add_argument("--learning_rate", type=float, help=_auto("optimizer.params.lr", "peak learning rate"))
+    g.add_argument("--per_device_train_batch_size", type=int, help=_auto("train_micro_batch_size_per_gpu",
+                   "sequences per micro-batch per data-parallel rank"))
+    g.add_argument("--gradient_accumulation_steps", type=int, help=_auto("gradient_accumulation_steps",
+                   "micro-batches per optimizer step"))
+    g.add_argument("--seed", type=int, help=_train("seed", "seeds the model init, the data order and the "
+                   "stochastic rounding"))
     g.add_argument("--resume_from_checkpoint", metavar="DIR",
                    help="a checkpoint directory (step_N), the checkpoints directory (its 'latest') or a run's output "
-                        "directory (its last complete checkpoint)")
+                        "directory (its last complete checkpoint); default: start afresh")
     g.add_argument("--reset_lr_schedule", action="store_true",
                    help="on resume, follow this run's learning-rate schedule (resolved from its --max_steps) "
                         "instead of the checkpoint's")
-    g = p.add_argument_group("precision plan (override snip.plan)")
+    g = p.add_argument_group(f"precision plan (override snip.plan; default: the JSON's snip.plan, else "
+                             f"{OPTIONS['plan'].default})")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--precision", choices=("bf16", "fp8", "fp4", "adaptive"), help="uniform plan, or adaptive SNIP")
     x.add_argument("--plan", metavar="PLAN.json", help="a fixed plan: {fqn: precision} or a snip-ds plan file")

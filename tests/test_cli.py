@@ -98,12 +98,23 @@ def test_plan_three_precisions_under_a_compute_budget(stats_file, tmp_path):
 
 
 @pytest.mark.parametrize("argv_tail, match", [
-    (["--efficiency-saving", "1.5"], "'target' must be a number in"),
+    (["--efficiency-saving", "1.5"], r"--efficiency-saving: must lie in \[0, 1\], got 1.5"),
+    (["--rho", "-0.5"], r"--rho: must lie in \[0, 1\], got -0.5"),  # the flag as typed, not the setting's name
+    (["--rho=1.5"], r"--rho: must lie in \[0, 1\], got 1.5"),
+    (["--lambda", "-1"], "--lambda: must not be negative, got -1.0"),
+    (["--compute-budget", "0"], r"--compute-budget: must lie in \(0, 1\]"),
+    (["--time-limit", "0"], "--time-limit: must be positive, got 0.0"),
+    (["--dgrad-calibration", "0"], "--dgrad-calibration: must be a finite number > 0"),
+    (["--flip-penalty", "-1"], "--flip-penalty: must not be negative"),
+    (["--rho", "0.5", "--max-share", "0.4"], r"--max-share: must lie in \[--efficiency-saving, 1\] = \[0.5, 1\]"),
+    (["--num-random", "0"], "--num-random: must be at least 1, got 0"),
+    (["--dgrad-cost", "upstream"], "--dgrad-cost upstream: .* needs --per-gemm"),
+    (["--allowed", ","], "--allowed: must name at least one of bf16, fp8, fp4"),
     (["--efficiency-saving", "0.5", "--pin", "nofield"], "expected FQN=PRECISION"),
     (["--efficiency-saving", "0.5", "--pin", "model.layers.0.mlp.up_proj=fp16"], "unknown precision 'fp16'"),
     (["--efficiency-saving", "0.5", "--pin", "model.layers.99.mlp.up_proj=fp8"], "not in the cost table"),
     (["--efficiency-saving", "0.9", "--method", "first_last_fp8"], "unreachable"),
-    (["--efficiency-saving", "0.5", "--allowed", "fp8,int4"], "valid precisions are"),
+    (["--efficiency-saving", "0.5", "--allowed", "fp8,int4"], "--allowed: unknown value 'int4'; valid: bf16, fp8, fp4"),
 ])
 def test_plan_user_errors_exit_2_with_one_line(stats_file, tmp_path, capsys, argv_tail, match):
     out = tmp_path / "never.json"
@@ -211,7 +222,7 @@ def test_plan_dgrad_upstream_prices_dgrad_from_the_statistics(tmp_path, capsys):
     assert all(a["dgrad"] == "fp4" and a["fprop"] == a["wgrad"] == "fp8" for a in plan.assignment.values())
     assert plan.meta["dgrad_calibration"] == 10.0
     assert main(["plan", str(path), "--rho", "0.3", "--dgrad-cost", "upstream", "-o", str(out)]) == 2
-    assert "needs per_gemm=True" in capsys.readouterr().err
+    assert "--dgrad-cost upstream: prices the dgrad GEMM on its own, so it needs --per-gemm" in capsys.readouterr().err
     del stats["layers"]["model.layers.0.mlp.up_proj"]["bwd_dgrad"]
     path.write_text(json.dumps(stats))
     assert main(["plan", str(path), "--rho", "0.3", "--per-gemm", "--dgrad-cost", "upstream", "-o", str(out)]) == 2
@@ -231,3 +242,124 @@ def test_plan_bwd_estimate_systematic_uses_the_persistent_part(tmp_path, capsys)
     path.write_text(json.dumps(stats))
     assert main(["plan", str(path), "--rho", "0.5", "--bwd-estimate", "systematic", "-o", str(out)]) == 2
     assert "lack field 'bwd_bias'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ --version, help
+def test_version_answers_without_a_command(capsys):
+    from snip_ds import __version__
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"snip-ds {__version__}"
+
+
+def test_plan_help_states_defaults_in_the_flags_own_words(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse's line wrapping undone
+    assert "(default 0.75)" in out and "(default best)" in out and "(default fp8,fp4)" in out
+    assert "--pin model.layers.0.mlp.down_proj=fp8" in out and '{"' not in out  # FQN=PRECISION, not JSON
+    assert "None: none" not in out and "Default: no bound" in out
+
+
+def test_plan_efficiency_saving_defaults_to_the_sections(stats_file, tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["plan", str(stats_file), "-o", str(out)]) == 0
+    assert Plan.load(out).meta["rho"] == 0.75
+
+
+# ------------------------------------------------------------------------------------------------ show: units
+def test_show_labels_the_flop_share_the_gemm_count_and_the_objectives_unit(stats_file, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["plan", str(stats_file), "--rho", "0.5", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = Plan.load(out)
+    assert f"FP4 share {plan.fp4_share:.4f} of the linear FLOPs" in text
+    assert f"objective {plan.objective:.6g} (nats, Σ FLD + λ·BWD: the predicted loss increase)" in text
+    fp4_gemms = 3 * sum(p == "fp4" for p in plan.assignment.values())
+    assert f"GEMMs counted (fprop, dgrad and wgrad of each layer, not weighted by FLOPs): " in text
+    assert f"fp4 {fp4_gemms}/{3 * len(plan.assignment)}" in text
+
+
+# ------------------------------------------------------------------------------------------------ show: statistics
+def _stats_rows(text: str) -> list:
+    """The layer rows of ``snip-ds show STATS``: [name, FLOPs %, FLD fp8, FLD fp4, BWD fp8, BWD fp4, cost, (plan)]."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("layer "))
+    return [line.split() for line in lines[start + 1:]]
+
+
+def test_show_statistics_prints_fld_bwd_and_the_plans_precision_per_layer(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    stats = _stats(n_blocks=2)
+    (run / "stats.json").write_text(json.dumps(stats))
+    sc = costs_from_stats(stats, 100.0)
+    plan = solve_plan(sc.costs, sc.flops, 0.5)
+    plan.save(run / "plan.json")
+    assert main(["show", str(run / "stats.json")]) == 0
+    text = capsys.readouterr().out
+    assert "statistics at step 200" in text and "λ 100" in text and f"precisions from {run / 'plan.json'}" in text
+    rows = _stats_rows(text)
+    assert [r[0] for r in rows] == list(stats["layers"])  # the model's order
+    for row in rows:
+        rec = stats["layers"][row[0]]
+        assert float(row[3]) == pytest.approx(rec["fld"]["fp4"], rel=1e-3)
+        assert float(row[5]) == pytest.approx(rec["bwd"]["fp4"], rel=1e-3)
+        assert float(row[6]) == pytest.approx(rec["fld"]["fp4"] + 100.0 * rec["bwd"]["fp4"], rel=1e-3)
+        assert row[7] == plan.assignment[row[0]]
+    total = sum(r["flops"] for r in stats["layers"].values())
+    assert sum(float(r[1]) for r in rows) == pytest.approx(100.0, abs=0.01 * len(rows))
+    assert float(rows[0][1]) == pytest.approx(100 * stats["layers"][rows[0][0]]["flops"] / total, abs=0.006)
+
+
+@pytest.mark.parametrize("sort, field", [("fld", "fld"), ("bwd", "bwd")])
+def test_show_statistics_sorts_by_a_column_largest_first(stats_file, capsys, sort, field):
+    assert main(["show", str(stats_file), "--sort", sort]) == 0
+    text = capsys.readouterr().out
+    names = [r[0] for r in _stats_rows(text)]
+    layers = _stats()["layers"]
+    assert names == sorted(layers, key=lambda f: -layers[f][field]["fp4"])
+    assert "no plan.json beside it" in text  # and no plan column
+    assert all(len(r) == 7 for r in _stats_rows(text))
+
+
+def test_show_statistics_takes_a_plan_from_plan_flag(stats_file, tmp_path, capsys):
+    plan_path = tmp_path / "elsewhere.json"
+    Plan.uniform(list(_stats()["layers"]), "fp8").save(plan_path)
+    assert main(["show", str(stats_file), "--plan", str(plan_path), "--sort", "cost"]) == 0
+    assert {r[7] for r in _stats_rows(capsys.readouterr().out)} == {"fp8"}
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing", "statistics file .* does not exist|does not exist"),
+    ("broken", "not a snip_ds statistics|lacks field 'bwd'"),
+    ("plan_missing", "plan file .*nothing.json.* does not exist"),
+    ("plan_with_plan", "--plan: only with a statistics file"),
+])
+def test_show_statistics_errors_are_one_line(stats_file, tmp_path, capsys, case, match):
+    import re
+    argv = {"missing": ["show", str(tmp_path / "none" / "stats.json")],
+            "plan_missing": ["show", str(stats_file), "--plan", str(tmp_path / "nothing.json")]}.get(case)
+    if case == "broken":
+        stats = _stats()
+        del stats["layers"]["model.layers.0.mlp.up_proj"]["bwd"]
+        stats_file.write_text(json.dumps(stats))
+        argv = ["show", str(stats_file)]
+    if case == "plan_with_plan":
+        plan_path = tmp_path / "p.json"
+        Plan.uniform(list(_stats()["layers"]), "fp8").save(plan_path)
+        argv = ["show", str(plan_path), "--plan", str(plan_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("snip-ds: error: ") and err.count("\n") == 1 and re.search(match, err), err
+
+
+# ------------------------------------------------------------------------------------------------ families
+def test_families_needs_an_output_named_by_the_user(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["families", "--only", "llama"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("snip-ds: error: --output: name the directory") and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []  # nothing written, no docs/ made

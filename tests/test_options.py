@@ -59,6 +59,38 @@ def test_every_setting_is_documented_with_its_default_and_nothing_else_is():
 def test_the_docs_check_reads_the_cells_it_compares():
     # the parser of the test above, on the shapes of cell the tables use
     assert _cell_value('`"fp8"` (the shipped configs: `"adaptive"`)') == "fp8"
+    assert _readme_default_plan('| adaptive SNIP (default) | `--precision adaptive` | `"snip": {"plan": "adaptive"}` |\n'
+                                '| uniform | `--precision bf16\\|fp8\\|fp4` | `"plan": "fp8"` |') == "adaptive"
+
+
+README = DOCS.parents[1] / "README.md"
+
+
+def _readme_default_plan(text: str) -> str:
+    """The ``plan`` of the README's plan table row marked ``(default)``: the value its JSON cell gives."""
+    (row,) = [line for line in text.splitlines() if line.startswith("|") and "(default)" in line and '"plan"' in line]
+    return re.search(r'"plan":\s*"([^"]+)"', row).group(1)
+
+
+def _readme_settings_default(key: str):
+    """The default cell of ``key`` in the README's Settings table (columns ``key | default | meaning``)."""
+    for line in README.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if cells and cells[0] == f"`{key}`":
+            return _cell_value(cells[1])
+    raise AssertionError(f"README.md: no row for {key} in its Settings table")
+
+
+def test_the_readme_states_the_defaults_the_options_define():
+    """What ``"snip": {}`` trains, as the README's plan table and Settings table say it, is the options' default,
+    and an empty section parses to it (so a user adding ``"snip": {}`` to a DeepSpeed config gets what the README
+    promises)."""
+    readme = README.read_text()
+    assert _readme_default_plan(readme) == OPTIONS["plan"].default == parse_snip_section({}).plan
+    for key in ("plan", "efficiency_saving", "method", "replan_every", "collect_batches", "bwd_lambda",
+                "per_gemm", "pinned"):
+        assert _readme_settings_default(key) == OPTIONS[key].default, key
+    assert parse_snip_section({}).is_adaptive
     assert _cell_value("0.75") == 0.75 and _cell_value("`null`") is None and _cell_value("`[]`") == []
     assert _cell_value('`["fp8", "fp4"]`') == ["fp8", "fp4"] and _cell_value("`runs/default`") == "runs/default"
 

@@ -1,11 +1,12 @@
 """``snip-ds families``: the survey from the command line.
 
-    snip-ds families                                  # every family; docs/families.md and docs/families.json
+    snip-ds families --output /tmp/survey             # every family; /tmp/survey/families.md and families.json
+    snip-ds families --output docs                    # regenerate the shipped table, docs/families.md
     snip-ds families --only llama,mixtral --output /tmp/survey
     snip-ds families --plans fp8,adaptive --timeout 60 --jobs 2
 
-Bad input (an unknown model type or plan, a timeout or job count out of range, an output that cannot be
-written) is one line on stderr and exit code 2, before anything runs.
+Bad input (no output named, an unknown model type or plan, a timeout or job count out of range, an output that
+cannot be written) is one line on stderr and exit code 2, before anything runs.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     f.add_argument("--only", default=None, metavar="TYPE[,TYPE]",
                    help="model types to survey (keys of transformers' causal-LM mapping, e.g. llama,mixtral); "
                    "default: all. The table then holds those families only")
-    f.add_argument("--output", default="docs", metavar="DIR",
-                   help="directory of the table (families.md) and the raw rows (families.json); default: docs")
+    f.add_argument("--output", default=None, metavar="DIR",
+                   help="directory to write the table (families.md) and the raw rows (families.json) to; required "
+                   "unless --markdown and --json name both files ('--output docs' replaces the shipped table)")
     f.add_argument("--markdown", default=None, metavar="PATH", help="the table's path (default: DIR/families.md)")
     f.add_argument("--json", default=None, metavar="PATH", help="the rows' path (default: DIR/families.json)")
     f.add_argument("--plans", default=",".join(PLANS), metavar="PLAN[,PLAN]",
@@ -96,6 +98,10 @@ def _writable(path: Path, flag: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the survey the arguments describe and writes its table; returns the exit code."""
+    if args.output is None and not (args.markdown and args.json):
+        raise FamiliesError("--output: name the directory to write families.md and families.json to (e.g. "
+                            "--output /tmp/survey; '--output docs' replaces the shipped table), or give both "
+                            "--markdown and --json")
     import torch
     import transformers
 
@@ -110,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
         raise FamiliesError(f"--threads: must be >= 1, got {args.threads}")
     plans = _plans(args.plans)
     model_types = _model_types(args.only)
-    output = Path(args.output)
-    if output.exists() and not output.is_dir():
+    output = Path(args.output or ".")
+    if args.output is not None and output.exists() and not output.is_dir():
         raise FamiliesError(f"--output {output}: not a directory")
     markdown = _writable(Path(args.markdown) if args.markdown else output / "families.md",
                          "--markdown" if args.markdown else "--output")
