@@ -95,3 +95,27 @@ def test_torchao_float8_is_counted_inside_its_tensor_subclass():
     assert kernels["aten::abs"] == 6 and kernels["aten::max"] == 6
     assert counter.counts.subclass["aten::mm"] == 3
     assert counter.counts.launches == sum(kernels.values()) > 3 * 10
+
+
+def test_a_profile_counts_what_the_counter_counts():
+    from torch.profiler import ProfilerActivity, profile
+
+    from snip_ds.backend.dispatch_audit import profiled_host_reads, profiled_kernels
+
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+
+    def work():
+        y = torch.mm(a, b.t().contiguous().t())  # a copy, then a view of it
+        y = y.reshape(48).reshape(6, 8) * 2  # views, one multiply
+        y.t().contiguous().sum().item()  # a copy (clone), a sum and a host read
+        return torch.zeros(3)
+
+    with OpCounter() as counter:
+        work()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        work()
+    counted = profiled_kernels(prof.events())
+    # copy, mm, mul, copy, sum, the scalar's copy to the host, the fill of zeros
+    assert sum(counted.values()) == counter.counts.launches == 7
+    assert counted == counter.counts.kernels
+    assert profiled_host_reads(prof.events()) == {"aten::item": 1}

@@ -311,3 +311,67 @@ class OpCounter:
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the same count from a torch.profiler trace: for compiled code, which runs no Python dispatch mode
+# ---------------------------------------------------------------------------------------------------------
+
+_VIEW_NAMES: Dict[str, bool] = {}
+
+
+def _view_by_name(name: str) -> bool:
+    """Whether the operator ``name`` (``aten::t``) only aliases by its schema (its default overload's, else
+    its first), or allocates without a fill (:data:`_NO_KERNEL`)."""
+    if name not in _VIEW_NAMES:
+        view = name in _NO_KERNEL
+        if not view and name.startswith("aten::"):
+            packet = getattr(torch.ops.aten, name[len("aten::"):], None)
+            overloads = packet.overloads() if packet is not None else []
+            if overloads:
+                schema = getattr(packet, "default" if "default" in overloads else overloads[0])._schema
+                writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+                view = (not writes and bool(schema.returns)
+                        and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
+        _VIEW_NAMES[name] = view
+    return _VIEW_NAMES[name]
+
+
+def _kernel_event(name: str) -> bool:
+    if "cpp_fused" in name or name.startswith(("triton_", "snip_ds_cpu::")):
+        return True  # inductor's generated kernels (C++ on a CPU, Triton on a GPU); snip_ds's C++ kernels
+    if name in ("aten::item", "aten::is_nonzero"):
+        return False  # (composite: the copy to the host inside, aten::_local_scalar_dense, is the kernel)
+    return name.startswith(("aten::", "prims::")) and not _view_by_name(name)
+
+
+def profiled_kernels(events) -> Counter:
+    """Kernel-running operators in a finished ``torch.profiler`` trace's CPU events (``prof.events()``), by
+    name: what :class:`OpCounter` counts, for code it cannot see (a compiled graph runs its kernels without
+    dispatching operators to Python). An operator that runs a kernel counts once, under its own name, if
+    the operators it called ran at most one (``aten::clone`` and its ``aten::copy_``, ``aten::mul`` and the
+    wrap of a Python scalar), else as those; one that only aliases by its schema counts as what it called
+    (``aten::contiguous``: a copy, or nothing); each call of an inductor-generated kernel (``cpp_fused_*``
+    with ``torch._inductor.config.cpp.enable_kernel_profile``, ``triton_*``) counts once. Triton kernels
+    launched from Python (snip_ds's) are not profiler events: count them with :func:`patch_triton_launches`."""
+    counts: Counter = Counter()
+
+    def visit(ev) -> Counter:
+        below: Counter = Counter()
+        for child in ev.cpu_children:
+            below += visit(child)
+        if _kernel_event(ev.name) and sum(below.values()) <= 1:
+            return Counter({ev.name: 1})
+        return below
+
+    for ev in events:
+        if ev.cpu_parent is None and ev.device_type == torch.autograd.DeviceType.CPU:
+            counts += visit(ev)
+    return counts
+
+
+def profiled_host_reads(events) -> Counter:
+    """The operators in a ``torch.profiler`` trace that read a value on the host (:data:`_VALUE_DEPENDENT_OPS`,
+    a copy to the CPU is not told apart there): for compiled code, which :class:`HostReads` cannot watch."""
+    return Counter(ev.name for ev in events if ev.name in _VALUE_DEPENDENT_OPS
+                   and not (ev.cpu_parent is not None and ev.cpu_parent.name in _VALUE_DEPENDENT_OPS))
