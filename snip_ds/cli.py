@@ -287,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out_dir", help="the model directory to write (AutoModelForCausalLM.from_pretrained loads it)")
     e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the exported master weights")
     e.add_argument("--force", action="store_true", help="replace a previous export in OUT_DIR")
+    from snip_ds.export_cli import add_format_arguments  # (imports neither torch nor transformers)
+    add_format_arguments(e)
     e.set_defaults(func=_cmd_export)
 
     u = sub.add_parser("universal", help="convert a training checkpoint into a universal one, which a run of any "
@@ -318,9 +320,11 @@ def _cmd_universal(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from snip_ds.export import export_checkpoint  # imports DeepSpeed and transformers: only when exporting
+    from snip_ds.export_cli import serve_options
 
     record = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force,
-                               warn=lambda msg: print(f"snip-ds: warning: {msg}", file=sys.stderr))
+                               warn=lambda msg: print(f"snip-ds: warning: {msg}", file=sys.stderr),
+                               serve=serve_options(args))
     tokenizer = "with its tokenizer" if record["tokenizer"]["exported"] else "without a tokenizer"
     print(f"{args.out_dir}: step {record['step']}, {record['parameters']} parameters in {args.dtype}, {tokenizer}")
     return 0

@@ -31,21 +31,24 @@ from typing import Any, Callable, Dict
 
 import torch
 
-from snip_ds.artifacts import STATE_FILE, trainer_checkpoint
+from snip_ds.artifacts import STATE_FILE, checkpoint_meta, trainer_checkpoint
 from snip_ds.engine.checkpoint_layout import (META_FILE, is_universal, model_architecture, model_fingerprint,
                                               read_meta, resolve)
 from snip_ds.engine.checkpoint_verify import validate, verify_files
 from snip_ds.export_config import hf_config, write_tokenizer
 from snip_ds.export_files import DTYPES, FORMAT, ExportError, check_out_dir, one_line, write_export
+from snip_ds.export_serve import ServeOptions, check_options, finish_model, plan_and_settings, plan_note
 from snip_ds.export_trainer import export_trainer_checkpoint, warn_if_saved_later
 from snip_ds.export_weights import master_weights, merged_shards, universal_weights
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp32",
-                      force: bool = False, warn: Callable[[str], None] = lambda msg: None) -> Dict[str, Any]:
+                      force: bool = False, warn: Callable[[str], None] = lambda msg: None,
+                      serve: ServeOptions = ServeOptions()) -> Dict[str, Any]:
     """Writes the Hugging Face model of ``checkpoint`` (a ``step_N`` directory, or a checkpoints directory
     with ``latest``; a Trainer's ``checkpoint-N`` or output directory) to ``out_dir``; returns what
-    :data:`~snip_ds.export_files.EXPORT_FILE` records.
+    :data:`~snip_ds.export_files.EXPORT_FILE` records. ``serve`` picks the format (:mod:`snip_ds.export_serve`):
+    the plain model (default) or the plan's forward precisions as a compressed-tensors checkpoint.
 
     Raises:
         CheckpointError, ExportError: a missing, incomplete or damaged checkpoint, or an ``out_dir`` that
@@ -53,6 +56,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     """
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    check_options(serve)
     out_dir = Path(out_dir)
     try:
         trainer_dir = trainer_checkpoint(Path(checkpoint))
@@ -61,7 +65,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     if trainer_dir is not None:
         if trainer_dir != Path(checkpoint):
             warn_if_saved_later(Path(checkpoint), trainer_dir, warn)
-        return export_trainer_checkpoint(trainer_dir, out_dir, dtype, force, warn)
+        return export_trainer_checkpoint(trainer_dir, out_dir, dtype, force, warn, serve)
     tag_dir = resolve(Path(checkpoint))
     meta = read_meta(tag_dir)
     meta_path = tag_dir / META_FILE
@@ -69,6 +73,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ExportError(f"{meta_path}: world_size is {world_size!r}, expected a positive integer")
     check_out_dir(out_dir, tag_dir, force)
+    snip = dict(meta, **checkpoint_meta(tag_dir)) if serve.format != "hf" else meta
+    if serve.format != "hf":
+        plan_and_settings(snip, tag_dir)  # before any shard is read
 
     from transformers import AutoModelForCausalLM
 
@@ -100,15 +107,15 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         raise ExportError(f"{tag_dir}: DeepSpeed's files do not hold the model's parameters (missing "
                           f"{missing[:3]}, unexpected {extra[:3]}, other shape {wrong[:3]})")
     model.load_state_dict(weights, strict=True, assign=True)
-    model.to(DTYPES[dtype])
     model.config.use_cache = True  # training switched it off; generation wants it
+    served, after_save = finish_model(model, snip, tag_dir, serve, DTYPES[dtype], warn)
 
     record = {"format": FORMAT, "checkpoint": str(tag_dir.resolve()), "step": meta.get("step"),
               "dtype": dtype, "world_size": world_size, "tensor_parallel": tp,
-              "plan": f"{_plan_file(tag_dir).resolve()} (key 'plan'); not applied by this model, "
-                      f"which runs in plain {dtype}",
-              "parameters": int(sum(v.numel() for k, v in model.named_parameters()))}
-    return write_export(model, record, lambda tmp: write_tokenizer(meta, tmp, warn), out_dir, tag_dir, force)
+              "plan": f"{_plan_file(tag_dir).resolve()} (key 'plan'); " + plan_note(serve, dtype),
+              "parameters": int(sum(v.numel() for k, v in model.named_parameters())), **served}
+    return write_export(model, record, lambda tmp: write_tokenizer(meta, tmp, warn), out_dir, tag_dir, force,
+                        after_save)
 
 
 def _plan_file(tag_dir: Path) -> Path:

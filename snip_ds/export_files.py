@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -63,9 +63,11 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
 
 
 def write_export(model, record: Dict[str, Any], write_tokenizer: Callable[[Path], Dict[str, Any]],
-                  out_dir: Path, source: Path, force: bool) -> Dict[str, Any]:
+                  out_dir: Path, source: Path, force: bool,
+                  after_save: Optional[Callable[[Path], None]] = None) -> Dict[str, Any]:
     """Saves ``model``, the tokenizer and :data:`EXPORT_FILE` into a temporary directory beside ``out_dir``,
-    then renames it into place."""
+    then renames it into place; ``after_save`` runs on the temporary directory once the model is saved (a
+    compressed-tensors export writes its ``quantization_config`` there)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     umask = os.umask(0)
@@ -77,6 +79,8 @@ def write_export(model, record: Dict[str, Any], write_tokenizer: Callable[[Path]
     hf_logging.disable_progress_bar()
     try:
         model.save_pretrained(str(tmp))
+        if after_save is not None:
+            after_save(tmp)
         record["tokenizer"] = write_tokenizer(tmp)
         (tmp / EXPORT_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         check_out_dir(out_dir, source, force)  # again: it may have changed meanwhile

@@ -18,6 +18,7 @@ from snip_ds.artifacts import checkpoint_meta
 from snip_ds.engine.checkpoint_layout import LATEST_FILE, CheckpointError
 from snip_ds.engine.universal import unmergeable_shards
 from snip_ds.export_files import DTYPES, FORMAT, ExportError, check_out_dir, one_line, write_export
+from snip_ds.export_serve import ServeOptions, finish_model, plan_and_settings, plan_note
 from snip_ds.export_weights import master_weights, merged_shards
 
 
@@ -89,7 +90,7 @@ def _trainer_weights(folder: Path, model: torch.nn.Module, state: Dict[str, Any]
 
 
 def export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: bool,
-                               warn: Callable[[str], None]) -> Dict[str, Any]:
+                               warn: Callable[[str], None], serve: ServeOptions = ServeOptions()) -> Dict[str, Any]:
     """Exports the Trainer checkpoint ``folder`` to ``out_dir`` (as :func:`snip_ds.export.export_checkpoint`
     does a ``step_N``); returns what the export records."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -99,6 +100,8 @@ def export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: bo
     except ValueError as err:
         raise ExportError(str(err)) from None
     check_out_dir(out_dir, folder, force)
+    if serve.format != "hf":
+        plan_and_settings(meta, folder)  # before any weight is read
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ExportError(f"{config_file}: missing; the Trainer writes the model's config there when it saves")
@@ -122,15 +125,14 @@ def export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: bo
     if missing or extra or wrong:
         raise ExportError(f"{folder}: {source} do not hold the parameters of the model {config_file.name} "
                           f"describes (missing {missing[:3]}, unexpected {extra[:3]}, other shape {wrong[:3]})")
-    model.to(DTYPES[dtype])
     model.config.use_cache = True
+    served, after_save = finish_model(model, meta, folder, serve, DTYPES[dtype], warn)
     record = {"format": FORMAT, "checkpoint": str(folder.resolve()), "step": meta.get("step"), "dtype": dtype,
               "world_size": meta.get("world_size"), "tensor_parallel": tp, "weights": source,
-              "plan": f"{folder.resolve() / 'snip_state.json'} (key 'plan'); not applied by this model, which "
-                      f"runs in plain {dtype}",
-              "parameters": int(sum(v.numel() for k, v in model.named_parameters()))}
+              "plan": f"{folder.resolve() / 'snip_state.json'} (key 'plan'); " + plan_note(serve, dtype),
+              "parameters": int(sum(v.numel() for k, v in model.named_parameters())), **served}
     return write_export(model, record, lambda tmp: _copy_trainer_tokenizer(folder, tmp, warn), out_dir, folder,
-                         force)
+                         force, after_save)
 
 
 def _copy_trainer_tokenizer(folder: Path, out: Path, warn: Callable[[str], None]) -> Dict[str, Any]:

@@ -1,0 +1,30 @@
+"""The ``snip-ds export`` flags that pick the format (``--format``, ``--fallback``, ``--calibration-batches``), kept
+apart from :mod:`snip_ds.cli` so that its parser imports neither torch nor compressed-tensors."""
+from __future__ import annotations
+
+import argparse
+
+FORMAT_CHOICES = ("hf", "compressed-tensors")  # snip_ds.export_ct.FORMATS, without importing torch
+DEFAULT_CALIBRATION_BATCHES = 8  # snip_ds.export_serve's
+
+
+def add_format_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the format flags to the ``export`` sub-parser. Values are checked by the export itself
+    (:func:`snip_ds.export_serve.check_options`), so that a bad one is one ``error:`` line naming the flag."""
+    parser.add_argument("--format", default="hf", metavar="{hf,compressed-tensors}",
+                        help="hf: the plain model at --dtype (default); compressed-tensors: each planned layer "
+                             "quantized at its forward precision (NVFP4 or FP8) in a checkpoint transformers and "
+                             "vLLM load (pip install -e \".[serve]\")")
+    parser.add_argument("--fallback", default=None, metavar="bf16",
+                        help="compressed-tensors: export the layers the format cannot express unquantized (bf16), "
+                             "each reason named in a warning; without it such a layer stops the export")
+    parser.add_argument("--calibration-batches", type=int, default=DEFAULT_CALIBRATION_BATCHES, metavar="N",
+                        help="compressed-tensors: batches of the run's training data that calibrate the NVFP4 "
+                             f"activation global scales (default {DEFAULT_CALIBRATION_BATCHES})")
+
+
+def serve_options(args: argparse.Namespace):
+    """The :class:`~snip_ds.export_serve.ServeOptions` of the parsed flags."""
+    from snip_ds.export_serve import ServeOptions
+
+    return ServeOptions(format=args.format, fallback=args.fallback, calibration_batches=args.calibration_batches)
