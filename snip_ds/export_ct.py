@@ -225,6 +225,8 @@ def compress(model: nn.Module, schemes: Mapping[str, LayerScheme], quant: QuantC
     for fqn, s in schemes.items():
         if s.scheme != "bf16":
             by_scheme.setdefault(s.scheme, []).append(fqn)
+    # FP8's group first: transformers 5.24 decompresses every MoE expert with the first group, and FP8's passes
+    # the weights of unquantized experts through (NVFP4's drops them)
     groups = {f"group_{i}": ct_scheme(s, _pattern(names)) for i, (s, names) in enumerate(sorted(by_scheme.items()))}
     quantized = {n for names in by_scheme.values() for n in names}
     ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quantized]

@@ -131,6 +131,9 @@ def finish_model(model: nn.Module, meta: Mapping[str, Any], source: Path, option
         raise ExportError(f"layer {others[0]}: is a {type(modules.get(others[0])).__name__}, not an nn.Linear; "
                           f"compressed-tensors quantizes nn.Linear layers only; export with --format hf")
     schemes = layer_schemes(assignment, quant, widths, experts, options.fallback, warn)
+    if experts and not any(s.scheme == "fp8" for s in schemes.values()):
+        warn("MoE experts exported unquantized with no FP8 layer: transformers 5.24 loads such a checkpoint's "
+             "experts through the NVFP4 group, which drops them, and fails (vLLM reads the checkpoint itself)")
     fp4 = sorted(f for f, s in schemes.items() if s.scheme == "nvfp4")
     amax: Dict[str, torch.Tensor] = {}
     calibration: Dict[str, Any] = {"batches": 0}

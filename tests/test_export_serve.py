@@ -1,0 +1,230 @@
+"""``snip-ds export --format compressed-tensors``: each planned layer at its forward precision in a
+compressed-tensors checkpoint. The weights compressed-tensors decompresses are snip_ds's quantization of the same
+masters (codes and block scales bit for bit; NVFP4's dequantized values within the documented global-scale
+rounding); transformers loads the export on the CPU and its logits follow snip_ds's planned forward (FP8 bit for
+bit); bad input is one error line and nothing written."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("compressed_tensors")
+
+from snip_ds.cli import main  # noqa: E402
+from snip_ds.export_ct import NVFP4_DEQUANT_REL_BOUND  # noqa: E402
+from snip_ds.quant import fake_quantize, quantize_parts  # noqa: E402
+from snip_ds.quant_config import QuantConfig  # noqa: E402
+from train_utils import TINY_MIXTRAL, TINY_MODEL  # noqa: E402
+
+SETTINGS_TRAIN = {"block_size": 64, "max_corpus_bytes": 200_000, "seed": 0}
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("snip-ds: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _leftovers(parent):
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and p.suffix in (".tmp", ".old"))
+
+
+def _model(config=TINY_MODEL, seed=0):
+    from snip_ds.model import build_model
+
+    torch.manual_seed(seed)
+    model = build_model(None, dict(config), vocab_size=257, seed=seed, block_size=64).eval()
+    with torch.no_grad():  # weights of many magnitudes: rows scaled over 2^-6 .. 2^6, one 16-block all zero
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "layers" in name:
+                p.mul_(torch.exp2(torch.linspace(-6, 6, p.shape[0])).unsqueeze(1))
+                p[:16, :16] = 0
+    return model
+
+
+def _assignment(model, precision_of):
+    from snip_ds.swap import layer_infos
+
+    return {fqn: precision_of(fqn) for fqn in layer_infos(model)}
+
+
+def _trainer_checkpoint(tmp_path, model, assignment, quant=None, plan=True):
+    """A Trainer checkpoint-N as SnipCallback saves it: config.json, model.safetensors, snip_state.json."""
+    from snip_ds.artifacts import STATE_FORMAT
+    from snip_ds.plan import Plan
+    from snip_ds.settings import parse_snip_section
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "run" / "checkpoint-3"
+    folder.mkdir(parents=True)
+    model.config.save_pretrained(str(folder))  # the weights as the model holds them (MoE experts fused)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    settings = parse_snip_section({"quant": quant or {}, "train": SETTINGS_TRAIN}).to_dict()
+    (folder / "snip_state.json").write_text(json.dumps({
+        "format": STATE_FORMAT, "driver": "trainer", "step": 3, "world_size": 1, "settings": settings,
+        "plan": Plan.fixed(assignment).to_dict() if plan else None, "planner": None}))
+    return folder
+
+
+def _planned_logits(model, assignment, ids, quant=QuantConfig(backend="emulated")):
+    from snip_ds.export_calib import planned_forward_model
+
+    with torch.no_grad():
+        return planned_forward_model(model, assignment, quant)(input_ids=ids).logits.float()
+
+
+def _served(out, dtype):
+    """The export loaded by transformers on the CPU. compressed-tensors decompresses NVFP4 weights to BF16 on its
+    first forward; in FP32 that forward would mix dtypes, so FP32 decompresses first (compressed-tensors' own
+    decompress_model) and casts those weights back."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=dtype, local_files_only=True).eval()
+    if dtype == torch.float32:
+        model.hf_quantizer.compressor.decompress_model(model)
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------
+# the weights, as compressed-tensors decompresses them
+# --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weight_2d", [True, False])
+def test_decompressed_weights_are_snip_ds_quantizer_on_the_same_masters(weight_2d):
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    from snip_ds.export_ct import compress, layer_schemes
+
+    model = _model()
+    quant = QuantConfig(weight_2d=weight_2d, backend="emulated")
+    assignment = _assignment(model, lambda f: "fp4" if "layers.0" in f else "fp8")
+    widths = {f: model.get_submodule(f).in_features for f in assignment}
+    schemes = layer_schemes(assignment, quant, widths, set(), None, print)
+    masters = {f: model.get_submodule(f).weight.detach().clone() for f in assignment}
+    amax = {f: torch.tensor(4.0) for f in assignment}
+    compress(model, schemes, quant, amax, masters)
+    differing = 0
+    for fqn, w in masters.items():
+        module = model.get_submodule(fqn)
+        state = {k: v.detach() for k, v in module.named_parameters(recurse=False)}
+        scheme = module.quantization_scheme
+        decompressed = BaseCompressor.get_value_from_registry(scheme.format).decompress(state, scheme)["weight"]
+        if assignment[fqn] == "fp8":  # E4M3 values times the FP32 scale: bit for bit
+            assert state["weight"].dtype == torch.float8_e4m3fn
+            assert torch.equal(decompressed, fake_quantize(w, "fp8_e4m3")), fqn
+            continue
+        recipe = "nvfp4_2d" if weight_2d else "nvfp4"
+        reference = fake_quantize(w, recipe)
+        packed = state["weight_packed"]
+        codes = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+        block = state["weight_scale"].float().repeat_interleave(16, dim=1)
+        values = quantize_parts(w, recipe).values  # snip_ds's q * s_b
+        assert torch.equal(codes * block, values), fqn  # E2M1 codes and E4M3 block scales: bit for bit
+        # compressed-tensors' own decompression rounds to BF16; in FP32 (its dequantize), the global-scale rule
+        ours = dequantize(codes, state["weight_scale"].float(), args=scheme.weights, dtype=torch.float32,
+                          global_scale=state["weight_global_scale"])
+        rel = ((ours - reference).abs() / reference.abs().clamp_min(1e-30)).max()
+        assert rel <= NVFP4_DEQUANT_REL_BOUND and torch.equal(ours == 0, reference == 0), (fqn, rel)
+        assert torch.equal(decompressed, ours.bfloat16()), fqn
+        differing += int((ours != reference).sum())
+    assert differing > 0  # the rule is exercised: some values do differ by the global scale's rounding
+
+
+# --------------------------------------------------------------------------------------------------------
+# bad input: one error line, nothing written
+# --------------------------------------------------------------------------------------------------------
+def test_bad_input_is_one_error_line_and_nothing_written(tmp_path, capsys):
+    model = _model()
+    folder = _trainer_checkpoint(tmp_path, model, _assignment(model, lambda f: "fp4"))
+    out = tmp_path / "served"
+    ct = ["--format", "compressed-tensors"]
+    cases = [
+        (["--format", "gguf"], "--format 'gguf': expected one of hf, compressed-tensors"),
+        (["--fallback", "bf16"], "--fallback: only with --format compressed-tensors"),
+        ([*ct, "--fallback", "fp8"], "--fallback 'fp8': expected one of bf16"),
+        ([*ct, "--calibration-batches", "0"], "--calibration-batches 0: expected a positive integer"),
+    ]
+    for flags, message in cases:
+        assert main(["export", str(folder), str(out), *flags]) == 2
+        assert message in _error_line(capsys), flags
+    out.mkdir()
+    (out / "mine.txt").write_text("x")
+    assert main(["export", str(folder), str(out), *ct]) == 2
+    assert f"{out}: exists and is not empty; pass --force" in _error_line(capsys)
+    assert (out / "mine.txt").read_text() == "x"
+
+    no_plan = _trainer_checkpoint(tmp_path / "b", model, {}, plan=False)
+    assert main(["export", str(no_plan), str(tmp_path / "o2"), *ct]) == 2
+    assert "holds no plan" in _error_line(capsys)
+    mx = _trainer_checkpoint(tmp_path / "c", model, _assignment(model, lambda f: "fp4"), {"fp4_recipe": "mxfp4"})
+    assert main(["export", str(mx), str(tmp_path / "o3"), *ct]) == 2
+    line = _error_line(capsys)
+    assert "layer model.layers.0." in line and "fp4 recipe 'mxfp4'" in line and "--fallback bf16" in line
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+    assert _leftovers(tmp_path) == [] and _leftovers(tmp_path / "c") == []
+
+    assert main(["export", str(mx), str(tmp_path / "o3"), *ct, "--fallback", "bf16"]) == 0
+    assert "--fallback bf16: 14 layer(s) unquantized" in capsys.readouterr().err
+    record = json.loads((tmp_path / "o3" / "snip_export.json").read_text())
+    assert record["schemes"] == {"bf16": 14} and len(record["fallback"]) == 14
+
+
+# --------------------------------------------------------------------------------------------------------
+# transformers loads the export; its logits follow snip_ds's planned forward
+# --------------------------------------------------------------------------------------------------------
+def test_transformers_loads_the_export_and_follows_the_planned_forward(tmp_path, capsys):
+    model = _model()
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    unquantized = model(input_ids=ids).logits.float()
+
+    # FP8 everywhere: per-tensor weight scale, dynamic per-tensor activation scale: the training forward exactly
+    fp8 = _assignment(model, lambda f: "fp8")
+    folder = _trainer_checkpoint(tmp_path / "fp8", model, fp8)
+    assert main(["export", str(folder), str(tmp_path / "fp8_out"), "--format", "compressed-tensors"]) == 0
+    served = _served(tmp_path / "fp8_out", torch.float32)
+    assert torch.equal(served(input_ids=ids).logits, _planned_logits(model, fp8, ids))
+
+    # the default run's mix: NVFP4 and FP8; the activation global scale is static (calibrated) where the
+    # training forward takes it from each input, and compressed-tensors decompresses NVFP4 weights through BF16
+    mixed = _assignment(model, lambda f: "fp8" if f.endswith(("v_proj", "down_proj")) else "fp4")
+    folder = _trainer_checkpoint(tmp_path / "mixed", model, mixed)
+    out = tmp_path / "mixed_out"
+    assert main(["export", str(folder), str(out), "--format", "compressed-tensors",
+                 "--calibration-batches", "2"]) == 0
+    record = json.loads((out / "snip_export.json").read_text())
+    assert record["schemes"] == {"nvfp4": 10, "fp8": 4} and record["calibration"]["batches"] == 2
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    formats = {g["format"] for g in config["config_groups"].values()}
+    assert config["quant_method"] == "compressed-tensors" and formats == {"nvfp4-pack-quantized", "float-quantized"}
+    assert "lm_head" in config["ignore"]
+    planned = _planned_logits(model, mixed, ids)
+    quantization_effect = (planned - unquantized).abs().max()
+    for dtype in (torch.float32, torch.bfloat16):
+        got = _served(out, dtype)(input_ids=ids).logits.float()
+        assert torch.isfinite(got).all()
+        assert (got - planned).abs().max() < quantization_effect, dtype
+
+
+def test_moe_experts_are_refused_naming_the_pair_or_exported_unquantized_on_request(tmp_path, capsys):
+    model = _model(TINY_MIXTRAL)
+    assignment = _assignment(model, lambda f: "fp8" if "self_attn" in f else "fp4")
+    folder = _trainer_checkpoint(tmp_path, model, assignment)
+    out = tmp_path / "served"
+    assert main(["export", str(folder), str(out), "--format", "compressed-tensors"]) == 2
+    line = _error_line(capsys)
+    assert "layer model.layers.0.mlp.experts.0." in line and "MoE (expert, projection) pair" in line
+    assert not out.exists() and _leftovers(tmp_path) == []
+    assert main(["export", str(folder), str(out), "--format", "compressed-tensors", "--fallback", "bf16",
+                 "--calibration-batches", "1"]) == 0
+    assert "--fallback bf16: 16 layer(s) unquantized" in capsys.readouterr().err
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(2))
+    served = _served(out, torch.float32)(input_ids=ids).logits.float()
+    fallback = {f: ("bf16" if ".experts." in f else p) for f, p in assignment.items()}
+    planned = _planned_logits(model, fallback, ids)
+    assert (served - planned).abs().max() < (planned - model(input_ids=ids).logits).abs().max()
