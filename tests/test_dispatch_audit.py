@@ -118,4 +118,44 @@ def test_a_profile_counts_what_the_counter_counts():
     # copy, mm, mul, copy, sum, the scalar's copy to the host, the fill of zeros
     assert sum(counted.values()) == counter.counts.launches == 7
     assert counted == counter.counts.kernels
-    assert profiled_host_reads(prof.events()) == {"aten::item": 1}
+    assert profiled_host_reads(prof.events()) == {"aten::_local_scalar_dense": 1}
+
+
+def test_live_bytes_counts_what_is_allocated_until_it_is_freed():
+    from snip_ds.backend.dispatch_audit import LiveBytes
+
+    x = torch.randn(256)  # 1 KiB, before the block: never counted
+    with LiveBytes() as mem:
+        y = x * 2  # 1 KiB
+        v = y[:10].t()  # a view: nothing new
+        y.mul_(3)  # in place: nothing new
+        z = torch.cat([y, y])  # 2 KiB: 3 KiB live
+        del y, z  # z freed; y's storage lives on in v
+        w = torch.empty(64)  # 256 B
+        assert mem.live == 1024 + 256
+        del v, w
+        assert mem.live == 0
+    assert mem.peak == 3 * 1024
+    a = Scaled(torch.randn(8, 4), torch.tensor(2.0))
+    b = Scaled(torch.randn(4, 6), torch.tensor(0.5))
+    with LiveBytes() as mem:
+        y = torch.mm(a, b)  # inside the subclass: the product, a scale, the scaled product
+    assert mem.live == 8 * 6 * 4 and mem.peak == 2 * 8 * 6 * 4 + 4
+
+
+def test_a_profile_counts_an_operator_not_its_cpu_implementation():
+    """The CPU's ``_scaled_mm`` casts and reads its scales on the host inside; a GPU runs one GEMM kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from snip_ds.backend.dispatch_audit import profiled_host_reads, profiled_kernels
+
+    a = torch.randn(16, 16).to(torch.float8_e4m3fn)
+    one = torch.ones(())
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"no CPU _scaled_mm here: {err}")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    assert profiled_kernels(prof.events()) == {"aten::_scaled_mm": 1}
+    assert not profiled_host_reads(prof.events())

@@ -33,6 +33,7 @@ an alias yet copies a non-contiguous tensor.
 from __future__ import annotations
 
 import traceback
+import weakref
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -337,41 +338,96 @@ def _view_by_name(name: str) -> bool:
     return _VIEW_NAMES[name]
 
 
-def _kernel_event(name: str) -> bool:
-    if "cpp_fused" in name or name.startswith(("triton_", "snip_ds_cpu::")):
-        return True  # inductor's generated kernels (C++ on a CPU, Triton on a GPU); snip_ds's C++ kernels
-    if name in ("aten::item", "aten::is_nonzero"):
-        return False  # (composite: the copy to the host inside, aten::_local_scalar_dense, is the kernel)
-    return name.startswith(("aten::", "prims::")) and not _view_by_name(name)
+_COMPOSITE: Dict[str, bool] = {}
+
+
+def _composite(name: str) -> bool:
+    """Whether the operator ``name`` decomposes before it reaches a dispatch mode (a CompositeImplicitAutograd
+    kernel in any overload: ``aten::contiguous``, ``aten::matmul``, ``aten::item``): a dispatch mode sees the
+    operators it calls, not it."""
+    if name not in _COMPOSITE:
+        found = False
+        packet = getattr(torch.ops.aten, name[len("aten::"):], None) if name.startswith("aten::") else None
+        for overload in (packet.overloads() if packet is not None else []):
+            full = name if overload == "default" else f"{name}.{overload}"
+            try:
+                found = found or torch._C._dispatch_has_kernel_for_dispatch_key(full, "CompositeImplicitAutograd")
+            except RuntimeError:
+                continue
+        _COMPOSITE[name] = found
+    return _COMPOSITE[name]
+
+
+def _dispatched(events) -> List[object]:
+    """The events of a ``torch.profiler`` trace that a dispatch mode would have seen as operators (the
+    outermost operator calls, through composite ones), and inductor's generated kernels (``cpp_fused_*`` with
+    ``torch._inductor.config.cpp.enable_kernel_profile``, ``triton_*``): what a CPU operator does inside
+    (``aten::_scaled_mm``'s casts and host reads of its scales on a CPU) is not what a GPU launches."""
+    found = []
+
+    def visit(ev) -> None:
+        name = ev.name
+        if "cpp_fused" in name or name.startswith(("triton_", "snip_ds_cpu::")) or (
+                name.startswith(("aten::", "prims::")) and not _composite(name)):
+            found.append(ev)
+            return
+        for child in ev.cpu_children:
+            visit(child)
+
+    for ev in events:
+        if ev.cpu_parent is None and ev.device_type == torch.autograd.DeviceType.CPU:
+            visit(ev)
+    return found
 
 
 def profiled_kernels(events) -> Counter:
     """Kernel-running operators in a finished ``torch.profiler`` trace's CPU events (``prof.events()``), by
     name: what :class:`OpCounter` counts, for code it cannot see (a compiled graph runs its kernels without
-    dispatching operators to Python). An operator that runs a kernel counts once, under its own name, if
-    the operators it called ran at most one (``aten::clone`` and its ``aten::copy_``, ``aten::mul`` and the
-    wrap of a Python scalar), else as those; one that only aliases by its schema counts as what it called
-    (``aten::contiguous``: a copy, or nothing); each call of an inductor-generated kernel (``cpp_fused_*``
-    with ``torch._inductor.config.cpp.enable_kernel_profile``, ``triton_*``) counts once. Triton kernels
-    launched from Python (snip_ds's) are not profiler events: count them with :func:`patch_triton_launches`."""
-    counts: Counter = Counter()
-
-    def visit(ev) -> Counter:
-        below: Counter = Counter()
-        for child in ev.cpu_children:
-            below += visit(child)
-        if _kernel_event(ev.name) and sum(below.values()) <= 1:
-            return Counter({ev.name: 1})
-        return below
-
-    for ev in events:
-        if ev.cpu_parent is None and ev.device_type == torch.autograd.DeviceType.CPU:
-            counts += visit(ev)
-    return counts
+    dispatching operators to Python) -- the operators a dispatch mode would see (:func:`_dispatched`) less
+    those that only alias or allocate by their schema, and each call of an inductor-generated kernel. Triton
+    kernels launched from Python (snip_ds's) are not profiler events: count them with
+    :func:`patch_triton_launches`. Two things only the counter sees: a copy that an aliasing operator makes
+    (the profile has no storages), and the operators a tensor subclass runs (the profile shows the operator
+    on the subclass as one; a compiled graph has none left, dynamo traces through them)."""
+    return Counter(ev.name for ev in _dispatched(events) if not _view_by_name(ev.name))
 
 
 def profiled_host_reads(events) -> Counter:
-    """The operators in a ``torch.profiler`` trace that read a value on the host (:data:`_VALUE_DEPENDENT_OPS`,
-    a copy to the CPU is not told apart there): for compiled code, which :class:`HostReads` cannot watch."""
-    return Counter(ev.name for ev in events if ev.name in _VALUE_DEPENDENT_OPS
-                   and not (ev.cpu_parent is not None and ev.cpu_parent.name in _VALUE_DEPENDENT_OPS))
+    """The operators a dispatch mode would see in a ``torch.profiler`` trace that read a value on the host
+    (:data:`_VALUE_DEPENDENT_OPS`; a copy to the CPU is not told apart there): for compiled code, which
+    :class:`HostReads` cannot watch."""
+    return Counter(ev.name for ev in _dispatched(events) if ev.name in _VALUE_DEPENDENT_OPS)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes of live tensors that operators inside the ``with`` block allocated (``peak``,
+    ``live`` now): each output in new memory (not an input's storage: views and in-place results are not
+    allocations) counts its storage's bytes until that storage is freed (a finalizer on it), inside tensor
+    subclasses too. What the tensors hold, not what the allocator reserves (a CPU kernel's own scratch
+    buffers are not counted); storages that existed before the block (parameters, inputs) never are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._held: Dict[int, int] = {}
+
+    def _free(self, ptr: int) -> None:
+        self.live -= self._held.pop(ptr, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _subclass_call(args, kwargs):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        inputs = {_storage(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            ptr = _storage(t) if isinstance(t, torch.Tensor) else None
+            if ptr is None or ptr in inputs or ptr in self._held:
+                continue
+            storage = t.untyped_storage()
+            self._held[ptr] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, ptr)
+        return out
