@@ -28,3 +28,18 @@ def measure_due(step: int, every_n: int, replanned_now: bool) -> bool:
 def replan_steps(max_steps: int, replan_every: int, early_replan_steps: Iterable[int] = ()) -> List[int]:
     """The steps (``s``: before optimizer step ``s + 1``) at which a run of ``max_steps`` steps re-plans."""
     return [s for s in range(max_steps) if replan_due(s, replan_every, early_replan_steps)]
+
+
+def describe_replans(max_steps: int, replan_every: int, early_replan_steps: Iterable[int] = (), start: int = 0,
+                     shown: int = 8) -> str:
+    """The re-plans of a run of ``max_steps`` steps from global step ``start`` on, in words for the start-up line:
+    ``"re-planned at steps 0, 16, 32 and 64 (step N: after N optimizer steps)"``; past ``shown`` of them, the
+    rest as ``every replan_every``."""
+    steps = [s for s in replan_steps(max_steps, replan_every, early_replan_steps) if s >= start]
+    if not steps:
+        return f"no re-plan left before step {max_steps}"
+    words = [str(s) for s in steps[:shown]]
+    if len(steps) > shown:
+        words.append(f"every {replan_every} steps up to {steps[-1]}")
+    listed = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+    return f"re-planned at step{'s' if len(steps) > 1 else ''} {listed} (step N: after N optimizer steps)"

@@ -358,9 +358,10 @@ class SnipState:
     def before_step(self, step_batches: Sequence[Mapping[str, torch.Tensor]] = ()) -> None:
         """At an optimizer-step boundary, before the step's first micro-batch: in an adaptive run, re-plan if
         due (collect, solve on rank 0, broadcast, switch) and measure the plan's forward divergence if due
-        (logged as ``snip/measured_fld``, ``snip/predicted_fld`` and ``snip/measured_loss_change`` at the step
-        about to be taken). ``step_batches``: the step's micro-batches where the loop has them (collections
-        and measurements without a private stream use them). Also resets the non-finite guard for the step."""
+        (logged as ``snip/measured_fld``, ``snip/predicted_fld`` and ``snip/measured_loss_change`` at the global
+        step, the optimizer steps done, as a re-plan is and as the Trainer's log counts). ``step_batches``: the
+        step's micro-batches where the loop has them (collections and measurements without a private stream use
+        them). Also resets the non-finite guard for the step."""
         self.guard.begin_step()
         planner = self.planner
         if planner is None:  # a fixed plan: the first step's calls tell each layer's FLOPs (and who never runs)
@@ -380,7 +381,7 @@ class SnipState:
                 raise ValueError("measured divergence: no measurement stream and no micro-batch to measure on")
             unquantized, planned, kl = planner.measure_forward(batch)
             self.logger.scalars({"snip/measured_fld": kl, "snip/predicted_fld": planner.predicted_fld(),
-                                 "snip/measured_loss_change": planned - unquantized}, step + 1)
+                                 "snip/measured_loss_change": planned - unquantized}, step)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:

@@ -24,8 +24,10 @@ from snip_ds.train_stop import StopFlag
 
 def _plan_words(settings: SnipSettings, engine) -> str:
     if settings.is_adaptive:
-        return (f"adaptive (rho {settings.efficiency_saving}, method {settings.method}, "
-                f"re-planned every {settings.replan_every} steps)")
+        from snip_ds.schedule import describe_replans
+        replans = describe_replans(settings.train.max_steps, settings.replan_every, settings.early_replan_steps,
+                                   start=engine.step)
+        return f"adaptive (rho {settings.efficiency_saving}, method {settings.method}, {replans})"
     return f"{settings.plan!r} (fp4 share {engine.plan_fp4_share():.2f})"
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from snip_ds.schedule import measure_due, replan_due, replan_steps
+from snip_ds.schedule import describe_replans, measure_due, replan_due, replan_steps
 from snip_ds.settings import ConfigError, parse_snip_section
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,6 +29,20 @@ def test_the_default_run_replans_three_times_after_the_first_plan_with_adam_stat
     assert steps == [0, 16, 32, 64]
     warmup = max(1, settings.train.max_steps // 10)  # resolve_ds_config's "auto" warm-up
     assert all(s > warmup for s in steps[1:])  # Adam has moments, and the learning rate is past warm-up
+
+
+def test_the_start_up_line_and_the_readme_name_the_default_runs_replan_steps_as_the_run_counts_them():
+    """One count of steps (N: after N optimizer steps) in the start-up line, the README and the schedule."""
+    settings = parse_snip_section(json.loads((REPO / "ds_configs" / "zero3.json").read_text())["snip"], "zero3.json")
+    line = describe_replans(settings.train.max_steps, settings.replan_every, settings.early_replan_steps)
+    assert line == "re-planned at steps 0, 16, 32 and 64 (step N: after N optimizer steps)"
+    assert "re-plans after 0, 16, 32 and 64 [optimizer steps](docs/configuration.md#step-numbers)" in (
+        REPO / "README.md").read_text()
+    assert describe_replans(120, 250, (16, 32, 64), start=20) == ("re-planned at steps 32 and 64 (step N: after N "
+                                                                  "optimizer steps)")
+    assert describe_replans(120, 250, (16,), start=17) == "no re-plan left before step 120"
+    long = describe_replans(2000, 250, (16,), shown=3)
+    assert long.startswith("re-planned at steps 0, 16, 250 and every 250 steps up to 1750 (")
 
 
 def test_a_long_run_at_the_shipped_defaults_collects_once_per_replan_every_plus_four():
