@@ -1,81 +1,121 @@
-"""What one SnipLinear forward+backward costs the host: operators dispatched, kernel launches, host time per step.
+"""What a training step of one linear, and of one decoder block, costs beyond its arithmetic: launches, host time, host reads, bytes kept for backward, peak bytes.
 
-    python benchmarks/bench_layer_host.py [--tokens 32] [--k 64] [--n 64] [--steps 200] [--output_dir DIR]
-    python benchmarks/bench_layer_host.py --device cuda ...        # on a GPU: the real CUDA path
+    python benchmarks/bench_layer_host.py                  # writes benchmarks/results/bench_layer_host.{json,md}
+    python benchmarks/bench_layer_host.py --device cuda    # on a GPU: bench_layer_host_cuda.{json,md}
+    python benchmarks/bench_layer_host.py --steps 3 --variants fp8_hybrid --modes eager --output_dir DIR  # a quick look
 
-For BF16-shaped ``nn.Linear`` and SnipLinear on the ``torch`` backend (``fp8_hybrid``, ``mxfp8``, ``nvfp4``,
-``mxfp4``), one forward+backward step:
+Variants: ``bf16`` (``nn.Linear``), snip_ds's ``fp8_hybrid``, ``mxfp8``, ``nvfp4`` and ``mxfp4`` (SnipLinear on the
+``torch`` backend, what ``backend: auto`` runs on a GPU), and torchao's float8 training (``Float8Linear``,
+``torchao_tensorwise`` and ``torchao_rowwise``), each ``eager`` and ``compiled`` (``torch.compile``, inductor), in
+two scopes: ``layer`` (one linear, 32 tokens, 64 x 64, forward + backward) and ``block`` (one Llama decoder block of
+the default model's family at a small width -- RMSNorms, attention with RoPE and GQA, SwiGLU MLP -- its seven linears
+at the variant, swapped by snip_ds's own ``swap_linears`` or torchao's ``convert_to_float8_training``; forward +
+backward, BF16 input). All in BF16.
 
-* **launches per step** from a dispatch counter (snip_ds.backend.dispatch_audit.OpCounter): the operators that
-  run a kernel, the views (no kernel) and the launches of snip_ds's Triton kernels, for two code paths. ``cpu``:
-  the torch backend as a CPU runs it (the fused C++ kernels, streamed slices). ``cuda``: the torch backend's
-  CUDA code path -- the Triton kernels, X's FP8 codes kept for wgrad, G_Y quantized once, ``torch._scaled_mm``
-  for per-tensor FP8 -- run on CPU tensors (the kernels under Triton's interpreter, ``_scaled_mm`` on the CPU
-  where oneDNN has it), so the count is the GPU's without a GPU. With ``--device cuda`` the ``cuda`` path runs
-  on the GPU itself.
-* **host time per step**, eager and compiled (``torch.compile``, inductor), at a shape small enough that the
-  arithmetic is a small part of it (default 32 tokens, 64 x 64): the median wall time of a step, and from
-  ``torch.profiler`` the CPU self time of every dispatched operator; the rest -- Python, autograd, the
-  backends' bookkeeping -- is the ``python`` column. On the CPU this is the ``cpu`` path; on a GPU the
-  ``cuda`` path, each step synchronised, so the time is what the host spends issuing a step that the GPU
-  finishes at once. On the CPU the step runs in one thread and its time is that thread's CPU time (what other
-  processes on a shared machine barely move); on a GPU, wall time.
+Without a GPU the rows are the CUDA code path run on CPU tensors (:func:`cuda_path_on_cpu`: snip_ds's Triton
+kernels under Triton's interpreter, the FP8 GEMMs as the CPU's ``torch._scaled_mm``): what a GPU would launch,
+counted without one. Per row:
 
-Writes ``bench_layer_host.json`` and ``.md`` into ``--output_dir`` (default: print only), naming the machine.
+* ``launches``: kernels per step. Eager: the dispatch counter (``snip_ds.backend.dispatch_audit.OpCounter``):
+  operators that run a kernel -- inside tensor subclasses too (torchao's) -- plus Triton launches; views not.
+  Compiled: the same from a profile (``profiled_kernels``): inductor's generated kernels (C++ on a CPU, where a
+  GPU would run Triton kernels), the operators the compiled code calls, plus snip_ds's Triton launches inside
+  its custom ops. On CUDA: the device kernels in the profile.
+* ``step_us``: the median CPU time of one thread over ``--steps`` steps (``time.process_time``, which other
+  processes on a shared machine barely move), the GPU idle before each step on CUDA. On a CPU snip_ds's Triton
+  launches are replaced by empty ones (the host's work up to the launch; the interpreter's run of the kernel is
+  not timed), but the CPU operators run: ``ops_share`` is the share of a profiled run's wall time that the
+  operators take themselves (their profiler self time: their arithmetic on this CPU, and their own dispatch).
+* ``host_us``: on a CPU ``step_us`` less that share -- the host's work besides the operators: Python, autograd,
+  the dispatcher up to each operator; a GPU pays this, plus a launch per kernel, while its kernels run. On CUDA
+  ``step_us`` itself (the operators' host side is all there is there).
+* ``syncs``: host reads of a tensor's value in a step (``HostReads``; compiled: the value-dependent operators in
+  the profile).
+* ``saved_bytes``: bytes autograd keeps between forward and backward (``saved_tensors_hooks``; each storage once,
+  parameters' storages not counted, a subclass by its inner tensors).
+* ``peak_bytes``: the peak of the bytes allocated during a step above what was allocated before it (the CPU
+  allocator's records in a memory profile; on CUDA ``max_memory_allocated``): parameters are not counted,
+  their gradients are.
+* ``*_ratio_vs_bf16``: over ``bf16``'s in the same scope and mode, the same run.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
+import pstats
 import statistics
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from collections import Counter
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available() and "--device" not in " ".join(sys.argv):
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the cuda path's kernels run on CPU tensors
+if "--device" not in sys.argv or "cpu" in sys.argv[sys.argv.index("--device") + 1:][:1]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the CUDA path's kernels on CPU tensors (read at triton's import)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 from snip_ds.backend import torch_native  # noqa: E402
-from snip_ds.backend.dispatch_audit import OpCounter  # noqa: E402
+from snip_ds.backend.dispatch_audit import (HostReads, LiveBytes, OpCounter, OpCounts,  # noqa: E402
+                                            patch_triton_launches, profiled_host_reads, profiled_kernels)
 from snip_ds.linear import SnipLinear  # noqa: E402
 from snip_ds.quant_config import QuantConfig  # noqa: E402
 
-VARIANTS = {  # name: (precision, config); None: BF16 nn.Linear
-    "bf16": None,
+SNIP = {  # name: (precision, config)
     "fp8_hybrid": ("fp8", QuantConfig(backend="torch")),
     "mxfp8": ("fp8", QuantConfig(backend="torch", fp8_recipe="mxfp8")),
     "nvfp4": ("fp4", QuantConfig(backend="torch")),
     "mxfp4": ("fp4", QuantConfig(backend="torch", fp4_recipe="mxfp4")),
 }
+TORCHAO = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise"}
+VARIANTS = ("bf16", *SNIP, *TORCHAO)
+SCOPES = ("layer", "block")
+MODES = ("eager", "compiled")
+BLOCK = dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+TARGETS = [  # (what, the figure): for the Markdown's check list
+    "fp8_hybrid layer launches, eager <= 10; mxfp8 / nvfp4 / mxfp4 <= 12",
+    "fp8_hybrid layer host ratio, eager <= 1.6x; block host ratio, eager and compiled <= 1.3x",
+    "fp8_hybrid block launches, compiled <= bf16 block compiled + 21",
+    "fp8_hybrid block saved_bytes_ratio <= 0.75x; peak_bytes_ratio <= 1.0x; syncs 0 in every row",
+    "every fp8_hybrid row below torchao's rows of the same scope and mode in launches and host ratio",
+]
 
 
 def machine() -> str:
-    if torch.cuda.is_available() and torch.cuda.device_count():
-        gpu = torch.cuda.get_device_name()
-    else:
-        gpu = None
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return f"{cpu}, {os.cpu_count()} CPUs" + (f"; {gpu}" if gpu else "")
 
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1], timeout=10).stdout.strip() or "unknown"
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=REPO, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        out, dirty = "", ""
+    out = out or os.environ.get("SNIP_DEVICE_COMMIT", "unknown")[:12]
+    return out + (" (tracked files modified)" if dirty else "")
+
+
+def torchao_version() -> str:
+    try:
+        import torchao
+        return torchao.__version__
+    except Exception as err:  # not installed, or not importable with this torch
+        return f"not available ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
 
 
 def cuda_path_on_cpu(stack: ExitStack) -> str:
@@ -101,133 +141,385 @@ def cuda_path_on_cpu(stack: ExitStack) -> str:
         return "BF16-exact GEMMs (no FP8 matmul in this CPU's oneDNN)"
 
 
-def make_layer(name: str, k: int, n: int, device: str):
+# ------------------------------------------------------------------------------------------------ the modules
+
+def _torchao(module: torch.nn.Module, recipe: str) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe))
+
+
+def make_layer(variant: str, args, device: str):
+    """(module, input, output gradient, extra forward kwargs) of one linear."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-    spec = VARIANTS[name]
-    if spec is not None:
-        layer = SnipLinear.from_linear(layer, spec[0], spec[1])
-        layer.generator = torch.Generator(device=device).manual_seed(0)
-    return layer
+    linear = torch.nn.Linear(args.k, args.n, bias=False, device=device, dtype=torch.bfloat16)
+    module = linear
+    if variant in SNIP:
+        module = SnipLinear.from_linear(linear, *SNIP[variant])
+        module.generator = torch.Generator(device=device).manual_seed(0)
+    elif variant in TORCHAO:
+        module = torch.nn.Sequential(linear)
+        _torchao(module, TORCHAO[variant])
+    x = torch.randn(args.tokens, args.k, device=device).bfloat16()
+    g = (torch.randn(args.tokens, args.n, device=device) * 1e-3).bfloat16()
+    return module, x, g, {}
 
 
-def make_step(fn, layer, tokens: int, k: int, n: int, device: str):
-    x = torch.randn(tokens, k, device=device).bfloat16()
-    g = (torch.randn(tokens, n, device=device) * 1e-3).bfloat16()
+def block_config(tokens: int):
+    """The default model's config (snip_ds.model.default_model_config) at a small width, one block."""
+    from snip_ds.model import default_model_config
 
-    def step():
-        xi = x.detach().requires_grad_(True)
-        fn(xi).backward(g)
-        layer.weight.grad = None
-    return step
+    config = default_model_config(vocab_size=64, block_size=tokens)
+    for key, value in {**BLOCK, "num_hidden_layers": 1}.items():
+        setattr(config, key, value)
+    config._attn_implementation = "sdpa"
+    return config
 
 
-def count_ops(name: str, tokens: int, k: int, n: int, device: str) -> dict:
-    layer = make_layer(name, k, n, device)
-    step = make_step(layer, layer, tokens, k, n, device)
-    step()  # one-off set-up outside the count
-    with OpCounter() as counter:
+def make_block(variant: str, args, device: str):
+    """(decoder block, hidden states, their gradient, position embeddings) of the default model's family."""
+    from transformers import AutoModelForCausalLM
+
+    from snip_ds.swap import swap_linears
+
+    torch.manual_seed(0)
+    config = block_config(args.tokens)
+    model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=torch.bfloat16)
+    if variant in SNIP:
+        swap_linears(model, *SNIP[variant])
+    block = model.model.layers[0]
+    if variant in TORCHAO:
+        _torchao(block, TORCHAO[variant])
+    x = torch.randn(1, args.tokens, config.hidden_size, device=device).bfloat16()
+    g = (torch.randn(1, args.tokens, config.hidden_size, device=device) * 1e-3).bfloat16()
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(x, torch.arange(args.tokens, device=device)[None])
+    return block, x, g, {"position_embeddings": (cos, sin)}
+
+
+class Step:
+    """One forward + backward of ``fn`` (the module, or its compiled form) on a fresh leaf input; the
+    parameters' gradients are dropped after it."""
+
+    def __init__(self, module, fn, x, g, kwargs):
+        self.params = list(module.parameters())
+        self.fn, self.x, self.g, self.kwargs = fn, x, g, kwargs
+
+    def __call__(self, forward_context=None):
+        xi = self.x.detach().requires_grad_(True)
+        with forward_context if forward_context is not None else nullcontext():
+            out = self.fn(xi, **self.kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(self.g)
+        for p in self.params:
+            p.grad = None
+
+
+# ------------------------------------------------------------------------------------------------ the figures
+
+def _inner(t: torch.Tensor):
+    """The plain tensors a tensor subclass holds (its ``__tensor_flatten__``), or the tensor itself."""
+    if type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__ or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [leaf for name in names for leaf in _inner(getattr(t, name))]
+
+
+def saved_bytes(step: Step) -> dict:
+    """Bytes of the storages autograd keeps for backward over one step's forward, each storage once, the
+    parameters' not; and what they are."""
+    params = {p.untyped_storage().data_ptr() for p in step.params}
+    seen, kept = set(), []
+
+    def pack(t):
+        for leaf in _inner(t):
+            ptr = leaf.untyped_storage().data_ptr()
+            if ptr in params or ptr in seen or leaf.numel() == 0:
+                continue
+            seen.add(ptr)
+            kept.append((tuple(leaf.shape), str(leaf.dtype).replace("torch.", ""), leaf.untyped_storage().nbytes()))
+        return t
+
+    step(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+    return {"bytes": sum(b for *_, b in kept), "tensors": sorted(kept, key=lambda e: -e[2])}
+
+
+def peak_tensor_bytes(step: Step) -> int:
+    """Peak bytes of the tensors one eager step allocates (:class:`LiveBytes`: what they hold, not the CPU
+    kernels' own scratch)."""
+    with LiveBytes() as mem:
         step()
-    return counter.counts.as_dict()
+    return mem.peak
 
 
-def host_time(fn_of_layer, name: str, tokens: int, k: int, n: int, steps: int, device: str) -> dict:
-    """The median time of a step (CPU: the thread's CPU time; CUDA: wall time, synchronised), and from a
-    profiled run of the same steps the share of its time that the dispatched operators take themselves."""
-    layer = make_layer(name, k, n, device)
-    step = make_step(fn_of_layer(layer), layer, tokens, k, n, device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    clock = time.perf_counter if device == "cuda" else time.process_time  # CPU: the one thread's CPU time
-    for _ in range(5):  # warm-ups: compiles (torch.compile, Triton), kernel selection
+def peak_bytes(step: Step, device: str) -> int:
+    """Peak bytes allocated during one step above what was allocated before it: on CUDA the caching
+    allocator's, on a CPU the CPU allocator's records in a memory profile (its kernels' scratch included)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         step()
-    sync()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, nbytes in records:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def profiled(step: Step, device: str, steps: int) -> dict:
+    """From a profile of ``steps`` steps: kernels per step, host reads per step, operators' share of the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = OpCounts()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with ExitStack() as stack:
+        if device == "cpu":
+            patch_triton_launches(stack, counts, run=False)
+        begin = time.perf_counter()  # wall clock, as the profiler's self times
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        elapsed_us = (time.perf_counter() - begin) * 1e6
+    events = prof.events()
+    if device == "cuda":
+        kernels = Counter(e.name[:80] for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    else:
+        kernels = profiled_kernels(events) + counts.triton
+    own = sum(e.self_cpu_time_total for e in events if e.device_type == torch.autograd.DeviceType.CPU
+              and (e.name.startswith(("aten::", "prims::", "snip_ds_cpu::")) or "cpp_fused" in e.name))
+    return {"launches": sum(kernels.values()) / steps, "ops_us": own / steps,
+            "by_op": {k: v / steps for k, v in sorted(kernels.items(), key=lambda kv: (-kv[1], kv[0]))},
+            "syncs": sum(profiled_host_reads(events).values()) / steps,
+            "ops_share": min(own / elapsed_us, 1.0) if elapsed_us > 0 else 0.0}
+
+
+def host_time(step: Step, device: str, steps: int) -> float:
+    """Median CPU time (µs) of one step; on CUDA the GPU idle before each (synchronised outside the timing)."""
     times = []
     for _ in range(steps):
-        begin = clock()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        begin = time.process_time()
         step()
-        sync()
-        times.append((clock() - begin) * 1e6)
-    from torch.profiler import ProfilerActivity, profile
-    profiled = max(10, steps // 5)
-    begin = clock()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(profiled):
+        times.append((time.process_time() - begin) * 1e6)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def python_profile(step: Step, steps: int, top: int = 12) -> list:
+    """The Python functions with the most own time over ``steps`` steps (cProfile), µs per step."""
+    prof = cProfile.Profile(time.process_time)  # CPU time: what other processes barely move
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line} {name}", "calls": nc / steps, "own_us": tt / steps * 1e6}
+            for (f, line, name), (_, nc, tt, _, _) in rows]
+
+
+def measure(scope: str, variant: str, mode: str, args, device: str) -> dict:
+    build = make_layer if scope == "layer" else make_block
+    module, x, g, kwargs = build(variant, args, device)
+    fn = module
+    if mode == "compiled":
+        torch._dynamo.reset()
+        fn = torch.compile(module, backend="inductor")
+    step = Step(module, fn, x, g, kwargs)
+    begin = time.perf_counter()
+    with ExitStack() as stack:
+        if mode == "compiled" and device == "cpu":  # (nothing counts the compiled rows' kernels by running them)
+            patch_triton_launches(stack, None, run=False)
+        step()  # compiles (inductor), builds and launches the kernels once
+    warmup_s = time.perf_counter() - begin
+    row = {"scope": scope, "variant": variant, "mode": mode, "warmup_s": warmup_s}
+    started = time.perf_counter()
+    if mode == "eager" and device == "cpu":
+        with OpCounter() as counter:  # the kernels run (Triton's interpreter): the step as it is
             step()
-        sync()
-    profiled_us = (clock() - begin) * 1e6
-    ops = sum(ev.self_cpu_time_total for ev in prof.events() if ev.name.split("::", 1)[0] in _OPERATOR_NAMESPACES)
-    share = min(ops / profiled_us, 1.0) if profiled_us > 0 else 0.0
-    wall = statistics.median(times)
-    return {"step_us": wall, "operator_share": share, "operators_us": wall * share, "rest_us": wall * (1 - share)}
+        row["launches"] = counter.counts.launches
+        row["by_op"] = counter.counts.as_dict()["by_op"]
+        row["views"] = sum(counter.counts.views.values())
+        row["subclass_ops"] = sum(counter.counts.subclass.values())
+    with ExitStack() as stack:
+        if device == "cpu":
+            patch_triton_launches(stack, None, run=False)  # the launch's host work, not the interpreted kernel
+        for _ in range(2):
+            step()
+        prof = profiled(step, device, max(5, args.steps // 5))
+        if "launches" not in row:
+            row["launches"], row["by_op"] = prof["launches"], prof["by_op"]
+        else:
+            row["launches_profiled"] = prof["launches"]
+        if mode == "eager":
+            with HostReads() as reads:
+                step()
+            row["syncs"] = len(reads.reads)
+            row["sync_sites"] = sorted({str(r) for r in reads.reads})
+        else:
+            row["syncs"] = prof["syncs"]
+        kept = saved_bytes(step)
+        row["saved_bytes"], row["saved"] = kept["bytes"], kept["tensors"]
+        row["peak_alloc_bytes"] = peak_bytes(step, device)
+        if device == "cpu" and mode == "eager":
+            row["peak_bytes"], row["peak_method"] = peak_tensor_bytes(step), "tensors"
+        else:
+            row["peak_bytes"], row["peak_method"] = row["peak_alloc_bytes"], "allocator"
+        row["step_us"] = host_time(step, device, args.steps)
+        row["ops_share"] = prof["ops_share"] if device == "cpu" else 0.0
+        row["host_us"] = row["step_us"] * (1 - row["ops_share"])  # on a CPU: less the operators' own time
+        if args.python_profile and mode == "eager" and variant in ("bf16", "fp8_hybrid"):
+            row["python_top"] = python_profile(step, max(5, args.steps // 10))
+    row["measure_s"] = time.perf_counter() - started
+    return row
 
 
-_OPERATOR_NAMESPACES = ("aten", "snip_ds_cpu", "prims")  # (snip_ds::* ops hold Python: not counted)
+def add_ratios(rows: list) -> None:
+    base = {(r["scope"], r["mode"]): r for r in rows if r["variant"] == "bf16" and "error" not in r}
+    for r in rows:
+        b = base.get((r["scope"], r["mode"]))
+        if b is None or "error" in r:
+            continue
+        for key in ("host_us", "step_us", "saved_bytes", "peak_bytes"):
+            name = key.replace("_us", "") + "_ratio_vs_bf16"
+            r[name] = r[key] / b[key] if b[key] else float("nan")
 
 
-def compiled(layer):
-    return torch.compile(layer, backend="inductor")
+def cpu_path_launches(args) -> dict:
+    """The layer's eager launches on the CPU's own code path (snip_ds's C++ kernels, streamed slices)."""
+    out = {}
+    for variant in ("bf16", *SNIP):
+        module, x, g, kwargs = make_layer(variant, args, "cpu")
+        step = Step(module, module, x, g, kwargs)
+        step()
+        with OpCounter() as counter:
+            step()
+        out[variant] = {"launches": counter.counts.launches, "by_op": counter.counts.as_dict()["by_op"]}
+    return out
 
 
 def run(args) -> dict:
     device = args.device
+    torch.set_num_threads(1)  # one thread: its CPU time is what other processes on a shared machine barely move
     if device == "cpu":
-        torch.set_num_threads(1)  # host time is one thread's; its CPU time is what other processes barely move
-    result = {"benchmark": "bench_layer_host", "machine": machine(), "commit": commit(), "torch": torch.__version__,
-              "device": device, "tokens": args.tokens, "k": args.k, "n": args.n, "steps": args.steps,
-              "threads": torch.get_num_threads(), "launches": {}, "host": {}}
-    paths = ["cuda"] if device == "cuda" else ["cpu", "cuda"]
-    for path in paths:
-        with ExitStack() as stack:
-            if device == "cpu" and path == "cuda":
-                result["cuda_path_gemms"] = cuda_path_on_cpu(stack)
-            result["launches"][path] = {name: count_ops(name, args.tokens, args.k, args.n, device)
-                                        for name in VARIANTS}
-        print(f"launches ({path} path): " + ", ".join(f"{name} {r['launches']}"
-                                                     for name, r in result["launches"][path].items()), flush=True)
-    for mode, fn in (("eager", lambda layer: layer), ("compiled", compiled)):
-        result["host"][mode] = {}
-        for name in VARIANTS:
-            torch._dynamo.reset()
-            result["host"][mode][name] = r = host_time(fn, name, args.tokens, args.k, args.n, args.steps, device)
-            print(f"host {mode} {name}: {r['step_us']:.0f} us/step (operators {r['operators_us']:.0f}, the rest "
-                  f"{r['rest_us']:.0f})", flush=True)
-    return result
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp.enable_kernel_profile = True  # inductor's C++ kernels as profiler events: counted
+    res = {"benchmark": "bench_layer_host", "commit": commit(), "machine": machine(), "torch": torch.__version__,
+           "torchao": torchao_version(), "device": device, "threads": torch.get_num_threads(),
+           "tokens": args.tokens, "k": args.k, "n": args.n, "block": BLOCK, "steps": args.steps, "rows": []}
+    start = time.perf_counter()
+    with ExitStack() as stack:
+        if device == "cpu":
+            res["cuda_path_gemms"] = cuda_path_on_cpu(stack)
+            import triton
+            res["triton"] = triton.__version__
+        for scope in args.scopes:
+            for mode in args.modes:
+                for variant in args.variants:
+                    try:
+                        row = measure(scope, variant, mode, args, device)
+                    except Exception as err:  # a variant that cannot run here: the reason, in its row
+                        row = {"scope": scope, "variant": variant, "mode": mode,
+                               "error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
+                    res["rows"].append(row)
+                    print(_line(row), flush=True)
+    add_ratios(res["rows"])
+    if device == "cpu" and "layer" in args.scopes and "eager" in args.modes:
+        res["cpu_path"] = cpu_path_launches(args)
+    res["wall_s"] = time.perf_counter() - start
+    return res
 
 
-def write_markdown(r: dict, path: Path) -> None:
-    host_path = "cuda" if r["device"] == "cuda" else "cpu"
-    lines = [f"# bench_layer_host: one SnipLinear forward+backward, what it costs the host", "",
-             f"Machine: {r['machine']}; torch {r['torch']}, {r['threads']} threads; commit {r['commit']}. "
-             f"{r['tokens']} tokens, k = {r['k']}, n = {r['n']}, BF16, the torch backend.", "",
-             "## Launches per step (dispatch counter)", "",
-             "Operators that run a kernel plus Triton launches (on CUDA: about the kernel launches); views in "
-             "brackets."]
-    if "cuda_path_gemms" in r:
-        lines.append(f"The cuda path ran on CPU tensors: Triton's interpreter, FP8 GEMMs as {r['cuda_path_gemms']}.")
-    paths = list(r["launches"])
-    lines += ["", "| variant | " + " | ".join(f"{p} path" for p in paths) + " |", "|---|" + "---|" * len(paths)]
-    for name in VARIANTS:
-        cells = [f"{r['launches'][p][name]['launches']} ({r['launches'][p][name]['view_ops']})" for p in paths]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    for p in paths:
-        lines += ["", f"### {p} path, by operator", "", "| variant | operators (calls per step) |", "|---|---|"]
-        for name in VARIANTS:
-            ops = ", ".join(f"`{op}` {c}" for op, c in r["launches"][p][name]["by_op"].items())
-            lines.append(f"| {name} | {ops} |")
-    lines += ["", f"## Host time per step ({host_path} path)", "",
-              f"Median {'wall time' if r['device'] == 'cuda' else 'CPU time (one thread)'} of {r['steps']} steps"
-              f"{', each synchronised' if r['device'] == 'cuda' else ''}; "
-              "operators: the share of a profiled run's time that the dispatched operators (aten, the CPU kernels) take "
-              "themselves (torch.profiler self time), applied to the step; the rest: Python, autograd, the "
-              "dispatcher and the profiler's own cost per operator, which makes this split an upper bound for "
-              "the operators.", "",
-              "| variant | eager µs | operators | the rest | compiled µs | operators | the rest |",
-              "|---|---|---|---|---|---|---|"]
-    for name in VARIANTS:
-        e, c = r["host"]["eager"][name], r["host"]["compiled"][name]
-        lines.append(f"| {name} | {e['step_us']:.0f} | {e['operators_us']:.0f} | {e['rest_us']:.0f} | "
-                     f"{c['step_us']:.0f} | {c['operators_us']:.0f} | {c['rest_us']:.0f} |")
-    path.write_text("\n".join(lines) + "\n")
+def _line(r: dict) -> str:
+    head = f"{r['scope']:>5} {r['mode']:>8} {r['variant']:>18}:"
+    if "error" in r:
+        return f"{head} error {r['error'][:200]}"
+    return (f"{head} {r['launches']:5.0f} launches, {r['host_us']:7.0f} us host, {r['syncs']} syncs, saved "
+            f"{r['saved_bytes']} B, peak {r['peak_bytes']} B (warm-up {r['warmup_s']:.1f} s)")
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+def _f(value, fmt="{:.2f}"):
+    return "" if value is None else fmt.format(value)
+
+
+def markdown(res: dict) -> str:
+    cpu = res["device"] == "cpu"
+    lines = [f"# bench_layer_host: what a layer's and a block's step costs beyond its arithmetic", "",
+             f"Commit {res['commit']}; {res['machine']}; torch {res['torch']}, torchao {res['torchao']}"
+             + (f", Triton {res['triton']} (interpreter)" if cpu else "") + f"; {res['threads']} thread. "
+             f"Layer: {res['tokens']} tokens, {res['k']} x {res['n']}; block: one Llama decoder block (the default "
+             f"model's family), hidden {res['block']['hidden_size']}, SwiGLU {res['block']['intermediate_size']}, "
+             f"{res['block']['num_attention_heads']} heads of {res['block']['head_dim']}, "
+             f"{res['block']['num_key_value_heads']} KV heads, {res['tokens']} tokens; BF16, forward + backward.", ""]
+    if cpu:
+        lines += [f"**The CUDA code path on CPU tensors**: snip_ds's Triton kernels under Triton's interpreter, FP8 "
+                  f"GEMMs as {res['cuda_path_gemms']}. Launches are what a GPU would launch (compiled: inductor's "
+                  "C++ kernels, where a GPU would launch its Triton kernels). Step µs: one thread's CPU time of a "
+                  "step, snip_ds's Triton launches replaced by empty ones (the host's work up to the launch call; "
+                  "neither the interpreted kernel nor Triton's own launcher), the CPU operators run; ops share: the "
+                  "operators' profiler self time (their arithmetic here, and their own dispatch) over the step; "
+                  "host µs: step µs less that share -- Python, autograd, the dispatcher. Peak B: eager, the live "
+                  "tensors' bytes (LiveBytes); compiled, the CPU allocator's records (its kernels' scratch "
+                  "included). Syncs, compiled: value-dependent operators in the profile.", ""]
+    else:
+        lines += ["On the GPU: launches are the device kernels in a profile; host µs = step µs, the CPU time of "
+                  "issuing a step with the GPU idle before it (Triton's launcher included); peak B from "
+                  "`torch.cuda.max_memory_allocated`.", ""]
+    lines += [f"Median of {res['steps']} steps. Ratios against bf16 of the same scope and mode.", "",
+              "| scope | mode | variant | launches | host µs | host × bf16 | step µs | step × bf16 | ops share | "
+              "syncs | saved B | saved × bf16 | peak B | peak × bf16 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        head = f"| {r['scope']} | {r['mode']} | {r['variant']} |"
+        if "error" in r:
+            lines.append(f"{head} not run: {r['error'][:160]} | | | | | | | | | | |")
+            continue
+        lines.append(f"{head} {r['launches']:.0f} | {r['host_us']:.0f} | {_f(r.get('host_ratio_vs_bf16'))} | "
+                     f"{r['step_us']:.0f} | {_f(r.get('step_ratio_vs_bf16'))} | "
+                     f"{r['ops_share']:.0%} | {r['syncs']:.0f} | {r['saved_bytes']} | "
+                     f"{_f(r.get('saved_bytes_ratio_vs_bf16'))} | {r['peak_bytes']} | "
+                     f"{_f(r.get('peak_bytes_ratio_vs_bf16'))} |")
+    lines += ["", "Targets: " + "; ".join(TARGETS) + ".", "", "## Launches by operator, per step", "",
+              "| scope | mode | variant | kernels (calls per step) |", "|---|---|---|---|"]
+    for r in res["rows"]:
+        if "error" not in r:
+            ops = ", ".join(f"`{op}` {c:g}" for op, c in r["by_op"].items())
+            lines.append(f"| {r['scope']} | {r['mode']} | {r['variant']} | {ops} |")
+    lines += ["", "## What autograd keeps for backward (eager)", "",
+              "| scope | variant | tensors kept (shape dtype bytes), parameters not counted |", "|---|---|---|"]
+    for r in res["rows"]:
+        if "error" not in r and r["mode"] == "eager":
+            kept = ", ".join(f"{list(s)} {d} {b}" for s, d, b in r["saved"])
+            lines.append(f"| {r['scope']} | {r['variant']} | {kept} |")
+    tops = [r for r in res["rows"] if "python_top" in r]
+    if tops:
+        lines += ["", "## Python functions with the most own time (cProfile, µs per step, eager)", ""]
+        for r in tops:
+            lines.append(f"- {r['scope']} {r['variant']}: " + "; ".join(
+                f"`{e['function']}` {e['own_us']:.0f} ({e['calls']:g} calls)" for e in r["python_top"][:8]))
+    if "cpu_path" in res:
+        lines += ["", "## The CPU's own code path (the layer, eager)", "",
+                  "What a CPU run launches (snip_ds's C++ kernels, streamed slices), not a GPU.", "",
+                  "| variant | launches | kernels |", "|---|---|---|"]
+        for v, r in res["cpu_path"].items():
+            lines.append(f"| {v} | {r['launches']} | " + ", ".join(f"`{op}` {c}" for op, c in r["by_op"].items()) + " |")
+    lines += ["", f"Run time {res['wall_s']:.0f} s."]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -235,9 +527,14 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--k", type=int, default=64)
     p.add_argument("--n", type=int, default=64)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=100, help="timed steps per row (default 100)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--scopes", nargs="+", choices=SCOPES, default=list(SCOPES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--no_python_profile", dest="python_profile", action="store_false",
+                   help="skip the cProfile of bf16 and fp8_hybrid eager")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--output_dir", type=Path)
+    p.add_argument("--output_dir", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args(argv)
     for field in ("tokens", "k", "n", "steps"):
         if getattr(args, field) < 1:
@@ -245,12 +542,13 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_layer_host: --device cuda needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
-    result = run(args)
-    if args.output_dir is not None:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        stem = "bench_layer_host" + ("_cuda" if args.device == "cuda" else "")
-        (args.output_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
-        write_markdown(result, args.output_dir / f"{stem}.md")
+    args.variants = ["bf16"] + [v for v in args.variants if v != "bf16"]  # the ratios' base, always measured
+    res = run(args)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    stem = "bench_layer_host" + ("_cuda" if args.device == "cuda" else "")
+    (args.output_dir / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    (args.output_dir / f"{stem}.md").write_text(markdown(res))
+    print(f"bench_layer_host: {len(res['rows'])} rows in {res['wall_s']:.0f} s -> {args.output_dir / stem}.md")
     return 0
 
 
