@@ -68,6 +68,7 @@ from transformers import TrainerCallback
 from snip_ds import distributed as sdist
 from snip_ds import hf_checkpoint, hf_tp, jit_builds
 from snip_ds.artifacts import STATE_FILE
+from snip_ds.builds import load_cpu_quantizer
 from snip_ds.deepspeed_config import refuse_module_replacement, tensor_parallel_degree
 from snip_ds.deprecations import show_deprecations_once
 from snip_ds.hf_checks import (check_against_trainer, check_cpu_ranks, deepspeed_config, launched_world,
@@ -274,6 +275,7 @@ class SnipCallback(TrainerCallback):
             hf_tp.quantize_shards(trainer.model, self._originals, s, self.tp)
         check_still_swapped(trainer.model, self.infos, "the Trainer's model preparation (deepspeed.initialize)")
         loop = TrainerLoop(trainer, self.tp)
+        load_cpu_quantizer(next(trainer.model.parameters()).device)  # built now, not inside SNIP's first timing
         block = sequence_length(trainer.train_dataset)
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * block
         self.state = SnipState(loop, self.infos, s, tokens_per_step, TrainerLogger(trainer), driver="trainer",

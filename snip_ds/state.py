@@ -17,6 +17,7 @@ Each driver hands the state a :class:`TrainingLoop` (a small adapter over its lo
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence
 
 import torch
@@ -28,6 +29,7 @@ from snip_ds.console import say
 from snip_ds.experts.points import ExpertPoint, recomputing
 from snip_ds.global_rng import global_rng_tensors, restore_global_rngs
 from snip_ds.plan import Plan, fp4_share
+from snip_ds.run_report import replan_line
 from snip_ds.schedule import measure_due, replan_due
 from snip_ds.settings import SnipSettings
 from snip_ds.swap import LayerInfo, model_layers
@@ -242,6 +244,8 @@ class SnipState:
         self.measure_stream = None
         self.skipped_steps = 0
         self.guard = NonFiniteGuard(self, loop.module)
+        self.snip_seconds = 0.0  # SNIP's own work in this process: statistics, solves, measured divergence
+        self.show_dir: Optional[str] = None  # what `snip-ds show` reads for this run (named in re-plan lines)
 
     # ------------------------------------------------------------------ the loop's facts
     @property
@@ -347,13 +351,6 @@ class SnipState:
         """FP4 share of the linear-GEMM FLOPs under the current plan."""
         return fp4_share(self.plan.assignment, self.flops)
 
-    def announce_replan(self, record: Mapping[str, Any]) -> None:
-        """Rank 0's console line for a re-plan that switched plans (both loops print it)."""
-        if sdist.rank() == 0:
-            say(f"snip_ds: step {record['step']}: plan {record['status']}, fp4 share {record['fp4_share']:.3f}, "
-                f"{record['changed']} layer(s) changed (statistics {record['collect_s']:.2f} s, "
-                f"solve {record['solve_s']:.2f} s)")
-
     # ------------------------------------------------------------------ before each optimizer step
     def before_step(self, step_batches: Sequence[Mapping[str, torch.Tensor]] = ()) -> None:
         """At an optimizer-step boundary, before the step's first micro-batch: in an adaptive run, re-plan if
@@ -369,9 +366,8 @@ class SnipState:
                 self._calls = CallCounter({f: m for f, m in self.layers.items() if not isinstance(m, ExpertPoint)})
                 self._calls_settled = True
             return
-        step = self.step
-        if planner.due(step) and planner.planned_at != step:
-            planner.replan(step_batches)
+        step, start, previous, kl = self.step, time.perf_counter(), self.plan, None
+        new = planner.replan(step_batches) if planner.due(step) and planner.planned_at != step else None
         if planner.measure_due(step):
             if self.measure_stream is not None:
                 batch = self.measure_stream.next_batch()
@@ -379,9 +375,16 @@ class SnipState:
                 batch = step_batches[0]
             else:
                 raise ValueError("measured divergence: no measurement stream and no micro-batch to measure on")
+            measuring = time.perf_counter()
             unquantized, planned, kl = planner.measure_forward(batch)
+            if new is not None:
+                planner.history[-1]["measure_s"] = time.perf_counter() - measuring
             self.logger.scalars({"snip/measured_fld": kl, "snip/predicted_fld": planner.predicted_fld(),
                                  "snip/measured_loss_change": planned - unquantized}, step)
+        self.snip_seconds += time.perf_counter() - start
+        if new is not None and sdist.rank() == 0:  # what the re-plan did, its measured divergence included
+            say(replan_line(planner.history[-1], previous, new, self.settings.efficiency_saving,
+                            planner.predicted_fld(), kl, self.show_dir, first=len(planner.history) == 1))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from snip_ds import console, faults, resume
+from snip_ds.deprecations import quiet_third_party
+from snip_ds.progress import Progress, console_interval
 from snip_ds.deepspeed_config import resolve_ds_config, tensor_parallel_degree, validate_with_deepspeed
 from snip_ds.settings import ConfigError, SnipSettings
 from snip_ds.tensorboard import config_text, make_logger
@@ -147,8 +149,8 @@ def train(args: argparse.Namespace) -> int:
         check_backend(settings.quant, gemm_device)
     except ValueError as err:
         raise UserError(f"{args.deepspeed}: snip.quant.backend: {err}") from None
-    backend_words = ", ".join(f"{p} on {resolve(settings.quant.backend, p, settings.quant, gemm_device).name}"
-                              for p in ("fp8", "fp4"))
+    backends = {p: resolve(settings.quant.backend, p, settings.quant, gemm_device).name for p in ("fp8", "fp4")}
+    backend_words = ", ".join(f"{p} on {name}" for p, name in backends.items())
     schedule_line = None
     if args.resume_from_checkpoint:
         # Every rank checks the checkpoint (its share of the checksums), then the ranks agree on the first
@@ -212,6 +214,7 @@ def train(args: argparse.Namespace) -> int:
               f"GEMM backends: {backend_words}", flush=True)
 
     planner = engine.planner
+    engine.state.show_dir = str(out_dir)  # named in each re-plan's line
 
     if args.resume_from_checkpoint:
         try:  # DeepSpeed's state, then SNIP's (plan, planner, streams, generators); the data's position is set
@@ -229,23 +232,24 @@ def train(args: argparse.Namespace) -> int:
     stop = StopFlag()
     stop.install()
     ckpt_dir = out_dir / "checkpoints"
-    bar = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=t.max_steps, initial=engine.step, desc="train", unit="step", dynamic_ncols=True)
-        console.attach(bar)
+    start_step = engine.step  # a resumed run's, restored
+    progress = Progress(t.max_steps, engine.step, console_interval(t.logging_steps), tokens_per_step * world_d,
+                        bar=not args.no_progress, show=rank == 0)
+    last_checkpoint: Optional[str] = None
 
     def save() -> None:
+        nonlocal last_checkpoint
         extra = {"data": stream.state_dict(), "lr_schedule": ds_cfg.get("scheduler"), "tokenizer": tokenizer,
                  "settings": settings.to_dict()}
         try:
             path = engine.save_checkpoint(ckpt_dir, extra)
         except CheckpointSaveError as err:
             raise RunFault(str(err)) from None
+        last_checkpoint = str(path)
         if rank == 0:
             console.say(f"snip_ds: checkpoint saved to {path}")
 
-    last_loss = math.nan
+    last_loss = val = math.nan
     while engine.step < t.max_steps:
         micro_batches = [stream.next_batch() for _ in range(ga)]
         history = len(planner.history) if planner is not None else 0
@@ -255,22 +259,23 @@ def train(args: argparse.Namespace) -> int:
         except NonFiniteError as err:  # snip.nonfinite "stop": before the step's update, nothing saved
             raise RunFault(str(err)) from None
         elapsed = time.perf_counter() - start
+        progress.step(engine.step, last_loss, elapsed, engine.state.snip_seconds)
         if planner is not None and len(planner.history) > history:  # step time without the re-plan
             elapsed -= planner.history[-1]["collect_s"] + planner.history[-1]["solve_s"]
             _write_artifacts(out_dir, engine.plan, planner.last_stats)
         step = engine.step
         if step % t.logging_steps == 0:
-            logger.scalars({"train/loss": last_loss, "train/lr": engine.lr(), "perf/step_time_s": elapsed,
+            # the mean over the logging interval, as the Trainer logs it (console_interval is logging_steps then)
+            logger.scalars({"train/loss": progress.mean_loss() if t.logging_steps > 1 else last_loss,
+                            "train/lr": engine.lr(), "perf/step_time_s": elapsed,
                             "perf/tokens_per_s": tokens_per_step * world_d / elapsed,
                             "plan/fp4_share": engine.plan_fp4_share()}, step)
         if step % t.eval_steps == 0 or step == t.max_steps:
             val = engine.evaluate(eval_batches)
             logger.scalars({"eval/loss": val, "eval/perplexity": math.exp(min(val, 50.0))}, step)
             if rank == 0:
-                console.say(f"snip_ds: step {step} train loss {last_loss:.4f} validation loss {val:.4f}")
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{last_loss:.3f}")
+                console.say(f"snip_ds: step {step} train loss {progress.mean_loss():.4f} (mean of the last "
+                            f"{len(progress.losses)} steps) validation loss {val:.4f}")
         if (t.save_steps and step % t.save_steps == 0) or step == t.max_steps:
             save()
         if sdist.dist_max_flag(stop.is_set()):
@@ -280,9 +285,12 @@ def train(args: argparse.Namespace) -> int:
                 console.say(f"snip_ds: stopped by {stop.reason} at step {step}; resume with "
                             f"--resume_from_checkpoint {ckpt_dir}")
             break
-    if bar is not None:
-        console.detach()
-        bar.close()
+    progress.close()
+    from snip_ds.run_summary import emulation_note, finish
+
+    fp8_hardware = on_gpu and torch.cuda.get_device_capability() >= (8, 9)
+    finish(engine.state, start_step=start_step, progress=progress, out_dir=out_dir, checkpoint=last_checkpoint,
+           final_loss=val, emulation=emulation_note(gemm_device.type, backends, fp8_hardware))
     logger.close()
     return 0
 
@@ -313,6 +321,7 @@ def main(argv: Optional[List[str]] = None, keep_process_group: bool = False) -> 
     ``keep_process_group`` (a caller that runs several trainings in one process on one group, as
     benchmarks/bench_train.py does)."""
     args = build_parser().parse_args(argv)
+    quiet_third_party()  # before DeepSpeed and transformers are imported: messages a user cannot act on
     import torch.distributed as dist
 
     from snip_ds import distributed as sdist

@@ -1,6 +1,7 @@
-"""What a run leaves a user with: plan.json and stats.json beside the checkpoints (and `snip-ds` reading them,
-or a checkpoint directory), console messages on lines of their own above the progress bar, and a resume with
-another --max_steps that keeps the checkpoint's learning-rate schedule unless --reset_lr_schedule."""
+"""What a run leaves a user with: plan.json, stats.json and summary.json beside the checkpoints (and `snip-ds`
+reading them, or a checkpoint directory), a console of plain lines in a log (each re-plan, the end summary, no
+progress-bar fragments), and a resume with another --max_steps that keeps the checkpoint's learning-rate schedule
+unless --reset_lr_schedule."""
 import json
 import re
 import subprocess
@@ -48,7 +49,8 @@ def test_run_writes_the_plan_and_the_last_statistics(adaptive, tmp_path):
     assert plan == meta["plan"] and plan["format"] == "snip_ds.plan/1"  # the plan in force at the end
     assert stats == meta["planner"]["last_stats"] and stats["format"] == "snip_ds.stats/1"
     assert stats["step"] == 4  # the last collection: before step 5
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "plan.json", "stats.json", "tensorboard"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "plan.json", "stats.json", "summary.json",
+                                                     "tensorboard"]
     reference = tmp_path / "plain"
     reference.write_text("")  # an ordinary open(): the permissions the user's umask gives
     for name in ("plan.json", "stats.json"):
@@ -99,15 +101,32 @@ def test_statistics_hold_the_plan_fields_and_the_study_fields_asked_for(adaptive
     assert err.count("\n") == 1 and "lack field 'bwd_bias'" in err and "snip.research.study_fields" in err
 
 
-def test_console_messages_stay_off_the_progress_bar(adaptive):
-    _, _, output = adaptive
-    visible = [line.rsplit("\r", 1)[-1] for line in output.split("\n")]  # what a terminal shows of each line
-    messages = [line for line in visible if "snip_ds: step " in line or "snip_ds: checkpoint saved" in line]
-    # evaluation at steps 3 and 6, checkpoints at 3 and 6, re-plans before steps 1 and 5
-    assert len(messages) == 6, output[-4000:]
-    assert [m.split(":")[1] for m in messages if ": plan " in m] == [" step 0", " step 4"], messages
-    assert all(line.startswith("snip_ds: ") for line in messages), messages
-    assert any(re.match(r"train: +\d+%\|", line) for line in visible)  # the bar was drawn
+def test_a_log_gets_plain_lines_what_snip_did_and_an_end_summary(adaptive):
+    """stdout is a pipe here, not a terminal: plain lines, no progress-bar fragments; each re-plan says what it
+    moved and where to look; the run ends with its summary (also in summary.json)."""
+    tmp, _, output = adaptive
+    out = tmp / "out"
+    assert "\r" not in output and not re.search(r"train: +\d+%\|", output)
+    lines = [line for line in output.splitlines() if line.startswith("snip_ds: ")]
+    replans = [line for line in lines if re.match(r"snip_ds: (first plan|re-plan) at step \d+: ", line)]
+    assert [int(re.search(r"at step (\d+)", r).group(1)) for r in replans] == [0, 4], output[-4000:]
+    for line in replans:  # moves both ways, share and target, both divergences (measured right after), the map
+        assert re.search(r"\d+ layers FP8->FP4, \d+ FP4->FP8|plan unchanged", line), line
+        assert re.search(r"FP4 share 0\.\d+ \(target 0\.5\)", line) and f"snip-ds show {out}" in line, line
+        assert re.search(r"predicted \d\S*, measured \d\S* nats/token", line), line
+    assert sum(" validation loss " in line for line in lines) == 2  # steps 3 and 6
+    progress = [line for line in lines if line.startswith("snip_ds: progress: ")]
+    assert len(progress) == 1 and "step 6/6" in progress[0]  # a line every 10 steps and at the last
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["replans"] == 2 and summary["snip_seconds"] > 0
+    assert summary["checkpoint"] == str(out / "checkpoints" / "step_6")
+    assert summary["plan"] == json.loads((out / "plan.json").read_text())
+    assert summary["tokens_per_s"] > 0 and min(summary["peak_memory_bytes"]) > 0
+    end = lines[-5:]  # done, SNIP's time, final plan, where to look, the CPU's emulation
+    assert "6 steps" in end[0] and "tokens/s" in end[0] and "SNIP's own time" in end[1]
+    assert end[2].startswith("snip_ds: final plan: ") and f"FP4 share {summary['fp4_share']:.3f}" in end[2]
+    assert str(out / "checkpoints" / "step_6") in end[3] and str(out / "tensorboard") in end[3]
+    assert "emulated" in end[4]
 
 
 def _ds_lrs(total_steps: int, steps: int):

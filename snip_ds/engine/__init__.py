@@ -5,14 +5,15 @@
 driver of SNIP's state (:class:`snip_ds.state.SnipState`: the plan, the planner, the streams) in a loop of
 one's own: it switches plans at optimizer-step boundaries and saves the state with checkpoints.
 
-Importing it first settles where DeepSpeed's JIT ops build (:func:`snip_ds.jit_builds.prepare`), and has torch's
-deprecation warnings for the collectives DeepSpeed calls shown once (:mod:`snip_ds.deprecations`).
+Importing it first settles where DeepSpeed's JIT ops build (:func:`snip_ds.jit_builds.prepare`), and drops the
+third-party messages a user cannot act on (:mod:`snip_ds.deprecations`: torch's deprecation warnings for the
+collectives DeepSpeed calls, DeepSpeed's accelerator guess).
 """
 from snip_ds import jit_builds
-from snip_ds.deprecations import show_deprecations_once
+from snip_ds.deprecations import quiet_third_party
 
 jit_builds.prepare()  # before DeepSpeed can build an op
-show_deprecations_once()  # torch's FutureWarnings for the collectives DeepSpeed calls: once, not every step
+quiet_third_party()  # before DeepSpeed is imported: its accelerator guess, torch's warnings for its collectives
 
 from snip_ds.engine.checkpoint_layout import CheckpointError  # noqa: E402
 from snip_ds.engine.core import (NonFiniteError, SnipEngine, destroy_distributed, init_distributed,  # noqa: E402

@@ -172,8 +172,7 @@ class AdaptivePlanner:
         what = f"re-plan: {changed} layer(s) changed" if previous else "first adaptive plan"
         eng.set_plan(plan, f"{what}, fp4 share {record['fp4_share']:.3f}, plan {plan.status} (statistics "
                            f"{record['collect_s']:.2f} s, solve {record['solve_s']:.2f} s)")
-        self.history.append(record)
-        eng.announce_replan(record)
+        self.history.append(record)  # the console line follows the measurement (SnipState.before_step)
         eng.logger.scalars({"snip/collect_time_s": record["collect_s"], "snip/solve_time_s": record["solve_s"],
                             "snip/layers_changed": changed, "plan/fp4_share": record["fp4_share"],
                             "snip/predicted_fld": self.predicted_fld()}, eng.step)

@@ -16,6 +16,8 @@ from snip_ds import distributed as sdist
 from snip_ds import faults
 from snip_ds import jit_builds
 from snip_ds.backend import check_backend
+from snip_ds.builds import load_cpu_quantizer
+from snip_ds.deprecations import LR_BEFORE_START, dropped_logs
 from snip_ds.deepspeed_config import resolve_ds_config, tensor_parallel_degree
 from snip_ds.engine import checkpoint as ckpt
 from snip_ds.engine.checkpoint_io import install_safe_loader
@@ -24,6 +26,7 @@ from snip_ds.engine.checkpoint_layout import (is_universal, model_architecture, 
 from snip_ds.engine.checkpoint_verify import validate
 from snip_ds.engine.universal import check_universal_batch, with_load_universal
 from snip_ds.engine import tensor_parallel as tpar
+from snip_ds.engine.op_builds import announce_optimizer_build, quiet_shm_comm
 from snip_ds.engine.optimizer import working_adam_config
 from snip_ds.plan import Plan
 from snip_ds.settings import SnipSettings, parse_snip_section
@@ -70,7 +73,8 @@ def init_distributed(timeout_s: Optional[float] = None) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    with quiet_shm_comm():  # a line when its CPU collectives build; none when they only load
+        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     release_shm_buffer()
 
 
@@ -409,7 +413,10 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
         plan = initial_plan(list(infos), {f: info.flops(tokens_per_step) for f, info in infos.items()}, settings)
     params = [p for p in model.parameters() if p.requires_grad]
     config = working_adam_config(config)  # torch's Adam, with a warning, where DeepSpeed's fused one cannot build
-    with jit_builds.deepspeed_arch_list_set():  # the other ops DeepSpeed builds while it starts
+    load_cpu_quantizer(device())  # built now if due, never inside the first statistics' time
+    announce_optimizer_build(config)
+    # the other ops DeepSpeed builds while it starts; its scheduler asked for its rate before the first step
+    with jit_builds.deepspeed_arch_list_set(), dropped_logs("DeepSpeed", LR_BEFORE_START):
         ds_engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     if tp > 1:
         tpar.check_groups(tp, sdist.rank(), sdist.world_size())

@@ -43,6 +43,8 @@ def fused_adam_error() -> Optional[str]:
     try:
         from deepspeed.ops.op_builder import FusedAdamBuilder
 
+        from snip_ds.engine.op_builds import announce_unbuilt
+        announce_unbuilt("FusedAdamBuilder")  # one line when it compiles now
         with jit_builds.deepspeed_arch_list_set():
             FusedAdamBuilder().load(verbose=False)
     except Exception as err:  # any build or load failure: the compiler's, the loader's, DeepSpeed's own checks
