@@ -5,7 +5,17 @@
 
 For each Llama-7B-like shape (tokens T, in k, out n), side by side in one run, the median time of one linear
 layer's forward and of its forward+backward (fprop, dgrad, wgrad), each divided by BF16's, and the peak
-memory of the forward+backward over BF16's:
+memory of the forward+backward over BF16's. Two times per forward+backward (``benchmarks/timing.py``):
+
+* the **latency** of one step: CUDA events around it, the GPU idle before it (every repeat is synchronised).
+  The events count from the moment the host records the first, so this includes any time the GPU waits for
+  the host to issue the step's kernels: a host-bound step and one with slow kernels read alike here;
+* the **pipelined** time: ``--repeats`` steps queued back to back between two events, one synchronisation,
+  divided by the steps -- what training's steady state sees -- beside the host's wall time to issue one
+  step in that loop. Pipelined about equal to issue: the host is the bottleneck (more GPU work per launch,
+  fewer launches, less Python would help); pipelined above issue: the kernels are.
+
+Variants:
 
 * ``bf16``: ``nn.Linear`` on BF16 tensors (tensor cores, FP32 accumulation);
 * ``fp8_tensor_core``: a bare FP8 GEMM (``torch._scaled_mm``) with per-tensor current scaling, casts
@@ -26,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from snip_ds.quant_config import QuantConfig  # noqa: E402
 from snip_ds.linear import SnipLinear  # noqa: E402
 from snip_ds.backend import BackendError, resolve  # noqa: E402
-from timing import median_ms  # noqa: E402
+from timing import median_ms, pipelined_ms  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in k, out n): attention, MLP up/gate, MLP down
 CPU_SHAPES = [(256, 256), (256, 704), (704, 256)]  # the same aspect ratios, small: --device cpu
@@ -61,6 +73,16 @@ def _fp8_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
 
 
+def commit() -> str:
+    """HEAD's short hash (on a device machine without ``.git``: the kit's stamp, ``SNIP_DEVICE_COMMIT``)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or os.environ.get("SNIP_DEVICE_COMMIT", "unknown")[:12]
+
+
 def _peak_mib(fn, device: str) -> float:
     """Peak CUDA memory of ``fn()`` above what was allocated before it, in MiB (NaN on the CPU)."""
     if device != "cuda":
@@ -80,7 +102,7 @@ def bench_shape(tokens: int, k: int, n: int, repeats: int, device: str = "cuda")
     layer32 = torch.nn.Linear(k, n, bias=False, device=device)
     layer16 = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     x16, g16 = x32.bfloat16(), g32.bfloat16()
-    row = dict(tokens=tokens, k=k, n=n, forward_ms={}, step_ms={}, peak_mib={})
+    row = dict(tokens=tokens, k=k, n=n, forward_ms={}, step_ms={}, pipelined_ms={}, issue_ms={}, peak_mib={})
 
     def time(fn):
         return median_ms(fn, repeats, device)
@@ -94,6 +116,7 @@ def bench_shape(tokens: int, k: int, n: int, repeats: int, device: str = "cuda")
         with torch.no_grad():
             row["forward_ms"][name] = time(lambda: layer(x))
         row["step_ms"][name] = time(lambda: step(layer, x, g))
+        row["pipelined_ms"][name], row["issue_ms"][name] = pipelined_ms(lambda: step(layer, x, g), repeats, device)
         row["peak_mib"][name] = _peak_mib(lambda: step(layer, x, g), device)
 
     measure("bf16", layer16, x16, g16)
@@ -116,7 +139,7 @@ def bench_shape(tokens: int, k: int, n: int, repeats: int, device: str = "cuda")
         snip = SnipLinear.from_linear(layer32, precision, QuantConfig(backend="emulated"))
         snip.generator = torch.Generator(device=device).manual_seed(0)
         measure(f"emulated_{precision}", snip, x32, g32)
-    for kind in ("forward_ms", "step_ms", "peak_mib"):
+    for kind in ("forward_ms", "step_ms", "pipelined_ms", "peak_mib"):
         base = row[kind]["bf16"]
         row[kind.replace("_ms", "_vs_bf16").replace("_mib", "_vs_bf16")] = {v: t / base for v, t in row[kind].items()}
     return row
@@ -125,8 +148,10 @@ def bench_shape(tokens: int, k: int, n: int, repeats: int, device: str = "cuda")
 def write_markdown(result: dict, path: Path) -> None:
     variants = [v for v in result["rows"][0]["step_ms"] if v != "bf16"]
     lines = ["# bench_gpu_gemm: SnipLinear's FP8/FP4 GEMMs per backend and recipe against BF16", "",
-             f"Device: {result['device']}; torch {result['torch']}; {result['tokens']} tokens; median of "
-             f"{result['repeats']} (CUDA events). × = ratio to BF16 `nn.Linear` in the same run; torch_* run "
+             f"Device: {result['device']}; torch {result['torch']}; commit {result.get('commit', 'unknown')}; "
+             f"{result['tokens']} tokens; median of "
+             f"{result['repeats']} (CUDA events around each step, the GPU idle before it: a step's latency, the "
+             "GPU's waits for the host included). × = ratio to BF16 `nn.Linear` in the same run; torch_* run "
              "in BF16, emulated_* in FP32.", "",
              "## Forward+backward (time ×, peak memory ×)", "",
              "| k | n | bf16 ms | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
@@ -135,7 +160,16 @@ def write_markdown(result: dict, path: Path) -> None:
         lines.append(f"| {r['k']} | {r['n']} | {r['step_ms']['bf16']:.3f} | "
                      + " | ".join(f"{sr[v]:.2f}× / {mr[v]:.2f}×" for v in variants) + " |")
     lines += ["", "Targets (forward+backward): " + ", ".join(f"{v} ≤ {t}×" for v, t in TARGETS.items())
-              + "; peak memory ≤ 1.1×.", "", "## Forward only (time ×)", "",
+              + "; peak memory ≤ 1.1×.", "",
+              "## Forward+backward pipelined (time ×; ms per step queued, ms the host takes to issue one)", "",
+              f"{result['repeats']} steps queued between two CUDA events, one synchronisation. Where the pipelined "
+              "time is about the issue time, the host is the bottleneck; above it, the kernels are.", "",
+              "| k | n | bf16 ms (issue ms) | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
+    for r in result["rows"]:
+        pr, pm, im = r["pipelined_vs_bf16"], r["pipelined_ms"], r["issue_ms"]
+        lines.append(f"| {r['k']} | {r['n']} | {pm['bf16']:.3f} ({im['bf16']:.3f}) | "
+                     + " | ".join(f"{pr[v]:.2f}× ({pm[v]:.3f} / {im[v]:.3f})" for v in variants) + " |")
+    lines += ["", "## Forward only (time ×)", "",
               "| k | n | bf16 ms | fp8 tensor core | " + " | ".join(variants) + " |",
               "|---|---|---|---|" + "---|" * len(variants)]
     for r in result["rows"]:
@@ -168,7 +202,7 @@ def main(argv=None) -> int:
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False  # the emulated GEMMs are true FP32, as on the CPU
     rows = [bench_shape(args.tokens, k, n, args.repeats) for k, n in SHAPES]
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=args.tokens,
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit(), tokens=args.tokens,
                   repeats=args.repeats, rows=rows)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

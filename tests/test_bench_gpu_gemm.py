@@ -25,9 +25,12 @@ def test_every_variant_runs_and_the_report_has_them(tmp_path):
     for row in rows:
         assert list(row["step_ms"]) == variants and row["step_vs_bf16"]["bf16"] == 1.0
         assert all(t > 0 and math.isfinite(t) for t in row["step_ms"].values())
+        assert list(row["pipelined_ms"]) == list(row["issue_ms"]) == variants  # beside each step's latency
+        assert all(t > 0 and math.isfinite(t) for t in row["pipelined_ms"].values())
     bench.write_markdown(dict(device="cpu", torch="x", tokens=32, repeats=1, rows=rows), tmp_path / "r.md")
     text = (tmp_path / "r.md").read_text()
-    assert text.count("| 64 | 32 |") == 2 and text.count("| 32 | 64 |") == 2  # both tables
+    assert text.count("| 64 | 32 |") == 3 and text.count("| 32 | 64 |") == 3  # latency, pipelined, forward
+    assert "## Forward+backward pipelined" in text
     for variant in variants[1:]:
         assert variant in text
     for variant in bench.TE_RECIPES:  # the te backend cannot run on a CPU: each is named, with the reason
