@@ -48,6 +48,8 @@ def check_options(options: ServeOptions) -> None:
     if options.format == "hf":
         if options.fallback is not None:
             raise ExportError("--fallback: only with --format compressed-tensors")
+        if n != DEFAULT_CALIBRATION_BATCHES:
+            raise ExportError("--calibration-batches: only with --format compressed-tensors")
         return
     try:
         import compressed_tensors

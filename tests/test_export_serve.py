@@ -14,20 +14,10 @@ from snip_ds.cli import main  # noqa: E402
 from snip_ds.export_ct import NVFP4_DEQUANT_REL_BOUND  # noqa: E402
 from snip_ds.quant import fake_quantize, quantize_parts  # noqa: E402
 from snip_ds.quant_config import QuantConfig  # noqa: E402
+from test_export import _error_line, _leftovers  # noqa: E402
 from train_utils import TINY_MIXTRAL, TINY_MODEL  # noqa: E402
 
 SETTINGS_TRAIN = {"block_size": 64, "max_corpus_bytes": 200_000, "seed": 0}
-
-
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("snip-ds: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
-def _leftovers(parent):
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and p.suffix in (".tmp", ".old"))
 
 
 def _model(config=TINY_MODEL, seed=0):
@@ -147,12 +137,25 @@ def test_bad_input_is_one_error_line_and_nothing_written(tmp_path, capsys):
     cases = [
         (["--format", "gguf"], "--format 'gguf': expected one of hf, compressed-tensors"),
         (["--fallback", "bf16"], "--fallback: only with --format compressed-tensors"),
+        (["--calibration-batches", "2"], "--calibration-batches: only with --format compressed-tensors"),
         ([*ct, "--fallback", "fp8"], "--fallback 'fp8': expected one of bf16"),
         ([*ct, "--calibration-batches", "0"], "--calibration-batches 0: expected a positive integer"),
     ]
     for flags, message in cases:
         assert main(["export", str(folder), str(out), *flags]) == 2
         assert message in _error_line(capsys), flags
+    import compressed_tensors.quantization.quant_scheme as presets
+
+    with pytest.MonkeyPatch.context() as patch:  # an installed compressed-tensors without NVFP4
+        patch.delitem(presets.PRESET_SCHEMES, "NVFP4")
+        assert main(["export", str(folder), str(out), *ct]) == 2
+        version = __import__("compressed_tensors").__version__
+        assert f"compressed-tensors {version} lacks the scheme(s) NVFP4" in _error_line(capsys)
+    with pytest.MonkeyPatch.context() as patch:  # none installed
+        patch.setitem(__import__("sys").modules, "compressed_tensors", None)
+        assert main(["export", str(folder), str(out), *ct]) == 2
+        assert 'needs the compressed-tensors package (>=0.20,<0.21): pip install -e ".[serve]"' in _error_line(capsys)
+    assert not out.exists()
     out.mkdir()
     (out / "mine.txt").write_text("x")
     assert main(["export", str(folder), str(out), *ct]) == 2
