@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from typing import Any, Dict
 
 from snip_ds.deepspeed_config import AUTO_DEFAULTS
 from snip_ds.options import OPTIONS
-from snip_ds.settings import SnipSettings, TrainSettings, load_ds_config, with_overrides
+from snip_ds.settings import ConfigError, SnipSettings, TrainSettings, load_ds_config, with_overrides
 
 TRAIN_FLAGS = ("model_name_or_path", "model_config", "dataset", "tokenizer_name_or_path", "block_size",
                "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps", "seed", "output_dir")
@@ -111,9 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[Dict[str, Any], SnipSettings]:
-    """The DeepSpeed config and the validated ``"snip"`` settings of ``--deepspeed``, the flags applied."""
+    """The DeepSpeed config and the validated ``"snip"`` settings of ``--deepspeed``, the flags applied; a flag's
+    bad value is an error naming the flag (``--max_steps: must be at least 1, got 0``)."""
     ds_cfg, settings = load_ds_config(args.deepspeed)
     overrides = {k: getattr(args, k) for k in TRAIN_FLAGS}
     if args.precision or args.plan:
         overrides["plan"] = args.precision or args.plan
-    return ds_cfg, with_overrides(settings, **overrides)
+    try:
+        return ds_cfg, with_overrides(settings, **overrides)
+    except ConfigError as err:
+        raise ConfigError(_in_flag_words(str(err), args, overrides)) from None
+
+
+def _in_flag_words(message: str, args: argparse.Namespace, overrides: Dict[str, Any]) -> str:
+    """``message`` (``command line: snip.train.max_steps: ...``) naming the flag that set the field, where one did."""
+    m = re.match(r"command line: snip\.(?:train\.)?(\w+)(.*)", message, re.S)
+    if m is None or overrides.get(m.group(1)) is None:
+        return message
+    name = m.group(1)
+    flag = ("--precision" if args.precision else "--plan") if name == "plan" else f"--{name}"
+    return f"{flag}{m.group(2)}"

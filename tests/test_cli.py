@@ -363,3 +363,36 @@ def test_families_needs_an_output_named_by_the_user(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert err.startswith("snip-ds: error: --output: name the directory") and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []  # nothing written, no docs/ made
+
+
+# ------------------------------------------------------------------------------------------------ launch/train.py
+@pytest.mark.parametrize("argv, message", [
+    (["--max_steps", "0"], "--max_steps: must be at least 1, got 0"),
+    (["--seed", "-1"], "--seed: must lie in [0, 2**63), got -1"),
+    (["--block_size", "0"], "--block_size: must be at least 1, got 0"),
+    (["--plan", "plan.txt"], "--plan: 'plan.txt' is neither one of"),
+])
+def test_train_flag_errors_name_the_flag(argv, message):
+    from pathlib import Path
+
+    from snip_ds.settings import ConfigError
+    from snip_ds.train_args import build_parser, settings_from_args
+
+    config = Path(__file__).resolve().parents[1] / "ds_configs" / "zero3.json"
+    args = build_parser().parse_args(["--deepspeed", str(config), *argv])
+    with pytest.raises(ConfigError) as err:
+        settings_from_args(args)
+    assert str(err.value).startswith(message)
+
+
+def test_train_help_states_each_flags_default():
+    from snip_ds.options import OPTIONS
+    from snip_ds.settings import TrainSettings
+    from snip_ds.train_args import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert f"tokens per training sequence (default: the JSON's snip.train.block_size, else " \
+           f"{TrainSettings.block_size})" in text
+    assert f"(default: the JSON's snip.train.max_steps, else {TrainSettings.max_steps})" in text
+    assert "(default: the JSON's optimizer.params.lr; when that is \"auto\", 0.002)" in text
+    assert f"default: the JSON's snip.plan, else {OPTIONS['plan'].default}" in text
