@@ -12,7 +12,7 @@ size); a checkpoint of a tensor-parallel run has its shards merged first; a univ
 the tokenizer the run used (the byte-level default as an equivalent Hugging Face tokenizer:
 :mod:`snip_ds.export_config`) and ``snip_export.json`` (where it came from). It is written into a temporary
 directory beside ``OUT_DIR`` and renamed at the end, so a failed export leaves nothing behind
-(:mod:`snip_ds.export_files`). The SNIP precision plan is not part of the model: the exported model runs in
+(:mod:`snip_ds.export_files`). By default the SNIP precision plan is not part of the model: the exported model runs in
 plain BF16/FP32, and the plan stays in the checkpoint's ``snip_state.json`` (``snip_meta.json`` in checkpoints
 of older versions).
 
@@ -22,6 +22,10 @@ written before checksums were recorded is exported with a warning that its files
 
 A Hugging Face Trainer's ``checkpoint-N`` (saved with :class:`snip_ds.hf.SnipCallback`), or its output
 directory, exports the same way (:mod:`snip_ds.export_trainer`).
+
+``--format compressed-tensors`` (``serve=ServeOptions(format="compressed-tensors")``) writes the plan's forward
+precisions instead: each planned layer quantized as it ran forward in training, in a compressed-tensors checkpoint
+that transformers and vLLM load (:mod:`snip_ds.export_serve`, docs/serving.md).
 """
 from __future__ import annotations
 
