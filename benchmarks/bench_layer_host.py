@@ -62,6 +62,7 @@ if "--device" not in sys.argv or "cpu" in sys.argv[sys.argv.index("--device") + 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from snip_ds.backend import torch_native  # noqa: E402
+from snip_ds.fileio import atomic_write_text  # noqa: E402
 from snip_ds.backend.dispatch_audit import (HostReads, LiveBytes, OpCounter, OpCounts,  # noqa: E402
                                             patch_triton_launches, profiled_host_reads, profiled_kernels)
 from snip_ds.linear import SnipLinear  # noqa: E402
@@ -420,15 +421,19 @@ def run(args) -> dict:
     res = {"benchmark": "bench_layer_host", "commit": commit(), "machine": machine(), "torch": torch.__version__,
            "torchao": torchao_version(), "device": device, "threads": torch.get_num_threads(),
            "tokens": args.tokens, "k": args.k, "n": args.n, "block": BLOCK, "steps": args.steps, "rows": []}
+    res["not_reached"] = []
     start = time.perf_counter()
     with ExitStack() as stack:
         if device == "cpu":
             res["cuda_path_gemms"] = cuda_path_on_cpu(stack)
             import triton
             res["triton"] = triton.__version__
-        for scope in args.scopes:
-            for mode in args.modes:
+        for mode in args.modes:  # eager first: the compiled rows' compilations take most of the time
+            for scope in args.scopes:
                 for variant in args.variants:
+                    if time.perf_counter() - start > args.deadline_s:
+                        res["not_reached"].append(f"{scope} {mode} {variant}")
+                        continue
                     try:
                         row = measure(scope, variant, mode, args, device)
                     except Exception as err:  # a variant that cannot run here: the reason, in its row
@@ -436,11 +441,21 @@ def run(args) -> dict:
                                "error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
                     res["rows"].append(row)
                     print(_line(row), flush=True)
-    add_ratios(res["rows"])
+                    add_ratios(res["rows"])
+                    res["wall_s"] = time.perf_counter() - start
+                    write(res, args.output_dir)  # what is measured so far, should the run be cut short
     if device == "cpu" and "layer" in args.scopes and "eager" in args.modes:
         res["cpu_path"] = cpu_path_launches(args)
     res["wall_s"] = time.perf_counter() - start
     return res
+
+
+def write(res: dict, output_dir: Path) -> Path:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    stem = output_dir / ("bench_layer_host" + ("_cuda" if res["device"] == "cuda" else ""))
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(res, indent=1) + "\n")
+    atomic_write_text(stem.with_suffix(".md"), markdown(res))
+    return stem.with_suffix(".md")
 
 
 def _line(r: dict) -> str:
@@ -457,8 +472,13 @@ def _f(value, fmt="{:.2f}"):
     return "" if value is None else fmt.format(value)
 
 
+def _order(r: dict):
+    return SCOPES.index(r["scope"]), MODES.index(r["mode"]), VARIANTS.index(r["variant"])
+
+
 def markdown(res: dict) -> str:
     cpu = res["device"] == "cpu"
+    res = {**res, "rows": sorted(res["rows"], key=_order)}
     lines = [f"# bench_layer_host: what a layer's and a block's step costs beyond its arithmetic", "",
              f"Commit {res['commit']}; {res['machine']}; torch {res['torch']}, torchao {res['torchao']}"
              + (f", Triton {res['triton']} (interpreter)" if cpu else "") + f"; {res['threads']} thread. "
@@ -518,6 +538,8 @@ def markdown(res: dict) -> str:
                   "| variant | launches | kernels |", "|---|---|---|"]
         for v, r in res["cpu_path"].items():
             lines.append(f"| {v} | {r['launches']} | " + ", ".join(f"`{op}` {c}" for op, c in r["by_op"].items()) + " |")
+    if res.get("not_reached"):
+        lines += ["", "Not reached before the deadline: " + ", ".join(res["not_reached"]) + "."]
     lines += ["", f"Run time {res['wall_s']:.0f} s."]
     return "\n".join(lines) + "\n"
 
@@ -533,6 +555,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--no_python_profile", dest="python_profile", action="store_false",
                    help="skip the cProfile of bf16 and fp8_hybrid eager")
+    p.add_argument("--deadline_s", type=float, default=3600.0,
+                   help="no row starts after this many seconds (default 3600); the rows not reached are listed")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--output_dir", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args(argv)
@@ -544,11 +568,9 @@ def main(argv=None) -> int:
         return 2
     args.variants = ["bf16"] + [v for v in args.variants if v != "bf16"]  # the ratios' base, always measured
     res = run(args)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    stem = "bench_layer_host" + ("_cuda" if args.device == "cuda" else "")
-    (args.output_dir / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
-    (args.output_dir / f"{stem}.md").write_text(markdown(res))
-    print(f"bench_layer_host: {len(res['rows'])} rows in {res['wall_s']:.0f} s -> {args.output_dir / stem}.md")
+    path = write(res, args.output_dir)
+    print(f"bench_layer_host: {len(res['rows'])} rows, {len(res['not_reached'])} not reached, in "
+          f"{res['wall_s']:.0f} s -> {path}")
     return 0
 
 

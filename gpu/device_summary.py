@@ -91,9 +91,14 @@ def bench_facts(work: Path) -> dict:
                      for r in layer.get("rows", [])}}
     host = _load(b / "bench_layer_host_cuda.json")
     if host:
-        out["bench_layer_host"] = {"launches": {v: r.get("launches") for v, r in host["launches"].get("cuda", {}).items()},
-                                   "host_us": {f"{mode} {v}": round(r["step_us"]) for mode, rows in
-                                               host.get("host", {}).items() for v, r in rows.items()}}
+        out["bench_layer_host"] = {
+            "not_reached": len(host.get("not_reached", [])),
+            "rows": {f"{r['scope']} {r['mode']} {r['variant']}":
+                     r.get("error") or {k: round(r[k], 3) for k in ("launches", "host_us", "host_ratio_vs_bf16", "syncs",
+                                                                    "saved_bytes_ratio_vs_bf16",
+                                                                    "peak_bytes_ratio_vs_bf16")
+                                        if isinstance(r.get(k), (int, float))}
+                     for r in host.get("rows", [])}}
     gemm = _load(b / "bench_gpu_gemm.json")
     if gemm:
         out["bench_gpu_gemm"] = {f"{r['k']}x{r['n']}": r.get("step_vs_bf16") for r in gemm.get("rows", [])}

@@ -34,7 +34,9 @@
 #                        (tensorwise, the kit's wheel) against BF16 nn.Linear, eager and compiled, 4096^3 and the
 #                        Llama-7B/70B layer shapes at 4096 and 16384 tokens: CUDA-event wall time, kernel-table time,
 #                        launches, host time, peak memory; stops starting configurations 40 s before its timeout
-#   bench_layer_host     benchmarks/bench_layer_host.py --device cuda: launches and host time per layer step
+#   bench_layer_host     benchmarks/bench_layer_host.py --device cuda: per step of one linear and of one Llama decoder
+#                        block, every recipe and torchao float8, eager then compiled: device kernels launched, host
+#                        time to issue, host reads, bytes kept for backward, peak memory; starts no row in the last 40 s
 #   bench_gpu_gemm       benchmarks/bench_gpu_gemm.py --tokens 4096 --repeats 10
 #   bench_quant_kernels  benchmarks/bench_quant_kernels.py --repeats 20
 #   profile_gemm         benchmarks/profile_gpu_gemm.py (one 4096^3 SnipLinear fwd+bwd per recipe under torch.profiler:
@@ -182,7 +184,7 @@ if [ "$DRY" = "1" ]; then
     QUANT_ARGS="--repeats 2"
     TRAIN_BENCH="benchmarks/bench_train.py --plumbing --plans bf16 fp8"   # the GPU code path, in-process, tiny model
     LAYER_ARGS="--device cpu"
-    LAYER_HOST_ARGS="--steps 20"
+    LAYER_HOST_ARGS="--steps 5 --modes eager --no_python_profile --output_dir $WORK/bench"   # the CUDA path on CPU tensors
     SCALE_ARGS="--scale 64 --block_size 128 --steps 2 --profile --chunk_elements 786432 --ieee_collection"
     PROFILE_ARGS="--device cpu --tokens 64 --k 256 --n 256 --steps 2"
 else
@@ -214,7 +216,7 @@ run_step train 300 "" "'$PY' -m deepspeed.launcher.runner --num_gpus 1 --master_
     rm -rf '$WORK/run_gpu'; exit \$rc"
 # bench_layer: as many configurations as fit (most valuable first), each shape's results written as it finishes
 run_step bench_layer 330 "" "'$PY' benchmarks/bench_layer_gpu.py $LAYER_ARGS --deadline_s \$(( SNIP_DEVICE_STEP_LIMIT_S > 80 ? SNIP_DEVICE_STEP_LIMIT_S - 40 : 40 ))"
-run_step bench_layer_host 150 "" "'$PY' benchmarks/bench_layer_host.py $LAYER_HOST_ARGS"
+run_step bench_layer_host 240 "" "'$PY' benchmarks/bench_layer_host.py $LAYER_HOST_ARGS --deadline_s \$(( SNIP_DEVICE_STEP_LIMIT_S > 80 ? SNIP_DEVICE_STEP_LIMIT_S - 40 : 40 ))"
 run_step bench_gpu_gemm 150 "" "'$PY' benchmarks/bench_gpu_gemm.py $GEMM_ARGS --output_dir '$WORK/bench'"
 run_step bench_quant_kernels 120 "needs a CUDA GPU" "'$PY' benchmarks/bench_quant_kernels.py $QUANT_ARGS --output_dir '$WORK/bench'"
 run_step profile_gemm 120 "" "'$PY' benchmarks/profile_gpu_gemm.py $PROFILE_ARGS"
