@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from snip_ds.quant_config import QuantConfig  # noqa: E402
 from snip_ds.linear import SnipLinear  # noqa: E402
 from snip_ds.backend import BackendError, resolve  # noqa: E402
+from bench_layer_gpu import commit  # noqa: E402
 from timing import median_ms, pipelined_ms  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in k, out n): attention, MLP up/gate, MLP down
@@ -71,16 +70,6 @@ def _fp8_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     sx, sw = x.abs().amax().float() / fmax, w.abs().amax().float() / fmax
     qx, qw = (x.float() / sx).to(torch.float8_e4m3fn), (w.float() / sw).to(torch.float8_e4m3fn)
     return torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
-
-
-def commit() -> str:
-    """HEAD's short hash (on a device machine without ``.git``: the kit's stamp, ``SNIP_DEVICE_COMMIT``)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    return out or os.environ.get("SNIP_DEVICE_COMMIT", "unknown")[:12]
 
 
 def _peak_mib(fn, device: str) -> float:

@@ -459,11 +459,13 @@ def write(res: dict, output_dir: Path) -> Path:
 
 
 def _line(r: dict) -> str:
-    head = f"{r['scope']:>5} {r['mode']:>8} {r['variant']:>18}:"
+    """One row as a progress line."""
+    what = f"{r['scope']:>5} {r['mode']:>8} {r['variant']:>18}:"
     if "error" in r:
-        return f"{head} error {r['error'][:200]}"
-    return (f"{head} {r['launches']:5.0f} launches, {r['host_us']:7.0f} us host, {r['syncs']} syncs, saved "
-            f"{r['saved_bytes']} B, peak {r['peak_bytes']} B (warm-up {r['warmup_s']:.1f} s)")
+        return f"{what} error {r['error'][:200]}"
+    figures = [f"{r['launches']:5.0f} launches", f"{r['host_us']:7.0f} us host", f"{r['syncs']} syncs",
+               f"saved {r['saved_bytes']} B", f"peak {r['peak_bytes']} B", f"(warm-up {r['warmup_s']:.1f} s)"]
+    return " ".join([what] + figures)
 
 
 # ------------------------------------------------------------------------------------------------ the report
