@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from snip_ds.backend import custom_ops, layer_step
-from snip_ds.backend.base import Kept
+from snip_ds.backend.base import Kept, WithAmax
 from snip_ds.backend.operands import AmaxReduce, shared_amax
 from snip_ds.quant import QuantParts
 from snip_ds.quant_config import QuantConfig
@@ -61,20 +61,25 @@ class QuantizedLinearFn(torch.autograd.Function):
         return (None if g_x is None else g_x.reshape(ctx.x_shape)), g_w, g_b, None, None, None, None
 
 
-def _flatten(kept: Tuple[Kept, ...]) -> Tuple[List[torch.Tensor], Tuple[bool, ...]]:
-    """The tensors of kept operands (a :class:`QuantParts` gives its two), for ``save_for_backward``, and
-    which of them were QuantParts."""
+def _flatten(kept: Tuple[Kept, ...]) -> Tuple[List[torch.Tensor], Tuple[type, ...]]:
+    """The tensors of kept operands (a :class:`QuantParts` or :class:`WithAmax` gives its two), for
+    ``save_for_backward``, and the type each was kept as."""
     tensors: List[torch.Tensor] = []
     for k in kept:
-        tensors += [k.values, k.tensor_scale] if isinstance(k, QuantParts) else [k]
-    return tensors, tuple(isinstance(k, QuantParts) for k in kept)
+        tensors += list(k) if isinstance(k, WithAmax) else [k.values, k.tensor_scale] if isinstance(
+            k, QuantParts) else [k]
+    return tensors, tuple(type(k) if isinstance(k, (QuantParts, WithAmax)) else torch.Tensor for k in kept)
 
 
-def _unflatten(tensors: Sequence[torch.Tensor], parts: Tuple[bool, ...]) -> Tuple[Kept, ...]:
+def _unflatten(tensors: Sequence[torch.Tensor], kinds: Tuple[type, ...]) -> Tuple[Kept, ...]:
     out, i = [], 0
-    for is_parts in parts:
-        out.append(QuantParts(tensors[i], tensors[i + 1]) if is_parts else tensors[i])
-        i += 2 if is_parts else 1
+    for kind in kinds:
+        if kind is torch.Tensor:
+            out.append(tensors[i])
+            i += 1
+        else:
+            out.append(kind(tensors[i], tensors[i + 1]))
+            i += 2
     return tuple(out)
 
 

@@ -400,9 +400,9 @@ def test_bf16_results_with_and_without_a_native_bf16_gemm(fast_bf16, monkeypatch
     """A BF16 result on the CPU comes from a BF16 GEMM only where oneDNN has native BF16, else from the FP32
     GEMM of the same exact values; either way the product of the operands within FP32 accumulation (at most
     40 terms) plus two BF16 roundings (the BF16 GEMM's result, then the output after the tensor scales)."""
-    from snip_ds.backend import torch_native
+    from snip_ds.backend import cpu_stream
 
-    monkeypatch.setattr(torch_native, "_fast_bf16", fast_bf16)
+    monkeypatch.setattr(cpu_stream, "_fast_bf16", fast_bf16)
     dtypes = set()
     real_mm, real_addmm = torch.mm, torch.Tensor.addmm_
     monkeypatch.setattr(torch, "mm", lambda a, b, **kw: dtypes.add(a.dtype) or real_mm(a, b, **kw))

@@ -388,20 +388,26 @@ for name in ("fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"):
     r = quant.get_recipe(name)
     kind = kq._kind(r)
     # (stochastic, BF16 in, axis, dequantize, OUT: 0 FP32, 1 BF16, 2 the FP8 codes of a per-tensor recipe)
-    variants = [(False, False, 1, False, 0), (True, True, 0, False, 1), (False, True, 0, True, 0)]
-    for stochastic, bf16, axis, dequant, out in variants + ([(False, True, 0, False, 2)] if kind == 0 else []):
+    # (both layouts written: per-tensor recipes; the amax given (2 slots read) or from up to 512 partials)
+    variants = [(False, False, 1, False, 0, False, 512), (True, True, 0, False, 1, False, 2),
+                (False, True, 0, True, 0, False, 512)]
+    for stochastic, bf16, axis, dequant, out, both, amax_block in variants + (
+            [(False, True, 0, False, 2, True, 512), (False, False, 1, False, 2, True, 2)] if kind == 0 else []):
         const = dict(KIND=kind, AXIS=axis, BS=max(r.block_size, 1), MBITS=r.element.mbits, EMIN=r.element.emin,
                      EMAX=r.element.emax, MAXN=r.element.max_normal, TENSOR_DIVISOR=2688.0, STOCHASTIC=stochastic,
-                     TRANSPOSE=bf16 and not dequant, IN_BF16=bf16, OUT=out, BR=64, BC=64, DEQUANT=dequant)
-        sig = {"x_ptr": ptr_bits[bf16], "out_ptr": ("*fp32", "*i16", "*u8")[out], "amax_ptr": "*fp32",
-               "scale_out_ptr": "*fp32", "R": "i32", "C": "i32", "stride_r": "i32", "stride_c": "i32",
-               "seed_ptr": "*i64", "offset": "i64", **{k: "constexpr" for k in const}}
+                     TRANSPOSE=bf16 and not dequant, IN_BF16=bf16, OUT=out, BR=64, BC=64, DEQUANT=dequant,
+                     BOTH=both, AMAX_BLOCK=amax_block, WRITE_AMAX=both)
+        out_ptr = ("*fp32", "*i16", "*u8")[out]
+        sig = {"x_ptr": ptr_bits[bf16], "out_ptr": out_ptr, "out2_ptr": out_ptr, "amax_ptr": "*i32",
+               "n_amax": "i32", "scale_out_ptr": "*fp32", "amax_out_ptr": "*fp32", "R": "i32", "C": "i32",
+               "stride_r": "i32", "stride_c": "i32", "seed_ptr": "*i64", "offset": "i64",
+               **{k: "constexpr" for k in const}}
         ptx = triton.compile(ASTSource(kq._quantize_kernel, sig, constexprs=const), target=target).asm["ptx"]
         where = (name, stochastic, bf16, axis, dequant)
         assert not re.search(r"div\.(full|approx)|\.ftz", ptx), where  # IEEE division, subnormals kept
         assert ("div.rn.f32" in ptx) == (r.scale != "e8m0"), where
 for bf16 in (False, True):
-    sig = {"x_ptr": ptr_bits[bf16], "amax_bits_ptr": "*i32", "R": "i32", "C": "i32", "stride_r": "i32",
+    sig = {"x_ptr": ptr_bits[bf16], "partials_ptr": "*i32", "R": "i32", "C": "i32", "stride_r": "i32",
            "stride_c": "i32", "IN_BF16": "constexpr", "BR": "constexpr", "BC": "constexpr"}
     triton.compile(ASTSource(kq._amax_kernel, sig, constexprs=dict(IN_BF16=bf16, BR=64, BC=64)), target=target)
 print("ok")

@@ -149,14 +149,16 @@ def test_gemm_operands_are_written_for_the_gemm(through_kernels):
 @pytest.mark.parametrize("precision", ["fp8", {"fprop": "fp8", "dgrad": "fp8", "wgrad": "fp4"}], ids=["fp8", "mixed"])
 def test_fp8_operands_quantized_once_give_the_same_layer(through_kernels, monkeypatch, precision, shape, dtype,
                                                         scaled_mm):
-    """Per-tensor FP8 fprop and wgrad quantize X to the same codes, dgrad and wgrad G_Y: the torch backend
-    makes each once (X's E4M3 codes kept from the forward, one byte per element, instead of X; G_Y's E5M2
-    codes made once in backward). A SnipLinear's output and gradients are bit for bit those of the layer
-    that quantizes every operand in every GEMM (the backend without the two methods), through the BF16
+    """Per-tensor FP8 fprop and wgrad quantize X to the same codes, dgrad and wgrad G_Y, fprop and dgrad W
+    with the same scale: the torch backend makes X's and G_Y's codes once, in both layouts (X's E4M3 codes
+    kept from the forward, one byte per element, instead of X), and quantizes W for dgrad from the forward's
+    amax (snip_ds.backend.fp8_step). A SnipLinear's output and gradients are bit for bit those of the layer
+    that quantizes every operand in every GEMM (the backend without its sharing methods), through the BF16
     GEMMs and through ``torch._scaled_mm`` (allowed on the CPU here: a slow but exact FP8 GEMM), and with a
     per-GEMM plan where wgrad is FP4 nothing is shared."""
-    from snip_ds.backend.base import GemmBackend
+    from snip_ds.backend.base import GemmBackend, WithAmax
     from snip_ds.linear import SnipLinear
+    from snip_ds.quant import QuantParts
 
     if scaled_mm and DEVICE == "cpu":
         skip_without_cpu_scaled_mm()
@@ -178,14 +180,20 @@ def test_fp8_operands_quantized_once_give_the_same_layer(through_kernels, monkey
         layer.weight.grad = layer.bias.grad = None
         return grads, saved
 
-    made = []
-    prepare = TorchBackend.prepare_grad
-    monkeypatch.setattr(TorchBackend, "prepare_grad",
-                        lambda self, *a: made.append(prepare(self, *a)) or made[-1])
+    kept = []
+    backward = TorchBackend.backward_gemms
+    monkeypatch.setattr(TorchBackend, "backward_gemms",
+                        lambda self, g, xk, wk, *a: kept.append((xk, wk)) or backward(self, g, xk, wk, *a))
     shared, saved = run()
-    assert [type(m).__name__ for m in made] == ["QuantParts" if precision == "fp8" else "Tensor"]
-    monkeypatch.setattr(TorchBackend, "fprop_and_keep", GemmBackend.fprop_and_keep)
-    monkeypatch.setattr(TorchBackend, "prepare_grad", GemmBackend.prepare_grad)
+    (x_keep, w_keep), = kept
+    if precision == "fp8":
+        assert isinstance(x_keep, QuantParts) and x_keep.values.dtype == torch.float8_e4m3fn
+        assert x_keep.values.t().is_contiguous()  # stored transposed: wgrad's column-major operand, no copy
+        assert isinstance(w_keep, WithAmax)
+    else:
+        assert x_keep is not None and not isinstance(x_keep, QuantParts) and not isinstance(w_keep, WithAmax)
+    for name in ("fprop_and_keep", "backward_gemms", "prepare_grad"):
+        monkeypatch.setattr(TorchBackend, name, getattr(GemmBackend, name))
     each, saved_each = run()
     for a, b in zip(shared, each):
         assert a.dtype == b.dtype and torch.equal(a, b)

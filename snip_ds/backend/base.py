@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -36,8 +36,17 @@ from snip_ds.quant import QuantParts
 from snip_ds.quant_config import BACKENDS, QuantConfig
 from snip_ds.types import GemmPrecision
 
-# what a layer keeps of an operand for backward: the tensor itself, or its quantized parts
-Kept = Union[torch.Tensor, QuantParts]
+class WithAmax(NamedTuple):
+    """An operand kept for backward with the tensor amax its forward quantization found (0-d FP32): a
+    per-tensor-scaled recipe quantizes it again along another axis from that amax, without an amax pass
+    (the weight, whose values do not change between a forward and its backward)."""
+
+    tensor: torch.Tensor
+    amax: torch.Tensor
+
+
+# what a layer keeps of an operand for backward: the tensor itself, its quantized parts, or it and its amax
+Kept = Union[torch.Tensor, QuantParts, WithAmax]
 
 log = logging.getLogger("snip_ds.backend")
 
@@ -93,12 +102,30 @@ class GemmBackend(ABC):
         that overrides :meth:`fprop_and_keep` overrides this too."""
         return None
 
+    def keeps_w_amax(self, x: torch.Tensor, w: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig) -> bool:
+        """Whether :meth:`fprop_and_keep` keeps ``w`` as :class:`WithAmax`; decided from the operands' devices,
+        shapes and dtypes alone, as :meth:`kept_x_dtype`."""
+        return False
+
     def prepare_grad(self, g: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig) -> Kept:
         """``G_Y`` as :meth:`dgrad` and :meth:`wgrad` (both of this backend) take it in one backward: by
         default ``g`` itself, which each quantizes; a backend may quantize it once, as
         :class:`~snip_ds.quant.QuantParts`, where both GEMMs quantize it identically without random draws
         (so the generator's stream is unchanged)."""
         return g
+
+    def backward_gemms(self, g: torch.Tensor, x_keep: Kept, w_keep: Kept, prec: GemmPrecision, cfg: QuantConfig,
+                       generator: Optional[torch.Generator], needs: Tuple[bool, bool], x_dtype: torch.dtype,
+                       w_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(G_X, G_W)`` of one backward whose dgrad and wgrad both run on this backend (each None where
+        ``needs`` says it is not wanted), from what :meth:`fprop_and_keep` kept. The default quantizes G_Y
+        once for both where :meth:`prepare_grad` can, then runs :meth:`dgrad` and :meth:`wgrad` in that order
+        (the order their random draws come from ``generator``); a backend may run both its own way where it
+        gives the same results."""
+        g_q = self.prepare_grad(g, prec, cfg) if needs[0] and needs[1] else g
+        g_x = self.dgrad(g_q, w_keep, prec.dgrad, cfg, generator, out_dtype=x_dtype) if needs[0] else None
+        g_w = self.wgrad(g_q, x_keep, prec.wgrad, cfg, generator, out_dtype=w_dtype) if needs[1] else None
+        return g_x, g_w
 
     def check(self, precision: str, cfg: QuantConfig, device: torch.device) -> None:
         """Raises :class:`BackendError` if this backend cannot run ``precision`` under ``cfg`` on

@@ -4,13 +4,14 @@
 quantization kernels' launches; an opaque operator with a shape function it can. Two ops, registered with
 ``torch.library.custom_op`` (torch >= 2.6):
 
-* ``snip_ds::quantized_linear(x, weight, bias, spec, layer) -> (y, x_values, x_scale)``: the forward of
-  :mod:`.layer_step`. ``y`` is ``x @ weight.T + bias`` in ``x``'s dtype; ``x_values`` and ``x_scale`` are X's
-  quantized values and tensor scale where the forward keeps them for wgrad instead of X (per-tensor FP8 on
-  the Triton kernels' devices: one byte per element), else empty placeholders.
-* ``snip_ds::quantized_linear_backward(grad_y, x, x_scale, weight, spec, layer, x_quantized, need_x, need_w,
-  need_b) -> (grad_x, grad_w, grad_b)``: the backward of :mod:`.layer_step`; a gradient that is not needed
-  comes back as an empty placeholder. It is the first op's registered autograd formula
+* ``snip_ds::quantized_linear(x, weight, bias, spec, layer) -> (y, x_values, x_scale, w_amax)``: the forward
+  of :mod:`.layer_step`. ``y`` is ``x @ weight.T + bias`` in ``x``'s dtype; ``x_values`` and ``x_scale`` are
+  X's quantized values (stored transposed, ``[k, T]``: wgrad's layout) and tensor scale where the forward
+  keeps them for wgrad instead of X (per-tensor FP8 on the Triton kernels' devices: one byte per element),
+  else empty placeholders; ``w_amax`` is W's amax where the forward keeps it for dgrad, else a placeholder.
+* ``snip_ds::quantized_linear_backward(grad_y, x, x_scale, weight, w_amax, spec, layer, x_quantized,
+  w_amax_kept, need_x, need_w, need_b) -> (grad_x, grad_w, grad_b)``: the backward of :mod:`.layer_step`; a
+  gradient that is not needed comes back as an empty placeholder. It is the first op's registered autograd formula
   (``register_autograd``).
 
 ``spec`` (:func:`op_spec`) names the layer's precisions and :class:`~snip_ds.quant_config.QuantConfig`, so it
@@ -35,6 +36,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from snip_ds.backend import layer_step
+from snip_ds.backend.base import WithAmax
 from snip_ds.backend.operands import shared_amax
 from snip_ds.quant import QuantParts
 from snip_ds.quant_config import QuantConfig
@@ -95,18 +97,21 @@ def _placeholder(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tor
 
 @torch.library.custom_op("snip_ds::quantized_linear", mutates_args=())
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: str,
-                     layer: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     layer: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     prec, cfg = parse_spec(spec)
     x_2d = x.reshape(-1, x.shape[-1])
     with shared_amax(_layer(layer).amax_reduce):
         y_2d, x_keep, w_keep = layer_step.forward(x_2d, weight, bias, prec, cfg, x.dtype)
     y = y_2d.reshape(*x.shape[:-1], weight.shape[0]).contiguous()
+    w_amax = _placeholder(x, torch.float32)
+    if isinstance(w_keep, WithAmax):
+        w_keep, w_amax = w_keep
     if w_keep is not weight or not (x_keep is x_2d or isinstance(x_keep, QuantParts)):
         raise RuntimeError(f"snip_ds::quantized_linear: the backend of spec {spec!r} keeps operands other than "
-                           f"X's quantized values for backward, which this op cannot return")
+                           f"X's quantized values and W's amax for backward, which this op cannot return")
     if isinstance(x_keep, QuantParts):
-        return y, x_keep.values.contiguous(), x_keep.tensor_scale
-    return y, _placeholder(x), _placeholder(x, torch.float32)
+        return y, x_keep.values.t().contiguous(), x_keep.tensor_scale, w_amax  # (stored [k, T]: no copy)
+    return y, _placeholder(x), _placeholder(x, torch.float32), w_amax
 
 
 @quantized_linear.register_fake
@@ -115,22 +120,26 @@ def _quantized_linear_fake(x, weight, bias, spec, layer):
     y = x.new_empty(*x.shape[:-1], weight.shape[0])
     x_2d = x.reshape(-1, x.shape[-1])
     kept = layer_step.kept_x_dtype(x_2d, prec, cfg)
+    w_amax = (x.new_empty((), dtype=torch.float32) if layer_step.keeps_w_amax(x_2d, weight, prec, cfg)
+              else _placeholder(x, torch.float32))
     if kept is None:
-        return y, _placeholder(x), _placeholder(x, torch.float32)
-    return y, x.new_empty(x_2d.shape, dtype=kept), x.new_empty((), dtype=torch.float32)
+        return y, _placeholder(x), _placeholder(x, torch.float32), w_amax
+    return y, x.new_empty(x_2d.shape[::-1], dtype=kept), x.new_empty((), dtype=torch.float32), w_amax
 
 
 @torch.library.custom_op("snip_ds::quantized_linear_backward", mutates_args=())
 def quantized_linear_backward(grad_y: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-                              spec: str, layer: int, x_quantized: bool, need_x: bool, need_w: bool,
-                              need_b: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              w_amax: torch.Tensor, spec: str, layer: int, x_quantized: bool, w_amax_kept: bool,
+                              need_x: bool, need_w: bool, need_b: bool
+                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     prec, cfg = parse_spec(spec)
     owner = _layer(layer)
     g_2d = grad_y.reshape(-1, grad_y.shape[-1])
-    x_keep = QuantParts(x, x_scale) if x_quantized else x.reshape(-1, x.shape[-1])
+    x_keep = QuantParts(x.t(), x_scale) if x_quantized else x.reshape(-1, x.shape[-1])
+    w_keep = WithAmax(weight, w_amax) if w_amax_kept else weight
     x_dtype = grad_y.dtype if x_quantized else x.dtype
     with shared_amax(owner.amax_reduce):
-        g_x, g_w, g_b = layer_step.backward(g_2d, x_keep, weight, prec, cfg, owner.generator,
+        g_x, g_w, g_b = layer_step.backward(g_2d, x_keep, w_keep, prec, cfg, owner.generator,
                                             (need_x, need_w, need_b), x_dtype, weight.dtype)
     g_x = _placeholder(grad_y) if g_x is None else g_x.reshape(*grad_y.shape[:-1], weight.shape[1]).contiguous()
     g_w = _placeholder(weight) if g_w is None else g_w.contiguous()
@@ -139,7 +148,8 @@ def quantized_linear_backward(grad_y: torch.Tensor, x: torch.Tensor, x_scale: to
 
 
 @quantized_linear_backward.register_fake
-def _quantized_linear_backward_fake(grad_y, x, x_scale, weight, spec, layer, x_quantized, need_x, need_w, need_b):
+def _quantized_linear_backward_fake(grad_y, x, x_scale, weight, w_amax, spec, layer, x_quantized, w_amax_kept,
+                                    need_x, need_w, need_b):
     x_dtype = grad_y.dtype if x_quantized else x.dtype
     g_x = grad_y.new_empty(*grad_y.shape[:-1], weight.shape[1], dtype=x_dtype) if need_x else _placeholder(grad_y)
     g_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else _placeholder(weight)
@@ -149,18 +159,19 @@ def _quantized_linear_backward_fake(grad_y, x, x_scale, weight, spec, layer, x_q
 
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias, spec, layer = inputs
-    _, x_values, x_scale = output
+    _, x_values, x_scale, w_amax = output
     ctx.x_quantized = x_values.dim() == 2  # a placeholder is 1-D
-    ctx.save_for_backward(x_values if ctx.x_quantized else x, x_scale, weight)
+    ctx.w_amax_kept = w_amax.dim() == 0
+    ctx.save_for_backward(x_values if ctx.x_quantized else x, x_scale, weight, w_amax)
     ctx.spec, ctx.layer, ctx.has_bias = spec, layer, bias is not None
 
 
-def _backward(ctx, grad_y, _grad_values, _grad_scale):
-    x, x_scale, weight = ctx.saved_tensors
+def _backward(ctx, grad_y, _grad_values, _grad_scale, _grad_amax):
+    x, x_scale, weight, w_amax = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = ctx.has_bias and ctx.needs_input_grad[2]
-    g_x, g_w, g_b = quantized_linear_backward(grad_y, x, x_scale, weight, ctx.spec, ctx.layer, ctx.x_quantized,
-                                              need_x, need_w, need_b)
+    g_x, g_w, g_b = quantized_linear_backward(grad_y, x, x_scale, weight, w_amax, ctx.spec, ctx.layer,
+                                              ctx.x_quantized, ctx.w_amax_kept, need_x, need_w, need_b)
     return g_x if need_x else None, g_w if need_w else None, g_b if need_b else None, None, None
 
 

@@ -4,8 +4,9 @@
 ``torch.compile`` traces) both run these two functions, so a layer computes the same numbers bit for bit
 whether it runs eagerly or compiled. :func:`forward` picks each GEMM's backend (:func:`layer_backends`),
 runs fprop and returns what backward needs of X and W (:meth:`GemmBackend.fprop_and_keep`);
-:func:`backward` quantizes G_Y once where both backward GEMMs can share it
-(:meth:`GemmBackend.prepare_grad`), then runs dgrad and wgrad. Neither reads a tensor's value on the host.
+:func:`backward` runs dgrad and wgrad, through one backend call where one backend runs both
+(:meth:`GemmBackend.backward_gemms`, which shares what both GEMMs can share). Neither reads a tensor's value
+on the host.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from typing import Optional, Tuple
 import torch
 
 from snip_ds.backend.base import Kept, layer_backends
-from snip_ds.quant import QuantParts
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GemmPrecision
 
@@ -40,6 +40,13 @@ def kept_x_dtype(x_2d: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig) -> O
     return None
 
 
+def keeps_w_amax(x_2d: torch.Tensor, w: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig) -> bool:
+    """Whether :func:`forward` keeps W with its amax (:class:`~snip_ds.backend.base.WithAmax`), decided from
+    the operands' devices, shapes and dtypes alone (the custom ops' shape functions ask it)."""
+    fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x_2d.device)
+    return fprop_be is dgrad_be is wgrad_be and fprop_be.keeps_w_amax(x_2d, w, prec, cfg)
+
+
 def backward(g_2d: torch.Tensor, x_keep: Kept, w_keep: Kept, prec: GemmPrecision, cfg: QuantConfig,
              generator: Optional[torch.Generator], needs: Tuple[bool, bool, bool], x_dtype: torch.dtype,
              w_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -47,13 +54,12 @@ def backward(g_2d: torch.Tensor, x_keep: Kept, w_keep: Kept, prec: GemmPrecision
     ``x_dtype``, G_W [n, k] in ``w_dtype``, G_b [n] (G_Y summed over the tokens), each None where ``needs``
     (X, W, bias) says it is not wanted. Stochastic rounding and the Hadamard signs draw from ``generator``
     (None: torch's default generator) in the order dgrad, then wgrad."""
-    device = (x_keep.values if isinstance(x_keep, QuantParts) else x_keep).device
-    _, dgrad_be, wgrad_be = layer_backends(prec, cfg, device)
-    g_q = g_2d  # G_Y as both GEMMs take it: quantized once where their backend can
-    if dgrad_be is wgrad_be and needs[0] and needs[1]:
-        g_q = dgrad_be.prepare_grad(g_2d, prec, cfg)
+    _, dgrad_be, wgrad_be = layer_backends(prec, cfg, g_2d.device)
     # dgrad: G_X = G_Y W, contraction over n; wgrad: G_W = G_Y^T X, contraction over T
-    g_x = dgrad_be.dgrad(g_q, w_keep, prec.dgrad, cfg, generator, out_dtype=x_dtype) if needs[0] else None
-    g_w = wgrad_be.wgrad(g_q, x_keep, prec.wgrad, cfg, generator, out_dtype=w_dtype) if needs[1] else None
+    if dgrad_be is wgrad_be:
+        g_x, g_w = dgrad_be.backward_gemms(g_2d, x_keep, w_keep, prec, cfg, generator, needs[:2], x_dtype, w_dtype)
+    else:  # (forward kept the tensors themselves: its backends differ too)
+        g_x = dgrad_be.dgrad(g_2d, w_keep, prec.dgrad, cfg, generator, out_dtype=x_dtype) if needs[0] else None
+        g_w = wgrad_be.wgrad(g_2d, x_keep, prec.wgrad, cfg, generator, out_dtype=w_dtype) if needs[1] else None
     g_b = g_2d.sum(0) if needs[2] else None
     return g_x, g_w, g_b

@@ -9,10 +9,8 @@ kernel reads, so no quantization waits for the GPU -- the fallback from the gene
 emulated backend does). FP16 operands are widened to FP32 (exactly) for the kernels, which read FP32 and
 BF16. On CUDA the kernels write the values in BF16, which holds them exactly, and an operand quantized along
 axis 0 transposed, so that every GEMM reads both operands with the contraction axis contiguous, without a
-copy. On the CPU the streamed operand of each GEMM (X or G_Y along
-rows, both wgrad operands along the tokens) is quantized slice by slice with the whole operand's amax, as the
-emulated backend does, which gives the whole operand's values and draws while keeping temporaries small.
-Then:
+copy. On the CPU the streamed operand of each GEMM is quantized slice by slice with the whole operand's amax
+(:mod:`.cpu_stream`). Then:
 
 * ``fp8`` with ``fp8_hybrid`` on a CUDA device that has FP8 tensor cores (compute capability >= 8.9) and
   dimensions that are multiples of 16: ``torch._scaled_mm`` on the E4M3 / E5M2 codes with the FP32
@@ -34,13 +32,16 @@ Then:
 Where the Triton kernels quantize for ``torch._scaled_mm``, they write the FP8 codes themselves, which the GEMM
 reads without a cast between them. Per-tensor FP8 (``fp8_hybrid``) quantizes an operand to the same codes with
 the same scale in each GEMM that reads it, whatever that GEMM's axis: so a layer whose fprop and wgrad are both
-FP8 quantizes X once and keeps its E4M3 codes for wgrad (:meth:`TorchBackend.fprop_and_keep`; one byte per
-element kept instead of X's two or four), and one whose dgrad and wgrad are both FP8 quantizes G_Y once for
-both (:meth:`TorchBackend.prepare_grad`). The GEMMs multiply the very same values as when each quantizes its
-own operands (``tests/test_torch_backend_kernels.py`` checks the layer bit for bit).
+FP8 quantizes X once, in both layouts, and keeps its E4M3 codes for wgrad (:meth:`TorchBackend.fprop_and_keep`;
+one byte per element kept instead of X's two or four), and one whose dgrad and wgrad are both FP8 quantizes G_Y
+once for both (:meth:`TorchBackend.prepare_grad`); a layer all of whose GEMMs are per-tensor FP8 runs a step
+decided once per shape (:mod:`.fp8_step`: ten launches, W quantized for dgrad from the forward's amax). The
+GEMMs multiply the very same values as when each quantizes its own operands
+(``tests/test_torch_backend_kernels.py`` checks the layer bit for bit).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from typing import NamedTuple, Optional, Tuple
@@ -48,12 +49,12 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from snip_ds.backend import cpu as cpu_kernels
-from snip_ds.backend.base import BackendError, GemmBackend, kernel_seed, recipe_words
-from snip_ds.backend import operands
+from snip_ds.backend.base import BackendError, GemmBackend, WithAmax, kernel_seed, recipe_words
+from snip_ds.backend import cpu_stream, fp8_step, operands
 from snip_ds.backend.emulated import reference_operands
-from snip_ds.backend.operands import gemm_recipe, hadamard_pair, tensor_amax, whole_amax
+from snip_ds.backend.operands import amax_shared, gemm_recipe, hadamard_pair, whole_amax
 from snip_ds.quant_config import QuantConfig
-from snip_ds.quant import QuantParts, get_recipe, quantize_parts
+from snip_ds.quant import QuantParts, quantize_parts
 from snip_ds.types import GEMM_OPERANDS
 
 log = logging.getLogger("snip_ds.backend")
@@ -88,10 +89,6 @@ def kernels():
             log.warning("snip_ds.backend.kernels does not import (%s: %s); quantizing with torch",
                         type(err).__name__, err)
     return _kernels_module
-
-
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
 
 
 class TorchBackend(GemmBackend):
@@ -169,7 +166,7 @@ class TorchBackend(GemmBackend):
         """The FP8 dtype in which operand ``role`` can be quantized once for both ``gemms``: where the Triton
         kernels quantize ``t`` and both GEMMs are per-tensor FP8 (``fp8_hybrid``), which quantize it to the
         same values with the same scale whatever their axis, rounding to nearest; else None."""
-        if (t.device.type not in KERNEL_DEVICES or t.numel() == 0 or cfg.fp8_recipe != "fp8_hybrid"
+        if (t.device.type not in KERNEL_DEVICES or t.numel() == 0 or cfg.fp8_recipe != "fp8_hybrid" or kernels() is None
                 or any(getattr(prec, gemm) != "fp8" for gemm in gemms)):
             return None
         ops = [op for gemm in gemms for op in gemm_recipe(gemm, "fp8", cfg).operands if op.role == role]
@@ -183,15 +180,44 @@ class TorchBackend(GemmBackend):
 
     def fprop_and_keep(self, x, w, prec, cfg, *, bias=None, out_dtype=torch.float32):
         """Per-tensor FP8 fprop and wgrad quantize X identically: X is quantized once, its E4M3 codes serve
-        the forward's GEMM and are kept for wgrad (one byte per element, where ``nn.Linear`` keeps X itself)."""
+        the forward's GEMM and are kept for wgrad (one byte per element, where ``nn.Linear`` keeps X itself),
+        written transposed in the same pass (:attr:`QuantParts.values` a column-major view: wgrad's layout).
+        A layer all of whose GEMMs are FP8 runs the step decided for its shape (:mod:`.fp8_step`), which also
+        keeps W's amax for dgrad."""
+        step = self._fp8_step(x, w, prec, cfg)
+        if step is not None:
+            return step.forward(x, w, bias, out_dtype)
         fp8 = self._shared_fp8("x", ("fprop", "wgrad"), prec, cfg, x)
         if fp8 is None:
             return super().fprop_and_keep(x, w, prec, cfg, bias=bias, out_dtype=out_dtype)
-        px, pw = self.quantized_operands("fprop", x, w, "fp8", cfg,
-                                         values_dtype=(fp8, self._values("fprop", x, w, "fp8", cfg)[1]))
+        ox, ow = gemm_recipe("fprop", "fp8", cfg).operands
+        px = self.quantize_parts(x, ox.recipe, ox.axis, out_dtype=fp8, transpose=True)  # [T, k] column-major
+        pw = self.quantize_parts(w, ow.recipe, ow.axis, out_dtype=self._values("fprop", x, w, "fp8", cfg)[1])
         y = self._mm("fprop", px.values, pw.values.t(), px.tensor_scale, pw.tensor_scale,
                      self._fp8_pair("x", "w", "fp8", cfg), bias, out_dtype)
         return y, px, w  # px: X's E4M3 codes
+
+    def backward_gemms(self, g, x_keep, w_keep, prec, cfg, generator, needs, x_dtype, w_dtype):
+        """The backward of :meth:`fprop_and_keep`'s decided per-tensor FP8 step where it ran (W kept with its
+        amax), else :meth:`GemmBackend.backward_gemms`."""
+        if isinstance(w_keep, WithAmax):
+            if not any(needs):
+                return None, None
+            step = self._fp8_step(x_keep.values, w_keep.tensor, prec, cfg)
+            return step.backward(g, x_keep, w_keep, needs, x_dtype, w_dtype)
+        return super().backward_gemms(g, x_keep, w_keep, prec, cfg, generator, needs, x_dtype, w_dtype)
+
+    def keeps_w_amax(self, x, w, prec, cfg) -> bool:
+        return (prec.uniform == "fp8" and cfg.fp8_recipe == "fp8_hybrid" and x.device.type in KERNEL_DEVICES
+                and kernels() is not None and x.numel() != 0 and w.numel() != 0)
+
+    def _fp8_step(self, x, w, prec, cfg) -> Optional[fp8_step.Fp8Step]:
+        """The decided step of a layer whose three GEMMs are per-tensor FP8 where the Triton kernels quantize
+        (:mod:`.fp8_step`), else None; decided once per shape, dtypes, device and kernel setting."""
+        if prec.uniform != "fp8" or cfg.fp8_recipe != "fp8_hybrid" or x.device.type not in KERNEL_DEVICES:
+            return None
+        return _fp8_plan(tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, x.device, kernels(), SCALED_MM_DEVICES,
+                         amax_shared(), self._mm)
 
     def prepare_grad(self, g, prec, cfg):
         """Per-tensor FP8 dgrad and wgrad quantize G_Y identically: its E5M2 codes, made once for both."""
@@ -205,40 +231,40 @@ class TorchBackend(GemmBackend):
     def fprop(self, x: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig, *,
               bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
-            return _finish(torch.mm(x, w.to(x.dtype).t()), bias, out_dtype)
+            return cpu_stream.finish(torch.mm(x, w.to(x.dtype).t()), bias, out_dtype)
         if self._streams("fprop", x, w, precision, cfg):
-            return self._cpu_fprop(x, w, precision, cfg, bias, out_dtype)
+            return cpu_stream.fprop(x, w, precision, cfg, bias, out_dtype)
         px, pw = self.quantized_operands("fprop", x, w, precision, cfg, values_dtype=self._values("fprop", x, w,
                                                                                                   precision, cfg))
         return self._mm("fprop", px.values, pw.values.t(), px.tensor_scale, pw.tensor_scale,
                         self._fp8_pair("x", "w", precision, cfg), bias, out_dtype,
-                        _unit_scales(*gemm_recipe("fprop", precision, cfg).operands))
+                        cpu_stream.unit_scales(*gemm_recipe("fprop", precision, cfg).operands))
 
     def dgrad(self, g: torch.Tensor, w: torch.Tensor, precision: str, cfg: QuantConfig,
               generator: Optional[torch.Generator] = None, *,
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
-            return _finish(torch.mm(g, w.to(g.dtype)), None, out_dtype)
+            return cpu_stream.finish(torch.mm(g, w.to(g.dtype)), None, out_dtype)
         if self._streams("dgrad", g, w, precision, cfg):
-            return self._cpu_dgrad(g, w, precision, cfg, generator, out_dtype)
+            return cpu_stream.dgrad(g, w, precision, cfg, generator, out_dtype)
         pg, pw = self.quantized_operands("dgrad", g, w, precision, cfg, generator,
                                          values_dtype=self._values("dgrad", g, w, precision, cfg))
         return self._mm("dgrad", pg.values, pw.values, pg.tensor_scale, pw.tensor_scale,
                         self._fp8_pair("g", "w", precision, cfg), None, out_dtype,
-                        _unit_scales(*gemm_recipe("dgrad", precision, cfg).operands))
+                        cpu_stream.unit_scales(*gemm_recipe("dgrad", precision, cfg).operands))
 
     def wgrad(self, g: torch.Tensor, x: torch.Tensor, precision: str, cfg: QuantConfig,
               generator: Optional[torch.Generator] = None, *,
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if precision == "bf16":
-            return _finish(torch.mm(g.t(), x.to(g.dtype)), None, out_dtype)
-        if self._streams("wgrad", g, x, precision, cfg) and not _cpu_bf16_gemm(out_dtype):
-            return self._cpu_wgrad(g, x, precision, cfg, generator, out_dtype)
+            return cpu_stream.finish(torch.mm(g.t(), x.to(g.dtype)), None, out_dtype)
+        if self._streams("wgrad", g, x, precision, cfg) and not cpu_stream.cpu_bf16_gemm(out_dtype):
+            return cpu_stream.wgrad(g, x, precision, cfg, generator, out_dtype)
         pg, px = self.quantized_operands("wgrad", g, x, precision, cfg, generator,
                                          values_dtype=self._values("wgrad", g, x, precision, cfg))
         return self._mm("wgrad", pg.values.t(), px.values, pg.tensor_scale, px.tensor_scale,
                         self._fp8_pair("g", "x", precision, cfg), None, out_dtype,
-                        _unit_scales(*gemm_recipe("wgrad", precision, cfg).operands))
+                        cpu_stream.unit_scales(*gemm_recipe("wgrad", precision, cfg).operands))
 
     # ---------------- CPU: operands streamed slice by slice, as the emulated backend does ----------------
     def _streams(self, gemm: str, a: torch.Tensor, b: torch.Tensor, precision: str, cfg: QuantConfig) -> bool:
@@ -251,36 +277,6 @@ class TorchBackend(GemmBackend):
         roles = GEMM_OPERANDS[gemm]
         fp8 = self._fp8_pair(roles[0], roles[1], precision, cfg)
         return fp8 is None or not _scaled_mm_ok(gemm, a, b, fp8)
-
-    def _cpu_fprop(self, x, w, precision, cfg, bias, out_dtype):
-        ox, ow = gemm_recipe("fprop", precision, cfg).operands
-        op_dtype = torch.bfloat16 if _cpu_bf16_gemm(out_dtype) else torch.float32
-        pw = _Streamed(w, ow).whole(op_dtype)
-        qx = _Streamed(x, ox)
-        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-        for rows in operands.chunks(x.shape[0], x.shape[1]):
-            _mm_into(y[rows], qx.rows(rows, op_dtype).values, pw.values.t())
-        return _scaled(y, qx.tensor_scale, pw.tensor_scale, bias, out_dtype, _unit_scales(ox, ow))
-
-    def _cpu_dgrad(self, g, w, precision, cfg, generator, out_dtype):
-        og, ow = gemm_recipe("dgrad", precision, cfg).operands
-        op_dtype = torch.bfloat16 if _cpu_bf16_gemm(out_dtype) else torch.float32
-        pw = _Streamed(w, ow).whole(op_dtype)
-        qg = _Streamed(g, og, generator)
-        out = torch.empty(g.shape[0], w.shape[1], dtype=torch.float32)
-        for rows in operands.chunks(g.shape[0], g.shape[1]):
-            _mm_into(out[rows], qg.rows(rows, op_dtype).values, pw.values)
-        return _scaled(out, qg.tensor_scale, pw.tensor_scale, None, out_dtype, _unit_scales(og, ow))
-
-    def _cpu_wgrad(self, g, x, precision, cfg, generator, out_dtype):
-        recipe = gemm_recipe("wgrad", precision, cfg)
-        if recipe.hadamard:
-            g, x = hadamard_pair(g, x, generator)
-        qg, qx = _Streamed(g, recipe.a, generator), _Streamed(x, recipe.b)
-        g_w = torch.zeros(g.shape[1], x.shape[1], dtype=torch.float32)
-        for tokens in operands.chunks(g.shape[0], g.shape[1] + x.shape[1]):
-            g_w.addmm_(qg.rows(tokens).values.t(), qx.rows(tokens).values)
-        return _scaled(g_w, qg.tensor_scale, qx.tensor_scale, None, out_dtype, _unit_scales(recipe.a, recipe.b))
 
     def check(self, precision: str, cfg: QuantConfig, device: torch.device) -> None:
         if torch.device(device).type not in DEVICES:
@@ -303,88 +299,16 @@ class TorchBackend(GemmBackend):
             out_dtype: torch.dtype, unit_scales: bool = False) -> torch.Tensor:
         """``(a @ b) * scale_a * scale_b (+ bias)`` in ``out_dtype``; a: [M, K], b: [K, N] exact grid values;
         ``unit_scales``: both tensor scales are 1 by the recipe (MX), and are not multiplied in."""
-        if fp8 is not None and _scaled_mm_ok(gemm, a, b, fp8):
-            # row-major first operand, column-major second (cuBLASLt's layout)
-            a8 = a.to(fp8[0]).contiguous()
-            b8 = b.t().to(fp8[1]).contiguous().t()
-            fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16,
-                                                                                        torch.float16)
-            y = torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype if fused_bias or
-                                 bias is None else torch.float32, bias=bias if fused_bias else None)
-            return y if bias is None or fused_bias else _finish(y, bias, out_dtype)
+        if fp8 is not None and _scaled_mm_ok(gemm, a, b, fp8):  # row-major a, column-major b (cuBLASLt's)
+            return fp8_step.scaled_mm(a.to(fp8[0]).contiguous(), b.t().to(fp8[1]).contiguous().t(), scale_a,
+                                      scale_b, bias, out_dtype)
         if a.device.type == "cuda":
             y = _bf16_mm_fp32(a.to(torch.bfloat16), b.to(torch.bfloat16))
-        elif not _cpu_bf16_gemm(out_dtype):  # CPU, FP32 result wanted (or no fast BF16 GEMM): the exact values
-            y = torch.mm(_fp32(a), _fp32(b))  # in an FP32 GEMM
+        elif not cpu_stream.cpu_bf16_gemm(out_dtype):  # CPU, FP32 result wanted (or no fast BF16 GEMM): the exact values
+            y = torch.mm(cpu_stream.fp32(a), cpu_stream.fp32(b))  # in an FP32 GEMM
         else:  # CPU: BF16 GEMM, its FP32 sum rounded once to BF16 (the result is rounded to out_dtype anyway)
             y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
-        return _scaled(y, scale_a, scale_b, bias, out_dtype, unit_scales)
-
-
-_fast_bf16: Optional[bool] = None
-
-
-def _cpu_bf16_gemm(out_dtype: torch.dtype) -> bool:
-    """Whether a CPU GEMM whose result is wanted in ``out_dtype`` runs in BF16: only for a BF16 result (an
-    FP16 result has 3 more significant bits than a BF16 GEMM's) and only where oneDNN has native BF16
-    (AVX512-BF16 or AMX); elsewhere a BF16 GEMM is many times slower than FP32, and the FP32 GEMM of the same
-    exact values is the more accurate result anyway."""
-    global _fast_bf16
-    if out_dtype != torch.bfloat16:
-        return False
-    if _fast_bf16 is None:
-        try:
-            _fast_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            _fast_bf16 = False
-    return _fast_bf16
-
-
-class _Streamed:
-    """One CPU operand quantized slice by slice along its rows with the whole operand's amax (exactly the
-    whole operand's quantization, stochastic draws included): through the fused kernels of
-    :mod:`snip_ds.backend.cpu` when they are built (stochastic rounding from one seed drawn from
-    ``generator``, each slice at its first element's offset), else :func:`snip_ds.quant.quantize_parts`
-    (drawing from ``generator`` slice by slice, as the emulated backend does)."""
-
-    def __init__(self, t: torch.Tensor, operand: operands.Operand, generator: Optional[torch.Generator] = None):
-        self.fused = cpu_kernels.available()
-        self.t = t if not self.fused or t.dtype in (torch.float32, torch.bfloat16) else t.float()
-        if self.fused:
-            self.t = self.t.contiguous()  # (the kernels' layout; a slice of rows of it stays contiguous)
-        self.recipe = get_recipe(operand.recipe)
-        self.axis = operand.axis
-        stochastic = self.stochastic = operand.stochastic
-        self.generator = generator if stochastic else None
-        self.seed = kernel_seed(generator, "cpu") if stochastic and self.fused else 0
-        self.amax = None
-        if self.recipe.scale != "e8m0":  # MX has no tensor-level scale
-            self.amax = operands.reduced(cpu_kernels.tensor_amax(self.t)) if self.fused else tensor_amax(self.t)
-        self.tensor_scale = None  # the quantizer's, from the first slice (a streamed operand is never empty)
-
-    def rows(self, rows: slice, out_dtype: torch.dtype = torch.float32) -> QuantParts:
-        part = self.t[rows]
-        if self.fused:  # the arguments are the kernels' already: no second check per slice
-            p = cpu_kernels.quantize_checked(part, self.recipe, self.axis % 2, self.amax, self.stochastic, self.seed,
-                                             rows.start * self.t.shape[1], out_dtype)
-        else:
-            p = quantize_parts(part, self.recipe, axis=self.axis, stochastic=self.stochastic,
-                               generator=self.generator, tensor_amax=self.amax)
-            if out_dtype != torch.float32:
-                p = QuantParts(p.values.to(out_dtype), p.tensor_scale)
-        self.tensor_scale = p.tensor_scale
-        return p
-
-    def whole(self, out_dtype: torch.dtype = torch.float32) -> QuantParts:
-        return self.rows(slice(0, self.t.shape[0]), out_dtype)
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out = a @ b`` (FP32 ``out``; a BF16 product is rounded to BF16 once, then widened exactly)."""
-    if a.dtype == torch.float32:
-        torch.mm(a, b, out=out)
-    else:
-        out.copy_(torch.mm(a, b))
+        return cpu_stream.scaled(y, scale_a, scale_b, bias, out_dtype, unit_scales)
 
 
 def _bf16_mm_fp32(a16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:
@@ -398,29 +322,19 @@ def _bf16_mm_fp32(a16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:
         return torch.mm(a16, b16).float()
 
 
-def _unit_scales(op_a: operands.Operand, op_b: operands.Operand) -> bool:
-    """Whether both operands' tensor scales are 1 by their recipes (MX: block scales only)."""
-    return get_recipe(op_a.recipe).scale == "e8m0" and get_recipe(op_b.recipe).scale == "e8m0"
-
-
-def _scaled(y: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor],
-            out_dtype: torch.dtype, unit_scales: bool) -> torch.Tensor:
-    """``fl(y * fl(scale_a * scale_b)) (+ bias)`` in ``out_dtype`` (``y``: an FP32 GEMM result, written over).
-    MX recipes' tensor scales are 1 (``unit_scales``): nothing is multiplied. Without a bias, the product is
-    written in ``out_dtype`` in the same pass (the FP32 product rounded once, as ``.to(out_dtype)`` of it
-    rounds it): one pass over the result instead of two."""
-    if unit_scales:
-        return _finish(y, bias, out_dtype)
-    scale = scale_a * scale_b
-    if bias is None and out_dtype != y.dtype:
-        return torch.mul(y, scale, out=torch.empty(y.shape, dtype=out_dtype, device=y.device))
-    return _finish(y.mul_(scale), bias, out_dtype)
-
-
-def _finish(y: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
-    if bias is not None:
-        y = _fp32(y) + bias.float()
-    return y.to(out_dtype)
+@functools.lru_cache(maxsize=1024)
+def _fp8_plan(x_shape, w_shape, x_dtype, w_dtype, device, kernels_module, scaled_devices, amax_given, mm):
+    """:func:`fp8_step.plan` for these operands (None without the kernels, or for an empty operand); the
+    per-call arguments that decide it are the cache's key (``scaled_devices``: :data:`SCALED_MM_DEVICES`,
+    which :func:`_scaled_mm_ok` reads)."""
+    (rows, k), (n, _) = x_shape, w_shape
+    if kernels_module is None or not rows * k * n:
+        return None
+    e4m3, e5m2 = _FP8_DTYPES["fp8_e4m3"], _FP8_DTYPES["fp8_e5m2"]
+    scaled = (_scaled_mm_ok("fprop", _Dims(device, (rows, k)), _Dims(device, (k, n)), (e4m3, e4m3))
+              and _scaled_mm_ok("dgrad", _Dims(device, (rows, n)), _Dims(device, (n, k)), (e5m2, e4m3))
+              and _scaled_mm_ok("wgrad", _Dims(device, (n, rows)), _Dims(device, (rows, k)), (e5m2, e4m3)))
+    return fp8_step.plan(rows, k, n, x_dtype, w_dtype, scaled, mm, amax_given)
 
 
 class _Dims(NamedTuple):

@@ -1,12 +1,17 @@
 """Fused Triton quantization of 2-D GEMM operands: :func:`snip_ds.quant.quantize_parts` in two passes.
 
-Pass 1 (only for recipes with a tensor-level scale, and only when ``tensor_amax`` is not given): the tensor
-amax, one ``atomic_max`` per tile on the int32 bit patterns of ``|x|`` -- for non-negative floats the integer
-order is the float order, and a NaN's pattern is above +Inf's, so NaN propagates as in ``torch.amax``.
+Pass 1 (only for recipes with a tensor-level scale, and only when ``tensor_amax`` is not given): partial
+tensor amaxes, the max of the int32 bit patterns of ``|x|`` over a strided set of tiles per program, one slot
+per program (at most :data:`MAX_AMAX_PROGRAMS`; every slot written, so no zero-fill launch precedes it) -- for
+non-negative floats the integer order is the float order, and a NaN's pattern is above +Inf's, so NaN
+propagates as in ``torch.amax``.
 
-Pass 2: one program per tile loads ``x`` once, computes its block amaxes (the same integer max), the scales
-(:mod:`.grid`), rounds every element and writes ``values`` -- in FP32 or BF16, in ``x``'s layout or
-transposed -- and the first program writes ``tensor_scale``. Tiles hold whole blocks along the block axis;
+Pass 2: one program per tile reduces the partial maxima (a few hundred integers at most: the amax's second
+stage, fused here), loads ``x`` once, computes its block amaxes (the same integer max), the scales
+(:mod:`.grid`), rounds every element and writes ``values`` -- in FP32 or BF16 or a per-tensor recipe's FP8
+codes, in ``x``'s layout or transposed, or (per-tensor recipes, whose values do not depend on the axis) in
+both layouts at once -- and the first program writes ``tensor_scale`` and the tensor amax, which a later
+quantization of the same tensor (the weight in backward) passes back as ``tensor_amax``. Tiles hold whole blocks along the block axis;
 masked loads read the partial last block as zeros, which is the reference's zero padding.
 
 Both passes run on a 1-D grid (tile ``pid`` is row tile ``pid // n_col_tiles``, column tile
@@ -44,6 +49,7 @@ NVFP4_2D = tl.constexpr(3)
 OUT_FP32 = tl.constexpr(0)
 OUT_BF16 = tl.constexpr(1)
 OUT_FP8 = tl.constexpr(2)  # the element format's own codes (per-tensor FP8 recipes)
+_MX = int(MX)
 FP8_CODES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # element format -> the torch dtype
 MAX_TILE = 64  # tile edge (elements) on the GPU; small tensors get the smallest power of two that covers them
 _NVFP4_TENSOR_DIVISOR = E4M3.max_normal * E2M1.max_normal  # S = amax / (448 * 6)
@@ -70,15 +76,33 @@ def _draw(seed, idx):
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_bits_ptr, R, C, stride_r, stride_c, IN_BF16: tl.constexpr, BR: tl.constexpr,
+def _amax_kernel(x_ptr, partials_ptr, R, C, stride_r, stride_c, IN_BF16: tl.constexpr, BR: tl.constexpr,
                  BC: tl.constexpr):
-    pid_r, pid_c = _tile_index(C, BC)
-    rows = pid_r * BR + tl.arange(0, BR).to(tl.int64)
-    cols = pid_c * BC + tl.arange(0, BC).to(tl.int64)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    bits = g.load_bits(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask, IN_BF16)
-    mag_bits = bits & 0x7FFFFFFF
-    tl.atomic_max(amax_bits_ptr, tl.max(tl.max(mag_bits, axis=1), axis=0))
+    """Stage 1 of the tensor amax: program ``p`` of ``P`` takes the max of ``|x|``'s bit patterns over tiles
+    ``p, p + P, p + 2P, ...`` and writes it to ``partials[p]`` -- every slot written, so the buffer needs no
+    zero-fill launch. Stage 2 (the max of the ``P`` partials) is fused into the quantization kernel."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_col_tiles = tl.cdiv(C, BC)
+    n_tiles = tl.cdiv(R, BR) * n_col_tiles
+    best = tl.zeros([BR, BC], dtype=tl.int32)
+    for tile in range(pid, n_tiles, n_programs):
+        t = tl.full([], tile, tl.int64)
+        rows = (t // n_col_tiles) * BR + tl.arange(0, BR).to(tl.int64)
+        cols = (t % n_col_tiles) * BC + tl.arange(0, BC).to(tl.int64)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        bits = g.load_bits(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask, IN_BF16)
+        best = tl.maximum(best, bits & 0x7FFFFFFF)
+    tl.store(partials_ptr + pid, tl.max(tl.max(best, axis=1), axis=0))
+
+
+@triton.jit
+def _reduce_amax(amax_ptr, n_amax, AMAX_BLOCK: tl.constexpr):
+    """Stage 2: the tensor amax (FP32) from the ``n_amax`` int32 bit patterns at ``amax_ptr`` (the partial
+    maxima of :func:`_amax_kernel`, or one given amax's bits)."""
+    offs = tl.arange(0, AMAX_BLOCK)
+    bits = tl.load(amax_ptr + offs, mask=offs < n_amax, other=0) & 0x7FFFFFFF  # a given -0 or -NaN: its magnitude
+    return tl.max(bits, axis=0).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -98,12 +122,13 @@ def _block_amax_bits(mag_bits, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.co
     return tl.reshape(full, [BR, BC])
 
 
-@triton.jit
-def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, stride_c, seed_ptr, offset,
-                     KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr, MBITS: tl.constexpr,
+@triton.jit(do_not_specialize=["n_amax"])  # (its value varies with the shape: no variant per value class)
+def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C, stride_r,
+                     stride_c, seed_ptr, offset, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr, MBITS: tl.constexpr,
                      EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr, TENSOR_DIVISOR: tl.constexpr,
                      STOCHASTIC: tl.constexpr, TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr,
-                     OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr):
+                     OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr,
+                     BOTH: tl.constexpr, AMAX_BLOCK: tl.constexpr, WRITE_AMAX: tl.constexpr):
     pid_r, pid_c = _tile_index(C, BC)
     rows = pid_r * BR + tl.arange(0, BR).to(tl.int64)
     cols = pid_c * BC + tl.arange(0, BC).to(tl.int64)
@@ -113,8 +138,11 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
     sign_bits = bits ^ mag_bits
     mag = mag_bits.to(tl.float32, bitcast=True)
 
+    amax = tl.zeros([], tl.float32)
+    if KIND != MX:
+        amax = _reduce_amax(amax_ptr, n_amax, AMAX_BLOCK)
     if KIND == PER_TENSOR:
-        scale = g.tensor_scale(tl.load(amax_ptr), MAXN)
+        scale = g.tensor_scale(amax, MAXN)
         scaled = tl.div_rn(mag, tl.broadcast_to(scale, mag.shape))
         value_mul = tl.full(mag.shape, 1.0, tl.float32)
     elif KIND == MX:
@@ -126,7 +154,7 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
         scaled = mag * g.pow2(-exp)  # times an exact power of two: the correctly rounded quotient
         scaled = tl.where(finite, scaled, float("nan"))
     else:  # NVFP4, NVFP4_2D
-        scale = g.tensor_scale(tl.load(amax_ptr), TENSOR_DIVISOR)
+        scale = g.tensor_scale(amax, TENSOR_DIVISOR)
         amax_b = _block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC).to(tl.float32, bitcast=True)
         value_mul = g.e4m3_rne(tl.div_rn(amax_b, tl.broadcast_to(scale * MAXN, amax_b.shape)))  # s_b; MAXN = 6
         d = value_mul * scale
@@ -153,8 +181,12 @@ def _quantize_kernel(x_ptr, out_ptr, amax_ptr, scale_out_ptr, R, C, stride_r, st
         tl.store(out_ptr + cols[None, :] * R + rows[:, None], values, mask=mask)
     else:
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], values, mask=mask)
+    if BOTH:  # the same values in the other layout too: the transposed operand of a second GEMM
+        tl.store(out2_ptr + cols[None, :] * R + rows[:, None], values, mask=mask)
     if (pid_r == 0) & (pid_c == 0):
         tl.store(scale_out_ptr, scale)
+        if WRITE_AMAX:
+            tl.store(amax_out_ptr, amax)
 
 
 def _kind(recipe: Recipe) -> int:
@@ -246,24 +278,43 @@ def _quantize_launch(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed:
     rows, cols = x.shape
     in_bf16 = x.dtype == torch.bfloat16
     config = _launch_config if isinstance(rows, int) and isinstance(cols, int) else _launch_config.__wrapped__
-    cfg = config(rows, cols, recipe, axis, out_dtype, transpose, in_bf16, dequantize)  # (symbolic shapes: uncached)
-    values = torch.empty((cols, rows) if transpose else (rows, cols), dtype=out_dtype, device=x.device)
-    x_bits = x.view(torch.int16 if in_bf16 else torch.int32)  # the kernels convert by bit shifting
-    out_bits = values.view(cfg.out_view)
-    scale = torch.empty((), dtype=torch.float32, device=x.device)  # the kernel's first program writes it
-    if cfg.kind == MX:
-        amax = scale  # unused
-    elif tensor_amax is not None:
-        amax = tensor_amax
-    else:
-        amax = _amax(x_bits, in_bf16, cfg.br, cfg.bc, cfg.grid)
-    _launchable(_quantize_kernel)[cfg.grid](
-        x_bits, out_bits, amax, scale, rows, cols, x.stride(0), x.stride(1),
-        scale if seed is None else seed, offset,  # round to nearest reads no seed
-        STOCHASTIC=seed is not None, **cfg.constants)
+    cfg = config(rows, cols, recipe, axis, out_dtype, transpose, in_bf16, dequantize, False,
+                 tensor_amax is not None)  # (symbolic shapes: uncached)
+    values, _, scale, _ = launch(cfg, x, tensor_amax, seed, offset)
     if dequantize:
         scale = torch.ones((), dtype=torch.float32, device=x.device)
     return values, scale
+
+
+def launch(cfg: "_LaunchConfig", x: torch.Tensor, tensor_amax: Optional[torch.Tensor],
+           seed: Optional[torch.Tensor], offset: int = 0
+           ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One quantization of a non-empty, checked ``x`` whose launch configuration ``cfg`` was worked out
+    already (:func:`launch_config`): at most two launches, and nothing else decided here. Returns the values
+    (in ``cfg``'s dtype and layout), the same values in the other layout where ``cfg.both`` (else None), the
+    tensor scale and the tensor amax the scale was made from (0-d FP32; 0 for MX recipes, which have none):
+    what a later quantization of the same tensor passes as ``tensor_amax`` to skip the amax pass; None unless
+    ``cfg.write_amax``)."""
+    rows, cols = x.shape
+    device = x.device
+    values = torch.empty(cfg.shape, dtype=cfg.out_dtype, device=device)
+    values2 = torch.empty(cfg.shape[::-1], dtype=cfg.out_dtype, device=device) if cfg.both else None
+    x_bits = x.view(cfg.in_view)  # the kernels convert by bit shifting
+    scale = torch.empty((), dtype=torch.float32, device=device)  # the kernel's first program writes both
+    amax_out = torch.empty((), dtype=torch.float32, device=device) if cfg.write_amax else None
+    if cfg.kind == _MX:  # (a plain int: comparing with the tl.constexpr builds objects on every call)
+        amax, n_amax = scale, 0  # unused
+    elif tensor_amax is not None:
+        amax, n_amax = tensor_amax.view(torch.int32), 1
+    else:
+        amax, n_amax = _amax(x_bits, cfg.in_bf16, cfg.br, cfg.bc, cfg.amax_programs), cfg.amax_programs
+    out_bits = values.view(cfg.out_view)
+    _launchable(_quantize_kernel)[cfg.grid](
+        x_bits, out_bits, out_bits if values2 is None else values2.view(cfg.out_view), amax, n_amax, scale,
+        scale if amax_out is None else amax_out, rows, cols, x.stride(0), x.stride(1),
+        scale if seed is None else seed, offset,  # round to nearest reads no seed
+        STOCHASTIC=seed is not None, **cfg.constants)
+    return values, values2, scale, amax_out
 
 
 def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
@@ -287,15 +338,26 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 def _amax_launch(x: torch.Tensor) -> torch.Tensor:
     in_bf16 = x.dtype == torch.bfloat16
     br, bc = _tile(x.shape[0], 1), _tile(x.shape[1], 1)
-    return _amax(x.view(torch.int16 if in_bf16 else torch.int32), in_bf16, br, bc,
-                 (triton.cdiv(x.shape[0], br) * triton.cdiv(x.shape[1], bc),))
+    programs = _amax_programs(x.shape[0], x.shape[1], br, bc)
+    partials = _amax(x.view(torch.int16 if in_bf16 else torch.int32), in_bf16, br, bc, programs)
+    return partials.view(torch.float32).amax()
 
 
-def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, launch) -> torch.Tensor:
-    amax_bits = torch.zeros((), dtype=torch.int32, device=x_bits.device)
-    _launchable(_amax_kernel)[launch](x_bits, amax_bits, x_bits.shape[0], x_bits.shape[1], x_bits.stride(0),
-                                      x_bits.stride(1), IN_BF16=in_bf16, BR=br, BC=bc)
-    return amax_bits.view(torch.float32)
+MAX_AMAX_PROGRAMS = 512  # stage 1 of the tensor amax: at most this many partial maxima for stage 2 to read
+
+
+def _amax_programs(rows: int, cols: int, br: int, bc: int) -> int:
+    return min(MAX_AMAX_PROGRAMS, triton.cdiv(rows, br) * triton.cdiv(cols, bc))
+
+
+def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, programs: int) -> torch.Tensor:
+    """Stage 1 of the tensor amax: ``programs`` partial maxima of ``|x|`` as int32 bit patterns (every slot
+    written by its program: no zero-fill)."""
+    partials = torch.empty(programs, dtype=torch.int32, device=x_bits.device)
+    _launchable(_amax_kernel)[(programs,)](x_bits, partials, x_bits.shape[0],
+                                           x_bits.shape[1], x_bits.stride(0), x_bits.stride(1), IN_BF16=in_bf16,
+                                           BR=br, BC=bc)
+    return partials
 
 
 def _seed_tensor(seed: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -347,13 +409,23 @@ class _LaunchConfig(NamedTuple):
     grid: Tuple[int]
     out_view: torch.dtype  # the integer (or FP32) view the kernel writes the values through
     constants: Dict[str, Any]  # the quantization kernel's compile-time arguments but STOCHASTIC
+    shape: Tuple[int, int]  # the values' shape (transposed where the layout is)
+    out_dtype: torch.dtype
+    in_view: torch.dtype  # the integer view the kernels read the input through
+    in_bf16: bool
+    both: bool  # the values are written in both layouts
+    write_amax: bool  # the tensor amax is written out too
+    amax_programs: int  # the amax pass's programs (partial maxima), where it runs
 
 
 @functools.lru_cache(maxsize=4096)
 def _launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torch.dtype, transpose: bool,
-                   in_bf16: bool, dequantize: bool) -> _LaunchConfig:
-    """The tiles, grid and compile-time arguments of one quantization (worked out once per shape and recipe:
-    the launch's host time)."""
+                   in_bf16: bool, dequantize: bool, both: bool = False, amax_given: bool = False,
+                   write_amax: bool = False) -> _LaunchConfig:
+    """The tiles, grids and compile-time arguments of one quantization (worked out once per shape and
+    recipe: the launch's host time). ``both``: write the values in both layouts (per-tensor recipes only,
+    whose values do not depend on the layout's axis); ``amax_given``: the tensor amax is passed in;
+    ``write_amax``: :func:`launch` returns the tensor amax (else None)."""
     recipe = get_recipe(recipe)
     kind = _kind(recipe)
     bs = recipe.block_size
@@ -362,12 +434,32 @@ def _launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torc
     out = int(OUT_FP8) if out_dtype in FP8_CODES.values() else int(OUT_BF16) if out_dtype == torch.bfloat16 \
         else int(OUT_FP32)
     element = recipe.element
+    programs = _amax_programs(rows, cols, br, bc) if isinstance(rows, int) and isinstance(cols, int) else \
+        MAX_AMAX_PROGRAMS
+    # stage 2 reads a fixed 512 slots (masked), whatever the shape: shapes that vary from step to step (an
+    # expert's tokens) compile no new variant for it
     constants = dict(KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin,
                      EMAX=element.emax, MAXN=element.max_normal,
                      TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D) else element.max_normal,
-                     TRANSPOSE=transpose, IN_BF16=in_bf16, OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize))
+                     TRANSPOSE=transpose, IN_BF16=in_bf16, OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize),
+                     BOTH=bool(both), AMAX_BLOCK=2 if amax_given else MAX_AMAX_PROGRAMS,
+                     WRITE_AMAX=bool(write_amax))
     return _LaunchConfig(kind, br, bc, (triton.cdiv(rows, br) * triton.cdiv(cols, bc),),
-                         (torch.float32, torch.int16, torch.uint8)[out], constants)
+                         (torch.float32, torch.int16, torch.uint8)[out], constants,
+                         (cols, rows) if transpose else (rows, cols), out_dtype,
+                         torch.int16 if in_bf16 else torch.int32, in_bf16, both, write_amax, programs)
+
+
+def launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torch.dtype, transpose: bool,
+                  in_bf16: bool, *, both: bool = False, amax_given: bool = False,
+                  write_amax: bool = False) -> _LaunchConfig:
+    """The configuration :func:`launch` runs a quantization with (see :func:`_launch_config`); ValueError
+    where ``both`` is asked of a recipe with blocks, whose values depend on the layout's axis."""
+    if both and get_recipe(recipe).block_size != 0:
+        raise ValueError(f"both: recipe {recipe!r} has blocks along one axis; only per-tensor values serve "
+                         f"both layouts")
+    return _launch_config(rows, cols, recipe, axis % 2, out_dtype, transpose, in_bf16, False, both, amax_given,
+                          write_amax)
 
 
 def _triton_quantize(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed: Optional[torch.Tensor],

@@ -1,0 +1,143 @@
+"""A per-tensor FP8 (``fp8_hybrid``) layer's forward and backward where the Triton kernels quantize, decided once.
+
+Per-tensor FP8 quantizes an operand to the same codes with the same scale whatever the GEMM's contraction
+axis, so a layer whose three GEMMs are all FP8 needs each operand quantized once, laid out for every GEMM that
+reads it: the torch backend's step here is ten launches (without a bias), against the seventeen of quantizing
+each GEMM's operands on their own.
+
+* forward: W's amax pass and its E4M3 codes (row-major: fprop's column-major ``Wᵀ``); X's amax pass and its
+  E4M3 codes in both layouts in one pass (row-major for fprop, transposed for wgrad); the FP8 GEMM. Kept for
+  backward: X's transposed codes and scale (one byte per element, where ``nn.Linear`` keeps X itself) and W's
+  amax (four bytes).
+* backward: G_Y's amax pass and its E5M2 codes in both layouts in one pass (row-major for dgrad, transposed
+  for wgrad: no transposed copy); W's codes again, transposed for dgrad, from the kept amax (no amax pass);
+  the two FP8 GEMMs.
+
+Everything that depends only on the layer's shapes, dtypes, device and settings -- the kernels' launch
+configurations, the operand dtypes, whether ``torch._scaled_mm`` runs every GEMM -- is worked out once per
+such combination (:func:`plan`, cached) when a shape is first seen, so a call decides nothing: a re-plan that
+comes back to FP8, a resumed run, a tensor-parallel shard and an expert's pair of linears all reach the same
+plan through the same key. Under tensor parallelism (:func:`snip_ds.backend.operands.shared_amax`) the amaxes
+are the whole tensor's, taken before each quantization as the other paths take them.
+
+The results are the torch backend's per-GEMM path bit for bit: the same codes, scales and GEMM calls
+(``tests/test_torch_backend_kernels.py``).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional, Tuple
+
+import torch
+
+from snip_ds.backend.base import WithAmax
+from snip_ds.backend.operands import whole_amax
+from snip_ds.quant import QuantParts
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+class Fp8Step(NamedTuple):
+    """The decided step of one per-tensor FP8 layer shape (see the module docstring)."""
+
+    kq: Any  # snip_ds.backend.kernels.quantize
+    x_cfg: Any  # X: E4M3 codes, both layouts
+    w_cfg: Any  # W for fprop: E4M3 codes (or BF16 values where the GEMMs are not FP8), row-major
+    scaled: bool  # torch._scaled_mm runs all three GEMMs; else BF16 GEMMs of the same values
+    amax_given: bool  # a shared_amax reduction gives the amaxes (tensor parallelism)
+    w_dtype: torch.dtype  # W's values for the GEMMs: its E4M3 codes, or BF16
+    mm: Any  # the backend's GEMM of grid values, where ``scaled`` is False: ``mm(gemm, a, b, sa, sb, fp8, ...)``
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                out_dtype: torch.dtype) -> Tuple[torch.Tensor, QuantParts, WithAmax]:
+        """``Y`` and what backward keeps: X's codes (a column-major view of their transposed storage) and
+        scale, and W with its amax."""
+        x, w = _kernel_input(x), _kernel_input(w)
+        w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w), None)
+        x_values, x_t, x_scale, _ = self.kq.launch(self.x_cfg, x, self._amax(x), None)
+        y = self._gemm("fprop", x_values, w_values.t(), x_scale, w_scale, (E4M3, E4M3), bias, out_dtype)
+        return y, QuantParts(x_t.t(), x_scale), WithAmax(w, w_amax)
+
+    def backward(self, g: torch.Tensor, x_keep: QuantParts, w_keep: WithAmax, needs: Tuple[bool, bool],
+                 x_dtype: torch.dtype, w_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        g = _kernel_input(g)
+        need_x, need_w = needs
+        g_cfg = _g_config(g.shape[0], g.shape[1], g.dtype == torch.bfloat16, need_x, need_w, self.amax_given)
+        g_values, g_t, g_scale, _ = self.kq.launch(g_cfg, g, self._amax(g), None)
+        if not need_x:  # the one layout written is the transposed one
+            g_values, g_t = None, g_values
+        g_x = g_w = None
+        if need_x:
+            w = _kernel_input(w_keep.tensor)
+            w_cfg = _w_t_config(w.shape[0], w.shape[1], w.dtype == torch.bfloat16, self.w_dtype)
+            w_t, _, w_scale, _ = self.kq.launch(w_cfg, w, w_keep.amax, None)
+            g_x = self._gemm("dgrad", g_values, w_t.t(), g_scale, w_scale, (E5M2, E4M3), None, x_dtype)
+        if need_w:
+            g_w = self._gemm("wgrad", g_t, x_keep.values, g_scale, x_keep.tensor_scale, (E5M2, E4M3), None,
+                             w_dtype)
+        return g_x, g_w
+
+    def _amax(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        return whole_amax(t, "fp8_e4m3") if self.amax_given else None
+
+    def _gemm(self, gemm, a, b, scale_a, scale_b, fp8, bias, out_dtype):
+        if self.scaled:
+            return scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
+        return self.mm(gemm, a, b, scale_a, scale_b, None, bias, out_dtype)
+
+
+def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a8 @ b8) * scale_a * scale_b (+ bias)`` in ``out_dtype`` by ``torch._scaled_mm`` (``a8`` row-major,
+    ``b8`` column-major: cuBLASLt's layout); a bias in the result's BF16/FP16 is added by the GEMM, any other
+    to its FP32 result."""
+    fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+    y = torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b,
+                         out_dtype=out_dtype if fused_bias or bias is None else torch.float32,
+                         bias=bias if fused_bias else None)
+    if bias is None or fused_bias:
+        return y
+    return (y + bias.float()).to(out_dtype)
+
+
+def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, scaled: bool, mm,
+         amax_given: bool) -> Fp8Step:
+    """The step of a layer with X ``[rows, k]`` and W ``[n, k]`` (``scaled``: ``torch._scaled_mm`` runs all
+    three GEMMs; ``mm``: the backend's GEMM of grid values otherwise; ``amax_given``: a
+    :func:`~snip_ds.backend.operands.shared_amax` reduction is in force). The caller caches it."""
+    from snip_ds.backend.kernels import quantize as kq
+
+    x_dtype, w_dtype = _kernel_dtype(x_dtype), _kernel_dtype(w_dtype)
+
+    x_cfg = kq.launch_config(rows, k, "fp8_e4m3", 1, E4M3, False, x_dtype == torch.bfloat16, both=True,
+                             amax_given=amax_given)
+    values = E4M3 if scaled else torch.bfloat16
+    w_cfg = kq.launch_config(n, k, "fp8_e4m3", 1, values, False, w_dtype == torch.bfloat16, amax_given=amax_given,
+                             write_amax=True)
+    return Fp8Step(kq, x_cfg, w_cfg, scaled, amax_given, values, mm)
+
+
+def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def _kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels read it: FP32 and BF16 as they are, FP16 widened to FP32 (exactly)."""
+    return t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
+
+
+@functools.lru_cache(maxsize=1024)
+def _g_config(rows: int, n: int, in_bf16: bool, need_x: bool, need_w: bool, amax_given: bool):
+    """G_Y's E5M2 codes: row-major for dgrad and transposed for wgrad, in one pass where both run."""
+    from snip_ds.backend.kernels import quantize as kq
+
+    return kq.launch_config(rows, n, "fp8_e5m2", 1, E5M2, not need_x, in_bf16, both=need_x and need_w,
+                            amax_given=amax_given)
+
+
+@functools.lru_cache(maxsize=1024)
+def _w_t_config(n: int, k: int, in_bf16: bool, values: torch.dtype):
+    """W again for dgrad, transposed (``[k, n]``: dgrad's column-major ``W``), from the forward's amax."""
+    from snip_ds.backend.kernels import quantize as kq
+
+    return kq.launch_config(n, k, "fp8_e4m3", 0, values, True, in_bf16, amax_given=True)

@@ -1,0 +1,159 @@
+"""What one quantized layer step costs the host on the Triton kernels' path (what a GPU runs): launches, kernel
+variants, host reads.
+
+The torch backend's CUDA code path runs here on CPU tensors (tests/triton_mode.py: the kernels under Triton's
+interpreter, ``KERNEL_DEVICES`` widened). Launches are counted by snip_ds.backend.dispatch_audit.OpCounter
+(operators that run a kernel plus Triton launches, views not); where the CPU has ``torch._scaled_mm`` the
+per-tensor FP8 GEMMs run through it, as on a GPU with FP8 tensor cores.
+"""
+import pytest
+import torch
+
+from snip_ds.backend import torch_native
+from snip_ds.backend.dispatch_audit import HostReads, OpCounter
+from snip_ds.linear import SnipLinear
+from snip_ds.quant_config import QuantConfig
+from quant_inputs import skip_without_cpu_scaled_mm
+from triton_mode import DEVICE, SKIP_REASON, interpreter_on, kq, through_kernels  # noqa: F401 (fixtures)
+
+if SKIP_REASON:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+RECIPES = {"fp8_hybrid": ("fp8", {}), "mxfp8": ("fp8", {"fp8_recipe": "mxfp8"}), "nvfp4": ("fp4", {}),
+           "mxfp4": ("fp4", {"fp4_recipe": "mxfp4"})}
+T, K, N = 32, 64, 48  # multiples of 16: every FP8 GEMM runs on torch._scaled_mm
+
+
+@pytest.fixture
+def scaled_mm(through_kernels, monkeypatch):
+    """The kernels' path with the per-tensor FP8 GEMMs on torch._scaled_mm, as a GPU with FP8 tensor cores
+    runs them (on a CPU where oneDNN has it)."""
+    if DEVICE == "cpu":
+        skip_without_cpu_scaled_mm()
+        monkeypatch.setattr(torch_native, "SCALED_MM_DEVICES", ("cpu", "cuda"))
+    return through_kernels
+
+
+def _layer(precision, fields, bias=False):
+    torch.manual_seed(0)
+    layer = SnipLinear(K, N, bias=bias, device=DEVICE, dtype=torch.bfloat16, precision=precision,
+                       quant_config=QuantConfig(backend="torch", **fields))
+    layer.generator = torch.Generator(device=DEVICE).manual_seed(3)
+    return layer
+
+
+def _data(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_(True)
+    return x, (torch.randn(T, N, generator=gen) * 1e-3).to(DEVICE, torch.bfloat16)
+
+
+def _step(layer, seed=0, data=None):
+    x, g = data or _data(seed)
+    layer(x).backward(g)
+    layer.weight.grad = None
+
+
+def _counted(layer):
+    _step(layer)  # one-off set-up outside the count
+    data = _data(1)
+    with OpCounter() as counter:
+        _step(layer, data=data)
+    return counter.counts.as_dict()
+
+
+def test_an_fp8_layer_step_is_ten_launches(scaled_mm):
+    """Per-tensor FP8, forward and backward: an amax pass and one quantization for X (both layouts), W, G_Y
+    (both layouts), W again for dgrad from the forward's amax (no amax pass), three FP8 GEMMs -- no zero-fill
+    before an amax, no transposed copy, nothing else."""
+    counts = _counted(_layer("fp8", {}))
+    assert counts["by_op"] == {"triton::quantize_kernel": 4, "triton::amax_kernel": 3, "aten::_scaled_mm": 3}
+    assert counts["launches"] == 10
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_no_recipe_fills_or_copies_around_its_kernels(through_kernels, recipe):
+    """No recipe zero-fills an amax slot or copies an operand into another layout: the kernels write every
+    slot and layout they need."""
+    precision, fields = RECIPES[recipe]
+    by_op = _counted(_layer(precision, fields))["by_op"]
+    assert not {"aten::zeros", "aten::zero_", "aten::fill_", "aten::clone", "aten::contiguous"} & set(by_op)
+
+
+class _Variants:
+    """Records the compile-time variant of every Triton launch: the kernel, its constexprs, and what Triton
+    specializes its runtime arguments on (integers equal to 1 or divisible by 16, pointers' dtypes and
+    16-byte alignment)."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def wrap(self, kernel):
+        def launcher(grid):
+            def run(*args, **kwargs):
+                spec = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                             else (a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool)
+                             else a for a in args)
+                self.seen.add((kernel.__name__, spec, tuple(sorted(kwargs.items()))))
+                return kernel[grid](*args, **kwargs)
+            return run
+        return _Indexable(launcher)
+
+
+class _Indexable:
+    def __init__(self, launcher):
+        self.launcher = launcher
+
+    def __getitem__(self, grid):
+        return self.launcher(grid)
+
+
+def test_no_kernel_variant_is_compiled_after_warm_up(scaled_mm, monkeypatch):
+    """After one step at each precision a plan uses, more steps with other data and seeds, and re-plans
+    between the precisions, launch no Triton kernel in a variant not seen before: nothing compiles late."""
+    variants = _Variants()
+    launchable = kq._launchable
+    monkeypatch.setattr(kq, "_launchable", lambda kernel: variants.wrap(launchable(kernel)))
+    layer = _layer("fp8", {}, bias=True)
+    for precision in ("fp8", "fp4", {"fprop": "fp8", "dgrad": "fp4", "wgrad": "fp8"}):
+        layer.precision = precision
+        _step(layer)
+    warm = set(variants.seen)
+    for i, precision in enumerate(["fp4", "fp8", {"fprop": "fp8", "dgrad": "fp4", "wgrad": "fp8"}, "fp8"]):
+        layer.precision = precision
+        layer.generator.manual_seed(100 + i)
+        _step(layer, seed=10 + i)
+    assert variants.seen == warm
+
+
+@pytest.mark.parametrize("recipe", ["fp8_hybrid", "nvfp4"])
+def test_a_decoder_block_step_reads_nothing_on_the_host(scaled_mm, recipe):
+    """One Llama decoder block (attention, SwiGLU MLP, norms; its seven linears swapped) forward and backward
+    on the kernels' path: no host read anywhere in the step."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=1, vocab_size=64)
+    torch.manual_seed(0)
+    block = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0).to(DEVICE, torch.bfloat16)
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config).to(DEVICE)
+    precision, fields = RECIPES[recipe]
+    linears = [(name, m) for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 7
+    for i, (name, linear) in enumerate(linears):
+        parent, child = name.rsplit(".", 1)
+        layer = SnipLinear.from_linear(linear, precision, QuantConfig(backend="torch", **fields))
+        layer.generator = torch.Generator(device=DEVICE).manual_seed(i)
+        setattr(block.get_submodule(parent), child, layer)
+    x = torch.randn(1, T, 64, device=DEVICE, dtype=torch.bfloat16)
+    position_ids = torch.arange(T, device=DEVICE)[None]
+    embeddings = rotary(x, position_ids)
+
+    def step():
+        xi = x.detach().requires_grad_(True)
+        out = block(xi, position_embeddings=embeddings, position_ids=position_ids)
+        (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
+
+    step()
+    with HostReads() as audit:
+        step()
+    assert not audit.reads, "\n".join(map(str, audit.reads))
