@@ -3,7 +3,7 @@
     snip-ds families --output /tmp/survey             # every family; /tmp/survey/families.md and families.json
     snip-ds families --output docs                    # regenerate the shipped table, docs/families.md
     snip-ds families --only llama,mixtral --output /tmp/survey
-    snip-ds families --plans fp8,adaptive --timeout 60 --jobs 2
+    snip-ds families --plans fp8,adaptive --timeout 60 --jobs 2 --output /tmp/survey
 
 Bad input (no output named, an unknown model type or plan, a timeout or job count out of range, an output that
 cannot be written) is one line on stderr and exit code 2, before anything runs.
