@@ -24,11 +24,12 @@ counted without one. Per row:
 * ``step_us``: the median CPU time of one thread over ``--steps`` steps (``time.process_time``, which other
   processes on a shared machine barely move), the GPU idle before each step on CUDA. On a CPU snip_ds's Triton
   launches are replaced by empty ones (the host's work up to the launch; the interpreter's run of the kernel is
-  not timed), but the CPU operators run: ``ops_share`` is the share of a profiled run's wall time that the
-  operators take themselves (their profiler self time: their arithmetic on this CPU, and their own dispatch).
-* ``host_us``: on a CPU ``step_us`` less that share -- the host's work besides the operators: Python, autograd,
-  the dispatcher up to each operator; a GPU pays this, plus a launch per kernel, while its kernels run. On CUDA
-  ``step_us`` itself (the operators' host side is all there is there).
+  not timed), but the CPU operators run.
+* ``host_us``: on a CPU ``step_us`` less ``arithmetic_us``, the arithmetic of the step's matrix and attention
+  operators (GEMMs, the CPU's ``_scaled_mm`` -- a slow emulation here --, SDPA): each replayed alone from an
+  eager step of the same module, its median time less a 1 x 1 ``mm``'s (one dispatch, which a GPU launch pays
+  too). What is left is the host's work: Python, autograd, dispatch, and the element-wise operators' small
+  arithmetic at these shapes. On CUDA ``step_us`` itself (the kernels run on the GPU).
 * ``syncs``: host reads of a tensor's value in a step (``HostReads``; compiled: the value-dependent operators in
   the profile).
 * ``saved_bytes``: bytes autograd keeps between forward and backward (``saved_tensors_hooks``; each storage once,
@@ -55,6 +56,8 @@ from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if "--device" not in sys.argv or "cpu" in sys.argv[sys.argv.index("--device") + 1:][:1]:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the CUDA path's kernels on CPU tensors (read at triton's import)
@@ -277,7 +280,7 @@ def peak_bytes(step: Step, device: str) -> int:
 
 
 def profiled(step: Step, device: str, steps: int) -> dict:
-    """From a profile of ``steps`` steps: kernels per step, host reads per step, operators' share of the time."""
+    """From a profile of ``steps`` steps: kernels per step, by name, and host reads per step."""
     from torch.profiler import ProfilerActivity, profile
 
     counts = OpCounts()
@@ -285,24 +288,64 @@ def profiled(step: Step, device: str, steps: int) -> dict:
     with ExitStack() as stack:
         if device == "cpu":
             patch_triton_launches(stack, counts, run=False)
-        begin = time.perf_counter()  # wall clock, as the profiler's self times
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 step()
             if device == "cuda":
                 torch.cuda.synchronize()
-        elapsed_us = (time.perf_counter() - begin) * 1e6
     events = prof.events()
     if device == "cuda":
         kernels = Counter(e.name[:80] for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     else:
         kernels = profiled_kernels(events) + counts.triton
-    own = sum(e.self_cpu_time_total for e in events if e.device_type == torch.autograd.DeviceType.CPU
-              and (e.name.startswith(("aten::", "prims::", "snip_ds_cpu::")) or "cpp_fused" in e.name))
-    return {"launches": sum(kernels.values()) / steps, "ops_us": own / steps,
+    return {"launches": sum(kernels.values()) / steps,
             "by_op": {k: v / steps for k, v in sorted(kernels.items(), key=lambda kv: (-kv[1], kv[0]))},
-            "syncs": sum(profiled_host_reads(events).values()) / steps,
-            "ops_share": min(own / elapsed_us, 1.0) if elapsed_us > 0 else 0.0}
+            "syncs": sum(profiled_host_reads(events).values()) / steps}
+
+
+class _RecordMatrixOps(TorchDispatchMode):
+    """Records the matrix and attention operators a step dispatches (inside tensor subclasses too), each
+    with copies of its arguments, to replay them alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(t, torch.Tensor) and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+               for t in pytree.tree_leaves((args, kwargs))):
+            return NotImplemented  # a subclass: its own operators come next
+        name = func._schema.name
+        if "mm" in name or "scaled_dot_product" in name:
+            copy = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+            self.calls.append((func, *copy))
+        return func(*args, **kwargs)
+
+
+def _median_call_us(call, repeats: int = 15) -> float:
+    times = []
+    for _ in range(repeats):
+        begin = time.process_time()
+        call()
+        times.append((time.process_time() - begin) * 1e6)
+    return statistics.median(times)
+
+
+def matrix_arithmetic_us(module, x, g, kwargs) -> dict:
+    """The CPU time of the arithmetic of one step's matrix and attention operators (GEMMs, ``_scaled_mm``,
+    SDPA; what dominates the arithmetic at these shapes), from one eager step: each replayed alone, its median
+    time less that of a 1 x 1 ``mm`` (the dispatch a GPU launch pays too)."""
+    recorder = _RecordMatrixOps()
+    with recorder:
+        Step(module, module, x, g, kwargs)()
+    one = torch.ones(1, 1, dtype=torch.bfloat16, device=x.device)
+    floor = _median_call_us(lambda: torch.ops.aten.mm.default(one, one), 50)
+    per_op = Counter()
+    for func, args, kw in recorder.calls:
+        func(*args, **kw)  # (a first call: one-off set-up)
+        per_op[func._schema.name] += max(0.0, _median_call_us(lambda: func(*args, **kw)) - floor)
+    return {"us": sum(per_op.values()), "by_op": dict(per_op), "dispatch_floor_us": floor}
 
 
 def host_time(step: Step, device: str, steps: int) -> float:
@@ -330,6 +373,9 @@ def python_profile(step: Step, steps: int, top: int = 12) -> list:
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [{"function": f"{Path(f).name}:{line} {name}", "calls": nc / steps, "own_us": tt / steps * 1e6}
             for (f, line, name), (_, nc, tt, _, _) in rows]
+
+
+_ARITHMETIC: dict = {}  # (scope, variant): matrix_arithmetic_us's result
 
 
 def measure(scope: str, variant: str, mode: str, args, device: str) -> dict:
@@ -360,7 +406,7 @@ def measure(scope: str, variant: str, mode: str, args, device: str) -> dict:
             patch_triton_launches(stack, None, run=False)  # the launch's host work, not the interpreted kernel
         for _ in range(2):
             step()
-        prof = profiled(step, device, max(5, args.steps // 5))
+        prof = profiled(step, device, max(3, args.steps // 20))
         if "launches" not in row:
             row["launches"], row["by_op"] = prof["launches"], prof["by_op"]
         else:
@@ -380,8 +426,14 @@ def measure(scope: str, variant: str, mode: str, args, device: str) -> dict:
         else:
             row["peak_bytes"], row["peak_method"] = row["peak_alloc_bytes"], "allocator"
         row["step_us"] = host_time(step, device, args.steps)
-        row["ops_share"] = prof["ops_share"] if device == "cpu" else 0.0
-        row["host_us"] = row["step_us"] * (1 - row["ops_share"])  # on a CPU: less the operators' own time
+        row["arithmetic_us"] = 0.0
+        if device == "cpu":  # the matrix operators' arithmetic, replayed from an eager step of the same module
+            if (scope, variant) not in _ARITHMETIC:  # (measured once: the same subtracted from both modes)
+                _ARITHMETIC[scope, variant] = matrix_arithmetic_us(module, x, g, kwargs)
+            arithmetic = _ARITHMETIC[scope, variant]
+            row["arithmetic_us"], row["arithmetic_by_op"] = arithmetic["us"], arithmetic["by_op"]
+            row["dispatch_floor_us"] = arithmetic["dispatch_floor_us"]
+        row["host_us"] = max(row["step_us"] - row["arithmetic_us"], 0.0)
         if args.python_profile and mode == "eager" and variant in ("bf16", "fp8_hybrid"):
             row["python_top"] = python_profile(step, max(5, args.steps // 10))
     row["measure_s"] = time.perf_counter() - started
@@ -493,9 +545,10 @@ def markdown(res: dict) -> str:
                   f"GEMMs as {res['cuda_path_gemms']}. Launches are what a GPU would launch (compiled: inductor's "
                   "C++ kernels, where a GPU would launch its Triton kernels). Step µs: one thread's CPU time of a "
                   "step, snip_ds's Triton launches replaced by empty ones (the host's work up to the launch call; "
-                  "neither the interpreted kernel nor Triton's own launcher), the CPU operators run; ops share: the "
-                  "operators' profiler self time (their arithmetic here, and their own dispatch) over the step; "
-                  "host µs: step µs less that share -- Python, autograd, the dispatcher. Peak B: eager, the live "
+                  "neither the interpreted kernel nor Triton's own launcher), the CPU operators run; arith µs: the "
+                  "arithmetic of its matrix and attention operators (each replayed alone from an eager step, less "
+                  "one dispatch: a 1 x 1 mm); host µs: step µs less arith µs -- Python, autograd, dispatch and the "
+                  "small element-wise arithmetic. Peak B: eager, the live "
                   "tensors' bytes (LiveBytes); compiled, the CPU allocator's records (its kernels' scratch "
                   "included). Syncs, compiled: value-dependent operators in the profile.", ""]
     else:
@@ -503,7 +556,7 @@ def markdown(res: dict) -> str:
                   "issuing a step with the GPU idle before it (Triton's launcher included); peak B from "
                   "`torch.cuda.max_memory_allocated`.", ""]
     lines += [f"Median of {res['steps']} steps. Ratios against bf16 of the same scope and mode.", "",
-              "| scope | mode | variant | launches | host µs | host × bf16 | step µs | step × bf16 | ops share | "
+              "| scope | mode | variant | launches | host µs | host × bf16 | step µs | step × bf16 | arith µs | "
               "syncs | saved B | saved × bf16 | peak B | peak × bf16 |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
@@ -513,7 +566,7 @@ def markdown(res: dict) -> str:
             continue
         lines.append(f"{head} {r['launches']:.0f} | {r['host_us']:.0f} | {_f(r.get('host_ratio_vs_bf16'))} | "
                      f"{r['step_us']:.0f} | {_f(r.get('step_ratio_vs_bf16'))} | "
-                     f"{r['ops_share']:.0%} | {r['syncs']:.0f} | {r['saved_bytes']} | "
+                     f"{r['arithmetic_us']:.0f} | {r['syncs']:.0f} | {r['saved_bytes']} | "
                      f"{_f(r.get('saved_bytes_ratio_vs_bf16'))} | {r['peak_bytes']} | "
                      f"{_f(r.get('peak_bytes_ratio_vs_bf16'))} |")
     lines += ["", "Targets: " + "; ".join(TARGETS) + ".", "", "## Launches by operator, per step", "",
