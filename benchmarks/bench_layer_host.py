@@ -1,4 +1,6 @@
-"""What a training step of one linear, and of one decoder block, costs beyond its arithmetic: launches, host time, host reads, bytes kept for backward, peak bytes.
+"""What one linear's and one decoder block's training step cost beyond their arithmetic, per recipe and torchao.
+
+Launches, host time, host reads, bytes kept for backward, peak bytes:
 
     python benchmarks/bench_layer_host.py                  # writes benchmarks/results/bench_layer_host.{json,md}
     python benchmarks/bench_layer_host.py --device cuda    # on a GPU: bench_layer_host_cuda.{json,md}
@@ -21,8 +23,9 @@ counted without one. Per row:
   Compiled: the same from a profile (``profiled_kernels``): inductor's generated kernels (C++ on a CPU, where a
   GPU would run Triton kernels), the operators the compiled code calls, plus snip_ds's Triton launches inside
   its custom ops. On CUDA: the device kernels in the profile.
-* ``step_us``: the median CPU time of one thread over ``--steps`` steps (``time.process_time``, which other
-  processes on a shared machine barely move), the GPU idle before each step on CUDA. On a CPU snip_ds's Triton
+* ``step_us``: the median CPU time of one thread over ``--steps`` steps (``time.process_time``), the rows of a
+  scope and mode taking their steps in turn, so that a shared machine's changing load falls on all alike; the
+  GPU idle before each step on CUDA. On a CPU snip_ds's Triton
   launches are replaced by empty ones (the host's work up to the launch; the interpreter's run of the kernel is
   not timed), but the CPU operators run.
 * ``host_us``: on a CPU ``step_us`` less ``arithmetic_us``, the arithmetic of the step's matrix and attention
@@ -348,20 +351,6 @@ def matrix_arithmetic_us(module, x, g, kwargs) -> dict:
     return {"us": sum(per_op.values()), "by_op": dict(per_op), "dispatch_floor_us": floor}
 
 
-def host_time(step: Step, device: str, steps: int) -> float:
-    """Median CPU time (µs) of one step; on CUDA the GPU idle before each (synchronised outside the timing)."""
-    times = []
-    for _ in range(steps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        begin = time.process_time()
-        step()
-        times.append((time.process_time() - begin) * 1e6)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def python_profile(step: Step, steps: int, top: int = 12) -> list:
     """The Python functions with the most own time over ``steps`` steps (cProfile), µs per step."""
     prof = cProfile.Profile(time.process_time)  # CPU time: what other processes barely move
@@ -378,12 +367,12 @@ def python_profile(step: Step, steps: int, top: int = 12) -> list:
 _ARITHMETIC: dict = {}  # (scope, variant): matrix_arithmetic_us's result
 
 
-def measure(scope: str, variant: str, mode: str, args, device: str) -> dict:
+def measure(scope: str, variant: str, mode: str, args, device: str):
+    """One row's figures but its times, and the step that :func:`time_steps` times with the other rows'."""
     build = make_layer if scope == "layer" else make_block
     module, x, g, kwargs = build(variant, args, device)
     fn = module
     if mode == "compiled":
-        torch._dynamo.reset()
         fn = torch.compile(module, backend="inductor")
     step = Step(module, fn, x, g, kwargs)
     begin = time.perf_counter()
@@ -425,7 +414,6 @@ def measure(scope: str, variant: str, mode: str, args, device: str) -> dict:
             row["peak_bytes"], row["peak_method"] = peak_tensor_bytes(step), "tensors"
         else:
             row["peak_bytes"], row["peak_method"] = row["peak_alloc_bytes"], "allocator"
-        row["step_us"] = host_time(step, device, args.steps)
         row["arithmetic_us"] = 0.0
         if device == "cpu":  # the matrix operators' arithmetic, replayed from an eager step of the same module
             if (scope, variant) not in _ARITHMETIC:  # (measured once: the same subtracted from both modes)
@@ -433,11 +421,31 @@ def measure(scope: str, variant: str, mode: str, args, device: str) -> dict:
             arithmetic = _ARITHMETIC[scope, variant]
             row["arithmetic_us"], row["arithmetic_by_op"] = arithmetic["us"], arithmetic["by_op"]
             row["dispatch_floor_us"] = arithmetic["dispatch_floor_us"]
-        row["host_us"] = max(row["step_us"] - row["arithmetic_us"], 0.0)
         if args.python_profile and mode == "eager" and variant in ("bf16", "fp8_hybrid"):
             row["python_top"] = python_profile(step, max(5, args.steps // 10))
     row["measure_s"] = time.perf_counter() - started
-    return row
+    return row, step
+
+
+def time_steps(group: list, device: str, steps: int) -> None:
+    """Each row's ``step_us`` (the median CPU time of its steps) and ``host_us``, the rows' steps taken in turn
+    (one step of each, ``steps`` times), so that a machine's changing load falls on all of them alike."""
+    times = {id(row): [] for row, _ in group}
+    with ExitStack() as stack:
+        if device == "cpu":
+            patch_triton_launches(stack, None, run=False)  # the launch's host work, not the interpreted kernel
+        for _ in range(steps):
+            for row, step in group:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                begin = time.process_time()
+                step()
+                times[id(row)].append((time.process_time() - begin) * 1e6)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for row, _ in group:
+        row["step_us"] = statistics.median(times[id(row)])
+        row["host_us"] = max(row["step_us"] - row["arithmetic_us"], 0.0)
 
 
 def add_ratios(rows: list) -> None:
@@ -470,6 +478,9 @@ def run(args) -> dict:
     if device == "cpu":
         import torch._inductor.config as inductor_config
         inductor_config.cpp.enable_kernel_profile = True  # inductor's C++ kernels as profiler events: counted
+    for limit in ("cache_size_limit", "recompile_limit"):  # every variant of a group compiled side by side
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
     res = {"benchmark": "bench_layer_host", "commit": commit(), "machine": machine(), "torch": torch.__version__,
            "torchao": torchao_version(), "device": device, "threads": torch.get_num_threads(),
            "tokens": args.tokens, "k": args.k, "n": args.n, "block": BLOCK, "steps": args.steps, "rows": []}
@@ -482,20 +493,25 @@ def run(args) -> dict:
             res["triton"] = triton.__version__
         for mode in args.modes:  # eager first: the compiled rows' compilations take most of the time
             for scope in args.scopes:
+                torch._dynamo.reset()
+                group = []
                 for variant in args.variants:
                     if time.perf_counter() - start > args.deadline_s:
                         res["not_reached"].append(f"{scope} {mode} {variant}")
                         continue
                     try:
-                        row = measure(scope, variant, mode, args, device)
+                        group.append(measure(scope, variant, mode, args, device))
                     except Exception as err:  # a variant that cannot run here: the reason, in its row
-                        row = {"scope": scope, "variant": variant, "mode": mode,
-                               "error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
+                        res["rows"].append({"scope": scope, "variant": variant, "mode": mode,
+                                            "error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"})
+                        print(_line(res["rows"][-1]), flush=True)
+                time_steps(group, device, args.steps)
+                for row, _ in group:
                     res["rows"].append(row)
                     print(_line(row), flush=True)
-                    add_ratios(res["rows"])
-                    res["wall_s"] = time.perf_counter() - start
-                    write(res, args.output_dir)  # what is measured so far, should the run be cut short
+                add_ratios(res["rows"])
+                res["wall_s"] = time.perf_counter() - start
+                write(res, args.output_dir)  # what is measured so far, should the run be cut short
     if device == "cpu" and "layer" in args.scopes and "eager" in args.modes:
         res["cpu_path"] = cpu_path_launches(args)
     res["wall_s"] = time.perf_counter() - start
@@ -555,7 +571,8 @@ def markdown(res: dict) -> str:
         lines += ["On the GPU: launches are the device kernels in a profile; host µs = step µs, the CPU time of "
                   "issuing a step with the GPU idle before it (Triton's launcher included); peak B from "
                   "`torch.cuda.max_memory_allocated`.", ""]
-    lines += [f"Median of {res['steps']} steps. Ratios against bf16 of the same scope and mode.", "",
+    lines += [f"Median of {res['steps']} steps, the rows of a scope and mode taken in turn. Ratios against bf16 of "
+              "the same scope and mode.", "",
               "| scope | mode | variant | launches | host µs | host × bf16 | step µs | step × bf16 | arith µs | "
               "syncs | saved B | saved × bf16 | peak B | peak × bf16 |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -592,7 +609,8 @@ def markdown(res: dict) -> str:
                   "What a CPU run launches (snip_ds's C++ kernels, streamed slices), not a GPU.", "",
                   "| variant | launches | kernels |", "|---|---|---|"]
         for v, r in res["cpu_path"].items():
-            lines.append(f"| {v} | {r['launches']} | " + ", ".join(f"`{op}` {c}" for op, c in r["by_op"].items()) + " |")
+            ops = ", ".join(f"`{op}` {c}" for op, c in r["by_op"].items())
+            lines.append(f"| {v} | {r['launches']} | {ops} |")
     if res.get("not_reached"):
         lines += ["", "Not reached before the deadline: " + ", ".join(res["not_reached"]) + "."]
     lines += ["", f"Run time {res['wall_s']:.0f} s."]
