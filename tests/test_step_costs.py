@@ -157,3 +157,40 @@ def test_a_decoder_block_step_reads_nothing_on_the_host(scaled_mm, recipe):
     with HostReads() as audit:
         step()
     assert not audit.reads, "\n".join(map(str, audit.reads))
+
+
+def test_fp8_layers_reading_one_input_quantize_it_once(scaled_mm):
+    """Three FP8 layers reading the same X (a block's query, key and value projections) take one amax pass and
+    one quantization of X between them and keep one copy of its codes; after an in-place change of X, or for
+    another X, it is quantized again; every output and gradient equals the layers run one at a time."""
+    layers = [_layer("fp8", {}) for _ in range(3)]
+    x, g = _data(5)
+
+    def run(fresh_each):
+        outs = []
+        xi = x.detach().clone().requires_grad_(True)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            for layer in layers:
+                outs.append(layer(xi.clone() if fresh_each else xi))
+        sum(o.float().square().sum() for o in outs).backward()
+        grads = [xi.grad] + [layer.weight.grad.clone() for layer in layers]
+        for layer in layers:
+            layer.weight.grad = None
+        codes = {t.data_ptr() for t in kept if t.dtype == torch.float8_e4m3fn}
+        return [o.detach() for o in outs] + grads, codes
+
+    run(False)  # set-up
+    with OpCounter() as counter:
+        shared, codes = run(False)
+    x_passes = counter.counts.as_dict()["by_op"]
+    each, codes_each = run(True)
+    assert len(codes) == 1 and len(codes_each) == 3
+    for a, b in zip(shared, each):
+        assert torch.equal(a, b)
+    # X once (1 amax + 1 quantize), each W (3 + 3), each G_Y (3 + 3), each W again for dgrad (3 quantize)
+    assert x_passes["triton::amax_kernel"] == 1 + 3 + 3 and x_passes["triton::quantize_kernel"] == 1 + 3 + 3 + 3
+    xi = x.detach().clone()
+    first = layers[0](xi)
+    xi.mul_(2)  # an in-place change between two layers: quantized again
+    assert torch.equal(layers[1](xi), layers[1](xi.clone())) and not torch.equal(first, layers[1](xi))

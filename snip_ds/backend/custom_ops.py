@@ -35,7 +35,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from snip_ds.backend import layer_step
+from snip_ds.backend import fp8_step, layer_step
 from snip_ds.backend.base import WithAmax
 from snip_ds.backend.operands import shared_amax
 from snip_ds.quant import QuantParts
@@ -100,7 +100,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                      layer: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     prec, cfg = parse_spec(spec)
     x_2d = x.reshape(-1, x.shape[-1])
-    with shared_amax(_layer(layer).amax_reduce):
+    with shared_amax(_layer(layer).amax_reduce), fp8_step.unshared():  # (an op's outputs alias no other call's)
         y_2d, x_keep, w_keep = layer_step.forward(x_2d, weight, bias, prec, cfg, x.dtype)
     y = y_2d.reshape(*x.shape[:-1], weight.shape[0]).contiguous()
     w_amax = _placeholder(x, torch.float32)

@@ -6,9 +6,11 @@ reads it: the torch backend's step here is ten launches (without a bias), agains
 each GEMM's operands on their own.
 
 * forward: W's amax pass and its E4M3 codes (row-major: fprop's column-major ``Wᵀ``); X's amax pass and its
-  E4M3 codes in both layouts in one pass (row-major for fprop, transposed for wgrad); the FP8 GEMM. Kept for
-  backward: X's transposed codes and scale (one byte per element, where ``nn.Linear`` keeps X itself) and W's
-  amax (four bytes).
+  E4M3 codes in both layouts in one pass (row-major for fprop, transposed for wgrad) -- or those of the
+  previous layer where it read the very same X, unchanged (the query, key and value projections of one input,
+  gate and up: one amax and one cast of X for all of them, and one copy of its codes kept); the FP8 GEMM.
+  Kept for backward: X's transposed codes and scale (one byte per element, where ``nn.Linear`` keeps X
+  itself) and W's amax (four bytes).
 * backward: G_Y's amax pass and its E5M2 codes in both layouts in one pass (row-major for dgrad, transposed
   for wgrad: no transposed copy); W's codes again, transposed for dgrad, from the kept amax (no amax pass);
   the two FP8 GEMMs.
@@ -26,7 +28,10 @@ The results are the torch backend's per-GEMM path bit for bit: the same codes, s
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Tuple
+import weakref
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -54,12 +59,13 @@ class Fp8Step(NamedTuple):
         scale, and W with its amax."""
         x, w = _kernel_input(x), _kernel_input(w)
         w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w), None)
-        x_values, x_t, x_scale, _ = self.kq.launch(self.x_cfg, x, self._amax(x), None)
+        x_values, x_t, x_scale = self._x_codes(x)
         y = self._gemm("fprop", x_values, w_values.t(), x_scale, w_scale, (E4M3, E4M3), bias, out_dtype)
         return y, QuantParts(x_t.t(), x_scale), WithAmax(w, w_amax)
 
     def backward(self, g: torch.Tensor, x_keep: QuantParts, w_keep: WithAmax, needs: Tuple[bool, bool],
                  x_dtype: torch.dtype, w_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        _LAST_X[0] = None  # (the forward's last X codes: not read again)
         g = _kernel_input(g)
         need_x, need_w = needs
         g_cfg = _g_config(g.shape[0], g.shape[1], g.dtype == torch.bfloat16, need_x, need_w, self.amax_given)
@@ -77,6 +83,20 @@ class Fp8Step(NamedTuple):
                              w_dtype)
         return g_x, g_w
 
+    def _x_codes(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """X's codes in both layouts and its scale: those of the previous FP8 layer when it read the very
+        same X (the query, key and value projections of one input; gate and up), else quantized here."""
+        if not _SHARE_X.get():
+            return self.kq.launch(self.x_cfg, x, self._amax(x), None)[:3]
+        source = x if x._base is None else x._base  # (a reshaped view is a new object at every call)
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, self.x_cfg, self.amax_given)
+        last = _LAST_X[0]
+        if last is not None and last[0]() is source and last[1] == key and last[2] == source._version:
+            return last[3]
+        values, values_t, scale, _ = self.kq.launch(self.x_cfg, x, self._amax(x), None)
+        _LAST_X[0] = (weakref.ref(source), key, source._version, (values, values_t, scale))
+        return values, values_t, scale
+
     def _amax(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         return whole_amax(t, "fp8_e4m3") if self.amax_given else None
 
@@ -84,6 +104,24 @@ class Fp8Step(NamedTuple):
         if self.scaled:
             return scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
         return self.mm(gemm, a, b, scale_a, scale_b, None, bias, out_dtype)
+
+
+# The last X quantized by a forward: (a weak reference to X's storage owner, its layout and the step's launch
+# configuration, its version counter, the codes). A layer reading the same X, unchanged (same object, version,
+# layout), takes them: X's object alive means its memory was not reused, and an in-place write bumps the version.
+_LAST_X: List[Optional[tuple]] = [None]
+_SHARE_X: ContextVar[bool] = ContextVar("snip_ds_share_x", default=True)
+
+
+@contextmanager
+def unshared():
+    """Within this context every layer quantizes its own X (for callers whose results must not alias another
+    call's, such as a custom operator's outputs)."""
+    token = _SHARE_X.set(False)
+    try:
+        yield
+    finally:
+        _SHARE_X.reset(token)
 
 
 def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
