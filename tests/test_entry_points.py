@@ -10,6 +10,7 @@ The multi-rank, resume and fault runs of the same entry points are in the ``slow
 """
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -37,7 +38,7 @@ def adaptive_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("entry_train")
     cfg = write_configs(tmp, stage=3, plan="adaptive", max_steps=2, save_steps=2, eval_steps=2)
     proc = _ok(launch(["--deepspeed", str(cfg)], num_ranks=1, launcher="deepspeed"))
-    return {"tmp": tmp, "out": tmp / "out", "stdout": proc.stdout}
+    return {"tmp": tmp, "out": tmp / "out", "stdout": proc.stdout, "stderr": proc.stderr}
 
 
 def test_launch_train_plans_logs_and_saves(adaptive_run):
@@ -52,6 +53,20 @@ def test_launch_train_plans_logs_and_saves(adaptive_run):
     assert sorted(logged["eval/loss"]) == [2]
     assert (out / "checkpoints" / "latest").read_text() == "step_2"
     assert (out / "checkpoints" / "step_2" / "snip_meta.json").is_file()
+
+
+def test_launch_train_console_says_snip_and_not_what_a_user_cannot_act_on(adaptive_run):
+    """The messages of other libraries that snip_ds's run causes and a user cannot change are gone (the launcher's
+    own, printed before snip_ds starts, remain); the run ends with snip_ds's summary, not DeepSpeed's last line."""
+    text = adaptive_run["stdout"] + adaptive_run["stderr"]
+    for noise in ("is deprecated. Please use", "Attempting to get learning rate from scheduler",
+                  "built successfully", "Failed to load"):
+        assert noise not in text, noise
+    # deepspeed's runner and its launch.py log their accelerator guess; the training process logs none
+    assert text.count("Setting accelerator to CPU") <= 2
+    ours = [line for line in adaptive_run["stdout"].splitlines() if line.startswith("snip_ds: ")]
+    assert any(re.match(r"snip_ds: first plan at step 0: \d+ layers FP8->FP4", line) for line in ours), ours
+    assert ours[-5].startswith("snip_ds: done: 2 steps") and ours[-3].startswith("snip_ds: final plan: ")
 
 
 def test_snip_ds_command_reads_and_exports_the_run(adaptive_run, tmp_path):
