@@ -15,6 +15,7 @@ break; each layer has a handle (``op_handle``) through which those ops find its 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 
 from snip_ds.backend import custom_ops, layer_step
 from snip_ds.backend.base import Kept, WithAmax
-from snip_ds.backend.operands import AmaxReduce, shared_amax
+from snip_ds.backend.operands import AmaxReduce, amax_shared, shared_amax
 from snip_ds.quant import QuantParts
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GemmPrecision, LayerPrecision, full_shape
@@ -41,7 +42,7 @@ class QuantizedLinearFn(torch.autograd.Function):
                 prec: GemmPrecision, cfg: QuantConfig, generator: Optional[torch.Generator],
                 amax_reduce: Optional[AmaxReduce] = None) -> torch.Tensor:
         ctx.amax_reduce = amax_reduce  # a tensor-parallel shard's: operands scaled by the whole tensor's amax
-        with shared_amax(amax_reduce):
+        with _amax_context(amax_reduce):
             y_2d, x_keep, w_keep = layer_step.forward(x_hp.reshape(-1, x_hp.shape[-1]), w_hp, bias, prec, cfg,
                                                       x_hp.dtype)
         tensors, ctx.kept_as = _flatten((x_keep, w_keep))
@@ -55,10 +56,16 @@ class QuantizedLinearFn(torch.autograd.Function):
     def backward(ctx, g_y: torch.Tensor):
         x_keep, w_keep = _unflatten(ctx.saved_tensors, ctx.kept_as)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
-        with shared_amax(ctx.amax_reduce):
+        with _amax_context(ctx.amax_reduce):
             g_x, g_w, g_b = layer_step.backward(g_y.reshape(-1, g_y.shape[-1]), x_keep, w_keep, ctx.prec, ctx.cfg,
                                                 ctx.generator, needs, ctx.x_dtype, ctx.w_dtype)
         return (None if g_x is None else g_x.reshape(ctx.x_shape)), g_w, g_b, None, None, None, None
+
+
+def _amax_context(amax_reduce: Optional[AmaxReduce]):
+    """:func:`shared_amax` for a shard's reduction; for a whole layer outside any reduction, nothing to set
+    (two context-variable writes less per call)."""
+    return shared_amax(amax_reduce) if amax_reduce is not None or amax_shared() else contextlib.nullcontext()
 
 
 def _flatten(kept: Tuple[Kept, ...]) -> Tuple[List[torch.Tensor], Tuple[type, ...]]:
