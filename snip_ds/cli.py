@@ -320,7 +320,7 @@ def _cmd_universal(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from snip_ds.export import export_checkpoint  # imports DeepSpeed and transformers: only when exporting
-    from snip_ds.export_cli import serve_options
+    from snip_ds.export_serve import serve_options
 
     record = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force,
                                warn=lambda msg: print(f"snip-ds: warning: {msg}", file=sys.stderr),

@@ -22,9 +22,3 @@ def add_format_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compressed-tensors: batches of the run's training data that calibrate the NVFP4 "
                              f"activation global scales (default {DEFAULT_CALIBRATION_BATCHES})")
 
-
-def serve_options(args: argparse.Namespace):
-    """The :class:`~snip_ds.export_serve.ServeOptions` of the parsed flags."""
-    from snip_ds.export_serve import ServeOptions
-
-    return ServeOptions(format=args.format, fallback=args.fallback, calibration_batches=args.calibration_batches)

@@ -31,6 +31,11 @@ class ServeOptions:
     calibration_batches: int = DEFAULT_CALIBRATION_BATCHES
 
 
+def serve_options(args) -> ServeOptions:
+    """The :class:`ServeOptions` of ``snip-ds export``'s parsed flags (:mod:`snip_ds.export_cli`)."""
+    return ServeOptions(format=args.format, fallback=args.fallback, calibration_batches=args.calibration_batches)
+
+
 def check_options(options: ServeOptions) -> None:
     """Refuses an unknown format or fallback, a calibration count below 1, options that need
     ``--format compressed-tensors`` without it, and a missing or unsupported compressed-tensors.
