@@ -326,7 +326,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
                                warn=lambda msg: print(f"snip-ds: warning: {msg}", file=sys.stderr),
                                serve=serve_options(args))
     tokenizer = "with its tokenizer" if record["tokenizer"]["exported"] else "without a tokenizer"
-    print(f"{args.out_dir}: step {record['step']}, {record['parameters']} parameters in {args.dtype}, {tokenizer}")
+    stored = f"in {args.dtype}" if args.format == "hf" else \
+        f"as compressed-tensors (layers: {record['schemes']}; the rest in {args.dtype})"
+    print(f"{args.out_dir}: step {record['step']}, {record['parameters']} parameters {stored}, {tokenizer}")
     return 0
 
 

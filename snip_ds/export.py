@@ -112,12 +112,13 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                           f"{missing[:3]}, unexpected {extra[:3]}, other shape {wrong[:3]})")
     model.load_state_dict(weights, strict=True, assign=True)
     model.config.use_cache = True  # training switched it off; generation wants it
+    parameters = int(sum(v.numel() for k, v in model.named_parameters()))  # the model's, before any packing
     served, after_save = finish_model(model, snip, tag_dir, serve, DTYPES[dtype], warn)
 
     record = {"format": FORMAT, "checkpoint": str(tag_dir.resolve()), "step": meta.get("step"),
               "dtype": dtype, "world_size": world_size, "tensor_parallel": tp,
               "plan": f"{_plan_file(tag_dir).resolve()} (key 'plan'); " + plan_note(serve, dtype),
-              "parameters": int(sum(v.numel() for k, v in model.named_parameters())), **served}
+              "parameters": parameters, **served}
     return write_export(model, record, lambda tmp: write_tokenizer(meta, tmp, warn), out_dir, tag_dir, force,
                         after_save)
 

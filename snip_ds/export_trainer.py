@@ -126,11 +126,12 @@ def export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: bo
         raise ExportError(f"{folder}: {source} do not hold the parameters of the model {config_file.name} "
                           f"describes (missing {missing[:3]}, unexpected {extra[:3]}, other shape {wrong[:3]})")
     model.config.use_cache = True
+    parameters = int(sum(v.numel() for k, v in model.named_parameters()))  # the model's, before any packing
     served, after_save = finish_model(model, meta, folder, serve, DTYPES[dtype], warn)
     record = {"format": FORMAT, "checkpoint": str(folder.resolve()), "step": meta.get("step"), "dtype": dtype,
               "world_size": meta.get("world_size"), "tensor_parallel": tp, "weights": source,
               "plan": f"{folder.resolve() / 'snip_state.json'} (key 'plan'); " + plan_note(serve, dtype),
-              "parameters": int(sum(v.numel() for k, v in model.named_parameters())), **served}
+              "parameters": parameters, **served}
     return write_export(model, record, lambda tmp: _copy_trainer_tokenizer(folder, tmp, warn), out_dir, folder,
                          force, after_save)
 
