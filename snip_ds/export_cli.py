@@ -18,6 +18,9 @@ def add_format_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fallback", default=None, metavar="bf16",
                         help="compressed-tensors: export the layers the format cannot express unquantized (bf16), "
                              "each reason named in a warning; without it such a layer stops the export")
+    parser.add_argument("--vllm-fused", action="store_true",
+                        help="compressed-tensors: give each block's q/k/v and gate/up projections one scheme, the "
+                             "most precise of theirs, as vLLM fuses each group into one module")
     parser.add_argument("--calibration-batches", type=int, default=DEFAULT_CALIBRATION_BATCHES, metavar="N",
                         help="compressed-tensors: batches of the run's training data that calibrate the NVFP4 "
                              f"activation global scales (default {DEFAULT_CALIBRATION_BATCHES})")

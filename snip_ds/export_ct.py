@@ -110,6 +110,39 @@ def layer_schemes(plan: Mapping[str, Any], quant: QuantConfig, widths: Mapping[s
     return out
 
 
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # what vLLM fuses into one module
+PRECISION_ORDER = ("nvfp4", "fp8", "bf16")  # least to most precise
+
+
+def split_fusions(schemes: Mapping[str, LayerScheme]) -> Dict[str, List[str]]:
+    """``{parent module: its fused projections}`` for every q/k/v or gate/up group that the schemes split."""
+    out: Dict[str, List[str]] = {}
+    for fqn in schemes:
+        parent, _, leaf = fqn.rpartition(".")
+        for group in FUSED:
+            members = [f"{parent}.{m}" for m in group if f"{parent}.{m}" in schemes]
+            if leaf == group[0] and len({schemes[m].scheme for m in members}) > 1:
+                out[f"{parent}.{'/'.join(group)}"] = members
+    return out
+
+
+def unify_fusions(schemes: Dict[str, LayerScheme], warn: Callable[[str], None]) -> Dict[str, str]:
+    """Gives each split q/k/v or gate/up group the most precise scheme among its members (in place), as
+    ``--vllm-fused`` asks; returns ``{layer: its planned scheme}`` of the layers moved."""
+    moved: Dict[str, str] = {}
+    for members in split_fusions(schemes).values():
+        target = max((schemes[m].scheme for m in members), key=PRECISION_ORDER.index)
+        for m in members:
+            if schemes[m].scheme != target:
+                moved[m] = schemes[m].scheme
+                schemes[m] = LayerScheme(target, f"--vllm-fused: planned {schemes[m].scheme}, fused with a "
+                                                 f"{target} projection")
+    if moved:
+        warn(f"--vllm-fused: {len(moved)} layer(s) raised to the most precise scheme of their q/k/v or gate/up "
+             f"group ({next(iter(moved))}, ...)")
+    return moved
+
+
 # --------------------------------------------------------------------------------------------------------
 # the schemes, as compressed-tensors' objects
 # --------------------------------------------------------------------------------------------------------
@@ -264,12 +297,14 @@ class _quiet:
     """compressed-tensors' progress bars (tqdm) off while it works."""
 
     def __enter__(self):
-        import functools
-
         import tqdm
 
-        self._saved = tqdm.tqdm.__init__
-        tqdm.tqdm.__init__ = functools.partialmethod(self._saved, disable=True)
+        saved = self._saved = tqdm.tqdm.__init__
+
+        def silent(bar, *args, **kwargs):
+            kwargs["disable"] = True  # over the caller's own disable=
+            saved(bar, *args, **kwargs)
+        tqdm.tqdm.__init__ = silent
 
     def __exit__(self, *exc):
         import tqdm

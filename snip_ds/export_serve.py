@@ -29,11 +29,13 @@ class ServeOptions:
     format: str = "hf"
     fallback: Optional[str] = None
     calibration_batches: int = DEFAULT_CALIBRATION_BATCHES
+    vllm_fused: bool = False  # one scheme per q/k/v and gate/up group, the most precise of theirs
 
 
 def serve_options(args) -> ServeOptions:
     """The :class:`ServeOptions` of ``snip-ds export``'s parsed flags (:mod:`snip_ds.export_cli`)."""
-    return ServeOptions(format=args.format, fallback=args.fallback, calibration_batches=args.calibration_batches)
+    return ServeOptions(format=args.format, fallback=args.fallback, calibration_batches=args.calibration_batches,
+                        vllm_fused=args.vllm_fused)
 
 
 def check_options(options: ServeOptions) -> None:
@@ -55,6 +57,8 @@ def check_options(options: ServeOptions) -> None:
             raise ExportError("--fallback: only with --format compressed-tensors")
         if n != DEFAULT_CALIBRATION_BATCHES:
             raise ExportError("--calibration-batches: only with --format compressed-tensors")
+        if options.vllm_fused:
+            raise ExportError("--vllm-fused: only with --format compressed-tensors")
         return
     try:
         import compressed_tensors
@@ -119,7 +123,7 @@ def finish_model(model: nn.Module, meta: Mapping[str, Any], source: Path, option
         model.to(dtype)
         return {"format_written": "hf"}, None
     from snip_ds.export_calib import calibration_batches, input_amax, planned_forward_model
-    from snip_ds.export_ct import compress, layer_schemes
+    from snip_ds.export_ct import compress, layer_schemes, split_fusions, unify_fusions
     from snip_ds.types import expert_pair
 
     assignment, settings = plan_and_settings(meta, source)
@@ -138,6 +142,12 @@ def finish_model(model: nn.Module, meta: Mapping[str, Any], source: Path, option
         raise ExportError(f"layer {others[0]}: is a {type(modules.get(others[0])).__name__}, not an nn.Linear; "
                           f"compressed-tensors quantizes nn.Linear layers only; export with --format hf")
     schemes = layer_schemes(assignment, quant, widths, experts, options.fallback, warn)
+    moved = unify_fusions(schemes, warn) if options.vllm_fused else {}
+    split = split_fusions(schemes)
+    if split:
+        warn(f"{len(split)} q/k/v or gate/up group(s) at different schemes ({next(iter(split))}, ...): transformers "
+             f"loads them; vLLM fuses each group into one module and wants one scheme for it (--vllm-fused gives "
+             f"each group its most precise member's scheme)")
     if experts and not any(s.scheme == "fp8" for s in schemes.values()):
         warn("MoE experts exported unquantized with no FP8 layer: transformers 5.24 loads such a checkpoint's "
              "experts through the NVFP4 group, which drops them, and fails (vLLM reads the checkpoint itself)")
@@ -160,7 +170,8 @@ def finish_model(model: nn.Module, meta: Mapping[str, Any], source: Path, option
     for s in schemes.values():
         counts[s.scheme] = counts.get(s.scheme, 0) + 1
     record = {"format_written": "compressed-tensors", "schemes": counts, "layers": layers,
-              "fallback": {f: s.reason for f, s in schemes.items() if s.reason},
+              "fallback": {f: s.reason for f, s in schemes.items() if s.reason and f not in moved},
+              "vllm_fused": {"raised": moved, "split_groups": sorted(split)},
               "calibration": calibration, "recipes": {"fp8": quant.fp8_recipe, "fp4": quant.fp4_recipe,
                                                       "weight_2d": quant.weight_2d}}
     return record, lambda tmp: compressor.update_config(str(tmp))

@@ -138,6 +138,7 @@ def test_bad_input_is_one_error_line_and_nothing_written(tmp_path, capsys):
         (["--format", "gguf"], "--format 'gguf': expected one of hf, compressed-tensors"),
         (["--fallback", "bf16"], "--fallback: only with --format compressed-tensors"),
         (["--calibration-batches", "2"], "--calibration-batches: only with --format compressed-tensors"),
+        (["--vllm-fused"], "--vllm-fused: only with --format compressed-tensors"),
         ([*ct, "--fallback", "fp8"], "--fallback 'fp8': expected one of bf16"),
         ([*ct, "--calibration-batches", "0"], "--calibration-batches 0: expected a positive integer"),
     ]
@@ -212,6 +213,18 @@ def test_transformers_loads_the_export_and_follows_the_planned_forward(tmp_path,
         got = _served(out, dtype)(input_ids=ids).logits.float()
         assert torch.isfinite(got).all()
         assert (got - planned).abs().max() < quantization_effect, dtype
+    assert "2 q/k/v or gate/up group(s) at different schemes" in capsys.readouterr().err
+
+    # --vllm-fused: q and k join v at FP8 (the group's most precise), as vLLM fuses them; gate/up agree already
+    fused = tmp_path / "fused_out"
+    assert main(["export", str(folder), str(fused), "--format", "compressed-tensors", "--vllm-fused",
+                 "--calibration-batches", "2"]) == 0
+    record = json.loads((fused / "snip_export.json").read_text())
+    raised = {f"model.layers.{b}.self_attn.{p}": "nvfp4" for b in (0, 1) for p in ("q_proj", "k_proj")}
+    assert record["vllm_fused"] == {"raised": raised, "split_groups": []} and record["schemes"] == {"nvfp4": 6,
+                                                                                                 "fp8": 8}
+    planned = _planned_logits(model, {**mixed, **{f: "fp8" for f in raised}}, ids)
+    assert (_served(fused, torch.float32)(input_ids=ids).logits - planned).abs().max() < quantization_effect
 
 
 def test_moe_experts_are_refused_naming_the_pair_or_exported_unquantized_on_request(tmp_path, capsys):
