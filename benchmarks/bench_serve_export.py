@@ -14,6 +14,7 @@ its ranks as the run averages them) it computes the validation loss of:
   backend): the run's evaluation, recomputed;
 * ``served fp32``: the compressed-tensors export, weights decompressed by compressed-tensors, in FP32;
 * ``served bf16``: the same as transformers runs it by default in BF16;
+* ``served fp32, --vllm-fused``: the export with each q/k/v and gate/up group at one scheme, in FP32;
 * ``bf16 export``: the plain BF16 export (no quantization).
 
 It also reports the run's own last logged ``eval/loss``, the largest logit difference between ``served fp32`` and
@@ -103,8 +104,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     serve = ServeOptions("compressed-tensors", calibration_batches=args.calibration_batches)
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         tmp = Path(tmp)
+        fused = ServeOptions("compressed-tensors", calibration_batches=args.calibration_batches, vllm_fused=True)
         outs = {"hf_fp32": ("fp32", ServeOptions()), "hf_bf16": ("bf16", ServeOptions()),
-                "ct_fp32": ("fp32", serve), "ct_bf16": ("bf16", serve)}
+                "ct_fp32": ("fp32", serve), "ct_bf16": ("bf16", serve), "ct_fused_fp32": ("fp32", fused)}
         records = {name: export_checkpoint(tag_dir, tmp / name, dtype=dtype, serve=options)
                    for name, (dtype, options) in outs.items()}
         sizes = {name: (tmp / name / "model.safetensors").stat().st_size for name in outs}
@@ -118,6 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             effect = float((ref - masters(input_ids=first).logits.float()).abs().max())
         losses = {"snip_ds planned": _loss(planned, per_rank), "served fp32": _loss(served32, per_rank),
                   "served bf16": _loss(_served(tmp / "ct_bf16", torch.bfloat16), per_rank),
+                  "served fp32, --vllm-fused": _loss(_served(tmp / "ct_fused_fp32", torch.float32), per_rank),
                   "bf16 export": _loss(AutoModelForCausalLM.from_pretrained(str(tmp / "hf_bf16"),
                                                                            dtype=torch.bfloat16), per_rank)}
     logged = _eval_loss(run)
@@ -126,6 +129,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               "run_eval_loss": {"step": int(last), "value": logged[last]}, "validation_loss": losses,
               "schemes": records["ct_fp32"]["schemes"], "calibration_batches": args.calibration_batches,
               "fallback": records["ct_fp32"]["fallback"],
+              "vllm_fused": {"schemes": records["ct_fused_fp32"]["schemes"],
+                             "raised": len(records["ct_fused_fp32"]["vllm_fused"]["raised"]),
+                             "split_groups_without_it": len(records["ct_fp32"]["vllm_fused"]["split_groups"])},
               "max_logit_difference_served_fp32_vs_planned": logit_diff,
               "max_logit_difference_planned_vs_unquantized": effect,
               "model_safetensors_bytes": sizes, "torch": torch.__version__, "machine": platform.machine()}
@@ -146,7 +152,9 @@ def _markdown(r: dict) -> str:
     return "\n".join([
         f"# Serving export of {r['run']} (step {r['step']})", "",
         f"Schemes: {r['schemes']}; NVFP4 activation global scales from {r['calibration_batches']} calibration "
-        f"batches; fallbacks: {len(r['fallback'])}.", "",
+        f"batches; fallbacks: {len(r['fallback'])}. q/k/v or gate/up groups at different schemes: "
+        f"{r['vllm_fused']['split_groups_without_it']}; --vllm-fused raises {r['vllm_fused']['raised']} layer(s) "
+        f"(schemes {r['vllm_fused']['schemes']}).", "",
         "| validation loss | nats | vs the run's (millinats) |", "|---|---|---|", *rows, "",
         f"Largest logit difference, served FP32 vs snip_ds planned (first batch): "
         f"{r['max_logit_difference_served_fp32_vs_planned']:.4g}; the whole quantization effect (planned vs "
