@@ -35,6 +35,7 @@ from snip_ds.engine.zero_leaf import leaf_backward_hooks_suspended
 from snip_ds.experts.points import ExpertPoint
 from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import Plan, fp4_share
+from snip_ds.run_report import plan_moves
 from snip_ds.schedule import measure_due, replan_due
 from snip_ds.options import build
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
@@ -169,7 +170,9 @@ class AdaptivePlanner:
         record = {"step": eng.step, "collect_s": collected - start, "solve_s": solved - collected,
                   "fp4_share": fp4_share(plan.assignment, eng.flops), "changed": changed, "status": plan.status,
                   "precond": stats["precond_source"]}
-        what = f"re-plan: {changed} layer(s) changed" if previous else "first adaptive plan"
+        moves = plan_moves(previous, plan)
+        what = (f"{'re-plan' if self.history else 'first plan'}: {moves['to_fp4']} {moves['unit']} FP8->FP4, "
+                f"{moves['to_fp8']} FP4->FP8" + (f", {moves['other']} to or from BF16" if moves["other"] else ""))
         eng.set_plan(plan, f"{what}, fp4 share {record['fp4_share']:.3f}, plan {plan.status} (statistics "
                            f"{record['collect_s']:.2f} s, solve {record['solve_s']:.2f} s)")
         self.history.append(record)  # the console line follows the measurement (SnipState.before_step)
