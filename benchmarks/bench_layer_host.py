@@ -549,7 +549,7 @@ def _order(r: dict):
 def markdown(res: dict) -> str:
     cpu = res["device"] == "cpu"
     res = {**res, "rows": sorted(res["rows"], key=_order)}
-    lines = [f"# bench_layer_host: what a layer's and a block's step costs beyond its arithmetic", "",
+    lines = ["# bench_layer_host: what a layer's and a block's step costs beyond its arithmetic", "",
              f"Commit {res['commit']}; {res['machine']}; torch {res['torch']}, torchao {res['torchao']}"
              + (f", Triton {res['triton']} (interpreter)" if cpu else "") + f"; {res['threads']} thread. "
              f"Layer: {res['tokens']} tokens, {res['k']} x {res['n']}; block: one Llama decoder block (the default "

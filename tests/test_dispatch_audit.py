@@ -140,7 +140,7 @@ def test_live_bytes_counts_what_is_allocated_until_it_is_freed():
     b = Scaled(torch.randn(4, 6), torch.tensor(0.5))
     with LiveBytes() as mem:
         y = torch.mm(a, b)  # inside the subclass: the product, a scale, the scaled product
-    assert mem.live == 8 * 6 * 4 and mem.peak == 2 * 8 * 6 * 4 + 4
+    assert y.shape == (8, 6) and mem.live == 8 * 6 * 4 and mem.peak == 2 * 8 * 6 * 4 + 4
 
 
 def test_a_profile_counts_an_operator_not_its_cpu_implementation():
