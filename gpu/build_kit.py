@@ -60,7 +60,7 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 # torchao 0.18.0 is the release for torch >= 2.11 (its __init__ checks for it), the image's torch 2.11.0+cu130;
 # its float8 training (the tensorwise recipe) is Python over torch._scaled_mm, so the wheel's compiled
 # extensions (built for PyPI's CUDA) are not needed: where they do not load, torchao says so and goes on.
-PEERS = {"torchao": ("0.18.0", "the peer of benchmarks/bench_layer_gpu.py (torchao float8, tensorwise)")}
+PEERS = {"torchao": ("0.18.0", "the peer of benchmarks/bench_layer_gpu.py and bench_layer_host.py (torchao float8)")}
 BUILT_FROM_SDIST = {"deepspeed": {"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cuda"}}
 CBCBOX_DROPPED = re.compile(r"/cbcbox/cbc_dist_[^/]+/")  # cbc_dist_avx2/, cbc_dist_debug_avx2/: all but generic
 TRANSFER_LIMIT = 64 * 2 ** 20  # what one device call may send: working tree + carried folders
