@@ -37,8 +37,9 @@ class ABError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="launch/ab.py", allow_abbrev=False, description="Train the same short run under several plans and compare tokens/s, peak "
-        "memory and loss. Every other flag is launch/train.py's and is passed on to each run.",
+        prog="launch/ab.py", allow_abbrev=False,
+        description="Train the same short run under several plans and compare tokens/s, peak memory and loss. Every "
+                    "other flag is launch/train.py's and is passed on to each run.",
         epilog="Example: python launch/ab.py --deepspeed ds_configs/zero3.json --model_config my_model.json "
                "--dataset corpus.txt --max_steps 50")
     p.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated plans (default {','.join(PLANS)})")

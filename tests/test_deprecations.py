@@ -21,7 +21,8 @@ if {install}:
 
 def _deprecated(name):  # as torch marks the collectives (typing_extensions.deprecated), from a torch module
     scope = {{"__name__": "torch.distributed.c10d_fake", "deprecated": deprecated}}
-    exec(compile(f'''@deprecated("`torch.distributed.{{name}}` is deprecated. Please use `torch.distributed.{{name}}_single` instead.", category=FutureWarning)
+    message = f"`torch.distributed.{{name}}` is deprecated. Please use `torch.distributed.{{name}}_single` instead."
+    exec(compile(f'''@deprecated({{message!r}}, category=FutureWarning)
 def {{name}}(): pass
 def wrapper(): return {{name}}()''', "/x/torch/distributed/c10d_fake.py", "exec"), scope)
     return scope["wrapper"]
@@ -42,11 +43,13 @@ for step in range(5):
         warnings.simplefilter("always")
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
+logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU. If you have GPU or other accelerator, "
+                                       "we were unable to detect it.")
 logging.getLogger("DeepSpeed").warning("Setting accelerator to XPU")
-logging.getLogger("torchao").warning("Failed to load /env/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: no")
+logging.getLogger("torchao").warning("Failed to load /env/site-packages/torchao/_C_mxfp8.cpython-310.so: no")
 logging.getLogger("torchao").warning("Failed to load something else")
-logging.getLogger("torch.utils._pytree").warning("<enum 'K'> is an Enum subclass and is now natively supported by torch.compile as an opaque value type.")
+logging.getLogger("torch.utils._pytree").warning("<enum 'K'> is an Enum subclass and is now natively supported by "
+                                                 "torch.compile as an opaque value type.")
 if {install}:
     from snip_ds.deprecations import LR_BEFORE_START, dropped_logs
     with dropped_logs("DeepSpeed", LR_BEFORE_START):
