@@ -6,8 +6,9 @@ block (:func:`snip_ds.layouts.linears.linear_form`: ``nn.Linear``, a weight stor
 ``Conv1D``, any class proved to compute one of the two) is a quantizable layer, found by walking the block, not
 from a table of names, except
 
-* MoE routers: a linear in a block holding experts whose output width is their count (or 1: a shared expert's
-  scalar gate) is small and precision-sensitive, and stays as it is (:func:`snip_ds.layouts.linears.is_router`);
+* MoE routers: a linear of an MoE block whose output width is the experts' count and whose output, ranked,
+  chooses the experts' tokens (:mod:`snip_ds.layouts.routers`), or of width 1 (a shared expert's scalar gate),
+  is small and precision-sensitive, and stays as it is;
 * what the user excludes (``snip.exclude``: globs matched on the fully qualified name).
 
 A layer's *kind* is its path inside the block (``self_attn.q_proj``, ``attn.c_attn``, ``mlp.dense_h_to_4h``);
@@ -33,7 +34,8 @@ from torch import nn
 from snip_ds.experts.model import find_experts_modules
 from snip_ds.layouts.blocks import decoder_blocks as _blocks
 from snip_ds.layouts.experts import ExpertsLayoutError, counts_around, experts_candidates
-from snip_ds.layouts.linears import is_router, linear_form
+from snip_ds.layouts.linears import gemm_shape, linear_form
+from snip_ds.layouts.routers import proved_routers
 
 
 class UnsupportedModelError(ValueError):
@@ -71,10 +73,10 @@ def decoder_experts(model: nn.Module) -> Dict[str, nn.Module]:
                                     f"a plan that says otherwise") from None
 
 
-def _expert_lists(block: nn.Module, prefix: str) -> Dict[str, set]:
-    """``{path of the module holding it: {count}}`` for the lists of expert MLPs inside a block: a container of
-    two or more entries of one class, each holding a linear GEMM (older MoE layouts keep experts so)."""
-    out: Dict[str, set] = {}
+def _expert_lists(block: nn.Module, prefix: str) -> Dict[str, List[nn.Module]]:
+    """``{path of the module holding it: [its expert MLPs]}`` for the lists of expert MLPs inside a block: a
+    container of two or more entries of one class, each holding a linear GEMM (older MoE layouts keep experts so)."""
+    out: Dict[str, List[nn.Module]] = {}
     for sub, module in block.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 2:
             continue
@@ -82,7 +84,48 @@ def _expert_lists(block: nn.Module, prefix: str) -> Dict[str, set]:
         if len({type(e) for e in entries}) == 1 and next(entries[0].children(), None) is not None and \
                 all(any(linear_form(m) is not None for m in e.modules()) for e in entries):
             holder = f"{prefix}.{sub.rsplit('.', 1)[0]}" if "." in sub else prefix
-            out.setdefault(holder, set()).add(len(entries))
+            out.setdefault(holder, []).append(entries)
+    return out
+
+
+def _moe_blocks(model: nn.Module, blocks) -> Dict[str, Tuple[set, List[nn.Module]]]:
+    """``{MoE block path: ({expert counts}, [the modules it calls as experts])}``: the module holding each
+    experts module (its count from its Parameters) or list of expert MLPs (each entry an expert)."""
+    out: Dict[str, Tuple[set, List[nn.Module]]] = {}
+    candidates = experts_candidates(model)
+    for path, counts in counts_around(model, candidates).items():
+        out[path] = (set(counts), [m for f, m in candidates if (f.rsplit(".", 1)[0] if "." in f else "") == path])
+    for prefix, block in blocks:
+        for holder, lists in _expert_lists(block, prefix).items():
+            counts, experts = out.setdefault(holder, (set(), []))
+            for entries in lists:
+                counts.add(len(entries))
+                experts.extend(entries)
+    return out
+
+
+def _routers(model: nn.Module, moe: Dict[str, Tuple[set, List[nn.Module]]], experts: Dict[str, nn.Module]) -> set:
+    """Names of the linears left out as MoE routers: in an MoE block, of output width 1 (a shared expert's scalar
+    gate), or of the experts' count and proved to route (:func:`snip_ds.layouts.routers.proved_routers`; where
+    the block's forward cannot run alone, every such linear)."""
+    out = set()
+    for path, (counts, called) in moe.items():
+        block = model.get_submodule(path) if path else model
+        skip = {id(m) for e in [*experts.values(), *called] for m in e.modules()}  # the experts' own linears
+        candidates: Dict[str, nn.Module] = {}
+        for sub, module in block.named_modules():
+            fqn = f"{path}.{sub}" if path else sub
+            form = linear_form(module) if sub and id(module) not in skip else None
+            if form is None:
+                continue
+            width = gemm_shape(module, form)[1]
+            if width == 1:
+                out.add(fqn)
+            elif width in counts:
+                candidates[sub] = module
+        proved = proved_routers(block, candidates, called,
+                                [gemm_shape(m, linear_form(m))[0] for m in candidates.values()]) if path else None
+        out.update(f"{path}.{sub}" if path else sub for sub in candidates if proved is None or sub in proved)
     return out
 
 
@@ -98,21 +141,15 @@ def decoder_linears(model: nn.Module, exclude: Sequence[str] = ()) -> List[str]:
     """
     patterns = _check_patterns(exclude)
     experts = decoder_experts(model)
-    around = counts_around(model, experts_candidates(model))
     blocks = decoder_blocks(model)
+    routers = _routers(model, _moe_blocks(model, blocks), experts)
     names: List[str] = []
     for prefix, block in blocks:
-        for holder, counts in _expert_lists(block, prefix).items():
-            around.setdefault(holder, set()).update(counts)
         for sub, module in block.named_modules():
             fqn = f"{prefix}.{sub}" if sub else prefix
             if any(fqn.startswith(e + ".") for e in experts):
                 continue  # the experts' own Parameters are planned per pair
-            form = linear_form(module)
-            if form is None:
-                continue
-            counts = set().union(*(c for path, c in around.items() if fqn.startswith(path + ".") or not path))
-            if not is_router(module, form, counts):
+            if linear_form(module) is not None and fqn not in routers:
                 names.append(fqn)
     for p in patterns:
         if not any(fnmatch.fnmatchcase(n, p) for n in names):

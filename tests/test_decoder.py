@@ -139,8 +139,9 @@ class _Toy(nn.Module):
 
 
 def test_routers_are_found_by_what_they_score_not_by_their_names():
-    """A linear beside experts whose output width is their count (or 1) is a router and stays as it is; the same
-    linear with no experts beside it is an ordinary projection; a list of expert MLPs is planned expert by
+    """A linear beside experts whose output width is their count (or 1) is a router and stays as it is where the
+    MoE block cannot run alone to prove otherwise (this one has no forward); the same linear with no experts
+    beside it is an ordinary projection; a list of expert MLPs is planned expert by
     expert (each of its linears a layer of its own)."""
     assert decoder_linears(_Toy()) == [f"layers.{b}.{k}" for b in range(2) for k in ("attn", "mlp.gate")]
     names = decoder_linears(_Toy(experts=True))
@@ -150,6 +151,85 @@ def test_routers_are_found_by_what_they_score_not_by_their_names():
         (f"layers.{b}.mlp.experts", e, fc) for b in range(2) for e in range(4) for fc in ("fc1", "fc2")}
     llama = build_model(model_config=DENSE)
     assert "model.layers.0.mlp.gate_proj" in decoder_linears(llama)  # a SwiGLU's gate: no experts beside it
+
+
+
+E = 4  # experts; every MoE block below also holds non-routers of this output width
+
+
+class _SparseBlock(nn.Module):
+    """A Mixtral-style MoE block over a list of expert MLPs (each H -> E -> H: its linears are as wide as the
+    router) beside a shared path through ``mix``, a linear of width E whose output is only values (softmaxed,
+    then projected back), and a scalar gate."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.mix, self.back = nn.Linear(hidden, E), nn.Linear(E, hidden)
+        self.scorer = nn.Linear(hidden, E)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, E), nn.SiLU(), nn.Linear(E, hidden))
+                                     for _ in range(E))
+        self.shared_gate = nn.Linear(hidden, 1)
+
+    def scores(self, x):
+        return self.scorer(x)
+
+    def values(self, x):
+        return self.mix(x)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(torch.softmax(self.scores(flat), dim=-1), 2, dim=-1)
+        out = torch.zeros_like(flat)
+        mask = nn.functional.one_hot(chosen, E).permute(2, 1, 0)
+        for e in range(E):
+            slot, token = torch.where(mask[e])
+            out.index_add_(0, token, self.experts[e](flat[token]) * weights[token, slot, None])
+        shared = self.back(torch.softmax(self.values(flat), dim=-1)) * torch.sigmoid(self.shared_gate(flat))
+        return (out + shared).reshape(x.shape)
+
+
+class _SwappedRoles(_SparseBlock):
+    """The same linears, the roles swapped: ``mix`` ranks the experts and ``scorer`` feeds the values."""
+
+    def scores(self, x):
+        return self.mix(x)
+
+    def values(self, x):
+        return self.scorer(x)
+
+
+def _moe(block_cls):
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(32, 32), "mlp": block_cls()}) for _ in range(2))
+    return model
+
+
+@pytest.mark.parametrize("block_cls, router, values", [(_SparseBlock, "scorer", "mix"),
+                                                       (_SwappedRoles, "mix", "scorer")])
+def test_a_router_is_proved_by_what_consumes_its_output(block_cls, router, values):
+    """Of the linears of an MoE block whose output width is the experts' count, only the one whose output is
+    ranked and whose ranks choose the experts' tokens is a router (left out); one whose output is only values
+    (softmaxed, projected back) and the experts' own E-wide projections are planned, whatever their names."""
+    model = _moe(block_cls)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    names = decoder_linears(model)
+    mlp = [n[len("layers.0.mlp."):] for n in names if n.startswith("layers.0.mlp.")]
+    assert router not in mlp and "shared_gate" not in mlp
+    assert sorted(mlp) == sorted([values, "back"] + [f"experts.{e}.{i}" for e in range(E) for i in (0, 2)])
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())  # the probe changed nothing
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(type(e).forward is nn.Sequential.forward and "forward" not in vars(e)
+               for e in model.layers[0].mlp.experts)
+
+
+def test_a_stacked_experts_family_keeps_its_linear_router_out():
+    """A family whose router is a plain linear beside transformers-5 stacked experts (Hunyuan-MoE's
+    ``gate.wg``) keeps it out; its shared MLP's linears are planned."""
+    from snip_ds.families.build import build_tiny
+    model = build_tiny("hunyuan_v1_moe").model
+    names = decoder_linears(model)
+    assert not any(n.endswith("gate.wg") for n in names)
+    assert any(n.endswith("shared_mlp.gate_proj") for n in names)
 
 
 @pytest.mark.parametrize("config, module, cls", [

@@ -428,7 +428,7 @@ def recognize(module: nn.Module, fqn: str, wrap: Wrap) -> ExpertsLayout:
 
 def counts_around(model: nn.Module, candidates: Iterable[Tuple[str, nn.Module]]) -> Dict[str, set]:
     """``{MoE block path: {expert counts}}``: the module holding each experts candidate, and the counts of the
-    experts it holds (for :func:`snip_ds.layouts.linears.is_router`)."""
+    experts it holds (for the routers of :mod:`snip_ds.decoder`)."""
     out: Dict[str, set] = {}
     for fqn, module in candidates:
         count = expert_count(module) or (len(module) if isinstance(module, (nn.ModuleList, nn.ModuleDict)) else None)

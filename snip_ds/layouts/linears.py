@@ -1,4 +1,4 @@
-"""Which modules are linear GEMMs, proved by behaviour, and which linears are MoE routers.
+"""Which modules are linear GEMMs, proved by behaviour.
 
 A module is a linear GEMM when it is a leaf holding a 2-D ``weight`` (and at most a 1-D ``bias``) and its forward
 computes ``y = x·Wᵀ + b`` (:data:`LINEAR`: ``nn.Linear``'s contract) or ``y = x·W + b`` (:data:`TRANSPOSED`: a
@@ -9,9 +9,7 @@ model's own Parameters are neither read nor changed, so partitioned ZeRO-3 Param
 one of the two forms within the round-off of summing the same products in another order. A class that matches
 neither (BitNet's ternary ``AutoBitLinear``, a LoRA layer) is not a GEMM snip_ds can run for it: it stays as it is.
 
-A router scores an MoE block's experts: a linear in the block that holds an experts module, whose output width is
-that module's number of experts (or 1: a shared expert's scalar gate). Routers stay unquantized: small, and the
-top-k choice is sensitive to their rounding.
+Which of them are MoE routers is proved by what consumes their output (:mod:`snip_ds.layouts.routers`).
 """
 from __future__ import annotations
 
@@ -91,13 +89,3 @@ def gemm_shape(module: nn.Module, form: str):
     """``(in_features, out_features)`` of a linear GEMM of the given form."""
     a, b = full_shape(module.weight)
     return (b, a) if form == LINEAR else (a, b)
-
-
-def is_router(linear: nn.Module, form: str, expert_counts) -> bool:
-    """Whether the linear GEMM ``linear`` (of ``form``) scores experts: it sits in a module that holds an
-    experts module of ``E`` experts for some ``E`` in ``expert_counts`` (the caller passes the counts of the
-    experts modules around it) and its output width is ``E`` or 1."""
-    if not expert_counts:
-        return False
-    out = gemm_shape(linear, form)[1]
-    return out == 1 or out in expert_counts
