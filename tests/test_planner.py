@@ -3,6 +3,7 @@ import itertools
 import json
 import math
 import random
+import warnings
 
 import mip
 import pytest
@@ -509,6 +510,26 @@ def test_last_k_fp8_keeps_the_last_blocks_nearest_the_share():
     assert per_gemm.assignment[fqns[-1]] == {"fprop": "fp8", "dgrad": "fp8", "wgrad": "fp8"}
     assert per_gemm.assignment[fqns[2]] == {"fprop": "fp4", "dgrad": "fp4", "wgrad": "fp4"}
 
+
+
+def test_last_k_fp8_below_the_share_warns_once_per_solve_with_the_share_reached():
+    """ρ is a minimum: where the nearest whole number of blocks leaves the FP4 share below it, each solve warns
+    once, naming the share reached; a share that meets ρ (or passes it) is no warning."""
+    stats = make_stats(n_blocks=4)
+    for rec in stats["layers"].values():
+        rec["flops"] = 1e9  # shares 1, 0.75, 0.5, 0.25, 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            plan = solve_baseline("last_k_fp8", stats, 0.6)[0]
+    assert plan.fp4_share == pytest.approx(0.5) and plan.meta["k"] == 2
+    assert len(caught) == 2 and all(w.category is RuntimeWarning for w in caught)
+    assert "FP4 share reached, 0.5000" in str(caught[0].message) and "efficiency_saving 0.6000" in str(
+        caught[0].message) and "1 would give 0.7500" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for target in (0.75, 0.7, 0.0):  # met exactly, passed, no FP4 asked
+            assert solve_baseline("last_k_fp8", stats, target)[0].fp4_share >= target
 
 def test_first_last_unreachable_target_is_an_error():
     stats = make_stats(n_blocks=3)

@@ -6,6 +6,7 @@ This module is pure data: no torch, no torch.distributed.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any, Mapping
 
@@ -94,7 +95,8 @@ def last_k_plan(fqns: list, flops: Mapping[str, float], target: float, pins: Map
     precision by rule): every layer of the last ``k`` decoder blocks in fp8, every other in fp4, ``pins`` (the
     layers with non-finite statistics, those no call reached, the user's) as pinned. ``k`` (0 to all blocks) is
     the one whose FP4 share is nearest ``target``; between two equally near, the larger k (more FP8). The plan
-    records ``k`` and the block count in its meta; its ``fp4_share`` is the share reached, not ``target``."""
+    records ``k`` and the block count in its meta; its ``fp4_share`` is the share reached, not ``target``. A share
+    below ``target`` (ρ is a minimum) is one ``RuntimeWarning`` naming the share reached."""
     blocks = {fqn: block_index(fqn) for fqn in fqns}
     order = sorted(set(blocks.values()))
 
@@ -106,5 +108,10 @@ def last_k_plan(fqns: list, flops: Mapping[str, float], target: float, pins: Map
     reached = [(k, fp4_share(assignment(k), flops)) for k in range(len(order) + 1)]
     # nearest share first; shares equally near up to round-off (equal blocks around ρ) go to the larger k
     k, share = min(reached, key=lambda ks: (round(abs(ks[1] - target), 9), -ks[0]))
+    if round(share - target, 9) < 0:
+        above = f"; {k - 1} would give {reached[k - 1][1]:.4f}" if k else ""
+        warnings.warn(f"last_k_fp8: the FP4 share reached, {share:.4f} (the last {k} of {len(order)} blocks in "
+                      f"fp8), is below efficiency_saving {target:.4f}, as near as whole blocks come{above}",
+                      RuntimeWarning, stacklevel=3)
     return Plan(assignment=assignment(k), fp4_share=share, objective=None, status="fixed", method="last_k_fp8",
                 meta={**(meta or {}), "k": k, "blocks": len(order)})
