@@ -80,6 +80,17 @@ def test_summary_counts_the_records():
     assert "| `grad_sq` | 0% (0.00); 0.0e+00 | 50% (1.00); 1.0e+00 | 100% (2.00); 1.5e+00 | 0.50 | 1.000 |" in md
 
 
+def test_summary_skips_an_undefined_spearman_and_counts_it():
+    """A constant BWD has no rank correlation (NaN): the mean over seeds skips it and says how many."""
+    undefined = _record(1, (0, 0, 0), 0)
+    undefined["priors"]["grad_sq"]["vs_reference"]["spearman_bwd"] = float("nan")
+    s = fp.summary([_record(0, (0, 0, 0), 0), undefined])
+    g = s["priors"]["grad_sq"]
+    assert g["vs_reference_spearman"] == 1.0 and g["vs_reference_spearman_skipped"] == 1
+    assert s["priors"]["factored"]["vs_reference_spearman_skipped"] == 0
+    assert "| 1.000 (1 undefined, skipped) |" in fp.markdown(s, "# t")
+
+
 def test_launch_script_names_a_bad_flag(capsys):
     spec = importlib.util.spec_from_file_location(
         "first_plan_stability", Path(__file__).resolve().parents[1] / "launch" / "first_plan_stability.py")

@@ -15,6 +15,13 @@ Plan comparison (``launch/compare_plans.py``):
 * :mod:`~snip_ds.experiments.summary` — what the records say: gaps, targets, λ sweep and calibration;
 * :mod:`~snip_ds.experiments.report` and :mod:`~snip_ds.experiments.figures` — the markdown and the plots.
 
+The plan study (``launch/plan_study.py``), on the same grid, training and plan machinery:
+
+* :mod:`~snip_ds.experiments.plan_study` — per model seed its warm-up, statistics and plans at one FP4 share,
+  random plans per cell, cells in worker processes, ``cells.json`` and resume;
+* :mod:`~snip_ds.experiments.study_stats` — pairing at an equal share, clustered standard errors, verdicts;
+* :mod:`~snip_ds.experiments.study_report` — ``summary.{json,md}`` and the per-model-seed plot.
+
 Metric validation (``launch/validate_metrics.py``):
 
 * :mod:`~snip_ds.experiments.truths` — the measured FLD, BWD and FWD truths per layer, and what a run measured;

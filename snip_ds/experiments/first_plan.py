@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from snip_ds.data import DataStream, load_dataset_blocks
-from snip_ds.experiments.paired import spearman
+from snip_ds.experiments.paired import finite_mean, spearman
 from snip_ds.experiments.training import TrainSettings, make_optimizer, train_steps
 from snip_ds.model import build_model
 from snip_ds.omp import preserve_torch_threads
@@ -175,7 +175,9 @@ def summary(records: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
                     "mean_layers_changed": sum(e["perturbed"][name]["changed"] for e in rows) / len(rows),
                     "max_rel_bwd": max(e["perturbed"][name]["max_rel_bwd"] for e in rows)} for name in PERTURBATIONS}
         s["vs_reference_changed"] = sum(e["vs_reference"]["changed"] for e in rows) / len(rows)
-        s["vs_reference_spearman"] = sum(e["vs_reference"]["spearman_bwd"] for e in rows) / len(rows)
+        # a constant BWD (e.g. all zero) has no rank correlation: skipped, and counted
+        s["vs_reference_spearman"], s["vs_reference_spearman_skipped"] = finite_mean(
+            e["vs_reference"]["spearman_bwd"] for e in rows)
         out["priors"][prior] = s
     out["fld_only_vs_reference_changed"] = sum(r["fld_only_vs_reference"] for r in records) / len(records)
     out["fld_only_plans_changed"] = {name: sum(r["fld_only_perturbed"][name] > 0 for r in records) / len(records)
@@ -194,7 +196,9 @@ def markdown(summ: Mapping[str, Any], header: str = "") -> str:
         cells = [f"{s[n]['plans_changed']:.0%} ({s[n]['mean_layers_changed']:.2f}); {s[n]['max_rel_bwd']:.1e}"
                  for n in PERTURBATIONS]
         lines.append(f"| `{prior}` | " + " | ".join(cells) + f" | {s['vs_reference_changed']:.2f} | "
-                     f"{s['vs_reference_spearman']:.3f} |")
+                     f"{s['vs_reference_spearman']:.3f}" + (f" ({s['vs_reference_spearman_skipped']} undefined, "
+                                                             f"skipped)" if s.get("vs_reference_spearman_skipped")
+                                                             else "") + " |")
     f = summ["fld_only_plans_changed"]
     lines.append("| FLD only (λ = 0 before Adam has state) | " + " | ".join(f"{f[n]:.0%}" for n in PERTURBATIONS)
                  + f" | {summ['fld_only_vs_reference_changed']:.2f} | – |")

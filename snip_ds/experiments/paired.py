@@ -8,13 +8,14 @@ cancels. The standard error then counts cells, the independent units.
 * :class:`MeanSE`, :func:`mean_se` — mean, standard error of the mean and count;
 * :func:`cell_means`, :func:`paired_differences` — per-cell means and the differences of two selections;
 * :func:`paired_verdict` — whether a difference is resolved (more than z standard errors from 0);
-* :func:`spearman` — rank correlation (average ranks for ties).
+* :func:`spearman` — rank correlation (average ranks for ties; NaN where undefined), the package's only one;
+* :func:`finite_mean` — the mean of the defined values, and how many undefined (NaN) ones it skipped.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,9 @@ def _ranks(xs: Sequence[float]) -> List[float]:
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman's rank correlation of two equally long sequences (NaN for fewer than 3 pairs or a constant)."""
+    """Spearman's rank correlation of two equally long sequences: NaN where it is undefined (fewer than 3 pairs,
+    or a constant sequence), never a stand-in value; a caller that averages several skips the NaNs explicitly
+    (:func:`finite_mean`) and reports how many."""
     if len(a) != len(b):
         raise ValueError(f"spearman: sequences of different lengths ({len(a)} and {len(b)})")
     if len(a) < 3:
@@ -115,3 +118,10 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
     va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
     return cov / math.sqrt(va * vb) if va > 0 and vb > 0 else float("nan")
+
+
+def finite_mean(values: Iterable[float]) -> Tuple[float, int]:
+    """``(mean of the finite values, number of non-finite ones skipped)``; the mean is NaN when none is finite."""
+    xs = [float(v) for v in values]
+    finite = [x for x in xs if math.isfinite(x)]
+    return (sum(finite) / len(finite) if finite else float("nan")), len(xs) - len(finite)

@@ -12,6 +12,7 @@ from snip_ds.experiments.grid import SOLVED
 from snip_ds.experiments.results import PREFIX
 from snip_ds.experiments.summary import (BASELINES, is_miss, report_lambda, summarize, target_checks,
                                          versus_rows)
+from snip_ds.options import OPTIONS
 from snip_ds.plan import Plan
 
 
@@ -51,6 +52,12 @@ def _fmt(ms, scale: float = 1e3) -> str:
     return f"{ms.mean * scale:+.2f} ± {se}"
 
 
+def _which_lambda(lam: float) -> str:
+    """Whether the λ a report checks is the package default (``bwd_lambda``), said in words."""
+    default = float(OPTIONS["bwd_lambda"].default)
+    return "the package default" if lam == default else f"not the package default {default:g}"
+
+
 def _report_lambda_words(s: Dict[str, Any]) -> str:
     return "" if "report_lambda" not in s else f"; this report checks SNIP at λ {s['report_lambda']:g}"
 
@@ -74,7 +81,7 @@ def _target_cell(check: Dict[str, Any], base: str) -> str:
         text += (" (above; one cell, no SE)" if c["resolved"] is None else " (resolved loss)" if c["resolved"]
                  else " (tie, no room)" if c["floor"] else " (tie)")
     elif is_miss(check, base):
-        text += " (not resolved)"
+        text += " (not resolved)" if c["resolved"] is False else " (one cell, no SE)"
     return text + {"this grid": "", "versus": " †", "both": " ‡"}[c["source"]]
 
 
@@ -161,16 +168,17 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
               "minus the mean of the random plans'), then mean ± standard error over cells. *q* = the plan's "
               "quantized forward, *bf16* = BF16 forward of the same weights. Negative is better.", ""]
     checks = target_checks(summary, data["records"], (data.get("versus") or {}).get("records", ()))
-    lines += _table(f"## Targets ({summary['snip_label']}, the default λ; quantized-forward loss, SNIP − baseline)",
+    lines += _table(f"## Targets (SNIP at λ = {report_lambda(s):g}, {_which_lambda(report_lambda(s))}; "
+                    f"quantized-forward loss, SNIP − baseline)",
                     ("phase", "ρ", "SNIP − random", "SNIP − quant_err", "SNIP − rel_quant_err", "targets met"),
                     (f"| {c['phase']} | {c['rho']:g} | " + " | ".join(_target_cell(c, b) for b in BASELINES) +
                      f" | {_yn(c['met'])}{' (ties only)' if c['ties_only'] else ''} |" for c in checks))
     if checks:
-        lines += ["Targets: SNIP below every baseline, and below random by more than 2 SE at ρ ≥ 0.75. Paired "
-                  "differences in millinats, bold where more than 2 SE from 0. *No room*: the baseline's own gap "
-                  "to uniform FP8 is less than 2 SE of the difference, so not even a plan exactly at FP8's "
-                  "quality could be shown below it with these cells. *Ties only*: random's target is met and no "
-                  "quant-error baseline is more than 2 SE below SNIP."
+        lines += ["Targets: SNIP more than 2 SE below every baseline; a mean below a baseline without 2 SE is not "
+                  "counted as met. Paired differences in millinats, bold where more than 2 SE from 0. *No room*: "
+                  "the baseline's own gap to uniform FP8 is less than 2 SE of the difference, so not even a plan "
+                  "exactly at FP8's quality could be shown below it with these cells. *Ties only*: no baseline is "
+                  "more than 2 SE below SNIP."
                   + (f" †: the baseline ran in the `--versus` grid(s) (`{data['versus']['source']}`), same cells."
                      if any(c[b] and c[b]["source"] == "versus" for c in checks for b in BASELINES) else "")
                   + (" ‡: in some cells from this grid, in the others from the `--versus` grid(s)."
@@ -226,13 +234,14 @@ def write_markdown(data: Dict[str, Any], summary: Dict[str, Any], path: Path) ->
                   f"prediction and the plan's mean quantized-forward gap to uniform FP8 after training. "
                   f"Objective = FLD + λ·BWD at λ = {report_lambda(s):g}, what the planner minimises; 'within ρ' "
                   f"averages the objective's Spearman over the ρ values (the FP4 share held fixed, as the planner's "
-                  f"choice is).",
+                  f"choice is), skipping a ρ where it is undefined (all plans tied, or fewer than 3; counted).",
                   "", "| phase | plans | objective | FLD alone | BWD alone | objective within ρ |",
                   "|---|---|---|---|---|---|"]
         for r in summary["ranking"]:
             lines.append(f"| {r['phase']} | {r['plans']} | " + " | ".join(
                 "n/a" if not math.isfinite(r[k]) else f"{r[k]:+.2f}" for k in ("obj", "fld", "bwd",
-                                                                                 "obj_within_rho")) + " |")
+                                                                                 "obj_within_rho"))
+                + (f" ({r['obj_within_rho_skipped']} ρ skipped)" if r.get("obj_within_rho_skipped") else "") + " |")
     if data.get("versus"):
         lines += versus_markdown(data)
     lines += ["", "## Predicted vs measured forward divergence at the checkpoint", "",

@@ -67,10 +67,11 @@ def run_settings(settings: TrainSettings, warmup_steps: int, steps: int, lr_deca
 
 
 def run_plan(model, ckpt: Path, plan: Plan, train_ds, val_batches, settings: TrainSettings, seed: int,
-             warmup_steps: int, steps: int, quant: QuantConfig) -> Dict[str, Any]:
+             warmup_steps: int, steps: int, quant: QuantConfig, bf16_eval: bool = True) -> Dict[str, Any]:
     """Trains ``plan`` for ``steps`` steps from ``ckpt`` with cell ``seed``'s batches and rounding seeds; returns
-    its validation losses (quantized and BF16 forward), training losses and seconds, and on an MoE model each
-    (expert, projection) pair's routed tokens per training step (``trained_routed_tokens``)."""
+    its validation losses (quantized and, unless ``bf16_eval`` is false, BF16 forward), training losses and
+    seconds, and on an MoE model each (expert, projection) pair's routed tokens per training step
+    (``trained_routed_tokens``)."""
     opt = make_optimizer(model, settings)
     load_checkpoint(model, opt, ckpt)
     swap_model(model, "bf16", quant, seed=seed)  # fresh stochastic-rounding generators, seeded alike for every plan
@@ -81,11 +82,12 @@ def run_plan(model, ckpt: Path, plan: Plan, train_ds, val_batches, settings: Tra
     losses = train_steps(model, opt, stream.next_batch, steps, settings, start_step=warmup_steps)
     routed = take_routed_tokens(model)  # {} without experts
     val = evaluate(model, val_batches)
-    with bf16_forward(model):
-        val_bf16 = evaluate(model, val_batches)
+    result = dict(val_loss=val, train_losses=losses)
+    if bf16_eval:
+        with bf16_forward(model):
+            result["val_loss_bf16_forward"] = evaluate(model, val_batches)
     swap_model(model, "bf16", quant, seed=seed)
-    result = dict(val_loss=val, val_loss_bf16_forward=val_bf16, train_losses=losses,
-                  seconds=time.perf_counter() - start)
+    result["seconds"] = time.perf_counter() - start
     if routed:  # per (expert, projection) pair: its routed tokens per training step of this run
         result["trained_routed_tokens"] = {k: v / steps for k, v in routed.items()}
     return result

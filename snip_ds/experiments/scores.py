@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from snip_ds.experiments.paired import spearman as rank_correlation
+from snip_ds.experiments.paired import spearman
 from snip_ds.experiments.truths import Measured
 
 
@@ -50,15 +50,9 @@ def mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman's rank correlation, 0 where it is undefined (a constant input)."""
-    rho = rank_correlation(a, b)
-    return rho if rho == rho else 0.0  # constant input -> NaN -> 0
-
-
 def split_half(per_batch: Dict[str, List[float]]) -> Optional[float]:
     """Spearman between the per-layer means over the first and the second half of the batches (``None``
-    with fewer than two batches)."""
+    with fewer than two batches; NaN where a half is constant over the layers)."""
     fqns = list(per_batch)
     half = len(next(iter(per_batch.values()))) // 2
     if half == 0:
