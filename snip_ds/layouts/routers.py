@@ -11,8 +11,8 @@ The probe runs on random FP32 weights of the block's full shapes swapped in with
 (the model's own Parameters are neither read nor changed, ZeRO-3 partitioned ones included), with the experts
 themselves stubbed (they return zeros and record what they receive, so their weights cost nothing) and the
 block's own hooks set aside; once per block class and shapes. A block whose forward does not run on hidden
-states alone (a decoder block that also holds attention) proves nothing: :func:`proved_routers` then returns
-None and the caller keeps every candidate out, as a router would be.
+states alone (a decoder block that also holds attention), or that calls none of its experts modules, proves
+nothing: :func:`proved_routers` then returns None and the caller keeps every candidate out, as a router would be.
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def _bare(block: nn.Module):
 
 def _probe(block: nn.Module, candidates: Dict[str, nn.Module], experts: Sequence[nn.Module],
            width: int) -> FrozenSet[str]:
-    trace, dispatched = _Trace(), set()
+    trace, dispatched, calls = _Trace(), set(), []
     inside = {id(p) for e in experts for p in e.parameters()}
     param = next(block.parameters(), None)
     device = param.device if param is not None and param.device.type != "meta" else torch.device("cpu")
@@ -112,6 +112,7 @@ def _probe(block: nn.Module, candidates: Dict[str, nn.Module], experts: Sequence
     values.update({n: random(b) for n, b in block.named_buffers() if b.is_floating_point()})
 
     def stub(*args, **kwargs):
+        calls.append(1)
         dispatched.update(trace.labels(trace.ranks, list(_tensors((args, kwargs)))))
         first = next(_tensors((args, kwargs)))
         return torch.zeros_like(first)
@@ -134,6 +135,8 @@ def _probe(block: nn.Module, candidates: Dict[str, nn.Module], experts: Sequence
                 del e.forward
                 if forward is not None:
                     e.forward = forward
+    if not calls:  # the experts run some other way (their weights read directly): nothing seen, nothing proved
+        raise LookupError("the MoE block called none of its experts")
     return frozenset(dispatched)
 
 
