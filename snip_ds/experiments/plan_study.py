@@ -317,15 +317,16 @@ def run_study(args, factory=Worker) -> Dict[str, Any]:
             write_json(plans, plans_path)
         tasks = [(ms, ds, {k: r for k, r in done.items() if k[:2] == (ms, ds)})
                  for ms in args.model_seeds for ds in args.data_seeds]
-        ran = 0
+        ran = worked = 0
         for ms, ds, new in mapper(_cell, tasks):
-            ran += 1
+            ran, worked = ran + 1, worked + bool(new)  # a finished cell comes back at once, without runs
             data["rows"] = rows = merge_rows(rows, new)
             data["wall_seconds"] = before + time.perf_counter() - t0  # every piece of the study
             write_json(data, out / CELLS)
             spent = time.perf_counter() - t0
             _log(args, f"[model seed {ms}, data seed {ds}] {len(new)} run(s); {ran}/{len(tasks)} cells, "
-                       f"{spent / 60:.1f} min, about {spent / ran * (len(tasks) - ran) / 60:.1f} min to go")
+                       f"{spent / 60:.1f} min, at most about {spent / max(worked, 1) * (len(tasks) - ran) / 60:.1f} "
+                       f"min to go")
     finally:
         if pool is not None:
             pool.close()

@@ -44,7 +44,12 @@ def write_summary(out_dir: Path) -> Dict[str, Any]:
         raise ValueError(f"{path}: no rows to summarise")
     plans_path = out_dir / "plans.json"
     plans = json.loads(plans_path.read_text(encoding="utf-8")) if plans_path.is_file() else {}
+    ran = {}
+    for r in data["rows"]:
+        if not r.get("shared_with") and r.get("seconds") is not None:
+            ran.setdefault(r["arm"], []).append(r["seconds"])
     summary = dict(analyse(data["rows"]), settings=data["settings"], wall_seconds=data.get("wall_seconds"),
+                   run_seconds={arm: sum(v) / len(v) for arm, v in ran.items()},
                    shares={ms: p["share"] for ms, p in plans.items()},
                    skipped=[dict(model_seed=ms, **s) for ms, p in plans.items() for s in p.get("skipped", [])])
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=json_default), encoding="utf-8")
@@ -106,7 +111,9 @@ def markdown(s: Dict[str, Any]) -> List[str]:
     if s["skipped"]:
         lines += ["", "Arms not run: " + "; ".join(f"model seed {k['model_seed']} {k['arm']} ({k['reason']})"
                                                    for k in s["skipped"]) + "."]
-    lines += ["", "Plot: `summary_seeds.png` (SNIP − arm per model seed, and pooled with its SE)."]
+    lines += ["", "Mean seconds per run (training and evaluation; identical plans of a cell run once): " + ", ".join(
+        f"{arm} {sec:.1f}" for arm, sec in s["run_seconds"].items()) + ".",
+              "", "Plot: `summary_seeds.png` (SNIP − arm per model seed, and pooled with its SE)."]
     return lines
 
 
