@@ -27,8 +27,8 @@ def _stats(blocks: int) -> dict:
             part = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             k = b * len(SHAPES) + i + 1
             rec = {"flops": flops * 1e9, "nonfinite": False}
-            for field, scale in (("fld", 1.0), ("bwd", 0.3), ("quant_err", 2.0), ("rel_quant_err", 0.5)):
-                rec[field] = {"fp8": 1e-6 * k, "fp4": scale * ((k * 7919) % 101 + 1) * 1e-3}
+            for field, mult in (("fld", 7919), ("bwd", 104729), ("quant_err", 31), ("rel_quant_err", 577)):
+                rec[field] = {"fp8": 1e-6 * k, "fp4": ((k * mult) % 101 + 1) * 1e-3}  # a ranking of its own
             layers[f"model.layers.{b}.{part}.{name}"] = rec
     return {"format": "snip_ds.stats/1", "step": 100, "lambda": 2.0, "layers": layers}
 
@@ -208,6 +208,38 @@ def test_resume_skips_finished_cells_and_refuses_other_settings(tmp_path):
     assert {c[:2] for c in FakeWorker.calls} == {(0, 3), (1, 3)}
     with pytest.raises(ValueError, match="other settings .*--steps 2.*another --output_dir"):
         run_study(_args(tmp_path, steps=3), factory=FakeWorker)
+
+
+def test_a_cell_reruns_only_what_its_checkpoint_did_not_train(monkeypatch):
+    """The real Worker.cell with training faked: finished rows of this checkpoint are skipped, rows of another
+    checkpoint rerun, a plan two arms share runs once, and the cell's random plan is its own."""
+    from snip_ds.experiments import runs
+    stats = _stats(8)
+    solved = solve_arms(stats, ("uniform_fp8", "snip", "quant_err", "random"), 0.75, 2.0)
+    solved["plans"]["rel_quant_err"] = solved["plans"]["snip"]  # the same plan under another arm
+    trained = []
+
+    def fake_run_plan(model, ckpt, plan, *a, **kw):
+        trained.append(plan.digest())
+        return dict(val_loss=2.0 + len(trained) * 1e-3, seconds=1.0, train_losses=[3.0])
+
+    monkeypatch.setattr(runs, "run_plan", fake_run_plan)
+    w = plan_study.Worker.__new__(plan_study.Worker)  # no __init__: it would set this process's torch threads
+    w.args = _args("unused", arms=("uniform_fp8", "snip", "quant_err", "rel_quant_err", "random"))
+    w.built = (None, None, None)
+    w.ready = {0: dict(ckpt=Path("unused"), stats=stats, record={}, digest="ckpt-new", **solved)}
+    w.settings = lambda: runs.TrainSettings()
+    rows = w.cell(0, 3, {})
+    assert [r["arm"] for r in rows] == ["uniform_fp8", "snip", "quant_err", "rel_quant_err", "random"]
+    assert len(trained) == 4 and rows[3]["shared_with"] == "snip" and rows[3]["val_loss"] == rows[1]["val_loss"]
+    assert rows[4]["plan_hash"] == random_plan(stats, solved["share"], 0, 3).digest()[:16]
+    assert all(r["checkpoint"] == "ckpt-new" and r["run_seed"] == 3 for r in rows)
+    done = {plan_study.row_key(r): r for r in rows}
+    trained.clear()
+    assert w.cell(0, 3, done) == [] and trained == []
+    stale = {k: dict(r, checkpoint="ckpt-old") if r["arm"] == "quant_err" else r for k, r in done.items()}
+    again = w.cell(0, 3, stale)
+    assert [r["arm"] for r in again] == ["quant_err"] and len(trained) == 1
 
 
 def test_launcher_names_a_bad_flag(capsys):

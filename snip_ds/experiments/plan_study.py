@@ -198,19 +198,24 @@ class Worker:
             stats = collect_phase_stats(model, ckpt, train_ds, self.settings(), ns)
             write_json(json.loads(json.dumps(stats, default=json_default)), stats_path)
         solved = solve_arms(stats, self.args.arms, self.args.rho, self.args.lam)
+        digest = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()[:16]
         record = dict(share=solved["share"], skipped=solved["skipped"], pair_with=solved["pair_with"],
+                      checkpoint=digest,
                       plans={arm: dict(plan_hash=p.digest()[:16], fp4_share=p.fp4_share,
                                        assignment=p.to_dict()["assignment"]) for arm, p in solved["plans"].items()})
-        self.ready[model_seed] = dict(ckpt=ckpt, stats=stats, record=record, **solved)
+        self.ready[model_seed] = dict(ckpt=ckpt, stats=stats, record=record, digest=digest, **solved)
         _log(self.args, f"[model seed {model_seed}] share {solved['share']:.4f}; arms "
                         f"{', '.join(solved['plans'])}" + "".join(f"; skipped {s['arm']}" for s in solved["skipped"]))
         return record
 
     def cell(self, model_seed: int, data_seed: int, done: Mapping[Tuple, Mapping[str, Any]]) -> List[Dict[str, Any]]:
-        """Runs every arm of one cell that ``done`` (finished rows by :func:`row_key`) lacks; returns the rows."""
+        """Runs every arm of one cell that ``done`` (finished rows by :func:`row_key`) lacks; returns the rows.
+        A row trained from another checkpoint (a warm-up redone, e.g. after the checkpoints were deleted, that did
+        not come out bit for bit the same) counts as not done: a cell's runs must share their checkpoint."""
         from snip_ds.experiments.runs import run_plan, run_settings
         self.prepare(model_seed)
         ready, a = self.ready[model_seed], self.args
+        done = {k: r for k, r in done.items() if r.get("checkpoint") == ready["digest"]}
         model, train_ds, val_batches = self.built
         plans = dict(ready["plans"])
         if "random" in a.arms:
@@ -223,7 +228,7 @@ class Worker:
         for arm in order:
             plan = plans[arm]
             row = dict(model_seed=model_seed, data_seed=data_seed, arm=arm, rho=a.rho, fp4_share=plan.fp4_share,
-                       plan_hash=plan.digest()[:16], method=plan.method, run_seed=seed)
+                       plan_hash=plan.digest()[:16], method=plan.method, run_seed=seed, checkpoint=ready["digest"])
             if arm in ready["pair_with"]:
                 row["pair_with"] = ready["pair_with"][arm]
             if arm == "random":
@@ -327,10 +332,13 @@ def run_study(args, factory=Worker) -> Dict[str, Any]:
             _log(args, f"[model seed {ms}, data seed {ds}] {len(new)} run(s); {ran}/{len(tasks)} cells, "
                        f"{spent / 60:.1f} min, at most about {spent / max(worked, 1) * (len(tasks) - ran) / 60:.1f} "
                        f"min to go")
-    finally:
+    except BaseException:
         if pool is not None:
-            pool.close()
-            pool.join()
+            pool.terminate()  # do not wait for the other worker's queued cells
+        raise
+    if pool is not None:
+        pool.close()
+        pool.join()
     from snip_ds.experiments.study_report import write_summary
     summary = write_summary(out)
     return dict(rows=len(rows), wall_seconds=time.perf_counter() - t0, output_dir=str(out),
