@@ -195,8 +195,10 @@ class Worker:
         if stats_path.is_file():
             stats = json.loads(stats_path.read_text(encoding="utf-8"))
         else:
-            stats = collect_phase_stats(model, ckpt, train_ds, self.settings(), ns)
-            write_json(json.loads(json.dumps(stats, default=json_default)), stats_path)
+            # solved from what the file holds, as a resumed or another worker's solve will be
+            stats = json.loads(json.dumps(collect_phase_stats(model, ckpt, train_ds, self.settings(), ns),
+                                          default=json_default))
+            write_json(stats, stats_path)
         solved = solve_arms(stats, self.args.arms, self.args.rho, self.args.lam)
         digest = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()[:16]
         record = dict(share=solved["share"], skipped=solved["skipped"], pair_with=solved["pair_with"],
