@@ -292,8 +292,8 @@ def test_two_nodes_with_node_local_output_write_each_file_once_from_its_owner(tm
     assert len(tb) == 1
     assert _files(dirs[1]) == _shards(range(nproc, 2 * nproc))
     assert _files(dirs[0]) == tb | _shards(range(nproc)) | {
-        "plan.json", "stats.json", "checkpoints/latest", "checkpoints/zero_to_fp32.py", "checkpoints/zero_to_torch.py",
-        "checkpoints/step_2/snip_state.json", "checkpoints/step_2/snip_meta.json"}
+        "plan.json", "stats.json", "summary.json", "checkpoints/latest", "checkpoints/zero_to_fp32.py",
+        "checkpoints/zero_to_torch.py", "checkpoints/step_2/snip_state.json", "checkpoints/step_2/snip_meta.json"}
     # rank 0's record covers both nodes' shards (each rank hashed the files it sees) and its snip_state.json
     meta = json.loads((dirs[0] / "checkpoints" / "step_2" / "snip_meta.json").read_text())
     assert meta["world_size"] == 2 * nproc
