@@ -65,6 +65,12 @@ def test_plan_line_counts_the_precisions_and_draws_each_block():
     many = {f"model.layers.{b}.{k}": "fp8" for b in range(200) for k in KINDS}
     assert block_map(Plan.fixed(many, {f: 1.0 for f in many})) is None  # too long for a line: counts only
     assert "by block" not in plan_line(Plan.fixed(many, {f: 1.0 for f in many}), {f: 1.0 for f in many})
+    experts = {f"model.layers.0.mlp.experts.{e}.{k}": p for e, p in enumerate(("fp4", "fp8")) for k in ("w1", "w2")}
+    moe_flops = {f: 1.0 for f in [*FQNS, *experts]}
+    moe = Plan.fixed({**plan.assignment, **experts}, moe_flops)
+    assert block_map(moe) is None  # (expert, projection) pairs: counts only, `snip-ds show` draws them
+    line = plan_line(moe, moe_flops)
+    assert line.startswith("FP4 5, FP8 8 of 13 layers") and "by block" not in line
 
 
 class _Terminal(io.StringIO):
