@@ -28,9 +28,8 @@ CALIBRATION_BATCH = 2  # blocks per calibration batch
 def planned_forward_model(model: nn.Module, assignment: Mapping[str, Any], quant: QuantConfig) -> nn.Module:
     """A copy of ``model`` whose decoder linears and MoE experts run at ``assignment``'s precisions (snip_ds's
     swap; fprop is what a forward uses), in eval mode: snip_ds's own forward of the trained model."""
-    from snip_ds.experiments.plans import apply_plan
     from snip_ds.plan import Plan
-    from snip_ds.swap import swap_model
+    from snip_ds.swap import apply_plan, swap_model
 
     planned = copy.deepcopy(model)
     _real_buffers(planned)

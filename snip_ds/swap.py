@@ -10,7 +10,7 @@ replaces every MoE experts module, each (expert, projection) pair becoming a lay
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from snip_ds.experts.module import SnipExperts
 from snip_ds.experts.points import ExpertLayerInfo, ExpertPoint
 from snip_ds.layouts.linears import TRANSPOSED, gemm_shape, linear_form
 from snip_ds.types import LayerPrecision, block_index, layer_kind, layer_seed
+
+if TYPE_CHECKING:
+    from snip_ds.plan import Plan
 
 
 
@@ -171,3 +174,17 @@ def check_still_swapped(model: nn.Module, fqns, when: str) -> None:
             what = "removed" if found is None else f"replaced by {type(found).__module__}.{type(found).__name__}"
             raise RuntimeError(f"layer {fqn}: {when} {what} snip_ds's quantized layer, which would train "
                                f"unquantized; snip_ds cannot run this configuration")
+
+
+def apply_plan(model: nn.Module, plan: "Plan") -> None:
+    """Sets every planned layer's precision from ``plan`` (per-layer or per-GEMM): each SnipLinear, and each MoE
+    (expert, projection) pair of a :class:`~snip_ds.experts.module.SnipExperts`.
+
+    Raises:
+        ValueError: The plan and the model's planned layers are not the same set of names.
+    """
+    layers = model_layers(model)
+    plan.check_layers(layers, source=f"plan ({plan.method})")
+    for fqn, layer in layers.items():
+        value = plan.assignment[fqn]
+        layer.precision = value if isinstance(value, str) else dict(value)

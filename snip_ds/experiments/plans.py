@@ -24,7 +24,7 @@ from snip_ds.omp import preserve_torch_threads
 from snip_ds.plan import GEMMS, Plan
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.planner.costs import predicted_divergence  # noqa: F401  (the product's cost model; imported from here too)
-from snip_ds.swap import model_layers
+from snip_ds.swap import apply_plan, model_layers  # noqa: F401  (apply_plan: the product's, imported from here too)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -99,20 +99,6 @@ def solve_plans(stats: Dict[str, Any], args) -> tuple[List[Dict[str, Any]], List
 # --------------------------------------------------------------------------------------------------------
 # Plans on a model
 # --------------------------------------------------------------------------------------------------------
-def apply_plan(model: nn.Module, plan: Plan) -> None:
-    """Sets every planned layer's precision from ``plan`` (per-layer or per-GEMM): each SnipLinear, and each MoE
-    (expert, projection) pair of a :class:`~snip_ds.experts.module.SnipExperts`.
-
-    Raises:
-        ValueError: The plan and the model's planned layers are not the same set of names.
-    """
-    layers = model_layers(model)
-    plan.check_layers(layers, source=f"plan ({plan.method})")
-    for fqn, layer in layers.items():
-        value = plan.assignment[fqn]
-        layer.precision = value if isinstance(value, str) else dict(value)
-
-
 @contextmanager
 def bf16_forward(model: nn.Module) -> Iterator[None]:
     """Every planned layer (SnipLinear or MoE expert pair) at ``bf16`` (unquantized) inside the block; the
