@@ -506,8 +506,7 @@ def test_expert_preconditioner_and_collection_under_deepspeed(stage, ranks, tmp_
     import subprocess
     import sys
 
-    from snip_ds.engine.core import _free_port
-    from train_utils import REPO, env, launcher_head, run_ranks
+    from train_utils import REPO, env, ranks_cmd, run_ranks
 
     out = tmp_path / "probe.json"
     script = str(REPO / "tests" / "dist_scripts" / "experts_state_probe.py")
@@ -516,8 +515,7 @@ def test_expert_preconditioner_and_collection_under_deepspeed(stage, ranks, tmp_
         proc = subprocess.run([sys.executable, script, *args], cwd=REPO, env=env(), capture_output=True, text=True,
                               timeout=600)
     else:
-        proc = run_ranks(lambda: [*launcher_head(), "--num_gpus", str(ranks),
-                                  "--master_port", str(_free_port()), script, *args], timeout=600)
+        proc = run_ranks(lambda: ranks_cmd(script, args, ranks), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["source"] == {0: "adam", 2: "zero2", 3: "zero3"}[stage] and result["precond"] == "callable"

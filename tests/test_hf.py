@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import REPO, TINY_MODEL, assert_no_shm_left, env, images, launcher_head, run_ranks, scalars
+from train_utils import REPO, TINY_MODEL, assert_no_shm_left, env, images, ranks_cmd, run_ranks, scalars
 
 pytest.importorskip("accelerate")  # transformers' Trainer needs it
 
@@ -49,10 +49,7 @@ def _config(tmp: Path, stage: int = 3, **snip) -> Path:
 
 
 def _launcher(script: Path, args, ranks: int):
-    from snip_ds.engine.core import _free_port
-
-    return lambda: [*launcher_head(), "--num_gpus", str(ranks), "--master_port",
-                    str(_free_port()), str(script), *args]
+    return lambda: ranks_cmd(script, args, ranks)
 
 
 def _assert_plans(history, rho, precond):
@@ -666,8 +663,7 @@ def _run_clm(tmp: Path, launcher: str, out: Path, tp: int = 1) -> subprocess.Com
     inputs = _run_clm_inputs(tmp, tp)
     port = str(_free_port())
     if launcher == "deepspeed":
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port,
-               str(RUN_CLM), "--deepspeed", str(inputs["ds"])]
+        cmd = ranks_cmd(RUN_CLM, ["--deepspeed", inputs["ds"]], 2, port, "deepspeed")
     else:  # accelerate's own DeepSpeed plugin names the config: no --deepspeed flag
         (tmp / "accelerate.yaml").write_text(
             "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
@@ -862,8 +858,6 @@ def test_cpu_ranks_unknown_to_accelerate_are_refused(tmp_path):
     """The run_clm-shaped script without share_cpu_ranks_with_accelerate, 2 CPU ranks under DeepSpeed:
     accelerate counts one process (each rank would train on the same batches), and add_snip refuses, naming
     the call that fixes it."""
-    from snip_ds.engine.core import _free_port
-
     script = tmp_path / "run_clm_unshared.py"
     text = RUN_CLM.read_text()
     line = "    share_cpu_ranks_with_accelerate(training_args)  # SNIP (CPU ranks only; a no-op on GPUs)\n"
@@ -871,9 +865,7 @@ def test_cpu_ranks_unknown_to_accelerate_are_refused(tmp_path):
     script.write_text(text.replace(line, "").replace(
         "os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))", repr(str(REPO))))
     inputs = _run_clm_inputs(tmp_path)
-    port = str(_free_port())
-    cmd = [*launcher_head(), "--num_gpus", "2", "--master_port", port, str(script),
-           "--deepspeed", str(inputs["ds"]), *inputs["args"], "--output_dir", str(tmp_path / "out")]
+    cmd = ranks_cmd(script, ["--deepspeed", inputs["ds"], *inputs["args"], "--output_dir", tmp_path / "out"], 2)
     e = env()
     e.update(HF_DATASETS_CACHE=str(tmp_path / "datasets_cache"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=600)

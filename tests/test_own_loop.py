@@ -7,19 +7,15 @@ import sys
 
 import pytest
 
-from train_utils import REPO, env, launcher_head, run_ranks
+from train_utils import REPO, env, ranks_cmd, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = REPO / "tests" / "dist_scripts" / "own_loop.py"
 
 
 def _run(case: str, tmp_path, ranks: int = 2, extra=()) -> list:
-    from snip_ds.engine.core import _free_port
-
     out = tmp_path / case
-    proc = run_ranks(lambda: [*launcher_head(), "--num_gpus", str(ranks),
-                              "--master_port", str(_free_port()), str(SCRIPT), "--case", case, "--out", str(out),
-                              *extra], timeout=300)
+    proc = run_ranks(lambda: ranks_cmd(SCRIPT, ["--case", case, "--out", out, *extra], ranks), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads((tmp_path / f"{case}.{r}").read_text()) for r in range(ranks)]
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from train_utils import REPO, TINY_MODEL, env, launch, launcher_head, run_ranks, scalars
+from train_utils import REPO, TINY_MODEL, env, launch, ranks_cmd, run_ranks, scalars
 
 SCRIPT = REPO / "tests" / "dist_scripts" / "tp_loop.py"
 SHORT_TRAIN = ["--block_size", "64", "--eval_batches", "1", "--per_device_train_batch_size", "2"]
@@ -18,16 +18,12 @@ ADAPTIVE = json.dumps({"replan_every": 2, "efficiency_saving": 0.5, "additional_
 
 def _run(tmp_path, name: str, ranks: int, *args) -> list:
     """tp_loop.py on ``ranks`` ranks (one rank: a plain process); each rank's JSON."""
-    from snip_ds.engine.core import _free_port
-
     out = tmp_path / name
     if ranks == 1:
         proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], cwd=REPO, env=env(),
                               capture_output=True, text=True, timeout=300)
     else:
-        proc = run_ranks(lambda: [*launcher_head(), "--num_gpus", str(ranks),
-                                  "--master_port", str(_free_port()), str(SCRIPT), "--out", str(out), *args],
-                         timeout=600)
+        proc = run_ranks(lambda: ranks_cmd(SCRIPT, ["--out", out, *args], ranks), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads((tmp_path / f"{name}.{r}").read_text()) for r in range(ranks)]
 
@@ -280,12 +276,9 @@ HF_SCRIPT = REPO / "tests" / "dist_scripts" / "hf_tp.py"
 
 def _hf(tmp_path, name: str, ranks: int, *args) -> list:
     """hf_tp.py (add_snip(trainer)) on ``ranks`` ranks under the launcher (tests/launch_ranks.py); each rank's JSON."""
-    from snip_ds.engine.core import _free_port
-
     out = tmp_path / name
-    proc = run_ranks(lambda: [*launcher_head(), "--num_gpus", str(ranks),
-                              "--master_port", str(_free_port()), str(HF_SCRIPT), "--out", str(out),
-                              "--output_dir", str(tmp_path / f"{name}_run"), *args], timeout=600)
+    proc = run_ranks(lambda: ranks_cmd(HF_SCRIPT, ["--out", out, "--output_dir", tmp_path / f"{name}_run", *args],
+                                       ranks), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads((tmp_path / f"{name}.{r}").read_text()) for r in range(ranks)]
 

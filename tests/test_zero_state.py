@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from train_utils import REPO, launcher_head, run_ranks
+from train_utils import REPO, ranks_cmd, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = REPO / "tests" / "dist_scripts" / "adam_state_probe.py"
@@ -28,13 +28,10 @@ def run(tmp_path_factory):
         if (stage, ranks) not in cache:
             from safetensors.torch import load_file
 
-            from snip_ds.engine.core import _free_port
-
             extra = ["--load", str(_run(3, 1)["dump_path"])] if (stage, ranks) == (0, 1) else []
             out, dump = tmp / f"stage{stage}_{ranks}.json", tmp / f"stage{stage}_{ranks}.safetensors"
-            proc = run_ranks(lambda: [*launcher_head(), "--num_gpus", str(ranks),
-                                      "--master_port", str(_free_port()), str(SCRIPT), "--stage", str(stage),
-                                      "--out", str(out), "--dump", str(dump), *extra], timeout=600)
+            proc = run_ranks(lambda: ranks_cmd(SCRIPT, ["--stage", stage, "--out", out, "--dump", dump, *extra],
+                                               ranks), timeout=600)
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
             cache[stage, ranks] = {**json.loads(out.read_text()), "dump": load_file(str(dump)), "dump_path": dump}
         return cache[stage, ranks]

@@ -74,18 +74,27 @@ def launcher_head(launcher: str = "ranks") -> List[str]:
     raise ValueError(f"launcher: unknown value {launcher!r}; valid: ranks, deepspeed")
 
 
+def ranks_cmd(script, args=(), num_ranks: int = 2, port: Optional[int] = None,
+              launcher: str = "ranks") -> List[str]:
+    """The command line that starts ``SCRIPT ARGS`` on N ranks of this machine: :func:`launcher_head`'s, then
+    ``--num_gpus N --master_port P`` (``port``, else a free one drawn now: build the command anew for a retry)."""
+    from snip_ds.engine.core import _free_port
+
+    port = str(port or _free_port())
+    return [*launcher_head(launcher), "--num_gpus", str(num_ranks), "--master_port", port, str(script),
+            *map(str, args)]
+
+
 def launch_cmd(args: List[str], num_ranks: int = 1, port: Optional[int] = None,
                launcher: str = "ranks") -> List[str]:
     """The command line that starts ``launch/train.py ARGS`` on N ranks: ``launcher`` is one of
     :func:`launcher_head`'s or ``"torchrun"`` (``torchrun --nproc_per_node N``)."""
+    if launcher != "torchrun":
+        return ranks_cmd(TRAIN, [*args, "--no_progress"], num_ranks, port, launcher)
     from snip_ds.engine.core import _free_port
 
-    port = str(port or _free_port())
-    if launcher == "torchrun":
-        head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_ranks)]
-    else:
-        head = [*launcher_head(launcher), "--num_gpus", str(num_ranks)]
-    return [*head, "--master_port", port, str(TRAIN), *args, "--no_progress"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_ranks), "--master_port",
+            str(port or _free_port()), str(TRAIN), *args, "--no_progress"]
 
 
 def launch(args: List[str], num_ranks: int = 1, timeout: int = 600, port: Optional[int] = None,
