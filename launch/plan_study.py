@@ -75,6 +75,8 @@ def parse_args(argv=None):
     ap.add_argument("--fp4_recipe", default=None, choices=FP4_RECIPES, help="default: the regime's")
     ap.add_argument("--no_stochastic_rounding", dest="stochastic_rounding", action="store_false")
     ap.add_argument("--workers", type=int, default=2, help="processes running cells, one torch thread each")
+    ap.add_argument("--max_minutes", type=float, default=0.0, help="stop after this many minutes (0: no limit), "
+                    "keeping every finished cell; the same command resumes")
     ap.add_argument("--output_dir", default=None)
     ap.add_argument("--checkpoint_dir", default=None)
     ap.add_argument("--summary_only", action="store_true", help="rewrite the summary from cells.json")
@@ -99,6 +101,8 @@ def parse_args(argv=None):
     for key in ("warmup_steps", "steps", "batch_size", "block_size", "eval_batches", "stat_batches", "workers"):
         if getattr(args, key) < 1:
             ap.error(f"--{key} must be >= 1, got {getattr(args, key)}")
+    if not (math.isfinite(args.max_minutes) and args.max_minutes >= 0):
+        ap.error(f"--max_minutes must be a finite number >= 0, got {args.max_minutes}")
     if args.lr_warmup_steps < 0:
         ap.error(f"--lr_warmup_steps must be >= 0, got {args.lr_warmup_steps}")
     if not 0.0 < args.rho < 1.0:

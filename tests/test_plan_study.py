@@ -176,7 +176,8 @@ def _args(out, **kw):
     a = dict(regime="main", model_config="m.json", dataset=None, warmup_steps=10, steps=2, rho=0.75, lam=2.0,
              batch_size=2, block_size=8, eval_batches=1, stat_batches=1, lr=1e-3, lr_warmup_steps=0,
              fp4_recipe="nvfp4", stochastic_rounding=True, model_seeds=[0, 1], data_seeds=[0, 1, 2], workers=1,
-             silent=True, output_dir=str(out), arms=("uniform_fp8", "uniform_fp4", "snip", "quant_err"))
+             silent=True, output_dir=str(out), arms=("uniform_fp8", "uniform_fp4", "snip", "quant_err"),
+             max_minutes=0.0)
     assert set(FIXED) <= set(a)
     a.update(kw)
     return types.SimpleNamespace(**a)
@@ -208,6 +209,14 @@ def test_resume_skips_finished_cells_and_refuses_other_settings(tmp_path):
     assert {c[:2] for c in FakeWorker.calls} == {(0, 3), (1, 3)}
     with pytest.raises(ValueError, match="other settings .*--steps 2.*another --output_dir"):
         run_study(_args(tmp_path, steps=3), factory=FakeWorker)
+    # a time limit already spent: one cell, then a stop that keeps it; the same command finishes the rest
+    FakeWorker.calls = []
+    fresh = tmp_path / "limited"
+    out = run_study(_args(fresh, max_minutes=1e-9), factory=FakeWorker)
+    assert out["cells_left"] == 5 and len(FakeWorker.calls) == 4
+    assert len(json.loads((fresh / "cells.json").read_text())["rows"]) == 4
+    out = run_study(_args(fresh), factory=FakeWorker)
+    assert out["cells_left"] == 0 and len(FakeWorker.calls) == 24
 
 
 def test_a_cell_reruns_only_what_its_checkpoint_did_not_train(monkeypatch):
@@ -251,6 +260,7 @@ def test_launcher_names_a_bad_flag(capsys):
                        (["--data_seeds", "1,1"], "--data_seeds: expected distinct integers"),
                        (["--rho", "1.0"], "--rho must lie strictly between 0 and 1"),
                        (["--workers", "0"], "--workers must be >= 1"),
+                       (["--max_minutes", "-1"], "--max_minutes must be a finite number >= 0"),
                        (["--model_config", "nope.json"], "--model_config nope.json: no such file")):
         with pytest.raises(SystemExit) as exc:
             script.parse_args(argv)

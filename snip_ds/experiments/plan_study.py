@@ -25,7 +25,10 @@ to 1.4× (FP4) slower per step, so about 11.3, 17.6, 15.2 and 17.8 s, less ~1 s 
 evaluation the study skips): a cell of the 9 main arms is 10.3 + 16.6 + 16.8 + 6 × 14.2 ≈ 129 s; 4 model seeds
 × 12 data seeds = 48 cells ≈ 103 CPU-minutes ≈ 52 minutes on two workers; each model seed's warm-up (800 BF16
 steps), statistics (64 batches) and solves take ≈ 1.5–2 minutes, ≈ 4 minutes for four seeds on two workers.
-Whole main study ≈ 55 minutes (an estimate: no run of it yet). The stress regime (``--regime stress``: MXFP4,
+Whole main study ≈ 55 minutes (an estimate: no run of it yet). One cell at these settings, run alone on a
+machine shared with other work (load ≈ 5 on 2 cores), used 168 s of CPU for the whole process (50 warm-up
+steps, statistics, 9 runs): ≈ 140 s per cell, so the estimate may be 10 % low and the study take up to
+≈ 60 minutes. ``--max_minutes`` stops it cleanly (finished cells kept; the same command resumes). The stress regime (``--regime stress``: MXFP4,
 the same decaying schedule; 2 model seeds × 6 data seeds × 7 arms ≈ 12 × 105 s / 2 + 2 min ≈ 12 minutes) is a
 separate, smaller grid, run only if NVFP4's cost is too small to resolve the differences, and reported apart.
 """
@@ -300,7 +303,8 @@ def run_study(args, factory=Worker) -> Dict[str, Any]:
 
     ``factory(args)`` makes the object whose ``prepare(model_seed)`` and ``cell(model_seed, data_seed, done)``
     do the work (:class:`Worker`; tests pass a fake). With ``args.workers > 1`` each of that many processes
-    makes its own.
+    makes its own. With ``args.max_minutes`` (0: no limit) it stops starting cells once that much time has
+    passed, and summarises what is done; ``cells_left`` in the result counts the cells a rerun will run.
     """
     t0 = time.perf_counter()
     out = Path(args.output_dir)
@@ -324,7 +328,7 @@ def run_study(args, factory=Worker) -> Dict[str, Any]:
             write_json(plans, plans_path)
         tasks = [(ms, ds, {k: r for k, r in done.items() if k[:2] == (ms, ds)})
                  for ms in args.model_seeds for ds in args.data_seeds]
-        ran = worked = 0
+        ran = worked = stopped = 0
         for ms, ds, new in mapper(_cell, tasks):
             ran, worked = ran + 1, worked + bool(new)  # a finished cell comes back at once, without runs
             data["rows"] = rows = merge_rows(rows, new)
@@ -334,14 +338,22 @@ def run_study(args, factory=Worker) -> Dict[str, Any]:
             _log(args, f"[model seed {ms}, data seed {ds}] {len(new)} run(s); {ran}/{len(tasks)} cells, "
                        f"{spent / 60:.1f} min, at most about {spent / max(worked, 1) * (len(tasks) - ran) / 60:.1f} "
                        f"min to go")
+            if args.max_minutes and spent > 60 * args.max_minutes and ran < len(tasks):
+                stopped = len(tasks) - ran
+                _log(args, f"stopped after {spent / 60:.1f} min (--max_minutes {args.max_minutes:g}) with {stopped} "
+                           f"cell(s) left: the same command resumes")
+                break
     except BaseException:
         if pool is not None:
             pool.terminate()  # do not wait for the other worker's queued cells
         raise
     if pool is not None:
-        pool.close()
+        if stopped:
+            pool.terminate()  # the cells under way are lost; a rerun runs them
+        else:
+            pool.close()
         pool.join()
     from snip_ds.experiments.study_report import write_summary
     summary = write_summary(out)
     return dict(rows=len(rows), wall_seconds=time.perf_counter() - t0, output_dir=str(out),
-                targets=summary["targets"])
+                cells_left=stopped, targets=summary["targets"])
