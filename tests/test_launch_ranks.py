@@ -1,13 +1,15 @@
 """tests/launch_ranks.py, which most multi-rank tests start their ranks with, gives each rank what DeepSpeed's own
-launcher (``deepspeed --num_gpus N``) gives it and ends the same way: both run the same probe here, side by side."""
+launcher (``deepspeed --num_gpus N``) gives it and ends the same way: both run the same probe here, side by side;
+a SIGTERM to it stops every rank and leaves none of their DeepSpeed shared-memory buffers in /dev/shm."""
 import json
-import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from train_utils import REPO, env, launcher_head
+from train_utils import REPO, assert_no_shm_left, env, ranks_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +41,7 @@ def _run(launcher, tmp_path, ranks=2, exit_code=0):
     if exit_code:
         e["PROBE_EXIT"] = str(exit_code)
     port = str(_free_port())
-    cmd = [*launcher_head(launcher), "--num_gpus", str(ranks), "--master_port", port, str(probe), "--a", "1"]
+    cmd = ranks_cmd(probe, ["--a", "1"], ranks, port, launcher)
     proc = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=120)
     seen = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
     for s in seen.values():  # the two values that differ between the two runs by construction, checked here
@@ -73,3 +75,80 @@ def test_a_failing_rank_stops_the_others_and_its_code_is_the_launchers(tmp_path)
     # process is left behind
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "probe.py")], capture_output=True, text=True).stdout
     assert left.strip() == "", left
+
+
+# Each rank initialises torch.distributed as snip_ds does (DeepSpeed's CPU shared-memory all-reduce maps one
+# /dev/shm buffer per rank), records whether its buffer was there before snip_ds released it, says it is ready
+# (pid) and then all-reduces through DeepSpeed until it is stopped.
+SHM_PROBE = """
+import json, os, time
+import snip_ds.engine.core as core
+import deepspeed.comm as ds_comm
+import torch
+
+rank = int(os.environ["RANK"])
+release, made = core.release_shm_buffer, {}
+
+
+def recorded():
+    made["buffer"] = core.shm_buffer_path(rank).exists()
+    release()
+
+
+core.release_shm_buffer = recorded
+core.init_distributed()
+t = torch.ones(64)
+ds_comm.all_reduce(t)
+path = os.path.join(os.environ["PROBE_OUT"], f"rank{rank}.json")
+with open(path + ".tmp", "w") as f:
+    json.dump({"pid": os.getpid(), "sum": t[0].item(), **made}, f)
+os.replace(path + ".tmp", path)
+while True:
+    ds_comm.all_reduce(t)
+    time.sleep(0.05)
+"""
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.distributed
+def test_sigterm_stops_every_rank_and_leaves_nothing_in_dev_shm(tmp_path):
+    """SIGTERM to the launcher while its ranks all-reduce through DeepSpeed's shared memory: the launcher stops
+    every rank and exits 1, and none of the ranks' /dev/shm buffers (which they did map) is left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    probe = tmp_path / "shm_probe.py"
+    probe.write_text(SHM_PROBE)
+    cmd = ranks_cmd(probe, [], 2)
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**env(), "PROBE_OUT": str(out)}, stdout=f,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120  # a guard against a hang, not a timing check
+        while len(list(out.glob("rank*.json"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+        assert proc.poll() is None and sorted(ranks) == [0, 1], log.read_text()[-3000:]
+        assert all(r["buffer"] and r["sum"] == 2.0 for r in ranks.values()), ranks  # shared memory in use
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:  # let the launcher stop its ranks before it is killed
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    output = log.read_text()
+    assert code == 1, output[-3000:]
+    assert [r["pid"] for r in ranks.values() if _running(r["pid"])] == [], output[-3000:]
+    assert_no_shm_left(cmd)  # (and removes what a failure left)
