@@ -28,9 +28,9 @@ steps), statistics (64 batches) and solves take ≈ 1.5–2 minutes, ≈ 4 minut
 Whole main study ≈ 55 minutes (an estimate: no run of it yet). One cell at these settings, run alone on a
 machine shared with other work (load ≈ 5 on 2 cores), used 168 s of CPU for the whole process (50 warm-up
 steps, statistics, 9 runs): ≈ 140 s per cell, so the estimate may be 10 % low and the study take up to
-≈ 60 minutes. ``--max_minutes`` stops it cleanly (finished cells kept; the same command resumes). The stress regime (``--regime stress``: MXFP4,
-the same decaying schedule; 2 model seeds × 6 data seeds × 7 arms ≈ 12 × 105 s / 2 + 2 min ≈ 12 minutes) is a
-separate, smaller grid, run only if NVFP4's cost is too small to resolve the differences, and reported apart.
+≈ 60 minutes. ``--max_minutes`` stops it cleanly (finished cells kept; the same command resumes). The stress
+regime (``--regime stress``: MXFP4, the same decaying schedule; 2 model seeds × 6 data seeds × 7 arms
+≈ 12 × 105 s / 2 + 2 min ≈ 12 minutes) is a separate, smaller grid, run only if NVFP4's cost is too small to resolve the differences, and reported apart.
 """
 from __future__ import annotations
 
