@@ -9,8 +9,8 @@ Examples::
 
     python launch/plan_study.py                                  # the main study (estimated ~55 min, 2 cores)
     python launch/plan_study.py --regime stress                  # MXFP4 stress grid, reported apart (~12 min)
-    python launch/plan_study.py --model_seeds 0 --data_seeds 0,1 --warmup_steps 20 --steps 4 --eval_batches 2 \\
-        --stat_batches 2 --output_dir /tmp/plan_study_smoke       # a smoke run
+    python launch/plan_study.py --model_seeds 0,1 --data_seeds 0,1 --blocks 2 --warmup_steps 20 --steps 4 \\
+        --eval_batches 2 --stat_batches 2 --output_dir /tmp/plan_study_smoke   # a smoke run, about a minute
     python launch/plan_study.py --summary_only                   # rewrite summary.{json,md} and the plot
 
 Outputs under ``--output_dir`` (default ``benchmarks/results/plan_study``, ``…/plan_study/stress`` for the
@@ -59,6 +59,8 @@ def parse_args(argv=None):
                     " (uniform_fp8 and snip always run: every difference refers to them)")
     ap.add_argument("--model_config", default=DEFAULT_MODEL, help="JSON config of the model (default: "
                     "8 blocks × hidden 96)")
+    ap.add_argument("--blocks", type=int, default=None, help="decoder blocks, in place of the config's (e.g. 2 "
+                    "for a smoke run)")
     ap.add_argument("--dataset", default=None, help="text/JSON-lines file or prepared directory (default: the "
                     "Python stdlib corpus)")
     ap.add_argument("--warmup_steps", type=int, default=800, help="unquantized warm-up steps per model seed")
@@ -98,6 +100,8 @@ def parse_args(argv=None):
         args.output_dir = str(Path("benchmarks/results/plan_study") / regime["subdir"])
     if args.checkpoint_dir is None:
         args.checkpoint_dir = str(Path(args.output_dir) / "checkpoints")
+    if args.blocks is not None and args.blocks < 1:
+        ap.error(f"--blocks must be >= 1, got {args.blocks}")
     for key in ("warmup_steps", "steps", "batch_size", "block_size", "eval_batches", "stat_batches", "workers"):
         if getattr(args, key) < 1:
             ap.error(f"--{key} must be >= 1, got {getattr(args, key)}")

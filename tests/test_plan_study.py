@@ -173,7 +173,7 @@ class FakeWorker:
 
 
 def _args(out, **kw):
-    a = dict(regime="main", model_config="m.json", dataset=None, warmup_steps=10, steps=2, rho=0.75, lam=2.0,
+    a = dict(regime="main", model_config="m.json", blocks=None, dataset=None, warmup_steps=10, steps=2, rho=0.75, lam=2.0,
              batch_size=2, block_size=8, eval_batches=1, stat_batches=1, lr=1e-3, lr_warmup_steps=0,
              fp4_recipe="nvfp4", stochastic_rounding=True, model_seeds=[0, 1], data_seeds=[0, 1, 2], workers=1,
              silent=True, output_dir=str(out), arms=("uniform_fp8", "uniform_fp4", "snip", "quant_err"),
@@ -261,6 +261,7 @@ def test_launcher_names_a_bad_flag(capsys):
                        (["--rho", "1.0"], "--rho must lie strictly between 0 and 1"),
                        (["--workers", "0"], "--workers must be >= 1"),
                        (["--max_minutes", "-1"], "--max_minutes must be a finite number >= 0"),
+                       (["--blocks", "0"], "--blocks must be >= 1"),
                        (["--model_config", "nope.json"], "--model_config nope.json: no such file")):
         with pytest.raises(SystemExit) as exc:
             script.parse_args(argv)

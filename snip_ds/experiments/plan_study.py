@@ -56,7 +56,7 @@ REGIMES = {
                    arms="uniform_fp8,uniform_fp4,snip,quant_err,rel_quant_err,last_k_fp8,random", subdir="stress"),
 }
 # settings every piece of one study must share (a resume into the same output folder is refused otherwise)
-FIXED = ("regime", "model_config", "dataset", "warmup_steps", "steps", "rho", "lam", "batch_size", "block_size",
+FIXED = ("regime", "model_config", "blocks", "dataset", "warmup_steps", "steps", "rho", "lam", "batch_size", "block_size",
          "eval_batches", "stat_batches", "lr", "lr_warmup_steps", "fp4_recipe", "stochastic_rounding")
 CELLS, PLANS = "cells.json", "plans.json"
 
@@ -164,9 +164,11 @@ class Worker:
     def _ns(self, seed: int):
         from snip_ds.quant_config import QuantConfig
         a = self.args
+        config = getattr(a, "model_config_path", a.model_config)
+        if a.blocks:  # the config's model at another depth
+            config = dict(json.loads(Path(config).read_text(encoding="utf-8")), num_hidden_layers=a.blocks)
         return types.SimpleNamespace(
-            quick=False, dataset=a.dataset, block_size=a.block_size, model="small",
-            model_config=getattr(a, "model_config_path", a.model_config),
+            quick=False, dataset=a.dataset, block_size=a.block_size, model="small", model_config=config,
             seed=seed, quant=QuantConfig(fp4_recipe=a.fp4_recipe, stochastic_rounding=a.stochastic_rounding),
             eval_batches=a.eval_batches, batch_size=a.batch_size, phases={"warm": a.warmup_steps},
             silent=a.silent, stat_batches=a.stat_batches, lambda_default=a.lam, dgrad_cost="split", bwd_key="bwd",
