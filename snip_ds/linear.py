@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snip_ds.backend import custom_ops, layer_step
+from snip_ds.backend import custom_ops, fp8_traced, layer_step
 from snip_ds.backend.base import Kept, WithAmax
 from snip_ds.backend.operands import AmaxReduce, amax_shared, shared_amax
 from snip_ds.quant import QuantParts
@@ -249,6 +249,10 @@ class SnipLinear(nn.Linear):
                 return InputGradOnlyLinearFn.apply(x, w, bias, self)
             return F.linear(x, w, bias)
         if torch.compiler.is_compiling():  # dynamo traces the custom op; the same functions run either way
+            # per-tensor FP8 on torch._scaled_mm: ordinary ops inductor fuses (the tokens' count checked in the
+            # graph too, so that dynamic shapes guard on what _scaled_mm needs)
+            if x.numel() // x.shape[-1] % 16 == 0 and fp8_traced.applies(self, x):
+                return fp8_traced.Fp8Linear.apply(x, w, bias)
             return custom_ops.quantized_linear(x, w, bias, custom_ops.op_spec(prec, self.quant_config),
                                                self.op_handle)[0]
         y = QuantizedLinearFn.apply(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce)

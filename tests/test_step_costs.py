@@ -126,16 +126,16 @@ def test_no_kernel_variant_is_compiled_after_warm_up(scaled_mm, monkeypatch):
     assert variants.seen == warm
 
 
-@pytest.mark.parametrize("recipe", ["fp8_hybrid", "nvfp4"])
-def test_a_decoder_block_step_reads_nothing_on_the_host(scaled_mm, recipe):
-    """One Llama decoder block (attention, SwiGLU MLP, norms; its seven linears swapped) forward and backward
-    on the kernels' path: no host read anywhere in the step."""
+def _block(recipe):
+    """One Llama decoder block (attention, SwiGLU MLP, norms) in BF16, its seven linears swapped at ``recipe``,
+    and a step function: forward from a fixed input, backward from a fixed loss, the block's gradients out."""
     transformers = pytest.importorskip("transformers")
+    llama = transformers.models.llama.modeling_llama
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                       num_key_value_heads=2, num_hidden_layers=1, vocab_size=64)
+    config._attn_implementation = "sdpa"  # (what a model sets for its blocks)
     torch.manual_seed(0)
-    block = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0).to(DEVICE, torch.bfloat16)
-    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config).to(DEVICE)
+    block = llama.LlamaDecoderLayer(config, 0).to(DEVICE, torch.bfloat16)
     precision, fields = RECIPES[recipe]
     linears = [(name, m) for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 7
@@ -146,17 +146,58 @@ def test_a_decoder_block_step_reads_nothing_on_the_host(scaled_mm, recipe):
         setattr(block.get_submodule(parent), child, layer)
     x = torch.randn(1, T, 64, device=DEVICE, dtype=torch.bfloat16)
     position_ids = torch.arange(T, device=DEVICE)[None]
-    embeddings = rotary(x, position_ids)
+    embeddings = llama.LlamaRotaryEmbedding(config).to(DEVICE)(x, position_ids)
 
-    def step():
+    def step(fn=block):
+        block.zero_grad(set_to_none=True)
         xi = x.detach().requires_grad_(True)
-        out = block(xi, position_embeddings=embeddings, position_ids=position_ids)
-        (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
+        out = fn(xi, position_embeddings=embeddings, position_ids=position_ids)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().square().mean().backward()
+        return [out.detach(), xi.grad] + [p.grad for p in block.parameters()]
+    return block, step
 
+
+@pytest.mark.parametrize("recipe", ["fp8_hybrid", "nvfp4"])
+def test_a_decoder_block_step_reads_nothing_on_the_host(scaled_mm, recipe):
+    """One Llama decoder block (attention, SwiGLU MLP, norms; its seven linears swapped) forward and backward
+    on the kernels' path: no host read anywhere in the step."""
+    _, step = _block(recipe)
     step()
     with HostReads() as audit:
         step()
     assert not audit.reads, "\n".join(map(str, audit.reads))
+
+
+@pytest.mark.slow  # (two compilations of a block: about a minute)
+def test_a_compiled_fp8_block_is_one_graph_of_ordinary_operators_equal_to_eager(scaled_mm):
+    """A Llama decoder block with per-tensor FP8 linears compiled whole (``fullgraph``: no graph break, forward
+    and backward): its linears reach inductor as ordinary operators (no snip_ds custom operator in the graphs),
+    and the compiled step's output and every gradient equal the eager step's (the Triton kernels) bit for bit,
+    with inductor rounding BF16 intermediates as eager does (``emulate_precision_casts``)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    block, step = _block("fp8_hybrid")
+    eager = step()
+    targets = []
+
+    def record(gm, inputs):  # the forward and backward graphs' operators, run as they are
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    step(torch.compile(block, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record)))
+    assert targets.count("aten._scaled_mm.default") == 21  # 7 linears x (fprop, dgrad, wgrad)
+    assert not [t for t in targets if t.startswith("snip_ds.")]
+    torch._dynamo.reset()
+    # inductor, rounding each BF16 intermediate where eager rounds it (else its fused norm and attention keep
+    # FP32 intermediates: another computation than eager's, for BF16 layers too)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        compiled = step(torch.compile(block, fullgraph=True))
+    torch._dynamo.reset()
+    for a, b in zip(eager, compiled):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_fp8_layers_reading_one_input_quantize_it_once(scaled_mm):

@@ -184,7 +184,7 @@ class TorchBackend(GemmBackend):
         written transposed in the same pass (:attr:`QuantParts.values` a column-major view: wgrad's layout).
         A layer all of whose GEMMs are FP8 runs the step decided for its shape (:mod:`.fp8_step`), which also
         keeps W's amax for dgrad."""
-        step = self._fp8_step(x, w, prec, cfg)
+        step = self.decided_fp8_step(x, w, prec, cfg)
         if step is not None:
             return step.forward(x, w, bias, out_dtype)
         fp8 = self._shared_fp8("x", ("fprop", "wgrad"), prec, cfg, x)
@@ -203,7 +203,7 @@ class TorchBackend(GemmBackend):
         if isinstance(w_keep, WithAmax):
             if not any(needs):
                 return None, None
-            step = self._fp8_step(x_keep.values, w_keep.tensor, prec, cfg)
+            step = self.decided_fp8_step(x_keep.values, w_keep.tensor, prec, cfg)
             return step.backward(g, x_keep, w_keep, needs, x_dtype, w_dtype)
         return super().backward_gemms(g, x_keep, w_keep, prec, cfg, generator, needs, x_dtype, w_dtype)
 
@@ -211,7 +211,7 @@ class TorchBackend(GemmBackend):
         return (prec.uniform == "fp8" and cfg.fp8_recipe == "fp8_hybrid" and x.device.type in KERNEL_DEVICES
                 and kernels() is not None and x.numel() != 0 and w.numel() != 0)
 
-    def _fp8_step(self, x, w, prec, cfg) -> Optional[fp8_step.Fp8Step]:
+    def decided_fp8_step(self, x, w, prec, cfg) -> Optional[fp8_step.Fp8Step]:
         """The decided step of a layer whose three GEMMs are per-tensor FP8 where the Triton kernels quantize
         (:mod:`.fp8_step`), else None; decided once per shape, dtypes, device and kernel setting."""
         if prec.uniform != "fp8" or cfg.fp8_recipe != "fp8_hybrid" or x.device.type not in KERNEL_DEVICES:

@@ -1,0 +1,90 @@
+"""A per-tensor FP8 layer under ``torch.compile`` as ordinary operators, which inductor fuses with its neighbours.
+
+Eagerly, the torch backend runs a per-tensor FP8 (``fp8_hybrid``) layer through its Triton kernels
+(:mod:`.fp8_step`); under ``torch.compile`` the layer is otherwise one opaque custom operator
+(:mod:`.custom_ops`), around which inductor can fuse nothing. Where the eager layer would run that step with
+every GEMM on ``torch._scaled_mm`` (:func:`applies`), the compiled layer is instead this autograd function of
+plain operators -- ``abs``/``amax`` for the tensor amax, the scale, a division, a clamp and the cast to the FP8
+dtype for each operand, ``torch._scaled_mm`` for each GEMM -- so inductor can fuse a cast into the RMSNorm or
+SiLU that produces its input, merge the identical casts of one input read by several layers (query, key and
+value), write both layouts of an operand in one kernel and choose what to keep for backward.
+
+The operators compute :func:`snip_ds.quant.quantize_parts`'s per-tensor codes and scale (the same formula:
+``s = max(amax / max_normal, 2**-149)``, 1 for a zero amax, NaN for a non-finite one; codes ``RNE(x / s)``
+saturated), so the compiled layer's results equal the eager layer's bit for bit where the division is IEEE
+round-to-nearest: in inductor's C++ code on a CPU (``tests/test_compile_kernels.py``), and in its Triton code on
+a GPU with ``torch._inductor.config.eager_numerics.division_rounding`` set (inductor's Triton division is
+otherwise the approximate one: codes may then differ by a rounding step in rare elements; not measured yet).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from snip_ds.backend.fp8_step import scaled_mm
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_MAX = {E4M3: 448.0, E5M2: 57344.0}
+_TINY = 2.0 ** -149  # FP32's smallest subnormal: the smallest scale
+
+
+def codes(t: torch.Tensor, dtype: torch.dtype, amax: Optional[torch.Tensor] = None
+          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t``'s per-tensor FP8 codes in ``dtype``, its scale and the amax it came from (``amax`` given: that
+    one), as ordinary operators."""
+    maxn = _MAX[dtype]
+    if amax is None:
+        amax = t.abs().amax().float()
+    scale = torch.where(amax > 0, amax / maxn, torch.ones_like(amax)).clamp_min(_TINY)
+    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    return (t.float() / scale).clamp(-maxn, maxn).to(dtype), scale, amax
+
+
+class Fp8Linear(torch.autograd.Function):
+    """``Y = X Wᵀ + b`` with all three GEMMs in per-tensor FP8 on ``torch._scaled_mm``, in ordinary operators:
+    X and W in E4M3, G_Y in E5M2; W quantized again for dgrad from its forward amax; X's codes kept for wgrad."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs, _ = codes(x2, E4M3)
+        wq, ws, wa = codes(w, E4M3)
+        y = scaled_mm(xq, wq.t(), xs, ws, bias, x.dtype)
+        ctx.save_for_backward(xq, xs, w, wa)
+        ctx.has_bias, ctx.x_shape, ctx.x_dtype = bias is not None, x.shape, x.dtype
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        xq, xs, w, wa = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        gq, gs, _ = codes(g2, E5M2)
+        g_x = g_w = g_b = None
+        if ctx.needs_input_grad[0]:  # dgrad: G_Y [T, n] row-major x W [n, k] column-major
+            wq, ws, _ = codes(w, E4M3, wa)
+            g_x = scaled_mm(gq, wq.t().contiguous().t(), gs, ws, None, ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # wgrad: G_Yᵀ [n, T] row-major x X [T, k] column-major
+            g_w = scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), gs, xs, None, w.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            g_b = g2.sum(0)
+        return g_x, g_w, g_b
+
+
+@torch.compiler.assume_constant_result
+def applies(layer, x: torch.Tensor) -> bool:
+    """Whether ``layer`` (a :class:`~snip_ds.linear.SnipLinear`) on input ``x`` would run the eager per-tensor
+    FP8 step with every GEMM on ``torch._scaled_mm``: then it runs :class:`Fp8Linear` under ``torch.compile``.
+    Decided outside the traced graph, from the layer's settings and ``x``'s device, shape and dtype (a change of
+    them recompiles, as a change of precision does)."""
+    from snip_ds.backend.base import layer_backends
+    from snip_ds.backend.torch_native import TorchBackend
+
+    prec, cfg = layer.gemm_precision, layer.quant_config
+    if prec.uniform != "fp8" or cfg.fp8_recipe != "fp8_hybrid" or layer.amax_reduce is not None:
+        return False
+    backends = layer_backends(prec, cfg, x.device)
+    if not all(isinstance(b, TorchBackend) for b in backends):
+        return False
+    step = backends[0].decided_fp8_step(x.reshape(-1, x.shape[-1]), layer.matrix, prec, cfg)
+    return step is not None and step.scaled
