@@ -211,8 +211,9 @@ def test_a_router_is_proved_by_what_consumes_its_output(block_cls, router, value
     ranked and whose ranks choose the experts' tokens is a router (left out); one whose output is only values
     (softmaxed, projected back) and the experts' own E-wide projections are planned, whatever their names."""
     model = _moe(block_cls)
-    before = {n: p.clone() for n, p in model.state_dict().items()}
+    before, rng = {n: p.clone() for n, p in model.state_dict().items()}, torch.random.get_rng_state()
     names = decoder_linears(model)
+    assert torch.equal(torch.random.get_rng_state(), rng)
     mlp = [n[len("layers.0.mlp."):] for n in names if n.startswith("layers.0.mlp.")]
     assert router not in mlp and "shared_gate" not in mlp
     assert sorted(mlp) == sorted([values, "back"] + [f"experts.{e}.{i}" for e in range(E) for i in (0, 2)])

@@ -128,7 +128,7 @@ def _probe(block: nn.Module, candidates: Dict[str, nn.Module], experts: Sequence
         for e in experts:
             e.forward = stub
         try:
-            with torch.no_grad(), trace:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]), trace:  # the global RNG left as it was
                 functional_call(block, values, (x,), strict=False)
         finally:
             for e, forward in zip(experts, own):
