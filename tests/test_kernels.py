@@ -160,17 +160,27 @@ def test_bf16_output_transposed_output_and_strided_input(recipe):
 
 @pytest.mark.parametrize("recipe", ["fp8_e4m3", "mxfp8", "nvfp4_2d"])
 def test_result_does_not_depend_on_the_tiling(recipe, monkeypatch):
-    """Large tiles (one program) and the smallest ones (many programs, atomics across them) agree."""
+    """Large tiles (one program) and the smallest ones (many programs, partial amaxes across them) agree."""
+    from snip_ds.backend.kernels import config
+
+    def tiles(edge):  # the tile edge for the configurations worked out from here on
+        config.cached_launch_config.cache_clear()
+        monkeypatch.setattr(config, "MAX_TILE", edge)
+        return config.cached_launch_config(70, 50, recipe, 1, torch.float32, False, False, False).grid
+
     x = wide_sample((70, 50), seed=12)
+    grid_big = tiles(64)
     big = q(x, recipe, 1)
-    monkeypatch.setattr(kq, "MAX_TILE", 16)
+    grid_small = tiles(16)
     small = q(x, recipe, 1)
+    assert grid_small[0] > grid_big[0]  # more programs: the tiling really changed
     assert_same_bits(small.values, big.values)
     assert_same_bits(small.tensor_scale, big.tensor_scale)
     draws = [q(x, recipe, 1, stochastic=True, seed=5).values]
-    monkeypatch.setattr(kq, "MAX_TILE", 64)
+    tiles(64)
     draws.append(q(x, recipe, 1, stochastic=True, seed=5).values)
     assert_same_bits(draws[0], draws[1])
+    config.cached_launch_config.cache_clear()
 
 
 def test_tensor_amax_pass():
@@ -386,7 +396,7 @@ target = GPUTarget("cuda", 90, 32)
 ptr_bits = {True: "*i16", False: "*i32"}
 for name in ("fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"):
     r = quant.get_recipe(name)
-    kind = kq._kind(r)
+    kind = kq.kind(r)
     # (stochastic, BF16 in, axis, dequantize, OUT: 0 FP32, 1 BF16, 2 the FP8 codes of a per-tensor recipe)
     # (both layouts written: per-tensor recipes; the amax given (2 slots read) or from up to 512 partials)
     variants = [(False, False, 1, False, 0, False, 512), (True, True, 0, False, 1, False, 2),

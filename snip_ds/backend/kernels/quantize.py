@@ -27,8 +27,7 @@ int64 tensor on the device, so a seed drawn from a CUDA generator never waits fo
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import triton
@@ -37,22 +36,14 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from snip_ds.backend.base import check_kernel_arguments, check_kernel_input
 from snip_ds.backend.kernels import grid as g
-from snip_ds.formats import E2M1, E4M3
+from snip_ds.backend.kernels.config import (FP8_CODES, MX, MX_KIND, NVFP4_2D, OUT_BF16, OUT_FP8, PER_TENSOR,
+                                            LaunchConfig, amax_programs, cached_launch_config, kind, launch_config,
+                                            tile)
 from snip_ds.quant import QuantParts, Recipe, get_recipe
 
-# KIND: the recipe's scale granularity
-PER_TENSOR = tl.constexpr(0)
-MX = tl.constexpr(1)
-NVFP4 = tl.constexpr(2)
-NVFP4_2D = tl.constexpr(3)
-# OUT: what the values are written as
-OUT_FP32 = tl.constexpr(0)
-OUT_BF16 = tl.constexpr(1)
-OUT_FP8 = tl.constexpr(2)  # the element format's own codes (per-tensor FP8 recipes)
-_MX = int(MX)
-FP8_CODES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # element format -> the torch dtype
-MAX_TILE = 64  # tile edge (elements) on the GPU; small tensors get the smallest power of two that covers them
-_NVFP4_TENSOR_DIVISOR = E4M3.max_normal * E2M1.max_normal  # S = amax / (448 * 6)
+# the public API, the configuration's kind and launch_config included (used through this module)
+__all__ = ["quantize_parts", "fake_quantize", "tensor_amax", "launch", "launch_config", "kind",
+           "INTERPRETED", "triton_quantize", "triton_amax"]
 
 
 @triton.jit
@@ -86,8 +77,8 @@ def _amax_kernel(x_ptr, partials_ptr, R, C, stride_r, stride_c, IN_BF16: tl.cons
     n_col_tiles = tl.cdiv(C, BC)
     n_tiles = tl.cdiv(R, BR) * n_col_tiles
     best = tl.zeros([BR, BC], dtype=tl.int32)
-    for tile in range(pid, n_tiles, n_programs):
-        t = tl.full([], tile, tl.int64)
+    for tile_id in range(pid, n_tiles, n_programs):
+        t = tl.full([], tile_id, tl.int64)
         rows = (t // n_col_tiles) * BR + tl.arange(0, BR).to(tl.int64)
         cols = (t % n_col_tiles) * BC + tl.arange(0, BC).to(tl.int64)
         mask = (rows[:, None] < R) & (cols[None, :] < C)
@@ -189,20 +180,6 @@ def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, 
             tl.store(amax_out_ptr, amax)
 
 
-def _kind(recipe: Recipe) -> int:
-    if recipe.block_size == 0:
-        return int(PER_TENSOR)
-    if recipe.scale == "e8m0":
-        return int(MX)
-    return int(NVFP4_2D) if recipe.block_2d else int(NVFP4)
-
-
-def _tile(length: int, block: int) -> int:
-    """Tile edge along an axis: a power of two covering ``length`` up to :data:`MAX_TILE`, holding whole
-    blocks of ``block`` elements (1: no block along this axis)."""
-    return max(block, 16, min(MAX_TILE, triton.next_power_of_2(max(length, 1))))
-
-
 def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
                    tensor_amax: Optional[torch.Tensor] = None, stochastic: bool = False,
                    seed: Union[int, torch.Tensor] = 0, offset: int = 0, out_dtype: torch.dtype = torch.float32,
@@ -277,7 +254,8 @@ def _quantize_launch(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed:
     None rounds to nearest, else the one-element int64 tensor on ``x``'s device the kernel reads."""
     rows, cols = x.shape
     in_bf16 = x.dtype == torch.bfloat16
-    config = _launch_config if isinstance(rows, int) and isinstance(cols, int) else _launch_config.__wrapped__
+    config = cached_launch_config if isinstance(rows, int) and isinstance(cols, int) else \
+        cached_launch_config.__wrapped__
     cfg = config(rows, cols, recipe, axis, out_dtype, transpose, in_bf16, dequantize, False,
                  tensor_amax is not None)  # (symbolic shapes: uncached)
     values, _, scale, _ = launch(cfg, x, tensor_amax, seed, offset)
@@ -286,7 +264,7 @@ def _quantize_launch(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed:
     return values, scale
 
 
-def launch(cfg: "_LaunchConfig", x: torch.Tensor, tensor_amax: Optional[torch.Tensor],
+def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tensor],
            seed: Optional[torch.Tensor], offset: int = 0
            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """One quantization of a non-empty, checked ``x`` whose launch configuration ``cfg`` was worked out
@@ -302,7 +280,7 @@ def launch(cfg: "_LaunchConfig", x: torch.Tensor, tensor_amax: Optional[torch.Te
     x_bits = x.view(cfg.in_view)  # the kernels convert by bit shifting
     scale = torch.empty((), dtype=torch.float32, device=device)  # the kernel's first program writes both
     amax_out = torch.empty((), dtype=torch.float32, device=device) if cfg.write_amax else None
-    if cfg.kind == _MX:  # (a plain int: comparing with the tl.constexpr builds objects on every call)
+    if cfg.kind == MX_KIND:  # (a plain int: comparing with the tl.constexpr builds objects on every call)
         amax, n_amax = scale, 0  # unused
     elif tensor_amax is not None:
         amax, n_amax = tensor_amax.view(torch.int32), 1
@@ -337,17 +315,10 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 def _amax_launch(x: torch.Tensor) -> torch.Tensor:
     in_bf16 = x.dtype == torch.bfloat16
-    br, bc = _tile(x.shape[0], 1), _tile(x.shape[1], 1)
-    programs = _amax_programs(x.shape[0], x.shape[1], br, bc)
+    br, bc = tile(x.shape[0], 1), tile(x.shape[1], 1)
+    programs = amax_programs(x.shape[0], x.shape[1], br, bc)
     partials = _amax(x.view(torch.int16 if in_bf16 else torch.int32), in_bf16, br, bc, programs)
     return partials.view(torch.float32).amax()
-
-
-MAX_AMAX_PROGRAMS = 512  # stage 1 of the tensor amax: at most this many partial maxima for stage 2 to read
-
-
-def _amax_programs(rows: int, cols: int, br: int, bc: int) -> int:
-    return min(MAX_AMAX_PROGRAMS, triton.cdiv(rows, br) * triton.cdiv(cols, bc))
 
 
 def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, programs: int) -> torch.Tensor:
@@ -400,66 +371,6 @@ def _define(name: str, fn, fake):
         op.register_fake(fake)
         return op
     return torch.library.triton_op(f"snip_ds::{name}", fn, mutates_args=())
-
-
-class _LaunchConfig(NamedTuple):
-    kind: int
-    br: int
-    bc: int
-    grid: Tuple[int]
-    out_view: torch.dtype  # the integer (or FP32) view the kernel writes the values through
-    constants: Dict[str, Any]  # the quantization kernel's compile-time arguments but STOCHASTIC
-    shape: Tuple[int, int]  # the values' shape (transposed where the layout is)
-    out_dtype: torch.dtype
-    in_view: torch.dtype  # the integer view the kernels read the input through
-    in_bf16: bool
-    both: bool  # the values are written in both layouts
-    write_amax: bool  # the tensor amax is written out too
-    amax_programs: int  # the amax pass's programs (partial maxima), where it runs
-
-
-@functools.lru_cache(maxsize=4096)
-def _launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torch.dtype, transpose: bool,
-                   in_bf16: bool, dequantize: bool, both: bool = False, amax_given: bool = False,
-                   write_amax: bool = False) -> _LaunchConfig:
-    """The tiles, grids and compile-time arguments of one quantization (worked out once per shape and
-    recipe: the launch's host time). ``both``: write the values in both layouts (per-tensor recipes only,
-    whose values do not depend on the layout's axis); ``amax_given``: the tensor amax is passed in;
-    ``write_amax``: :func:`launch` returns the tensor amax (else None)."""
-    recipe = get_recipe(recipe)
-    kind = _kind(recipe)
-    bs = recipe.block_size
-    br = _tile(rows, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 0) else 1)
-    bc = _tile(cols, bs if kind == NVFP4_2D or (kind != PER_TENSOR and axis == 1) else 1)
-    out = int(OUT_FP8) if out_dtype in FP8_CODES.values() else int(OUT_BF16) if out_dtype == torch.bfloat16 \
-        else int(OUT_FP32)
-    element = recipe.element
-    programs = _amax_programs(rows, cols, br, bc) if isinstance(rows, int) and isinstance(cols, int) else \
-        MAX_AMAX_PROGRAMS
-    # stage 2 reads a fixed 512 slots (masked), whatever the shape: shapes that vary from step to step (an
-    # expert's tokens) compile no new variant for it
-    constants = dict(KIND=kind, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin,
-                     EMAX=element.emax, MAXN=element.max_normal,
-                     TENSOR_DIVISOR=_NVFP4_TENSOR_DIVISOR if kind in (NVFP4, NVFP4_2D) else element.max_normal,
-                     TRANSPOSE=transpose, IN_BF16=in_bf16, OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize),
-                     BOTH=bool(both), AMAX_BLOCK=2 if amax_given else MAX_AMAX_PROGRAMS,
-                     WRITE_AMAX=bool(write_amax))
-    return _LaunchConfig(kind, br, bc, (triton.cdiv(rows, br) * triton.cdiv(cols, bc),),
-                         (torch.float32, torch.int16, torch.uint8)[out], constants,
-                         (cols, rows) if transpose else (rows, cols), out_dtype,
-                         torch.int16 if in_bf16 else torch.int32, in_bf16, both, write_amax, programs)
-
-
-def launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torch.dtype, transpose: bool,
-                  in_bf16: bool, *, both: bool = False, amax_given: bool = False,
-                  write_amax: bool = False) -> _LaunchConfig:
-    """The configuration :func:`launch` runs a quantization with (see :func:`_launch_config`); ValueError
-    where ``both`` is asked of a recipe with blocks, whose values depend on the layout's axis."""
-    if both and get_recipe(recipe).block_size != 0:
-        raise ValueError(f"both: recipe {recipe!r} has blocks along one axis; only per-tensor values serve "
-                         f"both layouts")
-    return _launch_config(rows, cols, recipe, axis % 2, out_dtype, transpose, in_bf16, False, both, amax_given,
-                          write_amax)
 
 
 def _triton_quantize(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed: Optional[torch.Tensor],
