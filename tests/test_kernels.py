@@ -176,6 +176,13 @@ def test_result_does_not_depend_on_the_tiling(recipe, monkeypatch):
     assert grid_small[0] > grid_big[0]  # more programs: the tiling really changed
     assert_same_bits(small.values, big.values)
     assert_same_bits(small.tensor_scale, big.tensor_scale)
+    monkeypatch.setattr(config, "MAX_AMAX_PROGRAMS", 4)  # the amax pass's programs loop over several tiles
+    tiles(16)
+    looped = q(x, recipe, 1)
+    assert_same_bits(looped.values, big.values)
+    assert_same_bits(looped.tensor_scale, big.tensor_scale)
+    assert_same_bits(amax(x), x.abs().amax())
+    monkeypatch.setattr(config, "MAX_AMAX_PROGRAMS", 512)
     draws = [q(x, recipe, 1, stochastic=True, seed=5).values]
     tiles(64)
     draws.append(q(x, recipe, 1, stochastic=True, seed=5).values)
@@ -419,7 +426,10 @@ for name in ("fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"):
 for bf16 in (False, True):
     sig = {"x_ptr": ptr_bits[bf16], "partials_ptr": "*i32", "R": "i32", "C": "i32", "stride_r": "i32",
            "stride_c": "i32", "IN_BF16": "constexpr", "BR": "constexpr", "BC": "constexpr"}
-    triton.compile(ASTSource(kq._amax_kernel, sig, constexprs=dict(IN_BF16=bf16, BR=64, BC=64)), target=target)
+    for per_program in (1, 16):
+        const = dict(IN_BF16=bf16, BR=64, BC=64, TILES_PER_PROGRAM=per_program)
+        triton.compile(ASTSource(kq._amax_kernel, {**sig, "TILES_PER_PROGRAM": "constexpr"}, constexprs=const),
+                       target=target)
 print("ok")
 """
 

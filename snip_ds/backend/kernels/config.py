@@ -47,7 +47,8 @@ def tile(length: int, block: int) -> int:
     return max(block, 16, min(MAX_TILE, triton.next_power_of_2(max(length, 1))))
 
 
-MAX_AMAX_PROGRAMS = 512  # stage 1 of the tensor amax: at most this many partial maxima for stage 2 to read
+# stage 1 of the tensor amax: at most this many partial maxima for stage 2 to read (a power of 2)
+MAX_AMAX_PROGRAMS = 512
 
 
 def amax_programs(rows: int, cols: int, br: int, bc: int) -> int:

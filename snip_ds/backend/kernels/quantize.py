@@ -11,8 +11,9 @@ stage, fused here), loads ``x`` once, computes its block amaxes (the same intege
 (:mod:`.grid`), rounds every element and writes ``values`` -- in FP32 or BF16 or a per-tensor recipe's FP8
 codes, in ``x``'s layout or transposed, or (per-tensor recipes, whose values do not depend on the axis) in
 both layouts at once -- and the first program writes ``tensor_scale`` and the tensor amax, which a later
-quantization of the same tensor (the weight in backward) passes back as ``tensor_amax``. Tiles hold whole blocks along the block axis;
-masked loads read the partial last block as zeros, which is the reference's zero padding.
+quantization of the same tensor (the weight in backward) passes back as ``tensor_amax``. Tiles hold whole
+blocks along the block axis; masked loads read the partial last block as zeros, which is the reference's
+zero padding.
 
 Both passes run on a 1-D grid (tile ``pid`` is row tile ``pid // n_col_tiles``, column tile
 ``pid % n_col_tiles``): CUDA caps a grid's second dimension at 65535 programs, which a 2-D grid of
@@ -68,20 +69,21 @@ def _draw(seed, idx):
 
 @triton.jit
 def _amax_kernel(x_ptr, partials_ptr, R, C, stride_r, stride_c, IN_BF16: tl.constexpr, BR: tl.constexpr,
-                 BC: tl.constexpr):
+                 BC: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr):
     """Stage 1 of the tensor amax: program ``p`` of ``P`` takes the max of ``|x|``'s bit patterns over tiles
-    ``p, p + P, p + 2P, ...`` and writes it to ``partials[p]`` -- every slot written, so the buffer needs no
-    zero-fill launch. Stage 2 (the max of the ``P`` partials) is fused into the quantization kernel."""
-    pid = tl.program_id(0)
-    n_programs = tl.num_programs(0)
+    ``p, p + P, ..., p + (TILES_PER_PROGRAM - 1) P`` (those past the last tile read nothing) and writes it to
+    ``partials[p]`` -- every slot written, so the buffer needs no zero-fill launch. Stage 2 (the max of the
+    ``P`` partials) is fused into the quantization kernel. The trip count is a power of two, a compile-time
+    constant (1 for up to :data:`MAX_AMAX_PROGRAMS` tiles), so few shapes compile a variant of their own."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_programs = tl.num_programs(0).to(tl.int64)
     n_col_tiles = tl.cdiv(C, BC)
-    n_tiles = tl.cdiv(R, BR) * n_col_tiles
     best = tl.zeros([BR, BC], dtype=tl.int32)
-    for tile_id in range(pid, n_tiles, n_programs):
-        t = tl.full([], tile_id, tl.int64)
+    for i in range(TILES_PER_PROGRAM):
+        t = pid + i * n_programs
         rows = (t // n_col_tiles) * BR + tl.arange(0, BR).to(tl.int64)
         cols = (t % n_col_tiles) * BC + tl.arange(0, BC).to(tl.int64)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)  # (a tile past the last one: rows past R)
         bits = g.load_bits(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask, IN_BF16)
         best = tl.maximum(best, bits & 0x7FFFFFFF)
     tl.store(partials_ptr + pid, tl.max(tl.max(best, axis=1), axis=0))
@@ -115,8 +117,9 @@ def _block_amax_bits(mag_bits, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.co
 
 @triton.jit(do_not_specialize=["n_amax"])  # (its value varies with the shape: no variant per value class)
 def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C, stride_r,
-                     stride_c, seed_ptr, offset, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr, MBITS: tl.constexpr,
-                     EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr, TENSOR_DIVISOR: tl.constexpr,
+                     stride_c, seed_ptr, offset, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr,
+                     MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr,
+                     TENSOR_DIVISOR: tl.constexpr,
                      STOCHASTIC: tl.constexpr, TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr,
                      OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr,
                      BOTH: tl.constexpr, AMAX_BLOCK: tl.constexpr, WRITE_AMAX: tl.constexpr):
@@ -324,10 +327,12 @@ def _amax_launch(x: torch.Tensor) -> torch.Tensor:
 def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, programs: int) -> torch.Tensor:
     """Stage 1 of the tensor amax: ``programs`` partial maxima of ``|x|`` as int32 bit patterns (every slot
     written by its program: no zero-fill)."""
+    rows, cols = x_bits.shape
+    tiles = triton.cdiv(rows, br) * triton.cdiv(cols, bc)
     partials = torch.empty(programs, dtype=torch.int32, device=x_bits.device)
-    _launchable(_amax_kernel)[(programs,)](x_bits, partials, x_bits.shape[0],
-                                           x_bits.shape[1], x_bits.stride(0), x_bits.stride(1), IN_BF16=in_bf16,
-                                           BR=br, BC=bc)
+    _launchable(_amax_kernel)[(programs,)](x_bits, partials, rows, cols, x_bits.stride(0), x_bits.stride(1),
+                                           IN_BF16=in_bf16, BR=br, BC=bc,
+                                           TILES_PER_PROGRAM=triton.next_power_of_2(triton.cdiv(tiles, programs)))
     return partials
 
 
