@@ -203,7 +203,7 @@ class TorchBackend(GemmBackend):
         if isinstance(w_keep, WithAmax):
             if not any(needs):
                 return None, None
-            step = self.decided_fp8_step(x_keep.values, w_keep.tensor, prec, cfg)
+            step = self.decided_fp8_step(x_keep.values, w_keep.tensor, prec, cfg, x_dtype=x_dtype)  # forward's
             return step.backward(g, x_keep, w_keep, needs, x_dtype, w_dtype)
         return super().backward_gemms(g, x_keep, w_keep, prec, cfg, generator, needs, x_dtype, w_dtype)
 
@@ -211,13 +211,14 @@ class TorchBackend(GemmBackend):
         return (prec.uniform == "fp8" and cfg.fp8_recipe == "fp8_hybrid" and x.device.type in KERNEL_DEVICES
                 and kernels() is not None and x.numel() != 0 and w.numel() != 0)
 
-    def decided_fp8_step(self, x, w, prec, cfg) -> Optional[fp8_step.Fp8Step]:
+    def decided_fp8_step(self, x, w, prec, cfg, x_dtype=None) -> Optional[fp8_step.Fp8Step]:
         """The decided step of a layer whose three GEMMs are per-tensor FP8 where the Triton kernels quantize
-        (:mod:`.fp8_step`), else None; decided once per shape, dtypes, device and kernel setting."""
+        (:mod:`.fp8_step`), else None; decided once per shape, dtypes, device and kernel setting (``x_dtype``:
+        X's own dtype where ``x`` is its kept codes, so that backward finds the forward's step)."""
         if prec.uniform != "fp8" or cfg.fp8_recipe != "fp8_hybrid" or x.device.type not in KERNEL_DEVICES:
             return None
-        return _fp8_plan(tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, x.device, kernels(), SCALED_MM_DEVICES,
-                         amax_shared(), self._mm)
+        return _fp8_plan(tuple(x.shape), tuple(w.shape), x_dtype or x.dtype, w.dtype, x.device, kernels(),
+                         SCALED_MM_DEVICES, amax_shared(), self._mm)
 
     def prepare_grad(self, g, prec, cfg):
         """Per-tensor FP8 dgrad and wgrad quantize G_Y identically: its E5M2 codes, made once for both."""
