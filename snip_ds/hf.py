@@ -15,7 +15,8 @@ never attached stops ``trainer.train()`` before the first step, saying what to c
 * ``on_init_end`` or :meth:`~SnipCallback.attach`, whichever comes first (both before the Trainer builds
   the optimizer): reads the ``"snip"`` section of the Trainer's DeepSpeed config (``TrainingArguments.
   deepspeed``, or the config file of accelerate's DeepSpeed plugin under ``accelerate launch``) or the
-  settings given to the callback, checks it against the ``TrainingArguments`` (:mod:`snip_ds.hf_checks`), and
+  settings given to the callback, checks it against the ``TrainingArguments`` once (:func:`snip_ds.hf_checks.
+  check_trainer`, whose frozen result the later hooks read instead of the arguments), and
   swaps the decoder linears for :class:`~snip_ds.linear.SnipLinear` keeping the very same Parameters
   (:func:`snip_ds.swap.swap_linears`), so the optimizer and ZeRO see the parameters they would have seen; with
   DeepSpeed it builds the fused Adam and, until ``on_train_begin``, holds ``TORCH_CUDA_ARCH_LIST`` in the form
@@ -69,12 +70,10 @@ from snip_ds import distributed as sdist
 from snip_ds import hf_checkpoint, hf_tp, jit_builds
 from snip_ds.artifacts import STATE_FILE
 from snip_ds.builds import load_cpu_quantizer
-from snip_ds.deepspeed_config import refuse_module_replacement, tensor_parallel_degree
 from snip_ds.deprecations import show_deprecations_once
-from snip_ds.hf_checks import (check_against_trainer, check_cpu_ranks, deepspeed_config, launched_world,
-                               prepare_fused_adam, settings_from, uses_deepspeed)
+from snip_ds.hf_checks import TrainerChecks, check_trainer, uses_deepspeed
 from snip_ds.hf_loop import BatchView, TrainerLogger, TrainerLoop, sequence_length
-from snip_ds.settings import ConfigError, SnipSettings, with_overrides
+from snip_ds.settings import ConfigError, SnipSettings
 from snip_ds.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET, SnipState, run_without_update
 
 jit_builds.prepare()  # where DeepSpeed builds its ops when the Trainer starts it (snip_ds.jit_builds)
@@ -110,6 +109,18 @@ def share_cpu_ranks_with_accelerate(args) -> None:
     state.backend, state.distributed_type = "gloo", DistributedType.DEEPSPEED
     state.num_processes, state.process_index = dist.get_world_size(), dist.get_rank()
     state.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _prepare_fused_adam(args) -> None:
+    """DeepSpeed's fused Adam, built before the Trainer starts DeepSpeed (so a ``TORCH_CUDA_ARCH_LIST`` such as
+    ``9.0a`` does not stop its build), or torch's AdamW in the configs the Trainer will hand DeepSpeed, with a
+    warning, where it cannot be built (:mod:`snip_ds.engine.optimizer`)."""
+    from snip_ds.engine.optimizer import prepare_adam_in_place
+
+    plugin = getattr(args, "deepspeed_plugin", None)
+    prepare_adam_in_place([getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
+                           getattr(getattr(plugin, "hf_ds_config", None), "config", None),
+                           getattr(plugin, "deepspeed_config", None)])
 
 
 def add_snip(trainer, settings: Optional[Mapping[str, Any] | SnipSettings] = None) -> "SnipCallback":
@@ -158,10 +169,13 @@ class SnipCallback(TrainerCallback):
             drives.
         planner: its :class:`~snip_ds.engine.adaptive.AdaptivePlanner` in an adaptive run, else None.
         settings: the validated ``"snip"`` section, held by the state once it exists (one owner).
+        checks: what :func:`~snip_ds.hf_checks.check_trainer` checked and resolved from the ``TrainingArguments``
+            (settings, DeepSpeed config, ranks, tensor-parallel degree), once, at the setup; None before it.
     """
 
     def __init__(self, settings: Optional[Mapping[str, Any] | SnipSettings] = None) -> None:
         self._given = settings
+        self.checks: Optional[TrainerChecks] = None  # what hf_checks.check_trainer checked and resolved, once
         self._settings: Optional[SnipSettings] = None  # the resolved settings until the state takes them
         self.trainer = None
         self.infos = None
@@ -169,7 +183,6 @@ class SnipCallback(TrainerCallback):
         self.state: Optional[SnipState] = None
         self._held = None  # the stand-in for the scheduler's step after a skipped update (see _hold_schedule)
         self._builds = contextlib.ExitStack()  # settings held while the Trainer starts DeepSpeed
-        self.tp = 1  # the tensor-parallel degree (tensor_parallel.autotp_size)
         self._resumed_from = None  # trainer.train(resume_from_checkpoint=...)
         self._originals = {}  # under tensor parallelism: {fqn: the SnipLinear AutoTP replaces}
         self._zero_init = False  # whether deepspeed.zero.Init partitioned the model as it was built
@@ -206,8 +219,8 @@ class SnipCallback(TrainerCallback):
         @functools.wraps(original)
         def train(*args, **kwargs):
             self._resumed_from = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-            if self.infos is not None:
-                hf_checkpoint.check_resume_shape(trainer.args, self._resumed_from, self.tp)
+            if self.checks is not None:
+                hf_checkpoint.check_resume_shape(self.checks, trainer.args.output_dir, self._resumed_from)
             return original(*args, **kwargs)
         trainer.train = train
 
@@ -216,27 +229,21 @@ class SnipCallback(TrainerCallback):
         return control
 
     def _setup(self, args, model) -> None:
-        """Settings, checks and the swap; once (``on_init_end`` and :meth:`attach` both call it)."""
+        """Checks (:func:`~snip_ds.hf_checks.check_trainer`, whose result the hooks read from then on) and the
+        swap; once (``on_init_end`` and :meth:`attach` both call it)."""
         from snip_ds.model_settings import check_layer_settings, initial_plan
         from snip_ds.swap import model_layers, swap_model
 
         if self.infos is not None:
             return
-        settings, source = settings_from(args, self._given)
-        config, config_source = deepspeed_config(args)
-        tp = 1
-        if config is not None:  # AutoEP would replace the layers swapped below with unquantized ones
-            refuse_module_replacement(config, config_source)
-            tp = tensor_parallel_degree(config, config_source, launched_world(args))
-            if tp > 1:
-                hf_tp.check_config(config, config_source, tp)
-            prepare_fused_adam(args)
+        checks = check_trainer(args, self._given)
+        tp = checks.tp
+        if checks.ds_config is not None:
+            _prepare_fused_adam(args)
             # The Trainer starts DeepSpeed inside train(), where it may build more ops (the CPU Adam of an
             # optimizer offload): until on_train_begin the architecture list reads as DeepSpeed can parse it.
             self._builds.enter_context(jit_builds.deepspeed_arch_list_set())
-        check_against_trainer(args, source)
-        check_cpu_ranks(args)
-        self._settings = with_overrides(settings, seed=args.seed)
+        self._settings = checks.settings
         # partitioned by deepspeed.zero.Init as transformers built it under ZeRO-3 (DeepSpeed has not started yet)
         self._zero_init = any(getattr(p, "ds_id", None) is not None for p in model.parameters())
         rank = int(os.environ.get("RANK", "0")) if not sdist.is_initialized() else sdist.rank()
@@ -245,7 +252,6 @@ class SnipCallback(TrainerCallback):
         check_layer_settings(infos, self.settings)
         if tp > 1:  # AutoTP rebuilds these layers as its own shards in deepspeed.initialize: on_train_begin
             self._originals = hf_tp.check_swapped_model(model, infos, self.settings, tp)  # quantizes them again
-        self.tp = tp
         # FLOPs per step, for the shares (which do not depend on the token count)
         flops = {fqn: info.flops(1) for fqn, info in infos.items()}
         try:
@@ -254,7 +260,12 @@ class SnipCallback(TrainerCallback):
             raise ConfigError(str(err)) from None
         for fqn, layer in model_layers(model).items():
             layer.precision = self.plan.assignment[fqn]
-        self.infos = infos
+        self.infos, self.checks = infos, checks
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (``tensor_parallel.autotp_size``; 1 without, and before the checks)."""
+        return self.checks.tp if self.checks is not None else 1
 
     # ------------------------------------------------------------------ optimizer built
     def on_train_begin(self, args, state, control, **kwargs):

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from snip_ds import distributed as sdist
 from snip_ds.artifacts import STATE_FILE, rng_file
-from snip_ds.hf_checks import launched_world, uses_deepspeed
+from snip_ds.hf_checks import TrainerChecks
 from snip_ds.settings import ConfigError
 
 
@@ -32,12 +32,13 @@ def save_state(state, output_dir: str | os.PathLike, step: int) -> None:
         _atomic(folder / STATE_FILE, lambda tmp: tmp.write_text(payload))
 
 
-def check_resume_shape(args, given: Any, tp: int) -> None:
+def check_resume_shape(checks: TrainerChecks, output_dir: str | os.PathLike, given: Any) -> None:
     """Before the Trainer loads a checkpoint, the one check of its shape: one saved at another tensor-parallel
     degree is refused naming its ``snip_state.json``, and under DeepSpeed so is one saved by another number of
     ranks (DeepSpeed would stop on a missing key; without DeepSpeed the Trainer's own files load at any number).
-    ``given`` is ``trainer.train``'s ``resume_from_checkpoint`` (a folder, or True for the output directory's
-    last checkpoint); ``tp`` this run's tensor-parallel degree.
+    ``checks`` is what :func:`snip_ds.hf_checks.check_trainer` resolved for this run (DeepSpeed or not, the
+    launched ranks, the tensor-parallel degree); ``given`` is ``trainer.train``'s ``resume_from_checkpoint`` (a
+    folder, or True for the last checkpoint in ``output_dir``).
 
     Raises:
         ConfigError: naming the file and both shapes.
@@ -46,7 +47,7 @@ def check_resume_shape(args, given: Any, tp: int) -> None:
         return
     if given is True:
         from transformers.trainer_utils import get_last_checkpoint
-        given = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        given = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     where = Path(given) / STATE_FILE if given is not None else None
     if where is None or not where.is_file():
         return  # the Trainer reports a missing folder; restore_state one without SNIP's state
@@ -56,9 +57,9 @@ def check_resume_shape(args, given: Any, tp: int) -> None:
         raise ConfigError(f"{where}: cannot be read ({err})") from None
     if not isinstance(meta, dict):
         raise ConfigError(f"{where}: not a JSON object")
-    world = launched_world(args)
+    world, tp = checks.world, checks.tp
     saved = (meta.get("tensor_parallel", 1), meta.get("world_size", world))
-    if uses_deepspeed(args) and saved != (tp, world):
+    if checks.deepspeed and saved != (tp, world):
         raise ConfigError(f"{where}: saved by {saved[1]} rank(s) at tensor_parallel.autotp_size {saved[0]}, "
                           f"this run has {world} rank(s) at {tp}: the Trainer resumes a DeepSpeed "
                           f"checkpoint at the shape it was saved at")

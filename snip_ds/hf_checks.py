@@ -1,25 +1,75 @@
-"""What the Hugging Face Trainer's arguments must agree with before SNIP trains under it, read from
-``TrainingArguments``: the DeepSpeed config it trains with (``TrainingArguments.deepspeed``, or accelerate's
-DeepSpeed plugin) and its ``"snip"`` section or the settings given to the callback (:func:`settings_from`), the
-batch geometry (:func:`check_against_trainer`), the launched ranks (:func:`launched_world`,
-:func:`check_cpu_ranks`), and DeepSpeed's fused Adam built before the Trainer starts DeepSpeed
-(:func:`prepare_fused_adam`). Each mistake is one :class:`~snip_ds.settings.ConfigError` naming the field and file.
+"""What the Hugging Face Trainer's arguments must agree with before SNIP trains under it, checked once, in one place:
+:func:`check_trainer` reads ``TrainingArguments`` (the DeepSpeed config it trains with, ``TrainingArguments.deepspeed``
+or accelerate's DeepSpeed plugin, read once; its ``"snip"`` section or the settings given to the callback; the
+batch geometry; the tensor-parallel degree; the launched ranks) and returns a frozen :class:`TrainerChecks`, which
+:class:`snip_ds.hf.SnipCallback` and its hooks (:mod:`snip_ds.hf_checkpoint`, :mod:`snip_ds.hf_tp`) read from then
+on, never the arguments again. Each mistake is one :class:`~snip_ds.settings.ConfigError` naming the field and
+file.
 """
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from snip_ds import distributed as sdist
-from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, parse_snip_section
+from snip_ds import hf_tp
+from snip_ds.deepspeed_config import refuse_module_replacement, tensor_parallel_degree
+from snip_ds.settings import ConfigError, SnipSettings, load_ds_config, parse_snip_section, with_overrides
 
 
-def deepspeed_config(args) -> tuple[Optional[dict], Optional[str]]:
-    """The DeepSpeed config the Trainer trains with, as ``(config, where)``; ``(None, None)`` without DeepSpeed.
+@dataclass(frozen=True)
+class TrainerChecks:
+    """What :func:`check_trainer` checked and resolved, once per :class:`~snip_ds.hf.SnipCallback`; read by the
+    callback and its hooks instead of the ``TrainingArguments``."""
+
+    settings: SnipSettings
+    """The validated ``"snip"`` section, ``TrainingArguments.seed`` as ``train.seed``."""
+    source: str
+    """Where the settings came from: the DeepSpeed config file, or ``SnipCallback(settings=...)``."""
+    ds_config: Optional[Mapping[str, Any]]
+    """The DeepSpeed config the Trainer trains with; None without DeepSpeed."""
+    ds_source: Optional[str]
+    """Where :attr:`ds_config` was read (a file, ``TrainingArguments.deepspeed`` or accelerate's plugin)."""
+    world: int
+    """The number of ranks the launcher started (:func:`launched_world`)."""
+    tp: int
+    """The tensor-parallel degree (``tensor_parallel.autotp_size``; 1 without)."""
+
+    @property
+    def deepspeed(self) -> bool:
+        """Whether the Trainer trains with DeepSpeed."""
+        return self.ds_config is not None or self.ds_source is not None
+
+
+def check_trainer(args, given: Optional[Mapping[str, Any] | SnipSettings]) -> TrainerChecks:
+    """Every check of the Trainer's arguments SNIP makes, in this order: the DeepSpeed config (read once) and the
+    settings (``given``: ``SnipCallback(settings=...)``, or None for the config's ``"snip"`` section), DeepSpeed's
+    layer replacement, the tensor-parallel degree, the batch geometry, the CPU ranks accelerate knows of.
+
+    Raises:
+        ConfigError: naming the field and the file.
+    """
+    config, ds_source, parsed = deepspeed_config(args)
+    settings, source = settings_from(config, ds_source, given, parsed)
+    world, tp = launched_world(args), 1
+    if config is not None:  # AutoEP would replace the layers SNIP swaps with unquantized ones
+        refuse_module_replacement(config, ds_source)
+        tp = tensor_parallel_degree(config, ds_source, world)
+        if tp > 1:
+            hf_tp.check_config(config, ds_source, tp)
+    check_against_trainer(args, config, source)
+    check_cpu_ranks(args)
+    return TrainerChecks(with_overrides(settings, seed=args.seed), source, config, ds_source, world, tp)
+
+
+def deepspeed_config(args) -> tuple[Optional[dict], Optional[str], Optional[SnipSettings]]:
+    """The DeepSpeed config the Trainer trains with, as ``(config, where, parsed)``, ``parsed`` its ``"snip"``
+    section validated where the config was read from a file (else None); ``(None, None, None)`` without DeepSpeed.
 
     ``TrainingArguments.deepspeed`` (a path or a dict) first; else, under ``accelerate launch`` with a DeepSpeed
     plugin, the plugin's config (``TrainingArguments.deepspeed_plugin``, which transformers builds from
@@ -28,28 +78,33 @@ def deepspeed_config(args) -> tuple[Optional[dict], Optional[str]]:
     """
     ds = getattr(args, "deepspeed", None)
     if isinstance(ds, (str, os.PathLike)):
-        return _read_config(ds), str(ds)
+        return _read_config(ds)
     if isinstance(ds, dict):
-        return ds, "TrainingArguments.deepspeed"
+        return ds, "TrainingArguments.deepspeed", None
     plugin = getattr(args, "deepspeed_plugin", None)
     if plugin is None:
-        return None, None
+        return None, None, None
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if path != "none":
-        return _read_config(path), path
+        return _read_config(path)
     config = getattr(getattr(plugin, "hf_ds_config", None), "config", None) or getattr(plugin, "deepspeed_config", None)
-    return (dict(config) if isinstance(config, Mapping) else None), "accelerate's DeepSpeed plugin (deepspeed_config)"
+    return ((dict(config) if isinstance(config, Mapping) else None), "accelerate's DeepSpeed plugin (deepspeed_config)",
+            None)
 
 
-def _read_config(path) -> dict:
-    """The DeepSpeed config file at ``path`` as a dict; its errors name the file."""
-    load_ds_config(path)  # file errors (missing, not JSON, not an object) and the section's, named by path
-    return json.loads(Path(path).read_text())
+def _read_config(path) -> tuple[dict, str, SnipSettings]:
+    """The DeepSpeed config file at ``path`` as ``(config, path, its "snip" section validated)``; its errors (file
+    missing, not JSON, not an object; the section's) name the file."""
+    _, parsed = load_ds_config(path)
+    config = json.loads(Path(path).read_text())  # with its "snip" section, which load_ds_config took out
+    return config, str(path), parsed
 
 
-def settings_from(args, settings) -> tuple[SnipSettings, str]:
-    """The validated settings and where they came from; errors name the field and the file."""
-    config, source = deepspeed_config(args)
+def settings_from(config: Optional[Mapping[str, Any]], source: Optional[str], settings,
+                  parsed: Optional[SnipSettings] = None) -> tuple[SnipSettings, str]:
+    """The validated settings and where they came from: ``settings`` given to the callback, or the ``"snip"``
+    section of the DeepSpeed ``config`` read from ``source`` (``parsed``: that section validated already, when
+    :func:`deepspeed_config` read it from a file); errors name the field and the file."""
     section = None if config is None else config.get("snip")
     if settings is not None:
         if section is not None:
@@ -65,12 +120,11 @@ def settings_from(args, settings) -> tuple[SnipSettings, str]:
         raise ConfigError(f"{source or 'TrainingArguments'}: no 'snip' section; name a DeepSpeed config with one "
                           "(TrainingArguments(deepspeed=...), or deepspeed_config_file in accelerate's config) or "
                           "pass SnipCallback(settings={...})")
-    return parse_snip_section(section, source), source
+    return (parsed if parsed is not None else parse_snip_section(section, source)), source
 
 
-def check_against_trainer(args, source: str) -> None:
-    """The DeepSpeed config's batch geometry must be the Trainer's (or "auto")."""
-    cfg, _ = deepspeed_config(args)
+def check_against_trainer(args, cfg: Optional[Mapping[str, Any]], source: str) -> None:
+    """The DeepSpeed config ``cfg``'s batch geometry must be the Trainer's (or "auto")."""
     if cfg is None:
         return
     for key, arg in (("gradient_accumulation_steps", "gradient_accumulation_steps"),
@@ -79,18 +133,6 @@ def check_against_trainer(args, source: str) -> None:
         if value != "auto" and value != getattr(args, arg):
             raise ConfigError(f"{source}: {key} is {value!r} but TrainingArguments.{arg} is "
                               f"{getattr(args, arg)!r}; make them equal or set {key} to \"auto\"")
-
-
-def prepare_fused_adam(args) -> None:
-    """DeepSpeed's fused Adam, built before the Trainer starts DeepSpeed (so a ``TORCH_CUDA_ARCH_LIST`` such as
-    ``9.0a`` does not stop its build), or torch's AdamW in the configs the Trainer will hand DeepSpeed, with a
-    warning, where it cannot be built (:mod:`snip_ds.engine.optimizer`)."""
-    from snip_ds.engine.optimizer import prepare_adam_in_place
-
-    plugin = getattr(args, "deepspeed_plugin", None)
-    prepare_adam_in_place([getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
-                           getattr(getattr(plugin, "hf_ds_config", None), "config", None),
-                           getattr(plugin, "deepspeed_config", None)])
 
 
 def launched_world(args) -> int:

@@ -526,6 +526,51 @@ def test_accelerate_plugin_config_is_read(tmp_path, monkeypatch):
     assert snip.settings.plan == "fp4" and set(snip.plan.assignment.values()) == {"fp4"}
 
 
+def test_trainer_arguments_are_validated_once_per_add_snip(tmp_path, monkeypatch):
+    """The Trainer's arguments and its DeepSpeed config are checked once (hf_checks.check_trainer, reading the
+    config file once): attaching again and trainer.train() (whose resume check reads the frozen result) validate
+    nothing again. train() is stopped where accelerate starts DeepSpeed."""
+    import deepspeed
+    from transformers import TrainerState
+
+    from snip_ds import hf, hf_checks
+    from snip_ds.hf import SnipCallback, add_snip
+
+    calls = {}
+
+    def counted(module, name):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(hf, "check_trainer")
+    for name in ("deepspeed_config", "load_ds_config", "launched_world", "cpu_ranks_unshared"):
+        counted(hf_checks, name)
+
+    class Started(Exception):
+        pass
+
+    def initialize(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    snip = SnipCallback()
+    trainer = _trainer(tmp_path, deepspeed=str(_config(tmp_path, stage=2)), callback=snip)  # on_init_end checks
+    assert add_snip(trainer) is snip and snip.attach(trainer) is snip
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    (folder / "snip_state.json").write_text(json.dumps({"step": 1, "world_size": 1, "tensor_parallel": 1}))
+    TrainerState(global_step=1, train_batch_size=2).save_to_json(str(folder / "trainer_state.json"))  # read first
+    with pytest.raises(Started):
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert calls == {"check_trainer": 1, "deepspeed_config": 1, "load_ds_config": 1, "launched_world": 1,
+                     "cpu_ranks_unshared": 1}
+    assert snip.checks.ds_source == str(tmp_path / "ds2.json") and snip.checks.settings.train.seed == trainer.args.seed
+
+
 def test_unattached_callback_stops_training_naming_what_to_call(tmp_path):
     from snip_ds.hf import SnipCallback
 
