@@ -156,8 +156,11 @@ class SnipState:
         for fqn, layer in self.layers.items():
             layer.precision = plan.assignment[fqn]
         changed = self.plan is None or plan.digest() != self.plan.digest()
+        # an adaptive run's starting plan is replaced at its step (the first re-plan, or a restored plan) before
+        # it trains: its share and map are not logged, so that the step holds one value of each
+        starting = self.plan is None and self.settings.is_adaptive
         self.plan = plan
-        if changed:
+        if changed and not starting:
             self.logger.scalar("plan/fp4_share", self.plan_fp4_share(), self.step)
             if getattr(self.logger, "writes_images", True):  # rendered only where it is written (rank 0)
                 self.logger.image("plan/precision_map", precision_map_image(
@@ -250,8 +253,9 @@ class SnipState:
             unquantized, planned, kl = planner.measure_forward(batch)
             if new is not None:
                 planner.history[-1]["measure_s"] = time.perf_counter() - measuring
-            self.logger.scalars({"snip/measured_fld": kl, "snip/predicted_fld": planner.predicted_fld(),
-                                 "snip/measured_loss_change": planned - unquantized}, step)
+            self.logger.scalars({"snip/measured_fld": kl, "snip/measured_loss_change": planned - unquantized,
+                                 # a re-plan at this step logged it already (one value per tag and step)
+                                 **({"snip/predicted_fld": planner.predicted_fld()} if new is None else {})}, step)
         self.snip_seconds += time.perf_counter() - start
         if new is not None and sdist.rank() == 0:  # what the re-plan did, its measured divergence included
             say(replan_line(planner.history[-1], previous, new, self.settings.efficiency_saving,

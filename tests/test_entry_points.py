@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from train_utils import REPO, TINY_MODEL, env, launch, scalars, write_configs
+from train_utils import REPO, TINY_MODEL, env, launch, scalars, write_configs, written_twice
 
 pytestmark = pytest.mark.distributed
 
@@ -50,6 +50,10 @@ def test_launch_train_plans_logs_and_saves(adaptive_run):
     assert sorted(logged["train/loss"]) == [1, 2] and all(math.isfinite(v) for v in logged["train/loss"].values())
     # the ILP's constraint is share >= rho (0.75); 1e-12 absorbs the rounding of the share's FLOP sum
     assert logged["plan/fp4_share"][2] >= 0.75 - 1e-12
+    # one value per tag and step: the re-plan at step 0 once logged its FP4 share and predicted divergence
+    # beside set_plan's share and the measurement's predicted divergence
+    assert written_twice(out / "tensorboard") == {}
+    assert {"plan/fp4_share", "snip/predicted_fld", "snip/measured_fld"} <= {t for t, s in logged.items() if 0 in s}
     assert sorted(logged["eval/loss"]) == [2]
     assert (out / "checkpoints" / "latest").read_text() == "step_2"
     assert (out / "checkpoints" / "step_2" / "snip_meta.json").is_file()

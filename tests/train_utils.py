@@ -167,6 +167,22 @@ def scalars(log_dir: Path) -> Dict[str, Dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
+def written_twice(log_dir: Path) -> Dict[str, List[int]]:
+    """The scalar tags a TensorBoard directory holds more than one value of at one step, with those steps
+    (:func:`scalars` keeps the last of them)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    twice = {}
+    for tag in acc.Tags()["scalars"]:
+        steps = [e.step for e in acc.Scalars(tag)]
+        repeated = sorted({s for s in steps if steps.count(s) > 1})
+        if repeated:
+            twice[tag] = repeated
+    return twice
+
+
 def images(log_dir: Path) -> List[str]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

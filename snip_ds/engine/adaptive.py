@@ -158,7 +158,7 @@ class AdaptivePlanner:
             self.history.append({"step": eng.step, "collect_s": collected - start, "solve_s": solved - collected,
                                  "fp4_share": eng.plan_fp4_share(), "changed": 0, "status": "failed",
                                  "precond": stats["precond_source"]})
-            eng.logger.scalars({"snip/replan_failed": 1.0}, eng.step)
+            eng.logger.scalars({"snip/replan_failed": 1.0, "plan/fp4_share": eng.plan_fp4_share()}, eng.step)
             eng.logger.text("plan/changes", f"step {eng.step}: re-plan failed on rank 0 ({self.last_error}); "
                             "the plan in force stays", eng.step)
             if sdist.rank() == 0:
@@ -176,9 +176,13 @@ class AdaptivePlanner:
         eng.set_plan(plan, f"{what}, fp4 share {record['fp4_share']:.3f}, plan {plan.status} (statistics "
                            f"{record['collect_s']:.2f} s, solve {record['solve_s']:.2f} s)")
         self.history.append(record)  # the console line follows the measurement (SnipState.before_step)
+        # one value per tag and step: set_plan logs plan/fp4_share when the plan changes (here only the share of
+        # an unchanged plan, whose FLOPs the statistics may have moved); the measurement that may follow leaves
+        # snip/predicted_fld to this (SnipState.before_step)
+        unchanged = previous is not None and previous.digest() == plan.digest()
         eng.logger.scalars({"snip/collect_time_s": record["collect_s"], "snip/solve_time_s": record["solve_s"],
-                            "snip/layers_changed": changed, "plan/fp4_share": record["fp4_share"],
-                            "snip/predicted_fld": self.predicted_fld()}, eng.step)
+                            "snip/layers_changed": changed, "snip/predicted_fld": self.predicted_fld(),
+                            **({"plan/fp4_share": record["fp4_share"]} if unchanged else {})}, eng.step)
         eng.logger.text("snip/precond", f"step {eng.step}: preconditioner from {stats['precond_source']}",
                         eng.step)
         return plan
