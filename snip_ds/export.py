@@ -29,6 +29,7 @@ that transformers and vLLM load (:mod:`snip_ds.export_serve`, docs/serving.md).
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict
@@ -70,6 +71,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         if trainer_dir != Path(checkpoint):
             warn_if_saved_later(Path(checkpoint), trainer_dir, warn)
         return export_trainer_checkpoint(trainer_dir, out_dir, dtype, force, warn, serve)
+    _refuse_saved_model(Path(checkpoint))
     tag_dir = resolve(Path(checkpoint))
     meta = read_meta(tag_dir)
     meta_path = tag_dir / META_FILE
@@ -77,7 +79,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ExportError(f"{meta_path}: world_size is {world_size!r}, expected a positive integer")
     check_out_dir(out_dir, tag_dir, force)
-    snip = dict(meta, **checkpoint_meta(tag_dir)) if serve.format != "hf" else meta
+    snip = _serve_meta(tag_dir, meta) if serve.format != "hf" else meta
     if serve.format != "hf":
         plan_and_settings(snip, tag_dir)  # before any shard is read
 
@@ -121,6 +123,37 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
               "parameters": parameters, **served}
     return write_export(model, record, lambda tmp: write_tokenizer(meta, tmp, warn), out_dir, tag_dir, force,
                         after_save)
+
+
+def _refuse_saved_model(path: Path) -> None:
+    """Refuses a directory ``save_pretrained`` wrote (a config and weights, no snip_ds state), naming what to
+    export instead.
+
+    Raises:
+        ExportError: naming ``path``.
+    """
+    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    if not (path / "config.json").is_file() or not weights or (path / META_FILE).is_file():
+        return
+    raise ExportError(f"{path}: a Hugging Face model as save_pretrained writes it (config.json and its weights), "
+                      f"without snip_ds's state: transformers loads it as it is; export the run's checkpoint for "
+                      f"its plan instead (the Trainer's checkpoint-N, where snip_ds.hf.add_snip saves "
+                      f"snip_state.json, or launch/train.py's step_N)")
+
+
+def _serve_meta(tag_dir: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
+    """What a compressed-tensors export reads of a checkpoint besides its weights: the plan (``snip_state.json``)
+    and the ``"snip"`` settings, ``snip_meta.json``'s where launch/train.py recorded them there, else
+    ``snip_state.json``'s (a run of the user's own loop records them only there). Their ``train`` section names
+    the run's training data only where launch/train.py read it (its data stream is in ``snip_meta.json``); a
+    user's own loop reads its own, so the section is left out and the calibration asks for
+    ``--calibration-data``."""
+    snip = dict(meta, **checkpoint_meta(tag_dir))
+    if not isinstance(snip.get("settings"), dict) and (tag_dir / STATE_FILE).is_file():
+        snip["settings"] = json.loads((tag_dir / STATE_FILE).read_text()).get("settings")
+    if "data" not in meta and isinstance(snip.get("settings"), dict):
+        snip["settings"] = {k: v for k, v in snip["settings"].items() if k != "train"}
+    return snip
 
 
 def _plan_file(tag_dir: Path) -> Path:

@@ -10,11 +10,17 @@ of the run's training split, read as the run read it (dataset, tokenizer, block 
 checkpoint's settings), through the planned forward. An input above that amax at serving time saturates its
 block scale at 448 (its values at 6 x 448 / input_global_scale); one below it gets block scales of a coarser
 E4M3 grid than the training forward's (fewer of E4M3's normal binades are used).
+
+``--calibration-data`` names other data: token ids (a ``.safetensors`` file's ``input_ids``), or text read as the
+run read its own. A run of the user's own loop records no training data (snip_ds never reads it), so its export
+needs the flag; token ids outside the model's vocabulary are refused, which catches a recorded corpus that is not
+what the run trained on.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Iterable, List, Mapping
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -56,19 +62,75 @@ def _real_buffers(model: nn.Module) -> None:
         owner._buffers[leaf] = buffers[name].clone()
 
 
-def calibration_batches(settings: Mapping[str, Any], n: int, source: str) -> List[Dict[str, torch.Tensor]]:
-    """``n`` batches of :data:`CALIBRATION_BATCH` blocks of the run's training split (``settings``: the
-    checkpoint's ``"snip"`` settings; its ``train`` section names the data as the run read it), in the order of
-    the run's first epoch on rank 0.
+def calibration_batches(settings: Mapping[str, Any], n: int, source: str, data: Optional[str] = None,
+                        vocab_size: Optional[int] = None) -> Tuple[List[Dict[str, torch.Tensor]], str]:
+    """At most ``n`` batches of :data:`CALIBRATION_BATCH` blocks, and what they are (the export's record):
+    ``data`` (``--calibration-data``: token ids in a ``.safetensors`` file's ``input_ids``, or text read with the
+    run's tokenizer and block size), else the run's training split as its ``"snip"`` ``settings`` (the
+    checkpoint's) name it in their ``train`` section, in the order of the run's first epoch on rank 0. A
+    checkpoint whose settings hold no ``train`` section recorded no training data (a run of the user's own loop,
+    which reads its own).
 
     Raises:
-        ExportError: the data cannot be read here (naming it and ``source``).
+        ExportError: no data to calibrate on, data that cannot be read, or token ids outside the model's
+            vocabulary of ``vocab_size`` (naming the flag or the data and ``source``).
     """
+    settings = settings or {}
+    if data is None and "train" not in settings:
+        raise ExportError(f"{source}: the run recorded no training data (snip_ds.initialize in your own loop reads "
+                          f"its own) to calibrate the NVFP4 activation global scales on; pass --calibration-data "
+                          f"PATH (token ids: a .safetensors file holding 'input_ids' [blocks, tokens]; or text read "
+                          f"with the run's tokenizer)")
+    if data is not None and str(data).endswith(".safetensors"):
+        ids = _token_ids(Path(data))
+        batches = [{"input_ids": ids[i:i + CALIBRATION_BATCH]}
+                   for i in range(0, min(len(ids), n * CALIBRATION_BATCH), CALIBRATION_BATCH)]
+        what, where = f"{data} (token ids)", f"--calibration-data {data}"
+    else:
+        train = dict(settings.get("train") or {})
+        batches = _text_batches(train, n, source, data)
+        what = f"{data} (read with the run's tokenizer)" if data is not None else "the run's training split"
+        where = (f"--calibration-data {data}" if data is not None else
+                 f"{source}: the run's training data ({train.get('dataset') or 'the default corpus'})")
+    low = min(int(b["input_ids"].min()) for b in batches)
+    top = max(int(b["input_ids"].max()) for b in batches)
+    if low < 0 or (vocab_size is not None and top >= vocab_size):
+        bad = low if low < 0 else top
+        hint = "" if data is not None else (" (not what the run trained on: pass --calibration-data PATH, token "
+                                            "ids in a .safetensors file's 'input_ids')")
+        raise ExportError(f"{where}: token id {bad} lies outside the model's vocabulary (0..{vocab_size - 1})"
+                          f"{hint}")
+    return batches, what
+
+
+def _token_ids(path: Path) -> torch.Tensor:
+    """The ``input_ids`` [blocks, tokens] of a safetensors file (read without unpickling anything)."""
+    from safetensors import SafetensorError, safe_open
+
+    flag = f"--calibration-data {path}"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+            if "input_ids" not in names:
+                held = ", ".join(sorted(names)[:5]) or "none"
+                raise ExportError(f"{flag}: holds no 'input_ids' tensor (it holds {held})")
+            ids = f.get_tensor("input_ids")
+    except (SafetensorError, OSError) as err:
+        raise ExportError(f"{flag}: not a readable safetensors file ({one_line(err)})") from None
+    if ids.ndim != 2 or ids.numel() == 0 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ExportError(f"{flag}: 'input_ids' must be a non-empty 2-D integer tensor [blocks, tokens], got "
+                          f"{str(ids.dtype).replace('torch.', '')} {list(ids.shape)}")
+    return ids.long()
+
+
+def _text_batches(train: Mapping[str, Any], n: int, source: str, data: Optional[str]
+                  ) -> List[Dict[str, torch.Tensor]]:
+    """``n`` batches of the run's training split (``data`` None) or of ``data``'s, read as the run read its data:
+    tokenizer, block size and seed from the checkpoint's ``train`` settings."""
     from snip_ds.data import DataStream, load_dataset_blocks
 
-    train = dict((settings or {}).get("train") or {})
     block = int(train.get("block_size", 256))
-    dataset = train.get("dataset")
+    dataset = train.get("dataset") if data is None else data
     caps = int(train.get("max_corpus_bytes", 4_000_000))
     try:
         train_ds, _, _, _ = load_dataset_blocks(dataset, block, train.get("tokenizer_name_or_path"),
@@ -76,8 +138,11 @@ def calibration_batches(settings: Mapping[str, Any], n: int, source: str) -> Lis
                                                 max_validation_bytes=max(caps // 16, block * 64))
         stream = DataStream(train_ds, CALIBRATION_BATCH, seed=int(train.get("seed", 0)), rank=0, world_size=1)
     except (ValueError, FileNotFoundError, OSError) as err:
+        if data is not None:
+            raise ExportError(f"--calibration-data {data}: cannot be read ({one_line(err)})") from None
         raise ExportError(f"{source}: the run's training data ({dataset or 'the default corpus'}) cannot be read "
-                          f"for --calibration-batches ({one_line(err)})") from None
+                          f"for --calibration-batches ({one_line(err)}); --calibration-data PATH gives other "
+                          f"data") from None
     return [stream.next_batch() for _ in range(min(n, stream.steps_per_epoch))]
 
 

@@ -1,4 +1,4 @@
-"""The ``snip-ds export`` flags that pick the format (``--format``, ``--fallback``, ``--calibration-batches``), kept
+"""The ``snip-ds export`` flags that pick the format (``--format``, ``--fallback``, ``--calibration-*``), kept
 apart from :mod:`snip_ds.cli` so that its parser imports neither torch nor compressed-tensors."""
 from __future__ import annotations
 
@@ -24,4 +24,9 @@ def add_format_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-batches", type=int, default=DEFAULT_CALIBRATION_BATCHES, metavar="N",
                         help="compressed-tensors: batches of the run's training data that calibrate the NVFP4 "
                              f"activation global scales (default {DEFAULT_CALIBRATION_BATCHES})")
+    parser.add_argument("--calibration-data", default=None, metavar="PATH",
+                        help="compressed-tensors: calibrate on this data instead of the run's training data (which "
+                             "a run of your own loop does not record): token ids (a .safetensors file holding an "
+                             "integer 'input_ids' [blocks, tokens]), or a text/JSON-lines file or "
+                             "launch/prepare_dataset.py directory read with the run's tokenizer and block size")
 

@@ -258,8 +258,8 @@ def compress(model: nn.Module, schemes: Mapping[str, LayerScheme], quant: QuantC
     for fqn, s in schemes.items():
         if s.scheme != "bf16":
             by_scheme.setdefault(s.scheme, []).append(fqn)
-    # FP8's group first: transformers 5.24 decompresses every MoE expert with the first group, and FP8's passes
-    # the weights of unquantized experts through (NVFP4's drops them)
+    # FP8's group first (and again in the compressor's config, _fp8_group_first): transformers 5.24 decompresses
+    # every MoE expert with the first group, and FP8's passes the weights of unquantized experts through
     groups = {f"group_{i}": ct_scheme(s, _pattern(names)) for i, (s, names) in enumerate(sorted(by_scheme.items()))}
     quantized = {n for names in by_scheme.values() for n in names}
     ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quantized]
@@ -281,6 +281,7 @@ def compress(model: nn.Module, schemes: Mapping[str, LayerScheme], quant: QuantC
                 setattr(module, key, nn.Parameter(params[key].float().reshape(old.shape).clone(),
                                                   requires_grad=False))
     compressor = ModelCompressor.from_pretrained_model(model)
+    _fp8_group_first(compressor.quantization_config)
     with _quiet():
         compressor.compress_model(model)
     compressor.remove_decompression_hook(model)
@@ -291,6 +292,17 @@ def compress(model: nn.Module, schemes: Mapping[str, LayerScheme], quant: QuantC
         record[fqn] = check_layer(fqn, schemes[fqn].scheme, state, expected[fqn], module.quantization_scheme,
                                   masters[fqn], quant)
     return compressor, record
+
+
+def _fp8_group_first(config) -> None:
+    """Puts FP8's config group first (in place). compressed-tensors rebuilds the groups from the schemes the
+    model's modules carry, in module order: a block whose first planned layer is NVFP4 would put NVFP4's first,
+    and transformers 5.24 would then drop the unquantized MoE experts it decompresses with that group."""
+    if config is None:  # no layer quantized
+        return
+    groups = config.config_groups
+    order = sorted(groups, key=lambda name: groups[name].weights.num_bits != 8)  # stable: the rest as they were
+    config.config_groups = {f"group_{i}": groups[name] for i, name in enumerate(order)}
 
 
 class _quiet:

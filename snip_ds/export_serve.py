@@ -30,17 +30,18 @@ class ServeOptions:
     fallback: Optional[str] = None
     calibration_batches: int = DEFAULT_CALIBRATION_BATCHES
     vllm_fused: bool = False  # one scheme per q/k/v and gate/up group, the most precise of theirs
+    calibration_data: Optional[str] = None  # other data than the run's (snip_ds.export_calib.calibration_batches)
 
 
 def serve_options(args) -> ServeOptions:
     """The :class:`ServeOptions` of ``snip-ds export``'s parsed flags (:mod:`snip_ds.export_cli`)."""
     return ServeOptions(format=args.format, fallback=args.fallback, calibration_batches=args.calibration_batches,
-                        vllm_fused=args.vllm_fused)
+                        vllm_fused=args.vllm_fused, calibration_data=args.calibration_data)
 
 
 def check_options(options: ServeOptions) -> None:
-    """Refuses an unknown format or fallback, a calibration count below 1, options that need
-    ``--format compressed-tensors`` without it, and a missing or unsupported compressed-tensors.
+    """Refuses an unknown format or fallback, a calibration count below 1, calibration data that is not there,
+    options that need ``--format compressed-tensors`` without it, and a missing or unsupported compressed-tensors.
 
     Raises:
         ExportError: naming the flag.
@@ -59,7 +60,11 @@ def check_options(options: ServeOptions) -> None:
             raise ExportError("--calibration-batches: only with --format compressed-tensors")
         if options.vllm_fused:
             raise ExportError("--vllm-fused: only with --format compressed-tensors")
+        if options.calibration_data is not None:
+            raise ExportError("--calibration-data: only with --format compressed-tensors")
         return
+    if options.calibration_data is not None and not Path(options.calibration_data).exists():
+        raise ExportError(f"--calibration-data {options.calibration_data}: no such file or directory")
     try:
         import compressed_tensors
         from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
@@ -155,12 +160,13 @@ def finish_model(model: nn.Module, meta: Mapping[str, Any], source: Path, option
     amax: Dict[str, torch.Tensor] = {}
     calibration: Dict[str, Any] = {"batches": 0}
     if fp4:
-        batches = calibration_batches(settings, options.calibration_batches, str(source))
+        batches, data = calibration_batches(settings, options.calibration_batches, str(source),
+                                            options.calibration_data, model.get_input_embeddings().num_embeddings)
         planned = planned_forward_model(model, assignment, quant)
         amax = input_amax(planned, fp4, batches)
         del planned
         calibration = {"batches": len(batches), "blocks_per_batch": batches[0]["input_ids"].shape[0],
-                       "block_size": batches[0]["input_ids"].shape[1], "data": "the run's training split",
+                       "block_size": batches[0]["input_ids"].shape[1], "data": data,
                        "input_amax": {f: float(a) for f, a in amax.items()}}
     masters = {f: model.get_submodule(f).weight.detach().float().clone()
                for f, s in schemes.items() if s.scheme != "bf16"}

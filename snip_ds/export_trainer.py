@@ -86,7 +86,28 @@ def _trainer_weights(folder: Path, model: torch.nn.Module, state: Dict[str, Any]
     source = f"the Trainer's {files[0] if len(files) == 1 else index.name}"
     if tp > 1:
         source += f" ({tp} tensor-parallel shards gathered by DeepSpeed when the Trainer saved)"
+    if not set(weights) <= set(model.state_dict()):
+        converted = _converted(folder)
+        if converted is not None:
+            return converted, source + " (converted from the family's saved layout by transformers)"
     return {k: v.float() for k, v in weights.items()}, source
+
+
+def _converted(folder: Path) -> Dict[str, torch.Tensor] | None:
+    """The Trainer's saved weights as transformers loads them, or None where that does not load every parameter
+    exactly. ``save_pretrained`` writes some families in their original layout (transformers 5: a Mixtral's
+    experts one tensor each, ``block_sparse_moe.experts.N.w1.weight``, where the model holds them fused, as
+    ``mlp.experts.gate_up_proj``); loading converts them back (concatenations: the same values)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        loaded, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True,
+                                                            trust_remote_code=False, output_loading_info=True)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+        return None
+    if any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")):
+        return None
+    return {k: v.detach() for k, v in loaded.state_dict().items()}
 
 
 def export_trainer_checkpoint(folder: Path, out_dir: Path, dtype: str, force: bool,

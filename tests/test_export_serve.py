@@ -179,6 +179,58 @@ def test_bad_input_is_one_error_line_and_nothing_written(tmp_path, capsys):
     assert record["schemes"] == {"bf16": 14} and len(record["fallback"]) == 14
 
 
+def test_calibration_data_stands_in_for_the_run_s_and_bad_data_is_refused_naming_the_flag(tmp_path, capsys):
+    """``--calibration-data`` token ids equal to the blocks the run's recorded data gives: the same export, bit
+    for bit. A checkpoint that recorded no training data, token ids outside the vocabulary and unreadable files
+    are one error line naming the flag."""
+    from safetensors.torch import load_file, save_file
+
+    from snip_ds.export_calib import calibration_batches
+    from snip_ds.export_files import ExportError
+
+    model = _model()
+    folder = _trainer_checkpoint(tmp_path, model, _assignment(model, lambda f: "fp4"))
+    settings = json.loads((folder / "snip_state.json").read_text())["settings"]
+    run_data, what = calibration_batches(settings, 2, "x")
+    assert what == "the run's training split" and len(run_data) == 2
+    ids = tmp_path / "ids.safetensors"
+    save_file({"input_ids": torch.cat([b["input_ids"] for b in run_data])}, str(ids))
+    ct = ["--format", "compressed-tensors", "--calibration-batches", "2"]
+    assert main(["export", str(folder), str(tmp_path / "from_run"), *ct]) == 0
+    assert main(["export", str(folder), str(tmp_path / "from_ids"), *ct, "--calibration-data", str(ids)]) == 0
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("from_run", "from_ids"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    record = json.loads((tmp_path / "from_ids" / "snip_export.json").read_text())["calibration"]
+    assert record["data"] == f"{ids} (token ids)" and record["batches"] == 2 and record["block_size"] == 64
+
+    with pytest.raises(ExportError, match=r"^ckpt: the run recorded no training data .*; pass --calibration-data"):
+        calibration_batches({"quant": {}}, 2, "ckpt")  # a run of the user's own loop: no 'train' section
+    out = tmp_path / "o"
+    wide = tmp_path / "wide.safetensors"
+    save_file({"input_ids": torch.full((2, 8), 264)}, str(wide))  # TINY_MODEL's vocabulary is 0..263
+    floats = tmp_path / "floats.safetensors"
+    save_file({"input_ids": torch.zeros(2, 8)}, str(floats))
+    other = tmp_path / "other.safetensors"
+    save_file({"tokens": torch.zeros(2, 8, dtype=torch.long)}, str(other))
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    cases = [
+        (["--calibration-data", str(ids)], "--calibration-data: only with --format compressed-tensors"),
+        ([*ct, "--calibration-data", str(tmp_path / "none.txt")], f"--calibration-data {tmp_path / 'none.txt'}: "
+                                                                  "no such file or directory"),
+        ([*ct, "--calibration-data", str(wide)], f"--calibration-data {wide}: token id 264 lies outside the "
+                                                 "model's vocabulary (0..263)"),
+        ([*ct, "--calibration-data", str(floats)], f"--calibration-data {floats}: 'input_ids' must be a non-empty "
+                                                   "2-D integer tensor [blocks, tokens], got float32 [2, 8]"),
+        ([*ct, "--calibration-data", str(other)], f"--calibration-data {other}: holds no 'input_ids' tensor (it "
+                                                  "holds tokens)"),
+        ([*ct, "--calibration-data", str(tmp_path / "junk.safetensors")], "not a readable safetensors file"),
+    ]
+    for flags, message in cases:
+        assert main(["export", str(folder), str(out), *flags]) == 2
+        assert message in _error_line(capsys), flags
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
 # --------------------------------------------------------------------------------------------------------
 # transformers loads the export; its logits follow snip_ds's planned forward
 # --------------------------------------------------------------------------------------------------------
@@ -206,6 +258,9 @@ def test_transformers_loads_the_export_and_follows_the_planned_forward(tmp_path,
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     formats = {g["format"] for g in config["config_groups"].values()}
     assert config["quant_method"] == "compressed-tensors" and formats == {"nvfp4-pack-quantized", "float-quantized"}
+    # FP8's group first, though each block's first planned layer (q_proj) is NVFP4: transformers 5.24 decompresses
+    # unquantized MoE experts with the first group (tests/test_export_trainer.py)
+    assert config["config_groups"]["group_0"]["format"] == "float-quantized"
     assert "lm_head" in config["ignore"]
     planned = _planned_logits(model, mixed, ids)
     quantization_effect = (planned - unquantized).abs().max()
