@@ -202,6 +202,11 @@ def test_calibration_data_stands_in_for_the_run_s_and_bad_data_is_refused_naming
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     record = json.loads((tmp_path / "from_ids" / "snip_export.json").read_text())["calibration"]
     assert record["data"] == f"{ids} (token ids)" and record["batches"] == 2 and record["block_size"] == 64
+    text = tmp_path / "text.txt"  # text: read with the run's tokenizer (bytes) in blocks of its block size
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(400)))
+    assert main(["export", str(folder), str(tmp_path / "from_text"), *ct, "--calibration-data", str(text)]) == 0
+    record = json.loads((tmp_path / "from_text" / "snip_export.json").read_text())["calibration"]
+    assert record["data"] == f"{text} (read with the run's tokenizer)" and record["block_size"] == 64
 
     with pytest.raises(ExportError, match=r"^ckpt: the run recorded no training data .*; pass --calibration-data"):
         calibration_batches({"quant": {}}, 2, "ckpt")  # a run of the user's own loop: no 'train' section
