@@ -75,12 +75,16 @@ def _bytes_to_unicode() -> Dict[int, str]:
 
 def tokenizer_source(meta: Mapping[str, Any]) -> Tuple[Optional[str], str]:
     """``("byte", why)``, ``(path, why)`` of a local Hugging Face tokenizer, or ``(None, why)`` when the
-    checkpoint does not tell. Checkpoints record it (``tokenizer``); older ones are read from the settings."""
+    checkpoint does not tell. Checkpoints record it (``tokenizer``); older ones are read from the settings; a
+    checkpoint of the user's own loop records neither (unless its ``extra`` names a ``tokenizer``)."""
     recorded = meta.get("tokenizer")
     if recorded == "unknown":
         return None, "the run's dataset did not record its tokenizer"
     if isinstance(recorded, str) and recorded:
         return recorded, "recorded in the checkpoint"
+    if not isinstance(meta.get("settings"), Mapping):  # launch/train.py records both; a user's own loop neither
+        return None, ("a run of your own loop records no tokenizer (engine.save_checkpoint's extra "
+                      "{'tokenizer': PATH} names one)")
     train = ((meta.get("settings") or {}).get("train") or {})
     if train.get("tokenizer_name_or_path"):
         return str(train["tokenizer_name_or_path"]), "settings.train.tokenizer_name_or_path"

@@ -82,6 +82,8 @@ def test_tokenizer_of_the_run_is_copied_or_reported_missing(tmp_path):
     assert tokenizer_source({"settings": {"train": {"dataset": None}}})[0] == "byte"
     assert tokenizer_source({"settings": {"train": {"tokenizer_name_or_path": "tok"}}})[0] == "tok"
     assert tokenizer_source({"tokenizer": "unknown"})[0] is None
+    # a checkpoint of the user's own loop (snip_ds.initialize): snip_ds never saw its tokenizer
+    assert tokenizer_source({"step": 3})[0] is None and "your own loop" in tokenizer_source({"step": 3})[1]
 
 
 def test_a_checkpoint_without_the_full_config_exports_its_architecture_with_a_warning(tmp_path):
