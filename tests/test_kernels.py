@@ -401,23 +401,26 @@ from snip_ds import quant
 from snip_ds.backend.kernels import quantize as kq
 target = GPUTarget("cuda", 90, 32)
 ptr_bits = {True: "*i16", False: "*i32"}
-for name in ("fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "nvfp4_2d"):
+for name in ("fp8_e4m3", "fp8_e5m2", "mxfp8", "mxfp4", "nvfp4", "nvfp4_2d"):
     r = quant.get_recipe(name)
     kind = kq.kind(r)
     # (stochastic, BF16 in, axis, dequantize, OUT: 0 FP32, 1 BF16, 2 the FP8 codes of a per-tensor recipe)
-    # (both layouts written: per-tensor recipes; the amax given (2 slots read) or from up to 512 partials)
-    variants = [(False, False, 1, False, 0, False, 512), (True, True, 0, False, 1, False, 2),
-                (False, True, 0, True, 0, False, 512)]
-    for stochastic, bf16, axis, dequant, out, both, amax_block in variants + (
-            [(False, True, 0, False, 2, True, 512), (False, False, 1, False, 2, True, 2)] if kind == 0 else []):
+    # (both layouts written: 1 the same values (per-tensor recipes), 2 blocks along the other axis (block
+    # recipes, from axis 1); the amax given (2 slots read) or from up to 512 partials; products of scales)
+    variants = [(False, False, 1, False, 0, 0, 512, 0), (True, True, 0, False, 1, 0, 2, 1),
+                (False, True, 0, True, 0, 0, 512, 0)]
+    for stochastic, bf16, axis, dequant, out, both, amax_block, products in variants + (
+            [(False, True, 0, False, 2, 1, 512, 0), (False, False, 1, False, 2, 1, 2, 0)] if kind == 0 else
+            [(True, True, 1, False, 1, 2, 512, 2), (False, False, 1, False, 1, 2, 2, 1)]):
         const = dict(KIND=kind, AXIS=axis, BS=max(r.block_size, 1), MBITS=r.element.mbits, EMIN=r.element.emin,
                      EMAX=r.element.emax, MAXN=r.element.max_normal, TENSOR_DIVISOR=2688.0, STOCHASTIC=stochastic,
-                     TRANSPOSE=bf16 and not dequant, IN_BF16=bf16, OUT=out, BR=64, BC=64, DEQUANT=dequant,
-                     BOTH=both, AMAX_BLOCK=amax_block, WRITE_AMAX=both)
+                     TRANSPOSE=bf16 and not dequant and both != 2, IN_BF16=bf16, OUT=out, BR=64, BC=64,
+                     DEQUANT=dequant, BOTH=both, AMAX_BLOCK=amax_block, WRITE_AMAX=both == 1, PRODUCTS=products)
         out_ptr = ("*fp32", "*i16", "*u8")[out]
         sig = {"x_ptr": ptr_bits[bf16], "out_ptr": out_ptr, "out2_ptr": out_ptr, "amax_ptr": "*i32",
                "n_amax": "i32", "scale_out_ptr": "*fp32", "amax_out_ptr": "*fp32", "R": "i32", "C": "i32",
-               "stride_r": "i32", "stride_c": "i32", "seed_ptr": "*i64", "offset": "i64",
+               "stride_r": "i32", "stride_c": "i32", "seed_ptr": "*i64", "seed2_ptr": "*i64", "offset": "i64",
+               "partner_ptr": "*fp32", "partner2_ptr": "*fp32", "products_ptr": "*fp32",
                **{k: "constexpr" for k in const}}
         ptx = triton.compile(ASTSource(kq._quantize_kernel, sig, constexprs=const), target=target).asm["ptx"]
         where = (name, stochastic, bf16, axis, dequant)

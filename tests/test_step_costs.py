@@ -235,3 +235,41 @@ def test_fp8_layers_reading_one_input_quantize_it_once(scaled_mm):
     first = layers[0](xi)
     xi.mul_(2)  # an in-place change between two layers: quantized again
     assert torch.equal(layers[1](xi), layers[1](xi.clone())) and not torch.equal(first, layers[1](xi))
+
+
+def _gemm_tail_copies(unit_scales):
+    """The casts around the three BF16-exact GEMMs of a BF16 layer (values in BF16; no launch of snip_ds's
+    own): on a GPU, ``mm(out_dtype=float32)`` then, for MX (nothing multiplied), the FP32 result cast to BF16;
+    on a CPU with native BF16 GEMMs a BF16 GEMM whose result is widened to FP32 first (one more cast each);
+    without, both operands widened for an FP32 GEMM."""
+    from snip_ds.backend import cpu_stream
+
+    if DEVICE == "cuda":
+        per_gemm = 1 if unit_scales else 0
+    elif cpu_stream.cpu_bf16_gemm(torch.bfloat16):
+        per_gemm = 2 if unit_scales else 1
+    else:
+        per_gemm = 3 if unit_scales else 2
+    return 3 * per_gemm
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "mxfp4"])
+def test_a_block_recipe_layer_step_takes_each_amax_once_and_one_launch_for_both_layouts(through_kernels, recipe):
+    """MXFP8, NVFP4, MXFP4 forward and backward (snip_ds.backend.block_step): one quantization launch for X in
+    both layouts and one for G_Y (each blocked along its GEMM's contraction axis), W for fprop and again for
+    dgrad; NVFP4 takes one amax pass per operand (W's reused for dgrad) and multiplies each GEMM's result by
+    the product of tensor scales its kernel wrote (one ``mul`` per GEMM, none on the scales); FP4 draws one
+    stochastic-rounding seed per GEMM that reads G_Y. Besides, only the three GEMMs and the casts around
+    them."""
+    precision, fields = RECIPES[recipe]
+    counts = _counted(_layer(precision, fields))
+    by_op = dict(counts["by_op"])
+    copies = by_op.pop("aten::_to_copy", 0)
+    expected = {"triton::quantize_kernel": 4, "aten::mm": 3}
+    if recipe == "nvfp4":
+        expected.update({"triton::amax_kernel": 3, "aten::mul": 3})
+    if precision == "fp4":
+        expected["aten::randint"] = 2
+    assert by_op == expected
+    assert copies == _gemm_tail_copies(unit_scales=recipe != "nvfp4")
+    assert counts["launches"] == sum(expected.values()) + copies

@@ -229,3 +229,59 @@ def test_fp8_gemms_read_the_codes_the_kernels_write(through_kernels, monkeypatch
         assert seen == [("fprop", e4m3, e4m3), ("dgrad", e5m2, e4m3), ("wgrad", e5m2, e4m3)]
     else:  # no FP8 GEMM for this shape on this GPU: BF16 values for the BF16 GEMM
         assert {dt for _, *dts in seen for dt in dts} == {torch.bfloat16}
+
+
+BLOCK_CASES = {"mxfp8": ("fp8", {"fp8_recipe": "mxfp8"}), "nvfp4_2d": ("fp4", {}),
+               "nvfp4": ("fp4", {"weight_2d": False}), "mxfp4": ("fp4", {"fp4_recipe": "mxfp4"})}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(64, 96, 80), (33, 70, 45)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("case", BLOCK_CASES)
+def test_block_operands_quantized_once_give_the_same_layer(through_kernels, monkeypatch, case, shape, dtype):
+    """A layer whose three GEMMs are one block recipe (snip_ds.backend.block_step) takes each operand's amax
+    once, quantizes X and G_Y in both of their layouts in one launch each (G_Y's rounded stochastically from
+    the seeds the per-GEMM path draws, in its order), W for dgrad from the forward's amax, and multiplies the
+    GEMMs by the products of tensor scales the kernels wrote: its output and gradients are bit for bit those of
+    the layer that quantizes every operand in every GEMM (the backend without its sharing methods), also where
+    only one of G_X and G_W is wanted, and under a shared amax (tensor parallelism)."""
+    from snip_ds.backend.base import GemmBackend, WithAmax
+    from snip_ds.backend.operands import shared_amax
+    from snip_ds.linear import SnipLinear
+    from snip_ds.quant import QuantParts
+
+    precision, fields = BLOCK_CASES[case]
+    x, w, g = _data(shape, dtype, seed=13)
+    layer = SnipLinear(shape[1], shape[2], bias=True, device=DEVICE, dtype=dtype, precision=precision,
+                       quant_config=QuantConfig(backend="torch", **fields))
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(torch.linspace(-1, 1, shape[2], device=DEVICE))
+
+    def run(need_x=True, need_w=True, reduce=None):
+        layer.generator = torch.Generator(device=DEVICE).manual_seed(5)
+        layer.weight.requires_grad_(need_w)
+        xi = x.clone().requires_grad_(need_x)
+        with shared_amax(reduce):
+            y = layer(xi)
+            y.backward(g)
+        grads = (y.detach(), xi.grad, None if layer.weight.grad is None else layer.weight.grad.clone(),
+                 layer.bias.grad.clone())
+        layer.weight.grad = layer.bias.grad = None
+        return grads
+
+    kept = []
+    backward = TorchBackend.backward_gemms
+    monkeypatch.setattr(TorchBackend, "backward_gemms",
+                        lambda self, g, xk, wk, *a: kept.append((xk, wk)) or backward(self, g, xk, wk, *a))
+    doubled = lambda amax: amax * 2  # noqa: E731 (a reduction whose amax is not the shard's own)
+    variants = [dict(), dict(need_x=False), dict(need_w=False), dict(reduce=doubled)]
+    shared = [run(**v) for v in variants]
+    for x_keep, w_keep in kept:
+        assert isinstance(x_keep, QuantParts) and x_keep.values.dtype == torch.bfloat16
+        assert x_keep.values.t().is_contiguous() and isinstance(w_keep, WithAmax)
+    for name in ("fprop_and_keep", "backward_gemms", "prepare_grad"):
+        monkeypatch.setattr(TorchBackend, name, getattr(GemmBackend, name))
+    for variant, got in zip(variants, shared):
+        for a, b in zip(got, run(**variant)):
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), (variant, case)

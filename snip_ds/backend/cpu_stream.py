@@ -128,14 +128,15 @@ def unit_scales(op_a: operands.Operand, op_b: operands.Operand) -> bool:
 
 
 def scaled(y: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor],
-            out_dtype: torch.dtype, unit_scales: bool) -> torch.Tensor:
-    """``fl(y * fl(scale_a * scale_b)) (+ bias)`` in ``out_dtype`` (``y``: an FP32 GEMM result, written over).
-    MX recipes' tensor scales are 1 (``unit_scales``): nothing is multiplied. Without a bias, the product is
-    written in ``out_dtype`` in the same pass (the FP32 product rounded once, as ``.to(out_dtype)`` of it
-    rounds it): one pass over the result instead of two."""
+           out_dtype: torch.dtype, unit_scales: bool, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``fl(y * fl(scale_a * scale_b)) (+ bias)`` in ``out_dtype`` (``y``: an FP32 GEMM result, written over);
+    ``scale``: that product ``fl(scale_a * scale_b)`` where a kernel wrote it already. MX recipes' tensor scales
+    are 1 (``unit_scales``): nothing is multiplied. Without a bias, the product is written in ``out_dtype`` in
+    the same pass (the FP32 product rounded once, as ``.to(out_dtype)`` of it rounds it): one pass over the
+    result instead of two."""
     if unit_scales:
         return finish(y, bias, out_dtype)
-    scale = scale_a * scale_b
+    scale = scale_a * scale_b if scale is None else scale
     if bias is None and out_dtype != y.dtype:
         return torch.mul(y, scale, out=torch.empty(y.shape, dtype=out_dtype, device=y.device))
     return finish(y.mul_(scale), bias, out_dtype)

@@ -35,9 +35,11 @@ the same scale in each GEMM that reads it, whatever that GEMM's axis: so a layer
 FP8 quantizes X once, in both layouts, and keeps its E4M3 codes for wgrad (:meth:`TorchBackend.fprop_and_keep`;
 one byte per element kept instead of X's two or four), and one whose dgrad and wgrad are both FP8 quantizes G_Y
 once for both (:meth:`TorchBackend.prepare_grad`); a layer all of whose GEMMs are per-tensor FP8 runs a step
-decided once per shape (:mod:`.fp8_step`: ten launches, W quantized for dgrad from the forward's amax). The
-GEMMs multiply the very same values as when each quantizes its own operands
-(``tests/test_torch_backend_kernels.py`` checks the layer bit for bit).
+decided once per shape (:mod:`.fp8_step`: ten launches, W quantized for dgrad from the forward's amax). A
+layer all of whose GEMMs are one block recipe (MXFP8, NVFP4, MXFP4, without wgrad's Hadamard transform)
+runs :mod:`.block_step`: each operand's amax once, X's and G_Y's two block layouts from one launch each, and
+its X's wgrad values kept instead of X. The GEMMs multiply the very same values as when each quantizes its
+own operands (``tests/test_torch_backend_kernels.py`` checks the layer bit for bit).
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ import torch
 
 from snip_ds.backend import cpu as cpu_kernels
 from snip_ds.backend.base import BackendError, GemmBackend, WithAmax, kernel_seed, recipe_words
-from snip_ds.backend import cpu_stream, fp8_step, operands
+from snip_ds.backend import block_step, cpu_stream, fp8_step, operands
 from snip_ds.backend.emulated import reference_operands
 from snip_ds.backend.operands import amax_shared, gemm_recipe, hadamard_pair, whole_amax
 from snip_ds.quant_config import QuantConfig
@@ -175,7 +177,10 @@ class TorchBackend(GemmBackend):
         return _FP8_DTYPES[ops[0].recipe]
 
     def kept_x_dtype(self, x, prec, cfg):
-        """X's FP8 dtype where :meth:`fprop_and_keep` keeps its codes, else None."""
+        """X's FP8 dtype where :meth:`fprop_and_keep` keeps its codes, BF16 where it keeps a block recipe's
+        values for wgrad (:mod:`.block_step`), else None."""
+        if self._block_recipes(x, prec, cfg) is not None:
+            return block_step.VALUES
         return self._shared_fp8("x", ("fprop", "wgrad"), prec, cfg, x)
 
     def fprop_and_keep(self, x, w, prec, cfg, *, bias=None, out_dtype=torch.float32):
@@ -184,7 +189,7 @@ class TorchBackend(GemmBackend):
         written transposed in the same pass (:attr:`QuantParts.values` a column-major view: wgrad's layout).
         A layer all of whose GEMMs are FP8 runs the step decided for its shape (:mod:`.fp8_step`), which also
         keeps W's amax for dgrad."""
-        step = self.decided_fp8_step(x, w, prec, cfg)
+        step = self.decided_fp8_step(x, w, prec, cfg) or self.decided_block_step(x, w, prec, cfg)
         if step is not None:
             return step.forward(x, w, bias, out_dtype)
         fp8 = self._shared_fp8("x", ("fprop", "wgrad"), prec, cfg, x)
@@ -203,13 +208,35 @@ class TorchBackend(GemmBackend):
         if isinstance(w_keep, WithAmax):
             if not any(needs):
                 return None, None
-            step = self.decided_fp8_step(x_keep.values, w_keep.tensor, prec, cfg, x_dtype=x_dtype)  # forward's
+            x = x_keep.values
+            block = self.decided_block_step(x, w_keep.tensor, prec, cfg, x_dtype=x_dtype)  # the forward's step
+            if block is not None:
+                return block.backward(g, x_keep, w_keep, needs, generator, x_dtype, w_dtype)
+            step = self.decided_fp8_step(x, w_keep.tensor, prec, cfg, x_dtype=x_dtype)
             return step.backward(g, x_keep, w_keep, needs, x_dtype, w_dtype)
         return super().backward_gemms(g, x_keep, w_keep, prec, cfg, generator, needs, x_dtype, w_dtype)
 
     def keeps_w_amax(self, x, w, prec, cfg) -> bool:
-        return (prec.uniform == "fp8" and cfg.fp8_recipe == "fp8_hybrid" and x.device.type in KERNEL_DEVICES
-                and kernels() is not None and x.numel() != 0 and w.numel() != 0)
+        return ((prec.uniform == "fp8" and cfg.fp8_recipe == "fp8_hybrid" and x.device.type in KERNEL_DEVICES
+                 and kernels() is not None and x.numel() != 0 and w.numel() != 0)
+                or (self._block_recipes(x, prec, cfg) is not None and w.numel() != 0))
+
+    @staticmethod
+    def _block_recipes(x, prec, cfg):
+        """:func:`block_step.block_recipes` where the Triton kernels quantize a non-empty ``x``, else None."""
+        if x.device.type not in KERNEL_DEVICES or x.numel() == 0 or kernels() is None:
+            return None
+        return block_step.block_recipes(prec, cfg)
+
+    def decided_block_step(self, x, w, prec, cfg, x_dtype=None) -> Optional[block_step.BlockStep]:
+        """The decided step of a layer whose three GEMMs are one block-scaled recipe where the Triton kernels
+        quantize (:mod:`.block_step`), else None; decided once per shape, dtypes, device and recipe
+        (``x_dtype``: X's own dtype where ``x`` is its kept values)."""
+        recipes = self._block_recipes(x, prec, cfg)
+        if recipes is None or w.numel() == 0:
+            return None
+        return _block_plan(tuple(x.shape), tuple(w.shape), x_dtype or x.dtype, w.dtype, x.device, recipes,
+                           amax_shared(), self._mm)
 
     def decided_fp8_step(self, x, w, prec, cfg, x_dtype=None) -> Optional[fp8_step.Fp8Step]:
         """The decided step of a layer whose three GEMMs are per-tensor FP8 where the Triton kernels quantize
@@ -297,9 +324,11 @@ class TorchBackend(GemmBackend):
 
     def _mm(self, gemm: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
             fp8: Optional[Tuple[torch.dtype, torch.dtype]], bias: Optional[torch.Tensor],
-            out_dtype: torch.dtype, unit_scales: bool = False) -> torch.Tensor:
+            out_dtype: torch.dtype, unit_scales: bool = False, scale: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
         """``(a @ b) * scale_a * scale_b (+ bias)`` in ``out_dtype``; a: [M, K], b: [K, N] exact grid values;
-        ``unit_scales``: both tensor scales are 1 by the recipe (MX), and are not multiplied in."""
+        ``unit_scales``: both tensor scales are 1 by the recipe (MX), and are not multiplied in; ``scale``:
+        ``scale_a * scale_b`` where a quantization kernel wrote it (BF16-exact GEMMs)."""
         if fp8 is not None and _scaled_mm_ok(gemm, a, b, fp8):  # row-major a, column-major b (cuBLASLt's)
             return fp8_step.scaled_mm(a.to(fp8[0]).contiguous(), b.t().to(fp8[1]).contiguous().t(), scale_a,
                                       scale_b, bias, out_dtype)
@@ -309,7 +338,7 @@ class TorchBackend(GemmBackend):
             y = torch.mm(cpu_stream.fp32(a), cpu_stream.fp32(b))  # the exact values in an FP32 GEMM
         else:  # CPU: BF16 GEMM, its FP32 sum rounded once to BF16 (the result is rounded to out_dtype anyway)
             y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
-        return cpu_stream.scaled(y, scale_a, scale_b, bias, out_dtype, unit_scales)
+        return cpu_stream.scaled(y, scale_a, scale_b, bias, out_dtype, unit_scales, scale)
 
 
 def _bf16_mm_fp32(a16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:
@@ -336,6 +365,13 @@ def _fp8_plan(x_shape, w_shape, x_dtype, w_dtype, device, kernels_module, scaled
               and _scaled_mm_ok("dgrad", _Dims(device, (rows, n)), _Dims(device, (n, k)), (e5m2, e4m3))
               and _scaled_mm_ok("wgrad", _Dims(device, (n, rows)), _Dims(device, (rows, k)), (e5m2, e4m3)))
     return fp8_step.plan(rows, k, n, x_dtype, w_dtype, scaled, mm, amax_given)
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_plan(x_shape, w_shape, x_dtype, w_dtype, device, recipes, amax_given, mm):
+    """:func:`block_step.plan` for these operands; the arguments that decide it are the cache's key."""
+    (rows, k), (n, _) = x_shape, w_shape
+    return block_step.plan(rows, k, n, x_dtype, w_dtype, recipes, mm, amax_given, device)
 
 
 class _Dims(NamedTuple):

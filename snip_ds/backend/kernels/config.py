@@ -26,6 +26,10 @@ NVFP4_2D = tl.constexpr(3)
 OUT_FP32 = tl.constexpr(0)
 OUT_BF16 = tl.constexpr(1)
 OUT_FP8 = tl.constexpr(2)  # the element format's own codes (per-tensor FP8 recipes)
+# BOTH: a second layout, transposed, written by the same launch
+BOTH_NONE = tl.constexpr(0)
+BOTH_SAME = tl.constexpr(1)  # the same values (per-tensor recipes, whose values do not depend on the axis)
+BOTH_AXES = tl.constexpr(2)  # blocks along the other axis (block recipes: X for fprop and wgrad; G_Y)
 MX_KIND = int(MX)  # (a plain int: comparing with the tl.constexpr builds objects on every call)
 FP8_CODES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # element format -> the torch dtype
 MAX_TILE = 64  # tile edge (elements) on the GPU; small tensors get the smallest power of two that covers them
@@ -70,21 +74,25 @@ class LaunchConfig(NamedTuple):
     both: bool  # the values are written in both layouts
     write_amax: bool  # the tensor amax is written out too
     amax_programs: int  # the amax pass's programs (partial maxima), where it runs
+    products: int = 0  # products of the tensor scale with other operands' scales written out (0, 1 or 2)
 
 
 @functools.lru_cache(maxsize=4096)
 def cached_launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torch.dtype, transpose: bool,
                          in_bf16: bool, dequantize: bool, both: bool = False, amax_given: bool = False,
-                         write_amax: bool = False) -> LaunchConfig:
+                         write_amax: bool = False, products: int = 0) -> LaunchConfig:
     """The tiles, grids and compile-time arguments of one quantization (worked out once per shape and
-    recipe: the launch's host time). ``both``: write the values in both layouts (per-tensor recipes only,
-    whose values do not depend on the layout's axis); ``amax_given``: the tensor amax is passed in;
-    ``write_amax``: :func:`snip_ds.backend.kernels.quantize.launch` returns the tensor amax (else None)."""
+    recipe: the launch's host time). ``both``: write the values in both layouts -- a per-tensor recipe's
+    values, which do not depend on the layout's axis, or a block recipe's in blocks along the other axis
+    (``axis`` 1 not transposed, the second layout along axis 0, transposed); ``amax_given``: the tensor amax
+    is passed in; ``write_amax``: :func:`snip_ds.backend.kernels.quantize.launch` returns the tensor amax
+    (else None); ``products``: it writes the tensor scale times this many other scales."""
     recipe = get_recipe(recipe)
     k = kind(recipe)
     bs = recipe.block_size
-    br = tile(rows, bs if k == NVFP4_2D or (k != PER_TENSOR and axis == 0) else 1)
-    bc = tile(cols, bs if k == NVFP4_2D or (k != PER_TENSOR and axis == 1) else 1)
+    both_axes = both and k != PER_TENSOR
+    br = tile(rows, bs if k == NVFP4_2D or (k != PER_TENSOR and (axis == 0 or both_axes)) else 1)
+    bc = tile(cols, bs if k == NVFP4_2D or (k != PER_TENSOR and (axis == 1 or both_axes)) else 1)
     out = int(OUT_FP8) if out_dtype in FP8_CODES.values() else int(OUT_BF16) if out_dtype == torch.bfloat16 \
         else int(OUT_FP32)
     element = recipe.element
@@ -96,21 +104,27 @@ def cached_launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype
                      EMAX=element.emax, MAXN=element.max_normal,
                      TENSOR_DIVISOR=NVFP4_TENSOR_DIVISOR if k in (NVFP4, NVFP4_2D) else element.max_normal,
                      TRANSPOSE=transpose, IN_BF16=in_bf16, OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize),
-                     BOTH=bool(both), AMAX_BLOCK=2 if amax_given else MAX_AMAX_PROGRAMS,
-                     WRITE_AMAX=bool(write_amax))
+                     BOTH=int(BOTH_AXES if both_axes else BOTH_SAME if both else BOTH_NONE),
+                     AMAX_BLOCK=2 if amax_given else MAX_AMAX_PROGRAMS, WRITE_AMAX=bool(write_amax),
+                     PRODUCTS=int(products))
     return LaunchConfig(k, br, bc, (triton.cdiv(rows, br) * triton.cdiv(cols, bc),),
                         (torch.float32, torch.int16, torch.uint8)[out], constants,
                         (cols, rows) if transpose else (rows, cols), out_dtype,
-                        torch.int16 if in_bf16 else torch.int32, in_bf16, both, write_amax, programs)
+                        torch.int16 if in_bf16 else torch.int32, in_bf16, both, write_amax, programs,
+                        int(products))
 
 
 def launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torch.dtype, transpose: bool,
                   in_bf16: bool, *, both: bool = False, amax_given: bool = False,
-                  write_amax: bool = False) -> LaunchConfig:
+                  write_amax: bool = False, products: int = 0) -> LaunchConfig:
     """The configuration :func:`launch` runs a quantization with (see :func:`cached_launch_config`); ValueError
-    where ``both`` is asked of a recipe with blocks, whose values depend on the layout's axis."""
-    if both and get_recipe(recipe).block_size != 0:
-        raise ValueError(f"both: recipe {recipe!r} has blocks along one axis; only per-tensor values serve "
-                         f"both layouts")
+    where ``both`` is asked of a block recipe other than along axis 1 untransposed (the second layout is
+    along axis 0, transposed), or ``products`` is not 0, 1 or 2."""
+    if both and get_recipe(recipe).block_size != 0 and (axis % 2 != 1 or transpose):
+        raise ValueError(f"both: recipe {recipe!r} has blocks along one axis; both layouts are written from "
+                         f"axis 1 untransposed (the second along axis 0, transposed), not axis {axis} with "
+                         f"transpose={transpose}")
+    if products not in (0, 1, 2):
+        raise ValueError(f"products: expected 0, 1 or 2 products of tensor scales, got {products!r}")
     return cached_launch_config(rows, cols, recipe, axis % 2, out_dtype, transpose, in_bf16, False, both, amax_given,
-                          write_amax)
+                                write_amax, products)

@@ -9,11 +9,13 @@ propagates as in ``torch.amax``.
 Pass 2: one program per tile reduces the partial maxima (a few hundred integers at most: the amax's second
 stage, fused here), loads ``x`` once, computes its block amaxes (the same integer max), the scales
 (:mod:`.grid`), rounds every element and writes ``values`` -- in FP32 or BF16 or a per-tensor recipe's FP8
-codes, in ``x``'s layout or transposed, or (per-tensor recipes, whose values do not depend on the axis) in
-both layouts at once -- and the first program writes ``tensor_scale`` and the tensor amax, which a later
-quantization of the same tensor (the weight in backward) passes back as ``tensor_amax``. Tiles hold whole
-blocks along the block axis; masked loads read the partial last block as zeros, which is the reference's
-zero padding.
+codes, in ``x``'s layout or transposed, or in both layouts at once (per-tensor recipes: the same values,
+which do not depend on the axis; block recipes: blocked along the rows in ``x``'s layout and along the columns
+transposed, each rounded stochastically from its own seed: the two GEMMs that read X, or G_Y) -- and the first
+program writes ``tensor_scale``, the tensor amax, which a later quantization of the same tensor (the weight in
+backward) passes back as ``tensor_amax``, and where asked the products of the tensor scale with other
+operands' scales that the GEMMs multiply their results by. Tiles hold whole blocks along the block axes;
+masked loads read the partial last block as zeros, which is the reference's zero padding.
 
 Both passes run on a 1-D grid (tile ``pid`` is row tile ``pid // n_col_tiles``, column tile
 ``pid % n_col_tiles``): CUDA caps a grid's second dimension at 65535 programs, which a 2-D grid of
@@ -37,13 +39,13 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from snip_ds.backend.base import check_kernel_arguments, check_kernel_input
 from snip_ds.backend.kernels import grid as g
-from snip_ds.backend.kernels.config import (FP8_CODES, MX, MX_KIND, NVFP4_2D, OUT_BF16, OUT_FP8, PER_TENSOR,
-                                            LaunchConfig, amax_programs, cached_launch_config, kind, launch_config,
-                                            tile)
+from snip_ds.backend.kernels.config import (BOTH_AXES, BOTH_SAME, FP8_CODES, MX, MX_KIND, NVFP4_2D, OUT_BF16,
+                                            OUT_FP8, PER_TENSOR, LaunchConfig, amax_programs, cached_launch_config,
+                                            kind, launch_config, tile)
 from snip_ds.quant import QuantParts, Recipe, get_recipe
 
 # the public API, the configuration's kind and launch_config included (used through this module)
-__all__ = ["quantize_parts", "fake_quantize", "tensor_amax", "launch", "launch_config", "kind",
+__all__ = ["quantize_parts", "fake_quantize", "tensor_amax", "launch", "launch_config", "kind", "seed_tensor",
            "INTERPRETED", "triton_quantize", "triton_amax"]
 
 
@@ -115,32 +117,16 @@ def _block_amax_bits(mag_bits, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.co
     return tl.reshape(full, [BR, BC])
 
 
-@triton.jit(do_not_specialize=["n_amax"])  # (its value varies with the shape: no variant per value class)
-def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C, stride_r,
-                     stride_c, seed_ptr, offset, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr,
-                     MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr,
-                     TENSOR_DIVISOR: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr,
-                     OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr,
-                     BOTH: tl.constexpr, AMAX_BLOCK: tl.constexpr, WRITE_AMAX: tl.constexpr):
-    pid_r, pid_c = _tile_index(C, BC)
-    rows = pid_r * BR + tl.arange(0, BR).to(tl.int64)
-    cols = pid_c * BC + tl.arange(0, BC).to(tl.int64)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    bits = g.load_bits(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask, IN_BF16)
-    mag_bits = bits & 0x7FFFFFFF
-    sign_bits = bits ^ mag_bits
-    mag = mag_bits.to(tl.float32, bitcast=True)
-
-    amax = tl.zeros([], tl.float32)
-    if KIND != MX:
-        amax = _reduce_amax(amax_ptr, n_amax, AMAX_BLOCK)
+@triton.jit
+def _rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed_ptr, offset, KIND: tl.constexpr,
+             AXIS: tl.constexpr, BS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+             MAXN: tl.constexpr, STOCHASTIC: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+             DEQUANT: tl.constexpr):
+    """The tile's values in blocks along ``AXIS`` (``scale``: the tensor scale), encoded as ``OUT``."""
     if KIND == PER_TENSOR:
-        scale = g.tensor_scale(amax, MAXN)
         scaled = tl.div_rn(mag, tl.broadcast_to(scale, mag.shape))
         value_mul = tl.full(mag.shape, 1.0, tl.float32)
     elif KIND == MX:
-        scale = tl.full([], 1.0, tl.float32)
         amax_bits = _block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC)
         exp = g.mx_exponent(amax_bits, EMAX)
         finite = (amax_bits >> 23) < 255  # a NaN or Inf in the block poisons its scale
@@ -148,7 +134,6 @@ def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, 
         scaled = mag * g.pow2(-exp)  # times an exact power of two: the correctly rounded quotient
         scaled = tl.where(finite, scaled, float("nan"))
     else:  # NVFP4, NVFP4_2D
-        scale = g.tensor_scale(amax, TENSOR_DIVISOR)
         amax_b = _block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC).to(tl.float32, bitcast=True)
         value_mul = g.e4m3_rne(tl.div_rn(amax_b, tl.broadcast_to(scale * MAXN, amax_b.shape)))  # s_b; MAXN = 6
         d = value_mul * scale
@@ -171,16 +156,55 @@ def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, 
         values = g.bf16_bits(values)
     elif OUT == OUT_FP8:  # per-tensor recipes only: q is the element's grid value itself
         values = g.fp8_code(values, MBITS, EMIN).to(tl.uint8)
+    return values
+
+
+@triton.jit(do_not_specialize=["n_amax"])  # (its value varies with the shape: no variant per value class)
+def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C, stride_r,
+                     stride_c, seed_ptr, seed2_ptr, offset, partner_ptr, partner2_ptr, products_ptr,
+                     KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr,
+                     MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr,
+                     TENSOR_DIVISOR: tl.constexpr,
+                     STOCHASTIC: tl.constexpr, TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr,
+                     OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr,
+                     BOTH: tl.constexpr, AMAX_BLOCK: tl.constexpr, WRITE_AMAX: tl.constexpr,
+                     PRODUCTS: tl.constexpr):
+    pid_r, pid_c = _tile_index(C, BC)
+    rows = pid_r * BR + tl.arange(0, BR).to(tl.int64)
+    cols = pid_c * BC + tl.arange(0, BC).to(tl.int64)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    bits = g.load_bits(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask, IN_BF16)
+    mag_bits = bits & 0x7FFFFFFF
+    sign_bits = bits ^ mag_bits
+    mag = mag_bits.to(tl.float32, bitcast=True)
+
+    amax = tl.zeros([], tl.float32)
+    if KIND != MX:
+        amax = _reduce_amax(amax_ptr, n_amax, AMAX_BLOCK)
+    if KIND == MX:
+        scale = tl.full([], 1.0, tl.float32)
+    else:
+        scale = g.tensor_scale(amax, TENSOR_DIVISOR)  # (MAXN for per-tensor recipes)
+    values = _rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed_ptr, offset, KIND, AXIS, BS, MBITS,
+                      EMIN, EMAX, MAXN, STOCHASTIC, OUT, BR, BC, DEQUANT)
     if TRANSPOSE:
         tl.store(out_ptr + cols[None, :] * R + rows[:, None], values, mask=mask)
     else:
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], values, mask=mask)
-    if BOTH:  # the same values in the other layout too: the transposed operand of a second GEMM
+    if BOTH == BOTH_SAME:  # the same values in the other layout too: the transposed operand of a second GEMM
         tl.store(out2_ptr + cols[None, :] * R + rows[:, None], values, mask=mask)
+    elif BOTH == BOTH_AXES:  # blocks along the other axis, transposed, with their own draws: a second GEMM's
+        values2 = _rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed2_ptr, offset, KIND, 1 - AXIS,
+                           BS, MBITS, EMIN, EMAX, MAXN, STOCHASTIC, OUT, BR, BC, DEQUANT)
+        tl.store(out2_ptr + cols[None, :] * R + rows[:, None], values2, mask=mask)
     if (pid_r == 0) & (pid_c == 0):
         tl.store(scale_out_ptr, scale)
         if WRITE_AMAX:
             tl.store(amax_out_ptr, amax)
+        if PRODUCTS >= 1:  # the GEMMs' products of tensor scales, fl(S * S_partner) as torch multiplies them
+            tl.store(products_ptr, scale * tl.load(partner_ptr))
+        if PRODUCTS == 2:
+            tl.store(products_ptr + 1, scale * tl.load(partner2_ptr))
 
 
 def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
@@ -243,7 +267,7 @@ def _quantize(x, recipe, axis, tensor_amax, stochastic, seed, offset, out_dtype,
             tensor_amax = tensor_amax.detach().to(device=x.device, dtype=torch.float32).reshape(())
     else:
         tensor_amax = None  # MX: unused
-    seed = _seed_tensor(seed, x.device) if stochastic else None
+    seed = seed_tensor(seed, x.device) if stochastic else None
     run = triton_quantize if torch.compiler.is_compiling() else _quantize_launch
     values, scale = run(x, tensor_amax, seed, recipe.name, axis % 2, offset, out_dtype, transpose, dequantize)
     return QuantParts(values, scale)
@@ -268,18 +292,24 @@ def _quantize_launch(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed:
 
 
 def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tensor],
-           seed: Optional[torch.Tensor], offset: int = 0
+           seed: Optional[torch.Tensor], offset: int = 0, *, seed2: Optional[torch.Tensor] = None,
+           partners: Tuple[torch.Tensor, ...] = (), products: Optional[torch.Tensor] = None
            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """One quantization of a non-empty, checked ``x`` whose launch configuration ``cfg`` was worked out
     already (:func:`launch_config`): at most two launches, and nothing else decided here. Returns the values
-    (in ``cfg``'s dtype and layout), the same values in the other layout where ``cfg.both`` (else None), the
-    tensor scale and the tensor amax the scale was made from (0-d FP32; 0 for MX recipes, which have none):
-    what a later quantization of the same tensor passes as ``tensor_amax`` to skip the amax pass; None unless
-    ``cfg.write_amax``)."""
+    (in ``cfg``'s dtype and layout), the values in the other layout where ``cfg.both`` (else None; blocks
+    along the other axis where the recipe has blocks, rounded stochastically from ``seed2``), the tensor scale
+    and the tensor amax the scale was made from (0-d FP32; 0 for MX recipes, which have none): what a later
+    quantization of the same tensor passes as ``tensor_amax`` to skip the amax pass; None unless
+    ``cfg.write_amax``). Where ``cfg.products``, the tensor scale times each of ``partners`` (0-d FP32 scales
+    of the other operands of the GEMMs that read ``x``) is written into ``products`` (FP32, one per partner)."""
     rows, cols = x.shape
     device = x.device
     values = torch.empty(cfg.shape, dtype=cfg.out_dtype, device=device)
     values2 = torch.empty(cfg.shape[::-1], dtype=cfg.out_dtype, device=device) if cfg.both else None
+    if len(partners) != cfg.products or (products is None) != (not cfg.products):
+        raise ValueError(f"partners: the configuration writes {cfg.products} products of scales, got "
+                         f"{len(partners)} partner scales and {'no' if products is None else 'a'} products tensor")
     x_bits = x.view(cfg.in_view)  # the kernels convert by bit shifting
     scale = torch.empty((), dtype=torch.float32, device=device)  # the kernel's first program writes both
     amax_out = torch.empty((), dtype=torch.float32, device=device) if cfg.write_amax else None
@@ -293,7 +323,8 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
     _launchable(_quantize_kernel)[cfg.grid](
         x_bits, out_bits, out_bits if values2 is None else values2.view(cfg.out_view), amax, n_amax, scale,
         scale if amax_out is None else amax_out, rows, cols, x.stride(0), x.stride(1),
-        scale if seed is None else seed, offset,  # round to nearest reads no seed
+        scale if seed is None else seed, scale if seed2 is None else seed2, offset,  # (rounding to nearest
+        *(tuple(partners) + (scale, scale))[:2], scale if products is None else products,  # reads no seed)
         STOCHASTIC=seed is not None, **cfg.constants)
     return values, values2, scale, amax_out
 
@@ -328,15 +359,16 @@ def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, programs: int) 
     """Stage 1 of the tensor amax: ``programs`` partial maxima of ``|x|`` as int32 bit patterns (every slot
     written by its program: no zero-fill)."""
     rows, cols = x_bits.shape
-    tiles = triton.cdiv(rows, br) * triton.cdiv(cols, bc)
+    # (plain integer arithmetic: triton.cdiv and next_power_of_2 are constexpr functions, microseconds a call)
+    per_program = -(-(-(-rows // br) * -(-cols // bc)) // programs)  # cdiv(tiles, programs), at least 1
     partials = torch.empty(programs, dtype=torch.int32, device=x_bits.device)
     _launchable(_amax_kernel)[(programs,)](x_bits, partials, rows, cols, x_bits.stride(0), x_bits.stride(1),
                                            IN_BF16=in_bf16, BR=br, BC=bc,
-                                           TILES_PER_PROGRAM=triton.next_power_of_2(triton.cdiv(tiles, programs)))
+                                           TILES_PER_PROGRAM=1 << (per_program - 1).bit_length())
     return partials
 
 
-def _seed_tensor(seed: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
+def seed_tensor(seed: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
     """The seed as the one-element int64 tensor on ``device`` that the kernel reads (an int becomes one by a
     fill kernel, which needs no host synchronisation either)."""
     if isinstance(seed, torch.Tensor):

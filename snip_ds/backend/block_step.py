@@ -1,0 +1,169 @@
+"""A block-scaled (MXFP8, NVFP4, MXFP4) layer's forward and backward where the Triton kernels quantize.
+
+The torch backend quantizes each GEMM's operands along that GEMM's contraction axis. A layer whose three GEMMs
+are the same block recipe (without the Hadamard transform of wgrad's operands, which makes them other tensors)
+needs X along k (fprop) and along the tokens (wgrad), G_Y along n (dgrad) and along the tokens (wgrad), W along
+k (fprop) and along n (dgrad). Here:
+
+* forward: W's amax pass (NVFP4) and its values for fprop, the amax written out and kept for dgrad (four
+  bytes); X's amax pass and its values in both layouts, each in blocks along its own axis, from one launch,
+  which also writes fprop's product of the tensor scales (NVFP4); the GEMM. Kept for backward: X's values in
+  wgrad's layout and its tensor scale (where the per-GEMM path keeps X itself: the same bytes for BF16 X) and
+  W with its amax.
+* backward: W's values for dgrad from the kept amax (no amax pass); G_Y's amax pass and its values in both
+  layouts from one launch, each rounded stochastically from its own seed (drawn from the generator in the
+  order dgrad, wgrad, as the per-GEMM path draws them), writing dgrad's and wgrad's products of tensor scales;
+  the two GEMMs.
+
+Per operand this is one amax pass (the per-GEMM path takes two) and, for X and G_Y, one quantization launch
+(two), and the GEMMs multiply by products the kernels wrote (no ``scale_a * scale_b`` launch). The values,
+scales, draws and GEMM calls are the per-GEMM path's, so the results are bit for bit the same
+(``tests/test_torch_backend_kernels.py``). Under tensor parallelism
+(:func:`snip_ds.backend.operands.shared_amax`) each operand's amax is the whole tensor's, taken once.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional, Tuple
+
+import torch
+
+from snip_ds.backend.base import WithAmax, kernel_seed
+from snip_ds.backend.operands import gemm_recipe, whole_amax
+from snip_ds.quant import QuantParts, get_recipe
+
+VALUES = torch.bfloat16  # the GEMMs' operand values (exact in BF16: torch_native's module docstring)
+
+
+class BlockStep(NamedTuple):
+    """The decided step of one block-scaled layer shape (see the module docstring)."""
+
+    kq: Any  # snip_ds.backend.kernels.quantize
+    x: str  # the recipes of X, W and G_Y
+    w: str
+    g: str
+    stochastic_g: bool  # G_Y rounds stochastically
+    x_cfg: Any  # X: both layouts (along k for fprop, along the tokens, transposed, for wgrad), fprop's product
+    w_cfg: Any  # W for fprop, its amax written out
+    unit_scales: bool  # MX: tensor scales are 1, nothing is multiplied
+    amax_given: bool  # a shared_amax reduction gives the amaxes (tensor parallelism)
+    mm: Any  # the backend's GEMM of grid values: ``mm(gemm, a, b, sa, sb, None, bias, out_dtype, unit, scale)``
+    device: torch.device  # where the products of tensor scales are written
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                out_dtype: torch.dtype) -> Tuple[torch.Tensor, QuantParts, WithAmax]:
+        """``Y`` and what backward keeps: X's values for wgrad (a column-major view of their transposed
+        storage) and tensor scale, and W with its amax."""
+        x, w = _kernel_input(x), _kernel_input(w)
+        w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w, self.w), None)
+        product = self._products(1)
+        x_values, x_t, x_scale, _ = self.kq.launch(self.x_cfg, x, self._amax(x, self.x), None,
+                                                   **self._partners((w_scale,), product))
+        y = self.mm("fprop", x_values, w_values.t(), x_scale, w_scale, None, bias, out_dtype, self.unit_scales,
+                    None if product is None else product[0])
+        return y, QuantParts(x_t.t(), x_scale), WithAmax(w, w_amax)
+
+    def backward(self, g: torch.Tensor, x_keep: QuantParts, w_keep: WithAmax, needs: Tuple[bool, bool],
+                 generator: Optional[torch.Generator], x_dtype: torch.dtype, w_dtype: torch.dtype
+                 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        g = _kernel_input(g)
+        need_x, need_w = needs
+        seeds = [self.kq.seed_tensor(kernel_seed(generator, g.device), g.device) if self.stochastic_g and need
+                 else None for need in needs]  # dgrad's, then wgrad's: the per-GEMM path's order
+        partners = ()
+        if need_x:  # W for dgrad from the forward's amax
+            w = _kernel_input(w_keep.tensor)
+            w_t, _, w_scale, _ = self.kq.launch(_w_t_config(*w.shape, w.dtype == torch.bfloat16, self.w), w,
+                                                w_keep.amax, None)
+            partners += (w_scale,)
+        if need_w:
+            partners += (x_keep.tensor_scale,)
+        products = self._products(len(partners))
+        g_cfg = _g_config(*g.shape, g.dtype == torch.bfloat16, self.g, need_x, need_w, self.amax_given,
+                          0 if products is None else len(partners))
+        first, g_t, g_scale, _ = self.kq.launch(g_cfg, g, self._amax(g, self.g), seeds[0] if need_x else seeds[1],
+                                                seed2=seeds[1] if need_x else None,
+                                                **self._partners(partners, products))
+        g_x = g_w = None
+        if need_x:
+            g_x = self.mm("dgrad", first, w_t.t(), g_scale, w_scale, None, None, x_dtype, self.unit_scales,
+                          None if products is None else products[0])
+            del w_t  # (dgrad's operands are not needed for wgrad)
+        if need_w:
+            g_t, first = (g_t if need_x else first), None
+            g_w = self.mm("wgrad", g_t, x_keep.values, g_scale, x_keep.tensor_scale, None, None, w_dtype,
+                          self.unit_scales, None if products is None else products[len(partners) - 1])
+        return g_x, g_w
+
+    def _amax(self, t: torch.Tensor, recipe: str) -> Optional[torch.Tensor]:
+        """The whole tensor's amax under a shared_amax reduction (as the kernels read it: 0-d FP32 on ``t``'s
+        device), else None: the kernels take ``t``'s own."""
+        amax = whole_amax(t, recipe) if self.amax_given else None
+        return None if amax is None else amax.detach().to(device=t.device, dtype=torch.float32).reshape(())
+
+    def _products(self, count: int) -> Optional[torch.Tensor]:
+        """The buffer a kernel writes ``count`` products of tensor scales into (None for MX recipes)."""
+        if self.unit_scales or not count:
+            return None
+        return torch.empty(count, dtype=torch.float32, device=self.device)
+
+    @staticmethod
+    def _partners(partners, products) -> dict:
+        return {} if products is None else dict(partners=partners, products=products)
+
+
+def block_recipes(prec, cfg) -> Optional[Tuple[str, str, str, bool]]:
+    """``(x, w, g, stochastic_g)``: the recipes of a layer whose three GEMMs are one block-scaled recipe
+    without the Hadamard transform of wgrad's operands, else None."""
+    precision = prec.uniform
+    if precision not in ("fp8", "fp4") or (precision == "fp8" and cfg.fp8_recipe == "fp8_hybrid"):
+        return None
+    fprop, dgrad, wgrad = (gemm_recipe(gemm, precision, cfg) for gemm in ("fprop", "dgrad", "wgrad"))
+    if wgrad.hadamard or any(get_recipe(op.recipe).block_size == 0 for r in (fprop, dgrad, wgrad)
+                             for op in r.operands):
+        return None
+    return fprop.a.recipe, fprop.b.recipe, dgrad.a.recipe, dgrad.a.stochastic
+
+
+def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, recipes, mm,
+         amax_given: bool, device: torch.device) -> BlockStep:
+    """The step of a layer with X ``[rows, k]`` and W ``[n, k]`` under ``recipes`` (:func:`block_recipes`);
+    ``mm``: the backend's GEMM of grid values; ``amax_given``: a
+    :func:`~snip_ds.backend.operands.shared_amax` reduction is in force. The caller caches it."""
+    from snip_ds.backend.kernels import quantize as kq
+
+    x, w, g, stochastic_g = recipes
+    unit = get_recipe(x).scale == "e8m0" and get_recipe(w).scale == "e8m0"
+    x_bf16, w_bf16 = _kernel_dtype(x_dtype) == torch.bfloat16, _kernel_dtype(w_dtype) == torch.bfloat16
+    x_cfg = kq.launch_config(rows, k, x, 1, VALUES, False, x_bf16, both=True, amax_given=amax_given,
+                             products=0 if unit else 1)
+    w_cfg = kq.launch_config(n, k, w, 1, VALUES, False, w_bf16, amax_given=amax_given, write_amax=True)
+    return BlockStep(kq, x, w, g, stochastic_g, x_cfg, w_cfg, unit, amax_given, mm, device)
+
+
+def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def _kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels read it: FP32 and BF16 as they are, FP16 widened to FP32 (exactly)."""
+    return t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
+
+
+@functools.lru_cache(maxsize=1024)
+def _g_config(rows: int, n: int, in_bf16: bool, recipe: str, need_x: bool, need_w: bool, amax_given: bool,
+              products: int):
+    """G_Y along n for dgrad and along the tokens, transposed, for wgrad: in one launch where both run."""
+    from snip_ds.backend.kernels import quantize as kq
+
+    return kq.launch_config(rows, n, recipe, 1 if need_x else 0, VALUES, not need_x, in_bf16,
+                            both=need_x and need_w, amax_given=amax_given, products=products)
+
+
+@functools.lru_cache(maxsize=1024)
+def _w_t_config(n: int, k: int, in_bf16: bool, recipe: str):
+    """W again for dgrad, along n, transposed (``[k, n]``: dgrad's column-major ``W``), from the forward's
+    amax."""
+    from snip_ds.backend.kernels import quantize as kq
+
+    return kq.launch_config(n, k, recipe, 0, VALUES, True, in_bf16, amax_given=True)
