@@ -180,6 +180,7 @@ def test_tp2_dp2_adaptive_saves_resumes_bit_for_bit_and_resumes_at_other_shapes(
     meta = json.loads((tmp_path / "ckpt" / "step_3" / "snip_meta.json").read_text())
     assert meta["tensor_parallel"] == 2 and meta["world_size"] == 4
     _export_matches(tmp_path, whole[0]["bf16_loss"])
+    _serves_like_an_unsharded_checkpoint(tmp_path)
     # the checkpoint at another shape without conversion: refused, naming the field
     (refused,) = _run(tmp_path, "refused", 1, "--plan", "adaptive", "--snip", ADAPTIVE, "--micro", "4", "--steps",
                       "1", "--resume", str(tmp_path / "ckpt"))
@@ -222,6 +223,57 @@ def _export_matches(tmp_path, bf16_loss: float) -> None:
     with torch.no_grad():
         loss = float(model(input_ids=ids, labels=ids).loss)
     assert loss == pytest.approx(bf16_loss, rel=1e-5)
+
+
+def _serves_like_an_unsharded_checkpoint(tmp_path) -> None:
+    """``snip-ds export --format compressed-tensors`` of the TP 2 x DP 2 checkpoint (after :func:`_export_matches`,
+    whose ``hf`` export holds its merged FP32 masters). A run of the user's own loop records no training data,
+    so the NVFP4 activation scales need ``--calibration-data``: without it, one line naming the flag; with
+    tp_loop.py's own batches as token ids, the compressed checkpoint equals, tensor for tensor, the one exported
+    from an unsharded checkpoint of the same weights, plan and settings (a Trainer ``checkpoint-N``), and
+    transformers' forward of it follows snip_ds's planned forward within the plan's quantization effect (the
+    plain runs' check, tests/test_export_serve.py)."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from snip_ds.export import export_checkpoint
+    from snip_ds.export_files import ExportError
+    from snip_ds.export_serve import ServeOptions
+    from test_export_serve import _planned_logits, _served
+
+    ct = ServeOptions(format="compressed-tensors")
+    with pytest.raises(ExportError, match="the run recorded no training data .*; pass --calibration-data PATH"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "ct_none", serve=ct)
+    gen = torch.Generator().manual_seed(100)  # tp_loop.py's global batches of 2 x 2 blocks
+    ids = torch.cat([torch.randint(0, 96, (2 * 2, 16), generator=gen) for _ in range(4)])
+    save_file({"input_ids": ids}, str(tmp_path / "ids.safetensors"))
+    ct = ServeOptions(format="compressed-tensors", calibration_data=str(tmp_path / "ids.safetensors"))
+    sharded = export_checkpoint(tmp_path / "ckpt", tmp_path / "ct", serve=ct)
+    assert sharded["tensor_parallel"] == 2 and sharded["schemes"].get("nvfp4", 0) > 0
+    assert sharded["calibration"]["batches"] == 8 and sharded["calibration"]["block_size"] == 16
+
+    state = json.loads((tmp_path / "ckpt" / "step_3" / "snip_state.json").read_text())
+    whole = tmp_path / "unsharded" / "checkpoint-3"
+    whole.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (whole / name).write_bytes((tmp_path / "hf" / name).read_bytes())
+    (whole / "snip_state.json").write_text(json.dumps({**{k: state[k] for k in ("format", "step", "settings",
+                                                                               "plan", "planner")},
+                                                      "driver": "trainer", "world_size": 1}))
+    unsharded = export_checkpoint(whole, tmp_path / "ct_whole", serve=ct)
+    assert unsharded["tensor_parallel"] == 1 and unsharded["calibration"] == sharded["calibration"]
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("ct", "ct_whole"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    config = [json.loads((tmp_path / d / "config.json").read_text())["quantization_config"] for d in ("ct", "ct_whole")]
+    assert config[0] == config[1]
+
+    masters = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    batch = ids[-4:]
+    planned = _planned_logits(masters, state["plan"]["assignment"], batch)
+    with torch.no_grad():
+        effect = (planned - masters(input_ids=batch).logits).abs().max()
+        assert (_served(tmp_path / "ct", torch.float32)(input_ids=batch).logits - planned).abs().max() < effect
 
 
 @pytest.mark.slow
