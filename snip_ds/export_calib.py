@@ -98,8 +98,8 @@ def calibration_batches(settings: Mapping[str, Any], n: int, source: str, data: 
         bad = low if low < 0 else top
         hint = "" if data is not None else (" (not what the run trained on: pass --calibration-data PATH, token "
                                             "ids in a .safetensors file's 'input_ids')")
-        raise ExportError(f"{where}: token id {bad} lies outside the model's vocabulary (0..{vocab_size - 1})"
-                          f"{hint}")
+        vocab = "0 and up" if vocab_size is None else f"0..{vocab_size - 1}"
+        raise ExportError(f"{where}: token id {bad} lies outside the model's vocabulary ({vocab}){hint}")
     return batches, what
 
 
