@@ -557,7 +557,8 @@ def test_input_groups_are_the_layers_that_share_an_input():
     """q/k/v share one input, gate/up another; o_proj and down_proj have their own. Groups are found by the
     input tensor's id within a forward, so no input may be freed (and its id recycled) before the forward ends:
     on this 4-block model that once merged two blocks' groups."""
-    from snip_ds.stats.collector import Collector, _preserved
+    from snip_ds.stats.collector import Collector
+    from snip_ds.stats.preserve import preserved
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
@@ -566,7 +567,7 @@ def test_input_groups_are_the_layers_that_share_an_input():
     layers = snip_layers(model)
     col = Collector(model, layers, _full(bwd_propagated=True), None)
     g = torch.Generator().manual_seed(1)
-    with _preserved(model, layers), col.hooks():
+    with preserved(model, layers), col.hooks():
         for _ in range(3):
             col.run_batch(torch.randint(0, 257, (2, 64), generator=g), 1)
     groups = {}

@@ -5,7 +5,8 @@
   fprop operand errors), :mod:`~snip_ds.stats.bwd` (the BWD drift, its noise and price, the propagated
   ablation), :mod:`~snip_ds.stats.fwd` (``forward_drift``), :mod:`~snip_ds.stats.isotropic` (the isotropic
   ablation's probes and α); each names the sums it adds to one :class:`~snip_ds.stats.common.Sums` and prices
-  them;
+  them; :mod:`~snip_ds.stats.idle` measures the layers a batch did not reach on a zero token, and
+  :mod:`~snip_ds.stats.preserve` restores what the collection changed on the model;
 * :mod:`~snip_ds.stats.fields`: the artifact's per-layer fields, composed from the estimators' prices of the
   all-reduced sums;
 * :mod:`~snip_ds.stats.precond`: preconditioners from Adam state, partitioned (ZeRO) states, fallbacks;

@@ -53,8 +53,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from functools import partial
-from typing import Any, Dict, Iterable, Iterator, Optional
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +66,6 @@ from snip_ds.linear import SnipLinear
 from snip_ds.stats import bwd, fld
 from snip_ds.stats.bwd import BwdEstimator
 from snip_ds.experts.points import ExpertPoint
-from snip_ds.experts.model import routed_tokens_kept
 from snip_ds.stats import experts as moe
 from snip_ds.stats.common import (CALL_ROWS, GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, PROBE_SQ, Layer, Phase, Reduce,
                                   Rows, Shared, Sums, device_of, flat, fp32_matmuls, select_layers, targets,
@@ -75,8 +73,10 @@ from snip_ds.stats.common import (CALL_ROWS, GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS,
 from snip_ds.stats.fields import finalize
 from snip_ds.stats.fld import FldEstimator
 from snip_ds.stats.fwd import ForwardDrift
+from snip_ds.stats.idle import add_zero_token
 from snip_ds.stats.isotropic import IsotropicProbe
 from snip_ds.stats.precond import Precond, check_precond
+from snip_ds.stats.preserve import preserved
 from snip_ds.stats.settings import CollectSettings
 
 
@@ -341,10 +341,8 @@ class Collector:
 
     def _uncalled(self, device: torch.device) -> None:
         """Each layer's rows this batch (``rows``, the tokens of all its calls); and the layers that saw none
-        (an expert no token was routed to, a layer the forward never called): each hook's estimators on one
-        all-zero token, whose fprop error, weight-gradient error and probe are exactly 0, so that they add zeros
-        under the same keys as the layers that ran (every rank then all-reduces the same sums, whichever layers
-        its batch reached; snip_ds.stats.experts)."""
+        (an expert no token was routed to, a layer the forward never called) measured on one all-zero token
+        (:mod:`snip_ds.stats.idle`)."""
         probe = self.estimator != "empirical"
         idle = list(self.points.unrouted())
         for fqn, module in self.layers.items():
@@ -354,17 +352,7 @@ class Collector:
             if fqn not in self.seen:
                 idle.append((fqn, module))
         for fqn, point in idle:
-            param = point.parameter
-            module = point if tuple(param.shape) == tuple(getattr(param, "ds_shape", param.shape)) else \
-                _ZeroWeight(point, device)  # ZeRO-3: partitioned outside its module's forward
-            x2 = torch.zeros(1, module.in_features, device=device)
-            g2 = torch.zeros(1, module.out_features, device=device)
-            rows = torch.zeros(1, dtype=torch.int64, device=device)
-            self.fld.on_output(fqn, module, x2, g2, rows)
-            self.bwd.on_train_grad(fqn, module, x2, g2)
-            self.stats.add(fqn, PROBE_SQ.key(), torch.zeros(module.out_features, device=device))
-            if probe:
-                self.fld.on_probe(fqn, module, x2, g2, rows, torch.zeros_like(x2))
+            add_zero_token(fqn, point, device, self.fld, self.bwd, self.stats, probe)
 
     def _fold(self, rows: int, num_probes: int) -> None:
         """Turns this batch's per-channel vectors into per-layer scalars, priced with its own probes.
@@ -387,47 +375,6 @@ class Collector:
                 v = st.pop(fqn, vec.key(suffix))
                 if v is not None:
                     st.add(fqn, vec.folded_into.key(suffix), (v * m).sum() if m is not None else torch.zeros(()))
-
-
-class _ZeroWeight:
-    """A layer whose weight ZeRO-3 has partitioned, as :meth:`Collector._uncalled` measures it: its own
-    attributes, but an all-zero weight. With a zero token every training term is 0 whatever the weight; only
-    the study field ``quant_err_w`` (the weight's own operand error) reads 0 instead of the weight's."""
-
-    def __init__(self, point, device: torch.device) -> None:
-        self._point = point
-        self.weight = self.matrix = torch.zeros(point.out_features, point.in_features, device=device)
-
-    def __getattr__(self, name: str):
-        return getattr(self._point, name)
-
-
-@contextmanager
-def _preserved(model: nn.Module, layers: Dict[str, Layer],
-               collector: Optional[Collector] = None) -> Iterator[None]:
-    """bf16 layers that back-propagate to their input only (each backward through them reported to
-    ``collector``); restores the layers' precision, mode and observer, the global RNG states (CPU and CUDA) and
-    the MoE experts' routed token counts."""
-    saved_precision = {fqn: m.gemm_precision for fqn, m in layers.items()}
-    saved_grad_only = {fqn: m.input_grad_only for fqn, m in layers.items()}
-    saved_observer = {fqn: m.input_grad_observer for fqn, m in layers.items()}
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), routed_tokens_kept(model):
-        try:
-            for m in layers.values():
-                m.precision = "bf16"
-                m.input_grad_only = True  # every pass back-propagates to the embedding output only
-            if collector is not None:
-                for fqn, m in layers.items():
-                    m.input_grad_observer = partial(collector.on_layer_backward, fqn, m)
-            yield
-        finally:
-            for fqn, m in layers.items():
-                m.precision = saved_precision[fqn]
-                m.input_grad_only = saved_grad_only[fqn]
-                m.input_grad_observer = saved_observer[fqn]
-                if isinstance(m, ExpertPoint):
-                    m.token_index = None  # the last batch's routing: not kept past the collection
 
 
 def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optional[CollectSettings] = None, *,
@@ -480,7 +427,7 @@ def collect_statistics(model: nn.Module, batches: Iterable[Any], settings: Optio
 
     col = Collector(model, mods, settings, precond)
     rows_per_batch, n_batches = None, 0
-    with _preserved(model, mods, col), col.hooks(), fp32_matmuls(device_of(model), settings.collect_tf32):
+    with preserved(model, mods, col.on_layer_backward), col.hooks(), fp32_matmuls(device_of(model), settings.collect_tf32):
         for batch in batches:
             rows = col.run_batch(batch, settings.num_probes, settings.retain_graph)
             rows_per_batch = rows_per_batch or rows
