@@ -3,7 +3,9 @@ with snip_ds through the Hugging Face Trainer, and the table of what trains (``s
 
 One concern per module:
 
-* :mod:`~snip_ds.families.shrink`: a family's default config shrunk by general rules (every layer kind kept);
+* :mod:`~snip_ds.families.shrink`: a family's default config shrunk by general rules, its layer stack by
+  :mod:`~snip_ds.families.depth` (every layer kind kept); :mod:`~snip_ds.families.fields` tells the config's
+  fields apart (integers, token ids);
 * :mod:`~snip_ds.families.overrides`: the few families that need more than the rules, each with its reason;
 * :mod:`~snip_ds.families.build`: the tiny model, its random token batch and the plain step ("buildable");
 * :mod:`~snip_ds.families.structure`: whether a model holds Mixture-of-Experts experts, decided by structure;

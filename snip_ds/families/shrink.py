@@ -20,20 +20,19 @@ it derives from the smaller values. The rules, by field:
 * special token ids at or above the new vocabulary mapped to distinct ids at its top (the same old id to
   the same new id everywhere in the config), so that :func:`TinyConfig.token_range` can draw the inputs
   below all of them;
-* depth: every original layer gets a signature (its value in each per-layer list such as ``layer_types``,
-  ``mlp_layer_types`` or ``no_rope_layers``, its membership of each layer-index list such as
-  ``mlp_only_layers``, its ``per_layer_config`` entry, and the side of each "first k layers" / "last k
-  layers" count it falls on, e.g. ``first_k_dense_replace``, ``num_kv_shared_layers``); the first layer of
-  each distinct signature is kept, in order, topped up to :data:`MIN_DEPTH`, and every per-layer list,
-  index list, ``per_layer_config`` and count is cut to the kept layers. Every distinct layer kind stays.
-  Periodic layer patterns (``decoder_sparse_step``, ``attn_layer_period`` ...) get a period of at most 2,
-  repeating patterns shorter than the depth (``block_types``) raise the depth to their length.
+* depth (:mod:`snip_ds.families.depth`): the first layer of each distinct kind is kept (its values in the
+  per-layer lists, index lists and "first / last k layers" counts), topped up to :data:`MIN_DEPTH`, and every
+  per-layer field cut to the kept layers, so every distinct layer kind stays; periodic layer patterns get a
+  period of at most 2.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
+
+from snip_ds.families.depth import MIN_DEPTH, cut_depth, is_depth_field, shorten_periods
+from snip_ds.families.fields import TOKEN_FIELD, ints_of, is_int, is_int_list
 
 HIDDEN = 64
 HEADS = 4
@@ -46,26 +45,10 @@ WINDOW = 8
 EXPERTS = 4
 TOP_K = 2
 STATE = 16  # state-space model state size
-MIN_DEPTH = 2
-MAX_PATTERN = 8  # a repeating layer pattern longer than this is not kept whole
-MAX_KINDS = 6  # a per-layer list with more distinct values is a schedule (sizes, factors), not layer kinds
 
 # dictionaries of a config that are data, not sub-configs
 _NOT_SUBCONFIGS = {"id2label", "label2id", "rope_parameters", "rope_scaling", "per_layer_config",
                    "quantization_config", "task_specific_params", "auto_map"}
-
-_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_decoder_layers")
-# counts of layers at the start / end of the stack that differ from the rest
-_FROM_START = ("first_k_dense_replace", "num_dense_layers", "max_window_layers", "moe_layer_start_index",
-               "n_input_layers")
-_FROM_END = ("num_kv_shared_layers", "n_output_layers")
-# the layers between the first and last counts: {count: (start count, end count)}
-_BETWEEN = {"n_recurrent_layers": ("n_input_layers", "n_output_layers")}
-_PERIODS = ("decoder_sparse_step", "attn_layer_period", "expert_layer_period", "interleave_moe_layer_step",
-            "moe_layer_interval", "sliding_window_pattern", "_sliding_window_pattern", "global_attn_every_n_layers",
-            "no_rope_layer_interval", "n_layers_per_attn_res_block", "layer_group_size", "moe_layer_freq",
-            "prefix_dense_sliding_window_pattern", "rescale_every")
-_OFFSETS = {"attn_layer_offset": "attn_layer_period", "expert_layer_offset": "expert_layer_period"}
 
 _HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "emb_dim", "model_dim", "dim",
                 "embedding_dim", "hidden_dim")
@@ -98,7 +81,6 @@ _SHARED_RE = _RE(r"^n_shared_experts$", r"^num_shared_experts$", r"^moe_num_shar
 _GROUP_RE = _RE(r"^n_group$", r"^num_expert_group$", r"^topk_group$")
 _STATE_RE = _RE(r"^mamba_d_state$", r"^state_size$", r"^ssm_state_size$", r"^d_state$", r"^mamba_d_ssm$")
 _MAMBA_HEADS_RE = _RE(r"^mamba_n_heads$", r"^mamba_num_heads$", r"^n_mamba_heads$", r"^num_heads$")
-_TOKEN_RE = re.compile(r"(_token_id|_token_index|token_id$|^(unk|mask|pad|bos|eos)_index$|^decoder_start_token_id$)")
 _SIZE_WORD_RE = re.compile(r"size|dim|width|embd|embed|hidden|channels")
 
 
@@ -141,7 +123,7 @@ class _Shrinker:
             if isinstance(value, dict) and key not in _NOT_SUBCONFIGS and (
                     isinstance(sub, PretrainedConfig) or "model_type" in value):
                 self.shrink(value, sub if isinstance(sub, PretrainedConfig) else None, f"{path}{key}.")
-        ints = {k: v for k, v in d.items() if _is_int(v)}
+        ints = {k: v for k, v in d.items() if is_int(v)}
         hidden0 = next((ints[k] for k in _HIDDEN_KEYS if k in ints), None)
         heads0 = next((ints[k] for k in _HEAD_KEYS if k in ints), None)
         head_dim0 = ints.get("head_dim") or (hidden0 // heads0 if hidden0 and heads0 and hidden0 % heads0 == 0
@@ -149,7 +131,9 @@ class _Shrinker:
         if head_dim0 is None:  # heads that do not divide the width: the smallest head dimension named
             head_dim0 = min((v for k, v in ints.items() if k.endswith("head_dim") and v > 0), default=None)
         scale = HEAD_DIM / head_dim0 if head_dim0 else None
-        self._cut_depth(d, path)
+        kept = cut_depth(d)
+        if kept is not None:
+            self.kept[path or "."] = kept
         new: Dict[str, Any] = {}
         for key, value in ints.items():
             got = self._rule(key, value, hidden0, heads0, scale, ints)
@@ -158,24 +142,23 @@ class _Shrinker:
         d.update(new)
         self._state_space_heads(d, ints, hidden0)
         self._fill_unset(d, heads0)
-        self._periods(d)
+        shorten_periods(d)
         for key, value in list(d.items()):
-            if isinstance(value, list) and value and all(_is_int(v) for v in value) and \
+            if isinstance(value, list) and value and all(is_int(v) for v in value) and \
                     _INTERMEDIATE_RE.search(key) and key not in new:
                 d[key] = [_intermediate(key) for _ in value]  # per-layer intermediate sizes (Gemma-3n)
         self._per_layer_config(d, ints, hidden0, heads0, scale)
         for key, value in d.items():
-            if _TOKEN_RE.search(key) and (_is_int(value) or _is_int_list(value)):
+            if TOKEN_FIELD.search(key) and (is_int(value) or is_int_list(value)):
                 self.token_fields.append((d, key))
-        if _is_int(d.get("vocab_size")):
+        if is_int(d.get("vocab_size")):
             self.vocabs.append(d["vocab_size"])
 
     def _rule(self, key: str, v: int, hidden0, heads0, scale, ints) -> Optional[int]:
         """The new value of the integer field ``key`` (None: left as it is)."""
-        if key in _DEPTH_KEYS or key in _FROM_START or key in _FROM_END or key in _BETWEEN or key in _PERIODS \
-                or key in _OFFSETS:
-            return None  # _cut_depth and _periods
-        if _TOKEN_RE.search(key):
+        if is_depth_field(key):
+            return None  # snip_ds.families.depth's
+        if TOKEN_FIELD.search(key):
             return None  # after the vocabulary is known
         if key in _HIDDEN_KEYS:
             return HIDDEN if v > HIDDEN else None
@@ -260,81 +243,6 @@ class _Shrinker:
                     elif _INTERMEDIATE_RE.search(key) and _EXPERT_RE.search(key):
                         d[key] = EXPERT_INTERMEDIATE
 
-    def _periods(self, d: dict) -> None:
-        for key in _PERIODS:
-            if _is_int(d.get(key)) and d[key] > 2:
-                d[key] = 2
-        for key, period in _OFFSETS.items():
-            if _is_int(d.get(key)) and _is_int(d.get(period)):
-                d[key] = min(d[key], d[period] - 1)
-
-    # ---------------------------------------------------------------------------------------- depth
-    def _cut_depth(self, d: dict, path: str) -> None:
-        depth_key = next((k for k in _DEPTH_KEYS if _is_int(d.get(k))), None)
-        for k in _DEPTH_KEYS:  # other layer counts of the same config (an encoder's)
-            if k != depth_key and _is_int(d.get(k)) and d[k] > MIN_DEPTH:
-                d[k] = MIN_DEPTH
-        for k in ("encoder_layers", "num_encoder_layers", "depth", "num_blocks", "conf_num_hidden_layers",
-                  "num_layers_per_stack"):
-            if k != depth_key and _is_int(d.get(k)) and d[k] > MIN_DEPTH:
-                d[k] = MIN_DEPTH
-        if depth_key is None:
-            return
-        n = d[depth_key]
-        per_layer = [k for k, v in d.items() if _per_layer(k, v, n)]
-        index_lists = [k for k, v in d.items() if k not in per_layer and _index_list(k, v, n)]
-        per_layer_config = _per_layer_config_of(d)
-        starts = {k: d[k] for k in _FROM_START if _is_int(d.get(k)) and 0 < d[k] < n}
-        ends = {k: d[k] for k in _FROM_END if _is_int(d.get(k)) and 0 < d[k] < n}
-
-        kinds = [k for k in per_layer if len({_hashable(v) for v in d[k]}) <= MAX_KINDS]  # not a schedule
-
-        def signature(i: int) -> tuple:
-            return (tuple(_hashable(d[k][i]) for k in kinds)
-                    + tuple(i in d[k] for k in index_lists)
-                    + (tuple(sorted(per_layer_config.get(i, {}))),)  # which fields a layer overrides
-                    + tuple(i < c for c in starts.values()) + tuple(i >= n - c for c in ends.values()))
-
-        kept: List[int] = []
-        seen = set()
-        for i in range(n):
-            s = signature(i)
-            if s not in seen:
-                seen.add(s)
-                kept.append(i)
-        patterns = [len(v) for k, v in d.items() if isinstance(v, list) and 1 < len(v) < n and k not in index_lists
-                    and all(isinstance(x, str) for x in v)]
-        want = max([MIN_DEPTH] + [p for p in patterns if p <= MAX_PATTERN])
-        for i in range(n):
-            if len(kept) >= want:
-                break
-            if i not in kept:
-                kept.append(i)
-        kept = sorted(kept)
-        if len(kept) >= n:
-            return
-        self.kept[path or "."] = kept
-        d[depth_key] = len(kept)
-        for k in per_layer:
-            value = d[k]
-            picked = [value[i] for i in kept]
-            d[k] = "".join(picked) if isinstance(value, str) else type(value)(picked)
-        for k in index_lists:
-            d[k] = [j for j, i in enumerate(kept) if i in d[k]]
-        for k, c in starts.items():
-            d[k] = sum(1 for i in kept if i < c)
-        for k, c in ends.items():
-            d[k] = sum(1 for i in kept if i >= n - c)
-        for k in _FROM_START + _FROM_END:  # "all layers" stays all layers
-            if _is_int(d.get(k)) and d[k] == n:
-                d[k] = len(kept)
-        for k, (start, end) in _BETWEEN.items():
-            if _is_int(d.get(k)) and start in starts and end in ends:
-                d[k] = len(kept) - d[start] - d[end]
-        if per_layer_config:
-            d["per_layer_config"] = {str(j): dict(per_layer_config[i]) for j, i in enumerate(kept)
-                                     if i in per_layer_config}
-
     def _per_layer_config(self, d: dict, ints0: dict, hidden0, heads0, scale) -> None:
         """Per-layer overrides shrink in proportion to the global value they override."""
         plc = d.get("per_layer_config")
@@ -342,10 +250,10 @@ class _Shrinker:
             return
         for entry in plc.values():
             for key, value in list(entry.items()):
-                if not _is_int(value):
+                if not is_int(value):
                     continue
                 old, now = ints0.get(key), d.get(key)
-                if _is_int(old) and _is_int(now) and old > 0:
+                if is_int(old) and is_int(now) and old > 0:
                     got = max(1, round(value * now / old))
                     if _HEAD_DIM_RE.search(key) and got % 2:
                         got += 1
@@ -358,7 +266,7 @@ class _Shrinker:
     # ---------------------------------------------------------------------------------------- token ids
     def map_token_ids(self) -> Tuple[Set[int], int]:
         vocab = min(self.vocabs) if self.vocabs else VOCAB
-        ids = sorted({i for d, k in self.token_fields for i in _ints_of(d[k]) if i >= 0})
+        ids = sorted({i for d, k in self.token_fields for i in ints_of(d[k]) if i >= 0})
         high = [i for i in ids if i >= vocab]
         mapping = {old: vocab - 1 - j for j, old in enumerate(sorted(high))}
         taken = {i for i in ids if i < vocab}
@@ -376,54 +284,9 @@ def _intermediate(key: str) -> int:
     return EXPERT_INTERMEDIATE if _EXPERT_RE.search(key) else INTERMEDIATE
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_int_list(v) -> bool:
-    return isinstance(v, (list, tuple)) and all(_is_int(x) for x in v)
-
-
-def _ints_of(v) -> List[int]:
-    return [v] if _is_int(v) else [x for x in v if _is_int(x)]
-
-
-def _hashable(v):
-    if isinstance(v, (list, tuple)):
-        return tuple(_hashable(x) for x in v)
-    if isinstance(v, dict):
-        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
-    return v
-
-
-def _per_layer(key: str, value, n: int) -> bool:
-    """A list (or pattern string) with one entry per layer."""
-    if isinstance(value, str):
-        return len(value) == n and "pattern" in key
-    if not isinstance(value, (list, tuple)) or len(value) != n or _TOKEN_RE.search(key):
-        return False
-    return not _index_list(key, value, n) or len(set(value)) < len(value)
-
-
-def _index_list(key: str, value, n: int) -> bool:
-    """A strictly increasing list of layer indices (``mlp_only_layers``, ``cross_attention_layers``)."""
-    if not isinstance(value, (list, tuple)) or not _is_int_list(value) or _TOKEN_RE.search(key):
-        return False
-    if not re.search(r"layer|idx|index|ids", key):
-        return False
-    return all(0 <= x < n for x in value) and all(a < b for a, b in zip(value, value[1:]))
-
-
-def _per_layer_config_of(d: dict) -> Dict[int, dict]:
-    plc = d.get("per_layer_config")
-    if not isinstance(plc, dict):
-        return {}
-    return {int(k): dict(v) for k, v in plc.items() if isinstance(v, dict)}
-
-
 def _hidden_sizes(d: dict) -> Set[int]:
     """The hidden sizes of a config dictionary and of every dictionary inside it."""
-    found = {d[k] for k in _HIDDEN_KEYS[:1] if _is_int(d.get(k)) and d[k] > HIDDEN}
+    found = {d[k] for k in _HIDDEN_KEYS[:1] if is_int(d.get(k)) and d[k] > HIDDEN}
     for key, value in d.items():
         if isinstance(value, dict) and key not in _NOT_SUBCONFIGS:
             found |= _hidden_sizes(value)
