@@ -3,19 +3,24 @@ kernels) are built, and what is done about a build that was killed half-way.
 
 ``torch.utils.cpp_extension.load`` builds an op in ``$TORCH_EXTENSIONS_DIR/pyXY_<device>/<name>`` (default root
 ``~/.cache/torch_extensions``) and guards the folder with a ``lock`` file that the builder deletes when it is
-done. Two things go wrong with that default on a shared machine:
+done. Three things go wrong (the first two on a shared machine):
 
 * every virtual environment and checkout builds DeepSpeed's ops into the same folder, and each one's build
   command differs (paths of its headers), so they rebuild over each other in turn;
 * a build killed half-way (Ctrl-C, a job's time limit) leaves its ``lock`` behind, and every later process
-  that loads the op waits for it forever, silently.
+  that loads the op waits for it forever, silently;
+* torch runs ``ninja`` as ``PATH`` finds it, and ninja versions keep their build logs in formats each other
+  discards (1.11's v5, 1.13's v7): the environment's python run bare (``.venv/bin/python``, the system's
+  ``/usr/bin/ninja`` on ``PATH``) and with the environment activated (its own ``ninja`` first) rebuild every op
+  at each switch, though the commands, flags and folders are the same.
 
 :func:`prepare` (called before DeepSpeed can build anything: by :mod:`snip_ds.engine`, :mod:`snip_ds.hf` and
 ``launch/warm_ops.py``) gives each environment a root of its own when the user has not set
 ``TORCH_EXTENSIONS_DIR``: ``<default root>/snip_ds-<key>``, the key a hash of the Python prefix and the
 installed torch and DeepSpeed. Ranks started by a launcher compute the same root. It then removes ``lock``
 files under that root older than :data:`STALE_LOCK_SECONDS` (no build of these ops takes that long; a live
-build's lock is younger), naming each one in a warning.
+build's lock is younger), naming each one in a warning. It also pins the ``ninja`` the builds run to the
+environment's own (:func:`pin_ninja`), so that a switch between activated and bare no longer rebuilds.
 
 :func:`prune_superseded_builds` removes the build folders of snip_ds's own ops (the CPU kernels,
 ``<name>-<key>``, one per build key) that the same environment and checkout built from an earlier source, flags
@@ -40,6 +45,7 @@ import os
 import re
 import shutil
 import sys
+import sysconfig
 import time
 from contextlib import contextmanager
 from importlib import metadata
@@ -186,14 +192,38 @@ def prune_superseded_builds(own: Path, identity: Mapping[str, str], what: str,
     return removed
 
 
+def environment_ninja() -> Optional[Path]:
+    """The ``ninja`` this environment installs (pip's ``ninja`` package puts it in the environment's scripts
+    folder, ``.venv/bin``), or None where it has none."""
+    path = Path(sysconfig.get_path("scripts")) / ("ninja.exe" if os.name == "nt" else "ninja")
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def pin_ninja() -> Optional[Path]:
+    """Makes the ``ninja`` that torch's ``cpp_extension`` and DeepSpeed's builders run (the first on ``PATH``) this
+    environment's own (:func:`environment_ninja`), whether or not the environment is activated: its folder is put
+    first on ``PATH`` where another ``ninja`` comes first (as activating the environment does). Returns the
+    ``ninja`` the builds run, None where the environment has none (``PATH``'s is left to serve)."""
+    own = environment_ninja()
+    if own is None:
+        return None
+    found = shutil.which("ninja")
+    if found is None or os.path.realpath(found) != os.path.realpath(own):
+        path = os.environ.get("PATH")
+        os.environ["PATH"] = os.pathsep.join([str(own.parent), path]) if path else str(own.parent)
+    return own
+
+
 def prepare() -> Path:
     """Sets ``$TORCH_EXTENSIONS_DIR`` to this environment's root if the user has not set it, removes stale
-    build locks under the root in use, and has py-cpuinfo's answer, from which DeepSpeed's CPU builders derive
-    their flags, kept per CPU under it (:mod:`snip_ds.cpuinfo_cache`). Idempotent; returns the root."""
+    build locks under the root in use, pins the ``ninja`` the builds run (:func:`pin_ninja`), and has
+    py-cpuinfo's answer, from which DeepSpeed's CPU builders derive their flags, kept per CPU under it
+    (:mod:`snip_ds.cpuinfo_cache`). Idempotent; returns the root."""
     if not os.environ.get(ENV_VAR):
         os.environ[ENV_VAR] = str(build_root())
     root = Path(os.environ[ENV_VAR])
     remove_stale_locks(root)
+    pin_ninja()
     cpuinfo_cache.install(root)
     return root
 

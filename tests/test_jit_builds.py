@@ -52,6 +52,56 @@ def test_environment_key_differs_between_environments(monkeypatch):
     assert jit_builds.environment_key() != key
 
 
+def test_builds_run_the_environments_own_ninja_activated_or_not(tmp_path, monkeypatch):
+    """Another ninja first on PATH (a bare venv python, the system's ninja): prepare puts the environment's own
+    first, once; torch and DeepSpeed run the first on PATH."""
+    own = jit_builds.environment_ninja()
+    if own is None:
+        pytest.skip("this environment installs no ninja of its own")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\nexit 1\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(other), "/usr/bin", "/bin"]))
+    monkeypatch.setenv(jit_builds.ENV_VAR, str(tmp_path / "root"))
+    jit_builds.prepare()
+    assert os.path.realpath(shutil.which("ninja")) == os.path.realpath(own)
+    path = os.environ["PATH"]
+    assert jit_builds.pin_ninja() == own and os.environ["PATH"] == path  # idempotent
+
+
+_NINJA_RUN = """
+import subprocess, sys
+from snip_ds import jit_builds
+jit_builds.prepare()
+out = subprocess.run(["ninja"], cwd=sys.argv[1], capture_output=True, text=True, check=True).stdout
+print("rebuilt" if "cp in.txt out.txt" in out else "up to date")
+"""
+
+
+def test_switching_between_activated_and_bare_python_does_not_rebuild(tmp_path):
+    """The environment's python run bare (PATH without its scripts folder, where a system ninja may be found
+    first) and activated (its scripts folder first), in turn, over one build folder: only the first run builds.
+    Ninja versions discard each other's build log, so before ninja was pinned each switch rebuilt everything."""
+    if jit_builds.environment_ninja() is None:
+        pytest.skip("this environment installs no ninja of its own")
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "build.ninja").write_text("rule cp\n  command = cp $in $out\nbuild out.txt: cp in.txt\n")
+    (build / "in.txt").write_text("x")
+    scripts = os.path.dirname(jit_builds.environment_ninja())
+    bare = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != scripts)
+    runs = []
+    for path in (bare, os.pathsep.join([scripts, bare]), bare, os.pathsep.join([scripts, bare])):
+        env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+        env.update(PATH=path, **{jit_builds.ENV_VAR: str(tmp_path / "root")})
+        proc = subprocess.run([sys.executable, "-c", _NINJA_RUN, str(build)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(proc.stdout.strip())
+    assert runs == ["rebuilt", "up to date", "up to date", "up to date"]
+
+
 @pytest.mark.slow
 def test_a_killed_builds_lock_does_not_hang_the_next_load(tmp_path):
     """A real load of snip_ds's CPU kernels in a fresh process, with a lock a killed build left 31 minutes ago
