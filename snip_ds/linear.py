@@ -42,9 +42,9 @@ class QuantizedLinearFn(torch.autograd.Function):
                 prec: GemmPrecision, cfg: QuantConfig, generator: Optional[torch.Generator],
                 amax_reduce: Optional[AmaxReduce] = None) -> torch.Tensor:
         ctx.amax_reduce = amax_reduce  # a tensor-parallel shard's: operands scaled by the whole tensor's amax
+        x_2d = x_hp if x_hp.dim() == 2 else x_hp.reshape(-1, x_hp.shape[-1])  # (a reshape: a view, microseconds)
         with _amax_context(amax_reduce):
-            y_2d, x_keep, w_keep = layer_step.forward(x_hp.reshape(-1, x_hp.shape[-1]), w_hp, bias, prec, cfg,
-                                                      x_hp.dtype)
+            y_2d, x_keep, w_keep = layer_step.forward(x_2d, w_hp, bias, prec, cfg, x_hp.dtype)
         tensors, ctx.kept_as = _flatten((x_keep, w_keep))
         ctx.save_for_backward(*tensors)
         ctx.has_bias = bias is not None
@@ -56,10 +56,11 @@ class QuantizedLinearFn(torch.autograd.Function):
     def backward(ctx, g_y: torch.Tensor):
         x_keep, w_keep = _unflatten(ctx.saved_tensors, ctx.kept_as)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        flat = len(ctx.x_shape) == 2  # a 2-D X: nothing to reshape
         with _amax_context(ctx.amax_reduce):
-            g_x, g_w, g_b = layer_step.backward(g_y.reshape(-1, g_y.shape[-1]), x_keep, w_keep, ctx.prec, ctx.cfg,
-                                                ctx.generator, needs, ctx.x_dtype, ctx.w_dtype)
-        return (None if g_x is None else g_x.reshape(ctx.x_shape)), g_w, g_b, None, None, None, None
+            g_x, g_w, g_b = layer_step.backward(g_y if flat else g_y.reshape(-1, g_y.shape[-1]), x_keep, w_keep,
+                                                ctx.prec, ctx.cfg, ctx.generator, needs, ctx.x_dtype, ctx.w_dtype)
+        return (g_x if g_x is None or flat else g_x.reshape(ctx.x_shape)), g_w, g_b, None, None, None, None
 
 
 def _amax_context(amax_reduce: Optional[AmaxReduce]):
@@ -256,7 +257,7 @@ class SnipLinear(nn.Linear):
             return custom_ops.quantized_linear(x, w, bias, custom_ops.op_spec(prec, self.quant_config),
                                                self.op_handle)[0]
         y = QuantizedLinearFn.apply(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     @property
     def amax_reduce(self) -> Optional[AmaxReduce]:

@@ -27,11 +27,10 @@ The results are the torch backend's per-GEMM path bit for bit: the same codes, s
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -52,6 +51,8 @@ class Fp8Step(NamedTuple):
     amax_given: bool  # a shared_amax reduction gives the amaxes (tensor parallelism)
     w_dtype: torch.dtype  # W's values for the GEMMs: its E4M3 codes, or BF16
     mm: Any  # the backend's GEMM of grid values, where ``scaled`` is False: ``mm(gemm, a, b, sa, sb, fp8, ...)``
+    w_t_cfg: Any  # W again for dgrad, transposed, from the forward's amax
+    g_cfgs: Dict[Tuple[bool, bool, bool], Any]  # G_Y's, by (G_Y in BF16, dgrad runs, wgrad runs)
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype) -> Tuple[torch.Tensor, QuantParts, WithAmax]:
@@ -68,16 +69,15 @@ class Fp8Step(NamedTuple):
         _LAST_X[0] = None  # (the forward's last X codes: not read again)
         g = _kernel_input(g)
         need_x, need_w = needs
-        g_cfg = _g_config(g.shape[0], g.shape[1], g.dtype == torch.bfloat16, need_x, need_w, self.amax_given)
-        g_values, g_t, g_scale, _ = self.kq.launch(g_cfg, g, self._amax(g), None)
+        g_values, g_t, g_scale, _ = self.kq.launch(self.g_cfgs[g.dtype == torch.bfloat16, need_x, need_w], g,
+                                                   self._amax(g), None)
         if not need_x:  # the one layout written is the transposed one
             g_values, g_t = None, g_values
         g_x = g_w = None
         if need_x:
-            w = _kernel_input(w_keep.tensor)
-            w_cfg = _w_t_config(w.shape[0], w.shape[1], w.dtype == torch.bfloat16, self.w_dtype)
-            w_t, _, w_scale, _ = self.kq.launch(w_cfg, w, w_keep.amax, None)
+            w_t, _, w_scale, _ = self.kq.launch(self.w_t_cfg, _kernel_input(w_keep.tensor), w_keep.amax, None)
             g_x = self._gemm("dgrad", g_values, w_t.t(), g_scale, w_scale, (E5M2, E4M3), None, x_dtype)
+            g_values = w_t = None  # (dgrad's operands: not alive beside wgrad's result, at the step's peak)
         if need_w:
             g_w = self._gemm("wgrad", g_t, x_keep.values, g_scale, x_keep.tensor_scale, (E5M2, E4M3), None,
                              w_dtype)
@@ -150,9 +150,15 @@ def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, 
     x_cfg = kq.launch_config(rows, k, "fp8_e4m3", 1, E4M3, False, x_dtype == torch.bfloat16, both=True,
                              amax_given=amax_given)
     values = E4M3 if scaled else torch.bfloat16
-    w_cfg = kq.launch_config(n, k, "fp8_e4m3", 1, values, False, w_dtype == torch.bfloat16, amax_given=amax_given,
-                             write_amax=True)
-    return Fp8Step(kq, x_cfg, w_cfg, scaled, amax_given, values, mm)
+    w_bf16 = w_dtype == torch.bfloat16
+    w_cfg = kq.launch_config(n, k, "fp8_e4m3", 1, values, False, w_bf16, amax_given=amax_given, write_amax=True)
+    # W for dgrad, transposed ([k, n]: dgrad's column-major W); G_Y's E5M2 codes row-major for dgrad and
+    # transposed for wgrad, in one pass where both run (G_Y in FP32 or BF16, whichever its dtype turns out)
+    w_t_cfg = kq.launch_config(n, k, "fp8_e4m3", 0, values, True, w_bf16, amax_given=True)
+    g_cfgs = {(g_bf16, need_x, need_w): kq.launch_config(rows, n, "fp8_e5m2", 1, E5M2, not need_x, g_bf16,
+                                                         both=need_x and need_w, amax_given=amax_given)
+              for g_bf16 in (False, True) for need_x, need_w in ((True, True), (True, False), (False, True))}
+    return Fp8Step(kq, x_cfg, w_cfg, scaled, amax_given, values, mm, w_t_cfg, g_cfgs)
 
 
 def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -163,19 +169,3 @@ def _kernel_input(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the kernels read it: FP32 and BF16 as they are, FP16 widened to FP32 (exactly)."""
     return t if t.dtype in (torch.float32, torch.bfloat16) else t.float()
 
-
-@functools.lru_cache(maxsize=1024)
-def _g_config(rows: int, n: int, in_bf16: bool, need_x: bool, need_w: bool, amax_given: bool):
-    """G_Y's E5M2 codes: row-major for dgrad and transposed for wgrad, in one pass where both run."""
-    from snip_ds.backend.kernels import quantize as kq
-
-    return kq.launch_config(rows, n, "fp8_e5m2", 1, E5M2, not need_x, in_bf16, both=need_x and need_w,
-                            amax_given=amax_given)
-
-
-@functools.lru_cache(maxsize=1024)
-def _w_t_config(n: int, k: int, in_bf16: bool, values: torch.dtype):
-    """W again for dgrad, transposed (``[k, n]``: dgrad's column-major ``W``), from the forward's amax."""
-    from snip_ds.backend.kernels import quantize as kq
-
-    return kq.launch_config(n, k, "fp8_e4m3", 0, values, True, in_bf16, amax_given=True)
