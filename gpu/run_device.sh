@@ -45,6 +45,12 @@
 #                        one after another in one process)
 #   bench_scale          benchmarks/bench_scale.py (two Llama-70B-wide blocks, ZeRO-3, one collection; profiled, and
 #                        again with the CPU's 3 Mi-element statistics slices and with collect_tf32 off)
+#   plan_study           (only when named in SNIP_DEVICE_STEPS, e.g. SNIP_DEVICE_STEPS=plan_study) one piece of the
+#                        plan study on the GPU: launch/plan_study.py --regime gpu for one model seed
+#                        (SNIP_DEVICE_STUDY_SEEDS, default: the first of 0-3 not finished in
+#                        benchmarks/results/plan_study/gpu/cells.json), resumed from the committed cells.json and
+#                        stopping 90 s before its timeout; cells.json, plans.json and the summary come back in
+#                        logs.tar.gz (bench/plan_study_gpu/), to be copied to benchmarks/results/plan_study/gpu/
 #
 # What comes back ($OUT/results/, at most 8 files): summary.md, summary.json, env.json, pip_list.txt,
 # steps.log (every step's log, the last 400 lines each), logs.tar.gz (full logs, junit XML, benchmark JSON/MD,
@@ -59,9 +65,10 @@ STEPS=${SNIP_DEVICE_STEPS:-$ALL_STEPS}
 DRY=${SNIP_DEVICE_DRY_RUN:-0}
 FACTOR=${SNIP_DEVICE_TIMEOUT_FACTOR:-1}
 SUMMARY_RESERVE_S=25  # kept back at the end for the summary and the archive
+OPTIONAL_STEPS="plan_study"  # run only when SNIP_DEVICE_STEPS names them
 
 for s in ${STEPS//,/ }; do
-    case ",$ALL_STEPS," in *",$s,"*) ;; *) echo "run_device: error: SNIP_DEVICE_STEPS names '$s'; steps are $ALL_STEPS" >&2; exit 2;; esac
+    case ",$ALL_STEPS,$OPTIONAL_STEPS," in *",$s,"*) ;; *) echo "run_device: error: SNIP_DEVICE_STEPS names '$s'; steps are $ALL_STEPS (and, by name only, $OPTIONAL_STEPS)" >&2; exit 2;; esac
 done
 case "$DEADLINE_S" in ''|*[!0-9]*) echo "run_device: error: SNIP_DEVICE_DEADLINE_S must be whole seconds, got '$DEADLINE_S'" >&2; exit 2;; esac
 case "$FACTOR" in ''|*[!0-9]*|0) echo "run_device: error: SNIP_DEVICE_TIMEOUT_FACTOR must be a positive whole number, got '$FACTOR'" >&2; exit 2;; esac
@@ -187,6 +194,7 @@ if [ "$DRY" = "1" ]; then
     LAYER_HOST_ARGS="--steps 5 --modes eager --no_python_profile --output_dir $WORK/bench"   # the CUDA path on CPU tensors
     SCALE_ARGS="--scale 64 --block_size 128 --steps 2 --profile --chunk_elements 786432 --ieee_collection"
     PROFILE_ARGS="--device cpu --tokens 64 --k 256 --n 256 --steps 2"
+    STUDY_ARGS="--device cpu --workers 1 --blocks 2 --data_seeds 0,1 --warmup_steps 20 --steps 4 --eval_batches 2 --stat_batches 2"
 else
     TRAIN_ARGS="--max_steps 20 --eval_steps 10 --save_steps 20"
     GEMM_ARGS="--tokens 4096 --repeats 10"
@@ -197,6 +205,7 @@ else
     PROFILE_ARGS="--output_dir $WORK/bench"
     LAYER_ARGS="--output_dir $WORK/bench"
     LAYER_HOST_ARGS="--device cuda --steps 100 --output_dir $WORK/bench"
+    STUDY_ARGS=""
 fi
 
 run_step env 90 "" "'$PY' gpu/device_env.py --output '$WORK/env.json' --pip_list '$WORK/pip_list.txt'"
@@ -224,6 +233,9 @@ run_step profile_gemm 120 "" "'$PY' benchmarks/profile_gpu_gemm.py $PROFILE_ARGS
 # with SNIP_DEVICE_BENCH_TRAIN_PLANS (e.g. "bf16 fp4 adaptive"); its results are rewritten after every plan.
 run_step bench_train 520 "" "'$PY' $TRAIN_BENCH"
 run_step bench_scale 240 "" "'$PY' benchmarks/bench_scale.py $SCALE_ARGS --output '$WORK/bench'"
+# One model seed of the GPU plan study per loan, resumed from the committed cells (its warm-up checkpoints stay here).
+STUDY_SEEDS=${SNIP_DEVICE_STUDY_SEEDS:-$("$PY" gpu/next_study_seed.py benchmarks/results/plan_study/gpu 2>/dev/null || echo 0)}
+run_step plan_study 480 "" "mkdir -p '$WORK/bench/plan_study_gpu';     cp benchmarks/results/plan_study/gpu/cells.json benchmarks/results/plan_study/gpu/plans.json '$WORK/bench/plan_study_gpu/' 2>/dev/null;     '$PY' launch/plan_study.py --regime gpu --model_seeds '${STUDY_SEEDS//[^0-9,]/}' $STUDY_ARGS     --output_dir '$WORK/bench/plan_study_gpu' --checkpoint_dir '$WORK/study_checkpoints'     --max_minutes \$(( SNIP_DEVICE_STEP_LIMIT_S > 150 ? (SNIP_DEVICE_STEP_LIMIT_S - 90) / 60 : 1 ))"
 
 # ---------------------------------------------------------------- summary and what comes back
 log "summary"

@@ -12,6 +12,7 @@ Examples::
     python launch/plan_study.py --model_seeds 0,1 --data_seeds 0,1 --blocks 2 --warmup_steps 20 --steps 4 \\
         --eval_batches 2 --stat_batches 2 --output_dir /tmp/plan_study_smoke   # a smoke run, about a minute
     python launch/plan_study.py --summary_only                   # rewrite summary.{json,md} and the plot
+    python launch/plan_study.py --regime gpu --model_seeds 0     # on a CUDA GPU, one model seed per piece
 
 Outputs under ``--output_dir`` (default ``benchmarks/results/plan_study``, ``…/plan_study/stress`` for the
 stress regime): ``cells.json``, ``plans.json``, ``summary.json``, ``summary.md``, ``summary_seeds.png``; warm-up
@@ -52,13 +53,16 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--regime", default="main", choices=tuple(REGIMES),
-                    help="main: NVFP4 (default); stress: MXFP4, a smaller grid reported apart")
+                    help="main: NVFP4 (default); stress: MXFP4, a smaller grid reported apart; gpu: the main design "
+                         "on a CUDA GPU with a larger model (12 blocks x 256), run one model seed at a time")
     ap.add_argument("--model_seeds", default=None, help="comma-separated model seeds (init and warm-up order)")
     ap.add_argument("--data_seeds", default=None, help="comma-separated data seeds (one cell per model seed each)")
     ap.add_argument("--arms", default=None, help="comma-separated subset of " + ", ".join(ARMS) +
                     " (uniform_fp8 and snip always run: every difference refers to them)")
-    ap.add_argument("--model_config", default=DEFAULT_MODEL, help="JSON config of the model (default: "
-                    "8 blocks × hidden 96)")
+    ap.add_argument("--model_config", default=None, help="JSON config of the model (default: the regime's; "
+                    "main and stress: 8 blocks × hidden 96)")
+    ap.add_argument("--device", default=None, choices=("cpu", "cuda"), help="where the runs train (default: the "
+                    "regime's: cpu, cuda for --regime gpu)")
     ap.add_argument("--blocks", type=int, default=None, help="decoder blocks, in place of the config's (e.g. 2 "
                     "for a smoke run)")
     ap.add_argument("--dataset", default=None, help="text/JSON-lines file or prepared directory (default: the "
@@ -76,7 +80,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr_warmup_steps", type=int, default=20)
     ap.add_argument("--fp4_recipe", default=None, choices=FP4_RECIPES, help="default: the regime's")
     ap.add_argument("--no_stochastic_rounding", dest="stochastic_rounding", action="store_false")
-    ap.add_argument("--workers", type=int, default=2, help="processes running cells, one torch thread each")
+    ap.add_argument("--workers", type=int, default=None, help="processes running cells, one torch thread each "
+                    "(default 2 on the CPU; 1 on a GPU, the only choice there)")
     ap.add_argument("--max_minutes", type=float, default=0.0, help="stop after this many minutes (0: no limit), "
                     "keeping every finished cell; the same command resumes")
     ap.add_argument("--output_dir", default=None)
@@ -96,6 +101,17 @@ def parse_args(argv=None):
         ap.error(f"--arms: unknown {', '.join(bad)}; valid: {', '.join(ARMS)}")
     args.arms = tuple(a for a in ARMS if a in arms or a in ("uniform_fp8", "snip"))
     args.fp4_recipe = args.fp4_recipe or regime["fp4_recipe"]
+    args.model_config = args.model_config or regime.get("model_config", DEFAULT_MODEL)
+    args.device = args.device or regime.get("device", "cpu")
+    if args.workers is None:
+        args.workers = 1 if args.device == "cuda" else 2
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA GPU here (--regime gpu runs on a GPU machine: "
+                     "gpu/run_device.sh's plan_study step)")
+        if args.workers != 1:
+            ap.error(f"--workers must be 1 with --device cuda (one process drives the GPU), got {args.workers}")
     if args.output_dir is None:
         args.output_dir = str(Path("benchmarks/results/plan_study") / regime["subdir"])
     if args.checkpoint_dir is None:

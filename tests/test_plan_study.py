@@ -177,7 +177,7 @@ def _args(out, **kw):
              batch_size=2, block_size=8, eval_batches=1, stat_batches=1, lr=1e-3, lr_warmup_steps=0,
              fp4_recipe="nvfp4", stochastic_rounding=True, model_seeds=[0, 1], data_seeds=[0, 1, 2], workers=1,
              silent=True, output_dir=str(out), arms=("uniform_fp8", "uniform_fp4", "snip", "quant_err"),
-             max_minutes=0.0)
+             max_minutes=0.0, device="cpu")
     assert set(FIXED) <= set(a)
     a.update(kw)
     return types.SimpleNamespace(**a)
@@ -271,6 +271,57 @@ def test_launcher_names_a_bad_flag(capsys):
     assert a.output_dir.endswith("plan_study/stress") and len(a.model_seeds) == 2
     a = script.parse_args([])
     assert (len(a.model_seeds), len(a.data_seeds), a.lam, a.fp4_recipe) == (4, 12, 2.0, "nvfp4")
+
+
+def test_a_study_recorded_before_the_device_setting_resumes_as_a_cpu_study(tmp_path):
+    run_study(_args(tmp_path, data_seeds=[0]), factory=FakeWorker)
+    data = json.loads((tmp_path / "cells.json").read_text())
+    assert data["settings"]["device"] == "cpu"
+    del data["settings"]["device"]  # as the first CPU study wrote it
+    (tmp_path / "cells.json").write_text(json.dumps(data))
+    FakeWorker.calls = []
+    run_study(_args(tmp_path, data_seeds=[0]), factory=FakeWorker)
+    assert FakeWorker.calls == []
+    with pytest.raises(ValueError, match="other settings .*--device 'cpu'"):
+        run_study(_args(tmp_path, data_seeds=[0], device="cuda"), factory=FakeWorker)
+
+
+def test_gpu_regime_flags(capsys, monkeypatch):
+    import torch
+    spec = importlib.util.spec_from_file_location("plan_study_launch", ROOT / "launch" / "plan_study.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--regime", "gpu"])
+    assert "--device cuda: torch sees no CUDA GPU" in capsys.readouterr().err
+    a = script.parse_args(["--regime", "gpu", "--device", "cpu", "--model_seeds", "1"])  # its dry run
+    assert (a.device, a.workers, a.model_seeds) == ("cpu", 2, [1])
+    assert a.model_config.endswith("llama_12x256.json") and Path(a.model_config_path).is_file()
+    assert a.output_dir.endswith("plan_study/gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert script.parse_args(["--regime", "gpu"]).workers == 1
+    with pytest.raises(SystemExit):
+        script.parse_args(["--regime", "gpu", "--workers", "2"])
+    assert "--workers must be 1 with --device cuda" in capsys.readouterr().err
+    main = script.parse_args([])
+    assert (main.device, main.workers, main.model_config) == ("cpu", 2, "benchmarks/configs/llama_8x96.json")
+
+
+def test_next_gpu_study_seed_is_the_first_unfinished(tmp_path):
+    spec = importlib.util.spec_from_file_location("next_study_seed", ROOT / "gpu" / "next_study_seed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.next_seed(tmp_path) == 0  # nothing yet
+    rows = [dict(model_seed=ms, data_seed=ds, arm=arm) for ms in (0, 1) for ds in range(12)
+            for arm in ("uniform_fp8", "snip")]
+    rows = [r for r in rows if not (r["model_seed"] == 1 and r["data_seed"] == 7 and r["arm"] == "snip")]
+    (tmp_path / "cells.json").write_text(json.dumps(dict(rows=rows)))
+    assert mod.next_seed(tmp_path) == 1  # seed 0 done; seed 1 lacks one cell's SNIP run
+    rows += [dict(model_seed=1, data_seed=7, arm="snip")] + [
+        dict(model_seed=ms, data_seed=ds, arm=arm) for ms in (2, 3) for ds in range(12) for arm in ("uniform_fp8", "snip")]
+    (tmp_path / "cells.json").write_text(json.dumps(dict(rows=rows)))
+    assert mod.next_seed(tmp_path) is None and mod.main([str(tmp_path)]) == 1
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ def build(args):
     train_ds, val_ds, vocab, _ = load_dataset_blocks(args.dataset, args.block_size, **caps)
     config = args.model_config or _model_config(args.model, args.block_size)
     model = build_model(model_config=config, vocab_size=vocab, seed=args.seed, block_size=args.block_size)
+    model.to(getattr(args, "device", "cpu"))  # before the swap: stochastic-rounding generators live on the weights' device
     swap_model(model, "bf16", args.quant, seed=args.seed)
     need = args.eval_batches * args.batch_size
     if len(val_ds) < need:

@@ -54,10 +54,16 @@ REGIMES = {
                  arms=",".join(ARMS), subdir=""),
     "stress": dict(fp4_recipe="mxfp4", model_seeds="0,1", data_seeds="0,1,2,3,4,5",
                    arms="uniform_fp8,uniform_fp4,snip,quant_err,rel_quant_err,last_k_fp8,random", subdir="stress"),
+    # the main grid's design on a GPU, with a larger model (benchmarks/configs/llama_12x256.json), one model seed
+    # per piece (gpu/run_device.sh's plan_study step): a piece's warm-up, statistics and cells run in one loan
+    "gpu": dict(fp4_recipe="nvfp4", model_seeds="0,1,2,3", data_seeds=",".join(map(str, range(12))),
+                arms=",".join(ARMS), subdir="gpu", device="cuda", model_config="benchmarks/configs/llama_12x256.json"),
 }
+# what a study recorded before it had the setting (its cells.json lacks the key)
+LEGACY = {"device": "cpu"}
 # settings every piece of one study must share (a resume into the same output folder is refused otherwise)
 FIXED = ("regime", "model_config", "blocks", "dataset", "warmup_steps", "steps", "rho", "lam", "batch_size", "block_size",
-         "eval_batches", "stat_batches", "lr", "lr_warmup_steps", "fp4_recipe", "stochastic_rounding")
+         "eval_batches", "stat_batches", "lr", "lr_warmup_steps", "fp4_recipe", "stochastic_rounding", "device")
 CELLS, PLANS = "cells.json", "plans.json"
 
 
@@ -82,7 +88,7 @@ def row_key(row: Mapping[str, Any]) -> Tuple:
 
 
 def study_settings(args) -> Dict[str, Any]:
-    return {k: getattr(args, k) for k in FIXED}
+    return {k: getattr(args, k, LEGACY.get(k)) for k in FIXED}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -172,7 +178,7 @@ class Worker:
             seed=seed, quant=QuantConfig(fp4_recipe=a.fp4_recipe, stochastic_rounding=a.stochastic_rounding),
             eval_batches=a.eval_batches, batch_size=a.batch_size, phases={"warm": a.warmup_steps},
             silent=a.silent, stat_batches=a.stat_batches, lambda_default=a.lam, dgrad_cost="split", bwd_key="bwd",
-            bwd_rounding="recipe", forward_drift=False)
+            bwd_rounding="recipe", forward_drift=False, device=getattr(a, "device", "cpu"))
 
     def settings(self):
         from snip_ds.experiments.training import TrainSettings
@@ -286,7 +292,7 @@ def load_cells(out_dir: Path, settings: Mapping[str, Any]) -> Tuple[List[Dict[st
         return [], 0.0
     data = json.loads(path.read_text(encoding="utf-8"))
     old = data.get("settings", {})
-    diff = [k for k in FIXED if old.get(k) != settings.get(k)]
+    diff = [k for k in FIXED if old.get(k, LEGACY.get(k)) != settings.get(k)]
     if diff:
         raise ValueError(f"{path} holds a study with other settings ({', '.join(f'--{k} {old.get(k)!r}' for k in diff)}"
                          f"); resume it with those flags or pick another --output_dir")

@@ -1,4 +1,5 @@
-"""The training loop of the plan comparison, in plain torch (one process, FP32 on CPU, torch AdamW).
+"""The training loop of the plan comparison, in plain torch (one process, FP32 master weights, torch AdamW;
+on the CPU, or on the model's GPU for the GPU study).
 
 * :class:`TrainSettings`, :func:`make_optimizer`, :func:`train_steps`, :func:`evaluate`, :func:`lm_loss` —
   train a causal LM for some steps on a learning-rate schedule, and score it by validation loss;
@@ -75,7 +76,9 @@ class TrainSettings:
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of a causal LM on token ids ``[B, L]`` (FP32 logits)."""
+    """Mean next-token cross entropy of a causal LM on token ids ``[B, L]`` (FP32 logits), on the model's device
+    (the batches come from the CPU)."""
+    ids = ids.to(model.get_input_embeddings().weight.device)
     logits = model(input_ids=ids).logits.float()  # [B, L, V]
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
