@@ -156,9 +156,11 @@ class SnipState:
         for fqn, layer in self.layers.items():
             layer.precision = plan.assignment[fqn]
         changed = self.plan is None or plan.digest() != self.plan.digest()
-        # an adaptive run's starting plan is replaced at its step (the first re-plan, or a restored plan) before
-        # it trains: its share and map are not logged, so that the step holds one value of each
-        starting = self.plan is None and self.settings.is_adaptive
+        # an adaptive run's starting plan that a re-plan at this step replaces (or, the planner not yet made, a
+        # restored plan) before it trains: its share and map are not logged, so that the step holds one of each
+        planner = self.planner
+        starting = self.plan is None and self.settings.is_adaptive and (
+            planner is None or (planner.due(self.step) and planner.planned_at != self.step))
         self.plan = plan
         if changed and not starting:
             self.logger.scalar("plan/fp4_share", self.plan_fp4_share(), self.step)

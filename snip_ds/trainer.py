@@ -265,11 +265,13 @@ def train(args: argparse.Namespace) -> int:
             _write_artifacts(out_dir, engine.plan, planner.last_stats)
         step = engine.step
         if step % t.logging_steps == 0:
-            # the mean over the logging interval, as the Trainer logs it (console_interval is logging_steps then)
+            # the mean over the logging interval, as the Trainer logs it (console_interval is logging_steps then);
+            # the FP4 share unless a re-plan at this step (before the next) logs its own: one value per step
+            replans = planner is not None and step < t.max_steps and planner.due(step) and planner.planned_at != step
             logger.scalars({"train/loss": progress.mean_loss() if t.logging_steps > 1 else last_loss,
                             "train/lr": engine.lr(), "perf/step_time_s": elapsed,
                             "perf/tokens_per_s": tokens_per_step * world_d / elapsed,
-                            "plan/fp4_share": engine.plan_fp4_share()}, step)
+                            **({} if replans else {"plan/fp4_share": engine.plan_fp4_share()})}, step)
         if step % t.eval_steps == 0 or step == t.max_steps:
             val = engine.evaluate(eval_batches)
             logger.scalars({"eval/loss": val, "eval/perplexity": math.exp(min(val, 50.0))}, step)

@@ -34,9 +34,13 @@ def _run(args, cwd=REPO, timeout=300) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def adaptive_run(tmp_path_factory):
-    """``deepspeed launch/train.py`` on 1 rank: an adaptive ZeRO-3 run of 2 steps, saved at step 2."""
+    """``deepspeed launch/train.py`` on 1 rank: an adaptive ZeRO-3 run of 2 steps re-planned at steps 0 and 1,
+    saved at step 2."""
     tmp = tmp_path_factory.mktemp("entry_train")
     cfg = write_configs(tmp, stage=3, plan="adaptive", max_steps=2, save_steps=2, eval_steps=2)
+    config = json.loads(cfg.read_text())
+    config["snip"]["early_replan_steps"] = [1]  # a re-plan after a logged training step
+    cfg.write_text(json.dumps(config))
     proc = _ok(launch(["--deepspeed", str(cfg)], num_ranks=1, launcher="deepspeed"))
     return {"tmp": tmp, "out": tmp / "out", "stdout": proc.stdout, "stderr": proc.stderr}
 
@@ -50,10 +54,14 @@ def test_launch_train_plans_logs_and_saves(adaptive_run):
     assert sorted(logged["train/loss"]) == [1, 2] and all(math.isfinite(v) for v in logged["train/loss"].values())
     # the ILP's constraint is share >= rho (0.75); 1e-12 absorbs the rounding of the share's FLOP sum
     assert logged["plan/fp4_share"][2] >= 0.75 - 1e-12
-    # one value per tag and step: the re-plan at step 0 once logged its FP4 share and predicted divergence
-    # beside set_plan's share and the measurement's predicted divergence
+    # one value per tag and step: a re-plan's FP4 share and predicted divergence were also logged by set_plan
+    # (and at step 0 for the starting plan), by the measurement after it and, at step 1, by the training step
     assert written_twice(out / "tensorboard") == {}
-    assert {"plan/fp4_share", "snip/predicted_fld", "snip/measured_fld"} <= {t for t, s in logged.items() if 0 in s}
+    history = json.loads((out / "checkpoints" / "step_2" / "snip_state.json").read_text())["planner"]["history"]
+    assert [h["step"] for h in history] == [0, 1]
+    for h in history:
+        assert logged["plan/fp4_share"][h["step"]] == pytest.approx(h["fp4_share"], rel=1e-6)  # (float32 events)
+        assert {"snip/predicted_fld", "snip/measured_fld"} <= {t for t, s in logged.items() if h["step"] in s}
     assert sorted(logged["eval/loss"]) == [2]
     assert (out / "checkpoints" / "latest").read_text() == "step_2"
     assert (out / "checkpoints" / "step_2" / "snip_meta.json").is_file()
