@@ -42,6 +42,11 @@ def duration(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
+
+def over_steps(n: int) -> str:
+    """What a mean train loss is taken over, in words: "mean of 10 steps", "1 step"."""
+    return f"mean of {n} steps" if n != 1 else "1 step"
+
 class Progress:
     """Rank 0's progress: a bar on a terminal, plain lines elsewhere (``bar=False``, ``--no_progress``: lines
     only; ``show=False``, the other ranks: counts only). :meth:`step` after every optimizer step; :meth:`close` at
@@ -91,8 +96,8 @@ class Progress:
         rate = self._window_tokens / self._window_s if self._window_s > 0 else math.nan
         per_step = self._window_s * self.tokens_per_step / self._window_tokens if self._window_tokens else math.nan
         left = f", about {duration((self.total - step) * per_step)} left" if step < self.total else ""
-        console.say(f"snip_ds: progress: step {step}/{self.total}, train loss {self.mean_loss():.4f} (mean of "
-                    f"{len(self.losses)} steps), {rate:,.0f} tokens/s, SNIP {share:.0%} of the time so far{left}")
+        console.say(f"snip_ds: progress: step {step}/{self.total}, train loss {self.mean_loss():.4f} ("
+                    f"{over_steps(len(self.losses))}), {rate:,.0f} tokens/s, SNIP {share:.0%} of the time so far{left}")
         self._window_s, self._window_tokens = 0.0, 0
 
     def close(self) -> None:

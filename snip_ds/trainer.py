@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 from snip_ds import console, faults, resume
 from snip_ds.deprecations import quiet_third_party
-from snip_ds.progress import Progress, console_interval
+from snip_ds.progress import Progress, console_interval, over_steps
 from snip_ds.deepspeed_config import resolve_ds_config, tensor_parallel_degree, validate_with_deepspeed
 from snip_ds.settings import ConfigError, SnipSettings
 from snip_ds.tensorboard import config_text, make_logger
@@ -276,8 +276,8 @@ def train(args: argparse.Namespace) -> int:
             val = engine.evaluate(eval_batches)
             logger.scalars({"eval/loss": val, "eval/perplexity": math.exp(min(val, 50.0))}, step)
             if rank == 0:
-                console.say(f"snip_ds: step {step} train loss {progress.mean_loss():.4f} (mean of the last "
-                            f"{len(progress.losses)} steps) validation loss {val:.4f}")
+                console.say(f"snip_ds: step {step} train loss {progress.mean_loss():.4f} ("
+                            f"{over_steps(len(progress.losses))}) validation loss {val:.4f}")
         if (t.save_steps and step % t.save_steps == 0) or step == t.max_steps:
             save()
         if sdist.dist_max_flag(stop.is_set()):
