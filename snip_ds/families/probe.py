@@ -219,9 +219,10 @@ def run_plan(model, samples: Sequence[dict], plan: str, workdir: str) -> Outcome
         out.left_out = sorted(left_out)
         out.unrun = [n for n in watch.unrun(quantized_plan=plan != "bf16") if n not in left_out]
         if plan == "adaptive":
-            solved = [e for e in trainer.state.log_history if "snip/solve_time_s" in e and "plan/fp4_share" in e]
-            if solved:
-                out.fp4_share = float(solved[-1]["plan/fp4_share"])
+            logs = trainer.state.log_history  # the solve and the plan it applied are logged apart
+            shares = [e["plan/fp4_share"] for e in logs if "plan/fp4_share" in e]
+            if shares and any("snip/solve_time_s" in e for e in logs):
+                out.fp4_share = float(shares[-1])
             history = getattr(snip.planner, "history", None) or []
             out.plan_status = str(history[-1].get("status", "")) if history else ""
         if not math.isfinite(out.loss):
