@@ -273,3 +273,42 @@ def test_a_block_recipe_layer_step_takes_each_amax_once_and_one_launch_for_both_
     assert by_op == expected
     assert copies == _gemm_tail_copies(unit_scales=recipe != "nvfp4")
     assert counts["launches"] == sum(expected.values()) + copies
+
+
+def test_block_recipe_layers_reading_one_input_quantize_it_once(through_kernels):
+    """Three NVFP4 layers reading the same X (a block's query, key and value projections) take one amax pass
+    and one quantization of X (both layouts) between them and keep one copy of its wgrad values; after an
+    in-place change of X it is quantized again; every output and gradient equals the layers run one at a time
+    (stochastic rounding on, each layer's generator restarted for both runs)."""
+    layers = [_layer("fp4", {}) for _ in range(3)]
+    x, g = _data(5)
+
+    def run(fresh_each):
+        for i, layer in enumerate(layers):
+            layer.generator.manual_seed(20 + i)
+        outs, kept = [], []
+        xi = x.detach().clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            for layer in layers:
+                outs.append(layer(xi.clone() if fresh_each else xi))
+        sum(o.float().square().sum() for o in outs).backward()
+        grads = [xi.grad] + [layer.weight.grad.clone() for layer in layers]
+        for layer in layers:
+            layer.weight.grad = None
+        values = {t.data_ptr() for t in kept if t.shape == x.shape and t.t().is_contiguous()}  # column-major
+        return [o.detach() for o in outs] + grads, values
+
+    run(False)  # set-up
+    with OpCounter() as counter:
+        shared, values = run(False)
+    by_op = counter.counts.as_dict()["by_op"]
+    each, values_each = run(True)
+    assert len(values) == 1 and len(values_each) == 3
+    for a, b in zip(shared, each):
+        assert torch.equal(a, b)
+    # X once (1 amax + 1 quantize), each W (3 + 3), each G_Y (3 + 3), each W again for dgrad (3 quantize)
+    assert by_op["triton::amax_kernel"] == 1 + 3 + 3 and by_op["triton::quantize_kernel"] == 1 + 3 + 3 + 3
+    xi = x.detach().clone()
+    first = layers[0](xi)
+    xi.mul_(2)  # an in-place change between two layers: quantized again
+    assert torch.equal(layers[1](xi), layers[1](xi.clone())) and not torch.equal(first, layers[1](xi))

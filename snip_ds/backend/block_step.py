@@ -5,11 +5,13 @@ are the same block recipe (without the Hadamard transform of wgrad's operands, w
 needs X along k (fprop) and along the tokens (wgrad), G_Y along n (dgrad) and along the tokens (wgrad), W along
 k (fprop) and along n (dgrad). Here:
 
-* forward: W's amax pass (NVFP4) and its values for fprop, the amax written out and kept for dgrad (four
-  bytes); X's amax pass and its values in both layouts, each in blocks along its own axis, from one launch,
-  which also writes fprop's product of the tensor scales (NVFP4); the GEMM. Kept for backward: X's values in
-  wgrad's layout and its tensor scale (where the per-GEMM path keeps X itself: the same bytes for BF16 X) and
-  W with its amax.
+* forward: X's amax pass (NVFP4) and its values in both layouts, each in blocks along its own axis, from one
+  launch -- or those of the previous layer where it read the very same X, unchanged (the query, key and value
+  projections of one input, gate and up: one quantization and one kept copy for all of them, as
+  :mod:`.fp8_step` shares X's codes); W's amax pass and its values for fprop, the amax written out and kept
+  for dgrad (four bytes), and fprop's product of the tensor scales (NVFP4); the GEMM. Kept for backward: X's
+  values in wgrad's layout and its tensor scale (where the per-GEMM path keeps X itself: the same bytes for
+  BF16 X) and W with its amax.
 * backward: W's values for dgrad from the kept amax (no amax pass); G_Y's amax pass and its values in both
   layouts from one launch, each rounded stochastically from its own seed (drawn from the generator in the
   order dgrad, wgrad, as the per-GEMM path draws them), writing dgrad's and wgrad's products of tensor scales;
@@ -24,10 +26,12 @@ scales, draws and GEMM calls are the per-GEMM path's, so the results are bit for
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Tuple
+import weakref
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from snip_ds.backend import fp8_step
 from snip_ds.backend.base import WithAmax, kernel_seed
 from snip_ds.backend.operands import gemm_recipe, whole_amax
 from snip_ds.quant import QuantParts, get_recipe
@@ -43,8 +47,8 @@ class BlockStep(NamedTuple):
     w: str
     g: str
     stochastic_g: bool  # G_Y rounds stochastically
-    x_cfg: Any  # X: both layouts (along k for fprop, along the tokens, transposed, for wgrad), fprop's product
-    w_cfg: Any  # W for fprop, its amax written out
+    x_cfg: Any  # X: both layouts (along k for fprop, along the tokens, transposed, for wgrad)
+    w_cfg: Any  # W for fprop, its amax written out, and fprop's product of tensor scales
     unit_scales: bool  # MX: tensor scales are 1, nothing is multiplied
     amax_given: bool  # a shared_amax reduction gives the amaxes (tensor parallelism)
     mm: Any  # the backend's GEMM of grid values: ``mm(gemm, a, b, sa, sb, None, bias, out_dtype, unit, scale)``
@@ -55,10 +59,10 @@ class BlockStep(NamedTuple):
         """``Y`` and what backward keeps: X's values for wgrad (a column-major view of their transposed
         storage) and tensor scale, and W with its amax."""
         x, w = _kernel_input(x), _kernel_input(w)
-        w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w, self.w), None)
+        x_values, x_t, x_scale = self._x_values(x)
         product = self._products(1)
-        x_values, x_t, x_scale, _ = self.kq.launch(self.x_cfg, x, self._amax(x, self.x), None,
-                                                   **self._partners((w_scale,), product))
+        w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w, self.w), None,
+                                                      **self._partners((x_scale,), product))
         y = self.mm("fprop", x_values, w_values.t(), x_scale, w_scale, None, bias, out_dtype, self.unit_scales,
                     None if product is None else product[0])
         return y, QuantParts(x_t.t(), x_scale), WithAmax(w, w_amax)
@@ -66,6 +70,7 @@ class BlockStep(NamedTuple):
     def backward(self, g: torch.Tensor, x_keep: QuantParts, w_keep: WithAmax, needs: Tuple[bool, bool],
                  generator: Optional[torch.Generator], x_dtype: torch.dtype, w_dtype: torch.dtype
                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        _LAST_X[0] = None  # (the forward's last X values: not read again)
         g = _kernel_input(g)
         need_x, need_w = needs
         seeds = [self.kq.seed_tensor(kernel_seed(generator, g.device), g.device) if self.stochastic_g and need
@@ -95,6 +100,21 @@ class BlockStep(NamedTuple):
                           self.unit_scales, None if products is None else products[len(partners) - 1])
         return g_x, g_w
 
+    def _x_values(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """X's values in both layouts and its tensor scale: those of the previous block-recipe layer when it read
+        the very same X with the same recipe (the query, key and value projections of one input; gate and
+        up), else quantized here (as :mod:`.fp8_step` shares X's codes; not inside its ``unshared()``)."""
+        if not fp8_step._SHARE_X.get():
+            return self.kq.launch(self.x_cfg, x, self._amax(x, self.x), None)[:3]
+        source = x if x._base is None else x._base  # (a reshaped view is a new object at every call)
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, self.x_cfg, self.amax_given)
+        last = _LAST_X[0]
+        if last is not None and last[0]() is source and last[1] == key and last[2] == source._version:
+            return last[3]
+        found = self.kq.launch(self.x_cfg, x, self._amax(x, self.x), None)[:3]
+        _LAST_X[0] = (weakref.ref(source), key, source._version, found)
+        return found
+
     def _amax(self, t: torch.Tensor, recipe: str) -> Optional[torch.Tensor]:
         """The whole tensor's amax under a shared_amax reduction (as the kernels read it: 0-d FP32 on ``t``'s
         device), else None: the kernels take ``t``'s own."""
@@ -110,6 +130,11 @@ class BlockStep(NamedTuple):
     @staticmethod
     def _partners(partners, products) -> dict:
         return {} if products is None else dict(partners=partners, products=products)
+
+
+# The last X quantized by a forward, as fp8_step keeps its own: (a weak reference to X's storage owner, its
+# layout and the step's launch configuration, its version counter, the values and scale).
+_LAST_X: List[Optional[tuple]] = [None]
 
 
 def block_recipes(prec, cfg) -> Optional[Tuple[str, str, str, bool]]:
@@ -135,9 +160,9 @@ def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, 
     x, w, g, stochastic_g = recipes
     unit = get_recipe(x).scale == "e8m0" and get_recipe(w).scale == "e8m0"
     x_bf16, w_bf16 = _kernel_dtype(x_dtype) == torch.bfloat16, _kernel_dtype(w_dtype) == torch.bfloat16
-    x_cfg = kq.launch_config(rows, k, x, 1, VALUES, False, x_bf16, both=True, amax_given=amax_given,
+    x_cfg = kq.launch_config(rows, k, x, 1, VALUES, False, x_bf16, both=True, amax_given=amax_given)
+    w_cfg = kq.launch_config(n, k, w, 1, VALUES, False, w_bf16, amax_given=amax_given, write_amax=True,
                              products=0 if unit else 1)
-    w_cfg = kq.launch_config(n, k, w, 1, VALUES, False, w_bf16, amax_given=amax_given, write_amax=True)
     return BlockStep(kq, x, w, g, stochastic_g, x_cfg, w_cfg, unit, amax_given, mm, device)
 
 
