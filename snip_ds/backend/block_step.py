@@ -104,7 +104,7 @@ class BlockStep(NamedTuple):
         """X's values in both layouts and its tensor scale: those of the previous block-recipe layer when it read
         the very same X with the same recipe (the query, key and value projections of one input; gate and
         up), else quantized here (as :mod:`.fp8_step` shares X's codes; not inside its ``unshared()``)."""
-        if not fp8_step._SHARE_X.get():
+        if not fp8_step.sharing_x():
             return self.kq.launch(self.x_cfg, x, self._amax(x, self.x), None)[:3]
         source = x if x._base is None else x._base  # (a reshaped view is a new object at every call)
         key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, self.x_cfg, self.amax_given)

@@ -124,6 +124,11 @@ def unshared():
         _SHARE_X.reset(token)
 
 
+def sharing_x() -> bool:
+    """Whether layers reading the same X may share its quantization here (false inside :func:`unshared`)."""
+    return _SHARE_X.get()
+
+
 def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
               bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     """``(a8 @ b8) * scale_a * scale_b (+ bias)`` in ``out_dtype`` by ``torch._scaled_mm`` (``a8`` row-major,
