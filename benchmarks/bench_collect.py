@@ -53,12 +53,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics  # noqa: E402
-from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
-from snip_ds.model import build_model  # noqa: E402
-from snip_ds.omp import preserve_torch_threads  # noqa: E402
+from snip_ds.run.data import DataStream, load_dataset_blocks  # noqa: E402
+from snip_ds.run.model import build_model  # noqa: E402
+from snip_ds.runtime.omp import preserve_torch_threads  # noqa: E402
 from snip_ds.planner import solve_baseline  # noqa: E402
-from snip_ds.schedule import measure_due, replan_steps  # noqa: E402
-from snip_ds.settings import parse_snip_section  # noqa: E402
+from snip_ds.engine.schedule import measure_due, replan_steps  # noqa: E402
+from snip_ds.config.settings import parse_snip_section  # noqa: E402
 from snip_ds.swap import model_layers, swap_linears, swap_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -178,7 +178,7 @@ def _train_step(model, opt, batch) -> None:
 def _collect(model, opt, batches, counter=None, study=()):
     pre = adam_precond(model, opt)
     def counting(t):
-        counter.append(t.numel() * 8)  # all-reduced as float64 (snip_ds.distributed.dist_sum)
+        counter.append(t.numel() * 8)  # all-reduced as float64 (snip_ds.runtime.distributed.dist_sum)
         return t
     return collect_statistics(model, batches, CollectSettings(lam=100.0, study_fields=study), lr=pre.lr,
                               precond=pre.precond or None, reduce=counting if counter is not None else None,

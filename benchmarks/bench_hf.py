@@ -37,9 +37,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
 
-from snip_ds.data import load_dataset_blocks  # noqa: E402
+from snip_ds.run.data import load_dataset_blocks  # noqa: E402
 from snip_ds.hf import SnipCallback  # noqa: E402
-from snip_ds.model import build_model  # noqa: E402
+from snip_ds.run.model import build_model  # noqa: E402
 
 TINY = {"model_type": "llama", "vocab_size": 264, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

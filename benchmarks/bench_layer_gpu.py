@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_gpu_gemm import kernel_table  # noqa: E402
-from snip_ds.fileio import atomic_write_text  # noqa: E402
+from snip_ds.runtime.fileio import atomic_write_text  # noqa: E402
 from snip_ds.linear import SnipLinear  # noqa: E402
 from snip_ds.quant_config import QuantConfig  # noqa: E402
 

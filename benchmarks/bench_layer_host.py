@@ -68,7 +68,7 @@ if "--device" not in sys.argv or "cpu" in sys.argv[sys.argv.index("--device") + 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from snip_ds.backend import torch_native  # noqa: E402
-from snip_ds.fileio import atomic_write_text  # noqa: E402
+from snip_ds.runtime.fileio import atomic_write_text  # noqa: E402
 from snip_ds.backend.dispatch_audit import (HostReads, LiveBytes, OpCounter, OpCounts,  # noqa: E402
                                             patch_triton_launches, profiled_host_reads, profiled_kernels)
 from snip_ds.linear import SnipLinear  # noqa: E402
@@ -173,8 +173,8 @@ def make_layer(variant: str, args, device: str):
 
 
 def block_config(tokens: int):
-    """The default model's config (snip_ds.model.default_model_config) at a small width, one block."""
-    from snip_ds.model import default_model_config
+    """The default model's config (snip_ds.run.model.default_model_config) at a small width, one block."""
+    from snip_ds.run.model import default_model_config
 
     config = default_model_config(vocab_size=64, block_size=tokens)
     for key, value in {**BLOCK, "num_hidden_layers": 1}.items():

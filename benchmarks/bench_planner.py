@@ -19,7 +19,7 @@ here, independently of CBC, as a fractional knapsack), an upper bound on its dis
 
 For the MoE plan it also reports what a re-plan ships: the size of its ``plan.json`` (``Plan.save``, as the
 engine writes it) and of the payload the engine broadcasts (``{"plan": Plan.to_dict()}`` as
-``snip_ds.distributed.broadcast_json`` encodes it), and the time of that broadcast from rank 0 to rank 1 of 2
+``snip_ds.runtime.distributed.broadcast_json`` encodes it), and the time of that broadcast from rank 0 to rank 1 of 2
 gloo processes on this machine, with ``Plan.from_dict`` on the receiving side, as the engine's re-plan does
 (``--transfer-repeats`` broadcasts after one warm-up, each after a barrier; rank 1's wall time).
 """
@@ -147,7 +147,7 @@ def _broadcast_worker(rank: int, world: int, port: int, plan_dict: dict, repeats
     import torch
     import torch.distributed as dist
 
-    from snip_ds import distributed as sdist
+    from snip_ds.runtime import distributed as sdist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -291,7 +291,7 @@ def to_markdown(rows, env) -> str:
         if moved:
             lines += ["", "What a re-plan of that size ships: its `plan.json` (`Plan.save`, as the engine writes it), "
                       "the payload the engine broadcasts (`{\"plan\": Plan.to_dict()}` as "
-                      "`snip_ds.distributed.broadcast_json` encodes it), and the time from rank 0's `to_dict` to "
+                      "`snip_ds.runtime.distributed.broadcast_json` encodes it), and the time from rank 0's `to_dict` to "
                       "rank 1's `Plan.from_dict` of the received plan, over 2 gloo processes on this machine "
                       "(rank 1's wall time after a barrier; median and max over the repeats after one warm-up):",
                       "",

@@ -1,5 +1,5 @@
 """What loading DeepSpeed's (already built) fused_adam op costs a rank at start: py-cpuinfo asked at every load, or
-its answer kept per CPU (snip_ds.cpuinfo_cache).
+its answer kept per CPU (snip_ds.runtime.cpuinfo_cache).
 
     python benchmarks/bench_rank_start.py [--repeats 5] [--output_dir DIR]
 
@@ -7,7 +7,7 @@ Each measurement is a fresh Python process (as a rank is: nothing cached in memo
 times ``FusedAdamBuilder().load()`` -- the load every rank of a CPU run does when DeepSpeed builds its optimizer
 -- against the environment's build folder (the op is built already: ``launch/warm_ops.py``). ``deepspeed``:
 DeepSpeed as it is, py-cpuinfo answering from a new process at each question. ``kept``: after
-``snip_ds.cpuinfo_cache.install`` with this CPU's answer kept (written by one process before the measurements).
+``snip_ds.runtime.cpuinfo_cache.install`` with this CPU's answer kept (written by one process before the measurements).
 The two alternate, ``--repeats`` times each, in one run; the table gives each one's median and the ratio.
 
 Writes ``bench_rank_start.json`` and ``.md`` into ``--output_dir`` (default: print only), naming the machine.
@@ -26,14 +26,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from snip_ds import jit_builds  # noqa: E402  (standard library only: no torch, no DeepSpeed)
+from snip_ds.runtime import jit_builds  # noqa: E402  (standard library only: no torch, no DeepSpeed)
 
 CHILD = """
 import json, sys, time
 from pathlib import Path
 from deepspeed.ops.op_builder.cpu import FusedAdamBuilder
 if sys.argv[1] == "kept":
-    from snip_ds import cpuinfo_cache
+    from snip_ds.runtime import cpuinfo_cache
     cpuinfo_cache.install(Path(sys.argv[2]))
 t = time.perf_counter()
 FusedAdamBuilder().load(verbose=False)
@@ -72,7 +72,7 @@ def markdown(res: dict) -> str:
         "| py-cpuinfo | median load (s) |",
         "|---|---|",
         f"| asked at every load (DeepSpeed as it is) | {m['deepspeed']:.2f} |",
-        f"| kept per CPU (snip_ds.cpuinfo_cache) | {m['kept']:.2f} |",
+        f"| kept per CPU (snip_ds.runtime.cpuinfo_cache) | {m['kept']:.2f} |",
         "",
         f"Saved per rank start: {res['saved_s']:.2f} s ({res['ratio']:.1f}x faster load).",
         ""])

@@ -110,11 +110,11 @@ class _Sync:
 
 def bench(scale: int, vocab: int, layers: int, micro_batch: int, block: int, steps: int, profile: bool = False,
           chunk_elements: tuple = (), ieee_collection: bool = False) -> dict:
-    from snip_ds import distributed as sdist
-    from snip_ds.data import DataStream, load_dataset_blocks
+    from snip_ds.runtime import distributed as sdist
+    from snip_ds.run.data import DataStream, load_dataset_blocks
     from snip_ds.engine import initialize
-    from snip_ds.model import build_model
-    from snip_ds.settings import parse_snip_section
+    from snip_ds.run.model import build_model
+    from snip_ds.config.settings import parse_snip_section
 
     cuda = torch.cuda.is_available()
     torch.set_flush_denormal(True)  # as launch/train.py does
@@ -150,7 +150,7 @@ def bench(scale: int, vocab: int, layers: int, micro_batch: int, block: int, ste
         original = sdist.dist_sum
 
         def counting(t, group=None):
-            reduced.append(t.numel() * 8)  # all-reduced as float64 (snip_ds.distributed.dist_sum)
+            reduced.append(t.numel() * 8)  # all-reduced as float64 (snip_ds.runtime.distributed.dist_sum)
             return original(t, group)
 
         sdist.dist_sum = counting

@@ -40,8 +40,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def _batches(meta: dict) -> List[List[Dict[str, torch.Tensor]]]:
     """The run's evaluation batches, one list per rank."""
-    from snip_ds.data import load_dataset_blocks
-    from snip_ds.trainer import _eval_batches
+    from snip_ds.run.data import load_dataset_blocks
+    from snip_ds.run.trainer import _eval_batches
 
     t = meta["settings"]["train"]
     world = int(meta.get("world_size") or 1)
@@ -89,11 +89,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
-    from snip_ds.artifacts import checkpoint_meta
+    from snip_ds.report.artifacts import checkpoint_meta
     from snip_ds.engine.checkpoint_layout import resolve
     from snip_ds.export import export_checkpoint
-    from snip_ds.export_calib import planned_forward_model
-    from snip_ds.export_serve import ServeOptions
+    from snip_ds.export.calib import planned_forward_model
+    from snip_ds.export.serve import ServeOptions
     from snip_ds.quant_config import QuantConfig
 
     run = Path(args.run)

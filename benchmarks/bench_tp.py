@@ -70,7 +70,7 @@ def worker(args) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import snip_ds
-    from snip_ds import distributed as sdist
+    from snip_ds.runtime import distributed as sdist
     from snip_ds.engine import init_distributed
     from snip_ds.stats import CollectSettings, collect_statistics
 

@@ -24,7 +24,7 @@ Results go to benchmarks/results/bench_train.{json,md}.
 
 On a CUDA GPU: tokens/s of a ~1.0B-parameter Llama (22 blocks, hidden 2048, SwiGLU 5632, GQA 32/4 heads,
 TinyLlama-1.1B's shape with the byte-level vocabulary) under the bf16, fp8, fp4 and adaptive plans, each a
-training run (``snip_ds.trainer.main``, what launch/train.py runs) on one GPU with the shipped
+training run (``snip_ds.run.trainer.main``, what launch/train.py runs) on one GPU with the shipped
 ds_configs/zero3.json (ZeRO-3, BF16, ``backend: auto``), micro-batch 8 x 1024 tokens. The four runs go one
 after another in this one process (Python, torch, CUDA and the JIT-built ops start once; each run builds its own model and engine in the one process group, and the GPU's peak memory is read per run);
 ``--separate_launches`` makes each a launch/train.py process of its own through the deepspeed launcher instead. only the model, the batch, the run's length, the
@@ -58,9 +58,9 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
-from snip_ds.fileio import atomic_write_text  # noqa: E402
-from snip_ds.model import build_model  # noqa: E402
+from snip_ds.run.data import DataStream, load_dataset_blocks  # noqa: E402
+from snip_ds.runtime.fileio import atomic_write_text  # noqa: E402
+from snip_ds.run.model import build_model  # noqa: E402
 from snip_ds.swap import swap_linears  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -262,12 +262,12 @@ def _launch_run(plan: str, steps: int, replan_every: int, model_cfg: Optional[di
 
 def _in_process_run(plan: str, steps: int, replan_every: int, model_cfg: Optional[dict] = None,
                     micro_batch: Optional[int] = None, block: Optional[int] = None) -> dict:
-    """The same run as :func:`_launch_run`, but ``snip_ds.trainer.main`` called in this process (one rank; the
+    """The same run as :func:`_launch_run`, but ``snip_ds.run.trainer.main`` called in this process (one rank; the
     first run makes the process group, the later ones reuse it): the interpreter, torch, CUDA and the JIT-built ops start
     once for every plan. Its TensorBoard series, and the GPU's peak memory over the run."""
     import gc
 
-    from snip_ds.trainer import main as train_main
+    from snip_ds.run.trainer import main as train_main
 
     with tempfile.TemporaryDirectory() as tmp:
         path = _write_run_config(Path(tmp), plan, steps, replan_every, model_cfg, micro_batch, block)
@@ -279,7 +279,7 @@ def _in_process_run(plan: str, steps: int, replan_every: int, model_cfg: Optiona
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if code != 0:
-            raise RuntimeError(f"plan {plan}: snip_ds.trainer.main returned {code}")
+            raise RuntimeError(f"plan {plan}: snip_ds.run.trainer.main returned {code}")
         series = _read_series(Path(tmp) / "out" / "tensorboard")
     series["peak_memory_bytes"] = peak
     return series

@@ -54,11 +54,11 @@ def worker(args: argparse.Namespace) -> int:
     import psutil
     import torch
 
-    from snip_ds import distributed as sdist
-    from snip_ds.data import DataStream, load_dataset_blocks
+    from snip_ds.runtime import distributed as sdist
+    from snip_ds.run.data import DataStream, load_dataset_blocks
     from snip_ds.engine import init_distributed, initialize
-    from snip_ds.tensorboard import make_logger
-    from snip_ds.model import build_model
+    from snip_ds.report.tensorboard import make_logger
+    from snip_ds.run.model import build_model
 
     torch.set_flush_denormal(True)
     init_distributed()

@@ -33,7 +33,7 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from snip_ds.corpus import (  # noqa: E402
+from snip_ds.run.corpus import (  # noqa: E402
     PREPARE_META_FILE,
     group_blocks,
     load_tokenizer,

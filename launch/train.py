@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from snip_ds.trainer import main  # noqa: E402
+from snip_ds.run.trainer import main  # noqa: E402
 
 
 def finish(code: int) -> None:

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
 from snip_ds.hf import share_cpu_ranks_with_accelerate  # noqa: E402
-from snip_ds.settings import ConfigError  # noqa: E402
+from snip_ds.config.settings import ConfigError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,10 +69,10 @@ def build(args: SnipTrainingArguments, data: SnipDataArguments):
     from torch.utils.data import Subset
     from transformers import Trainer, default_data_collator
 
-    from snip_ds.data import load_dataset_blocks
+    from snip_ds.run.data import load_dataset_blocks
     from snip_ds.hf import add_snip
-    from snip_ds.model import build_model
-    from snip_ds.settings import load_ds_config
+    from snip_ds.run.model import build_model
+    from snip_ds.config.settings import load_ds_config
 
     deepspeed = bool(args.deepspeed) or args.deepspeed_plugin is not None  # the flag, or accelerate launch's plugin
     plugin_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if args.deepspeed_plugin is not None else None
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     try:
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     except Exception as err:
-        from snip_ds.distributed import lost_peer, lost_peer_line
+        from snip_ds.runtime.distributed import lost_peer, lost_peer_line
 
         if not lost_peer(err):
             raise

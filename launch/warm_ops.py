@@ -5,7 +5,7 @@ used by the torch backend on CPU, the default there) are built first. On a CPU m
 shared-memory collectives (``deepspeed_shm_comm``), ``fused_adam`` (used when a JSON names an Adam optimizer)
 and ``cpu_adam`` (used by ZeRO-Offload); on a GPU machine the accelerator's own builders are used. Compiled ops
 are cached under ``$TORCH_EXTENSIONS_DIR``, which snip_ds sets, when it is unset, to a folder of this environment's
-own under ``~/.cache/torch_extensions`` (``snip_ds.jit_builds``, printed here), so run this once in each virtual
+own under ``~/.cache/torch_extensions`` (``snip_ds.runtime.jit_builds``, printed here), so run this once in each virtual
 environment. A ``lock`` left there by a build killed more than 30 minutes ago is removed, with a warning.
 """
 import logging
@@ -14,7 +14,7 @@ import time
 
 from deepspeed.accelerator import get_accelerator
 
-from snip_ds import jit_builds
+from snip_ds.runtime import jit_builds
 from snip_ds.backend import cpu as cpu_kernels
 
 

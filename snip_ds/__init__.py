@@ -5,6 +5,10 @@ Public names are loaded lazily, so ``import snip_ds.planner`` stays free of torc
 """
 import importlib
 
+from snip_ds.runtime import old_paths
+
+old_paths.install()  # the previous release's module paths, for one release
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Sequence
 
 from snip_ds import __version__
-from snip_ds.artifacts import load_plan, load_stats
+from snip_ds.report.artifacts import load_plan, load_stats
 from snip_ds.plan import Plan
 from snip_ds.options import OPTIONS, add_flags, build, check_flags, from_flags, plain
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
-from snip_ds.stats_table import SORTS as STATS_SORTS, is_stats_file, show_stats
+from snip_ds.report.stats_table import SORTS as STATS_SORTS, is_stats_file, show_stats
 from snip_ds.types import display_kinds, kind_labels
 from snip_ds.types import GEMMS, PRECISIONS, block_index, expert_pair, layer_kind
 
@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out_dir", help="the model directory to write (AutoModelForCausalLM.from_pretrained loads it)")
     e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the exported master weights")
     e.add_argument("--force", action="store_true", help="replace a previous export in OUT_DIR")
-    from snip_ds.export_cli import add_format_arguments  # (imports neither torch nor transformers)
+    from snip_ds.export.cli import add_format_arguments  # (imports neither torch nor transformers)
     add_format_arguments(e)
     e.set_defaults(func=_cmd_export)
 
@@ -320,7 +320,7 @@ def _cmd_universal(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from snip_ds.export import export_checkpoint  # imports DeepSpeed and transformers: only when exporting
-    from snip_ds.export_serve import serve_options
+    from snip_ds.export.serve import serve_options
 
     record = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force,
                                warn=lambda msg: print(f"snip-ds: warning: {msg}", file=sys.stderr),

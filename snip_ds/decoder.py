@@ -21,7 +21,7 @@ Mixture-of-Experts experts modules hold no linear per expert: :mod:`snip_ds.expe
 experts module whose layout is not proved is refused by :func:`decoder_linears`, naming the module, its class and
 what did not match, before anything trains. A linear that a block holds but the model never calls (Mamba's
 ``dt_proj``, whose weight the mixer multiplies itself) is planned here and left out of the plan once a step shows
-it receives no call (:mod:`snip_ds.state`).
+it receives no call (:mod:`snip_ds.engine.state`).
 """
 from __future__ import annotations
 

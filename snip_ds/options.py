@@ -1,6 +1,6 @@
 """Every setting of the ``"snip"`` section, defined once: name, type, default, valid values, help text.
 
-:data:`OPTIONS` is the one table. :mod:`snip_ds.settings` builds :class:`~snip_ds.settings.SnipSettings` from it
+:data:`OPTIONS` is the one table. :mod:`snip_ds.config.settings` builds :class:`~snip_ds.config.settings.SnipSettings` from it
 (and so parses and validates the JSON), ``snip-ds plan`` builds its flags from it (:func:`add_flags`), and the
 dataclasses that read settings (:class:`~snip_ds.stats.CollectSettings`, :class:`~snip_ds.planner.CostSettings`,
 :class:`~snip_ds.planner.SolverSettings`) name the setting each field reads (:func:`reads`), so that
@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from snip_ds.stats.artifact import check_study_fields
+from snip_ds.stats_file import check_study_fields
 from snip_ds.types import PRECISIONS
 
 # The valid values of the choices (the planner and the statistics re-export the ones they own).
@@ -56,7 +56,7 @@ class Option:
     """One setting of the ``"snip"`` section.
 
     Attributes:
-        name: the JSON key (and the attribute of :class:`~snip_ds.settings.SnipSettings`).
+        name: the JSON key (and the attribute of :class:`~snip_ds.config.settings.SnipSettings`).
         type: its annotation (``int``, ``float``, ``Optional[float]``, ``Tuple[str, ...]`` ...); the JSON value is
             type-checked against it.
         default: the value when the key is absent.
@@ -239,7 +239,7 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            "or ``skip`` the step (no optimizer update, gradients dropped, the learning rate held, counted as "
            "``train/skipped_steps`` in TensorBoard).", choices=NONFINITE_ACTIONS),
     Option("study_fields", Tuple[str, ...], (), "Study fields each collection also records in ``stats.json`` (groups "
-           "of :data:`snip_ds.stats.artifact.STUDY_FIELDS`: ``fld_forms``, ``first_order``, ``quant_err``, "
+           "of :data:`snip_ds.stats_file.STUDY_FIELDS`: ``fld_forms``, ``first_order``, ``quant_err``, "
            "``bwd_bias``, ``bwd_drift``); the plan's own needs are added (``collect_study_fields``). Default none.",
            check=_study, research=True),
 )}

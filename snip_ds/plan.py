@@ -20,7 +20,7 @@ import math
 import os
 from types import MappingProxyType
 
-from snip_ds.fileio import atomic_write_text
+from snip_ds.runtime.fileio import atomic_write_text
 from snip_ds.types import GEMMS, PRECISIONS
 from typing import Any, Iterable, Mapping
 

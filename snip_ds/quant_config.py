@@ -1,6 +1,6 @@
 """Quantization settings of the linear layers.
 
-The ``"snip"`` section of a DeepSpeed JSON is parsed by :mod:`snip_ds.settings`; this module holds only
+The ``"snip"`` section of a DeepSpeed JSON is parsed by :mod:`snip_ds.config.settings`; this module holds only
 the small frozen dataclass the quantized linear needs, so the numerics do not depend on the trainer. (The
 statistics' estimator choices, ``ESTIMATORS``, ``FLD_FORMS`` and ``BWD_ROUNDINGS``, are defined with the
 other settings in :mod:`snip_ds.options` and imported here by older callers.)

@@ -19,7 +19,7 @@ if importlib.util.find_spec("triton") is not None:
 
 @pytest.fixture(autouse=True)
 def _subnormals_kept():
-    """``snip_ds.trainer.main`` flushes subnormals for its whole process (as launch/train.py wants); a test that
+    """``snip_ds.run.trainer.main`` flushes subnormals for its whole process (as launch/train.py wants); a test that
     calls it in-process must not leave later tests' FP32 subnormals flushed to zero."""
     yield
     torch.set_flush_denormal(False)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from snip_ds.ab import ABError, parse, table
+from snip_ds.run.ab import ABError, parse, table
 from train_utils import REPO, env, write_configs
 
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from snip_ds.artifacts import (CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE, load_plan,
+from snip_ds.report.artifacts import (CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE, load_plan,
                                load_stats, write_plan, write_stats)
 from snip_ds.plan import Plan
 

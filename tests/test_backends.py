@@ -16,7 +16,7 @@ from snip_ds.backend import cpu as cpu_kernels
 from snip_ds.quant_config import QuantConfig
 from snip_ds.linear import SnipLinear
 from snip_ds.quant import stochastic_moments
-from snip_ds.settings import ConfigError, parse_snip_section
+from snip_ds.config.settings import ConfigError, parse_snip_section
 from tests.quant_inputs import RECIPE_CASES, skip_without_cpu_scaled_mm
 from tests.reference_quant import GRIDS, assert_bitwise_equal
 

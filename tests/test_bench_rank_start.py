@@ -25,4 +25,4 @@ def test_one_repeat_measures_both_loads_and_writes_the_tables(tmp_path):
     assert all(t > 0 for ts in res["times_s"].values() for t in ts)
     assert res["ratio"] == pytest.approx(res["median_s"]["deepspeed"] / res["median_s"]["kept"])
     md = (tmp_path / "bench_rank_start.md").read_text()
-    assert f"| kept per CPU (snip_ds.cpuinfo_cache) | {res['median_s']['kept']:.2f} |" in md
+    assert f"| kept per CPU (snip_ds.runtime.cpuinfo_cache) | {res['median_s']['kept']:.2f} |" in md

@@ -62,7 +62,7 @@ def test_cuda_plans_must_start_with_bf16(capsys):
 
 
 def test_llama_parameters_counts_what_build_model_builds():
-    from snip_ds.model import build_model, count_parameters
+    from snip_ds.run.model import build_model, count_parameters
 
     bench = _bench()
     assert bench.llama_parameters(TINY_MODEL) == count_parameters(build_model(model_config=TINY_MODEL))
@@ -70,8 +70,8 @@ def test_llama_parameters_counts_what_build_model_builds():
 
 
 def test_gpu_run_config_is_the_shipped_zero3_with_the_benchmark_s_changes(tmp_path):
-    from snip_ds.deepspeed_config import resolve_ds_config
-    from snip_ds.settings import parse_snip_section
+    from snip_ds.config.deepspeed_config import resolve_ds_config
+    from snip_ds.config.settings import parse_snip_section
 
     bench = _bench()
     shipped = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
@@ -130,7 +130,7 @@ def test_a_gpu_run_s_path_on_the_cpu_at_a_tiny_size(monkeypatch):
 
 @pytest.mark.slow
 def test_the_gpu_plans_run_one_after_another_in_one_process():
-    """--plumbing: the --device cuda code path with every plan trained in this process (snip_ds.trainer.main in
+    """--plumbing: the --device cuda code path with every plan trained in this process (snip_ds.run.trainer.main in
     turn, the process group kept between runs) on a 2-block Llama on the CPU: each plan yields its row, the
     adaptive one its collections, and the process group is gone at the end."""
     import torch.distributed as dist

@@ -375,8 +375,8 @@ def test_families_needs_an_output_named_by_the_user(tmp_path, capsys, monkeypatc
 def test_train_flag_errors_name_the_flag(argv, message):
     from pathlib import Path
 
-    from snip_ds.settings import ConfigError
-    from snip_ds.train_args import build_parser, settings_from_args
+    from snip_ds.config.settings import ConfigError
+    from snip_ds.config.train_args import build_parser, settings_from_args
 
     config = Path(__file__).resolve().parents[1] / "ds_configs" / "zero3.json"
     args = build_parser().parse_args(["--deepspeed", str(config), *argv])
@@ -387,8 +387,8 @@ def test_train_flag_errors_name_the_flag(argv, message):
 
 def test_train_help_states_each_flags_default():
     from snip_ds.options import OPTIONS
-    from snip_ds.settings import TrainSettings
-    from snip_ds.train_args import build_parser
+    from snip_ds.config.settings import TrainSettings
+    from snip_ds.config.train_args import build_parser
 
     text = " ".join(build_parser().format_help().split())
     assert f"tokens per training sequence (default: the JSON's snip.train.block_size, else " \

@@ -14,7 +14,7 @@ from snip_ds.backend import get_backend
 from snip_ds.experiments.first_plan import SplitK, round_to_tf32 as _round_to_tf32
 from snip_ds.planner import CostSettings, costs_from_stats, solve_baseline
 from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics
-from snip_ds.stats.artifact import load_stats, save_stats
+from snip_ds.stats_file import load_stats, save_stats
 from snip_ds.swap import snip_layers, swap_linears
 from tests import reference_divergence as refdiv
 
@@ -702,7 +702,7 @@ def test_study_fields_change_nothing_else(model, how):
 
 def test_study_fields_setting_and_plan_needs():
     from snip_ds.planner.costs import costs_from_stats, plan_study_fields, quant_err_costs
-    from snip_ds.settings import ConfigError, parse_snip_section
+    from snip_ds.config.settings import ConfigError, parse_snip_section
     assert CollectSettings(study_fields=["quant_err", "fld_forms", "quant_err"]).study_fields == \
         ("fld_forms", "quant_err")
     with pytest.raises(ValueError, match="study_fields: unknown group\\(s\\) 'fld'; valid: fld_forms"):

@@ -22,7 +22,7 @@ from snip_ds.experts.model import expert_parameters, expert_points, swap_experts
 from snip_ds.linear import SnipLinear
 from snip_ds.planner import CostSettings, SolverSettings, costs_from_stats, solve_baseline
 from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics
-from snip_ds.stats.artifact import carry_unrouted, load_stats, save_stats, validate_stats
+from snip_ds.stats_file import carry_unrouted, load_stats, save_stats, validate_stats
 from snip_ds.stats.precond import with_experts
 from tests import reference_divergence as refdiv
 

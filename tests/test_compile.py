@@ -293,7 +293,7 @@ def test_deepspeed_engine_compile_trains_as_eager_without_graph_breaks(tmp_path)
     """``engine.ds.compile()`` (DeepSpeed's own compile: ``module.compile()``) on an adaptive ZeRO-1 run of a
     small Llama: no graph break, and the losses -- the first plan, a re-plan at step 2, the measured BF16
     forwards -- are eager's bit for bit: SNIP's collection and measuring forwards run eagerly inside the
-    compiled model (snip_ds/compile_stance.py)."""
+    compiled model (snip_ds/runtime/compile_stance.py)."""
     import json
     import subprocess
     import sys
@@ -314,9 +314,9 @@ def test_deepspeed_engine_compile_trains_as_eager_without_graph_breaks(tmp_path)
 _HF_RUN = """
 import json, sys, torch
 from transformers import Trainer, TrainingArguments, default_data_collator, TrainerCallback
-from snip_ds.data import BlockDataset
+from snip_ds.run.data import BlockDataset
 from snip_ds.hf import SnipCallback
-from snip_ds.model import build_model
+from snip_ds.run.model import build_model
 TINY = {"model_type": "llama", "vocab_size": 257, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 compiled = sys.argv[1] == "compiled"

@@ -8,11 +8,12 @@ import re
 
 import pytest
 
-from snip_ds import builds, console
+from snip_ds.engine import builds
+from snip_ds.runtime import console
 from snip_ds.plan import Plan
-from snip_ds.progress import Progress, console_interval
-from snip_ds.run_report import block_map, plan_line, plan_moves, replan_line
-from snip_ds.run_summary import emulation_note, summary_lines
+from snip_ds.report.progress import Progress, console_interval
+from snip_ds.report.run_report import block_map, plan_line, plan_moves, replan_line
+from snip_ds.report.run_summary import emulation_note, summary_lines
 
 KINDS = ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")
 FQNS = [f"model.layers.{b}.{k}" for b in range(3) for k in KINDS]
@@ -152,6 +153,6 @@ def test_a_build_is_said_before_it_starts_and_not_when_it_is_cached(monkeypatch,
 
 
 def test_summary_json_is_plain_json():
-    from snip_ds.run_summary import _plain
+    from snip_ds.report.run_summary import _plain
 
     assert json.loads(json.dumps(_plain({"train_loss": math.nan, "steps": 3}))) == {"train_loss": None, "steps": 3}

@@ -320,7 +320,7 @@ def test_a_load_removes_this_checkouts_earlier_builds_and_says_so(kernels, tmp_p
     kernels load, in one warning line; another checkout's build and this build's own folder stay."""
     from torch.utils import cpp_extension
 
-    from snip_ds import jit_builds
+    from snip_ds.runtime import jit_builds
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     own = Path(cpu.build_directory())

@@ -1,10 +1,10 @@
-"""py-cpuinfo's answer kept per CPU (snip_ds.cpuinfo_cache): asked once per CPU, never another CPU's, and the
+"""py-cpuinfo's answer kept per CPU (snip_ds.runtime.cpuinfo_cache): asked once per CPU, never another CPU's, and the
 flags DeepSpeed's CPU builders derive from it unchanged (else every cached op build would be redone)."""
 import json
 import subprocess
 import sys
 
-from snip_ds import cpuinfo_cache
+from snip_ds.runtime import cpuinfo_cache
 
 
 def _core(n: int, mhz: str) -> str:
@@ -89,7 +89,7 @@ def test_deepspeeds_cpu_build_flags_are_the_same_with_the_kept_answer(tmp_path):
     script = ("import sys, json\n"
               "from pathlib import Path\n"
               "from deepspeed.ops.op_builder.cpu import FusedAdamBuilder\n"
-              "from snip_ds import cpuinfo_cache\n"
+              "from snip_ds.runtime import cpuinfo_cache\n"
               "flags = []\n"
               "if sys.argv[1] == 'first': flags.append(FusedAdamBuilder().cxx_args())\n"
               "cpuinfo_cache.install(Path(sys.argv[2]))\n"

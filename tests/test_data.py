@@ -1,4 +1,4 @@
-"""Tests for snip_ds.corpus and snip_ds.data: byte tokenizer, stdlib corpus, blocks, user text, and the resumable
+"""Tests for snip_ds.run.corpus and snip_ds.run.data: byte tokenizer, stdlib corpus, blocks, user text, and the resumable
 stream."""
 
 import json
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from snip_ds.corpus import BYTE_EOS_ID, ByteTokenizer, split_block_indices, stdlib_corpus
-from snip_ds.data import BlockDataset, DataStream, load_dataset_blocks, make_loader
+from snip_ds.run.corpus import BYTE_EOS_ID, ByteTokenizer, split_block_indices, stdlib_corpus
+from snip_ds.run.data import BlockDataset, DataStream, load_dataset_blocks, make_loader
 
 SMALL = {"max_bytes": 40_000, "max_validation_bytes": 8_000}  # keep the real-stdlib tests fast
 

@@ -10,10 +10,10 @@ from torch import nn
 from snip_ds.cli import render_plan
 from snip_ds.decoder import UnsupportedModelError, decoder_linears, input_groups
 from snip_ds.swap import layer_infos
-from snip_ds.model import build_model
+from snip_ds.run.model import build_model
 from snip_ds.plan import Plan
 from snip_ds.swap import snip_layers, swap_linears
-from snip_ds.tensorboard import precision_map_figure
+from snip_ds.report.tensorboard import precision_map_figure
 from snip_ds.types import LLAMA_KINDS, block_index, display_kinds, expert_pair, kind_labels, layer_kinds
 
 DENSE = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from snip_ds.deepspeed_config import resolve_ds_config
-from snip_ds.settings import ConfigError
+from snip_ds.config.deepspeed_config import resolve_ds_config
+from snip_ds.config.settings import ConfigError
 from train_utils import REPO
 
 # The values the configs held before they became "auto" (the embedded default run's hyper-parameters).

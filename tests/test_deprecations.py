@@ -1,4 +1,4 @@
-"""snip_ds.deprecations: third-party messages a user cannot act on are dropped, each matched by library and text:
+"""snip_ds.runtime.deprecations: third-party messages a user cannot act on are dropped, each matched by library and text:
 torch's FutureWarnings for the deprecated collectives when DeepSpeed calls them (a user's own call is shown, once
 per process, however often the warning filters change in between: a re-plan's ``catch_warnings`` block changes
 them), DeepSpeed's accelerator guess, torchao's optional kernels; every other warning and log line is kept."""
@@ -15,7 +15,7 @@ import logging, sys, warnings
 sys.path.insert(0, {repo!r})
 from typing_extensions import deprecated
 if {install}:
-    from snip_ds.deprecations import quiet_third_party
+    from snip_ds.runtime.deprecations import quiet_third_party
     quiet_third_party()
     quiet_third_party()  # idempotent
 
@@ -51,7 +51,7 @@ logging.getLogger("torchao").warning("Failed to load something else")
 logging.getLogger("torch.utils._pytree").warning("<enum 'K'> is an Enum subclass and is now natively supported by "
                                                  "torch.compile as an opaque value type.")
 if {install}:
-    from snip_ds.deprecations import LR_BEFORE_START, dropped_logs
+    from snip_ds.runtime.deprecations import LR_BEFORE_START, dropped_logs
     with dropped_logs("DeepSpeed", LR_BEFORE_START):
         logging.getLogger("DeepSpeed").warning("Attempting to get learning rate from scheduler before it has started")
 logging.getLogger("DeepSpeed").warning("Attempting to get learning rate from scheduler before it has started")
@@ -80,7 +80,7 @@ def test_dropped_messages_are_deepspeeds_and_torchaos_only(install):
 
 
 def test_the_logger_filters_are_installed_once():
-    from snip_ds.deprecations import MessageFilter, quiet_third_party
+    from snip_ds.runtime.deprecations import MessageFilter, quiet_third_party
 
     quiet_third_party()
     quiet_third_party()

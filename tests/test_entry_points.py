@@ -134,7 +134,7 @@ WARM_OPS = ["snip_ds_cpu_quant", "ShareMemCommBuilder", "FusedAdamBuilder", "CPU
 
 def test_warm_ops_says_each_op_is_ready_in_the_build_root():
     """Each op says it is ready once; the root printed is the one runs load from."""
-    from snip_ds import jit_builds
+    from snip_ds.runtime import jit_builds
 
     proc = _run([str(REPO / "launch" / "warm_ops.py")], timeout=1200)
     lines = proc.stdout.splitlines()

@@ -49,7 +49,7 @@ def _experiments_references(name: str, path: Path) -> list:
 
 def test_the_walk_sees_the_product_and_not_the_experiments():
     names = set(_product_modules())
-    assert {"snip_ds", "snip_ds.planner", "snip_ds.cli", "snip_ds.engine.core", "snip_ds.trainer"} <= names
+    assert {"snip_ds", "snip_ds.planner", "snip_ds.cli", "snip_ds.engine.core", "snip_ds.run.trainer"} <= names
     assert not any(n.startswith(EXPERIMENTS) for n in names)
 
 

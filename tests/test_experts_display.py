@@ -3,7 +3,7 @@ import numpy as np
 
 from snip_ds.cli import render_plan
 from snip_ds.plan import Plan
-from snip_ds.tensorboard import PRECISION_COLOURS, precision_map_figure
+from snip_ds.report.tensorboard import PRECISION_COLOURS, precision_map_figure
 from snip_ds.types import block_index, expert_pair
 
 

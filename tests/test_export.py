@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from snip_ds.cli import main
-from snip_ds.corpus import BYTE_EOS_ID, ByteTokenizer
+from snip_ds.run.corpus import BYTE_EOS_ID, ByteTokenizer
 
 
 def _error_line(capsys) -> str:
@@ -38,7 +38,7 @@ def _texts():
 def test_byte_tokenizer_encodes_and_decodes_like_the_byte_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from snip_ds.export_config import byte_tokenizer
+    from snip_ds.export.config import byte_tokenizer
 
     byte_tokenizer().save_pretrained(str(tmp_path))
     hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)  # what a user of the export loads
@@ -66,7 +66,7 @@ def test_byte_tokenizer_encodes_and_decodes_like_the_byte_tokenizer(tmp_path):
 def test_tokenizer_of_the_run_is_copied_or_reported_missing(tmp_path):
     from transformers import AutoTokenizer
 
-    from snip_ds.export_config import byte_tokenizer, tokenizer_source, write_tokenizer
+    from snip_ds.export.config import byte_tokenizer, tokenizer_source, write_tokenizer
 
     user_tok = tmp_path / "user_tok"  # a local Hugging Face tokenizer a run trained with
     byte_tokenizer().save_pretrained(str(user_tok))
@@ -87,7 +87,7 @@ def test_tokenizer_of_the_run_is_copied_or_reported_missing(tmp_path):
 
 
 def test_a_checkpoint_without_the_full_config_exports_its_architecture_with_a_warning(tmp_path):
-    from snip_ds.export_config import hf_config
+    from snip_ds.export.config import hf_config
 
     arch = {"model_type": "llama", "vocab_size": 264, "hidden_size": 64, "num_attention_heads": 4,
             "num_key_value_heads": 2, "rms_norm_eps": 1e-6}
@@ -158,8 +158,8 @@ def test_output_directory_errors_exit_2_and_touch_nothing(tmp_path, capsys):
 def _validation_loss(model, world_size: int) -> float:
     """The validation loss as launch/train.py computes it for write_configs' run: each rank's mean over its
     eval batches (float64), averaged over the ranks."""
-    from snip_ds.data import load_dataset_blocks
-    from snip_ds.trainer import _eval_batches
+    from snip_ds.run.data import load_dataset_blocks
+    from snip_ds.run.trainer import _eval_batches
 
     # write_configs: block_size 64, max_corpus_bytes 200_000, micro-batch 2, eval_batches 2
     _, val, _, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000,

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("compressed_tensors")
 
 from snip_ds.cli import main  # noqa: E402
-from snip_ds.export_ct import NVFP4_DEQUANT_REL_BOUND  # noqa: E402
+from snip_ds.export.ct import NVFP4_DEQUANT_REL_BOUND  # noqa: E402
 from snip_ds.quant import fake_quantize, quantize_parts  # noqa: E402
 from snip_ds.quant_config import QuantConfig  # noqa: E402
 from test_export import _error_line, _leftovers  # noqa: E402
@@ -21,7 +21,7 @@ SETTINGS_TRAIN = {"block_size": 64, "max_corpus_bytes": 200_000, "seed": 0}
 
 
 def _model(config=TINY_MODEL, seed=0):
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
 
     torch.manual_seed(seed)
     model = build_model(None, dict(config), vocab_size=257, seed=seed, block_size=64).eval()
@@ -41,9 +41,9 @@ def _assignment(model, precision_of):
 
 def _trainer_checkpoint(tmp_path, model, assignment, quant=None, plan=True):
     """A Trainer checkpoint-N as SnipCallback saves it: config.json, model.safetensors, snip_state.json."""
-    from snip_ds.artifacts import STATE_FORMAT
+    from snip_ds.report.artifacts import STATE_FORMAT
     from snip_ds.plan import Plan
-    from snip_ds.settings import parse_snip_section
+    from snip_ds.config.settings import parse_snip_section
 
     from safetensors.torch import save_file
 
@@ -59,7 +59,7 @@ def _trainer_checkpoint(tmp_path, model, assignment, quant=None, plan=True):
 
 
 def _planned_logits(model, assignment, ids, quant=QuantConfig(backend="emulated")):
-    from snip_ds.export_calib import planned_forward_model
+    from snip_ds.export.calib import planned_forward_model
 
     with torch.no_grad():
         return planned_forward_model(model, assignment, quant)(input_ids=ids).logits.float()
@@ -89,7 +89,7 @@ def test_decompressed_weights_are_snip_ds_quantizer_on_the_same_masters(weight_2
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization.lifecycle.forward import dequantize
 
-    from snip_ds.export_ct import compress, layer_schemes
+    from snip_ds.export.ct import compress, layer_schemes
 
     model = _model()
     quant = QuantConfig(weight_2d=weight_2d, backend="emulated")
@@ -185,8 +185,8 @@ def test_calibration_data_stands_in_for_the_run_s_and_bad_data_is_refused_naming
     are one error line naming the flag."""
     from safetensors.torch import load_file, save_file
 
-    from snip_ds.export_calib import calibration_batches
-    from snip_ds.export_files import ExportError
+    from snip_ds.export.calib import calibration_batches
+    from snip_ds.export.files import ExportError
 
     model = _model()
     folder = _trainer_checkpoint(tmp_path, model, _assignment(model, lambda f: "fp4"))
@@ -318,8 +318,8 @@ def _masters(tmp_path, checkpoint):
 
 
 def _eval_batches(world_size=1):
-    from snip_ds.data import load_dataset_blocks
-    from snip_ds.trainer import _eval_batches as batches
+    from snip_ds.run.data import load_dataset_blocks
+    from snip_ds.run.trainer import _eval_batches as batches
 
     _, val, _, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000,
                                        max_validation_bytes=max(200_000 // 16, 64 * 64))
@@ -382,9 +382,9 @@ def test_a_two_rank_zero3_fp8_run_serves_its_training_forward_bit_for_bit(zero3_
 def test_a_trainer_run_with_add_snip_exports_and_serves(tmp_path):
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from snip_ds.data import load_dataset_blocks
+    from snip_ds.run.data import load_dataset_blocks
     from snip_ds.hf import add_snip
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
 
     train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000,
                                              max_validation_bytes=max(200_000 // 16, 64 * 64))

@@ -19,9 +19,9 @@ def test_a_trainer_moe_run_exports_its_per_expert_save_and_a_bare_save_pretraine
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
-    from snip_ds.data import load_dataset_blocks
+    from snip_ds.run.data import load_dataset_blocks
     from snip_ds.hf import add_snip
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
     from test_export_serve import SETTINGS_TRAIN, _eval_batches, _planned_logits, _served
 
     train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000,

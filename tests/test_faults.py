@@ -49,8 +49,8 @@ def test_plan_and_stats_writes_fail_whole_under_a_file_size_limit(tmp_path):
 import json, sys
 sys.path.insert(0, {str(REPO)!r})
 from snip_ds.plan import Plan
-from snip_ds.train_args import RunFault
-from snip_ds.trainer import _write_artifacts
+from snip_ds.config.train_args import RunFault
+from snip_ds.run.trainer import _write_artifacts
 plan = Plan.uniform(["model.layers.0.mlp.up_proj"], "fp8", {{"model.layers.0.mlp.up_proj": 1.0}})
 stats = {{"format": "snip_ds.stats/1", "padding": "x" * 200000}}
 try:
@@ -75,7 +75,7 @@ def extensions(tmp_path_factory):
     file-size limit) JIT-builds there whatever op the runs load that is missing (DeepSpeed's and snip_ds's), so
     a run under RLIMIT_FSIZE only loads them: a compiler under the limit would die. No other environment on the
     machine builds into it, so the limited runs do not depend on the state of the machine's shared cache."""
-    from snip_ds.jit_builds import build_root
+    from snip_ds.runtime.jit_builds import build_root
 
     path = tmp_path_factory.mktemp("torch_extensions")
     shared = build_root()

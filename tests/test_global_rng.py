@@ -1,4 +1,4 @@
-"""snip_ds.global_rng: Python's, NumPy's and torch's global generators through a safetensors file and back, exactly."""
+"""snip_ds.runtime.global_rng: Python's, NumPy's and torch's global generators through a safetensors file and back, exactly."""
 import random
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from snip_ds.global_rng import (NUMPY_KEYS, PYTHON_KEYS, TORCH_KEY, global_rng_tensors, restore_global_rngs,
+from snip_ds.runtime.global_rng import (NUMPY_KEYS, PYTHON_KEYS, TORCH_KEY, global_rng_tensors, restore_global_rngs,
                                 seed_global_rngs)
 
 

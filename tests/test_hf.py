@@ -171,7 +171,7 @@ def test_a_rank_hung_in_a_collection_stops_its_peer_after_the_ddp_timeout(tmp_pa
     step 3 (paused, alive); rank 0's collective times out after TrainingArguments.ddp_timeout (10 s, the process
     group share_cpu_ranks_with_accelerate starts) and rank 0 exits 1 with one error line instead of waiting
     (the launcher then stops rank 1)."""
-    from snip_ds import faults
+    from snip_ds.runtime import faults
 
     cfg = _config(tmp_path)
     cmd = _launcher(TRAIN_HF, ["--deepspeed", str(cfg), "--max_steps", "4", "--save_steps", "100",
@@ -232,9 +232,9 @@ def test_without_deepspeed_plain_adamw(tmp_path):
 def _trainer(tmp_path, deepspeed=None, model=None, callback=None, ga=1, use_cpu=None):
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from snip_ds.data import BlockDataset
+    from snip_ds.run.data import BlockDataset
     from snip_ds.hf import SnipCallback
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
 
     import torch
 
@@ -257,7 +257,7 @@ def _variant(tmp_path, edit) -> str:
 
 
 def test_unknown_key_in_snip_section(tmp_path):
-    from snip_ds.settings import ConfigError
+    from snip_ds.config.settings import ConfigError
 
     path = _variant(tmp_path, lambda c: c["snip"].update(replan_evry=3))
     with pytest.raises(ConfigError, match=rf"{path}: snip: unknown key\(s\) 'replan_evry'"):
@@ -266,7 +266,7 @@ def test_unknown_key_in_snip_section(tmp_path):
 
 def test_unknown_key_in_settings_argument(tmp_path):
     from snip_ds.hf import SnipCallback
-    from snip_ds.settings import ConfigError
+    from snip_ds.config.settings import ConfigError
 
     with pytest.raises(ConfigError, match=r"SnipCallback\(settings=...\): snip.quant: unknown key\(s\) 'fp5'"):
         _trainer(tmp_path, callback=SnipCallback(settings={"plan": "adaptive", "quant": {"fp5": 1}}))
@@ -278,9 +278,9 @@ def _poisoned_run(tmp_path, nonfinite: str, steps: int = 5):
     after every step."""
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
-    from snip_ds.data import BlockDataset
+    from snip_ds.run.data import BlockDataset
     from snip_ds.hf import SnipCallback
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
 
     import torch
 
@@ -351,9 +351,9 @@ def test_trainer_logs_the_measured_loss_change(tmp_path):
     on the measurement stream's batch; FP8 moves it off zero) through Trainer.log."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from snip_ds.data import load_dataset_blocks
+    from snip_ds.run.data import load_dataset_blocks
     from snip_ds.hf import SnipCallback
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
 
     train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000, max_validation_bytes=4096)
     model = build_model(None, dict(TINY_MODEL), vocab_size=vocab, seed=0, block_size=64)
@@ -374,7 +374,7 @@ def test_trainer_logs_the_measured_loss_change(tmp_path):
     assert snip.state.measure_stream.step == 3  # its own stream, not the Trainer's batches
     # One owner of the settings, the state: the callback and the planner read them there, so settings the state
     # is given are the ones the schedule follows (the planner used to keep a copy of its own).
-    from snip_ds.settings import with_overrides
+    from snip_ds.config.settings import with_overrides
 
     assert not snip.planner.due(5)
     snip.state.settings = with_overrides(snip.state.settings, replan_every=5)
@@ -391,7 +391,7 @@ def test_tensor_parallel_settings_are_checked_before_training(tmp_path, tp, mess
     """Under the Trainer a tensor-parallel config trains quantized shards (tests/test_tensor_parallel.py); what
     cannot run is refused from ``Trainer(...)``/``add_snip``, naming the config file and the field. A degree of 1
     (or DeepSpeed's default 0) is no tensor parallelism."""
-    from snip_ds.settings import ConfigError
+    from snip_ds.config.settings import ConfigError
 
     path = _variant(tmp_path, lambda c: c.update(tensor_parallel=tp))
     if message is None:
@@ -404,11 +404,11 @@ def test_tensor_parallel_settings_are_checked_before_training(tmp_path, tp, mess
 def test_a_degree_that_does_not_divide_the_heads_is_refused_under_the_trainer(tmp_path, monkeypatch):
     """Two launched ranks at ``autotp_size: 2``: a model of 3 heads is refused before DeepSpeed would split them,
     and so is a ``train_batch_size`` other than "auto"."""
-    from snip_ds.model import build_model
-    from snip_ds.settings import ConfigError
+    from snip_ds.run.model import build_model
+    from snip_ds.config.settings import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr("snip_ds.hf_checks.cpu_ranks_unshared", lambda args: False)
+    monkeypatch.setattr("snip_ds.hf.checks.cpu_ranks_unshared", lambda args: False)
     path = _variant(tmp_path, lambda c: c.update(tensor_parallel={"autotp_size": 2}))
     with pytest.raises(ConfigError, match=r"^tensor_parallel.autotp_size: 2 does not divide the model's "
                                           r"num_attention_heads \(3\)"):
@@ -423,7 +423,7 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused_under_the_trainer(tm
 
 
 def test_gradient_accumulation_disagrees(tmp_path):
-    from snip_ds.settings import ConfigError
+    from snip_ds.config.settings import ConfigError
 
     path = _variant(tmp_path, lambda c: c.update(gradient_accumulation_steps=2))
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps is 2 but TrainingArguments"
@@ -433,7 +433,7 @@ def test_gradient_accumulation_disagrees(tmp_path):
 
 def test_settings_in_two_places(tmp_path):
     from snip_ds.hf import SnipCallback
-    from snip_ds.settings import ConfigError
+    from snip_ds.config.settings import ConfigError
 
     path = _variant(tmp_path, lambda c: None)
     with pytest.raises(ConfigError, match="give them in one place"):
@@ -442,7 +442,7 @@ def test_settings_in_two_places(tmp_path):
 
 def test_plan_file_naming_missing_layers(tmp_path):
     from snip_ds.hf import SnipCallback
-    from snip_ds.settings import ConfigError
+    from snip_ds.config.settings import ConfigError
 
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"model.layers.7.mlp.up_proj": "fp4"}))
@@ -465,7 +465,7 @@ def test_phi3_under_the_trainer_swaps_its_fused_projections_less_the_excluded(tm
 
     from snip_ds.hf import SnipCallback
     from snip_ds.linear import SnipLinear
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
     from train_utils import TINY_PHI3
 
     model = build_model(None, dict(TINY_PHI3), vocab_size=257, seed=0, block_size=64)
@@ -488,7 +488,7 @@ def test_mixtral_under_the_trainer_plans_every_expert_pair(tmp_path):
     from snip_ds.experts.points import ExpertLayerInfo
     from snip_ds.experts.module import SnipExperts
     from snip_ds.hf import SnipCallback
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
     from snip_ds.swap import model_layers
     from snip_ds.types import GemmPrecision
     from train_utils import TINY_MIXTRAL
@@ -511,7 +511,7 @@ def test_accelerate_plugin_config_is_read(tmp_path, monkeypatch):
     """Under accelerate launch, TrainingArguments.deepspeed is None and the config is the DeepSpeed plugin's
     deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE): its "snip" section is read, errors name it."""
     from snip_ds.hf import SnipCallback
-    from snip_ds.settings import ConfigError
+    from snip_ds.config.settings import ConfigError
 
     path = _variant(tmp_path, lambda c: c["snip"].update(replan_evry=3))
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
@@ -533,7 +533,8 @@ def test_trainer_arguments_are_validated_once_per_add_snip(tmp_path, monkeypatch
     import deepspeed
     from transformers import TrainerState
 
-    from snip_ds import hf, hf_checks
+    from snip_ds import hf
+    from snip_ds.hf import checks as hf_checks
     from snip_ds.hf import SnipCallback, add_snip
 
     calls = {}
@@ -582,11 +583,11 @@ def test_unattached_callback_stops_training_naming_what_to_call(tmp_path):
 def test_add_snip_adds_or_attaches_one_callback(tmp_path):
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from snip_ds.data import BlockDataset
+    from snip_ds.run.data import BlockDataset
     from snip_ds.hf import SnipCallback, add_snip
     from snip_ds.linear import SnipLinear
-    from snip_ds.model import build_model
-    from snip_ds.settings import ConfigError
+    from snip_ds.run.model import build_model
+    from snip_ds.config.settings import ConfigError
 
     import torch
 
@@ -645,9 +646,9 @@ def test_statistics_leave_no_trace(tmp_path):
     order, and collecting leaves parameters, gradients, optimizer state and RNG streams as they were."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from snip_ds.data import load_dataset_blocks
+    from snip_ds.run.data import load_dataset_blocks
     from snip_ds.hf import SnipCallback
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
 
     train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000, max_validation_bytes=4096)
     losses = {}
@@ -680,7 +681,7 @@ def _run_clm_inputs(tmp: Path, tp: int = 1) -> dict:
     ``tp`` > 1 at ``tensor_parallel.autotp_size`` ``tp``)."""
     from transformers import LlamaConfig
 
-    from snip_ds.export_config import byte_tokenizer
+    from snip_ds.export.config import byte_tokenizer
 
     LlamaConfig(**{k: v for k, v in TINY_MODEL.items() if k != "model_type"}).save_pretrained(tmp / "config")
     byte_tokenizer().save_pretrained(str(tmp / "tokenizer"))
@@ -793,7 +794,7 @@ def test_run_clm_tensor_parallel_under_accelerate_launch(tmp_path):
     from snip_ds.engine.checkpoint_layout import CheckpointError
     from snip_ds.engine.universal import convert_to_universal, run_ds_to_universal
     from snip_ds.export import export_checkpoint
-    from snip_ds.export_files import ExportError
+    from snip_ds.export.files import ExportError
 
     out = tmp_path / "out"
     proc = _run_clm(tmp_path, "accelerate", out, tp=2)
@@ -829,9 +830,9 @@ def test_plain_trainer_checkpoint_exports_its_safetensors_with_tied_weights(tmp_
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from snip_ds.cli import main
-    from snip_ds.data import load_dataset_blocks
+    from snip_ds.run.data import load_dataset_blocks
     from snip_ds.hf import add_snip
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
 
     train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=100_000, max_validation_bytes=4096)
     model = build_model(None, dict(TINY_MODEL, tie_word_embeddings=True), vocab_size=vocab, seed=0, block_size=64)
@@ -927,7 +928,7 @@ def test_deepspeed_started_by_the_trainer_reads_an_architecture_list_it_can_pars
     callback's setup until on_train_begin the variable reads 9.0, and the user's 9.0a is back from then on."""
     import deepspeed
 
-    from snip_ds import jit_builds
+    from snip_ds.runtime import jit_builds
     from snip_ds.hf import SnipCallback
 
     seen = {}

@@ -1,10 +1,10 @@
-"""snip_ds.hf_checkpoint: the one check of a Trainer checkpoint's shape before the Trainer loads it."""
+"""snip_ds.hf.checkpoint: the one check of a Trainer checkpoint's shape before the Trainer loads it."""
 import json
 import pytest
 
-from snip_ds.hf_checkpoint import check_resume_shape
-from snip_ds.hf_checks import TrainerChecks
-from snip_ds.settings import ConfigError, SnipSettings
+from snip_ds.hf.checkpoint import check_resume_shape
+from snip_ds.hf.checks import TrainerChecks
+from snip_ds.config.settings import ConfigError, SnipSettings
 
 
 def _checks(deepspeed):

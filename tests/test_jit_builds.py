@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from snip_ds import jit_builds
+from snip_ds.runtime import jit_builds
 
 
 def _lock(root, op, age_s, subfolder="py311_cpu"):
@@ -72,7 +72,7 @@ def test_builds_run_the_environments_own_ninja_activated_or_not(tmp_path, monkey
 
 _NINJA_RUN = """
 import subprocess, sys
-from snip_ds import jit_builds
+from snip_ds.runtime import jit_builds
 jit_builds.prepare()
 out = subprocess.run(["ninja"], cwd=sys.argv[1], capture_output=True, text=True, check=True).stdout
 print("rebuilt" if "cp in.txt out.txt" in out else "up to date")

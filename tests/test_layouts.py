@@ -362,7 +362,7 @@ def test_a_fixed_plan_run_names_its_never_run_layers_once_and_leaves_them_out_of
     so the FP4 share logged is the share that runs."""
     from transformers import MambaConfig, MambaForCausalLM, Trainer, TrainingArguments, default_data_collator
 
-    from snip_ds.data import BlockDataset
+    from snip_ds.run.data import BlockDataset
     from snip_ds.hf import add_snip
 
     torch.manual_seed(0)

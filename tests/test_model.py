@@ -1,4 +1,4 @@
-"""Tests for snip_ds.model: default config, builders, errors, and the decoder-linear inventory."""
+"""Tests for snip_ds.run.model: default config, builders, errors, and the decoder-linear inventory."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from snip_ds.model import (
+from snip_ds.run.model import (
     build_model,
     count_parameters,
     decoder_linear_names,

@@ -1,11 +1,11 @@
-"""snip_ds.model_settings: the "snip" settings checked against the model's layers, and the plan a run starts from."""
+"""snip_ds.config.model_settings: the "snip" settings checked against the model's layers, and the plan a run starts from."""
 import json
 
 import pytest
 
-from snip_ds.model_settings import check_layer_settings, initial_plan
+from snip_ds.config.model_settings import check_layer_settings, initial_plan
 from snip_ds.plan import Plan
-from snip_ds.settings import parse_snip_section
+from snip_ds.config.settings import parse_snip_section
 from snip_ds.swap import swap_linears
 from tests.test_swap import tiny_llama
 
@@ -14,7 +14,7 @@ def test_settings_that_do_not_fit_the_layers_stop_before_any_step():
     """snip.pinned names or globs that match no layer, and research.dgrad_cost "upstream" on an MoE model, are
     one ConfigError naming the field (raised by initialize and SnipCallback before training)."""
     from snip_ds.experts.points import ExpertLayerInfo
-    from snip_ds.settings import ConfigError
+    from snip_ds.config.settings import ConfigError
 
     model = tiny_llama(layers=2)
     infos = swap_linears(model, "fp8")

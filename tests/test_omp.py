@@ -1,7 +1,7 @@
 """A python-mip solve must not leave torch single-threaded (CBC shares the OpenMP runtime)."""
 import torch
 
-from snip_ds.omp import preserve_torch_threads
+from snip_ds.runtime.omp import preserve_torch_threads
 from snip_ds.planner import solve_plan
 
 COSTS = {f"model.layers.{i}.mlp.up_proj": {"fp8": 0.0, "fp4": float(i + 1)} for i in range(4)}

@@ -1,5 +1,5 @@
 """DeepSpeed's fused Adam: built under a TORCH_CUDA_ARCH_LIST DeepSpeed can read, and replaced by torch's AdamW,
-with a warning, where it cannot be built (snip_ds.engine.optimizer, snip_ds.jit_builds.deepspeed_arch_list).
+with a warning, where it cannot be built (snip_ds.engine.optimizer, snip_ds.runtime.jit_builds.deepspeed_arch_list).
 
 The failing build is real: a fresh extensions root in which ``fused_adam`` (the folder torch builds the op in)
 is a plain file, so torch's builder cannot create it. The other ops (DeepSpeed's shared-memory all-reduce,
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from snip_ds import jit_builds
+from snip_ds.runtime import jit_builds
 from train_utils import REPO, TINY_MODEL, env, launch_cmd, write_configs
 
 

@@ -10,7 +10,7 @@ import pytest
 from snip_ds.options import OPTIONS, build
 from snip_ds.planner import CostSettings, SolverSettings
 from snip_ds.quant_config import QuantConfig
-from snip_ds.settings import TrainSettings, parse_snip_section
+from snip_ds.config.settings import TrainSettings, parse_snip_section
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 

@@ -12,7 +12,7 @@ import snip_ds.planner.ilp as ilp
 from snip_ds.plan import fp4_share
 from snip_ds.planner import (GEMM_COST, METHODS, CostSettings, SolverSettings, costs_from_stats, quant_err_costs,
                              solve_baseline, solve_plan)
-from snip_ds.stats.artifact import load_stats, validate_stats
+from snip_ds.stats_file import load_stats, validate_stats
 from snip_ds.types import GEMMS, block_index
 
 TOL = 1e-9  # FP64 FLOP shares: sums of ≤ 36 terms err by ≤ 36·2^-53 ≈ 4e-15; 1e-9 only absorbs that

@@ -11,8 +11,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from snip_ds.corpus import PREPARE_META_FILE
-from snip_ds.data import load_dataset_blocks
+from snip_ds.run.corpus import PREPARE_META_FILE
+from snip_ds.run.data import load_dataset_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "prepare_dataset.py"

@@ -26,7 +26,7 @@ import pytest
 
 from train_utils import REPO, TRAIN, assert_no_shm_left, env, launch_cmd, restore_environ, scalars, write_configs  # noqa: F401
 
-from snip_ds import faults
+from snip_ds.runtime import faults
 
 LOST = "a collective failed, another rank died or stopped answering"
 
@@ -90,7 +90,7 @@ def test_a_second_process_group_in_one_process_gets_deepspeed_groups_of_its_own(
     (["--dist_timeout", "nan"], "--dist_timeout: must be a positive number of seconds, got nan"),
 ])
 def test_a_bad_timeout_or_pause_spec_is_one_error_line(tmp_path, capsys, monkeypatch, flag, words):
-    from snip_ds.trainer import main
+    from snip_ds.run.trainer import main
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SNIP_DS_SINGLE_PROCESS"):
         monkeypatch.delenv(key, raising=False)

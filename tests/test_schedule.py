@@ -1,11 +1,11 @@
-"""The adaptive run's schedule (snip_ds.schedule) and its settings."""
+"""The adaptive run's schedule (snip_ds.engine.schedule) and its settings."""
 import json
 from pathlib import Path
 
 import pytest
 
-from snip_ds.schedule import describe_replans, measure_due, replan_due, replan_steps
-from snip_ds.settings import ConfigError, parse_snip_section
+from snip_ds.engine.schedule import describe_replans, measure_due, replan_due, replan_steps
+from snip_ds.config.settings import ConfigError, parse_snip_section
 
 REPO = Path(__file__).resolve().parents[1]
 

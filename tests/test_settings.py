@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from snip_ds.settings import ConfigError, SnipSettings, parse_snip_section
+from snip_ds.config.settings import ConfigError, SnipSettings, parse_snip_section
 
 
 def test_defaults_are_two_precisions_without_budget():
@@ -62,7 +62,7 @@ def test_no_fp4_is_fine_when_nothing_must_move_to_fp4():
 
 def test_dgrad_cost_parses_and_matches_the_planner():
     from snip_ds.planner import DGRAD_COSTS
-    from snip_ds.settings import DGRAD_COSTS as CONFIG_DGRAD_COSTS
+    from snip_ds.config.settings import DGRAD_COSTS as CONFIG_DGRAD_COSTS
     assert CONFIG_DGRAD_COSTS is DGRAD_COSTS  # one definition, the cost model's
     assert parse_snip_section({}).dgrad_cost == "split"
     s = parse_snip_section({"per_gemm": True, "research": {"dgrad_cost": "upstream", "dgrad_calibration": 30}})
@@ -72,7 +72,7 @@ def test_dgrad_cost_parses_and_matches_the_planner():
 def test_bwd_settings_parse_and_match_the_collector_and_planner():
     from snip_ds.quant_config import BWD_ROUNDINGS
     from snip_ds.planner import BWD_ESTIMATES
-    from snip_ds.settings import BWD_ESTIMATES as CONFIG_BWD_ESTIMATES
+    from snip_ds.config.settings import BWD_ESTIMATES as CONFIG_BWD_ESTIMATES
     assert CONFIG_BWD_ESTIMATES is BWD_ESTIMATES and BWD_ROUNDINGS == ("recipe", "nearest")
     s = parse_snip_section({})
     assert (s.bwd_rounding, s.bwd_estimate) == ("recipe", "expected")
@@ -92,7 +92,7 @@ def _listed(value):
 
 
 def test_research_keys_parse_from_the_research_section():
-    from snip_ds.settings import RESEARCH_KEYS
+    from snip_ds.config.settings import RESEARCH_KEYS
     assert set(RESEARCH_KEYS) == set(RESEARCH)
     s = parse_snip_section({"per_gemm": True, "research": RESEARCH})
     assert {k: _listed(getattr(s, k)) for k in RESEARCH} == RESEARCH
@@ -103,7 +103,7 @@ def test_research_keys_parse_from_the_research_section():
 def test_a_flat_research_key_names_its_new_place(key, tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"snip": {"per_gemm": True, key: RESEARCH[key]}}))
-    from snip_ds.settings import load_ds_config
+    from snip_ds.config.settings import load_ds_config
     with pytest.raises(ConfigError) as err:
         load_ds_config(path)
     assert str(err.value) == f"{path}: snip.{key}: moved to snip.research.{key}"
@@ -136,7 +136,7 @@ def test_to_dict_has_the_section_shape_and_reads_back():
 
 
 def test_overrides_keep_the_research_keys():
-    from snip_ds.settings import with_overrides
+    from snip_ds.config.settings import with_overrides
     s = parse_snip_section({"per_gemm": True, "research": RESEARCH})
     over = with_overrides(s, seed=3, plan="fp4", fld_form="sequence")
     assert (over.train.seed, over.plan, over.fld_form) == (3, "fp4", "sequence")
@@ -146,7 +146,7 @@ def test_overrides_keep_the_research_keys():
 
 def test_shipped_configs_parse_and_hold_only_user_keys_at_the_top():
     from train_utils import REPO
-    from snip_ds.settings import load_ds_config
+    from snip_ds.config.settings import load_ds_config
     for path in sorted((REPO / "ds_configs").glob("*.json")):
         section = json.loads(path.read_text())["snip"]
         assert not set(RESEARCH) & set(section), path.name

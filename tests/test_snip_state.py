@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from snip_ds.artifacts import load_plan, load_stats
+from snip_ds.report.artifacts import load_plan, load_stats
 from train_utils import TINY_MODEL, launch, launch_all, scalars, write_configs
 
 pytestmark = [pytest.mark.slow]
@@ -94,9 +94,9 @@ def test_old_and_new_engine_checkpoints_resume_bit_for_bit(engine_run, tmp_path)
 def _trainer_run(out: Path, max_steps: int, resume=None):
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from snip_ds.data import load_dataset_blocks
+    from snip_ds.run.data import load_dataset_blocks
     from snip_ds.hf import SnipCallback
-    from snip_ds.model import build_model
+    from snip_ds.run.model import build_model
 
     train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000, max_validation_bytes=4096)
     model = build_model(None, dict(TINY_MODEL), vocab_size=vocab, seed=0, block_size=64)

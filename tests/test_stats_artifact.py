@@ -1,10 +1,10 @@
-"""snip_ds.stats.artifact: the statistics file's bytes, the non-finite flag and the reader's checks."""
+"""snip_ds.stats_file: the statistics file's bytes, the non-finite flag and the reader's checks."""
 import math
 
 import pytest
 
-from snip_ds.artifacts import write_stats
-from snip_ds.stats.artifact import STATS_FORMAT, clean_layer, load_stats, save_stats, stats_header
+from snip_ds.report.artifacts import write_stats
+from snip_ds.stats_file import STATS_FORMAT, clean_layer, load_stats, save_stats, stats_header
 
 
 def _stats():

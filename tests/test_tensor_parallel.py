@@ -40,7 +40,7 @@ def test_shard_widths_must_hold_whole_blocks_of_every_recipe():
 
 def test_deepspeed_versions_outside_the_known_range_are_refused():
     from snip_ds.engine.tensor_parallel import check_deepspeed_version
-    from snip_ds.settings import ConfigError
+    from snip_ds.config.settings import ConfigError
 
     check_deepspeed_version("0.19.8")
     for version in ("0.18.4", "0.20.0", "1.0", "unknown"):
@@ -58,7 +58,7 @@ def test_statistics_variants_that_are_not_sums_of_shards_are_refused(snip, field
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from snip_ds.engine.tensor_parallel import check_model
-    from snip_ds.settings import ConfigError, parse_snip_section
+    from snip_ds.config.settings import ConfigError, parse_snip_section
     from snip_ds.swap import layer_infos
 
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY_MODEL.items() if k != "model_type"}))
@@ -75,7 +75,7 @@ def test_a_degree_that_does_not_divide_heads_or_widths_is_refused(field, value):
     from types import SimpleNamespace
 
     from snip_ds.engine.tensor_parallel import check_model
-    from snip_ds.settings import ConfigError, parse_snip_section
+    from snip_ds.config.settings import ConfigError, parse_snip_section
 
     fits = {"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 128}
     check_model({}, parse_snip_section({}, "x"), SimpleNamespace(**fits), tp=2)
@@ -92,7 +92,7 @@ def test_mixture_of_experts_models_are_refused():
 
     from train_utils import TINY_MIXTRAL
     from snip_ds.engine.tensor_parallel import check_model
-    from snip_ds.settings import ConfigError, parse_snip_section
+    from snip_ds.config.settings import ConfigError, parse_snip_section
     from snip_ds.swap import layer_infos
 
     cfg = dict(TINY_MIXTRAL)
@@ -238,8 +238,8 @@ def _serves_like_an_unsharded_checkpoint(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     from snip_ds.export import export_checkpoint
-    from snip_ds.export_files import ExportError
-    from snip_ds.export_serve import ServeOptions
+    from snip_ds.export.files import ExportError
+    from snip_ds.export.serve import ServeOptions
     from test_export_serve import _planned_logits, _served
 
     ct = ServeOptions(format="compressed-tensors")

@@ -5,7 +5,7 @@ training goes on."""
 import numpy as np
 import pytest
 
-from snip_ds.tensorboard import PRECISION_COLOURS, precision_map_figure, precision_map_image
+from snip_ds.report.tensorboard import PRECISION_COLOURS, precision_map_figure, precision_map_image
 from snip_ds.plan import fp4_share
 from snip_ds.types import block_index
 
@@ -108,7 +108,7 @@ def test_rendering_leaves_no_figure_for_the_garbage_collector():
 
 def test_logger_records_read_back_in_tensorboard(tmp_path):
     from train_utils import scalars
-    from snip_ds.tensorboard import TensorBoardLogger
+    from snip_ds.report.tensorboard import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = TensorBoardLogger(tmp_path / "tb")
@@ -132,7 +132,7 @@ import os, resource, signal, sys
 sys.path.insert(0, {repo!r})
 import torch
 import snip_ds
-from snip_ds.tensorboard import make_logger
+from snip_ds.report.tensorboard import make_logger
 from transformers import LlamaConfig, LlamaForCausalLM
 
 torch.manual_seed(0)
@@ -192,12 +192,12 @@ def test_the_precision_map_is_rendered_only_where_a_logger_writes_images(monkeyp
     get the plan's scalar and never render its figure; a logger that writes images gets one map per change."""
     from types import SimpleNamespace
 
-    from snip_ds import state as state_module
-    from snip_ds.model_settings import initial_plan
-    from snip_ds.model import build_model
-    from snip_ds.settings import SnipSettings
+    from snip_ds.engine import state as state_module
+    from snip_ds.config.model_settings import initial_plan
+    from snip_ds.run.model import build_model
+    from snip_ds.config.settings import SnipSettings
     from snip_ds.swap import swap_model
-    from snip_ds.tensorboard import NullLogger
+    from snip_ds.report.tensorboard import NullLogger
 
     rendered = []
     real = state_module.precision_map_image

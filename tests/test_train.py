@@ -150,8 +150,8 @@ def test_a_resume_builds_the_training_stream_once(tmp_path, monkeypatch, restore
     """``--resume_from_checkpoint``: the training data stream is built once and set to the checkpoint's position
     once, while the checkpoint is checked (before DeepSpeed starts); the run then goes on from there. (A trial
     stream used to be built for the check and the real one set again after DeepSpeed had loaded.)"""
-    from snip_ds import data
-    from snip_ds.trainer import main
+    from snip_ds.run import data
+    from snip_ds.run.trainer import main
 
     cfg = write_configs(tmp_path, stage=3, plan="fp8", max_steps=2, save_steps=2, eval_steps=2)
     _ok(launch(["--deepspeed", str(cfg)]))

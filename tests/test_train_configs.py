@@ -36,7 +36,7 @@ def test_help_lists_the_flags_without_importing_torch():
                  "--per_device_train_batch_size", "--gradient_accumulation_steps", "--no_progress"):
         assert flag in proc.stdout, flag
     # --help must not pay for torch / transformers / DeepSpeed (several seconds on a CPU box).
-    probe = subprocess.run([sys.executable, "-c", "import sys; from snip_ds.train_args import build_parser; "
+    probe = subprocess.run([sys.executable, "-c", "import sys; from snip_ds.config.train_args import build_parser; "
                             "build_parser().format_help(); "
                             "print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules])"],
                            cwd=REPO, env=env(), capture_output=True, text=True, timeout=60)

@@ -2,7 +2,7 @@
 and an existing output directory (checkpoints, TensorBoard event files) left byte for byte as it was.
 
 One real 2-rank run provides the output directory and the checkpoints; the failing runs are in-process
-``snip_ds.trainer.main`` calls (they stop before DeepSpeed starts), plus one through the deepspeed launcher.
+``snip_ds.run.trainer.main`` calls (they stop before DeepSpeed starts), plus one through the deepspeed launcher.
 """
 import json
 import shutil
@@ -199,7 +199,7 @@ CASES = {
 def test_bad_input_stops_with_one_line_and_writes_nothing(run, case, capsys):
     import logging
 
-    from snip_ds.trainer import main
+    from snip_ds.run.trainer import main
 
     # transformers' log handler writes to the sys.stderr of the test that first logged (capsys's, closed after
     # that test), and its flush is bound to that stream too: a later warning would print logging's own

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from snip_ds.cli import main
-from snip_ds.export_weights import master_weights
+from snip_ds.export.weights import master_weights
 from snip_ds.types import layer_kind
 from train_utils import TINY_GPT_NEOX, TINY_PHI3, launch, scalars, write_configs
 

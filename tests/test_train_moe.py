@@ -79,7 +79,7 @@ def test_mixtral_under_other_zero_stages_per_gemm_plans_and_a_model_directory(st
     data["snip"]["per_gemm"] = per_gemm
     args = []
     if pretrained:
-        from snip_ds.model import build_model
+        from snip_ds.run.model import build_model
         build_model(None, dict(TINY_MIXTRAL), seed=3).save_pretrained(tmp_path / "mixtral")
         del data["snip"]["train"]["model_config"]
         args = ["--model_name_or_path", str(tmp_path / "mixtral")]

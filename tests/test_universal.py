@@ -190,7 +190,7 @@ def test_checkpoint_of_2_ranks_resumes_on_1_rank_with_accumulation(saved, reques
 def test_an_unfinished_conversion_and_a_changed_global_batch_stop_with_one_line(zero1, capsys):
     """In process (the run stops before DeepSpeed starts): a conversion without its snip_meta.json, and the
     converted checkpoint resumed with another global batch."""
-    from snip_ds.trainer import main
+    from snip_ds.run.trainer import main
 
     tmp = zero1["tmp"]
     universal = tmp / "universal_step_4"

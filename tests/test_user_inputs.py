@@ -1,6 +1,6 @@
 """launch/train.py on a user's own inputs, end to end: a saved Hugging Face model directory, a text file and a
 JSON-lines file as the dataset, a hand-written per-layer plan mixing bf16/fp8/fp4, and command-line flags that
-override the JSON. Plus snip_ds.distributed's plan-digest check and JSON broadcast on two real gloo ranks.
+override the JSON. Plus snip_ds.runtime.distributed's plan-digest check and JSON broadcast on two real gloo ranks.
 
 Every expectation is computed here, independently of the trainer: the layer list from the saved model's
 ``named_modules``, the FP4 share from in_features x out_features, token counts from the bytes written, the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from snip_ds.deepspeed_config import AUTO_DEFAULTS
+from snip_ds.config.deepspeed_config import AUTO_DEFAULTS
 from train_utils import REPO, TINY_MODEL, TRAIN, env, scalars, write_configs
 
 pytestmark = [pytest.mark.slow]
@@ -207,7 +207,7 @@ def test_model_source_flag_replaces_the_jsons(tmp_path):
     """--model_name_or_path overrides a JSON's model_config (and --model_config a JSON's model_name_or_path);
     naming both on the command line is still refused. Regression: the flag used to be merged beside the JSON's
     other key, and every such run stopped with "give model_name_or_path or model_config, not both"."""
-    from snip_ds.settings import ConfigError, load_ds_config, with_overrides
+    from snip_ds.config.settings import ConfigError, load_ds_config, with_overrides
 
     _, settings = load_ds_config(write_configs(tmp_path))
     assert settings.train.model_config == str(tmp_path / "model.json")

@@ -7,6 +7,9 @@ registry and ``auto``; :mod:`.operands` resolves a precision into each GEMM's op
 :mod:`.layer_step` is one quantized layer's forward and backward through them (what the eager autograd function
 runs), :mod:`.custom_ops` the same as torch custom operators (what ``torch.compile`` traces), and
 :mod:`.dispatch_audit` counts what a step dispatches and finds host reads (tests and benchmarks).
+
+May import: the numerics core below it (types, formats, scales, quant, options, quant_config) and runtime/; never
+linear, swap, stats/ or anything above.
 """
 from snip_ds.backend.base import (BackendError, GemmBackend, LazyBackend, check_backend, get_backend,
                                   kernel_seed, layer_backends, register, resolve, seed_offset)

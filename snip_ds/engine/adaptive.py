@@ -1,7 +1,7 @@
 """Adaptive SNIP re-planning inside training (the plan and the schedule of docs/method.md).
 
-Before the first step, at the ``early_replan_steps`` and every ``replan_every`` steps (:mod:`snip_ds.schedule`;
-driven by :meth:`snip_ds.state.SnipState.before_step`,
+Before the first step, at the ``early_replan_steps`` and every ``replan_every`` steps (:mod:`snip_ds.engine.schedule`;
+driven by :meth:`snip_ds.engine.state.SnipState.before_step`,
 which both :class:`~snip_ds.engine.core.SnipEngine` and :class:`~snip_ds.hf.SnipCallback` call): collect
 statistics on ``collect_batches`` micro-batches of a private data stream, or of the step about to be taken
 when there is none (one BF16 forward+backward with hooks and Monte-Carlo Fisher probes; all-reduced over
@@ -22,31 +22,31 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from snip_ds import distributed as sdist
+from snip_ds.runtime import distributed as sdist
 from snip_ds import divergence as dv
-from snip_ds import compile_stance, faults
+from snip_ds.runtime import compile_stance, faults
 from snip_ds.stats import CollectSettings, collect_statistics
-from snip_ds.stats.artifact import carry_unrouted
+from snip_ds.stats_file import carry_unrouted
 from snip_ds.stats.precond import in_storage_order
-from snip_ds.console import say
+from snip_ds.runtime.console import say
 from snip_ds.engine.adam_state import layer_preconditioner
 from snip_ds.engine.expert_state import expert_preconditioner
 from snip_ds.engine.zero_leaf import leaf_backward_hooks_suspended
 from snip_ds.experts.points import ExpertPoint
-from snip_ds.omp import preserve_torch_threads
+from snip_ds.runtime.omp import preserve_torch_threads
 from snip_ds.plan import Plan, fp4_share
-from snip_ds.run_report import plan_moves
-from snip_ds.schedule import measure_due, replan_due
+from snip_ds.report.run_report import plan_moves
+from snip_ds.engine.schedule import measure_due, replan_due
 from snip_ds.options import build
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.planner.costs import predicted_divergence
-from snip_ds.settings import ConfigError
+from snip_ds.config.settings import ConfigError
 
 
 class AdaptivePlanner:
-    """Owns the statistics and the re-planning schedule of one :class:`~snip_ds.state.SnipState`; reads the
+    """Owns the statistics and the re-planning schedule of one :class:`~snip_ds.engine.state.SnipState`; reads the
     model, the optimizer's Adam state, the step and the learning rate through its
-    :class:`~snip_ds.state.TrainingLoop`.
+    :class:`~snip_ds.engine.state.TrainingLoop`.
 
     Attributes:
         last_stats: the latest statistics artifact (identical on every rank), or None.
@@ -63,17 +63,17 @@ class AdaptivePlanner:
 
     @property
     def settings(self):
-        """The run's validated ``"snip"`` section: its state's (:attr:`snip_ds.state.SnipState.settings`)."""
+        """The run's validated ``"snip"`` section: its state's (:attr:`snip_ds.engine.state.SnipState.settings`)."""
         return self.state.settings
 
     # ------------------------------------------------------------------ schedule
     def due(self, step: int) -> bool:
-        """Whether statistics are collected before optimizer step ``step + 1`` (:func:`snip_ds.schedule.replan_due`)."""
+        """Whether statistics are collected before optimizer step ``step + 1`` (:func:`snip_ds.engine.schedule.replan_due`)."""
         return replan_due(step, self.settings.replan_every, self.settings.early_replan_steps)
 
     def measure_due(self, step: int) -> bool:
         """Whether the plan's forward divergence is measured before optimizer step ``step + 1``: right after a
-        re-plan at this step, and every ``additional_bf16_fwd_every_n_steps`` (:func:`snip_ds.schedule.measure_due`)."""
+        re-plan at this step, and every ``additional_bf16_fwd_every_n_steps`` (:func:`snip_ds.engine.schedule.measure_due`)."""
         return measure_due(step, self.settings.additional_bf16_fwd_every_n_steps, self.planned_at == step)
 
     # ------------------------------------------------------------------ collection and solve
@@ -99,7 +99,7 @@ class AdaptivePlanner:
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
         how = build(CollectSettings, s, seed=s.train.seed + eng.step, retain_graph=eng.zero_stage < 3,
                     bwd_propagated=s.dgrad_cost == "upstream", study_fields=s.collect_study_fields)
-        # eagerly, also in a compiled model (snip_ds.compile_stance); ZeRO-3 MoE blocks: snip_ds.engine.zero_leaf
+        # eagerly, also in a compiled model (snip_ds.runtime.compile_stance); ZeRO-3 MoE blocks: snip_ds.engine.zero_leaf
         with compile_stance.eager(), leaf_backward_hooks_suspended(eng.loop.module):
             stats = collect_statistics(eng.loop.module, batches, how, layers=list(eng.layers), lr=eng.lr(),
                                        precond=precond, reduce=sdist.dist_sum, step=eng.step,
@@ -111,7 +111,7 @@ class AdaptivePlanner:
         """The plan for ``stats``: solved on rank 0, broadcast as JSON, the same object on every rank.
 
         If rank 0 cannot solve, every rank learns why: a re-plan returns None (the caller keeps the plan in
-        force); the first adaptive plan raises :class:`~snip_ds.settings.ConfigError` with the reason.
+        force); the first adaptive plan raises :class:`~snip_ds.config.settings.ConfigError` with the reason.
         """
         s = self.settings
         payload = None
@@ -227,7 +227,7 @@ class AdaptivePlanner:
             module.eval()
             for layer in st.layers.values():
                 layer.precision = "bf16"
-            with compile_stance.eager():  # also in a compiled model (snip_ds.compile_stance)
+            with compile_stance.eager():  # also in a compiled model (snip_ds.runtime.compile_stance)
                 unquantized = st.loop.forward(input_ids=ids, labels=labels)
                 for fqn, layer in st.layers.items():
                     layer.precision = saved[fqn]

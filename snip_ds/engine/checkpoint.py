@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save as save_bytes
 
-from snip_ds import distributed as sdist
-from snip_ds import faults
-from snip_ds.artifacts import STATE_FILE, rng_file
+from snip_ds.runtime import distributed as sdist
+from snip_ds.runtime import faults
+from snip_ds.report.artifacts import STATE_FILE, rng_file
 from snip_ds.engine.checkpoint_io import SafeTorchCheckpointEngine, safe_torch_load, write_error
 from snip_ds.engine.checkpoint_layout import (FORMAT, LATEST_FILE, META_FILE, CheckpointError, is_universal,
                                               rank_file, read_meta)
 from snip_ds.engine.checkpoint_verify import record_files
-from snip_ds.fileio import atomic_write_text
+from snip_ds.runtime.fileio import atomic_write_text
 
 
 class CheckpointSaveError(RuntimeError):
@@ -159,7 +159,7 @@ def _raise_if_any(problem: str | None, tag_dir: Path, save_dir: Path, before: se
 
 def load(ds_engine, tag_dir: Path, rank: int) -> Dict[str, torch.Tensor]:
     """Loads DeepSpeed's state (model, optimizer, scheduler); returns this rank's SNIP tensors (generator and
-    RNG states, :meth:`snip_ds.state.SnipState.load_rank_tensors` restores them)."""
+    RNG states, :meth:`snip_ds.engine.state.SnipState.load_rank_tensors` restores them)."""
     meta = read_meta(tag_dir)
     universal = is_universal(meta)
     if universal != bool(ds_engine.load_universal_checkpoint()):

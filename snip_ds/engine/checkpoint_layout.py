@@ -9,7 +9,7 @@ Layout, under ``save_dir``::
         snip_state.json              # rank 0: SNIP's state (plan, planner, streams, skipped steps, settings)
         snip_meta.json               # rank 0, written after every rank has finished: marks completion
 
-``snip_state.json`` and ``snip_rng_rank<r>.safetensors`` are :class:`snip_ds.state.SnipState`'s, the same
+``snip_state.json`` and ``snip_rng_rank<r>.safetensors`` are :class:`snip_ds.engine.state.SnipState`'s, the same
 files a Hugging Face Trainer's ``checkpoint-N`` holds. A checkpoint without ``snip_meta.json`` is incomplete
 and is never resumed from. ``snip_meta.json`` records the size and sha256 of every other file of the
 checkpoint (key ``files``: DeepSpeed's shards of every rank and ours, :mod:`snip_ds.engine.checkpoint_verify`),
@@ -31,7 +31,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from snip_ds.artifacts import (CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE, CHECKPOINT_RUN_DIR,
+from snip_ds.report.artifacts import (CHECKPOINT_FORMAT, CHECKPOINT_LATEST_FILE, CHECKPOINT_META_FILE, CHECKPOINT_RUN_DIR,
                                STATE_FILE, rng_file)
 
 META_FILE = CHECKPOINT_META_FILE

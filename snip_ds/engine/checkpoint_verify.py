@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Mapping
 
-from snip_ds import distributed as sdist
+from snip_ds.runtime import distributed as sdist
 from snip_ds.engine.checkpoint_layout import (META_FILE, CheckpointError, check_universal_field, is_universal,
                                               rank_file, read_meta, resolve)
 
@@ -131,7 +131,7 @@ def check_resumable(path: Path, fingerprint: str, world_size: int, rank: int,
                     tensor_parallel: int = 1) -> tuple[Path, Dict[str, Any]]:
     """:func:`resolve`, :func:`validate` and :func:`verify_files` (this rank's share of the hashing): the
     checkpoint ``path`` names and its metadata, once nothing in it is found wrong. Not collective: a caller
-    with several ranks agrees on the outcome (:func:`snip_ds.distributed.first_error`) before going on.
+    with several ranks agrees on the outcome (:func:`snip_ds.runtime.distributed.first_error`) before going on.
 
     A checkpoint written before checksums were recorded (no ``files``) is checked without them.
     """

@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from snip_ds import distributed as sdist
-from snip_ds import faults
-from snip_ds import jit_builds
+from snip_ds.runtime import distributed as sdist
+from snip_ds.runtime import faults
+from snip_ds.runtime import jit_builds
 from snip_ds.backend import check_backend
-from snip_ds.builds import load_cpu_quantizer
-from snip_ds.deprecations import LR_BEFORE_START, dropped_logs
-from snip_ds.deepspeed_config import resolve_ds_config, tensor_parallel_degree
+from snip_ds.engine.builds import load_cpu_quantizer
+from snip_ds.runtime.deprecations import LR_BEFORE_START, dropped_logs
+from snip_ds.config.deepspeed_config import resolve_ds_config, tensor_parallel_degree
 from snip_ds.engine import checkpoint as ckpt
 from snip_ds.engine.checkpoint_io import install_safe_loader
 from snip_ds.engine.checkpoint_layout import (is_universal, model_architecture, model_config, model_fingerprint,
@@ -29,9 +29,9 @@ from snip_ds.engine import tensor_parallel as tpar
 from snip_ds.engine.op_builds import announce_optimizer_build, quiet_shm_comm
 from snip_ds.engine.optimizer import working_adam_config
 from snip_ds.plan import Plan
-from snip_ds.settings import SnipSettings, parse_snip_section
-from snip_ds.state import NonFiniteError, SnipState, located_forward_hooks, run_without_update
-from snip_ds.model_settings import check_layer_settings, initial_plan
+from snip_ds.config.settings import SnipSettings, parse_snip_section
+from snip_ds.engine.state import NonFiniteError, SnipState, located_forward_hooks, run_without_update
+from snip_ds.config.model_settings import check_layer_settings, initial_plan
 from snip_ds.swap import LayerInfo, check_still_swapped, snip_layers, swap_model
 
 __all__ = ["DeepSpeedLoop", "NonFiniteError", "SnipEngine", "destroy_distributed", "init_distributed", "initialize"]
@@ -126,7 +126,7 @@ def device() -> torch.device:
 
 
 class DeepSpeedLoop:
-    """The :class:`~snip_ds.state.TrainingLoop` of a ``DeepSpeedEngine``."""
+    """The :class:`~snip_ds.engine.state.TrainingLoop` of a ``DeepSpeedEngine``."""
 
     def __init__(self, ds_engine) -> None:
         self.ds = ds_engine
@@ -162,11 +162,11 @@ class DeepSpeedLoop:
 
 class SnipEngine:
     """A DeepSpeed engine whose decoder linears follow a :class:`~snip_ds.plan.Plan`: the thin driver of a
-    :class:`~snip_ds.state.SnipState` in a loop that hands it each step's micro-batches.
+    :class:`~snip_ds.engine.state.SnipState` in a loop that hands it each step's micro-batches.
 
     Attributes:
         ds: the ``DeepSpeedEngine``.
-        state: SNIP's :class:`~snip_ds.state.SnipState` (plan, planner, streams, generators, skipped steps);
+        state: SNIP's :class:`~snip_ds.engine.state.SnipState` (plan, planner, streams, generators, skipped steps);
             ``infos``, ``layers``, ``flops``, ``settings``, ``logger``, ``plan``, ``planner`` and
             ``skipped_steps`` read through to it.
     """
@@ -212,7 +212,7 @@ class SnipEngine:
         return self.state.lr()
 
     def set_plan(self, plan: Plan, reason: str = "") -> None:
-        """Applies ``plan`` to every layer (:meth:`snip_ds.state.SnipState.set_plan`)."""
+        """Applies ``plan`` to every layer (:meth:`snip_ds.engine.state.SnipState.set_plan`)."""
         self.state.set_plan(plan, reason)
 
     def plan_fp4_share(self) -> float:
@@ -228,8 +228,8 @@ class SnipEngine:
     def train_step(self, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> float:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the global mean loss.
 
-        First :meth:`snip_ds.state.SnipState.before_step`: in an adaptive run the planner re-plans if it is due
-        (:mod:`snip_ds.schedule`: before the first step, at the ``early_replan_steps`` and every ``replan_every``
+        First :meth:`snip_ds.engine.state.SnipState.before_step`: in an adaptive run the planner re-plans if it is due
+        (:mod:`snip_ds.engine.schedule`: before the first step, at the ``early_replan_steps`` and every ``replan_every``
         steps: collect, solve on rank 0, broadcast, switch), and right after a re-plan and every
         ``additional_bf16_fwd_every_n_steps`` steps two extra no-grad forwards of one batch (the
         private measurement stream's, else the first micro-batch; BF16, then the plan) give the measured forward
@@ -237,7 +237,7 @@ class SnipEngine:
 
         Every micro-batch's loss and every parameter's gradient is checked for NaN/Inf; the ranks agree before
         the update (one flag all-reduced per step). A non-finite step raises
-        :class:`~snip_ds.state.NonFiniteError` before its update, or with ``snip.nonfinite: "skip"`` is skipped
+        :class:`~snip_ds.engine.state.NonFiniteError` before its update, or with ``snip.nonfinite: "skip"`` is skipped
         (:attr:`skipped_steps`; its loss is returned).
         """
         ga = self.ds.gradient_accumulation_steps()
@@ -305,7 +305,7 @@ class SnipEngine:
         """Saves DeepSpeed's state plus ours under ``save_dir/step_<N>``; ``latest`` moves only when complete.
 
         SNIP's state goes into ``snip_state.json`` and ``snip_rng_rank<r>.safetensors``
-        (:meth:`snip_ds.state.SnipState.state_dict`, the Trainer's format too); ``snip_meta.json`` holds
+        (:meth:`snip_ds.engine.state.SnipState.state_dict`, the Trainer's format too); ``snip_meta.json`` holds
         ``extra`` (the data stream, lr schedule, tokenizer), the model's config and every file's checksum."""
         meta = {"step": self.step, "model_config": model_config(self.ds.module), **extra}
         if self.tensor_parallel > 1:
@@ -348,7 +348,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
             validated: unknown keys are errors) when ``settings`` is None.
         settings: the validated ``"snip"`` section; None reads ``config["snip"]`` (defaults if absent).
         tokens_per_step: tokens per optimizer step on one rank (scales FLOPs; shares do not depend on it).
-        logger: a TensorBoard logger on the logging rank (see :mod:`snip_ds.tensorboard`), else None.
+        logger: a TensorBoard logger on the logging rank (see :mod:`snip_ds.report.tensorboard`), else None.
         seed: seeds the stochastic-rounding generators.
         plan: the starting plan; None: :func:`initial_plan` of the settings.
         statistics_stream: adaptive runs only: an object whose ``next_batch()`` returns a micro-batch (a
@@ -371,7 +371,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any], settings: Optional[S
     ``tokens_per_step`` stays one rank's.
 
     With an adaptive plan, :meth:`SnipEngine.train_step` runs SNIP by itself: statistics before the first
-    step, at the ``early_replan_steps`` and every ``replan_every`` steps (:mod:`snip_ds.schedule`), the ILP on
+    step, at the ``early_replan_steps`` and every ``replan_every`` steps (:mod:`snip_ds.engine.schedule`), the ILP on
     rank 0, the plan broadcast and checked on every rank.
 
     torch.distributed is started if it is not yet (gloo on CPU, nccl on GPU; one rank in a plain ``python``

@@ -1,5 +1,5 @@
 """DeepSpeed's JIT-compiled ops as the console shows them: one line before an op is built for the first time in
-this environment (:func:`announce_unbuilt`, through :func:`snip_ds.builds.announce`), and nothing when an op built
+this environment (:func:`announce_unbuilt`, through :func:`snip_ds.engine.builds.announce`), and nothing when an op built
 earlier is only loaded (:func:`quiet_shm_comm` drops the "DeepSpeed ... built successfully" that DeepSpeed prints
 at every start of its shared-memory collectives, built or loaded)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from snip_ds import builds
+from snip_ds.engine import builds
 
 _WHAT = {"ShareMemCommBuilder": "DeepSpeed's shared-memory collectives", "FusedAdamBuilder": "DeepSpeed's FusedAdam",
          "CPUAdamBuilder": "DeepSpeed's CPU Adam (ZeRO-Offload)"}
@@ -21,7 +21,7 @@ _SHM_LOADED = re.compile(r"^DeepSpeed \S*shm_comm\S* built successfully$")
 
 def _needs_build(builder) -> bool:
     """Whether loading ``builder``'s op compiles it: not loaded in this process, not installed with DeepSpeed,
-    and no library in its JIT folder under ``$TORCH_EXTENSIONS_DIR`` (set by :func:`snip_ds.jit_builds.prepare`)."""
+    and no library in its JIT folder under ``$TORCH_EXTENSIONS_DIR`` (set by :func:`snip_ds.runtime.jit_builds.prepare`)."""
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder.builder import OpBuilder
 
@@ -33,7 +33,7 @@ def _needs_build(builder) -> bool:
 
 
 def announce_unbuilt(builder_name: str) -> None:
-    """One line (:func:`snip_ds.builds.announce`) when DeepSpeed's ``builder_name`` op (``"FusedAdamBuilder"``, ...)
+    """One line (:func:`snip_ds.engine.builds.announce`) when DeepSpeed's ``builder_name`` op (``"FusedAdamBuilder"``, ...)
     is about to be compiled here; nothing when it is built already or not available on this accelerator."""
     try:
         from deepspeed.accelerator import get_accelerator

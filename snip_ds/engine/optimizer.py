@@ -16,7 +16,7 @@ import copy
 import logging
 from typing import Any, Dict, Iterable, Mapping, Optional
 
-from snip_ds import jit_builds
+from snip_ds.runtime import jit_builds
 
 log = logging.getLogger("snip_ds")
 

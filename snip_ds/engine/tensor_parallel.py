@@ -28,7 +28,7 @@ from snip_ds.linear import SnipLinear
 from snip_ds.backend.operands import operand_recipes
 from snip_ds.quant import get_recipe
 from snip_ds.quant_config import QuantConfig
-from snip_ds.settings import ConfigError
+from snip_ds.config.settings import ConfigError
 
 SUPPORTED_DEEPSPEED = ((0, 19), (0, 19))  # (oldest, newest) major.minor whose AutoTP layers are known here
 

@@ -22,18 +22,18 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from snip_ds.artifacts import STATE_FILE, checkpoint_meta, trainer_checkpoint
+from snip_ds.report.artifacts import STATE_FILE, checkpoint_meta, trainer_checkpoint
 from snip_ds.engine.checkpoint_io import safe_torch_load
 from snip_ds.engine.checkpoint_layout import (LATEST_FILE, META_FILE, UNIVERSAL_FIELD, CheckpointError,
                                               is_universal, rank_file, read_meta, resolve)
 from snip_ds.engine.checkpoint_verify import checkpoint_files, file_digest, verify_files
-from snip_ds.fileio import atomic_write_text
+from snip_ds.runtime.fileio import atomic_write_text
 
 
 def unmergeable_shards(state: Mapping[str, Any]) -> str | None:
     """Why DeepSpeed's ``ds_to_universal`` cannot merge the checkpoint whose ``snip_state.json`` is ``state``, or
     None: a tensor-parallel run whose model ``deepspeed.zero.Init`` partitioned as it was built (what
-    :class:`snip_ds.state.SnipState` records as ``zero_init``; ZeRO-3, as zero.Init is). zero.Init cut every
+    :class:`snip_ds.engine.state.SnipState` records as ``zero_init``; ZeRO-3, as zero.Init is). zero.Init cut every
     parameter over all the ranks before the tensor-parallel groups existed, so the saved partitions are not the
     shards the converter expects: DeepSpeed 0.19.8 stops with "start (0) + length (...) exceeds dimension size
     (...)"."""

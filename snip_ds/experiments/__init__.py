@@ -27,4 +27,6 @@ Metric validation (``launch/validate_metrics.py``):
 * :mod:`~snip_ds.experiments.truths` — the measured FLD, BWD and FWD truths per layer, and what a run measured;
 * :mod:`~snip_ds.experiments.scores` — rank correlations, reproducibility, calibration, the per-layer table;
 * :mod:`~snip_ds.experiments.validation` — one run: warm-up, fixed batches, measurement, then scoring.
+
+May import: anything in the product; nothing in the product imports it (tests/test_experiments_isolation.py).
 """

@@ -144,7 +144,7 @@ def solve_arms(stats: Mapping[str, Any], rho: float, lam: float) -> Dict[str, An
         ``dict(share=, groups=, per_expert=Plan, shared=Plan)``; both plans per layer, at λ ``lam``.
     """
     from snip_ds.experiments.plans import attainable_share
-    from snip_ds.omp import preserve_torch_threads
+    from snip_ds.runtime.omp import preserve_torch_threads
     from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 
     groups = expert_groups(stats["layers"])

@@ -85,7 +85,7 @@ def plot_curves(records: List[Dict[str, Any]], summary: Dict[str, Any], path: Pa
 
 def plot_maps(plans_by_phase: Dict[str, List[Dict[str, Any]]], path: Path) -> None:
     """One precision map per solved plan: a row per (phase, ρ), a column per method label."""
-    from snip_ds.tensorboard import precision_map_image
+    from snip_ds.report.tensorboard import precision_map_image
     plt = _plt()
     tiles = [(phase, p) for phase, ps in plans_by_phase.items() for p in ps if p["rho"] is not None]
     cols = max(len({p["label"] for _, p in tiles}), 1)

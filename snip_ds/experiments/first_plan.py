@@ -25,11 +25,11 @@ from typing import Any, Dict, List, Mapping, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from snip_ds.data import DataStream, load_dataset_blocks
+from snip_ds.run.data import DataStream, load_dataset_blocks
 from snip_ds.experiments.paired import finite_mean, spearman
 from snip_ds.experiments.training import TrainSettings, make_optimizer, train_steps
-from snip_ds.model import build_model
-from snip_ds.omp import preserve_torch_threads
+from snip_ds.run.model import build_model
+from snip_ds.runtime.omp import preserve_torch_threads
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.quant_config import QuantConfig
 from snip_ds.stats import CollectSettings, adam_precond, collect_statistics

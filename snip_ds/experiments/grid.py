@@ -10,8 +10,8 @@ from typing import Dict
 
 import torch
 
-from snip_ds.data import load_dataset_blocks
-from snip_ds.model import build_model
+from snip_ds.run.data import load_dataset_blocks
+from snip_ds.run.model import build_model
 from snip_ds.planner.costs import METHODS
 from snip_ds.swap import swap_model
 

@@ -101,7 +101,7 @@ def _check_share(arm: str, plan, share: float) -> None:
 
 
 def _solve(method: str, stats, share: float, lam: float, per_gemm: bool = False, seed: int = 0):
-    from snip_ds.omp import preserve_torch_threads
+    from snip_ds.runtime.omp import preserve_torch_threads
     from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
     with preserve_torch_threads():
         return solve_baseline(method, stats, share, CostSettings(lam=lam, per_gemm=per_gemm),

@@ -17,10 +17,10 @@ from typing import Any, Dict, Iterator, List, Mapping
 from torch import nn
 
 from snip_ds.stats import STUDY_FIELDS, CollectSettings, adam_precond, collect_statistics
-from snip_ds.data import DataStream
+from snip_ds.run.data import DataStream
 from snip_ds.experiments.grid import KIND_PLANS, SOLVED, UNIFORM, snip_label
 from snip_ds.experiments.training import TrainSettings, load_checkpoint, make_optimizer
-from snip_ds.omp import preserve_torch_threads
+from snip_ds.runtime.omp import preserve_torch_threads
 from snip_ds.plan import GEMMS, Plan
 from snip_ds.planner import CostSettings, SolverSettings, solve_baseline
 from snip_ds.planner.costs import predicted_divergence  # noqa: F401  (the product's cost model; imported from here too)

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from snip_ds.quant_config import QuantConfig
-from snip_ds.data import DataStream
+from snip_ds.run.data import DataStream
 from snip_ds.experts.model import take_routed_tokens
 from snip_ds.experiments.grid import build
 from snip_ds.experiments.plans import apply_plan, bf16_forward, collect_phase_stats, solve_plans

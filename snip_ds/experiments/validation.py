@@ -39,8 +39,8 @@ def _tiny_config():
 
 def build(args) -> tuple:
     """The model (every linear a BF16 SnipLinear), training blocks and validation blocks of ``args``."""
-    from snip_ds.data import load_dataset_blocks
-    from snip_ds.model import build_model
+    from snip_ds.run.data import load_dataset_blocks
+    from snip_ds.run.model import build_model
     caps = dict(max_bytes=2 ** 18, max_validation_bytes=2 ** 16) if args.quick and args.dataset is None else {}
     train_ds, val_ds, vocab, _ = load_dataset_blocks(args.dataset, args.block_size, **caps)
     config = args.model_config if args.model_config else (_tiny_config() if args.quick else None)

@@ -39,4 +39,6 @@ replaces every such module of a model and refuses, naming it, any whose layout i
 The package: :mod:`~snip_ds.experts.points` (the planner's and the statistics' view of one pair),
 :mod:`~snip_ds.experts.module` (:class:`~snip_ds.experts.module.SnipExperts`), :mod:`~snip_ds.experts.model`
 (a model's experts as a whole: swap, layers, routed tokens, precisions).
+
+May import: layouts/, linear, quant_config, types; never swap, stats/ or anything above.
 """

@@ -13,4 +13,6 @@ One concern per module:
   the claims checked (every planned layer ran quantized, losses finite, the adaptive plan solved);
 * :mod:`~snip_ds.families.sweep`: every family in a child process of its own, with a timeout;
 * :mod:`~snip_ds.families.report`: each family's status, and the Markdown table and JSON rows.
+
+May import: anything in the product (it drives runs through engine/ and hf/); nothing in the product imports it.
 """

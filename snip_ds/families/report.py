@@ -24,7 +24,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
-from snip_ds.fileio import atomic_write_text
+from snip_ds.runtime.fileio import atomic_write_text
 
 STATUSES = ("trains", "fails checks", "refused", "crashes", "timeout", "not buildable")
 FORMAT = "snip_ds.families/1"

@@ -12,4 +12,6 @@ replacement is proved by behaviour before it is trusted:
 * :mod:`~snip_ds.layouts.experts`: Mixture-of-Experts experts modules, their layout read from transformers'
   experts interface or their Parameters' shapes, accepted only after snip_ds's replacement reproduces the
   module's own forward and backward on a random routing.
+
+May import: snip_ds.types only.
 """

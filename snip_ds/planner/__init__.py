@@ -9,6 +9,9 @@
 
 The plan object itself is :class:`snip_ds.plan.Plan`. Names are loaded lazily, so that importing the cost
 model does not load the solver.
+
+May import: the plan, options, types and the statistics file (snip_ds.stats_file); nothing heavier (no torch), never
+stats/' collector or anything above.
 """
 import importlib
 

@@ -3,7 +3,7 @@ to cost.
 
 SNIP prices a layer at precision p by C(p) = FLD(p) + λ·BWD(p): the forward loss divergence its quantized
 fprop causes plus λ times the loss divergence of the weight drift its quantized backward GEMMs cause (λ is a
-horizon in steps), both read from a statistics artifact (:mod:`snip_ds.stats.artifact`; docs/method.md
+horizon in steps), both read from a statistics artifact (:mod:`snip_ds.stats_file`; docs/method.md
 derives them). bf16 costs 0. Per GEMM, fprop carries FLD and the backward GEMMs carry λ·BWD as ``dgrad``
 says (:func:`costs_from_stats`). The baselines replace C by other numbers of the same artifact
 (:func:`method_costs` maps every method of :data:`METHODS` to its costs, once for the whole package).
@@ -25,7 +25,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from snip_ds.options import BWD_ESTIMATES, DGRAD_COSTS, METHODS, reads
 from snip_ds.plan import listed_names
-from snip_ds.stats.artifact import STUDY_FIELDS
+from snip_ds.stats_file import STUDY_FIELDS
 from snip_ds.types import GEMM_OPERANDS, GEMMS, OPERANDS, PRECISIONS, QUANTIZED
 
 BWD_KEYS = ("bwd", "bwd_bias", "bwd_propagated")
@@ -120,7 +120,7 @@ def costs_from_stats(stats: Mapping, lam: float | None = None, *, per_gemm: bool
     """SNIP costs C(p) = FLD(p) + λ·BWD(p) from a statistics artifact (the module docstring).
 
     Args:
-        stats: A validated statistics dict (:func:`snip_ds.stats.artifact.load_stats` / ``validate_stats``).
+        stats: A validated statistics dict (:func:`snip_ds.stats_file.load_stats` / ``validate_stats``).
         lam: λ, the BWD weight; default the artifact's ``"lambda"``.
         per_gemm: Per-GEMM costs: fprop carries FLD; the backward GEMMs as ``dgrad`` says.
         bwd_key: Which backward estimate to use (one of :data:`BWD_KEYS`): ``"bwd"`` (direct, default: the
@@ -258,7 +258,7 @@ def method_costs(method: str, stats: Mapping, cost: CostSettings | None = None, 
 
 
 def plan_study_fields(method: str, bwd_key: str = "bwd") -> tuple:
-    """The groups of study fields (:data:`snip_ds.stats.artifact.STUDY_FIELDS`) that a plan of ``method``,
+    """The groups of study fields (:data:`snip_ds.stats_file.STUDY_FIELDS`) that a plan of ``method``,
     priced with ``bwd_key``, is solved from: ``quant_err`` for the quantization-error baselines, ``bwd_bias``
     for SNIP's costs on the systematic BWD; none otherwise (``fld``, ``bwd`` and ``flops`` are always
     recorded). A collection that serves only a plan asks for exactly these."""

@@ -10,9 +10,12 @@
 * :mod:`~snip_ds.stats.fields`: the artifact's per-layer fields, composed from the estimators' prices of the
   all-reduced sums;
 * :mod:`~snip_ds.stats.precond`: preconditioners from Adam state, partitioned (ZeRO) states, fallbacks;
-* :mod:`~snip_ds.stats.artifact`: the JSON schema, written and read (pure, no torch: the planner imports it).
+* :mod:`~snip_ds.stats_file`: the JSON schema, written and read (pure, no torch: the planner imports it).
 
-Names are loaded lazily, so that ``import snip_ds.stats.artifact`` stays free of torch.
+Names are loaded lazily, so that ``import snip_ds.stats_file`` stays free of torch.
+
+May import: backend/, experts/, layouts/, the numerics core (linear, swap, divergence, options, stats_file, ...) and
+runtime/; never planner/, config/ or anything above.
 """
 import importlib
 
@@ -21,11 +24,11 @@ _EXPORTS = {
     "CollectSettings": "snip_ds.stats.settings",
     "AdamPrecond": "snip_ds.stats.precond",
     "adam_precond": "snip_ds.stats.precond",
-    "STATS_FORMAT": "snip_ds.stats.artifact",
-    "STUDY_FIELDS": "snip_ds.stats.artifact",
-    "save_stats": "snip_ds.stats.artifact",
-    "load_stats": "snip_ds.stats.artifact",
-    "validate_stats": "snip_ds.stats.artifact",
+    "STATS_FORMAT": "snip_ds.stats_file",
+    "STUDY_FIELDS": "snip_ds.stats_file",
+    "save_stats": "snip_ds.stats_file",
+    "load_stats": "snip_ds.stats_file",
+    "validate_stats": "snip_ds.stats_file",
 }
 
 __all__ = sorted(_EXPORTS)

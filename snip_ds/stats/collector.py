@@ -31,7 +31,7 @@ Each estimator is its own module, which names the sums it adds to one :class:`~s
 The passes run in the :class:`~snip_ds.stats.common.Phase` each hook checks. The sums of all batches are packed
 into one flat tensor and summed across data-parallel ranks with a single call of ``reduce``; then
 :func:`snip_ds.stats.fields.finalize` composes the estimators' prices into the artifact that
-:func:`snip_ds.stats.artifact.load_stats` reads. Preconditioners (Adam state, the partitioned states of ZeRO,
+:func:`snip_ds.stats_file.load_stats` reads. Preconditioners (Adam state, the partitioned states of ZeRO,
 the fallback) and how they combine across data-parallel ranks: :mod:`snip_ds.stats.precond`.
 
 A layer may run more than once per forward (a block applied twice, a layer shared by several blocks): every call

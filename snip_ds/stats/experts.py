@@ -16,7 +16,7 @@ then run unchanged, with three differences, all kept here:
   all-reduces the same sums whichever experts its tokens chose. An expert that saw no token in a whole
   collection (on any rank) therefore gets ``fld`` and ``bwd`` exactly 0 and ``flops`` 0, with
   ``routed_tokens: 0`` and ``no_tokens: true`` in its record. A training run's planner then gives it back its
-  last statistics (:func:`snip_ds.stats.artifact.carry_unrouted`): its FLOPs stay 0 (nothing runs), but its
+  last statistics (:func:`snip_ds.stats_file.carry_unrouted`): its FLOPs stay 0 (nothing runs), but its
   precision is chosen for the harm it did when it last saw tokens, so it stays out of FP4 for nothing.
 
 ``routed_tokens`` (each pair's routed tokens per step, summed over ranks, averaged over the collection's batches)

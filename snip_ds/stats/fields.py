@@ -6,7 +6,7 @@ their systematic parts ``bwd_bias``, ``bwd_drift_bias``; the operand error of G_
 ``bwd_propagated``, ``bwd_drift_propagated``, ``dgrad_err`` and ``bwd_dgrad``), :mod:`snip_ds.stats.fwd`
 (``fwd``) and :mod:`snip_ds.stats.isotropic` (the curvature α). :func:`finalize` counts the tokens, batches
 and ranks behind the sums (:class:`~snip_ds.stats.common.Pricing`), composes the estimators' fields in the
-artifact's order and drops the study fields not asked for. The record's layout is :mod:`snip_ds.stats.artifact`'s.
+artifact's order and drops the study fields not asked for. The record's layout is :mod:`snip_ds.stats_file`'s.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 from snip_ds.linear import SnipLinear
 from snip_ds.experts.points import ExpertPoint
 from snip_ds.stats import bwd, experts, fld, fwd, isotropic
-from snip_ds.stats.artifact import STUDY_FIELDS, clean_layer, stats_header
+from snip_ds.stats_file import STUDY_FIELDS, clean_layer, stats_header
 from snip_ds.stats.common import CALL_ROWS, GLOBAL, LOSS_SUM, N_ROWS, N_TOKENS, Pricing, Sums, SumField
 from snip_ds.types import OPERANDS
 

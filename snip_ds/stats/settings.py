@@ -44,7 +44,7 @@ class CollectSettings:
             tensor per layer while a batch runs. Needs ``estimator="mc_fisher"`` and weight-shaped
             preconditioners (a mapping of tensors, or None for the fallback), not the partitioned states'
             callable.
-        study_fields: groups of :data:`~snip_ds.stats.artifact.STUDY_FIELDS` to record besides what a plan
+        study_fields: groups of :data:`~snip_ds.stats_file.STUDY_FIELDS` to record besides what a plan
             is solved from (default none): ``"fld_forms"`` (``fld_sequence`` and ``fld_channel``; ``fld`` is
             always the ``fld_form`` one), ``"first_order"``, ``"quant_err"`` (``quant_err``,
             ``rel_quant_err`` and their per-operand parts: what the quant_err baselines are solved from),

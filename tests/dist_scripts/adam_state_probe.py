@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from snip_ds import distributed as sdist  # noqa: E402
+from snip_ds.runtime import distributed as sdist  # noqa: E402
 from snip_ds.engine import init_distributed  # noqa: E402
 from snip_ds.engine.adam_state import layer_preconditioner  # noqa: E402
 from snip_ds.engine.core import initialize  # noqa: E402
 from snip_ds.plan import Plan  # noqa: E402
-from snip_ds.settings import parse_snip_section  # noqa: E402
+from snip_ds.config.settings import parse_snip_section  # noqa: E402
 
 
 def main() -> int:

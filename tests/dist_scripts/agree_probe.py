@@ -1,4 +1,4 @@
-"""One rank of a 2-process gloo job exercising snip_ds.distributed.agree and broadcast_json.
+"""One rank of a 2-process gloo job exercising snip_ds.runtime.distributed.agree and broadcast_json.
 
 Started twice by tests/test_user_inputs.py as a plain ``python`` process with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set (no launcher). Every collective is called on both ranks in the same order; the results, as each
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from snip_ds import distributed as sdist  # noqa: E402
+from snip_ds.runtime import distributed as sdist  # noqa: E402
 from snip_ds.plan import Plan  # noqa: E402
 
 FQNS = [f"model.layers.{i}.{m}" for i in range(2)

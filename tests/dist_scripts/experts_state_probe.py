@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from snip_ds import distributed as sdist  # noqa: E402
+from snip_ds.runtime import distributed as sdist  # noqa: E402
 from snip_ds.engine import init_distributed  # noqa: E402
 from snip_ds.engine.expert_state import expert_preconditioner  # noqa: E402
 from snip_ds.experts.model import expert_points, swap_experts  # noqa: E402

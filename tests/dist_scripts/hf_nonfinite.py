@@ -16,10 +16,10 @@ import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
 
 from snip_ds import NonFiniteError  # noqa: E402
-from snip_ds import distributed as sdist  # noqa: E402
-from snip_ds.data import BlockDataset  # noqa: E402
+from snip_ds.runtime import distributed as sdist  # noqa: E402
+from snip_ds.run.data import BlockDataset  # noqa: E402
 from snip_ds.hf import add_snip, share_cpu_ranks_with_accelerate  # noqa: E402
-from snip_ds.model import build_model  # noqa: E402
+from snip_ds.run.model import build_model  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--deepspeed", required=True)

@@ -16,13 +16,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
 
-from snip_ds import distributed as sdist  # noqa: E402
-from snip_ds.data import DataStream, load_dataset_blocks  # noqa: E402
+from snip_ds.runtime import distributed as sdist  # noqa: E402
+from snip_ds.run.data import DataStream, load_dataset_blocks  # noqa: E402
 from snip_ds.engine.core import init_distributed, initialize  # noqa: E402
 from snip_ds.hf import SnipCallback, share_cpu_ranks_with_accelerate  # noqa: E402
-from snip_ds.state import STATS_SEED_OFFSET  # noqa: E402
-from snip_ds.model import build_model  # noqa: E402
-from snip_ds.settings import load_ds_config  # noqa: E402
+from snip_ds.engine.state import STATS_SEED_OFFSET  # noqa: E402
+from snip_ds.run.model import build_model  # noqa: E402
+from snip_ds.config.settings import load_ds_config  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--deepspeed", required=True)

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
 
-from snip_ds import distributed as sdist  # noqa: E402
+from snip_ds.runtime import distributed as sdist  # noqa: E402
 from snip_ds.hf import add_snip, share_cpu_ranks_with_accelerate  # noqa: E402
-from snip_ds.settings import ConfigError  # noqa: E402
+from snip_ds.config.settings import ConfigError  # noqa: E402
 
 from probes import count_gemms, param_sum  # noqa: E402  (tests/dist_scripts, the script's folder)
 

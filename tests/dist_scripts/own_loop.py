@@ -32,9 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import snip_ds  # noqa: E402
-from snip_ds import distributed as sdist  # noqa: E402
+from snip_ds.runtime import distributed as sdist  # noqa: E402
 from snip_ds.engine import init_distributed  # noqa: E402
-from snip_ds.settings import ConfigError  # noqa: E402
+from snip_ds.config.settings import ConfigError  # noqa: E402
 
 from probes import param_sum  # noqa: E402  (tests/dist_scripts, the script's folder)
 
@@ -78,7 +78,7 @@ def main() -> int:
             poison["calls"] = poison.get("calls", 0) + 1
             return output * float("nan") if poison["on"] and poison["calls"] >= 2 else output
         model.model.layers[1].mlp.register_forward_hook(overflow)
-        from snip_ds.tensorboard import make_logger
+        from snip_ds.report.tensorboard import make_logger
         logger = make_logger(Path(f"{args.out}.tb"), rank)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2 if logger else 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8}},

@@ -17,10 +17,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import snip_ds  # noqa: E402
-from snip_ds import distributed as sdist  # noqa: E402
+from snip_ds.runtime import distributed as sdist  # noqa: E402
 from snip_ds.engine import init_distributed  # noqa: E402
 from snip_ds.engine.checkpoint_layout import CheckpointError  # noqa: E402
-from snip_ds.settings import ConfigError  # noqa: E402
+from snip_ds.config.settings import ConfigError  # noqa: E402
 
 from probes import count_gemms, param_sum  # noqa: E402  (tests/dist_scripts, the script's folder)
 

@@ -16,7 +16,7 @@ key a hash of everything that makes a build incompatible (:func:`build_key`: the
 torch's version and C++ ABI, the compiler, the flags, the source's bytes and path), so two virtual
 environments or checkouts on one machine never rebuild over each other and a changed source builds anew; the
 folders of this checkout's earlier builds, which it never loads again, are then removed (:func:`build_identity`,
-:func:`snip_ds.jit_builds.prune_superseded_builds`). When
+:func:`snip_ds.runtime.jit_builds.prune_superseded_builds`). When
 there is no compiler or the build fails, :func:`available` is false after one logged warning and callers
 quantize with :mod:`snip_ds.quant` instead (the same values with stochastic rounding off).
 """
@@ -94,7 +94,7 @@ def load(verbose: bool = False) -> bool:
     try:
         from torch.utils import cpp_extension
 
-        from snip_ds import jit_builds
+        from snip_ds.runtime import jit_builds
         jit_builds.prepare()
         folder = build_directory()
         os.makedirs(folder, exist_ok=True)
@@ -126,7 +126,7 @@ def build_identity() -> Dict[str, str]:
     """The environment and checkout a build belongs to (the parts of :func:`build_key` a new version of the
     kernels, of torch, of the compiler or of the flags leaves as they are): the Python executable and prefix, and
     the source's path. Recorded in each build folder, so that :func:`load` removes this checkout's earlier
-    builds and never another environment's or checkout's (:func:`snip_ds.jit_builds.prune_superseded_builds`)."""
+    builds and never another environment's or checkout's (:func:`snip_ds.runtime.jit_builds.prune_superseded_builds`)."""
     return {"python": os.path.realpath(sys.executable), "prefix": os.path.realpath(sys.prefix),
             "source_path": os.path.realpath(SOURCE)}
 
