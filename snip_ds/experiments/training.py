@@ -78,7 +78,7 @@ class TrainSettings:
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy of a causal LM on token ids ``[B, L]`` (FP32 logits), on the model's device
     (the batches come from the CPU)."""
-    ids = ids.to(model.get_input_embeddings().weight.device)
+    ids = ids.to(next(model.parameters()).device)
     logits = model(input_ids=ids).logits.float()  # [B, L, V]
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
