@@ -378,8 +378,9 @@ def test_a_two_rank_zero3_fp8_run_serves_its_training_forward_bit_for_bit(zero3_
     assert torch.equal(_served(out, torch.float32)(input_ids=ids).logits, _planned_logits(masters, plan, ids))
 
 
-@pytest.mark.slow
-def test_a_trainer_run_with_add_snip_exports_and_serves(tmp_path):
+def trainer_run(tmp_path, config):
+    """One Trainer step of a tiny model built from ``config``, with ``add_snip`` (adaptive, FP4 share 0.5), its
+    checkpoint in ``tmp_path/run/checkpoint-1``; returns the trained model."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from snip_ds.run.data import load_dataset_blocks
@@ -388,12 +389,18 @@ def test_a_trainer_run_with_add_snip_exports_and_serves(tmp_path):
 
     train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000,
                                              max_validation_bytes=max(200_000 // 16, 64 * 64))
-    model = build_model(None, dict(TINY_MODEL), vocab_size=vocab, seed=0, block_size=64)
+    model = build_model(None, dict(config), vocab_size=vocab, seed=0, block_size=64)
     args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
                              save_steps=1, report_to="none", use_cpu=True)
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator)
     add_snip(trainer, settings={"plan": "adaptive", "efficiency_saving": 0.5, "train": SETTINGS_TRAIN})
     trainer.train()
+    return model
+
+
+@pytest.mark.slow
+def test_a_trainer_run_with_add_snip_exports_and_serves(tmp_path):
+    trainer_run(tmp_path, TINY_MODEL)
     out = tmp_path / "served"
     assert main(["export", str(tmp_path / "run"), str(out), "--format", "compressed-tensors",
                  "--calibration-batches", "2"]) == 0

@@ -17,21 +17,12 @@ from train_utils import TINY_MIXTRAL
 def test_a_trainer_moe_run_exports_its_per_expert_save_and_a_bare_save_pretrained_is_refused(tmp_path, capsys):
     pytest.importorskip("compressed_tensors")
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+    from transformers import AutoModelForCausalLM
 
-    from snip_ds.run.data import load_dataset_blocks
-    from snip_ds.hf import add_snip
     from snip_ds.run.model import build_model
-    from test_export_serve import SETTINGS_TRAIN, _eval_batches, _planned_logits, _served
+    from test_export_serve import _eval_batches, _planned_logits, _served, trainer_run
 
-    train, _, vocab, _ = load_dataset_blocks(None, 64, None, seed=0, max_bytes=200_000,
-                                             max_validation_bytes=max(200_000 // 16, 64 * 64))
-    model = build_model(None, dict(TINY_MIXTRAL), vocab_size=vocab, seed=0, block_size=64)
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
-                             save_steps=1, report_to="none", use_cpu=True)
-    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator)
-    add_snip(trainer, settings={"plan": "adaptive", "efficiency_saving": 0.5, "train": SETTINGS_TRAIN})
-    trainer.train()
+    model = trainer_run(tmp_path, TINY_MIXTRAL)
     trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.save_pretrained(str(tmp_path / "saved"))
     ckpt = tmp_path / "run" / "checkpoint-1"
@@ -57,7 +48,8 @@ def test_a_trainer_moe_run_exports_its_per_expert_save_and_a_bare_save_pretraine
     plan = json.loads((ckpt / "snip_state.json").read_text())["plan"]["assignment"]
     pairs = [f for f in plan if ".experts." in f]
     assert len(pairs) == 16 and record["schemes"]["bf16"] == len(pairs) and set(pairs) <= set(record["fallback"])
-    masters = build_model(None, dict(TINY_MIXTRAL), vocab_size=vocab, seed=0, block_size=64).eval()
+    masters = build_model(None, dict(TINY_MIXTRAL), vocab_size=model.config.vocab_size, seed=0,
+                          block_size=64).eval()
     masters.load_state_dict(trained)
     ids = _eval_batches()[0][0]["input_ids"]  # the run's validation split: inputs like the calibration's
     fallback = {f: ("bf16" if f in pairs else p) for f, p in plan.items()}

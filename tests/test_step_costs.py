@@ -200,17 +200,14 @@ def test_a_compiled_fp8_block_is_one_graph_of_ordinary_operators_equal_to_eager(
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_fp8_layers_reading_one_input_quantize_it_once(scaled_mm):
-    """Three FP8 layers reading the same X (a block's query, key and value projections) take one amax pass and
-    one quantization of X between them and keep one copy of its codes; after an in-place change of X, or for
-    another X, it is quantized again; every output and gradient equals the layers run one at a time."""
-    layers = [_layer("fp8", {}) for _ in range(3)]
-    x, g = _data(5)
-
+def _layers_reading_one_input(layers, x, keeps, reseed=lambda: None):
+    """Runs ``layers`` on one X, shared and then a fresh copy each (every output and gradient equal both ways);
+    returns the launches of the shared run by operator, and the storages ``keeps`` picks from what autograd kept,
+    shared and fresh. After an in-place change of X a layer quantizes it again."""
     def run(fresh_each):
-        outs = []
+        reseed()
+        outs, kept = [], []
         xi = x.detach().clone().requires_grad_(True)
-        kept = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
             for layer in layers:
                 outs.append(layer(xi.clone() if fresh_each else xi))
@@ -218,23 +215,35 @@ def test_fp8_layers_reading_one_input_quantize_it_once(scaled_mm):
         grads = [xi.grad] + [layer.weight.grad.clone() for layer in layers]
         for layer in layers:
             layer.weight.grad = None
-        codes = {t.data_ptr() for t in kept if t.dtype == torch.float8_e4m3fn}
-        return [o.detach() for o in outs] + grads, codes
+        return [o.detach() for o in outs] + grads, {t.data_ptr() for t in kept if keeps(t)}
 
     run(False)  # set-up
     with OpCounter() as counter:
-        shared, codes = run(False)
-    x_passes = counter.counts.as_dict()["by_op"]
-    each, codes_each = run(True)
-    assert len(codes) == 1 and len(codes_each) == 3
+        shared, kept = run(False)
+    each, kept_each = run(True)
     for a, b in zip(shared, each):
         assert torch.equal(a, b)
-    # X once (1 amax + 1 quantize), each W (3 + 3), each G_Y (3 + 3), each W again for dgrad (3 quantize)
-    assert x_passes["triton::amax_kernel"] == 1 + 3 + 3 and x_passes["triton::quantize_kernel"] == 1 + 3 + 3 + 3
+    reseed()
     xi = x.detach().clone()
     first = layers[0](xi)
     xi.mul_(2)  # an in-place change between two layers: quantized again
-    assert torch.equal(layers[1](xi), layers[1](xi.clone())) and not torch.equal(first, layers[1](xi))
+    reseed()
+    again = layers[1](xi)
+    reseed()
+    assert torch.equal(again, layers[1](xi.clone())) and not torch.equal(first, again)
+    return counter.counts.as_dict()["by_op"], kept, kept_each
+
+
+def test_fp8_layers_reading_one_input_quantize_it_once(scaled_mm):
+    """Three FP8 layers reading the same X (a block's query, key and value projections) take one amax pass and
+    one quantization of X between them and keep one copy of its codes; after an in-place change of X, or for
+    another X, it is quantized again; every output and gradient equals the layers run one at a time."""
+    layers = [_layer("fp8", {}) for _ in range(3)]
+    x, _ = _data(5)
+    by_op, codes, codes_each = _layers_reading_one_input(layers, x, lambda t: t.dtype == torch.float8_e4m3fn)
+    assert len(codes) == 1 and len(codes_each) == 3
+    # X once (1 amax + 1 quantize), each W (3 + 3), each G_Y (3 + 3), each W again for dgrad (3 quantize)
+    assert by_op["triton::amax_kernel"] == 1 + 3 + 3 and by_op["triton::quantize_kernel"] == 1 + 3 + 3 + 3
 
 
 def _gemm_tail_copies(unit_scales):
@@ -281,34 +290,14 @@ def test_block_recipe_layers_reading_one_input_quantize_it_once(through_kernels)
     in-place change of X it is quantized again; every output and gradient equals the layers run one at a time
     (stochastic rounding on, each layer's generator restarted for both runs)."""
     layers = [_layer("fp4", {}) for _ in range(3)]
-    x, g = _data(5)
+    x, _ = _data(5)
 
-    def run(fresh_each):
+    def reseed():
         for i, layer in enumerate(layers):
             layer.generator.manual_seed(20 + i)
-        outs, kept = [], []
-        xi = x.detach().clone().requires_grad_(True)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
-            for layer in layers:
-                outs.append(layer(xi.clone() if fresh_each else xi))
-        sum(o.float().square().sum() for o in outs).backward()
-        grads = [xi.grad] + [layer.weight.grad.clone() for layer in layers]
-        for layer in layers:
-            layer.weight.grad = None
-        values = {t.data_ptr() for t in kept if t.shape == x.shape and t.t().is_contiguous()}  # column-major
-        return [o.detach() for o in outs] + grads, values
 
-    run(False)  # set-up
-    with OpCounter() as counter:
-        shared, values = run(False)
-    by_op = counter.counts.as_dict()["by_op"]
-    each, values_each = run(True)
+    by_op, values, values_each = _layers_reading_one_input(
+        layers, x, lambda t: t.shape == x.shape and t.t().is_contiguous(), reseed)  # column-major wgrad values
     assert len(values) == 1 and len(values_each) == 3
-    for a, b in zip(shared, each):
-        assert torch.equal(a, b)
     # X once (1 amax + 1 quantize), each W (3 + 3), each G_Y (3 + 3), each W again for dgrad (3 quantize)
     assert by_op["triton::amax_kernel"] == 1 + 3 + 3 and by_op["triton::quantize_kernel"] == 1 + 3 + 3 + 3
-    xi = x.detach().clone()
-    first = layers[0](xi)
-    xi.mul_(2)  # an in-place change between two layers: quantized again
-    assert torch.equal(layers[1](xi), layers[1](xi.clone())) and not torch.equal(first, layers[1](xi))
