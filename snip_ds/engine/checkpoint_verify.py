@@ -4,7 +4,7 @@ ranks and tensor-parallel degree.
 
 ``snip_meta.json`` records ``files``: the size and sha256 of every other file of the checkpoint (DeepSpeed's
 shards of every rank and ours), taken by :func:`record_files` after every rank has written (collective: the
-hashing is split over the ranks). :func:`check_resumable` resolves a path to a checkpoint, :func:`validate`\ s
+hashing is split over the ranks). :func:`check_resumable` resolves a path to a checkpoint, :func:`validate` checks
 its metadata against this run and :func:`verify_files` its files (this rank's share of the hashing).
 What the files are: :mod:`snip_ds.engine.checkpoint_layout`.
 """
