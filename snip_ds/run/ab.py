@@ -27,7 +27,7 @@ from snip_ds.runtime.fileio import atomic_write_text
 from snip_ds.report.run_summary import SUMMARY_FILE
 
 PLANS = ("bf16", "fp8", "fp4", "adaptive")
-TRAIN = Path(__file__).resolve().parents[1] / "launch" / "train.py"
+TRAIN = Path(__file__).resolve().parents[2] / "launch" / "train.py"  # snip_ds/run/ab.py -> the checkout
 OWN_FLAGS = ("--precision", "--plan", "--output_dir", "--max_steps", "--resume_from_checkpoint")
 
 
