@@ -20,7 +20,7 @@ import math
 import os
 from types import MappingProxyType
 
-from snip_ds.runtime.fileio import atomic_write_text
+from snip_ds.runtime.fileio import atomic_write_text, read_json_file
 from snip_ds.types import GEMMS, PRECISIONS
 from typing import Any, Iterable, Mapping
 
@@ -347,14 +347,7 @@ class Plan:
             ValueError: not JSON or not a valid plan; the message names the file and field.
         """
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"plan file {path!r} does not exist")
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON ({e})") from None
-        plan = cls.from_dict(data, source=path)
+        plan = cls.from_dict(read_json_file(path, "plan"), source=path)
         if flops is not None and plan.fp4_share is None:
             plan = dataclasses.replace(plan, fp4_share=fp4_share(plan.assignment, flops))
         return plan

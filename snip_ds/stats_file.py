@@ -38,7 +38,7 @@ import math
 import os
 from typing import Any, Dict, Mapping, Optional
 
-from snip_ds.runtime.fileio import atomic_write_text
+from snip_ds.runtime.fileio import atomic_write_text, read_json_file
 from snip_ds.types import OPERANDS, PRECISIONS, QUANTIZED
 
 STATS_FORMAT = "snip_ds.stats/1"
@@ -210,11 +210,4 @@ def load_stats(path: str) -> dict:
         FileNotFoundError: no such file.
         ValueError: not JSON or a bad field; the message names the file and the field.
     """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"statistics file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return validate_stats(data, source=path)
+    return validate_stats(read_json_file(path, "statistics"), source=path)

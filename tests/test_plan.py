@@ -125,6 +125,16 @@ def test_load_missing_file(tmp_path):
         Plan.load(tmp_path / "nope.json")
 
 
+def test_a_binary_plan_or_statistics_file_is_refused_in_one_line_naming_it(tmp_path):
+    from snip_ds.stats_file import load_stats
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(128, 256)))
+    for load, what in ((Plan.load, "plan"), (load_stats, "statistics")):
+        with pytest.raises(ValueError, match=f"not a {what} file \\(not UTF-8 text\\)") as e:
+            load(str(path))
+        assert str(path) in str(e.value)
+
+
 def test_check_layers():
     p = Plan.fixed({FQNS[0]: "fp8", FQNS[1]: "fp8", "model.layers.9.extra": "fp4"})
     p.check_layers([FQNS[0], FQNS[1], "model.layers.9.extra"])

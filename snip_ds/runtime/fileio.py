@@ -1,4 +1,5 @@
-"""Atomic file writes: a temporary file in the same directory, fsync'd, then renamed over the target.
+"""Atomic file writes: a temporary file in the same directory, fsync'd, then renamed over the target; and a JSON
+file read with one-line errors naming it.
 
 A failed or interrupted write leaves any previous file untouched and no temporary file behind, so plans,
 statistics and checkpoint markers are never half-written. The file gets the permissions an ordinary
@@ -6,8 +7,10 @@ statistics and checkpoint markers are never half-written. The file gets the perm
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from typing import Any
 
 
 def _umask() -> int:
@@ -32,3 +35,22 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def read_json_file(path: str | os.PathLike, what: str) -> Any:
+    """The JSON in file ``path`` (``what``: the kind of file, for the messages, e.g. ``"plan"``).
+
+    Raises:
+        FileNotFoundError: no such file ("plan file '...' does not exist").
+        ValueError: not UTF-8 text, or not valid JSON; the message names the file.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a {what} file (not UTF-8 text)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
