@@ -209,11 +209,11 @@ class TorchBackend(GemmBackend):
             if not any(needs):
                 return None, None
             x = x_keep.values
-            block = self.decided_block_step(x, w_keep.tensor, prec, cfg, x_dtype=x_dtype)  # the forward's step
-            if block is not None:
-                return block.backward(g, x_keep, w_keep, needs, generator, x_dtype, w_dtype)
-            step = self.decided_fp8_step(x, w_keep.tensor, prec, cfg, x_dtype=x_dtype)
-            return step.backward(g, x_keep, w_keep, needs, x_dtype, w_dtype)
+            step = self.decided_fp8_step(x, w_keep.tensor, prec, cfg, x_dtype=x_dtype)  # the forward's step,
+            if step is not None:  # asked in the forward's order
+                return step.backward(g, x_keep, w_keep, needs, x_dtype, w_dtype)
+            block = self.decided_block_step(x, w_keep.tensor, prec, cfg, x_dtype=x_dtype)
+            return block.backward(g, x_keep, w_keep, needs, generator, x_dtype, w_dtype)
         return super().backward_gemms(g, x_keep, w_keep, prec, cfg, generator, needs, x_dtype, w_dtype)
 
     def keeps_w_amax(self, x, w, prec, cfg) -> bool:
