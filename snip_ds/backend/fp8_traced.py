@@ -29,43 +29,53 @@ _MAX = {E4M3: 448.0, E5M2: 57344.0}
 _TINY = 2.0 ** -149  # FP32's smallest subnormal: the smallest scale
 
 
-def codes(t: torch.Tensor, dtype: torch.dtype, amax: Optional[torch.Tensor] = None
-          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``t``'s per-tensor FP8 codes in ``dtype``, its scale and the amax it came from (``amax`` given: that
-    one), as ordinary operators."""
-    maxn = _MAX[dtype]
-    if amax is None:
-        amax = t.abs().amax().float()
-    scale = torch.where(amax > 0, amax / maxn, torch.ones_like(amax)).clamp_min(_TINY)
+def codes(t: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``t``'s per-tensor FP8 codes in ``dtype`` and its scale, as ordinary operators."""
+    amax = t.abs().amax().float()
+    scale = torch.where(amax > 0, amax / _MAX[dtype], torch.ones_like(amax)).clamp_min(_TINY)
     scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-    return (t.float() / scale).clamp(-maxn, maxn).to(dtype), scale, amax
+    return cast(t, dtype, scale), scale
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """``t``'s FP8 codes in ``dtype`` at ``scale``: ``RNE(t / scale)``, saturated."""
+    maxn = _MAX[dtype]
+    return (t.float() / scale).clamp(-maxn, maxn).to(dtype)
 
 
 class Fp8Linear(torch.autograd.Function):
     """``Y = X Wᵀ + b`` with all three GEMMs in per-tensor FP8 on ``torch._scaled_mm``, in ordinary operators:
-    X and W in E4M3, G_Y in E5M2; W quantized again for dgrad from its forward amax; X's codes kept for wgrad."""
+    X and W in E4M3, G_Y in E5M2.
+
+    What backward keeps is X and W themselves with their scales (as torchao's ``Float8Linear`` keeps its
+    high-precision inputs), and backward casts them again: the same values at the same scales, the same codes.
+    The partitioner then chooses what the compiled graph keeps -- X's codes where X is kept for nothing else
+    (one byte an element), nothing more where X is recomputed for other operators anyway (an RMSNorm's output:
+    its input and reciprocal root are kept) -- and inductor writes each GEMM's layout in the cast that produces
+    it (a transposed copy of codes would be a separate pass and buffer)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs, _ = codes(x2, E4M3)
-        wq, ws, wa = codes(w, E4M3)
+        xq, xs = codes(x2, E4M3)
+        wq, ws = codes(w, E4M3)
         y = scaled_mm(xq, wq.t(), xs, ws, bias, x.dtype)
-        ctx.save_for_backward(xq, xs, w, wa)
-        ctx.has_bias, ctx.x_shape, ctx.x_dtype = bias is not None, x.shape, x.dtype
+        ctx.save_for_backward(x2, xs, w, ws)
+        ctx.has_bias, ctx.x_shape = bias is not None, x.shape
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        xq, xs, w, wa = ctx.saved_tensors
+        x2, xs, w, ws = ctx.saved_tensors
         g2 = g.reshape(-1, g.shape[-1])
-        gq, gs, _ = codes(g2, E5M2)
+        gq, gs = codes(g2, E5M2)
         g_x = g_w = g_b = None
         if ctx.needs_input_grad[0]:  # dgrad: G_Y [T, n] row-major x W [n, k] column-major
-            wq, ws, _ = codes(w, E4M3, wa)
-            g_x = scaled_mm(gq, wq.t().contiguous().t(), gs, ws, None, ctx.x_dtype).reshape(ctx.x_shape)
+            w_t = cast(w.t().contiguous(), E4M3, ws)  # (W's codes written transposed: [k, n] row-major)
+            g_x = scaled_mm(gq, w_t.t(), gs, ws, None, x2.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # wgrad: G_Yᵀ [n, T] row-major x X [T, k] column-major
-            g_w = scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), gs, xs, None, w.dtype)
+            x_t = cast(x2.t().contiguous(), E4M3, xs)
+            g_w = scaled_mm(cast(g2.t().contiguous(), E5M2, gs), x_t.t(), gs, xs, None, w.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             g_b = g2.sum(0)
         return g_x, g_w, g_b
