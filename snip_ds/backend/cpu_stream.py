@@ -129,17 +129,29 @@ def unit_scales(op_a: operands.Operand, op_b: operands.Operand) -> bool:
 
 def scaled(y: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor],
            out_dtype: torch.dtype, unit_scales: bool, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``fl(y * fl(scale_a * scale_b)) (+ bias)`` in ``out_dtype`` (``y``: an FP32 GEMM result, written over);
-    ``scale``: that product ``fl(scale_a * scale_b)`` where a kernel wrote it already. MX recipes' tensor scales
-    are 1 (``unit_scales``): nothing is multiplied. Without a bias, the product is written in ``out_dtype`` in
-    the same pass (the FP32 product rounded once, as ``.to(out_dtype)`` of it rounds it): one pass over the
-    result instead of two."""
+    """``fl(y * fl(scale_a * scale_b)) (+ bias)`` in ``out_dtype``; ``y``: a GEMM result in FP32 (written over)
+    or in BF16 (a BF16 GEMM's, its sum rounded to BF16 once: the same value as that result widened to FP32,
+    taken without the widening); ``scale``: the product ``fl(scale_a * scale_b)`` where a kernel wrote it
+    already. MX recipes' tensor scales are 1 (``unit_scales``): nothing is multiplied (a BF16 ``y`` wanted in
+    BF16 is the result as it is). Without a bias the product is written in ``out_dtype`` in the same pass
+    (:func:`_mul_into`): one operator instead of a widening, a multiplication and a narrowing."""
     if unit_scales:
         return finish(y, bias, out_dtype)
     scale = scale_a * scale_b if scale is None else scale
-    if bias is None and out_dtype != y.dtype:
-        return torch.mul(y, scale, out=torch.empty(y.shape, dtype=out_dtype, device=y.device))
-    return finish(y.mul_(scale), bias, out_dtype)
+    if bias is None and (out_dtype != y.dtype or y.dtype != torch.float32):
+        return _mul_into(y, scale, out_dtype)
+    return finish(fp32(y).mul_(scale), bias, out_dtype)
+
+
+def _mul_into(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``fl_out(fp32(y) * scale)``, one operator: the FP32 ``scale`` made one-dimensional takes part in type
+    promotion (a 0-d tensor would not: with a BF16 ``y`` the product would be BF16, the scale rounded to BF16
+    on a GPU), so the product is computed in FP32 from ``y`` widened exactly and rounded once to ``out_dtype``
+    as it is written: the value of ``fp32(y).mul(scale).to(out_dtype)``. (A 0-d CPU scale of a GPU ``y`` stays
+    as it is: a CPU scalar, which the kernels read in FP32.)"""
+    if not scale.dim() and scale.device == y.device:
+        scale = scale.reshape(1)
+    return torch.mul(y, scale, out=torch.empty(y.shape, dtype=out_dtype, device=y.device))
 
 
 def finish(y: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:

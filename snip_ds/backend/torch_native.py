@@ -336,8 +336,8 @@ class TorchBackend(GemmBackend):
             y = _bf16_mm_fp32(a.to(torch.bfloat16), b.to(torch.bfloat16))
         elif not cpu_stream.cpu_bf16_gemm(out_dtype):  # CPU, FP32 result wanted (or no fast BF16 GEMM):
             y = torch.mm(cpu_stream.fp32(a), cpu_stream.fp32(b))  # the exact values in an FP32 GEMM
-        else:  # CPU: BF16 GEMM, its FP32 sum rounded once to BF16 (the result is rounded to out_dtype anyway)
-            y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
+        else:  # CPU, BF16 result: a BF16 GEMM, its FP32 sum rounded once to BF16, taken by scaled() in BF16 (no
+            y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16))  # widening to FP32 and narrowing back)
         return cpu_stream.scaled(y, scale_a, scale_b, bias, out_dtype, unit_scales, scale)
 
 
