@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snip_ds.backend import custom_ops, fp8_traced, layer_step
+from snip_ds.backend import custom_ops, fp8_step, fp8_traced, layer_step
 from snip_ds.backend.base import Kept, WithAmax
 from snip_ds.backend.operands import AmaxReduce, amax_shared, shared_amax
 from snip_ds.quant import QuantParts
@@ -61,6 +61,52 @@ class QuantizedLinearFn(torch.autograd.Function):
             g_x, g_w, g_b = layer_step.backward(g_y if flat else g_y.reshape(-1, g_y.shape[-1]), x_keep, w_keep,
                                                 ctx.prec, ctx.cfg, ctx.generator, needs, ctx.x_dtype, ctx.w_dtype)
         return (g_x if g_x is None or flat else g_x.reshape(ctx.x_shape)), g_w, g_b, None, None, None, None
+
+
+class DecidedStepFn(torch.autograd.Function):
+    """:class:`QuantizedLinearFn` for a layer whose three GEMMs run one step decided for its shape
+    (:func:`snip_ds.backend.layer_step.decided_step`: the torch backend's per-tensor FP8 or block-scaled step),
+    with nothing left to decide per call: the step is found once per forward and its backward is the same
+    object's. The same functions, so the same numbers bit for bit; what it leaves out is Python (the backends'
+    lookups in forward and again in backward, what is kept packed and unpacked), the host work a GPU step pays
+    per layer. Returns ``Y`` as ``[T, n]``, as :class:`QuantizedLinearFn` does."""
+
+    @staticmethod
+    def forward(ctx, x_hp: torch.Tensor, w_hp: torch.Tensor, bias: Optional[torch.Tensor], step,
+                generator: Optional[torch.Generator]) -> torch.Tensor:
+        x_2d = x_hp if x_hp.dim() == 2 else x_hp.reshape(-1, x_hp.shape[-1])
+        y_2d, x_keep, w_keep = step.forward(x_2d, w_hp, bias, x_hp.dtype)
+        ctx.save_for_backward(x_keep.values, x_keep.tensor_scale, w_keep.tensor, w_keep.amax)
+        ctx.step, ctx.generator, ctx.has_bias = step, generator, bias is not None
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x_hp.shape, x_hp.dtype, w_hp.dtype
+        return y_2d
+
+    @staticmethod
+    def backward(ctx, g_y: torch.Tensor):
+        x_values, x_scale, w, w_amax = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        flat = len(ctx.x_shape) == 2
+        g_x = g_w = None
+        if need_x or need_w:
+            step, kept = ctx.step, (QuantParts(x_values, x_scale), WithAmax(w, w_amax), (need_x, need_w))
+            if isinstance(step, fp8_step.Fp8Step):
+                g_x, g_w = step.backward(g_y, *kept, ctx.x_dtype, ctx.w_dtype)
+            else:  # a block-scaled step: G_Y's stochastic rounding draws from the layer's generator
+                g_x, g_w = step.backward(g_y, *kept, ctx.generator, ctx.x_dtype, ctx.w_dtype)
+        g_b = g_y.sum(0) if ctx.has_bias and need_b else None
+        return (g_x if g_x is None or flat else g_x.reshape(ctx.x_shape)), g_w, g_b, None, None
+
+
+def quantized_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], prec: GemmPrecision,
+                     cfg: QuantConfig, generator: Optional[torch.Generator],
+                     amax_reduce: Optional[AmaxReduce] = None) -> torch.Tensor:
+    """``x Wᵀ + bias`` at ``prec`` in eager mode, ``[T, n]``: :class:`DecidedStepFn` where the layer's shape has
+    a decided step and no amax reduction is in force, else :class:`QuantizedLinearFn` (the same numbers)."""
+    if amax_reduce is None and not amax_shared():
+        step = layer_step.decided_step(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w, prec, cfg)
+        if step is not None:
+            return DecidedStepFn.apply(x, w, bias, step, generator)
+    return QuantizedLinearFn.apply(x, w, bias, prec, cfg, generator, amax_reduce)
 
 
 def _amax_context(amax_reduce: Optional[AmaxReduce]):
@@ -256,7 +302,7 @@ class SnipLinear(nn.Linear):
                 return fp8_traced.Fp8Linear.apply(x, w, bias)
             return custom_ops.quantized_linear(x, w, bias, custom_ops.op_spec(prec, self.quant_config),
                                                self.op_handle)[0]
-        y = QuantizedLinearFn.apply(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce)
+        y = quantized_linear(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     @property

@@ -31,6 +31,18 @@ def forward(x_2d: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], p
     return fprop_be.fprop(x_2d, w, prec.fprop, cfg, bias=bias, out_dtype=out_dtype), x_2d, w
 
 
+def decided_step(x_2d: torch.Tensor, w: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig):
+    """The step decided for this layer's shape where one backend runs its three GEMMs as one decided step
+    (the torch backend's per-tensor FP8 step, :mod:`.fp8_step`, or block-scaled step, :mod:`.block_step`: what
+    :func:`forward` would run), else None. Its ``forward(x_2d, w, bias, out_dtype)`` returns ``Y``, X's kept
+    :class:`~snip_ds.quant.QuantParts` and W's :class:`~snip_ds.backend.base.WithAmax`; its ``backward`` takes
+    them back. Outside a :func:`~snip_ds.backend.operands.shared_amax` reduction only (the caller checks)."""
+    fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x_2d.device)
+    if not (fprop_be is dgrad_be is wgrad_be) or not hasattr(fprop_be, "decided_fp8_step"):
+        return None
+    return fprop_be.decided_fp8_step(x_2d, w, prec, cfg) or fprop_be.decided_block_step(x_2d, w, prec, cfg)
+
+
 def kept_x_dtype(x_2d: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig) -> Optional[torch.dtype]:
     """The dtype of the quantized values :func:`forward` keeps of X instead of X itself (None: it keeps X),
     decided from ``x_2d``'s device, shape and dtype alone (the custom ops' shape functions ask it)."""

@@ -13,7 +13,7 @@ from torch import nn
 
 from snip_ds.experts.points import ExpertLayerInfo, ExpertPoint, recomputing
 from snip_ds.layouts.experts import BATCHED, ExpertsLayout, recognize
-from snip_ds.linear import QuantizedLinearFn
+from snip_ds.linear import quantized_linear
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GemmPrecision, LayerPrecision, block_index, full_shape, layer_seed
 
@@ -231,8 +231,8 @@ class SnipExperts(nn.Module):
             point.token_index = tokens
             return point(x, bias_rows)
         if prec.uniform != "bf16":
-            return QuantizedLinearFn.apply(x, self.weight(expert, j), bias, prec, self.quant_config,
-                                            self.generators[expert][j])
+            return quantized_linear(x, self.weight(expert, j), bias, prec, self.quant_config,
+                                    self.generators[expert][j])
         w = getattr(self, name)[expert]  # the family's own operation
         if bias is not None and bias_rows is not None:
             return (x @ w if self.layout.transposed else F.linear(x, w)) + bias_rows
