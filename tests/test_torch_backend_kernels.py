@@ -56,6 +56,36 @@ def _data(shape, dtype, seed):
     return [v.to(dtype=dtype, device=DEVICE) for v in (x, w, g)]
 
 
+def _capture_kept(monkeypatch, kept: list) -> None:
+    """Records what each backward of a quantized layer receives as kept (X, W): through the backend's
+    ``backward_gemms`` (:class:`~snip_ds.linear.QuantizedLinearFn`) and through a decided step's own backward
+    (:class:`~snip_ds.linear.DecidedStepFn`, which calls no backend method)."""
+    from snip_ds.backend import block_step, fp8_step
+    from snip_ds.backend.base import WithAmax
+
+    backward = TorchBackend.backward_gemms
+
+    def recording(self, g, xk, wk, *args):
+        if not isinstance(wk, WithAmax):  # (a decided step's backward, which this one calls, records its own)
+            kept.append((xk, wk))
+        return backward(self, g, xk, wk, *args)
+
+    monkeypatch.setattr(TorchBackend, "backward_gemms", recording)
+    for cls in (fp8_step.Fp8Step, block_step.BlockStep):
+        monkeypatch.setattr(cls, "backward", lambda self, g, xk, wk, *a, _b=cls.backward:
+                            kept.append((xk, wk)) or _b(self, g, xk, wk, *a))
+
+
+def _per_gemm_backend(monkeypatch) -> None:
+    """The torch backend without its sharing: no decided step, every operand quantized in every GEMM."""
+    from snip_ds.backend import layer_step
+    from snip_ds.backend.base import GemmBackend
+
+    monkeypatch.setattr(layer_step, "decided_step", lambda *a: None)
+    for name in ("fprop_and_keep", "backward_gemms", "prepare_grad"):
+        monkeypatch.setattr(TorchBackend, name, getattr(GemmBackend, name))
+
+
 def _abs_product(gemm, a, b):
     a, b = a.double().abs(), b.double().abs()
     return {"fprop": lambda: a @ b.t(), "dgrad": lambda: a @ b, "wgrad": lambda: a.t() @ b}[gemm]()
@@ -156,7 +186,7 @@ def test_fp8_operands_quantized_once_give_the_same_layer(through_kernels, monkey
     that quantizes every operand in every GEMM (the backend without its sharing methods), through the BF16
     GEMMs and through ``torch._scaled_mm`` (allowed on the CPU here: a slow but exact FP8 GEMM), and with a
     per-GEMM plan where wgrad is FP4 nothing is shared."""
-    from snip_ds.backend.base import GemmBackend, WithAmax
+    from snip_ds.backend.base import WithAmax
     from snip_ds.linear import SnipLinear
     from snip_ds.quant import QuantParts
 
@@ -181,9 +211,7 @@ def test_fp8_operands_quantized_once_give_the_same_layer(through_kernels, monkey
         return grads, saved
 
     kept = []
-    backward = TorchBackend.backward_gemms
-    monkeypatch.setattr(TorchBackend, "backward_gemms",
-                        lambda self, g, xk, wk, *a: kept.append((xk, wk)) or backward(self, g, xk, wk, *a))
+    _capture_kept(monkeypatch, kept)
     shared, saved = run()
     (x_keep, w_keep), = kept
     if precision == "fp8":
@@ -192,8 +220,7 @@ def test_fp8_operands_quantized_once_give_the_same_layer(through_kernels, monkey
         assert isinstance(w_keep, WithAmax)
     else:
         assert x_keep is not None and not isinstance(x_keep, QuantParts) and not isinstance(w_keep, WithAmax)
-    for name in ("fprop_and_keep", "backward_gemms", "prepare_grad"):
-        monkeypatch.setattr(TorchBackend, name, getattr(GemmBackend, name))
+    _per_gemm_backend(monkeypatch)
     each, saved_each = run()
     for a, b in zip(shared, each):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -245,7 +272,7 @@ def test_block_operands_quantized_once_give_the_same_layer(through_kernels, monk
     GEMMs by the products of tensor scales the kernels wrote: its output and gradients are bit for bit those of
     the layer that quantizes every operand in every GEMM (the backend without its sharing methods), also where
     only one of G_X and G_W is wanted, and under a shared amax (tensor parallelism)."""
-    from snip_ds.backend.base import GemmBackend, WithAmax
+    from snip_ds.backend.base import WithAmax
     from snip_ds.backend.operands import shared_amax
     from snip_ds.linear import SnipLinear
     from snip_ds.quant import QuantParts
@@ -271,17 +298,15 @@ def test_block_operands_quantized_once_give_the_same_layer(through_kernels, monk
         return grads
 
     kept = []
-    backward = TorchBackend.backward_gemms
-    monkeypatch.setattr(TorchBackend, "backward_gemms",
-                        lambda self, g, xk, wk, *a: kept.append((xk, wk)) or backward(self, g, xk, wk, *a))
+    _capture_kept(monkeypatch, kept)
     doubled = lambda amax: amax * 2  # noqa: E731 (a reduction whose amax is not the shard's own)
     variants = [dict(), dict(need_x=False), dict(need_w=False), dict(reduce=doubled)]
     shared = [run(**v) for v in variants]
+    assert len(kept) == len(variants)
     for x_keep, w_keep in kept:
         assert isinstance(x_keep, QuantParts) and x_keep.values.dtype == torch.bfloat16
         assert x_keep.values.t().is_contiguous() and isinstance(w_keep, WithAmax)
-    for name in ("fprop_and_keep", "backward_gemms", "prepare_grad"):
-        monkeypatch.setattr(TorchBackend, name, getattr(GemmBackend, name))
+    _per_gemm_backend(monkeypatch)
     for variant, got in zip(variants, shared):
         for a, b in zip(got, run(**variant)):
             assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), (variant, case)
