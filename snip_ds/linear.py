@@ -9,9 +9,11 @@ the swap must not copy them). At ``bf16`` the layer runs ``F.linear`` itself and
 ``nn.Linear``, forward and backward. Otherwise one ``autograd.Function`` runs each GEMM through the backend
 :mod:`snip_ds.backend` picks for its precision (``QuantConfig.backend``), which quantizes the operands and
 decides what is kept for backward (by default what ``nn.Linear`` keeps: input and weight in high
-precision, re-quantized along the right axis in backward). Under ``torch.compile`` the layer calls the same
-step through the custom ops of :mod:`snip_ds.backend.custom_ops` instead, which dynamo traces without a graph
-break; each layer has a handle (``op_handle``) through which those ops find its generator.
+precision, re-quantized along the right axis in backward); where the backend decided one step for the
+layer's shape (:func:`snip_ds.backend.layer_step.decided_step`), a leaner function runs that step alone
+(:class:`DecidedStepFn`, the same numbers). Under ``torch.compile`` the layer calls the same step through
+the custom ops of :mod:`snip_ds.backend.custom_ops` instead, which dynamo traces without a graph break; each
+layer has a handle (``op_handle``) through which those ops find its generator.
 """
 from __future__ import annotations
 
