@@ -60,6 +60,14 @@ def amax_programs(rows: int, cols: int, br: int, bc: int) -> int:
     return min(MAX_AMAX_PROGRAMS, triton.cdiv(rows, br) * triton.cdiv(cols, bc))
 
 
+def amax_tiles(rows: int, cols: int, br: int, bc: int, programs: int) -> int:
+    """Tiles per program of the amax pass over ``programs`` programs: the power of two covering the tiles'
+    share of each program (plain integer arithmetic: Triton's ``cdiv`` and ``next_power_of_2`` are constexpr
+    functions, microseconds a call)."""
+    per_program = -(-(-(-rows // br) * -(-cols // bc)) // programs)  # cdiv(tiles, programs), at least 1
+    return 1 << (per_program - 1).bit_length()
+
+
 class LaunchConfig(NamedTuple):
     kind: int
     br: int
@@ -75,6 +83,7 @@ class LaunchConfig(NamedTuple):
     write_amax: bool  # the tensor amax is written out too
     amax_programs: int  # the amax pass's programs (partial maxima), where it runs
     products: int = 0  # products of the tensor scale with other operands' scales written out (0, 1 or 2)
+    amax_tiles: int = 1  # tiles per program of the amax pass (a power of 2: a compile-time argument)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -98,6 +107,7 @@ def cached_launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype
     element = recipe.element
     programs = amax_programs(rows, cols, br, bc) if isinstance(rows, int) and isinstance(cols, int) else \
         MAX_AMAX_PROGRAMS
+    tiles = amax_tiles(rows, cols, br, bc, programs) if isinstance(rows, int) and isinstance(cols, int) else 1
     # stage 2 reads a fixed 512 slots (masked), whatever the shape: shapes that vary from step to step (an
     # expert's tokens) compile no new variant for it
     constants = dict(KIND=k, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin,
@@ -111,7 +121,7 @@ def cached_launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype
                         (torch.float32, torch.int16, torch.uint8)[out], constants,
                         (cols, rows) if transpose else (rows, cols), out_dtype,
                         torch.int16 if in_bf16 else torch.int32, in_bf16, both, write_amax, programs,
-                        int(products))
+                        int(products), tiles)
 
 
 def launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torch.dtype, transpose: bool,

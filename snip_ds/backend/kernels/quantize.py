@@ -40,8 +40,8 @@ from triton.runtime.interpreter import InterpretedFunction
 from snip_ds.backend.base import check_kernel_arguments, check_kernel_input
 from snip_ds.backend.kernels import grid as g
 from snip_ds.backend.kernels.config import (BOTH_AXES, BOTH_SAME, FP8_CODES, MX, MX_KIND, NVFP4_2D, OUT_BF16,
-                                            OUT_FP8, PER_TENSOR, LaunchConfig, amax_programs, cached_launch_config,
-                                            kind, launch_config, tile)
+                                            OUT_FP8, PER_TENSOR, LaunchConfig, amax_programs, amax_tiles,
+                                            cached_launch_config, kind, launch_config, tile)
 from snip_ds.quant import QuantParts, Recipe, get_recipe
 
 # the public API, the configuration's kind and launch_config included (used through this module)
@@ -303,13 +303,13 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
     quantization of the same tensor passes as ``tensor_amax`` to skip the amax pass; None unless
     ``cfg.write_amax``). Where ``cfg.products``, the tensor scale times each of ``partners`` (0-d FP32 scales
     of the other operands of the GEMMs that read ``x``) is written into ``products`` (FP32, one per partner)."""
+    if len(partners) != cfg.products or (products is None) != (not cfg.products):
+        raise ValueError(f"partners: the configuration writes {cfg.products} products of scales, got "
+                         f"{len(partners)} partner scales and {'no' if products is None else 'a'} products tensor")
     rows, cols = x.shape
     device = x.device
     values = torch.empty(cfg.shape, dtype=cfg.out_dtype, device=device)
     values2 = torch.empty(cfg.shape[::-1], dtype=cfg.out_dtype, device=device) if cfg.both else None
-    if len(partners) != cfg.products or (products is None) != (not cfg.products):
-        raise ValueError(f"partners: the configuration writes {cfg.products} products of scales, got "
-                         f"{len(partners)} partner scales and {'no' if products is None else 'a'} products tensor")
     x_bits = x.view(cfg.in_view)  # the kernels convert by bit shifting
     scale = torch.empty((), dtype=torch.float32, device=device)  # the kernel's first program writes both
     amax_out = torch.empty((), dtype=torch.float32, device=device) if cfg.write_amax else None
@@ -318,13 +318,18 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
     elif tensor_amax is not None:
         amax, n_amax = tensor_amax.view(torch.int32), 1
     else:
-        amax, n_amax = _amax(x_bits, cfg.in_bf16, cfg.br, cfg.bc, cfg.amax_programs), cfg.amax_programs
+        amax, n_amax = _amax_partials(x_bits, cfg), cfg.amax_programs
     out_bits = values.view(cfg.out_view)
+    stride_r, stride_c = x.stride()
+    if partners or products is not None:
+        scales_in = (tuple(partners) + (scale, scale))[:2]
+        products_out = scale if products is None else products
+    else:  # (rounding to nearest reads no seed; no partners: their slots are placeholders the kernel reads not)
+        scales_in, products_out = (scale, scale), scale
     _launchable(_quantize_kernel)[cfg.grid](
         x_bits, out_bits, out_bits if values2 is None else values2.view(cfg.out_view), amax, n_amax, scale,
-        scale if amax_out is None else amax_out, rows, cols, x.stride(0), x.stride(1),
-        scale if seed is None else seed, scale if seed2 is None else seed2, offset,  # (rounding to nearest
-        *(tuple(partners) + (scale, scale))[:2], scale if products is None else products,  # reads no seed)
+        scale if amax_out is None else amax_out, rows, cols, stride_r, stride_c,
+        scale if seed is None else seed, scale if seed2 is None else seed2, offset, *scales_in, products_out,
         STOCHASTIC=seed is not None, **cfg.constants)
     return values, values2, scale, amax_out
 
@@ -355,16 +360,26 @@ def _amax_launch(x: torch.Tensor) -> torch.Tensor:
     return partials.view(torch.float32).amax()
 
 
+def _amax_partials(x_bits: torch.Tensor, cfg: LaunchConfig) -> torch.Tensor:
+    """Stage 1 of the tensor amax of a quantization launched with ``cfg``, whose amax pass's tiles and programs
+    it decided: ``cfg.amax_programs`` partial maxima of ``|x|`` as int32 bit patterns (see :func:`_amax`)."""
+    partials = torch.empty(cfg.amax_programs, dtype=torch.int32, device=x_bits.device)
+    rows, cols = x_bits.shape
+    stride_r, stride_c = x_bits.stride()
+    _launchable(_amax_kernel)[(cfg.amax_programs,)](x_bits, partials, rows, cols, stride_r, stride_c,
+                                                    IN_BF16=cfg.in_bf16, BR=cfg.br, BC=cfg.bc,
+                                                    TILES_PER_PROGRAM=cfg.amax_tiles)
+    return partials
+
+
 def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, programs: int) -> torch.Tensor:
     """Stage 1 of the tensor amax: ``programs`` partial maxima of ``|x|`` as int32 bit patterns (every slot
     written by its program: no zero-fill)."""
     rows, cols = x_bits.shape
-    # (plain integer arithmetic: triton.cdiv and next_power_of_2 are constexpr functions, microseconds a call)
-    per_program = -(-(-(-rows // br) * -(-cols // bc)) // programs)  # cdiv(tiles, programs), at least 1
     partials = torch.empty(programs, dtype=torch.int32, device=x_bits.device)
     _launchable(_amax_kernel)[(programs,)](x_bits, partials, rows, cols, x_bits.stride(0), x_bits.stride(1),
                                            IN_BF16=in_bf16, BR=br, BC=bc,
-                                           TILES_PER_PROGRAM=1 << (per_program - 1).bit_length())
+                                           TILES_PER_PROGRAM=amax_tiles(rows, cols, br, bc, programs))
     return partials
 
 
