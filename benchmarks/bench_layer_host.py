@@ -28,11 +28,12 @@ counted without one. Per row:
   GPU idle before each step on CUDA. On a CPU snip_ds's Triton
   launches are replaced by empty ones (the host's work up to the launch; the interpreter's run of the kernel is
   not timed), but the CPU operators run.
-* ``host_us``: on a CPU ``step_us`` less ``arithmetic_us``, the arithmetic of the step's matrix and attention
-  operators (GEMMs, the CPU's ``_scaled_mm`` -- a slow emulation here --, SDPA): each replayed alone from an
-  eager step of the same module, its median time less a 1 x 1 ``mm``'s (one dispatch, which a GPU launch pays
-  too). What is left is the host's work: Python, autograd, dispatch, and the element-wise operators' small
-  arithmetic at these shapes. On CUDA ``step_us`` itself (the kernels run on the GPU).
+* ``host_us``: on a CPU a step's time less ``arithmetic_us``, the arithmetic of its matrix and attention
+  operators (GEMMs, the CPU's ``_scaled_mm`` -- a slow emulation here --, SDPA), recorded from an eager step of
+  the same module and replayed alone right after each timed step, each operator's time less a 1 x 1 ``mm``'s
+  (one dispatch, which a GPU launch pays too); the median over the steps of these paired differences. What is
+  left is the host's work: Python, autograd, dispatch, and the element-wise operators' small arithmetic at
+  these shapes. On CUDA ``step_us`` itself (the kernels run on the GPU).
 * ``syncs``: host reads of a tensor's value in a step (``HostReads``; compiled: the value-dependent operators in
   the profile).
 * ``saved_bytes``: bytes autograd keeps between forward and backward (``saved_tensors_hooks``; each storage once,
@@ -326,29 +327,37 @@ class _RecordMatrixOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _median_call_us(call, repeats: int = 15) -> float:
-    times = []
-    for _ in range(repeats):
-        begin = time.process_time()
-        call()
-        times.append((time.process_time() - begin) * 1e6)
-    return statistics.median(times)
+def _call_us(call) -> float:
+    begin = time.process_time()
+    call()
+    return (time.process_time() - begin) * 1e6
 
 
-def matrix_arithmetic_us(module, x, g, kwargs) -> dict:
-    """The CPU time of the arithmetic of one step's matrix and attention operators (GEMMs, ``_scaled_mm``,
-    SDPA; what dominates the arithmetic at these shapes), from one eager step: each replayed alone, its median
-    time less that of a 1 x 1 ``mm`` (the dispatch a GPU launch pays too)."""
+def dispatch_floor_us(device: str) -> float:
+    """The median CPU time of a 1 x 1 ``mm`` on ``device``, timed as :func:`replay_us` times each operator: one
+    dispatch (which a GPU launch pays too) and the timer's own cost."""
+    one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+    return statistics.median(_call_us(lambda: torch.ops.aten.mm.default(one, one)) for _ in range(200))
+
+
+def record_matrix_ops(module, x, g, kwargs) -> list:
+    """The matrix and attention operators (GEMMs, ``_scaled_mm``, SDPA; what dominates the arithmetic at these
+    shapes) of one eager step of ``module``, each with copies of its arguments, run once more (their one-off
+    set-up) so that :func:`replay_us` times their arithmetic alone."""
     recorder = _RecordMatrixOps()
     with recorder:
         Step(module, module, x, g, kwargs)()
-    one = torch.ones(1, 1, dtype=torch.bfloat16, device=x.device)
-    floor = _median_call_us(lambda: torch.ops.aten.mm.default(one, one), 50)
-    per_op = Counter()
     for func, args, kw in recorder.calls:
-        func(*args, **kw)  # (a first call: one-off set-up)
-        per_op[func._schema.name] += max(0.0, _median_call_us(lambda: func(*args, **kw)) - floor)
-    return {"us": sum(per_op.values()), "by_op": dict(per_op), "dispatch_floor_us": floor}
+        func(*args, **kw)
+    return recorder.calls
+
+
+def replay_us(calls: list, floor_us: float) -> Counter:
+    """Each recorded operator replayed once, its CPU time less ``floor_us`` (one dispatch), by operator."""
+    per_op = Counter()
+    for func, args, kw in calls:
+        per_op[func._schema.name] += max(0.0, _call_us(lambda: func(*args, **kw)) - floor_us)
+    return per_op
 
 
 def python_profile(step: Step, steps: int, top: int = 12) -> list:
@@ -364,7 +373,7 @@ def python_profile(step: Step, steps: int, top: int = 12) -> list:
             for (f, line, name), (_, nc, tt, _, _) in rows]
 
 
-_ARITHMETIC: dict = {}  # (scope, variant): matrix_arithmetic_us's result
+_MATRIX_OPS: dict = {}  # (scope, variant): record_matrix_ops's result, from the eager module (both modes)
 
 
 def measure(scope: str, variant: str, mode: str, args, device: str):
@@ -414,13 +423,8 @@ def measure(scope: str, variant: str, mode: str, args, device: str):
             row["peak_bytes"], row["peak_method"] = peak_tensor_bytes(step), "tensors"
         else:
             row["peak_bytes"], row["peak_method"] = row["peak_alloc_bytes"], "allocator"
-        row["arithmetic_us"] = 0.0
-        if device == "cpu":  # the matrix operators' arithmetic, replayed from an eager step of the same module
-            if (scope, variant) not in _ARITHMETIC:  # (measured once: the same subtracted from both modes)
-                _ARITHMETIC[scope, variant] = matrix_arithmetic_us(module, x, g, kwargs)
-            arithmetic = _ARITHMETIC[scope, variant]
-            row["arithmetic_us"], row["arithmetic_by_op"] = arithmetic["us"], arithmetic["by_op"]
-            row["dispatch_floor_us"] = arithmetic["dispatch_floor_us"]
+        if device == "cpu" and (scope, variant) not in _MATRIX_OPS:  # (recorded once: the same for both modes)
+            _MATRIX_OPS[scope, variant] = record_matrix_ops(module, x, g, kwargs)
         if args.python_profile and mode == "eager" and variant in ("bf16", "fp8_hybrid"):
             row["python_top"] = python_profile(step, max(5, args.steps // 10))
     row["measure_s"] = time.perf_counter() - started
@@ -428,9 +432,14 @@ def measure(scope: str, variant: str, mode: str, args, device: str):
 
 
 def time_steps(group: list, device: str, steps: int) -> None:
-    """Each row's ``step_us`` (the median CPU time of its steps) and ``host_us``, the rows' steps taken in turn
-    (one step of each, ``steps`` times), so that a machine's changing load falls on all of them alike."""
+    """Each row's ``step_us`` (the median CPU time of its steps), ``arithmetic_us`` and ``host_us``, the rows'
+    steps taken in turn (one step of each, ``steps`` times), so that a machine's changing load falls on all of
+    them alike. On a CPU each step is followed by one replay of its matrix and attention operators
+    (:func:`replay_us`): ``host_us`` is the median over the steps of a step's time less its replay's, a paired
+    difference that the load of the moment moves little."""
     times = {id(row): [] for row, _ in group}
+    arith = {id(row): [] for row, _ in group}
+    floor = dispatch_floor_us(device) if device == "cpu" else 0.0
     with ExitStack() as stack:
         if device == "cpu":
             patch_triton_launches(stack, None, run=False)  # the launch's host work, not the interpreted kernel
@@ -441,11 +450,22 @@ def time_steps(group: list, device: str, steps: int) -> None:
                 begin = time.process_time()
                 step()
                 times[id(row)].append((time.process_time() - begin) * 1e6)
+                if device == "cpu":
+                    arith[id(row)].append(replay_us(_MATRIX_OPS[row["scope"], row["variant"]], floor))
     if device == "cuda":
         torch.cuda.synchronize()
     for row, _ in group:
         row["step_us"] = statistics.median(times[id(row)])
-        row["host_us"] = max(row["step_us"] - row["arithmetic_us"], 0.0)
+        if device == "cpu":
+            samples = arith[id(row)]
+            ops = sorted({op for sample in samples for op in sample})
+            row["arithmetic_by_op"] = {op: statistics.median(sample[op] for sample in samples) for op in ops}
+            totals = [sum(sample.values()) for sample in samples]
+            row["arithmetic_us"] = statistics.median(totals)
+            row["host_us"] = max(statistics.median(t - a for t, a in zip(times[id(row)], totals)), 0.0)
+            row["dispatch_floor_us"] = floor
+        else:
+            row["arithmetic_us"], row["host_us"] = 0.0, row["step_us"]
 
 
 def add_ratios(rows: list) -> None:
@@ -562,9 +582,9 @@ def markdown(res: dict) -> str:
                   "C++ kernels, where a GPU would launch its Triton kernels). Step µs: one thread's CPU time of a "
                   "step, snip_ds's Triton launches replaced by empty ones (the host's work up to the launch call; "
                   "neither the interpreted kernel nor Triton's own launcher), the CPU operators run; arith µs: the "
-                  "arithmetic of its matrix and attention operators (each replayed alone from an eager step, less "
-                  "one dispatch: a 1 x 1 mm); host µs: step µs less arith µs -- Python, autograd, dispatch and the "
-                  "small element-wise arithmetic. Peak B: eager, the live "
+                  "arithmetic of its matrix and attention operators (recorded from an eager step, replayed alone "
+                  "after each timed step, less one dispatch: a 1 x 1 mm); host µs: the median of each step's time "
+                  "less its replay's -- Python, autograd, dispatch and the small element-wise arithmetic. Peak B: eager, the live "
                   "tensors' bytes (LiveBytes); compiled, the CPU allocator's records (its kernels' scratch "
                   "included). Syncs, compiled: value-dependent operators in the profile.", ""]
     else:

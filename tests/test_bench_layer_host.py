@@ -36,5 +36,10 @@ def test_a_short_run_writes_every_row_with_its_fields(tmp_path):
     # X's E4M3 codes (one byte an element) and two scales kept instead of X in BF16
     assert fp8["saved_bytes_ratio_vs_bf16"] < 0.6
     assert rows["block", "fp8_hybrid"]["by_op"]["aten::_scaled_mm"] == 21
+    # the arithmetic subtracted from each step: its own GEMMs (and the block's attention), replayed after it
+    assert set(rows["layer", "bf16"]["arithmetic_by_op"]) == {"aten::mm"}
+    assert set(fp8["arithmetic_by_op"]) == {"aten::_scaled_mm"}
+    assert {"aten::_scaled_mm", "aten::_scaled_dot_product_flash_attention_for_cpu"} <= set(
+        rows["block", "fp8_hybrid"]["arithmetic_by_op"])
     text = (tmp_path / "bench_layer_host.md").read_text()
     assert res["commit"] in text and "| block | eager | fp8_hybrid |" in text
