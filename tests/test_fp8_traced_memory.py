@@ -120,3 +120,28 @@ def test_after_a_norm_the_compiled_layer_keeps_only_the_norms_tensors_and_two_sc
     norm = [((T, 1), torch.float32), ((T, K), torch.bfloat16)]
     assert _kept(NormThenLinear(_linear("bf16")), x, g) == sorted(norm + [((T, K), torch.bfloat16)], key=str)
     assert _kept(NormThenLinear(_linear("fp8")), x, g) == sorted(norm + [((), torch.float32)] * 2, key=str)
+
+
+class TwoReaders(torch.nn.Module):
+    """Two FP8 linears reading one X (as query and key do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _linear("fp8"), _linear("fp8")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+def test_layers_reading_one_x_share_its_cast_and_keep_it_once():
+    """Two layers reading one X: the graph computes X's amax, scale and codes once (common subexpression
+    elimination) and keeps them once -- X's codes and scale, each W's scale: three FP32 scalars -- with the
+    step's results those of the eager step (which shares X's quantization too) bit for bit."""
+    module = TwoReaders()
+    x, g = _data()
+    assert _kept(module, x, g) == [((), torch.float32)] * 3 + [((T, K), torch.float8_e4m3fn)]
+    torch._dynamo.reset()
+    eager = _step(module, module, x, g)
+    compiled = _step(torch.compile(module, fullgraph=True), module, x, g)
+    for a, b in zip(eager, compiled):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -32,8 +32,12 @@ _TINY = 2.0 ** -149  # FP32's smallest subnormal: the smallest scale
 def codes(t: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """``t``'s per-tensor FP8 codes in ``dtype`` and its scale, as ordinary operators."""
     amax = t.abs().amax().float()
-    scale = torch.where(amax > 0, amax / _MAX[dtype], torch.ones_like(amax)).clamp_min(_TINY)
-    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    # NaN where amax is not finite: inf - inf and NaN - NaN are NaN, made positive (float("nan")'s sign) by abs,
+    # a no-op on the positive finite scales. (Not a NaN constant, nor ones_like: the graph's common
+    # subexpression elimination matches no NaN argument and no factory operator, which kept the identical casts
+    # of one X read by several layers -- query, key and value -- apart, each with its own buffers.)
+    scale = torch.where(amax > 0, amax / _MAX[dtype], 1.0).clamp_min(_TINY)
+    scale = torch.where(torch.isfinite(amax), scale, amax - amax).abs()
     return cast(t, dtype, scale), scale
 
 
