@@ -144,12 +144,13 @@ def scaled(y: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, bias: 
 
 
 def _mul_into(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``fl_out(fp32(y) * scale)``, one operator: the FP32 ``scale`` made one-dimensional takes part in type
-    promotion (a 0-d tensor would not: with a BF16 ``y`` the product would be BF16, the scale rounded to BF16
-    on a GPU), so the product is computed in FP32 from ``y`` widened exactly and rounded once to ``out_dtype``
-    as it is written: the value of ``fp32(y).mul(scale).to(out_dtype)``. (A 0-d CPU scale of a GPU ``y`` stays
-    as it is: a CPU scalar, which the kernels read in FP32.)"""
-    if not scale.dim() and scale.device == y.device:
+    """``fl_out(fp32(y) * scale)`` (``scale``: one FP32 element), one operator writing ``out_dtype``: the FP32
+    product of ``y`` widened exactly, rounded once as it is written. How the operator computes in FP32 for a
+    BF16 ``y``: a 0-d scale on the CPU is a CPU scalar, which the CPU kernel multiplies in FP32 as it is
+    (``opmath``), reading ``y`` in place; on another device a 0-d scale would not take part in type promotion
+    (the product would be BF16, the scale rounded to BF16), so it is made one-dimensional: the product is
+    computed in FP32 (TensorIterator's common dtype) and narrowed once as it is stored."""
+    if not scale.dim() and scale.device == y.device and y.device.type != "cpu":
         scale = scale.reshape(1)
     return torch.mul(y, scale, out=torch.empty(y.shape, dtype=out_dtype, device=y.device))
 
