@@ -6,13 +6,14 @@ Eagerly, the torch backend runs a per-tensor FP8 (``fp8_hybrid``) layer through 
 every GEMM on ``torch._scaled_mm`` (:func:`applies`), the compiled layer is instead this autograd function of
 plain operators -- ``abs``/``amax`` for the tensor amax, the scale, a division, a clamp and the cast to the FP8
 dtype for each operand, ``torch._scaled_mm`` for each GEMM -- so inductor can fuse a cast into the RMSNorm or
-SiLU that produces its input, merge the identical casts of one input read by several layers (query, key and
-value), write both layouts of an operand in one kernel and choose what to keep for backward.
+SiLU that produces its input, compute the amax and scale of one input read by several layers (query, key and
+value; gate and up) once, and choose what to keep for backward.
 
 The operators compute :func:`snip_ds.quant.quantize_parts`'s per-tensor codes and scale (the same formula:
 ``s = max(amax / max_normal, 2**-149)``, 1 for a zero amax, NaN for a non-finite one; codes ``RNE(x / s)``
 saturated), so the compiled layer's results equal the eager layer's bit for bit where the division is IEEE
-round-to-nearest: in inductor's C++ code on a CPU (``tests/test_compile_kernels.py``), and in its Triton code on
+round-to-nearest: in inductor's C++ code on a CPU (``tests/test_fp8_traced_memory.py``: a layer;
+``tests/test_step_costs.py``: a Llama block, with ``emulate_precision_casts``), and in its Triton code on
 a GPU with ``torch._inductor.config.eager_numerics.division_rounding`` set (inductor's Triton division is
 otherwise the approximate one: codes may then differ by a rounding step in rare elements; not measured yet).
 """
@@ -55,8 +56,8 @@ class Fp8Linear(torch.autograd.Function):
     high-precision inputs), and backward casts them again: the same values at the same scales, the same codes.
     The partitioner then chooses what the compiled graph keeps -- X's codes where X is kept for nothing else
     (one byte an element), nothing more where X is recomputed for other operators anyway (an RMSNorm's output:
-    its input and reciprocal root are kept) -- and inductor writes each GEMM's layout in the cast that produces
-    it (a transposed copy of codes would be a separate pass and buffer)."""
+    its input and reciprocal root are kept). A compiled Llama block then keeps the tensors torchao's tensorwise
+    float8 keeps, four-byte scales aside (``benchmarks/bench_layer_host.py``: 0.70x BF16's bytes)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -79,8 +80,8 @@ class Fp8Linear(torch.autograd.Function):
             g_x = scaled_mm(gq, w_t.t(), gs, ws, None, x2.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # wgrad: G_Yᵀ [n, T] row-major x X [T, k] column-major
             x_t = cast(x2.t().contiguous(), E4M3, xs)
-            # (G_Y's codes transposed, which inductor writes in the kernel writing G_Y's codes: casting G_Y
-            # again kept its producer's FP32 values alive for the second cast, a compiled block's peak +5.6 KB)
+            # (G_Y's codes transposed, not a second cast of G_Y: in a block's SwiGLU backward that one kept the
+            # FP32 gradient it casts alive until the second cast, the compiled block's peak +5.6 KB)
             g_w = scaled_mm(gq.t().contiguous(), x_t.t(), gs, xs, None, w.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             g_b = g2.sum(0)
