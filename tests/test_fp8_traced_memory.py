@@ -145,3 +145,18 @@ def test_layers_reading_one_x_share_its_cast_and_keep_it_once():
     compiled = _step(torch.compile(module, fullgraph=True), module, x, g)
     for a, b in zip(eager, compiled):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_non_finite_x_gives_the_eager_steps_non_finite_results(bad):
+    """An infinite or NaN element in X makes X's scale NaN (its codes NaN, 0x7F): the compiled layer's output
+    and gradients are the eager step's, NaN where eager's are NaN and equal elsewhere."""
+    layer = _linear("fp8")
+    x, g = _data()
+    x[3, 5] = bad
+    eager = _step(layer, layer, x, g)
+    compiled = _step(torch.compile(layer, fullgraph=True), layer, x, g)
+    assert eager[0].isnan().all()
+    for a, b in zip(eager, compiled):
+        assert a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
