@@ -40,13 +40,15 @@ from triton.runtime.interpreter import InterpretedFunction
 from snip_ds.backend.base import check_kernel_arguments, check_kernel_input
 from snip_ds.backend.kernels import grid as g
 from snip_ds.backend.kernels.config import (BOTH_AXES, BOTH_SAME, FP8_CODES, MX, MX_KIND, NVFP4_2D, OUT_BF16,
-                                            OUT_FP8, PER_TENSOR, LaunchConfig, amax_programs, amax_tiles,
-                                            cached_launch_config, kind, launch_config, tile)
+                                            OUT_FP8, PER_TENSOR, GroupedAmaxConfig, LaunchConfig, amax_programs,
+                                            amax_tiles, cached_launch_config, grouped_amax_config, kind,
+                                            launch_config, takes_amax_pass, tile)
 from snip_ds.quant import QuantParts, Recipe, get_recipe
 
 # the public API, the configuration's kind and launch_config included (used through this module)
 __all__ = ["quantize_parts", "fake_quantize", "tensor_amax", "launch", "launch_config", "kind", "seed_tensor",
-           "INTERPRETED", "triton_quantize", "triton_amax"]
+           "grouped_amax_config", "grouped_amax_partials", "takes_amax_pass", "INTERPRETED", "triton_quantize",
+           "triton_amax"]
 
 
 @triton.jit
@@ -70,15 +72,10 @@ def _draw(seed, idx):
 
 
 @triton.jit
-def _amax_kernel(x_ptr, partials_ptr, R, C, stride_r, stride_c, IN_BF16: tl.constexpr, BR: tl.constexpr,
+def _partial_max(x_ptr, R, C, stride_r, stride_c, pid, n_programs, IN_BF16: tl.constexpr, BR: tl.constexpr,
                  BC: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr):
-    """Stage 1 of the tensor amax: program ``p`` of ``P`` takes the max of ``|x|``'s bit patterns over tiles
-    ``p, p + P, ..., p + (TILES_PER_PROGRAM - 1) P`` (those past the last tile read nothing) and writes it to
-    ``partials[p]`` -- every slot written, so the buffer needs no zero-fill launch. Stage 2 (the max of the
-    ``P`` partials) is fused into the quantization kernel. The trip count is a power of two, a compile-time
-    constant (1 for up to :data:`MAX_AMAX_PROGRAMS` tiles), so few shapes compile a variant of their own."""
-    pid = tl.program_id(0).to(tl.int64)
-    n_programs = tl.num_programs(0).to(tl.int64)
+    """Program ``pid`` of ``n_programs``'s partial maximum (int32 bits) of ``|x|`` over tiles ``pid, pid + P,
+    ..., pid + (TILES_PER_PROGRAM - 1) P`` (``P = n_programs``; those past the last tile read nothing)."""
     n_col_tiles = tl.cdiv(C, BC)
     best = tl.zeros([BR, BC], dtype=tl.int32)
     for i in range(TILES_PER_PROGRAM):
@@ -88,7 +85,38 @@ def _amax_kernel(x_ptr, partials_ptr, R, C, stride_r, stride_c, IN_BF16: tl.cons
         mask = (rows[:, None] < R) & (cols[None, :] < C)  # (a tile past the last one: rows past R)
         bits = g.load_bits(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask, IN_BF16)
         best = tl.maximum(best, bits & 0x7FFFFFFF)
-    tl.store(partials_ptr + pid, tl.max(tl.max(best, axis=1), axis=0))
+    return tl.max(tl.max(best, axis=1), axis=0)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, partials_ptr, R, C, stride_r, stride_c, IN_BF16: tl.constexpr, BR: tl.constexpr,
+                 BC: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr):
+    """Stage 1 of the tensor amax: program ``p`` of ``P`` writes its partial maximum (:func:`_partial_max`)
+    to ``partials[p]`` -- every slot written, so the buffer needs no zero-fill launch. Stage 2 (the max of the
+    ``P`` partials) is fused into the quantization kernel. The trip count is a power of two, a compile-time
+    constant (1 for up to :data:`MAX_AMAX_PROGRAMS` tiles), so few shapes compile a variant of their own."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_programs = tl.num_programs(0).to(tl.int64)
+    tl.store(partials_ptr + pid, _partial_max(x_ptr, R, C, stride_r, stride_c, pid, n_programs, IN_BF16, BR, BC,
+                                              TILES_PER_PROGRAM))
+
+
+@triton.jit(do_not_specialize=["PA", "PB"])  # (program counts vary with the shapes: no variant per value class)
+def _grouped_amax_kernel(a_ptr, b_ptr, partials_ptr, RA, CA, stride_ra, stride_ca, RB, CB, stride_rb, stride_cb,
+                         PA, PB, A_BF16: tl.constexpr, BRA: tl.constexpr, BCA: tl.constexpr,
+                         TILES_A: tl.constexpr, B_BF16: tl.constexpr, BRB: tl.constexpr, BCB: tl.constexpr,
+                         TILES_B: tl.constexpr):
+    """Stage 1 of two tensors' amaxes in one launch (a layer's X and W): programs ``0 .. PA - 1`` are
+    :func:`_amax_kernel`'s ``PA`` programs over ``a``, programs ``PA .. PA + PB - 1`` its ``PB`` programs over
+    ``b``, each tensor with its own shape, strides, dtype and tiles; partial ``p`` goes to ``partials[p]``, so
+    ``a``'s are the first ``PA`` slots and ``b``'s the ``PB`` after them -- each the same integers as
+    :func:`_amax_kernel`'s launch over that tensor alone."""
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < PA:
+        best = _partial_max(a_ptr, RA, CA, stride_ra, stride_ca, pid, PA, A_BF16, BRA, BCA, TILES_A)
+    else:
+        best = _partial_max(b_ptr, RB, CB, stride_rb, stride_cb, pid - PA, PB, B_BF16, BRB, BCB, TILES_B)
+    tl.store(partials_ptr + pid, best)
 
 
 @triton.jit
@@ -293,7 +321,8 @@ def _quantize_launch(x: torch.Tensor, tensor_amax: Optional[torch.Tensor], seed:
 
 def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tensor],
            seed: Optional[torch.Tensor], offset: int = 0, *, seed2: Optional[torch.Tensor] = None,
-           partners: Tuple[torch.Tensor, ...] = (), products: Optional[torch.Tensor] = None
+           partners: Tuple[torch.Tensor, ...] = (), products: Optional[torch.Tensor] = None,
+           partials: Optional[torch.Tensor] = None
            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """One quantization of a non-empty, checked ``x`` whose launch configuration ``cfg`` was worked out
     already (:func:`launch_config`): at most two launches, and nothing else decided here. Returns the values
@@ -302,7 +331,12 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
     and the tensor amax the scale was made from (0-d FP32; 0 for MX recipes, which have none): what a later
     quantization of the same tensor passes as ``tensor_amax`` to skip the amax pass; None unless
     ``cfg.write_amax``). Where ``cfg.products``, the tensor scale times each of ``partners`` (0-d FP32 scales
-    of the other operands of the GEMMs that read ``x``) is written into ``products`` (FP32, one per partner)."""
+    of the other operands of the GEMMs that read ``x``) is written into ``products`` (FP32, one per partner).
+    ``partials``: ``x``'s amax pass run already, its ``cfg.amax_programs`` partial maxima (int32; from
+    :func:`grouped_amax_partials`), which the quantization reduces instead of launching the pass itself."""
+    if partials is not None and (tensor_amax is not None or not takes_amax_pass(cfg)):
+        raise ValueError("partials: given for a quantization that takes no amax pass (an MX recipe or the "
+                         "tensor amax given)")
     if len(partners) != cfg.products or (products is None) != (not cfg.products):
         raise ValueError(f"partners: the configuration writes {cfg.products} products of scales, got "
                          f"{len(partners)} partner scales and {'no' if products is None else 'a'} products tensor")
@@ -317,6 +351,8 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
         amax, n_amax = scale, 0  # unused
     elif tensor_amax is not None:
         amax, n_amax = tensor_amax.view(torch.int32), 1
+    elif partials is not None:
+        amax, n_amax = partials, cfg.amax_programs
     else:
         amax, n_amax = _amax_partials(x_bits, cfg), cfg.amax_programs
     out_bits = values.view(cfg.out_view)
@@ -370,6 +406,28 @@ def _amax_partials(x_bits: torch.Tensor, cfg: LaunchConfig) -> torch.Tensor:
                                                     IN_BF16=cfg.in_bf16, BR=cfg.br, BC=cfg.bc,
                                                     TILES_PER_PROGRAM=cfg.amax_tiles)
     return partials
+
+
+def grouped_amax_partials(cfg: GroupedAmaxConfig, a: torch.Tensor, b: torch.Tensor
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 of the tensor amaxes of two non-empty, checked 2-D tensors in one launch (``cfg``: their
+    quantizations' :func:`grouped_amax_config`): ``a``'s partial maxima and ``b``'s, two views of one int32
+    buffer, to pass to :func:`launch` as ``partials`` -- the integers each tensor's own amax pass writes, so
+    the quantizations are bit for bit those with a pass each."""
+    a_bits, b_bits = _bits(a), _bits(b)
+    programs_a, programs_b = cfg.programs
+    partials = torch.empty(cfg.grid[0], dtype=torch.int32, device=a.device)
+    (rows_a, cols_a), (rows_b, cols_b) = a_bits.shape, b_bits.shape
+    (stride_ra, stride_ca), (stride_rb, stride_cb) = a_bits.stride(), b_bits.stride()
+    _launchable(_grouped_amax_kernel)[cfg.grid](a_bits, b_bits, partials, rows_a, cols_a, stride_ra, stride_ca,
+                                                rows_b, cols_b, stride_rb, stride_cb, programs_a, programs_b,
+                                                **cfg.constants)
+    return partials[:programs_a], partials[programs_a:]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (FP32 or BF16) as the integers the kernels read it through."""
+    return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
 
 
 def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, programs: int) -> torch.Tensor:
