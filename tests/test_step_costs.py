@@ -266,10 +266,11 @@ def _gemm_tail_copies(unit_scales):
 def test_a_block_recipe_layer_step_takes_each_amax_once_and_one_launch_for_both_layouts(through_kernels, recipe):
     """MXFP8, NVFP4, MXFP4 forward and backward (snip_ds.backend.block_step): one quantization launch for X in
     both layouts and one for G_Y (each blocked along its GEMM's contraction axis), W for fprop and again for
-    dgrad; NVFP4 takes one amax pass per operand (W's reused for dgrad) and multiplies each GEMM's result by
-    the product of tensor scales its kernel wrote (one ``mul`` per GEMM, none on the scales); FP4 draws one
-    stochastic-rounding seed per GEMM that reads G_Y. Besides, only the three GEMMs and the casts around
-    them (none on a CPU with native BF16 GEMMs: 7, 15 and 9 launches, bench_layer_host's eager layer rows)."""
+    dgrad; NVFP4 takes one amax pass per operand (W's reused for dgrad), X's and W's in one launch, and
+    multiplies each GEMM's result by the product of tensor scales its kernel wrote (one ``mul`` per GEMM, none
+    on the scales); FP4 draws one stochastic-rounding seed per GEMM that reads G_Y. Besides, only the three
+    GEMMs and the casts around them (none on a CPU with native BF16 GEMMs: 7, 14 and 9 launches,
+    bench_layer_host's eager layer rows)."""
     from snip_ds.backend import cpu_stream
 
     precision, fields = RECIPES[recipe]
@@ -278,14 +279,14 @@ def test_a_block_recipe_layer_step_takes_each_amax_once_and_one_launch_for_both_
     copies = by_op.pop("aten::_to_copy", 0)
     expected = {"triton::quantize_kernel": 4, "aten::mm": 3}
     if recipe == "nvfp4":
-        expected.update({"triton::amax_kernel": 3, "aten::mul": 3})
+        expected.update({"triton::grouped_amax_kernel": 1, "triton::amax_kernel": 1, "aten::mul": 3})
     if precision == "fp4":
         expected["aten::randint"] = 2
     assert by_op == expected
     assert copies == _gemm_tail_copies(unit_scales=recipe != "nvfp4")
     assert counts["launches"] == sum(expected.values()) + copies
     if DEVICE == "cpu" and cpu_stream.cpu_bf16_gemm(torch.bfloat16):
-        assert counts["launches"] == {"mxfp8": 7, "nvfp4": 15, "mxfp4": 9}[recipe]
+        assert counts["launches"] == {"mxfp8": 7, "nvfp4": 14, "mxfp4": 9}[recipe]
 
 
 def test_block_recipe_layers_reading_one_input_quantize_it_once(through_kernels):
@@ -303,5 +304,7 @@ def test_block_recipe_layers_reading_one_input_quantize_it_once(through_kernels)
     by_op, values, values_each = _layers_reading_one_input(
         layers, x, lambda t: t.shape == x.shape and t.t().is_contiguous(), reseed)  # column-major wgrad values
     assert len(values) == 1 and len(values_each) == 3
-    # X once (1 amax + 1 quantize), each W (3 + 3), each G_Y (3 + 3), each W again for dgrad (3 quantize)
-    assert by_op["triton::amax_kernel"] == 1 + 3 + 3 and by_op["triton::quantize_kernel"] == 1 + 3 + 3 + 3
+    # X once (1 quantize; its amax pass in one launch with the first W's), each W (the two others' amax passes,
+    # 3 quantize), each G_Y (3 + 3), each W again for dgrad (3 quantize)
+    assert by_op["triton::grouped_amax_kernel"] == 1 and by_op["triton::amax_kernel"] == 2 + 3
+    assert by_op["triton::quantize_kernel"] == 1 + 3 + 3 + 3

@@ -5,22 +5,22 @@ are the same block recipe (without the Hadamard transform of wgrad's operands, w
 needs X along k (fprop) and along the tokens (wgrad), G_Y along n (dgrad) and along the tokens (wgrad), W along
 k (fprop) and along n (dgrad). Here:
 
-* forward: X's amax pass (NVFP4) and its values in both layouts, each in blocks along its own axis, from one
-  launch -- or those of the previous layer where it read the very same X, unchanged (the query, key and value
-  projections of one input, gate and up: one quantization and one kept copy for all of them, as
-  :mod:`.fp8_step` shares X's codes); W's amax pass and its values for fprop, the amax written out and kept
-  for dgrad (four bytes), and fprop's product of the tensor scales (NVFP4); the GEMM. Kept for backward: X's
-  values in wgrad's layout and its tensor scale (where the per-GEMM path keeps X itself: the same bytes for
-  BF16 X) and W with its amax.
+* forward: X's and W's amax passes (NVFP4) in one launch; X's values in both layouts, each in blocks along its
+  own axis, from one launch -- or those of the previous layer where it read the very same X, unchanged (the
+  query, key and value projections of one input, gate and up: one quantization and one kept copy for all of
+  them, as :mod:`.fp8_step` shares X's codes; W's amax pass is then a launch of its own); W's values for
+  fprop, the amax written out and kept for dgrad (four bytes), and fprop's product of the tensor scales
+  (NVFP4); the GEMM. Kept for backward: X's values in wgrad's layout and its tensor scale (where the per-GEMM
+  path keeps X itself: the same bytes for BF16 X) and W with its amax.
 * backward: W's values for dgrad from the kept amax (no amax pass); G_Y's amax pass and its values in both
   layouts from one launch, each rounded stochastically from its own seed (drawn from the generator in the
   order dgrad, wgrad, as the per-GEMM path draws them), writing dgrad's and wgrad's products of tensor scales;
   the two GEMMs.
 
-Per operand this is one amax pass (the per-GEMM path takes two) and, for X and G_Y, one quantization launch
-(two), and the GEMMs multiply by products the kernels wrote (no ``scale_a * scale_b`` launch). The values,
-scales, draws and GEMM calls are the per-GEMM path's, so the results are bit for bit the same
-(``tests/test_torch_backend_kernels.py``). Under tensor parallelism
+Per operand this is one amax pass (the per-GEMM path takes two; X's and W's share a launch) and, for X and
+G_Y, one quantization launch (two), and the GEMMs multiply by products the kernels wrote (no
+``scale_a * scale_b`` launch). The values, scales, draws and GEMM calls are the per-GEMM path's, so the
+results are bit for bit the same (``tests/test_torch_backend_kernels.py``). Under tensor parallelism
 (:func:`snip_ds.backend.operands.shared_amax`) each operand's amax is the whole tensor's, taken once.
 """
 from __future__ import annotations
@@ -53,16 +53,17 @@ class BlockStep(NamedTuple):
     amax_given: bool  # a shared_amax reduction gives the amaxes (tensor parallelism)
     mm: Any  # the backend's GEMM of grid values: ``mm(gemm, a, b, sa, sb, None, bias, out_dtype, unit, scale)``
     device: torch.device  # where the products of tensor scales are written
+    amax_pair: Any = None  # X's and W's amax passes in one launch, where both take one here (NVFP4), else None
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype) -> Tuple[torch.Tensor, QuantParts, WithAmax]:
         """``Y`` and what backward keeps: X's values for wgrad (a column-major view of their transposed
         storage) and tensor scale, and W with its amax."""
         x, w = _kernel_input(x), _kernel_input(w)
-        x_values, x_t, x_scale = self._x_values(x)
+        (x_values, x_t, x_scale), w_partials = self._x_values(x, w)
         product = self._products(1)
         w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w, self.w), None,
-                                                      **self._partners((x_scale,), product))
+                                                      partials=w_partials, **self._partners((x_scale,), product))
         y = self.mm("fprop", x_values, w_values.t(), x_scale, w_scale, None, bias, out_dtype, self.unit_scales,
                     None if product is None else product[0])
         return y, QuantParts(x_t.t(), x_scale), WithAmax(w, w_amax)
@@ -100,20 +101,31 @@ class BlockStep(NamedTuple):
                           self.unit_scales, None if products is None else products[len(partners) - 1])
         return g_x, g_w
 
-    def _x_values(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _x_values(self, x: torch.Tensor, w: torch.Tensor
+                  ) -> Tuple[Tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]:
         """X's values in both layouts and its tensor scale: those of the previous block-recipe layer when it read
         the very same X with the same recipe (the query, key and value projections of one input; gate and
-        up), else quantized here (as :mod:`.fp8_step` shares X's codes; not inside its ``unshared()``)."""
+        up), else quantized here (as :mod:`.fp8_step` shares X's codes; not inside its ``unshared()``). And W's
+        amax partials where X's amax pass here took W's too (:meth:`_quantize_x`), else None."""
         if not fp8_step.sharing_x():
-            return self.kq.launch(self.x_cfg, x, self._amax(x, self.x), None)[:3]
+            return self._quantize_x(x, w)
         source = x if x._base is None else x._base  # (a reshaped view is a new object at every call)
         key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, self.x_cfg, self.amax_given)
         last = _LAST_X[0]
         if last is not None and last[0]() is source and last[1] == key and last[2] == source._version:
-            return last[3]
-        found = self.kq.launch(self.x_cfg, x, self._amax(x, self.x), None)[:3]
+            return last[3], None
+        found, w_partials = self._quantize_x(x, w)
         _LAST_X[0] = (weakref.ref(source), key, source._version, found)
-        return found
+        return found, w_partials
+
+    def _quantize_x(self, x: torch.Tensor, w: torch.Tensor
+                    ) -> Tuple[Tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]:
+        """X quantized here: its amax pass and W's in one launch where both take one (``amax_pair``; W's
+        partial maxima returned for W's quantization to reduce), else X's own pass where it takes one."""
+        if self.amax_pair is None:
+            return self.kq.launch(self.x_cfg, x, self._amax(x, self.x), None)[:3], None
+        x_partials, w_partials = self.kq.grouped_amax_partials(self.amax_pair, x, w)
+        return self.kq.launch(self.x_cfg, x, None, None, partials=x_partials)[:3], w_partials
 
     def _amax(self, t: torch.Tensor, recipe: str) -> Optional[torch.Tensor]:
         """The whole tensor's amax under a shared_amax reduction (as the kernels read it: 0-d FP32 on ``t``'s
@@ -163,7 +175,8 @@ def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, 
     x_cfg = kq.launch_config(rows, k, x, 1, VALUES, False, x_bf16, both=True, amax_given=amax_given)
     w_cfg = kq.launch_config(n, k, w, 1, VALUES, False, w_bf16, amax_given=amax_given, write_amax=True,
                              products=0 if unit else 1)
-    return BlockStep(kq, x, w, g, stochastic_g, x_cfg, w_cfg, unit, amax_given, mm, device)
+    pair = kq.grouped_amax_config(x_cfg, w_cfg) if kq.takes_amax_pass(x_cfg) and kq.takes_amax_pass(w_cfg) else None
+    return BlockStep(kq, x, w, g, stochastic_g, x_cfg, w_cfg, unit, amax_given, mm, device, pair)
 
 
 def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
