@@ -62,13 +62,14 @@ def _counted(layer):
     return counter.counts.as_dict()
 
 
-def test_an_fp8_layer_step_is_ten_launches(scaled_mm):
+def test_an_fp8_layer_step_is_nine_launches(scaled_mm):
     """Per-tensor FP8, forward and backward: an amax pass and one quantization for X (both layouts), W, G_Y
-    (both layouts), W again for dgrad from the forward's amax (no amax pass), three FP8 GEMMs -- no zero-fill
-    before an amax, no transposed copy, nothing else."""
+    (both layouts) -- X's and W's amax passes in one launch --, W again for dgrad from the forward's amax (no
+    amax pass), three FP8 GEMMs -- no zero-fill before an amax, no transposed copy, nothing else."""
     counts = _counted(_layer("fp8", {}))
-    assert counts["by_op"] == {"triton::quantize_kernel": 4, "triton::amax_kernel": 3, "aten::_scaled_mm": 3}
-    assert counts["launches"] == 10
+    assert counts["by_op"] == {"triton::quantize_kernel": 4, "triton::grouped_amax_kernel": 1,
+                               "triton::amax_kernel": 1, "aten::_scaled_mm": 3}
+    assert counts["launches"] == 9
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -242,8 +243,10 @@ def test_fp8_layers_reading_one_input_quantize_it_once(scaled_mm):
     x, _ = _data(5)
     by_op, codes, codes_each = _layers_reading_one_input(layers, x, lambda t: t.dtype == torch.float8_e4m3fn)
     assert len(codes) == 1 and len(codes_each) == 3
-    # X once (1 amax + 1 quantize), each W (3 + 3), each G_Y (3 + 3), each W again for dgrad (3 quantize)
-    assert by_op["triton::amax_kernel"] == 1 + 3 + 3 and by_op["triton::quantize_kernel"] == 1 + 3 + 3 + 3
+    # X once (1 quantize; its amax pass in one launch with the first W's), each W (the two others' amax passes,
+    # 3 quantize), each G_Y (3 + 3), each W again for dgrad (3 quantize)
+    assert by_op["triton::grouped_amax_kernel"] == 1 and by_op["triton::amax_kernel"] == 2 + 3
+    assert by_op["triton::quantize_kernel"] == 1 + 3 + 3 + 3
 
 
 def _gemm_tail_copies(unit_scales):

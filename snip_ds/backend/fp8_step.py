@@ -2,13 +2,14 @@
 
 Per-tensor FP8 quantizes an operand to the same codes with the same scale whatever the GEMM's contraction
 axis, so a layer whose three GEMMs are all FP8 needs each operand quantized once, laid out for every GEMM that
-reads it: the torch backend's step here is ten launches (without a bias), against the seventeen of quantizing
+reads it: the torch backend's step here is nine launches (without a bias), against the seventeen of quantizing
 each GEMM's operands on their own.
 
-* forward: W's amax pass and its E4M3 codes (row-major: fprop's column-major ``Wᵀ``); X's amax pass and its
-  E4M3 codes in both layouts in one pass (row-major for fprop, transposed for wgrad) -- or those of the
+* forward: X's and W's amax passes in one launch; W's E4M3 codes (row-major: fprop's column-major ``Wᵀ``);
+  X's E4M3 codes in both layouts in one pass (row-major for fprop, transposed for wgrad) -- or those of the
   previous layer where it read the very same X, unchanged (the query, key and value projections of one input,
-  gate and up: one amax and one cast of X for all of them, and one copy of its codes kept); the FP8 GEMM.
+  gate and up: one amax and one cast of X for all of them, and one copy of its codes kept; W's amax pass is
+  then a launch of its own); the FP8 GEMM.
   Kept for backward: X's transposed codes and scale (one byte per element, where ``nn.Linear`` keeps X
   itself) and W's amax (four bytes).
 * backward: G_Y's amax pass and its E5M2 codes in both layouts in one pass (row-major for dgrad, transposed
@@ -53,14 +54,19 @@ class Fp8Step(NamedTuple):
     mm: Any  # the backend's GEMM of grid values, where ``scaled`` is False: ``mm(gemm, a, b, sa, sb, fp8, ...)``
     w_t_cfg: Any  # W again for dgrad, transposed, from the forward's amax
     g_cfgs: Dict[Tuple[bool, bool, bool], Any]  # G_Y's, by (G_Y in BF16, dgrad runs, wgrad runs)
+    amax_pair: Any = None  # X's and W's amax passes in one launch (None where a shared_amax reduction gives them)
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype) -> Tuple[torch.Tensor, QuantParts, WithAmax]:
         """``Y`` and what backward keeps: X's codes (a column-major view of their transposed storage) and
         scale, and W with its amax."""
         x, w = _kernel_input(x), _kernel_input(w)
-        w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w), None)
-        x_values, x_t, x_scale = self._x_codes(x)
+        x_codes, remember = self._shared_x(x)
+        x_partials = w_partials = None
+        if x_codes is None and self.amax_pair is not None:  # X quantized here: its amax pass and W's in one launch
+            x_partials, w_partials = self.kq.grouped_amax_partials(self.amax_pair, x, w)
+        w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w), None, partials=w_partials)
+        x_values, x_t, x_scale = x_codes or self._quantize_x(x, x_partials, remember)
         y = self._gemm("fprop", x_values, w_values.t(), x_scale, w_scale, (E4M3, E4M3), bias, out_dtype)
         return y, QuantParts(x_t.t(), x_scale), WithAmax(w, w_amax)
 
@@ -83,18 +89,30 @@ class Fp8Step(NamedTuple):
                              w_dtype)
         return g_x, g_w
 
-    def _x_codes(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """X's codes in both layouts and its scale: those of the previous FP8 layer when it read the very
-        same X (the query, key and value projections of one input; gate and up), else quantized here."""
+    def _shared_x(self, x: torch.Tensor) -> Tuple[Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                                                  Optional[tuple]]:
+        """X's codes in both layouts and its scale from the previous FP8 layer when it read the very same X (the
+        query, key and value projections of one input; gate and up), else None -- and, where X is to be
+        quantized here for later layers to share, what :meth:`_quantize_x` records it under."""
         if not _SHARE_X.get():
-            return self.kq.launch(self.x_cfg, x, self._amax(x), None)[:3]
+            return None, None
         source = x if x._base is None else x._base  # (a reshaped view is a new object at every call)
         key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, self.x_cfg, self.amax_given)
         last = _LAST_X[0]
         if last is not None and last[0]() is source and last[1] == key and last[2] == source._version:
-            return last[3]
-        values, values_t, scale, _ = self.kq.launch(self.x_cfg, x, self._amax(x), None)
-        _LAST_X[0] = (weakref.ref(source), key, source._version, (values, values_t, scale))
+            return last[3], None
+        return None, (source, key)
+
+    def _quantize_x(self, x: torch.Tensor, partials: Optional[torch.Tensor], remember: Optional[tuple]
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """X's codes in both layouts and its scale, quantized here (``partials``: its amax pass's, taken in one
+        launch with W's; None: with its own pass, or the amax given), recorded for the next layer under
+        ``remember`` (:meth:`_shared_x`) where given."""
+        amax = None if partials is not None else self._amax(x)
+        values, values_t, scale, _ = self.kq.launch(self.x_cfg, x, amax, None, partials=partials)
+        if remember is not None:
+            source, key = remember
+            _LAST_X[0] = (weakref.ref(source), key, source._version, (values, values_t, scale))
         return values, values_t, scale
 
     def _amax(self, t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -163,7 +181,8 @@ def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, 
     g_cfgs = {(g_bf16, need_x, need_w): kq.launch_config(rows, n, "fp8_e5m2", 1, E5M2, not need_x, g_bf16,
                                                          both=need_x and need_w, amax_given=amax_given)
               for g_bf16 in (False, True) for need_x, need_w in ((True, True), (True, False), (False, True))}
-    return Fp8Step(kq, x_cfg, w_cfg, scaled, amax_given, values, mm, w_t_cfg, g_cfgs)
+    pair = None if amax_given else kq.grouped_amax_config(x_cfg, w_cfg)
+    return Fp8Step(kq, x_cfg, w_cfg, scaled, amax_given, values, mm, w_t_cfg, g_cfgs, pair)
 
 
 def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
