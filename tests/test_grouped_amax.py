@@ -27,11 +27,15 @@ def _cfg(t: torch.Tensor, recipe: str = "nvfp4", amax_given: bool = False):
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor):
-    """The grouped launch's partial maxima of ``a`` and ``b`` (on the kernels' device), and their configs."""
+    """The grouped launch's partial maxima of ``a`` and ``b`` (on the kernels' device; ``a``'s the first slots
+    of the buffer returned for them), and their configs."""
     a, b = a.to(DEVICE), b.to(DEVICE)
     cfg_a, cfg_b = _cfg(a), _cfg(b)
-    parts_a, parts_b = kq.grouped_amax_partials(kq.grouped_amax_config(cfg_a, cfg_b), a, b)
-    return parts_a, parts_b, cfg_a, cfg_b
+    buffer, parts_b = kq.grouped_amax_partials(kq.grouped_amax_config(cfg_a, cfg_b), a, b)
+    # one buffer, a's slots first (the buffer itself stands for them), b's the rest
+    assert buffer.numel() == cfg_a.amax_programs + cfg_b.amax_programs and parts_b.numel() == cfg_b.amax_programs
+    assert parts_b.data_ptr() == buffer.data_ptr() + 4 * cfg_a.amax_programs
+    return buffer[:cfg_a.amax_programs], parts_b, cfg_a, cfg_b
 
 
 def _own(t: torch.Tensor, cfg) -> torch.Tensor:
@@ -66,8 +70,6 @@ def test_each_tensors_partials_are_its_own_pass(shapes, dtypes):
     same maximum), whose max is torch's ``x.abs().amax()`` -- for any mix of shapes, tiles and dtypes."""
     a, b = (wide_sample(shape, seed=i).to(dtype) for i, (shape, dtype) in enumerate(zip(shapes, dtypes)))
     parts_a, parts_b, cfg_a, cfg_b = _grouped(a, b)
-    assert (parts_a.numel(), parts_b.numel()) == (cfg_a.amax_programs, cfg_b.amax_programs)
-    assert parts_b.data_ptr() == parts_a.data_ptr() + 4 * parts_a.numel()  # one buffer, a's slots first
     assert torch.equal(parts_a.cpu(), _own(a, cfg_a).cpu()) and torch.equal(parts_b.cpu(), _own(b, cfg_b).cpu())
     _assert_amax(parts_a, a)
     _assert_amax(parts_b, b)

@@ -334,7 +334,7 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
     of the other operands of the GEMMs that read ``x``) is written into ``products`` (FP32, one per partner).
     ``partials``: ``x``'s amax pass run already, its ``cfg.amax_programs`` partial maxima (int32; from
     :func:`grouped_amax_partials`), which the quantization reduces instead of launching the pass itself."""
-    if partials is not None and (tensor_amax is not None or not takes_amax_pass(cfg)):
+    if partials is not None and (cfg.kind == MX_KIND or tensor_amax is not None):
         raise ValueError("partials: given for a quantization that takes no amax pass (an MX recipe or the "
                          "tensor amax given)")
     if len(partners) != cfg.products or (products is None) != (not cfg.products):
@@ -411,9 +411,11 @@ def _amax_partials(x_bits: torch.Tensor, cfg: LaunchConfig) -> torch.Tensor:
 def grouped_amax_partials(cfg: GroupedAmaxConfig, a: torch.Tensor, b: torch.Tensor
                           ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 of the tensor amaxes of two non-empty, checked 2-D tensors in one launch (``cfg``: their
-    quantizations' :func:`grouped_amax_config`): ``a``'s partial maxima and ``b``'s, two views of one int32
-    buffer, to pass to :func:`launch` as ``partials`` -- the integers each tensor's own amax pass writes, so
-    the quantizations are bit for bit those with a pass each."""
+    quantizations' :func:`grouped_amax_config`): ``a``'s partial maxima and ``b``'s in one int32 buffer, to pass
+    to :func:`launch` as ``partials`` -- the integers each tensor's own amax pass writes, so the quantizations
+    are bit for bit those with a pass each. ``a``'s are the buffer's first ``cfg.programs[0]`` slots, returned
+    as the buffer itself (its quantization reads that many; a slice would cost the host a microsecond), ``b``'s
+    a view of the slots after them."""
     a_bits, b_bits = _bits(a), _bits(b)
     programs_a, programs_b = cfg.programs
     partials = torch.empty(cfg.grid[0], dtype=torch.int32, device=a.device)
@@ -422,7 +424,7 @@ def grouped_amax_partials(cfg: GroupedAmaxConfig, a: torch.Tensor, b: torch.Tens
     _launchable(_grouped_amax_kernel)[cfg.grid](a_bits, b_bits, partials, rows_a, cols_a, stride_ra, stride_ca,
                                                 rows_b, cols_b, stride_rb, stride_cb, programs_a, programs_b,
                                                 **cfg.constants)
-    return partials[:programs_a], partials[programs_a:]
+    return partials, partials[programs_a:]
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
