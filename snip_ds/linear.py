@@ -302,8 +302,8 @@ class SnipLinear(nn.Linear):
             # graph too, so that dynamic shapes guard on what _scaled_mm needs)
             if x.numel() // x.shape[-1] % 16 == 0 and fp8_traced.applies(self, x):
                 return fp8_traced.Fp8Linear.apply(x, w, bias)
-            return custom_ops.quantized_linear(x, w, bias, custom_ops.op_spec(prec, self.quant_config),
-                                               self.op_handle)[0]
+            spec = custom_ops.op_spec(prec, self.quant_config, custom_ops.kept_operands(self, x))
+            return custom_ops.quantized_linear(x, w, bias, spec, self.op_handle)[0]
         y = quantized_linear(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -238,14 +238,44 @@ def test_spec_round_trips_and_a_bad_spec_or_handle_is_named():
         cfg = QuantConfig(fp8_recipe="mxfp8", fp4_recipe="mxfp4", stochastic_rounding=False, hadamard=True,
                           weight_2d=False, backend="emulated")
         assert custom_ops.parse_spec(custom_ops.op_spec(prec, cfg)) == (prec, cfg)
+        assert custom_ops.parse_spec(custom_ops.op_spec(prec, cfg, "float8_e4m3fn,amax")) == (prec, cfg)
     with pytest.raises(ValueError, match=r"^spec: 'fp8;x' is not a snip_ds quantized-linear spec"):
         custom_ops.parse_spec("fp8;x")
+    with pytest.raises(ValueError, match=r"is not a snip_ds quantized-linear spec \(5 parts\)"):
+        custom_ops.parse_spec(custom_ops.op_spec(GemmPrecision.of("fp8"), QuantConfig(), "x,w") + ";a;b")
     layer = SnipLinear(16, 16, precision="fp8")
     handle = layer.op_handle
     del layer
     with pytest.raises(RuntimeError, match=f"layer handle {handle} names no live SnipLinear"):
         custom_ops.quantized_linear(torch.randn(2, 16), torch.randn(16, 16), None,
                                     custom_ops.op_spec(GemmPrecision.of("fp8"), QuantConfig()), handle)
+
+
+def test_the_compiled_graph_names_what_the_forward_keeps(monkeypatch):
+    """The op's spec in a compiled graph ends in what the layer's forward keeps for backward (X itself and W on
+    the CPU's own path), so that a graph traced where the backends keep X's quantized values and W's amax (the
+    Triton kernels' devices) is another graph, which the compile caches -- they outlive the process -- never
+    hand to a process whose backends keep X (a cached graph would otherwise pass the op's outputs to backward
+    as what they are not)."""
+    from snip_ds.backend import layer_step
+
+    layer = SnipLinear(K, N, precision="fp8", quant_config=QuantConfig(backend="torch"))
+    x = torch.randn(X_SHAPE)
+    specs = []
+
+    def record(gm, example_inputs):
+        specs.extend(node.args[3] for node in gm.graph.nodes
+                     if node.target is torch.ops.snip_ds.quantized_linear.default)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(layer, backend=record, fullgraph=True)(x)
+    assert len(specs) == 1 and specs[0].endswith(";x,w"), specs
+    assert custom_ops.parse_spec(specs[0]) == (layer.gemm_precision, layer.quant_config)
+    monkeypatch.setattr(layer_step, "kept_x_dtype", lambda *a: torch.float8_e4m3fn)
+    monkeypatch.setattr(layer_step, "keeps_w_amax", lambda *a: True)
+    assert custom_ops.kept_operands(layer, x) == "float8_e4m3fn,amax"
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("recipe", ["fp8_e4m3", "mxfp8", "nvfp4", "nvfp4_2d", "mxfp4"])

@@ -14,9 +14,9 @@ quantization kernels' launches; an opaque operator with a shape function it can.
   gradient that is not needed comes back as an empty placeholder. It is the first op's registered autograd formula
   (``register_autograd``).
 
-``spec`` (:func:`op_spec`) names the layer's precisions and :class:`~snip_ds.quant_config.QuantConfig`, so it
-is a constant of the compiled graph: a layer whose precision changes (a new plan) makes torch.compile
-recompile the graphs it is in. ``layer`` is the layer's handle (:func:`register_layer`), through which the ops
+``spec`` (:func:`op_spec`) names the layer's precisions and :class:`~snip_ds.quant_config.QuantConfig`, and
+what the forward keeps for backward (:func:`kept_operands`), so it is a constant of the compiled graph: a layer
+whose precision changes (a new plan) makes torch.compile recompile the graphs it is in. ``layer`` is the layer's handle (:func:`register_layer`), through which the ops
 find what cannot be an operator argument: the layer's stochastic-rounding ``generator`` and, for a
 tensor-parallel shard, its ``amax_reduce``. Each layer has its own generator, and a layer's backward draws
 from it in one op, in the eager order (dgrad, then wgrad), so compiled training draws exactly what eager
@@ -65,12 +65,30 @@ def _layer(handle: int) -> Any:
     return layer
 
 
-def op_spec(prec: GemmPrecision, cfg: QuantConfig) -> str:
+def op_spec(prec: GemmPrecision, cfg: QuantConfig, kept: str = "") -> str:
     """The ops' ``spec`` argument: the three GEMMs' precisions and every field of ``cfg``, as one string
-    (plain string operations on frozen dataclasses, which dynamo traces and guards)."""
+    (plain string operations on frozen dataclasses, which dynamo traces and guards), and ``kept``
+    (:func:`kept_operands`) after a second ``;`` where given."""
     flags = "".join("1" if f else "0" for f in (cfg.stochastic_rounding, cfg.hadamard, cfg.weight_2d))
-    return (prec.fprop + "," + prec.dgrad + "," + prec.wgrad + ";" + cfg.fp8_recipe + "," + cfg.fp4_recipe + ","
+    spec = (prec.fprop + "," + prec.dgrad + "," + prec.wgrad + ";" + cfg.fp8_recipe + "," + cfg.fp4_recipe + ","
             + flags + "," + cfg.backend)
+    return spec + ";" + kept if kept else spec
+
+
+@torch.compiler.assume_constant_result
+def kept_operands(layer: Any, x: torch.Tensor) -> str:
+    """What the forward of ``layer`` (a :class:`~snip_ds.linear.SnipLinear`) on ``x`` keeps for backward, as the
+    spec's last part: X's quantized values' dtype or ``x`` (X itself), and ``amax`` or ``w`` (W with or without
+    its amax). The op's shape function decides the same from the backends' state in this process (which kernels
+    run on which devices); written into the graph, it makes a graph traced where X's values are kept another
+    graph than one traced where X is: the compile caches, which outlive the process and key on the graph, then
+    never give one state's graph to the other. Decided outside the traced graph, as
+    :func:`snip_ds.backend.fp8_traced.applies` is."""
+    x_2d = x.reshape(-1, x.shape[-1])
+    prec, cfg = layer.gemm_precision, layer.quant_config
+    values = layer_step.kept_x_dtype(x_2d, prec, cfg)
+    amax = layer_step.keeps_w_amax(x_2d, layer.matrix, prec, cfg)
+    return ("x" if values is None else str(values).replace("torch.", "")) + "," + ("amax" if amax else "w")
 
 
 @lru_cache(maxsize=None)
@@ -78,7 +96,9 @@ def parse_spec(spec: str) -> Tuple[GemmPrecision, QuantConfig]:
     """The (precisions, config) that :func:`op_spec` wrote into ``spec``; ValueError naming ``spec`` if it is
     not one."""
     try:
-        gemms, rest = spec.split(";")
+        gemms, rest, *kept = spec.split(";")
+        if len(kept) > 1:
+            raise ValueError(f"{len(kept) + 2} parts")
         fp8, fp4, flags, backend = rest.split(",")
         if len(flags) != 3 or set(flags) - {"0", "1"}:
             raise ValueError(f"flags {flags!r}")
