@@ -6,15 +6,12 @@ for bit. Interpreted on CPU tensors here (compiled on a CUDA GPU, as tests/trito
 subprocess compiles the kernel for a Hopper GPU without one.
 """
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from quant_inputs import wide_sample
-from triton_mode import DEVICE, SKIP_REASON, interpreter_on, kq  # noqa: F401 (a fixture)
+from triton_mode import DEVICE, SKIP_REASON, compile_check, interpreter_on, kq  # noqa: F401 (a fixture)
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -156,13 +153,4 @@ print("ok")
 def test_the_grouped_kernel_compiles_for_cuda_without_a_gpu():
     """Triton's compiler (to a Hopper cubin, no GPU needed) accepts the grouped kernel: both branches, mixed
     dtypes and tiles per program. In a subprocess, where Triton is not in interpreter mode."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    if result.stdout.startswith("skip:"):
-        pytest.skip(f"Triton's CUDA backend is not installed ({result.stdout.strip()})")
-    assert result.stdout.strip().endswith("ok")
+    compile_check(COMPILE_CHECK, timeout=600)

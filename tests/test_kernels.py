@@ -22,7 +22,8 @@ from reference_quant import GRIDS
 from quant_inputs import assert_stochastic_rounding_unbiased, known_scale_input, neighbours, wide_sample
 from snip_ds import quant
 from snip_ds.backend import kernels
-from triton_mode import DEVICE, SKIP_REASON, amax, interpreter_on, kq, on_cuda, q  # noqa: F401 (a fixture)
+from triton_mode import (DEVICE, SKIP_REASON, amax, compile_check, interpreter_on, kq, on_cuda,  # noqa: F401
+                         q)  # (interpreter_on: a fixture)
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -442,16 +443,7 @@ def test_kernels_compile_for_cuda_without_a_gpu():
     """Triton's compiler (to PTX and a Hopper cubin, no GPU needed) accepts every kernel variant the
     interpreter runs, and the PTX divides with IEEE division (div.rn) and flushes no subnormals (no .ftz):
     what bit-exactness on a GPU needs. In a subprocess, where Triton is not in interpreter mode."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # silences a warning; the kernels have no a * b + c to fuse
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK], env=env, capture_output=True, text=True,
-                            timeout=1800)
-    assert result.returncode == 0, result.stderr[-3000:]
-    if result.stdout.startswith("skip:"):
-        pytest.skip(f"Triton's CUDA backend is not installed ({result.stdout.strip()})")
-    assert result.stdout.strip().endswith("ok")
+    compile_check(COMPILE_CHECK, timeout=1800)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ module imports triton and the kernels in that mode; a test module imports from h
 :data:`SKIP_REASON` is set. :func:`q` and :func:`amax` run the kernels on :data:`DEVICE` and bring the
 results back to the CPU."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,3 +85,18 @@ def through_kernels(monkeypatch):
     assert torch_native.kernels() is kernels  # the real kernels, in the mode DEVICE says
     assert kernels.interpreting() == (DEVICE == "cpu")
     return TorchBackend()
+
+
+def compile_check(script: str, timeout: int) -> None:
+    """Runs ``script`` (``python -c``) in a subprocess where Triton is not in interpreter mode, with the repository
+    on its path: it compiles kernels for a GPU without one and prints ``ok``, or ``skip: <why>`` where Triton's
+    CUDA backend is not installed (the test skips)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # silences a warning; the kernels have no a * b + c to fuse
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    if result.stdout.startswith("skip:"):
+        pytest.skip(f"Triton's CUDA backend is not installed ({result.stdout.strip()})")
+    assert result.stdout.strip().endswith("ok")
