@@ -26,6 +26,9 @@
 #   gpu_tests            pytest -m gpu tests/test_gpu.py (own process, junit XML)
 #   compile_tests        pytest -m gpu tests/test_gpu_compile.py: no synchronisation in a layer step (sync debug
 #                        mode), a layer step captured in a CUDA graph, inductor through the custom ops and triton_ops
+#   mx_gemm_check        gpu/mx_gemm_check.py: whether a BF16-output cuBLAS GEMM equals the FP32-output one rounded to
+#                        BF16, bit for bit, with reduced-precision BF16 reductions off and on (may the MX GEMMs skip
+#                        their cast to BF16?); JSON in bench/mx_gemm_check.json
 #   kernel_tests         pytest tests/test_kernels.py tests/test_torch_backend_kernels.py (own process, junit XML;
 #                        compiled Triton kernels, and the torch backend through them against the emulated reference)
 #   train                launch/train.py through the deepspeed launcher, ds_configs/zero3.json, 20 steps (FusedAdam
@@ -60,7 +63,7 @@ START=$(date +%s)
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 DEADLINE_S=${SNIP_DEVICE_DEADLINE_S:-540}
-ALL_STEPS="env,gpu_tests,compile_tests,kernel_tests,train,bench_layer,bench_layer_host,bench_gpu_gemm,bench_quant_kernels,profile_gemm,bench_train,bench_scale"
+ALL_STEPS="env,gpu_tests,compile_tests,mx_gemm_check,kernel_tests,train,bench_layer,bench_layer_host,bench_gpu_gemm,bench_quant_kernels,profile_gemm,bench_train,bench_scale"
 STEPS=${SNIP_DEVICE_STEPS:-$ALL_STEPS}
 DRY=${SNIP_DEVICE_DRY_RUN:-0}
 FACTOR=${SNIP_DEVICE_TIMEOUT_FACTOR:-1}
@@ -213,6 +216,7 @@ GPU_TESTS_K=""
 [ -n "${SNIP_DEVICE_GPU_TESTS_K:-}" ] && GPU_TESTS_K="-k '${SNIP_DEVICE_GPU_TESTS_K//\'/}'"
 run_step gpu_tests 180 "" "'$PY' -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu.py $GPU_TESTS_K --junitxml '$WORK/junit_gpu_tests.xml'"
 run_step compile_tests 180 "" "'$PY' -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_compile.py --junitxml '$WORK/junit_compile_tests.xml'"
+run_step mx_gemm_check 60 "" "'$PY' gpu/mx_gemm_check.py --output '$WORK/bench/mx_gemm_check.json'"
 # Each (recipe, axis, dtype, layout) is a kernel of its own, compiled on first use: one process compiled 101 of
 # the 166 tests' kernels in 240 s on an H100 machine. pytest-xdist (on the GPU image) compiles in parallel.
 XDIST=""
