@@ -34,6 +34,15 @@ counted without one. Per row:
   (one dispatch, which a GPU launch pays too); the median over the steps of these paired differences. What is
   left is the host's work: Python, autograd, dispatch, and the element-wise operators' small arithmetic at
   these shapes. On CUDA ``step_us`` itself (the kernels run on the GPU).
+* ``triton_launch_us`` (CPU only): the host time of Triton's own launch path for the step's snip_ds launches,
+  which ``step_us`` leaves out: in a process of its own (:mod:`triton_launch_path`) the kernels compiled for sm_90
+  by Triton's compiler and ptxas, launched through ``torch.library.wrap_triton``, ``JITFunction.run`` and
+  Triton's ``CudaLauncher`` by a driver whose C launch call does nothing (the kernels never run); the median over
+  ``--steps`` paired steps of a step's time through that path less its time with empty launches. 0 where the
+  step launches none; None, the reason in ``triton_launch_not_measured``, where it could not be measured
+  (compiled rows that launch snip_ds kernels: inductor launches them its own way; Triton cannot compile here).
+  ``triton_launch`` holds each launch's kernel, arguments and µs (replayed alone) and the compiles.
+  ``host_with_triton_us``: ``host_us`` plus it.
 * ``syncs``: host reads of a tensor's value in a step (``HostReads``; compiled: the value-dependent operators in
   the profile).
 * ``saved_bytes``: bytes autograd keeps between forward and backward (``saved_tensors_hooks``; each storage once,
@@ -126,9 +135,11 @@ def torchao_version() -> str:
         return f"not available ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
 
 
-def cuda_path_on_cpu(stack: ExitStack) -> str:
+def cuda_path_on_cpu(stack: ExitStack, interpreted: bool = True) -> str:
     """Sends the torch backend down its CUDA code path on CPU tensors (restored when ``stack`` closes); returns
-    what the FP8 GEMMs run as there."""
+    what the FP8 GEMMs run as there. ``interpreted``: the kernels run under Triton's interpreter (this process);
+    False: they are compiled for a GPU and launched through a driver that launches nothing
+    (:mod:`triton_launch_path`, in a process of its own)."""
     from snip_ds.backend import kernels
 
     def restore(name, value):
@@ -138,8 +149,9 @@ def cuda_path_on_cpu(stack: ExitStack) -> str:
         restore(name, getattr(torch_native, name))
     torch_native.KERNEL_DEVICES = ("cpu", "cuda")
     torch_native._kernels_checked, torch_native._kernels_module = False, None
-    if torch_native.kernels() is not kernels or not kernels.interpreting():
-        raise RuntimeError("the cuda path on a CPU needs triton and TRITON_INTERPRET=1 before triton is imported")
+    if torch_native.kernels() is not kernels or kernels.interpreting() != interpreted:
+        raise RuntimeError("the cuda path on a CPU needs triton and TRITON_INTERPRET=1 before triton is imported"
+                           if interpreted else "the kernels compiled: TRITON_INTERPRET unset before triton's import")
     try:  # oneDNN's FP8 matmul, where this CPU has it: the GEMMs of the GPU path
         a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
         torch._scaled_mm(a, a.t(), scale_a=torch.ones(()), scale_b=torch.ones(()), out_dtype=torch.float32)
@@ -474,9 +486,61 @@ def add_ratios(rows: list) -> None:
         b = base.get((r["scope"], r["mode"]))
         if b is None or "error" in r:
             continue
-        for key in ("host_us", "step_us", "saved_bytes", "peak_bytes"):
+        for key in ("host_us", "step_us", "saved_bytes", "peak_bytes", "host_with_triton_us"):
+            if key not in r:
+                continue
             name = key.replace("_us", "") + "_ratio_vs_bf16"
-            r[name] = r[key] / b[key] if b[key] else float("nan")
+            if r[key] is None or b.get(key) is None:
+                r[name] = None
+            else:
+                r[name] = r[key] / b[key] if b[key] else float("nan")
+
+
+COMPILED_TRITON_PATH = ("a compiled step's snip_ds kernels are launched by inductor's generated code "
+                        "(its own launcher for the triton_op's kernels), not through JITFunction.run; that launcher "
+                        "is not driven without a GPU here")
+
+
+def _triton_launches(row: dict) -> float:
+    """snip_ds's Triton launches per step in a row."""
+    return sum(c for op, c in row["by_op"].items() if op.startswith("triton::"))
+
+
+def add_triton_launch_path(res: dict, args, timeout_s: float) -> None:
+    """Each row's ``triton_launch_us``: the host time of Triton's own launch path for its step's snip_ds launches
+    (:mod:`triton_launch_path`, in a process of its own: the kernels compiled for sm_90, launched through
+    ``wrap_triton``, ``JITFunction.run`` and ``CudaLauncher`` by a driver whose C launch does nothing), 0 where
+    the step launches none; None where not measured, why in ``triton_launch_not_measured``. And
+    ``host_with_triton_us``, ``host_us`` plus it."""
+    from triton_launch_path import measure_in_subprocess
+
+    rows = [r for r in res["rows"] if "error" not in r]
+    eager = [r for r in rows if r["mode"] == "eager" and _triton_launches(r)]
+    specs = [f"{r['scope']}:{r['variant']}" for r in eager]
+    began = time.perf_counter()
+    measured = measure_in_subprocess(specs, args.tokens, args.k, args.n, args.steps, args.launch_repeats,
+                                     timeout_s) if specs else {"rows": {}}
+    res["triton_launch_path"] = {**{k: v for k, v in measured.items() if k != "rows"},
+                                 "wall_s": time.perf_counter() - began}
+    for r in rows:
+        spec, reason = f"{r['scope']}:{r['variant']}", None
+        if not _triton_launches(r):
+            r["triton_launch_us"] = 0.0  # no snip_ds Triton launch in the step: nothing to time
+        elif r["mode"] == "compiled":
+            reason = COMPILED_TRITON_PATH
+        elif "not_measured" in measured:
+            reason = measured["not_measured"]
+        elif measured["rows"][spec]["launches"] != _triton_launches(r):
+            reason = (f"the measuring process's step launched {measured['rows'][spec]['launches']} "
+                      f"kernels, the interpreted one {_triton_launches(r):g}")
+        else:
+            r["triton_launch"] = measured["rows"][spec]
+            r["triton_launch_us"] = r["triton_launch"]["triton_launch_us"]
+        if reason:
+            r["triton_launch_us"], r["triton_launch_not_measured"] = None, reason
+        r["host_with_triton_us"] = None if reason else r["host_us"] + r["triton_launch_us"]
+        print(f"{r['scope']:>5} {r['mode']:>8} {r['variant']:>18}: Triton's launch path "
+              + (f"not measured: {reason}" if reason else f"{r['triton_launch_us']:.0f} us"), flush=True)
 
 
 def cpu_path_launches(args) -> dict:
@@ -532,6 +596,10 @@ def run(args) -> dict:
                 add_ratios(res["rows"])
                 res["wall_s"] = time.perf_counter() - start
                 write(res, args.output_dir)  # what is measured so far, should the run be cut short
+    if device == "cpu" and args.triton_launch_path:
+        add_triton_launch_path(res, args, max(60.0, min(600.0, args.deadline_s - (time.perf_counter() - start))))
+        add_ratios(res["rows"])
+        write(res, args.output_dir)
     if device == "cpu" and "layer" in args.scopes and "eager" in args.modes:
         res["cpu_path"] = cpu_path_launches(args)
     res["wall_s"] = time.perf_counter() - start
@@ -566,6 +634,62 @@ def _order(r: dict):
     return SCOPES.index(r["scope"]), MODES.index(r["mode"]), VARIANTS.index(r["variant"])
 
 
+def _triton_cell(r: dict, key: str, fmt: str) -> str:
+    """A Triton launch path column's cell: the figure, "n/m" where not measured, blank where not taken."""
+    if key not in r:
+        return ""
+    return "n/m" if r[key] is None else fmt.format(r[key])
+
+
+def _triton_launch_section(res: dict) -> list:
+    """The Markdown on Triton's own launch path: how it was taken, what was not measured and why, each
+    row's launches by kernel."""
+    path = res.get("triton_launch_path")
+    if path is None:
+        return []
+    lines = ["", "## Triton's own launch path (eager)", ""]
+    if "not_measured" in path:
+        return lines + [f"Not measured: {path['not_measured']}."]
+    lines += [f"Triton {path.get('triton', '?')}, the kernels compiled for {path.get('target', '?')} (ptxas) in a "
+              "process without Triton's interpreter and launched with CPU tensors through `torch.library."
+              "wrap_triton`, `JITFunction.run` and Triton's `CudaLauncher`, by a driver whose C launch "
+              "(`utils.launch`: the arguments' pointers, `cuLaunchKernelEx`) does nothing; the kernels never run "
+              "(their outputs stay uninitialised: host time only). Triton launch µs: the median over "
+              f"{res['steps']} paired steps of a step's CPU time through that path less the same step's with "
+              "empty launches (the host µs above); host + Triton µs: their sum, what a GPU's host does short of "
+              "the C launcher. Not timed: the C launcher itself, a real current-device and current-stream query. "
+              f"Kernel specializations compiled: {len(path.get('compiles', []))} "
+              f"({sum(c['s'] for c in path.get('compiles', [])):.1f} s), of which in the timed steps: "
+              f"{sum(r['triton_launch']['compiles_timed'] for r in res['rows'] if 'triton_launch' in r)}; the "
+              f"measuring process took {path['wall_s']:.0f} s.", ""]
+    notes = sorted({r["triton_launch_not_measured"] for r in res["rows"] if r.get("triton_launch_not_measured")})
+    lines += [f"n/m, not measured: {note}." for note in notes] + ([""] if notes else [])
+    measured = [r for r in res["rows"] if r.get("triton_launch") and r["mode"] == "eager"]
+    lines += ["Per step: Triton launch µs as above, and the same step with `wrap_triton` not dispatching its "
+              "higher-order operator (`set_wrap_triton_enabled(False)`, as inside a `triton_op` called eagerly): "
+              "the launches straight through `kernel[grid]`.", "",
+              "| scope | variant | Triton launches | Triton launch µs | without wrap_triton µs | compiles in warm-up |",
+              "|---|---|---|---|---|---|"]
+    for r in measured:
+        launch = r["triton_launch"]
+        lines.append(f"| {r['scope']} | {r['variant']} | {launch['launches']} | {launch['triton_launch_us']:.0f} | "
+                     f"{launch['without_wrap_triton_us']:.0f} | {launch['compiles_warmup']} |")
+    lines += ["", "Each launch replayed alone, by kernel (the median over a step's launches of the median of paired "
+              "replays, µs): through `wrap_triton` as snip_ds launches it eagerly, and straight through "
+              "`kernel[grid]`.", "",
+              "| scope | variant | kernel | launches | arguments (constexpr) | µs a launch | without wrap_triton µs |",
+              "|---|---|---|---|---|---|---|"]
+    for r in measured:
+        by_kernel = {}
+        for one in r["triton_launch"]["per_launch"]:
+            by_kernel.setdefault(one["kernel"], []).append(one)
+        for name, ones in by_kernel.items():
+            lines.append(f"| {r['scope']} | {r['variant']} | `{name}` | {len(ones)} | {ones[0]['args']} "
+                         f"({ones[0]['constexprs']}) | {statistics.median(o['us'] for o in ones):.1f} | "
+                         f"{statistics.median(o['without_wrap_triton_us'] for o in ones):.1f} |")
+    return lines
+
+
 def markdown(res: dict) -> str:
     cpu = res["device"] == "cpu"
     res = {**res, "rows": sorted(res["rows"], key=_order)}
@@ -593,19 +717,24 @@ def markdown(res: dict) -> str:
                   "`torch.cuda.max_memory_allocated`.", ""]
     lines += [f"Median of {res['steps']} steps, the rows of a scope and mode taken in turn. Ratios against bf16 of "
               "the same scope and mode.", "",
-              "| scope | mode | variant | launches | host µs | host × bf16 | step µs | step × bf16 | arith µs | "
-              "syncs | saved B | saved × bf16 | peak B | peak × bf16 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| scope | mode | variant | launches | host µs | host × bf16 | Triton launch µs | host + Triton µs | "
+              "host + Triton × bf16 | step µs | step × bf16 | arith µs | syncs | saved B | saved × bf16 | peak B | "
+              "peak × bf16 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         head = f"| {r['scope']} | {r['mode']} | {r['variant']} |"
         if "error" in r:
-            lines.append(f"{head} not run: {r['error'][:160]} | | | | | | | | | | |")
+            lines.append(f"{head} not run: {r['error'][:160]} | | | | | | | | | | | | | |")
             continue
         lines.append(f"{head} {r['launches']:.0f} | {r['host_us']:.0f} | {_f(r.get('host_ratio_vs_bf16'))} | "
+                     f"{_triton_cell(r, 'triton_launch_us', '{:.0f}')} | "
+                     f"{_triton_cell(r, 'host_with_triton_us', '{:.0f}')} | "
+                     f"{_triton_cell(r, 'host_with_triton_ratio_vs_bf16', '{:.2f}')} | "
                      f"{r['step_us']:.0f} | {_f(r.get('step_ratio_vs_bf16'))} | "
                      f"{r['arithmetic_us']:.0f} | {r['syncs']:.0f} | {r['saved_bytes']} | "
                      f"{_f(r.get('saved_bytes_ratio_vs_bf16'))} | {r['peak_bytes']} | "
                      f"{_f(r.get('peak_bytes_ratio_vs_bf16'))} |")
+    lines += _triton_launch_section(res)
     lines += ["", "Targets: " + "; ".join(TARGETS) + ".", "", "## Launches by operator, per step", "",
               "| scope | mode | variant | kernels (calls per step) |", "|---|---|---|---|"]
     for r in res["rows"]:
@@ -650,10 +779,14 @@ def main(argv=None) -> int:
                    help="skip the cProfile of bf16 and fp8_hybrid eager")
     p.add_argument("--deadline_s", type=float, default=3600.0,
                    help="no row starts after this many seconds (default 3600); the rows not reached are listed")
+    p.add_argument("--no_triton_launch_path", dest="triton_launch_path", action="store_false",
+                   help="skip timing Triton's own launch path (a subprocess compiling the kernels for sm_90)")
+    p.add_argument("--launch_repeats", type=int, default=100,
+                   help="paired replays of each Triton launch alone (default 100)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--output_dir", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args(argv)
-    for field in ("tokens", "k", "n", "steps"):
+    for field in ("tokens", "k", "n", "steps", "launch_repeats"):
         if getattr(args, field) < 1:
             p.error(f"--{field} must be at least 1, got {getattr(args, field)}")
     if args.device == "cuda" and not torch.cuda.is_available():

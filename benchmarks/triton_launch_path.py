@@ -1,0 +1,384 @@
+"""Triton's own launch path for snip_ds's kernels, timed on a CPU: what a GPU's host does between snip_ds's
+``_launchable(kernel)[grid](...)`` and the CUDA driver's launch call, which bench_layer_host's CPU rows leave out
+(their launches are empty: :func:`snip_ds.backend.dispatch_audit.patch_triton_launches` with ``run=False``).
+
+On a GPU every eager launch of a snip_ds kernel goes through ``torch.library.wrap_triton`` -- which outside a
+trace dispatches the higher-order operator ``triton_kernel_wrapper_mutation`` (flattening every argument) unless
+``set_wrap_triton_enabled(False)`` is in force, as it is inside a ``triton_op`` called eagerly -- and Triton's
+``JITFunction.run`` (argument binding, the specialization key, the kernel-cache lookup, the grid, the launch
+metadata), then ``CudaLauncher.__call__`` (scratch buffers) and the C launcher ``utils.launch``. All but the last
+run here, in a process of their own (Triton must not be in interpreter mode there), with :class:`Sm90Driver`:
+Triton's CUDA driver for an sm_90 target (``GPUTarget("cuda", 90, 32)``) whose C module's pieces are stand-ins:
+the kernels are compiled for sm_90 by Triton's own compiler and ptxas (the first launch of each specialization),
+"loaded" without a GPU, and launched through Triton's real ``CudaLauncher``, whose final C call (``utils.launch``:
+reading the arguments' pointers and ``cuLaunchKernelEx``) does nothing but count -- and, when asked, record the
+arguments it was handed. The kernels never run: their outputs stay as allocated (uninitialised), which host
+timing does not read. Left out, and so not in the figures: the C launcher's own work, and the cost of a real
+``torch.cuda.current_device``/current-stream query (stand-ins return device 0, stream 0).
+
+Per step (``--rows scope:variant``, eager): ``triton_launch_us``, the median over paired steps of a step's CPU time
+with its launches through that path less the same step's with empty launches (the pair's order alternates);
+per launch (replayed alone, paired the same way): the kernel, its arguments, the µs of the path through
+``wrap_triton`` and without it. Compiles are counted (in warm-up, and in the timed steps: none expected).
+bench_layer_host runs this as a subprocess (:func:`measure_in_subprocess`); standalone::
+
+    TRITON_INTERPRET=0 python benchmarks/triton_launch_path.py --rows layer:fp8_hybrid --steps 50 --output x.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional
+
+HERE = Path(__file__).resolve().parent
+TARGET = ("cuda", 90, 32)  # backend, compute capability (sm_90: H100), warp size
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+
+_KernelArg = collections.namedtuple("_KernelArg", "nested_tuple type")  # the C module's PyKernelArg, in Python
+
+
+class NoGpuUtils:
+    """What ``CudaUtils`` (Triton's C module for CUDA) gives the launch path, without a GPU: a module "loaded"
+    with no registers spilled, the device's shared memory, and a ``launch`` that only counts (``launches``) and,
+    while ``recorded`` is a list, appends ``(grid, kernel arguments)`` to it."""
+
+    SHARED_MEM = 232448  # an H100's opt-in shared memory per block, bytes
+
+    def __init__(self) -> None:
+        self.launches = 0
+        self.recorded: Optional[list] = None
+
+    def launch(self, grid_x, grid_y, grid_z, stream, function, cooperative, pdl, kernel_metadata, launch_metadata,
+               enter_hook, exit_hook, global_scratch, profile_scratch, arg_annotations, kernel_signature,
+               kernel_args) -> None:
+        self.launches += 1
+        if self.recorded is not None:
+            self.recorded.append(((grid_x, grid_y, grid_z), tuple(kernel_args)))
+
+    @staticmethod
+    def load_binary(name, kernel, shared, device):
+        return 1, 1, 32, 0, 1024  # module, function, registers, spills, max threads per block
+
+    def get_device_properties(self, device) -> dict:
+        return {"max_shared_mem": self.SHARED_MEM, "multiprocessor_count": 132, "max_num_regs": 65536,
+                "warpSize": 32, "sm_clock_rate": 1, "mem_clock_rate": 1, "mem_bus_width": 1}
+
+    @staticmethod
+    def build_signature_metadata(kernel_signature) -> tuple:
+        return tuple(kernel_signature)
+
+    @staticmethod
+    def unload_module(module) -> None:
+        return None
+
+
+def _device_zero() -> int:
+    return 0
+
+
+def _stream_zero(device=None) -> int:
+    return 0
+
+
+def _driver_class():
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver, CudaLauncher
+
+    class Sm90Driver(CudaDriver):
+        """Triton's CUDA driver for an sm_90 target on a machine without a GPU (:class:`NoGpuUtils`)."""
+
+        def __init__(self) -> None:  # (CudaDriver's builds the C module, which needs libcuda)
+            self.utils = NoGpuUtils()
+            self.launcher_cls = CudaLauncher
+            self.get_current_device, self.get_current_stream = _device_zero, _stream_zero
+            self.set_current_device = lambda device: None
+            self.get_device_capability = lambda device: (TARGET[1] // 10, TARGET[1] % 10)
+
+        def get_current_target(self):
+            return GPUTarget(*TARGET)
+
+        def get_active_torch_device(self):
+            import torch
+            return torch.device("cpu")
+
+        @staticmethod
+        def is_active() -> bool:
+            return True
+
+    return Sm90Driver
+
+
+@dataclass
+class Compile:
+    kernel: str
+    seconds: float
+
+
+def install(stack: ExitStack) -> "tuple[object, List[Compile]]":
+    """Makes an ``Sm90Driver`` Triton's active driver until ``stack`` closes, the CUDA launcher's C argument
+    descriptors Python stand-ins; returns the driver and the list every compile is appended to. Must come
+    before the first launch of a kernel (Triton fixes a kernel's target at its first launch)."""
+    import triton.compiler
+    from triton.backends.nvidia import driver as nvidia
+    from triton.runtime.driver import driver as config
+
+    for name, value in (("PyKernelArg", _KernelArg), ("ARG_CONSTEXPR", "constexpr"), ("ARG_KERNEL", "kernel"),
+                        ("ARG_TUPLE", "tuple")):
+        stack.callback(setattr, nvidia, name, getattr(nvidia, name))
+        setattr(nvidia, name, value)
+    compiles: List[Compile] = []
+    real_compile = triton.compiler.compile
+
+    def counted_compile(src, *args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return real_compile(src, *args, **kwargs)
+        finally:
+            compiles.append(Compile(getattr(src, "name", str(src)), time.perf_counter() - begin))
+
+    stack.callback(setattr, triton.compiler, "compile", real_compile)
+    triton.compiler.compile = counted_compile  # (read by each JITFunction at its first launch)
+    drv = _driver_class()()
+    stack.callback(config.set_active, config._active)
+    config.set_active(drv)
+    return drv, compiles
+
+
+# ------------------------------------------------------------------------------------------------ snip_ds on it
+
+def widen_snip_ds(stack: ExitStack) -> str:
+    """Sends the torch backend down its CUDA code path on CPU tensors with the kernels compiled (not
+    interpreted) until ``stack`` closes: the kernels count as available without a CUDA device, their argument
+    check takes CPU tensors (what it does under the interpreter), and the CUDA devices' paths take CPU tensors
+    (bench_layer_host's ``cuda_path_on_cpu``). Returns what the FP8 GEMMs run as."""
+    import bench_layer_host as bench
+    from snip_ds.backend import kernels
+    from snip_ds.backend.kernels import quantize
+
+    if quantize.INTERPRETED:
+        raise RuntimeError("Triton's launch path needs the kernels compiled: TRITON_INTERPRET unset (or 0) before "
+                           "triton is imported")
+    check = quantize._check_args
+
+    def check_any_device(x, axis, tensor_amax, seed, offset, out_dtype, transpose, interpreting):
+        check(x, axis, tensor_amax, seed, offset, out_dtype, transpose, True)
+
+    for module, name, value in ((kernels, "available", lambda: True), (quantize, "_check_args", check_any_device)):
+        stack.callback(setattr, module, name, getattr(module, name))
+        setattr(module, name, value)
+    return bench.cuda_path_on_cpu(stack, interpreted=False)
+
+
+@dataclass
+class Launch:
+    """One launch of a snip_ds kernel as a step makes it: ``kernel[grid](*args, **kwargs)``, reached through
+    ``torch.library.wrap_triton`` (what ``_launchable`` gives a compiled kernel)."""
+
+    name: str
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+    def through_triton(self) -> None:
+        import torch
+        torch.library.wrap_triton(self.kernel)[self.grid](*self.args, **self.kwargs)
+
+    def without_wrap_triton(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+    def empty(self) -> None:
+        """The launch as bench_layer_host times it: the same call, to a launch that does nothing."""
+        from snip_ds.backend.dispatch_audit import _CountedKernel
+        _CountedKernel(self.kernel, self.name, None, run=False)[self.grid](*self.args, **self.kwargs)
+
+
+def recorded_launches(step: Callable[[], None]) -> List[Launch]:
+    """The kernel launches (``JITFunction.run``, whatever called it) that one call of ``step`` makes, in
+    order; each is launched, too."""
+    from triton.runtime.jit import JITFunction
+
+    launches: List[Launch] = []
+    run = JITFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        if not warmup:
+            launches.append(Launch(self.fn.__name__.strip("_"), self, tuple(grid), args, dict(kwargs)))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    JITFunction.run = recording
+    try:
+        step()
+    finally:
+        JITFunction.run = run
+    return launches
+
+
+def _cpu_us(call: Callable[[], None]) -> float:
+    begin = time.process_time()
+    call()
+    return (time.process_time() - begin) * 1e6
+
+
+def paired_us(through: Callable[[], None], empty: Callable[[], None], pairs: int) -> float:
+    """The median over ``pairs`` pairs of ``through``'s CPU time less ``empty``'s, the order within a pair
+    alternating (a drift of the machine's load falls on both alike)."""
+    diffs = []
+    for i in range(pairs):
+        if i % 2:
+            b = _cpu_us(empty)
+            a = _cpu_us(through)
+        else:
+            a = _cpu_us(through)
+            b = _cpu_us(empty)
+        diffs.append(a - b)
+    return statistics.median(diffs)
+
+
+def _paired_steps(step: Callable[[], None], steps: int, wrap_triton: bool = True) -> float:
+    """:func:`paired_us` of whole steps: through Triton's launch path less with empty launches, each timed
+    inside its patches (entering and leaving them is in neither time). ``wrap_triton=False``: the launches
+    skip ``torch.library.wrap_triton``'s dispatch of a higher-order operator (``set_wrap_triton_enabled``,
+    what a ``triton_op`` called eagerly does): what launching the kernels directly would cost."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from snip_ds.backend.dispatch_audit import patch_triton_launches
+
+    diffs = []
+    for i in range(steps):
+        times = {}
+        for through in ((True, False) if i % 2 == 0 else (False, True)):
+            with ExitStack() as stack:
+                if not through:
+                    patch_triton_launches(stack, None, run=False)
+                elif not wrap_triton:
+                    stack.enter_context(set_wrap_triton_enabled(False))
+                times[through] = _cpu_us(step)
+        diffs.append(times[True] - times[False])
+    return statistics.median(diffs)
+
+
+def _kernel_params(kernel) -> "tuple[int, int]":
+    """(parameters, of which constexpr) of a JITFunction's signature."""
+    params = getattr(kernel, "params", [])
+    return len(params), sum(1 for p in params if p.is_constexpr)
+
+
+def measure_step(step: Callable[[], None], drv, compiles: List[Compile], steps: int, repeats: int) -> dict:
+    """``triton_launch_us`` of one step (:func:`_paired_steps`), each of its launches replayed alone
+    (:func:`paired_us`), how many reach the driver's launch in a step, and the compiles: in warm-up (one per
+    kernel specialization) and in the timed steps (none, if the kernel cache holds)."""
+    first = len(compiles)
+    step()  # compiles every kernel specialization the step launches
+    warmup = len(compiles) - first
+    launches = recorded_launches(step)
+    counted = drv.utils.launches
+    step()
+    driver_launches = drv.utils.launches - counted
+    row_us = _paired_steps(step, steps) if launches else 0.0
+    direct_us = _paired_steps(step, steps, wrap_triton=False) if launches else 0.0
+    per_launch = []
+    for launch in launches:
+        params, constexprs = _kernel_params(launch.kernel)
+        per_launch.append({"kernel": launch.name, "args": len(launch.args) + len(launch.kwargs),
+                           "params": params, "constexprs": constexprs, "grid": list(launch.grid),
+                           "us": paired_us(launch.through_triton, launch.empty, repeats),
+                           "without_wrap_triton_us": paired_us(launch.without_wrap_triton, launch.empty, repeats)})
+    return {"triton_launch_us": row_us, "without_wrap_triton_us": direct_us, "launches": len(launches),
+            "driver_launches": driver_launches,
+            "per_launch": per_launch, "compiles_warmup": warmup,
+            "compile_s_warmup": sum(c.seconds for c in compiles[first:first + warmup]),
+            "compiles_timed": len(compiles) - first - warmup}
+
+
+# ------------------------------------------------------------------------------------------------ the process
+
+def measure_rows(rows: List[str], tokens: int, k: int, n: int, steps: int, repeats: int) -> dict:
+    """Each ``scope:variant`` row's eager step measured (:func:`measure_step`) on bench_layer_host's module."""
+    import torch
+    import triton
+
+    import bench_layer_host as bench
+
+    torch.set_num_threads(1)  # as bench_layer_host
+    res = {"triton": triton.__version__, "target": "sm_%d" % TARGET[1], "steps": steps, "repeats": repeats,
+           "rows": {}}
+    shapes = argparse.Namespace(tokens=tokens, k=k, n=n)
+    with ExitStack() as stack:
+        drv, compiles = install(stack)
+        res["cuda_path_gemms"] = widen_snip_ds(stack)
+        for spec in rows:
+            scope, variant = spec.split(":")
+            build = bench.make_layer if scope == "layer" else bench.make_block
+            module, x, g, kwargs = build(variant, shapes, "cpu")
+            step = bench.Step(module, module, x, g, kwargs)
+            res["rows"][spec] = measure_step(step, drv, compiles, steps, repeats)
+        res["compiles"] = [{"kernel": c.kernel, "s": c.seconds} for c in compiles]
+    return res
+
+
+def subprocess_env(cache_dir: str) -> dict:
+    """The environment of the measuring process: Triton not interpreting (bench_layer_host, imported there,
+    leaves a set TRITON_INTERPRET alone), Triton's kernel cache in ``cache_dir`` (so every specialization is
+    compiled there, and counted as such), FP fusion as Triton 3.9 defaults it (stated, which silences a
+    warning), the repository importable."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": cache_dir}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def measure_in_subprocess(rows: List[str], tokens: int, k: int, n: int, steps: int, repeats: int,
+                          timeout_s: float) -> dict:
+    """:func:`measure_rows` in a process of its own (this one has Triton in interpreter mode): its result, or
+    ``{"not_measured": why}`` -- no ptxas, a Triton whose CUDA backend differs, a timeout -- never an estimate."""
+    with tempfile.TemporaryDirectory(prefix="snip_ds_triton_cache_") as cache, \
+            tempfile.TemporaryDirectory(prefix="snip_ds_triton_launch_") as out:
+        path = Path(out) / "triton_launch_path.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--rows", *rows, "--tokens", str(tokens), "--k",
+               str(k), "--n", str(n), "--steps", str(steps), "--repeats", str(repeats), "--output", str(path)]
+        try:
+            proc = subprocess.run(cmd, env=subprocess_env(cache), capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"not_measured": f"the measuring process ran past {timeout_s:.0f} s"}
+        if proc.returncode != 0 or not path.exists():
+            lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+            return {"not_measured": f"the measuring process failed: {lines[-1][:300] if lines else proc.returncode}"}
+        return json.loads(path.read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", nargs="+", required=True, help="scope:variant, e.g. layer:fp8_hybrid block:nvfp4")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--k", type=int, default=64)
+    p.add_argument("--n", type=int, default=64)
+    p.add_argument("--steps", type=int, default=100, help="paired steps per row")
+    p.add_argument("--repeats", type=int, default=200, help="paired replays per launch")
+    p.add_argument("--output", type=Path, required=True)
+    args = p.parse_args(argv)
+    try:
+        res = measure_rows(args.rows, args.tokens, args.k, args.n, args.steps, args.repeats)
+    except Exception as err:  # Triton's CUDA backend cannot compile here (no ptxas, another Triton): why, in full
+        res = {"not_measured": f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(HERE), str(HERE.parent)]
+    sys.exit(main())
