@@ -675,10 +675,11 @@ def _triton_launch_section(res: dict) -> list:
         lines.append(f"| {r['scope']} | {r['variant']} | {launch['launches']} | {launch['triton_launch_us']:.0f} | "
                      f"{launch['without_wrap_triton_us']:.0f} | {launch['compiles_warmup']} |")
     lines += ["", "Each launch replayed alone, by kernel (the median over a step's launches of the median of paired "
-              "replays, µs): through `wrap_triton` as snip_ds launches it eagerly, and straight through "
-              "`kernel[grid]`.", "",
-              "| scope | variant | kernel | launches | arguments (constexpr) | µs a launch | without wrap_triton µs |",
-              "|---|---|---|---|---|---|---|"]
+              "replays, µs): through `wrap_triton` as snip_ds launches it eagerly, straight through "
+              "`kernel[grid]` (`JITFunction.run`), and the compiled kernel's launcher alone (`CompiledKernel[grid]`"
+              ": no binding, specialization key or cache lookup).", "",
+              "| scope | variant | kernel | launches | arguments (constexpr) | µs a launch | without wrap_triton µs | "
+              "CompiledKernel µs |", "|---|---|---|---|---|---|---|---|"]
     for r in measured:
         by_kernel = {}
         for one in r["triton_launch"]["per_launch"]:
@@ -686,7 +687,8 @@ def _triton_launch_section(res: dict) -> list:
         for name, ones in by_kernel.items():
             lines.append(f"| {r['scope']} | {r['variant']} | `{name}` | {len(ones)} | {ones[0]['args']} "
                          f"({ones[0]['constexprs']}) | {statistics.median(o['us'] for o in ones):.1f} | "
-                         f"{statistics.median(o['without_wrap_triton_us'] for o in ones):.1f} |")
+                         f"{statistics.median(o['without_wrap_triton_us'] for o in ones):.1f} | "
+                         f"{_f(statistics.median(o['compiled_kernel_us'] for o in ones), '{:.1f}')} |")
     return lines
 
 

@@ -19,10 +19,10 @@ timing does not read. Left out, and so not in the figures: the C launcher's own 
 Per step (``--rows scope:variant``, eager): ``triton_launch_us``, the median over paired steps of a step's CPU time
 with its launches through that path less the same step's with empty launches (the pair's order alternates);
 per launch (replayed alone, paired the same way): the kernel, its arguments, the µs of the path through
-``wrap_triton`` and without it. Compiles are counted (in warm-up, and in the timed steps: none expected).
+``wrap_triton``, without it, and of the compiled kernel's own launcher alone (``CompiledKernel[grid]``). Compiles are counted (in warm-up, and in the timed steps: none expected).
 bench_layer_host runs this as a subprocess (:func:`measure_in_subprocess`); standalone::
 
-    TRITON_INTERPRET=0 python benchmarks/triton_launch_path.py --rows layer:fp8_hybrid --steps 50 --output x.json
+    python benchmarks/triton_launch_path.py --rows layer:fp8_hybrid block:nvfp4 --steps 50 --output x.json
 """
 from __future__ import annotations
 
@@ -191,6 +191,8 @@ class Launch:
     grid: tuple
     args: tuple
     kwargs: dict
+    compiled: object = None  # the CompiledKernel JITFunction.run launched
+    launched: tuple = ()  # (3-D grid, the arguments) its launcher handed the driver's launch call
 
     def through_triton(self) -> None:
         import torch
@@ -198,6 +200,13 @@ class Launch:
 
     def without_wrap_triton(self) -> None:
         self.kernel[self.grid](*self.args, **self.kwargs)
+
+    def compiled_kernel(self) -> None:
+        """The compiled kernel launched by Triton's own lowest entry (``CompiledKernel[grid](*args)``): no
+        argument binding, specialization key or cache lookup -- what a launcher kept per configuration would
+        call."""
+        grid, args = self.launched
+        self.compiled[grid](*args)
 
     def empty(self) -> None:
         """The launch as bench_layer_host times it: the same call, to a launch that does nothing."""
@@ -207,22 +216,29 @@ class Launch:
 
 def recorded_launches(step: Callable[[], None]) -> List[Launch]:
     """The kernel launches (``JITFunction.run``, whatever called it) that one call of ``step`` makes, in
-    order; each is launched, too."""
+    order, each with what reached the driver's launch call (:class:`NoGpuUtils`); each is launched, too."""
+    from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
     launches: List[Launch] = []
     run = JITFunction.run
+    utils = driver.active.utils
 
     def recording(self, *args, grid, warmup, **kwargs):
+        compiled = run(self, *args, grid=grid, warmup=warmup, **kwargs)
         if not warmup:
-            launches.append(Launch(self.fn.__name__.strip("_"), self, tuple(grid), args, dict(kwargs)))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            launches.append(Launch(self.fn.__name__.strip("_"), self, tuple(grid), args, kwargs, compiled))
+        return compiled
 
-    JITFunction.run = recording
+    JITFunction.run, utils.recorded = recording, []
     try:
         step()
     finally:
-        JITFunction.run = run
+        JITFunction.run, (recorded, utils.recorded) = run, (utils.recorded, None)
+    if len(recorded) != len(launches):
+        raise RuntimeError(f"{len(launches)} launches reached JITFunction.run, {len(recorded)} the driver")
+    for launch, launched in zip(launches, recorded):
+        launch.launched = launched
     return launches
 
 
@@ -295,7 +311,8 @@ def measure_step(step: Callable[[], None], drv, compiles: List[Compile], steps: 
         per_launch.append({"kernel": launch.name, "args": len(launch.args) + len(launch.kwargs),
                            "params": params, "constexprs": constexprs, "grid": list(launch.grid),
                            "us": paired_us(launch.through_triton, launch.empty, repeats),
-                           "without_wrap_triton_us": paired_us(launch.without_wrap_triton, launch.empty, repeats)})
+                           "without_wrap_triton_us": paired_us(launch.without_wrap_triton, launch.empty, repeats),
+                           "compiled_kernel_us": paired_us(launch.compiled_kernel, launch.empty, repeats)})
     return {"triton_launch_us": row_us, "without_wrap_triton_us": direct_us, "launches": len(launches),
             "driver_launches": driver_launches,
             "per_launch": per_launch, "compiles_warmup": warmup,
@@ -380,5 +397,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "0")  # (else bench_layer_host, imported first, sets it to 1)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated: no warning
     sys.path[:0] = [str(HERE), str(HERE.parent)]
     sys.exit(main())

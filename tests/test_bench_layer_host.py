@@ -66,7 +66,8 @@ def test_a_short_run_writes_every_row_with_its_fields(tmp_path):
                       if op.startswith("triton::")}
         assert launch["launches"] == launch["driver_launches"] == sum(triton_ops.values())
         assert {one["kernel"] for one in launch["per_launch"]} == set(triton_ops)
-        assert all(one["args"] == one["params"] and one["us"] > 0 for one in launch["per_launch"])
+        assert all(one["args"] == one["params"] and {"us", "without_wrap_triton_us", "compiled_kernel_us"} <= set(one)
+                   for one in launch["per_launch"])  # (times are not checked)
         assert launch["compiles_timed"] == 0
     # every specialization compiled in a row's warm-up (the block's: those the layer's did not)
     assert rows["layer", "fp8_hybrid"]["triton_launch"]["compiles_warmup"] > 0
