@@ -122,6 +122,8 @@ def _driver_class():
 
 @dataclass
 class Compile:
+    """One kernel specialization compiled (or loaded from Triton's cache), and the seconds it took."""
+
     kernel: str
     seconds: float
 
