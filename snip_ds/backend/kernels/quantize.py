@@ -466,12 +466,22 @@ def _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, interp
 # ------------------------------------------------------------------------------------------------------
 
 def _launchable(kernel):
-    """``kernel`` as :func:`_quantize_launch` and :func:`_amax` launch it: through ``torch.library.wrap_triton``
-    for compiled kernels (so that inductor sees the launch where it traces a ``triton_op``; outside a trace
-    it launches directly), as it is under the interpreter (``wrap_triton`` takes compiled kernels only)."""
-    if INTERPRETED or not isinstance(kernel, triton.runtime.JITFunction):  # (a wrapper counting launches)
-        return kernel
+    """``kernel`` as the launches here run it: through ``torch.library.wrap_triton`` while a trace is on
+    (:func:`_tracing`: so that dynamo, and inductor where it traces a ``triton_op``, see the launch), else the
+    kernel itself -- an eager launch through ``wrap_triton`` dispatches its higher-order operator, flattening
+    every argument, about 55-120 µs of host time a launch against Triton's own 6-19 µs (bench_layer_host's
+    ``triton_launch_us``); and under the interpreter as it is (``wrap_triton`` takes compiled kernels only)."""
+    if INTERPRETED or not isinstance(kernel, triton.runtime.JITFunction) or not _tracing():
+        return kernel  # (not a JITFunction: a wrapper counting launches)
     return torch.library.wrap_triton(kernel)
+
+
+def _tracing() -> bool:
+    """Whether a launch now is traced rather than run: dynamo compiling, or a dispatch mode on (make_fx's proxy
+    mode, fake tensors, functionalization: how AOTAutograd and inductor trace a ``triton_op``'s body). A user's
+    own dispatch mode around an eager step counts as a trace too: the launch then takes ``wrap_triton``'s
+    slower path, which is correct either way."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def _define(name: str, fn, fake):
