@@ -1,4 +1,4 @@
-"""One launch for two tensors' amax passes (``_grouped_amax_kernel``: a layer's X and W in forward).
+"""One launch for two tensors' amax passes (``grouped._grouped_amax_kernel``: a layer's X and W in forward).
 
 Max is exact and order-free, so the grouped launch must write each tensor's partial maxima exactly as that
 tensor's own amax pass writes them, and a quantization reducing them must equal one that ran its own pass, bit
@@ -15,6 +15,7 @@ from triton_mode import DEVICE, SKIP_REASON, compile_check, interpreter_on, kq  
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
+kg = kq.grouped  # (imported with the kernels, in their mode)
 
 
 def _cfg(t: torch.Tensor, recipe: str = "nvfp4", amax_given: bool = False):
@@ -28,7 +29,7 @@ def _grouped(a: torch.Tensor, b: torch.Tensor):
     of the buffer returned for them), and their configs."""
     a, b = a.to(DEVICE), b.to(DEVICE)
     cfg_a, cfg_b = _cfg(a), _cfg(b)
-    buffer, parts_b = kq.grouped_amax_partials(kq.grouped_amax_config(cfg_a, cfg_b), a, b)
+    buffer, parts_b = kg.grouped_amax_partials(kg.grouped_amax_config(cfg_a, cfg_b), a, b)
     # one buffer, a's slots first (the buffer itself stands for them), b's the rest
     assert buffer.numel() == cfg_a.amax_programs + cfg_b.amax_programs and parts_b.numel() == cfg_b.amax_programs
     assert parts_b.data_ptr() == buffer.data_ptr() + 4 * cfg_a.amax_programs
@@ -102,7 +103,7 @@ def test_quantizations_reducing_grouped_partials_equal_their_own_passes(recipe):
     w = wide_sample((48, 96), seed=9).to(DEVICE)
     cfgs = [kq.launch_config(*t.shape, recipe, 1, torch.bfloat16, False, t.dtype == torch.bfloat16,
                              write_amax=True) for t in (x, w)]
-    partials = kq.grouped_amax_partials(kq.grouped_amax_config(*cfgs), x, w)
+    partials = kg.grouped_amax_partials(kg.grouped_amax_config(*cfgs), x, w)
     for t, cfg, parts in zip((x, w), cfgs, partials):
         grouped, _, scale, amax = kq.launch(cfg, t, None, None, partials=parts)
         alone, _, scale_alone, amax_alone = kq.launch(cfg, t, None, None)
@@ -115,13 +116,13 @@ def test_the_configuration_is_worked_out_once_per_pair_and_only_for_amax_passes(
     """One configuration object per pair of quantizations; none where a quantization takes no amax pass (an
     MX recipe, or the tensor amax given); ``partials`` refused where the quantization reduces none."""
     a, b = torch.zeros(33, 70), torch.zeros(70, 17, dtype=torch.bfloat16)
-    cfg = kq.grouped_amax_config(_cfg(a), _cfg(b))
-    assert kq.grouped_amax_config(_cfg(a), _cfg(b)) is cfg
+    cfg = kg.grouped_amax_config(_cfg(a), _cfg(b))
+    assert kg.grouped_amax_config(_cfg(a), _cfg(b)) is cfg
     assert cfg.grid == (sum(cfg.programs),)
     with pytest.raises(ValueError, match="second"):
-        kq.grouped_amax_config(_cfg(a), _cfg(b, "mxfp8"))
+        kg.grouped_amax_config(_cfg(a), _cfg(b, "mxfp8"))
     with pytest.raises(ValueError, match="first"):
-        kq.grouped_amax_config(_cfg(a, amax_given=True), _cfg(b))
+        kg.grouped_amax_config(_cfg(a, amax_given=True), _cfg(b))
     with pytest.raises(ValueError, match="partials"):
         kq.launch(_cfg(b, "mxfp8"), b.to(DEVICE), None, None, partials=torch.zeros(1, dtype=torch.int32))
 
@@ -136,7 +137,7 @@ except ImportError as err:
     sys.exit(0)
 import triton
 from triton.compiler import ASTSource
-from snip_ds.backend.kernels import quantize as kq
+from snip_ds.backend.kernels import grouped as kg
 ptr = {True: "*i16", False: "*i32"}
 for bf16_a, bf16_b, tiles_a, tiles_b in ((True, False, 1, 1), (False, True, 16, 2), (True, True, 1, 4)):
     const = dict(A_BF16=bf16_a, BRA=64, BCA=64, TILES_A=tiles_a, B_BF16=bf16_b, BRB=16, BCB=64, TILES_B=tiles_b)
@@ -144,7 +145,7 @@ for bf16_a, bf16_b, tiles_a, tiles_b in ((True, False, 1, 1), (False, True, 16, 
            **{name: "i32" for name in ("RA", "CA", "stride_ra", "stride_ca", "RB", "CB", "stride_rb",
                                        "stride_cb", "PA", "PB")},
            **{name: "constexpr" for name in const}}
-    triton.compile(ASTSource(kq._grouped_amax_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
+    triton.compile(ASTSource(kg._grouped_amax_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
 print("ok")
 """
 

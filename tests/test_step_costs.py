@@ -62,14 +62,15 @@ def _counted(layer):
     return counter.counts.as_dict()
 
 
-def test_an_fp8_layer_step_is_nine_launches(scaled_mm):
+def test_an_fp8_layer_step_is_seven_launches(scaled_mm):
     """Per-tensor FP8, forward and backward: an amax pass and one quantization for X (both layouts), W, G_Y
-    (both layouts) -- X's and W's amax passes in one launch --, W again for dgrad from the forward's amax (no
-    amax pass), three FP8 GEMMs -- no zero-fill before an amax, no transposed copy, nothing else."""
+    (both layouts), W again for dgrad from the forward's amax (no amax pass), three FP8 GEMMs -- no zero-fill
+    before an amax, no transposed copy, nothing else. Independent jobs share a launch (9 -> 7 launches): X's
+    and W's amax passes; X's and W's quantizations; W's for dgrad and G_Y's (after G_Y's amax pass)."""
     counts = _counted(_layer("fp8", {}))
-    assert counts["by_op"] == {"triton::quantize_kernel": 4, "triton::grouped_amax_kernel": 1,
+    assert counts["by_op"] == {"triton::grouped_quantize_kernel": 2, "triton::grouped_amax_kernel": 1,
                                "triton::amax_kernel": 1, "aten::_scaled_mm": 3}
-    assert counts["launches"] == 9
+    assert counts["launches"] == 7
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -243,10 +244,11 @@ def test_fp8_layers_reading_one_input_quantize_it_once(scaled_mm):
     x, _ = _data(5)
     by_op, codes, codes_each = _layers_reading_one_input(layers, x, lambda t: t.dtype == torch.float8_e4m3fn)
     assert len(codes) == 1 and len(codes_each) == 3
-    # X once (1 quantize; its amax pass in one launch with the first W's), each W (the two others' amax passes,
-    # 3 quantize), each G_Y (3 + 3), each W again for dgrad (3 quantize)
+    # X once (its amax pass in one launch with the first W's, its quantization in one with the first W's), the
+    # two other Ws alone (their amax passes, 2 quantize), each G_Y's amax pass (3), each G_Y with its W again for
+    # dgrad (3 grouped quantizations)
     assert by_op["triton::grouped_amax_kernel"] == 1 and by_op["triton::amax_kernel"] == 2 + 3
-    assert by_op["triton::quantize_kernel"] == 1 + 3 + 3 + 3
+    assert by_op["triton::grouped_quantize_kernel"] == 1 + 3 and by_op["triton::quantize_kernel"] == 2
 
 
 def _gemm_tail_copies(unit_scales):
@@ -267,20 +269,21 @@ def _gemm_tail_copies(unit_scales):
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "mxfp4"])
 def test_a_block_recipe_layer_step_takes_each_amax_once_and_one_launch_for_both_layouts(through_kernels, recipe):
-    """MXFP8, NVFP4, MXFP4 forward and backward (snip_ds.backend.block_step): one quantization launch for X in
-    both layouts and one for G_Y (each blocked along its GEMM's contraction axis), W for fprop and again for
-    dgrad; NVFP4 takes one amax pass per operand (W's reused for dgrad), X's and W's in one launch, and
-    multiplies each GEMM's result by the product of tensor scales its kernel wrote (one ``mul`` per GEMM, none
-    on the scales); FP4 draws one stochastic-rounding seed per GEMM that reads G_Y. Besides, only the three
-    GEMMs and the casts around them (none on a CPU with native BF16 GEMMs: 7, 14 and 9 launches,
-    bench_layer_host's eager layer rows)."""
+    """MXFP8, NVFP4, MXFP4 forward and backward (snip_ds.backend.block_step): one quantization for X in both
+    layouts and one for G_Y (each blocked along its GEMM's contraction axis), W for fprop and again for dgrad,
+    two in each launch (X's with W's, G_Y's with W's for dgrad); NVFP4 takes one amax pass per operand (W's
+    reused for dgrad), X's and W's in one launch, and multiplies each GEMM's result by the product of tensor
+    scales its kernel wrote (one ``mul`` per GEMM, none on the scales); FP4 draws one stochastic-rounding seed
+    per GEMM that reads G_Y. Besides, only the three GEMMs and the casts around them (none on a CPU with native
+    BF16 GEMMs: 5, 12 and 7 launches, bench_layer_host's eager layer rows; 7, 14 and 9 before the
+    quantizations were grouped)."""
     from snip_ds.backend import cpu_stream
 
     precision, fields = RECIPES[recipe]
     counts = _counted(_layer(precision, fields))
     by_op = dict(counts["by_op"])
     copies = by_op.pop("aten::_to_copy", 0)
-    expected = {"triton::quantize_kernel": 4, "aten::mm": 3}
+    expected = {"triton::grouped_quantize_kernel": 2, "aten::mm": 3}
     if recipe == "nvfp4":
         expected.update({"triton::grouped_amax_kernel": 1, "triton::amax_kernel": 1, "aten::mul": 3})
     if precision == "fp4":
@@ -289,7 +292,7 @@ def test_a_block_recipe_layer_step_takes_each_amax_once_and_one_launch_for_both_
     assert copies == _gemm_tail_copies(unit_scales=recipe != "nvfp4")
     assert counts["launches"] == sum(expected.values()) + copies
     if DEVICE == "cpu" and cpu_stream.cpu_bf16_gemm(torch.bfloat16):
-        assert counts["launches"] == {"mxfp8": 7, "nvfp4": 14, "mxfp4": 9}[recipe]
+        assert counts["launches"] == {"mxfp8": 5, "nvfp4": 12, "mxfp4": 7}[recipe]
 
 
 def test_block_recipe_layers_reading_one_input_quantize_it_once(through_kernels):
@@ -307,7 +310,8 @@ def test_block_recipe_layers_reading_one_input_quantize_it_once(through_kernels)
     by_op, values, values_each = _layers_reading_one_input(
         layers, x, lambda t: t.shape == x.shape and t.t().is_contiguous(), reseed)  # column-major wgrad values
     assert len(values) == 1 and len(values_each) == 3
-    # X once (1 quantize; its amax pass in one launch with the first W's), each W (the two others' amax passes,
-    # 3 quantize), each G_Y (3 + 3), each W again for dgrad (3 quantize)
+    # X once (its amax pass in one launch with the first W's, its quantization in one with the first W's), the
+    # two other Ws alone (their amax passes, 2 quantize), each G_Y's amax pass (3), each G_Y with its W again for
+    # dgrad (3 grouped quantizations)
     assert by_op["triton::grouped_amax_kernel"] == 1 and by_op["triton::amax_kernel"] == 2 + 3
-    assert by_op["triton::quantize_kernel"] == 1 + 3 + 3 + 3
+    assert by_op["triton::grouped_quantize_kernel"] == 1 + 3 and by_op["triton::quantize_kernel"] == 2

@@ -5,20 +5,21 @@ are the same block recipe (without the Hadamard transform of wgrad's operands, w
 needs X along k (fprop) and along the tokens (wgrad), G_Y along n (dgrad) and along the tokens (wgrad), W along
 k (fprop) and along n (dgrad). Here:
 
-* forward: X's and W's amax passes (NVFP4) in one launch; X's values in both layouts, each in blocks along its
-  own axis, from one launch -- or those of the previous layer where it read the very same X, unchanged (the
+* forward: X's and W's amax passes (NVFP4) in one launch; then, in one launch
+  (:mod:`snip_ds.backend.kernels.grouped`), X's values in both layouts, each in blocks along its own axis, and
+  W's values for fprop, the amax written out and kept for dgrad (four bytes), and fprop's product of the tensor
+  scales (NVFP4) -- or X's values are those of the previous layer where it read the very same X, unchanged (the
   query, key and value projections of one input, gate and up: one quantization and one kept copy for all of
-  them, as :mod:`.fp8_step` shares X's codes; W's amax pass is then a launch of its own); W's values for
-  fprop, the amax written out and kept for dgrad (four bytes), and fprop's product of the tensor scales
-  (NVFP4); the GEMM. Kept for backward: X's values in wgrad's layout and its tensor scale (where the per-GEMM
-  path keeps X itself: the same bytes for BF16 X) and W with its amax.
-* backward: W's values for dgrad from the kept amax (no amax pass); G_Y's amax pass and its values in both
-  layouts from one launch, each rounded stochastically from its own seed (drawn from the generator in the
-  order dgrad, wgrad, as the per-GEMM path draws them), writing dgrad's and wgrad's products of tensor scales;
-  the two GEMMs.
+  them, as :mod:`.fp8_step` shares X's codes; W's amax pass and quantization are then launches of their own);
+  the GEMM. Kept for backward: X's values in wgrad's layout and its tensor scale (where the per-GEMM path keeps
+  X itself: the same bytes for BF16 X) and W with its amax.
+* backward: G_Y's amax pass (NVFP4); W's values for dgrad from the kept amax (no amax pass) and G_Y's values in
+  both layouts in one launch, each layout of G_Y rounded stochastically from its own seed (drawn from the
+  generator in the order dgrad, wgrad, as the per-GEMM path draws them), writing dgrad's and wgrad's products
+  of tensor scales; the two GEMMs.
 
 Per operand this is one amax pass (the per-GEMM path takes two; X's and W's share a launch) and, for X and
-G_Y, one quantization launch (two), and the GEMMs multiply by products the kernels wrote (no
+G_Y, one quantization (two), two of them in each launch, and the GEMMs multiply by products the kernels wrote (no
 ``scale_a * scale_b`` launch). The values, scales, draws and GEMM calls are the per-GEMM path's, so the
 results are bit for bit the same (``tests/test_torch_backend_kernels.py``). Under tensor parallelism
 (:func:`snip_ds.backend.operands.shared_amax`) each operand's amax is the whole tensor's, taken once.
@@ -53,17 +54,24 @@ class BlockStep(NamedTuple):
     amax_given: bool  # a shared_amax reduction gives the amaxes (tensor parallelism)
     mm: Any  # the backend's GEMM of grid values: ``mm(gemm, a, b, sa, sb, None, bias, out_dtype, unit, scale)``
     device: torch.device  # where the products of tensor scales are written
-    amax_pair: Any = None  # X's and W's amax passes in one launch, where both take one here (NVFP4), else None
+    amax_pair: Any  # X's and W's amax passes in one launch, where both take one here (NVFP4), else None
+    kg: Any  # snip_ds.backend.kernels.grouped
+    xw_pair: Any  # X's and W's quantizations in one launch (forward, X not shared)
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype) -> Tuple[torch.Tensor, QuantParts, WithAmax]:
         """``Y`` and what backward keeps: X's values for wgrad (a column-major view of their transposed
         storage) and tensor scale, and W with its amax."""
         x, w = _kernel_input(x), _kernel_input(w)
-        (x_values, x_t, x_scale), w_partials = self._x_values(x, w)
+        shared, remember = self._shared_x(x)
         product = self._products(1)
-        w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w, self.w), None,
-                                                      partials=w_partials, **self._partners((x_scale,), product))
+        if shared is None:  # X quantized here, with W in one launch
+            (x_values, x_t, x_scale), (w_values, _, w_scale, w_amax) = self._quantize_x_and_w(x, w, product,
+                                                                                             remember)
+        else:
+            x_values, x_t, x_scale = shared
+            w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w, self.w), None,
+                                                          **self._partners((x_scale,), product))
         y = self.mm("fprop", x_values, w_values.t(), x_scale, w_scale, None, bias, out_dtype, self.unit_scales,
                     None if product is None else product[0])
         return y, QuantParts(x_t.t(), x_scale), WithAmax(w, w_amax)
@@ -76,20 +84,20 @@ class BlockStep(NamedTuple):
         need_x, need_w = needs
         seeds = [self.kq.seed_tensor(kernel_seed(generator, g.device), g.device) if self.stochastic_g and need
                  else None for need in needs]  # dgrad's, then wgrad's: the per-GEMM path's order
-        partners = ()
-        if need_x:  # W for dgrad from the forward's amax
+        g_bf16 = g.dtype == torch.bfloat16
+        if need_x:  # W for dgrad (from the forward's amax) and G_Y in one launch; its products' first partner W's
             w = _kernel_input(w_keep.tensor)
-            w_t, _, w_scale, _ = self.kq.launch(_w_t_config(*w.shape, w.dtype == torch.bfloat16, self.w), w,
-                                                w_keep.amax, None)
-            partners += (w_scale,)
-        if need_w:
-            partners += (x_keep.tensor_scale,)
-        products = self._products(len(partners))
-        g_cfg = _g_config(*g.shape, g.dtype == torch.bfloat16, self.g, need_x, need_w, self.amax_given,
-                          0 if products is None else len(partners))
-        first, g_t, g_scale, _ = self.kq.launch(g_cfg, g, self._amax(g, self.g), seeds[0] if need_x else seeds[1],
-                                                seed2=seeds[1] if need_x else None,
-                                                **self._partners(partners, products))
+            products = self._products(1 + need_w)
+            pair = _wg_pair(*w.shape, w.dtype == torch.bfloat16, self.w, *g.shape, g_bf16, self.g, need_w,
+                            self.amax_given, 0 if products is None else 1 + need_w)
+            (w_t, _, w_scale, _), (first, g_t, g_scale, _) = self.kg.launch_pair(
+                pair, w, w_keep.amax, g, self._amax(g, self.g), b_seed=seeds[0], b_seed2=seeds[1],
+                partner2=x_keep.tensor_scale if need_w and products is not None else None, products=products)
+        else:  # G_Y for wgrad alone, transposed
+            products = self._products(1)
+            g_cfg = _g_config(*g.shape, g_bf16, self.g, False, True, self.amax_given, 0 if products is None else 1)
+            first, g_t, g_scale, _ = self.kq.launch(g_cfg, g, self._amax(g, self.g), seeds[1],
+                                                    **self._partners((x_keep.tensor_scale,), products))
         g_x = g_w = None
         if need_x:
             g_x = self.mm("dgrad", first, w_t.t(), g_scale, w_scale, None, None, x_dtype, self.unit_scales,
@@ -98,34 +106,43 @@ class BlockStep(NamedTuple):
         if need_w:
             g_t, first = (g_t if need_x else first), None
             g_w = self.mm("wgrad", g_t, x_keep.values, g_scale, x_keep.tensor_scale, None, None, w_dtype,
-                          self.unit_scales, None if products is None else products[len(partners) - 1])
+                          self.unit_scales, None if products is None else products[-1])
         return g_x, g_w
 
-    def _x_values(self, x: torch.Tensor, w: torch.Tensor
-                  ) -> Tuple[Tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]:
-        """X's values in both layouts and its tensor scale: those of the previous block-recipe layer when it read
-        the very same X with the same recipe (the query, key and value projections of one input; gate and
-        up), else quantized here (as :mod:`.fp8_step` shares X's codes; not inside its ``unshared()``). And W's
-        amax partials where X's amax pass here took W's too (:meth:`_quantize_x`), else None."""
+    def _shared_x(self, x: torch.Tensor) -> Tuple[Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                                                  Optional[tuple]]:
+        """X's values in both layouts and its tensor scale from the previous block-recipe layer when it read the
+        very same X with the same recipe (the query, key and value projections of one input; gate and up), else
+        None -- and, where X is to be quantized here for later layers to share, what :meth:`_quantize_x_and_w`
+        records it under (as :mod:`.fp8_step` shares X's codes; not inside its ``unshared()``)."""
         if not fp8_step.sharing_x():
-            return self._quantize_x(x, w)
+            return None, None
         source = x if x._base is None else x._base  # (a reshaped view is a new object at every call)
         key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, self.x_cfg, self.amax_given)
         last = _LAST_X[0]
         if last is not None and last[0]() is source and last[1] == key and last[2] == source._version:
             return last[3], None
-        found, w_partials = self._quantize_x(x, w)
-        _LAST_X[0] = (weakref.ref(source), key, source._version, found)
-        return found, w_partials
+        return None, (source, key)
 
-    def _quantize_x(self, x: torch.Tensor, w: torch.Tensor
-                    ) -> Tuple[Tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]:
-        """X quantized here: its amax pass and W's in one launch where both take one (``amax_pair``; W's
-        partial maxima returned for W's quantization to reduce), else X's own pass where it takes one."""
-        if self.amax_pair is None:
-            return self.kq.launch(self.x_cfg, x, self._amax(x, self.x), None)[:3], None
-        x_partials, w_partials = self.kq.grouped_amax_partials(self.amax_pair, x, w)
-        return self.kq.launch(self.x_cfg, x, None, None, partials=x_partials)[:3], w_partials
+    def _quantize_x_and_w(self, x: torch.Tensor, w: torch.Tensor, product: Optional[torch.Tensor],
+                          remember: Optional[tuple]):
+        """X's values in both layouts and its tensor scale, and W's quantization for fprop (``(values, _, scale,
+        amax)``, fprop's product of tensor scales written into ``product`` where given), in one launch -- after
+        X's and W's amax passes in one where both take one (``amax_pair``), else each its own where it takes
+        one. X's recorded for the next layer under ``remember`` (:meth:`_shared_x`) where given."""
+        x_amax = self._amax(x, self.x)  # (under tensor parallelism X's reduction first, as before W's)
+        w_amax = self._amax(w, self.w)
+        x_partials = w_partials = None
+        if self.amax_pair is not None:
+            x_partials, w_partials = self.kg.grouped_amax_partials(self.amax_pair, x, w)
+        (values, values_t, scale, _), w_parts = self.kg.launch_pair(self.xw_pair, x, x_amax, w, w_amax,
+                                                                     a_partials=x_partials, b_partials=w_partials,
+                                                                     products=product)
+        found = (values, values_t, scale)
+        if remember is not None:
+            source, key = remember
+            _LAST_X[0] = (weakref.ref(source), key, source._version, found)
+        return found, w_parts
 
     def _amax(self, t: torch.Tensor, recipe: str) -> Optional[torch.Tensor]:
         """The whole tensor's amax under a shared_amax reduction (as the kernels read it: 0-d FP32 on ``t``'s
@@ -167,7 +184,7 @@ def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, 
     """The step of a layer with X ``[rows, k]`` and W ``[n, k]`` under ``recipes`` (:func:`block_recipes`);
     ``mm``: the backend's GEMM of grid values; ``amax_given``: a
     :func:`~snip_ds.backend.operands.shared_amax` reduction is in force. The caller caches it."""
-    from snip_ds.backend.kernels import quantize as kq
+    from snip_ds.backend.kernels import grouped as kg, quantize as kq
 
     x, w, g, stochastic_g = recipes
     unit = get_recipe(x).scale == "e8m0" and get_recipe(w).scale == "e8m0"
@@ -175,8 +192,9 @@ def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, 
     x_cfg = kq.launch_config(rows, k, x, 1, VALUES, False, x_bf16, both=True, amax_given=amax_given)
     w_cfg = kq.launch_config(n, k, w, 1, VALUES, False, w_bf16, amax_given=amax_given, write_amax=True,
                              products=0 if unit else 1)
-    pair = kq.grouped_amax_config(x_cfg, w_cfg) if kq.takes_amax_pass(x_cfg) and kq.takes_amax_pass(w_cfg) else None
-    return BlockStep(kq, x, w, g, stochastic_g, x_cfg, w_cfg, unit, amax_given, mm, device, pair)
+    pair = kg.grouped_amax_config(x_cfg, w_cfg) if kq.takes_amax_pass(x_cfg) and kq.takes_amax_pass(w_cfg) else None
+    return BlockStep(kq, x, w, g, stochastic_g, x_cfg, w_cfg, unit, amax_given, mm, device, pair, kg,
+                     kg.quantize_pair_config(x_cfg, w_cfg))
 
 
 def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -205,3 +223,14 @@ def _w_t_config(n: int, k: int, in_bf16: bool, recipe: str):
     from snip_ds.backend.kernels import quantize as kq
 
     return kq.launch_config(n, k, recipe, 0, VALUES, True, in_bf16, amax_given=True)
+
+
+@functools.lru_cache(maxsize=1024)
+def _wg_pair(n: int, k: int, w_bf16: bool, w_recipe: str, rows: int, g_cols: int, g_bf16: bool, g_recipe: str,
+             need_w: bool, amax_given: bool, products: int):
+    """W for dgrad (:func:`_w_t_config`) and G_Y (:func:`_g_config`, dgrad's layout and, where ``need_w``,
+    wgrad's) in one launch, G_Y's first product of scales with W's."""
+    from snip_ds.backend.kernels import grouped as kg
+
+    return kg.quantize_pair_config(_w_t_config(n, k, w_bf16, w_recipe),
+                                   _g_config(rows, g_cols, g_bf16, g_recipe, True, need_w, amax_given, products))

@@ -2,19 +2,20 @@
 
 Per-tensor FP8 quantizes an operand to the same codes with the same scale whatever the GEMM's contraction
 axis, so a layer whose three GEMMs are all FP8 needs each operand quantized once, laid out for every GEMM that
-reads it: the torch backend's step here is nine launches (without a bias), against the seventeen of quantizing
-each GEMM's operands on their own.
+reads it: the torch backend's step here is seven launches (without a bias), against the seventeen of
+quantizing each GEMM's operands on their own.
 
-* forward: X's and W's amax passes in one launch; W's E4M3 codes (row-major: fprop's column-major ``Wᵀ``);
-  X's E4M3 codes in both layouts in one pass (row-major for fprop, transposed for wgrad) -- or those of the
-  previous layer where it read the very same X, unchanged (the query, key and value projections of one input,
-  gate and up: one amax and one cast of X for all of them, and one copy of its codes kept; W's amax pass is
-  then a launch of its own); the FP8 GEMM.
+* forward: X's and W's amax passes in one launch; then X's E4M3 codes in both layouts (row-major for fprop,
+  transposed for wgrad) and W's (row-major: fprop's column-major ``Wᵀ``) in one launch
+  (:mod:`snip_ds.backend.kernels.grouped`) -- or X's codes are those of the previous layer where it read the
+  very same X, unchanged (the query, key and value projections of one input, gate and up: one amax and one
+  cast of X for all of them, and one copy of its codes kept; W's amax pass and quantization are then launches
+  of their own); the FP8 GEMM.
   Kept for backward: X's transposed codes and scale (one byte per element, where ``nn.Linear`` keeps X
   itself) and W's amax (four bytes).
-* backward: G_Y's amax pass and its E5M2 codes in both layouts in one pass (row-major for dgrad, transposed
-  for wgrad: no transposed copy); W's codes again, transposed for dgrad, from the kept amax (no amax pass);
-  the two FP8 GEMMs.
+* backward: G_Y's amax pass; W's codes again, transposed for dgrad, from the kept amax (no amax pass), and
+  G_Y's E5M2 codes in both layouts (row-major for dgrad, transposed for wgrad: no transposed copy) in one
+  launch; the two FP8 GEMMs.
 
 Everything that depends only on the layer's shapes, dtypes, device and settings -- the kernels' launch
 configurations, the operand dtypes, whether ``torch._scaled_mm`` runs every GEMM -- is worked out once per
@@ -54,7 +55,10 @@ class Fp8Step(NamedTuple):
     mm: Any  # the backend's GEMM of grid values, where ``scaled`` is False: ``mm(gemm, a, b, sa, sb, fp8, ...)``
     w_t_cfg: Any  # W again for dgrad, transposed, from the forward's amax
     g_cfgs: Dict[Tuple[bool, bool, bool], Any]  # G_Y's, by (G_Y in BF16, dgrad runs, wgrad runs)
-    amax_pair: Any = None  # X's and W's amax passes in one launch (None where a shared_amax reduction gives them)
+    amax_pair: Any  # X's and W's amax passes in one launch (None where a shared_amax reduction gives them)
+    kg: Any  # snip_ds.backend.kernels.grouped
+    xw_pair: Any  # X's and W's quantizations in one launch (forward, X not shared)
+    wg_pairs: Dict[Tuple[bool, bool], Any]  # W for dgrad and G_Y in one launch, by (G_Y in BF16, wgrad runs)
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype) -> Tuple[torch.Tensor, QuantParts, WithAmax]:
@@ -62,11 +66,11 @@ class Fp8Step(NamedTuple):
         scale, and W with its amax."""
         x, w = _kernel_input(x), _kernel_input(w)
         x_codes, remember = self._shared_x(x)
-        x_partials = w_partials = None
-        if x_codes is None and self.amax_pair is not None:  # X quantized here: its amax pass and W's in one launch
-            x_partials, w_partials = self.kq.grouped_amax_partials(self.amax_pair, x, w)
-        w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w), None, partials=w_partials)
-        x_values, x_t, x_scale = x_codes or self._quantize_x(x, x_partials, remember)
+        if x_codes is None:  # X quantized here, with W in one launch
+            x_codes, (w_values, _, w_scale, w_amax) = self._quantize_x_and_w(x, w, remember)
+        else:
+            w_values, _, w_scale, w_amax = self.kq.launch(self.w_cfg, w, self._amax(w), None)
+        x_values, x_t, x_scale = x_codes
         y = self._gemm("fprop", x_values, w_values.t(), x_scale, w_scale, (E4M3, E4M3), bias, out_dtype)
         return y, QuantParts(x_t.t(), x_scale), WithAmax(w, w_amax)
 
@@ -75,13 +79,14 @@ class Fp8Step(NamedTuple):
         _LAST_X[0] = None  # (the forward's last X codes: not read again)
         g = _kernel_input(g)
         need_x, need_w = needs
-        g_values, g_t, g_scale, _ = self.kq.launch(self.g_cfgs[g.dtype == torch.bfloat16, need_x, need_w], g,
-                                                   self._amax(g), None)
-        if not need_x:  # the one layout written is the transposed one
-            g_values, g_t = None, g_values
+        g_bf16 = g.dtype == torch.bfloat16
+        if need_x:  # W for dgrad (from the forward's amax) and G_Y in one launch, after G_Y's amax pass
+            (w_t, _, w_scale, _), (g_values, g_t, g_scale, _) = self.kg.launch_pair(
+                self.wg_pairs[g_bf16, need_w], _kernel_input(w_keep.tensor), w_keep.amax, g, self._amax(g))
+        else:  # the one layout written is the transposed one
+            g_t, _, g_scale, _ = self.kq.launch(self.g_cfgs[g_bf16, False, True], g, self._amax(g), None)
         g_x = g_w = None
         if need_x:
-            w_t, _, w_scale, _ = self.kq.launch(self.w_t_cfg, _kernel_input(w_keep.tensor), w_keep.amax, None)
             g_x = self._gemm("dgrad", g_values, w_t.t(), g_scale, w_scale, (E5M2, E4M3), None, x_dtype)
             g_values = w_t = None  # (dgrad's operands: not alive beside wgrad's result, at the step's peak)
         if need_w:
@@ -103,17 +108,22 @@ class Fp8Step(NamedTuple):
             return last[3], None
         return None, (source, key)
 
-    def _quantize_x(self, x: torch.Tensor, partials: Optional[torch.Tensor], remember: Optional[tuple]
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """X's codes in both layouts and its scale, quantized here (``partials``: its amax pass's, taken in one
-        launch with W's; None: with its own pass, or the amax given), recorded for the next layer under
-        ``remember`` (:meth:`_shared_x`) where given."""
-        amax = None if partials is not None else self._amax(x)
-        values, values_t, scale, _ = self.kq.launch(self.x_cfg, x, amax, None, partials=partials)
+    def _quantize_x_and_w(self, x: torch.Tensor, w: torch.Tensor, remember: Optional[tuple]):
+        """X's codes in both layouts and its scale, and W's quantization for fprop (:meth:`Fp8Step.forward`'s
+        ``(values, _, scale, amax)``), in one launch after their amax passes in one (or with the amaxes
+        given); X's recorded for the next layer under ``remember`` (:meth:`_shared_x`) where given."""
+        w_amax = self._amax(w)  # (under tensor parallelism W's reduction first, as before X's)
+        x_amax = self._amax(x)
+        x_partials = w_partials = None
+        if self.amax_pair is not None:
+            x_partials, w_partials = self.kg.grouped_amax_partials(self.amax_pair, x, w)
+        (values, values_t, scale, _), w_parts = self.kg.launch_pair(self.xw_pair, x, x_amax, w, w_amax,
+                                                                     a_partials=x_partials, b_partials=w_partials)
+        codes = (values, values_t, scale)
         if remember is not None:
             source, key = remember
-            _LAST_X[0] = (weakref.ref(source), key, source._version, (values, values_t, scale))
-        return values, values_t, scale
+            _LAST_X[0] = (weakref.ref(source), key, source._version, codes)
+        return codes, w_parts
 
     def _amax(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         return whole_amax(t, "fp8_e4m3") if self.amax_given else None
@@ -166,7 +176,7 @@ def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, 
     """The step of a layer with X ``[rows, k]`` and W ``[n, k]`` (``scaled``: ``torch._scaled_mm`` runs all
     three GEMMs; ``mm``: the backend's GEMM of grid values otherwise; ``amax_given``: a
     :func:`~snip_ds.backend.operands.shared_amax` reduction is in force). The caller caches it."""
-    from snip_ds.backend.kernels import quantize as kq
+    from snip_ds.backend.kernels import grouped as kg, quantize as kq
 
     x_dtype, w_dtype = _kernel_dtype(x_dtype), _kernel_dtype(w_dtype)
 
@@ -181,8 +191,11 @@ def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, 
     g_cfgs = {(g_bf16, need_x, need_w): kq.launch_config(rows, n, "fp8_e5m2", 1, E5M2, not need_x, g_bf16,
                                                          both=need_x and need_w, amax_given=amax_given)
               for g_bf16 in (False, True) for need_x, need_w in ((True, True), (True, False), (False, True))}
-    pair = None if amax_given else kq.grouped_amax_config(x_cfg, w_cfg)
-    return Fp8Step(kq, x_cfg, w_cfg, scaled, amax_given, values, mm, w_t_cfg, g_cfgs, pair)
+    pair = None if amax_given else kg.grouped_amax_config(x_cfg, w_cfg)
+    wg_pairs = {(g_bf16, need_w): kg.quantize_pair_config(w_t_cfg, g_cfgs[g_bf16, True, need_w])
+                for g_bf16 in (False, True) for need_w in (False, True)}
+    return Fp8Step(kq, x_cfg, w_cfg, scaled, amax_given, values, mm, w_t_cfg, g_cfgs, pair, kg,
+                   kg.quantize_pair_config(x_cfg, w_cfg), wg_pairs)
 
 
 def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:

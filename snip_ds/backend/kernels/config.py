@@ -130,36 +130,6 @@ def takes_amax_pass(cfg: LaunchConfig) -> bool:
     return cfg.kind != MX_KIND and cfg.constants["AMAX_BLOCK"] == MAX_AMAX_PROGRAMS
 
 
-class GroupedAmaxConfig(NamedTuple):
-    """The launch of two tensors' amax passes as one (:func:`grouped_amax_config`)."""
-
-    programs: Tuple[int, int]  # each tensor's programs (partial maxima): the first's slots first
-    grid: Tuple[int]
-    constants: Dict[str, Any]  # the grouped amax kernel's compile-time arguments
-
-
-def grouped_amax_config(first: LaunchConfig, second: LaunchConfig) -> GroupedAmaxConfig:
-    """One launch of the amax passes of two quantizations launched with ``first`` and ``second``, whose tiles,
-    programs and tiles per program it keeps (so each tensor's partial maxima are those of its own pass); worked
-    out once per pair (cached). ValueError where either configuration takes no amax pass (an MX recipe, or the
-    tensor amax given)."""
-    for name, cfg in (("first", first), ("second", second)):
-        if not takes_amax_pass(cfg):
-            raise ValueError(f"{name}: its quantization takes no amax pass (an MX recipe or the amax given)")
-    return _cached_grouped_amax_config(first.amax_programs, first.amax_tiles, first.br, first.bc, first.in_bf16,
-                                       second.amax_programs, second.amax_tiles, second.br, second.bc,
-                                       second.in_bf16)
-
-
-@functools.lru_cache(maxsize=1024)
-def _cached_grouped_amax_config(programs_a: int, tiles_a: int, br_a: int, bc_a: int, bf16_a: bool,
-                                programs_b: int, tiles_b: int, br_b: int, bc_b: int, bf16_b: bool
-                                ) -> GroupedAmaxConfig:
-    return GroupedAmaxConfig((programs_a, programs_b), (programs_a + programs_b,),
-                             dict(A_BF16=bf16_a, BRA=br_a, BCA=bc_a, TILES_A=tiles_a,
-                                  B_BF16=bf16_b, BRB=br_b, BCB=bc_b, TILES_B=tiles_b))
-
-
 def launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype: torch.dtype, transpose: bool,
                   in_bf16: bool, *, both: bool = False, amax_given: bool = False,
                   write_amax: bool = False, products: int = 0) -> LaunchConfig:

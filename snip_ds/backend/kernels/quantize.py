@@ -40,21 +40,18 @@ from triton.runtime.interpreter import InterpretedFunction
 from snip_ds.backend.base import check_kernel_arguments, check_kernel_input
 from snip_ds.backend.kernels import grid as g
 from snip_ds.backend.kernels.config import (BOTH_AXES, BOTH_SAME, FP8_CODES, MX, MX_KIND, NVFP4_2D, OUT_BF16,
-                                            OUT_FP8, PER_TENSOR, GroupedAmaxConfig, LaunchConfig, amax_programs,
-                                            amax_tiles, cached_launch_config, grouped_amax_config, kind,
-                                            launch_config, takes_amax_pass, tile)
+                                            OUT_FP8, PER_TENSOR, LaunchConfig, amax_programs, amax_tiles,
+                                            cached_launch_config, kind, launch_config, takes_amax_pass, tile)
 from snip_ds.quant import QuantParts, Recipe, get_recipe
 
 # the public API, the configuration's kind and launch_config included (used through this module)
 __all__ = ["quantize_parts", "fake_quantize", "tensor_amax", "launch", "launch_config", "kind", "seed_tensor",
-           "grouped_amax_config", "grouped_amax_partials", "takes_amax_pass", "INTERPRETED", "triton_quantize",
-           "triton_amax"]
+           "takes_amax_pass", "operands", "INTERPRETED", "triton_quantize", "triton_amax"]
 
 
 @triton.jit
-def _tile_index(C, BC: tl.constexpr):
-    """(row tile, column tile) of this program on the 1-D grid, as int64."""
-    pid = tl.program_id(0).to(tl.int64)
+def _tile_index(pid, C, BC: tl.constexpr):
+    """(row tile, column tile) of tile ``pid`` (int64) on the 1-D grid."""
     n_col_tiles = tl.cdiv(C, BC)
     return pid // n_col_tiles, pid % n_col_tiles
 
@@ -99,24 +96,6 @@ def _amax_kernel(x_ptr, partials_ptr, R, C, stride_r, stride_c, IN_BF16: tl.cons
     n_programs = tl.num_programs(0).to(tl.int64)
     tl.store(partials_ptr + pid, _partial_max(x_ptr, R, C, stride_r, stride_c, pid, n_programs, IN_BF16, BR, BC,
                                               TILES_PER_PROGRAM))
-
-
-@triton.jit(do_not_specialize=["PA", "PB"])  # (program counts vary with the shapes: no variant per value class)
-def _grouped_amax_kernel(a_ptr, b_ptr, partials_ptr, RA, CA, stride_ra, stride_ca, RB, CB, stride_rb, stride_cb,
-                         PA, PB, A_BF16: tl.constexpr, BRA: tl.constexpr, BCA: tl.constexpr,
-                         TILES_A: tl.constexpr, B_BF16: tl.constexpr, BRB: tl.constexpr, BCB: tl.constexpr,
-                         TILES_B: tl.constexpr):
-    """Stage 1 of two tensors' amaxes in one launch (a layer's X and W): programs ``0 .. PA - 1`` are
-    :func:`_amax_kernel`'s ``PA`` programs over ``a``, programs ``PA .. PA + PB - 1`` its ``PB`` programs over
-    ``b``, each tensor with its own shape, strides, dtype and tiles; partial ``p`` goes to ``partials[p]``, so
-    ``a``'s are the first ``PA`` slots and ``b``'s the ``PB`` after them -- each the same integers as
-    :func:`_amax_kernel`'s launch over that tensor alone."""
-    pid = tl.program_id(0).to(tl.int64)
-    if pid < PA:
-        best = _partial_max(a_ptr, RA, CA, stride_ra, stride_ca, pid, PA, A_BF16, BRA, BCA, TILES_A)
-    else:
-        best = _partial_max(b_ptr, RB, CB, stride_rb, stride_cb, pid - PA, PB, B_BF16, BRB, BCB, TILES_B)
-    tl.store(partials_ptr + pid, best)
 
 
 @triton.jit
@@ -187,17 +166,34 @@ def _rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed_ptr, offset, K
     return values
 
 
-@triton.jit(do_not_specialize=["n_amax"])  # (its value varies with the shape: no variant per value class)
-def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C, stride_r,
-                     stride_c, seed_ptr, seed2_ptr, offset, partner_ptr, partner2_ptr, products_ptr,
-                     KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr,
-                     MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr,
-                     TENSOR_DIVISOR: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr,
-                     OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr,
-                     BOTH: tl.constexpr, AMAX_BLOCK: tl.constexpr, WRITE_AMAX: tl.constexpr,
-                     PRODUCTS: tl.constexpr):
-    pid_r, pid_c = _tile_index(C, BC)
+@triton.jit
+def _amax_and_scale(amax_ptr, n_amax, KIND: tl.constexpr, TENSOR_DIVISOR: tl.constexpr,
+                    AMAX_BLOCK: tl.constexpr):
+    """The tensor amax (stage 2, :func:`_reduce_amax`; 0 for MX, which reads none) and the tensor scale made from
+    it (1 for MX): what a quantization's first program writes out, and what a grouped launch's other tensor
+    computes in-program where it multiplies this scale into a product (:mod:`.grouped`)."""
+    amax = tl.zeros([], tl.float32)
+    if KIND != MX:
+        amax = _reduce_amax(amax_ptr, n_amax, AMAX_BLOCK)
+    if KIND == MX:
+        scale = tl.full([], 1.0, tl.float32)
+    else:
+        scale = g.tensor_scale(amax, TENSOR_DIVISOR)  # (MAXN for per-tensor recipes)
+    return amax, scale
+
+
+@triton.jit
+def _quantize_tile(pid, x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C, stride_r,
+                   stride_c, seed_ptr, seed2_ptr, offset, KIND: tl.constexpr, AXIS: tl.constexpr,
+                   BS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+                   MAXN: tl.constexpr, TENSOR_DIVISOR: tl.constexpr, STOCHASTIC: tl.constexpr,
+                   TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr,
+                   BC: tl.constexpr, DEQUANT: tl.constexpr, BOTH: tl.constexpr, AMAX_BLOCK: tl.constexpr,
+                   WRITE_AMAX: tl.constexpr):
+    """Tile ``pid`` (int64) of one quantization: its values in every layout asked, and, for tile 0, the tensor
+    scale (and amax where ``WRITE_AMAX``). Returns the tensor scale, for the caller's products of scales. The
+    body of :func:`_quantize_kernel` and of each half of the grouped launch (:mod:`.grouped`): the same code."""
+    pid_r, pid_c = _tile_index(pid, C, BC)
     rows = pid_r * BR + tl.arange(0, BR).to(tl.int64)
     cols = pid_c * BC + tl.arange(0, BC).to(tl.int64)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
@@ -206,13 +202,7 @@ def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, 
     sign_bits = bits ^ mag_bits
     mag = mag_bits.to(tl.float32, bitcast=True)
 
-    amax = tl.zeros([], tl.float32)
-    if KIND != MX:
-        amax = _reduce_amax(amax_ptr, n_amax, AMAX_BLOCK)
-    if KIND == MX:
-        scale = tl.full([], 1.0, tl.float32)
-    else:
-        scale = g.tensor_scale(amax, TENSOR_DIVISOR)  # (MAXN for per-tensor recipes)
+    amax, scale = _amax_and_scale(amax_ptr, n_amax, KIND, TENSOR_DIVISOR, AMAX_BLOCK)
     values = _rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed_ptr, offset, KIND, AXIS, BS, MBITS,
                       EMIN, EMAX, MAXN, STOCHASTIC, OUT, BR, BC, DEQUANT)
     if TRANSPOSE:
@@ -225,14 +215,42 @@ def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, 
         values2 = _rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed2_ptr, offset, KIND, 1 - AXIS,
                            BS, MBITS, EMIN, EMAX, MAXN, STOCHASTIC, OUT, BR, BC, DEQUANT)
         tl.store(out2_ptr + cols[None, :] * R + rows[:, None], values2, mask=mask)
-    if (pid_r == 0) & (pid_c == 0):
+    if pid == 0:
         tl.store(scale_out_ptr, scale)
         if WRITE_AMAX:
             tl.store(amax_out_ptr, amax)
-        if PRODUCTS >= 1:  # the GEMMs' products of tensor scales, fl(S * S_partner) as torch multiplies them
-            tl.store(products_ptr, scale * tl.load(partner_ptr))
-        if PRODUCTS == 2:
-            tl.store(products_ptr + 1, scale * tl.load(partner2_ptr))
+    return scale
+
+
+@triton.jit
+def _write_products(products_ptr, scale, partner, partner2_ptr, PRODUCTS: tl.constexpr):
+    """The GEMMs' products of tensor scales, fl(S * S_partner) as torch multiplies them: ``scale`` times
+    ``partner`` (a 0-d FP32 value) and, where ``PRODUCTS`` is 2, times the scale at ``partner2_ptr``."""
+    tl.store(products_ptr, scale * partner)
+    if PRODUCTS == 2:
+        tl.store(products_ptr + 1, scale * tl.load(partner2_ptr))
+
+
+@triton.jit(do_not_specialize=["n_amax"])  # (its value varies with the shape: no variant per value class)
+def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C, stride_r,
+                     stride_c, seed_ptr, seed2_ptr, offset, partner_ptr, partner2_ptr, products_ptr,
+                     KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr,
+                     MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAXN: tl.constexpr,
+                     TENSOR_DIVISOR: tl.constexpr,
+                     STOCHASTIC: tl.constexpr, TRANSPOSE: tl.constexpr, IN_BF16: tl.constexpr,
+                     OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr,
+                     BOTH: tl.constexpr, AMAX_BLOCK: tl.constexpr, WRITE_AMAX: tl.constexpr,
+                     PRODUCTS: tl.constexpr):
+    """One quantization, one program per tile (:func:`_quantize_tile`); the first program also writes the
+    ``PRODUCTS`` products of the tensor scale with the partner scales at ``partner_ptr``, ``partner2_ptr``."""
+    pid = tl.program_id(0).to(tl.int64)
+    scale = _quantize_tile(pid, x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C,
+                           stride_r, stride_c, seed_ptr, seed2_ptr, offset, KIND, AXIS, BS, MBITS, EMIN, EMAX,
+                           MAXN, TENSOR_DIVISOR, STOCHASTIC, TRANSPOSE, IN_BF16, OUT, BR, BC, DEQUANT, BOTH,
+                           AMAX_BLOCK, WRITE_AMAX)
+    if PRODUCTS >= 1:
+        if pid == 0:
+            _write_products(products_ptr, scale, tl.load(partner_ptr), partner2_ptr, PRODUCTS)
 
 
 def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
@@ -333,13 +351,34 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
     ``cfg.write_amax``). Where ``cfg.products``, the tensor scale times each of ``partners`` (0-d FP32 scales
     of the other operands of the GEMMs that read ``x``) is written into ``products`` (FP32, one per partner).
     ``partials``: ``x``'s amax pass run already, its ``cfg.amax_programs`` partial maxima (int32; from
-    :func:`grouped_amax_partials`), which the quantization reduces instead of launching the pass itself."""
-    if partials is not None and (cfg.kind == MX_KIND or tensor_amax is not None):
-        raise ValueError("partials: given for a quantization that takes no amax pass (an MX recipe or the "
-                         "tensor amax given)")
+    :func:`snip_ds.backend.kernels.grouped.grouped_amax_partials`), which the quantization reduces instead of
+    launching the pass itself."""
     if len(partners) != cfg.products or (products is None) != (not cfg.products):
         raise ValueError(f"partners: the configuration writes {cfg.products} products of scales, got "
                          f"{len(partners)} partner scales and {'no' if products is None else 'a'} products tensor")
+    args, values, values2, scale, amax_out = operands(cfg, x, tensor_amax, partials)
+    if partners or products is not None:
+        scales_in = (tuple(partners) + (scale, scale))[:2]
+        products_out = scale if products is None else products
+    else:  # (rounding to nearest reads no seed; no partners: their slots are placeholders the kernel reads not)
+        scales_in, products_out = (scale, scale), scale
+    _launchable(_quantize_kernel)[cfg.grid](*args, scale if seed is None else seed, scale if seed2 is None else seed2,
+                                            offset, *scales_in, products_out, STOCHASTIC=seed is not None,
+                                            **cfg.constants)
+    return values, values2, scale, amax_out
+
+
+def operands(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tensor],
+             partials: Optional[torch.Tensor]
+             ) -> Tuple[tuple, torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+    """One quantization's runtime arguments of :func:`_quantize_tile` from ``x_ptr`` to ``stride_c`` (the seeds
+    and offset are the caller's), its amax pass launched where it takes one that did not run already, and its
+    outputs allocated: ``(arguments, values, values2, scale, amax_out)``, the last four as :func:`launch`
+    returns them. Shared by :func:`launch` and the grouped launch (:mod:`.grouped`); ``partials`` checked as
+    :func:`launch` documents."""
+    if partials is not None and (cfg.kind == MX_KIND or tensor_amax is not None):
+        raise ValueError("partials: given for a quantization that takes no amax pass (an MX recipe or the "
+                         "tensor amax given)")
     rows, cols = x.shape
     device = x.device
     values = torch.empty(cfg.shape, dtype=cfg.out_dtype, device=device)
@@ -357,17 +396,9 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
         amax, n_amax = _amax_partials(x_bits, cfg), cfg.amax_programs
     out_bits = values.view(cfg.out_view)
     stride_r, stride_c = x.stride()
-    if partners or products is not None:
-        scales_in = (tuple(partners) + (scale, scale))[:2]
-        products_out = scale if products is None else products
-    else:  # (rounding to nearest reads no seed; no partners: their slots are placeholders the kernel reads not)
-        scales_in, products_out = (scale, scale), scale
-    _launchable(_quantize_kernel)[cfg.grid](
-        x_bits, out_bits, out_bits if values2 is None else values2.view(cfg.out_view), amax, n_amax, scale,
-        scale if amax_out is None else amax_out, rows, cols, stride_r, stride_c,
-        scale if seed is None else seed, scale if seed2 is None else seed2, offset, *scales_in, products_out,
-        STOCHASTIC=seed is not None, **cfg.constants)
-    return values, values2, scale, amax_out
+    args = (x_bits, out_bits, out_bits if values2 is None else values2.view(cfg.out_view), amax, n_amax, scale,
+            scale if amax_out is None else amax_out, rows, cols, stride_r, stride_c)
+    return args, values, values2, scale, amax_out
 
 
 def fake_quantize(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
@@ -406,25 +437,6 @@ def _amax_partials(x_bits: torch.Tensor, cfg: LaunchConfig) -> torch.Tensor:
                                                     IN_BF16=cfg.in_bf16, BR=cfg.br, BC=cfg.bc,
                                                     TILES_PER_PROGRAM=cfg.amax_tiles)
     return partials
-
-
-def grouped_amax_partials(cfg: GroupedAmaxConfig, a: torch.Tensor, b: torch.Tensor
-                          ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1 of the tensor amaxes of two non-empty, checked 2-D tensors in one launch (``cfg``: their
-    quantizations' :func:`grouped_amax_config`): ``a``'s partial maxima and ``b``'s in one int32 buffer, to pass
-    to :func:`launch` as ``partials`` -- the integers each tensor's own amax pass writes, so the quantizations
-    are bit for bit those with a pass each. ``a``'s are the buffer's first ``cfg.programs[0]`` slots, returned
-    as the buffer itself (its quantization reads that many; a slice would cost the host a microsecond), ``b``'s
-    a view of the slots after them."""
-    a_bits, b_bits = _bits(a), _bits(b)
-    programs_a, programs_b = cfg.programs
-    partials = torch.empty(cfg.grid[0], dtype=torch.int32, device=a.device)
-    (rows_a, cols_a), (rows_b, cols_b) = a_bits.shape, b_bits.shape
-    (stride_ra, stride_ca), (stride_rb, stride_cb) = a_bits.stride(), b_bits.stride()
-    _launchable(_grouped_amax_kernel)[cfg.grid](a_bits, b_bits, partials, rows_a, cols_a, stride_ra, stride_ca,
-                                                rows_b, cols_b, stride_rb, stride_cb, programs_a, programs_b,
-                                                **cfg.constants)
-    return partials, partials[programs_a:]
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -517,3 +529,7 @@ def _triton_amax_fake(x):
 
 triton_quantize = _define("triton_quantize", _triton_quantize, _triton_quantize_fake)
 triton_amax = _define("triton_amax", _triton_amax, _triton_amax_fake)
+
+# the grouped launches (two jobs of a layer step in one launch): their kernels call this module's device functions,
+# so they are defined now, in the same mode (compiled or interpreted: TRITON_INTERPRET as read at this import)
+from snip_ds.backend.kernels import grouped  # noqa: E402,F401  (after every name it imports from here)
