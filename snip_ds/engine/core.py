@@ -236,7 +236,8 @@ class SnipEngine:
         divergence and the loss change the plan's quantization causes on that batch.
 
         Every micro-batch's loss and every parameter's gradient is checked for NaN/Inf; the ranks agree before
-        the update (one flag all-reduced per step). A non-finite step raises
+        the update (one flag all-reduced per step). The host reads the guard's agreed flag once, the
+        micro-batches' losses once after the last, and their mean over the ranks. A non-finite step raises
         :class:`~snip_ds.engine.state.NonFiniteError` before its update, or with ``snip.nonfinite: "skip"`` is skipped
         (:attr:`skipped_steps`; its loss is returned).
         """
@@ -266,9 +267,9 @@ class SnipEngine:
                 run_without_update(self.ds.optimizer, self.ds.step, self.ds.lr_scheduler)
             else:
                 self.ds.step()
-            losses.append(loss.detach().double().cpu())
+            losses.append(loss.detach())  # read once, after the step (the same float64 mean as each read apart)
         st.after_step()
-        return float(sdist.dist_mean(torch.stack(losses).mean()))
+        return float(sdist.dist_mean(torch.stack(losses).double().cpu().mean()))
 
     @torch.no_grad()
     def _first_nonfinite_module(self, batch: Mapping[str, torch.Tensor]) -> Optional[str]:
@@ -293,9 +294,10 @@ class SnipEngine:
         """Mean validation loss over ``batches`` and all ranks, with the current plan's forward."""
         was_training = self.ds.module.training
         self.ds.eval()
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=device())
         for batch in batches:
-            total += self._forward_loss(batch).double().cpu()
+            total += self._forward_loss(batch).double()  # on the device, read once: the same float64 sum
+        total = total.cpu()
         if was_training:
             self.ds.train()
         return float(sdist.dist_mean(total / max(len(batches), 1)))

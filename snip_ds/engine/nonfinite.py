@@ -53,15 +53,27 @@ def run_without_update(optimizer, step: Callable[[], Any], scheduler: Any = None
                 obj.step = mine
 
 
+def max_abs(grad: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``grad`` (a 0-dim tensor on its device): finite exactly when every element is,
+    NaN and Inf propagating -- one reduction, where ``torch.isfinite(grad).all()`` runs four element-wise
+    operators (``isfinite`` decomposes) and a reduction."""
+    return torch.linalg.vector_norm(grad, float("inf"))
+
+
 class NonFiniteGuard:
     """Checks every trainable parameter's gradient for NaN/Inf as it is computed (only while armed: the
     training backward passes, not the statistics' own), notes a micro-batch's non-finite loss, and before the
-    update lets the ranks agree (one all-reduced flag per optimizer step) and then stop or skip."""
+    update lets the ranks agree (one all-reduced flag per optimizer step) and then stop or skip.
+
+    Nothing is read on the host until :meth:`agree`: each gradient leaves one 0-dim tensor on the device
+    (:func:`max_abs`), each micro-batch's loss and these are checked in one reduction at the agreement, and only
+    when some rank saw a non-finite value are they read one by one to name the first."""
 
     def __init__(self, state: "SnipState", module: nn.Module) -> None:
         self.state = state
         self._flags: Optional[list] = None
         self._order: Dict[str, int] = {}
+        self._noted: List[tuple] = []  # (micro-batch, loss, flags) of this step, not yet checked
         self.bad: Optional[Dict[str, Any]] = None  # this rank's first non-finite micro-batch this step
         for i, (name, p) in enumerate(module.named_parameters()):
             if p.requires_grad:
@@ -70,8 +82,8 @@ class NonFiniteGuard:
 
     def _hook(self, name: str):
         def hook(grad: torch.Tensor):
-            if self._flags is not None:
-                self._flags.append((name, torch.isfinite(grad).all()))
+            if self._flags is not None and grad.numel():  # (an empty gradient is finite)
+                self._flags.append((name, max_abs(grad)))
             return None
         return hook
 
@@ -80,34 +92,62 @@ class NonFiniteGuard:
         self._flags = []
 
     def disarm(self) -> list:
-        """Stops checking; returns the ``(parameter name, finite flag)`` pairs gathered since :meth:`arm`."""
+        """Stops checking; returns the ``(parameter name, largest magnitude)`` pairs gathered since :meth:`arm`
+        (each magnitude a 0-dim tensor on the gradient's device, finite exactly when the gradient is)."""
         flags, self._flags = self._flags or [], None
         return flags
 
     def begin_step(self) -> None:
         self.bad = None
         self._flags = None
+        self._noted = []
 
     def note(self, index: Optional[int], loss: Optional[torch.Tensor], flags: Sequence) -> None:
-        """Records what went non-finite: the loss of micro-batch ``index`` (``index`` and ``loss`` None where the
-        loop does not say which micro-batch, nor show the loss), or else, among ``flags`` (:meth:`disarm`), the
-        gradient of the first parameter in model order whose gradient did. Only the step's first is kept."""
-        if self.bad is not None:
-            return
-        if loss is not None:
-            value = float(loss.detach().float().cpu())
-            if not math.isfinite(value):
-                self.bad = {"micro_batch": index, "what": f"loss ({value})"}
+        """Notes micro-batch ``index``'s loss and gradients (``flags``, :meth:`disarm`'s), read nowhere yet:
+        ``index`` and ``loss`` None where the loop does not say which micro-batch, nor show the loss. At
+        :meth:`agree` the step's first non-finite one is what counts: the loss of the first micro-batch whose
+        loss or gradients went non-finite, or else the gradient of its first parameter in model order whose
+        gradient did."""
+        self._noted.append((index, None if loss is None else loss.detach(), list(flags)))
+
+    def _any_nonfinite(self) -> torch.Tensor:
+        """1.0 if a noted loss or gradient is non-finite, else 0.0 (float64, on the values' device, not read)."""
+        values = [t for _, loss, flags in self._noted for t in ([] if loss is None else [loss.reshape(())])
+                  + [f for _, f in flags]]
+        if not values:
+            return torch.zeros((), dtype=torch.float64)
+        device = values[0].device
+        largest = max_abs(torch.stack([v if v.device == device else v.to(device) for v in values]))
+        return torch.isfinite(largest).logical_not().double()
+
+    def _first_nonfinite(self) -> None:
+        """Sets :attr:`bad` from the noted micro-batches, in order (reads each value: after a non-finite step)."""
+        for index, loss, flags in self._noted:
+            if loss is not None:
+                value = float(loss.float().cpu())
+                if not math.isfinite(value):
+                    self.bad = {"micro_batch": index, "what": f"loss ({value})"}
+                    return
+            if not flags:
+                continue
+            device = flags[0][1].device
+            finite = torch.isfinite(torch.stack([f.to(device) for _, f in flags])).tolist()
+            if not all(finite):
+                name = min((n for (n, _), ok in zip(flags, finite) if not ok), key=lambda n: self._order.get(n, 0))
+                seen = "the loss was finite" if loss is not None else "the loop does not show SNIP the loss"
+                self.bad = {"micro_batch": index, "what": f"gradient (of {name}, the first such parameter in model "
+                                                          f"order; {seen})"}
                 return
-        if flags and not bool(torch.stack([f.to(flags[0][1].device) for _, f in flags]).all()):  # one sync
-            name = min((n for n, f in flags if not bool(f)), key=lambda n: self._order.get(n, 0))
-            seen = "the loss was finite" if loss is not None else "the loop does not show SNIP the loss"
-            self.bad = {"micro_batch": index, "what": f"gradient (of {name}, the first such parameter in model "
-                                                      f"order; {seen})"}
 
     def agree(self) -> bool:
-        """Collective: whether any rank saw a non-finite loss or gradient this step."""
-        return sdist.dist_max_flag(self.bad is not None)
+        """Collective: whether any rank saw a non-finite loss or gradient this step (what :meth:`note` noted):
+        the ranks' flags summed on the device, one host read. Where one did, this rank's first (:attr:`bad`)
+        is found before this returns."""
+        agreed = sdist.dist_sum(self._any_nonfinite()).item() > 0
+        if agreed:
+            self._first_nonfinite()
+        self._noted = []
+        return agreed
 
     def act(self, micro_batches: int, locate: Optional[Callable[[int], Optional[str]]] = None) -> None:
         """Collective, after :meth:`agree` said yes: the same report on every rank; raises
