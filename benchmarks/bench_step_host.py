@@ -33,6 +33,8 @@ kernels under Triton's interpreter, the FP8 GEMMs as the CPU's ``torch._scaled_m
   hooks armed; no check, read or update) with snip_ds's Triton launches empty
   (``patch_triton_launches(..., run=False)``, as bench_layer_host times them; the values garbage, which nothing
   there reads): the linears' host cost in the engine without the interpreter's cache effect, arithmetic included.
+  Compare rows of a stage, not ``step_us``: without the steps' updates, ZeRO-3's backwards accumulate into its
+  partitions, which costs more than a step's first backward does.
 * ``*_per_linear_vs_bf16``: ``(row - bf16's row) / linears``, the same stage.
 * Host times are noisy on a shared machine (+-20 %); counts are exact.
 """
@@ -398,17 +400,22 @@ def write(res: dict, output_dir: Path) -> Path:
 def _line(r: dict) -> str:
     src = " ".join(f"{s} {n}" for s, n in r["by_source"].items() if n)
     return (f"zero {r['stage']} {r['plan']:>4}: {r['launches']} launches ({src}), {r['reads']} reads, "
-            f"{r['moves']} moves, {r['step_us']:.0f} us/step ({r['host_us']:.0f} host), fwd+bwd {r['fwd_bwd_us']:.0f} us; "
+            f"{r['moves']} moves, {r['step_us']:.0f} us/step ({r['host_us']:.0f} host), "
+            f"fwd+bwd {r['fwd_bwd_us']:.0f} us; "
             f"vs bf16 a linear {r.get('per_linear_host_us_vs_bf16', 0):+.0f} host us, "
             f"{r.get('per_linear_fwd_bwd_us_vs_bf16', 0):+.0f} fwd+bwd us")
 
 
-def _per(sites: dict, sites_ga1: dict, ga: int) -> list:
-    """(site, count at ga 1, count at ``ga``, "per micro-batch" / "per step")."""
+def _per(sites: dict, sites_ga1: dict, ga: int, params: int) -> list:
+    """(site, count at ga 1, count at ``ga``, how often: per micro-batch or per step, per parameter where the
+    count is a multiple of the trainable parameters')."""
     out = []
     for site in sorted(set(sites) | set(sites_ga1)):
         one, many = sites_ga1.get(site, 0), sites.get(site, 0)
-        out.append((site, one, many, "per micro-batch" if ga > 1 and many == one * ga else "per step"))
+        per = "per micro-batch" if ga > 1 and many == one * ga else "per step"
+        if one and one % params == 0:
+            per = f"{one // params} per parameter {per}" if one > params else f"per parameter {per}"
+        out.append((site, one, many, per))
     return out
 
 
@@ -420,7 +427,10 @@ def markdown(res: dict) -> str:
              f"default model's family, {res['layers']} blocks of width {res['block']['hidden_size']}, "
              f"{res['tokens']} tokens a micro-batch, {ga} micro-batches a step; {res['warmup']} warm-up steps, "
              f"{res['steps']} timed. Launches, reads and moves are exact counts; times are CPU time of one thread "
-             f"(noisy, +-20 %), the CPU's arithmetic included.", "",
+             f"(noisy, +-20 %), the CPU's arithmetic included (see the script's docstring for each column).", "",
+             "Reads are the host's reads of a value on this CPU; a GPU reads there too, and at each move to the "
+             "CPU of a tensor on the device (``.cpu()``, ``.to(cpu)``: on a CPU every ``.to`` toward the CPU is "
+             "listed, also those that on a GPU stay on the device).", "",
              "| ZeRO | plan | linears | params | launches | " + " | ".join(SOURCES) +
              f" | reads (ga 1) | reads (ga {ga}) | moves (ga {ga}) | step us | host us | fwd+bwd us | "
              f"host us/linear vs bf16 | fwd+bwd us/linear vs bf16 |", "|" + "---|" * (12 + len(SOURCES))]
@@ -433,9 +443,9 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         lines += ["", f"## ZeRO {r['stage']}, {r['plan']}: host reads and moves to the CPU by site", "",
                   f"| what and where | ga 1 | ga {ga} | |", "|---|---|---|---|"]
-        for site, one, many, per in _per(r["read_sites"], r["reads_ga1"]["read_sites"], ga):
+        for site, one, many, per in _per(r["read_sites"], r["reads_ga1"]["read_sites"], ga, r["parameters"]):
             lines.append(f"| read: {site} | {one} | {many} | {per} |")
-        for site, one, many, per in _per(r["move_sites"], r["reads_ga1"]["move_sites"], ga):
+        for site, one, many, per in _per(r["move_sites"], r["reads_ga1"]["move_sites"], ga, r["parameters"]):
             lines.append(f"| move: {site} | {one} | {many} | {per} |")
         lines += ["", "Most frequent launching operators by source: " + "; ".join(
             f"{s}: " + ", ".join(f"{op} {n}" for op, n in ops.items()) for s, ops in r["top_ops"].items())]
@@ -450,7 +460,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="tokens a micro-batch (default 32)")
     p.add_argument("--ga", type=int, default=2, help="micro-batches a step (default 2; reads also counted at 1)")
     p.add_argument("--warmup", type=int, default=2, help="steps before the counts (default 2)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per row (default 8)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per row (default 6)")
     p.add_argument("--output_dir", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args(argv)
     for field in ("layers", "tokens", "ga", "warmup", "steps"):
