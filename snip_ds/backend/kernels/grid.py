@@ -15,12 +15,16 @@ results equal :mod:`snip_ds.formats` and :mod:`snip_ds.quant` bit for bit:
 
 Inputs are non-negative magnitudes; NaN is returned as NaN and anything above ``max_normal`` (Inf
 included) saturates to it, as in :func:`snip_ds.formats.round_magnitude_`.
+
+``rounded`` puts them together for a tile of a quantization (:mod:`.quantize`): block amaxes (``block_amax_bits``),
+scales, the draws of stochastic rounding (``draw``), rounding, the block scale multiplied back, the encoding.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from snip_ds.backend.kernels.config import MX, NVFP4_2D, OUT_BF16, OUT_FP8, PER_TENSOR
 from snip_ds.formats import E4M3
 
 F32_MIN_SUBNORMAL_BITS = tl.constexpr(1)  # bit pattern of 2**-149
@@ -160,3 +164,107 @@ def mx_exponent(amax_bits, EMAX: tl.constexpr):
 def e4m3_rne(t):
     """Round non-negative FP32 values (NaN, Inf allowed) to E4M3, saturating: NVFP4's block scales."""
     return round_rne(t, E4M3_MBITS, E4M3_EMIN, E4M3_MAX)
+
+
+@triton.jit
+def reduce_amax(amax_ptr, n_amax, AMAX_BLOCK: tl.constexpr):
+    """Stage 2: the tensor amax (FP32) from the ``n_amax`` int32 bit patterns at ``amax_ptr`` (the partial
+    maxima of :func:`snip_ds.backend.kernels.quantize._amax_kernel`, or one given amax's bits)."""
+    offs = tl.arange(0, AMAX_BLOCK)
+    bits = tl.load(amax_ptr + offs, mask=offs < n_amax, other=0) & 0x7FFFFFFF  # a given -0 or -NaN: its magnitude
+    return tl.max(bits, axis=0).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def amax_and_scale(amax_ptr, n_amax, KIND: tl.constexpr, TENSOR_DIVISOR: tl.constexpr,
+                   AMAX_BLOCK: tl.constexpr):
+    """The tensor amax (stage 2, :func:`reduce_amax`; 0 for MX, which reads none) and the tensor scale made from
+    it (1 for MX): what a quantization's first program writes out, and what a grouped launch's other tensor
+    computes in-program where it multiplies this scale into a product (:mod:`snip_ds.backend.kernels.grouped`)."""
+    amax = tl.zeros([], tl.float32)
+    if KIND != MX:
+        amax = reduce_amax(amax_ptr, n_amax, AMAX_BLOCK)
+    if KIND == MX:
+        scale = tl.full([], 1.0, tl.float32)
+    else:
+        scale = tensor_scale(amax, TENSOR_DIVISOR)  # (MAXN for per-tensor recipes)
+    return amax, scale
+
+
+# ------------------------------------------------------------------------------------------------------
+# a tile's values: block amaxes, scales, draws and rounding together (the quantization kernels' arithmetic)
+# ------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def draw(seed, idx):
+    """Uniform 32-bit draws (int32 bit patterns) for the int64 element indices ``idx``: Philox-4x32-10 with
+    key ``seed`` (uint64) and counter (low word of idx, high word of idx, 0, 0), its first output word --
+    ``tl.randint``'s stream for int64 offsets from Triton 3.4 on, independent of the Triton release."""
+    lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((idx >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    zero = lo * 0
+    r, _, _, _ = tl.philox(seed.to(tl.uint64), lo, hi, zero, zero)
+    return r.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def block_amax_bits(mag_bits, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr,
+                    BR: tl.constexpr, BC: tl.constexpr):
+    """Each element's block amax, as int32 bits, broadcast back to the tile's shape [BR, BC]."""
+    if KIND == NVFP4_2D:
+        t = tl.reshape(mag_bits, [BR // BS, BS, BC // BS, BS])
+        m = tl.max(tl.max(t, axis=3), axis=1)  # [BR // BS, BC // BS]
+        full = tl.broadcast_to(m[:, None, :, None], [BR // BS, BS, BC // BS, BS])
+    elif AXIS == 1:
+        m = tl.max(tl.reshape(mag_bits, [BR, BC // BS, BS]), axis=2)
+        full = tl.broadcast_to(m[:, :, None], [BR, BC // BS, BS])
+    else:
+        m = tl.max(tl.reshape(mag_bits, [BR // BS, BS, BC]), axis=1)
+        full = tl.broadcast_to(m[:, None, :], [BR // BS, BS, BC])
+    return tl.reshape(full, [BR, BC])
+
+
+@triton.jit
+def rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed_ptr, offset, KIND: tl.constexpr,
+            AXIS: tl.constexpr, BS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+            MAXN: tl.constexpr, STOCHASTIC: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+            DEQUANT: tl.constexpr):
+    """A tile's values in blocks along ``AXIS`` (``scale``: the tensor scale), encoded as ``OUT``: the magnitudes
+    ``mag`` (their int32 bits ``mag_bits``; signs ``sign_bits``) of the tile at ``rows`` x ``cols`` of a tensor
+    of ``C`` columns, scaled, rounded (stochastically from the seed at ``seed_ptr``, drawn at element index
+    ``offset + row * C + col``), times their block scale, signed."""
+    if KIND == PER_TENSOR:
+        scaled = tl.div_rn(mag, tl.broadcast_to(scale, mag.shape))
+        value_mul = tl.full(mag.shape, 1.0, tl.float32)
+    elif KIND == MX:
+        amax_bits = block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC)
+        exp = mx_exponent(amax_bits, EMAX)
+        finite = (amax_bits >> 23) < 255  # a NaN or Inf in the block poisons its scale
+        value_mul = tl.where(finite, pow2(exp), float("nan"))
+        scaled = mag * pow2(-exp)  # times an exact power of two: the correctly rounded quotient
+        scaled = tl.where(finite, scaled, float("nan"))
+    else:  # NVFP4, NVFP4_2D
+        amax_b = block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC).to(tl.float32, bitcast=True)
+        value_mul = e4m3_rne(tl.div_rn(amax_b, tl.broadcast_to(scale * MAXN, amax_b.shape)))  # s_b; MAXN = 6
+        d = value_mul * scale
+        if DEQUANT:  # fake_quantize's order: fl(q * fl(s_b * S)), 0 where s_b * S is 0
+            value_mul = d
+        d = tl.where(d == 0, float("inf"), d)  # s_b rounded to 0: the block dequantizes to zeros
+        scaled = tl.div_rn(mag, d)
+
+    if STOCHASTIC:
+        idx = rows[:, None] * C + cols[None, :] + offset
+        q = round_stochastic(scaled, draw(tl.load(seed_ptr), idx), MBITS, EMIN, MAXN)
+    else:
+        q = round_rne(scaled, MBITS, EMIN, MAXN)
+    if KIND != PER_TENSOR:
+        q = q * value_mul  # a grid value times a power of two or an E4M3 scale: exact (DEQUANT NVFP4: rounded)
+    elif DEQUANT:
+        q = q * tl.broadcast_to(scale, q.shape)  # fake_quantize: fl(q * s)
+    values = with_sign(q, sign_bits)
+    if OUT == OUT_BF16:
+        values = bf16_bits(values)
+    elif OUT == OUT_FP8:  # per-tensor recipes only: q is the element's grid value itself
+        values = fp8_code(values, MBITS, EMIN).to(tl.uint8)
+    return values

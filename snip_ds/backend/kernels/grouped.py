@@ -12,8 +12,8 @@
 Where the second quantization writes products of tensor scales (NVFP4: fprop's ``S_W * S_X``, dgrad's
 ``S_G * S_W``), its first partner is the first tensor's scale -- which the first tensor's own first program
 writes in the same launch, so reading it would race. The second's first program computes that scale itself
-from the first tensor's amax (its partials or given amax, :func:`~snip_ds.backend.kernels.quantize.
-_amax_and_scale`: the same FP32 operations, so the same bits) and multiplies it in.
+from the first tensor's amax (its partials or given amax, :func:`~snip_ds.backend.kernels.grid.amax_and_scale`:
+the same FP32 operations, so the same bits) and multiplies it in.
 
 The configurations (:func:`grouped_amax_config`, :func:`quantize_pair_config`) are worked out once per pair of
 launch configurations (cached); a launch decides nothing.
@@ -27,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from snip_ds.backend.kernels import quantize as kq
+from snip_ds.backend.kernels import grid as g, quantize as kq
 from snip_ds.backend.kernels.config import LaunchConfig, takes_amax_pass
-from snip_ds.backend.kernels.quantize import (_amax_and_scale, _bits, _partial_max, _quantize_tile,
-                                              _write_products)
+from snip_ds.backend.kernels.quantize import _bits, _partial_max, _quantize_tile, _write_products
 
 __all__ = ["GroupedAmaxConfig", "grouped_amax_config", "grouped_amax_partials", "QuantizePairConfig",
            "quantize_pair_config", "launch_pair"]
@@ -145,7 +144,7 @@ def _grouped_quantize_kernel(
                                WRITE_AMAX_B)
         if PRODUCTS_B >= 1:
             if pid == PA:
-                _, partner = _amax_and_scale(a_amax_ptr, n_amax_a, KIND_A, TENSOR_DIVISOR_A, AMAX_BLOCK_A)
+                _, partner = g.amax_and_scale(a_amax_ptr, n_amax_a, KIND_A, TENSOR_DIVISOR_A, AMAX_BLOCK_A)
                 _write_products(products_ptr, scale, partner, partner2_ptr, PRODUCTS_B)
 
 

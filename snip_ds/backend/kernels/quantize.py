@@ -22,11 +22,14 @@ Both passes run on a 1-D grid (tile ``pid`` is row tile ``pid // n_col_tiles``, 
 64-wide tiles would pass at about 4.2M columns. Offsets are 64-bit, so tensors of more than 2**31
 elements are quantized whole.
 
-Stochastic rounding draws Philox-4x32-10 (:func:`_draw`) with the 64-bit element index split into two
-32-bit counter words, written out here rather than through ``tl.randint``, whose 64-bit offsets changed
+Stochastic rounding draws Philox-4x32-10 (:func:`.grid.draw`) with the 64-bit element index split into two
+32-bit counter words, written out there rather than through ``tl.randint``, whose 64-bit offsets changed
 meaning in Triton 3.4 (older releases run Philox-4x64 on them): the draws are the same under every
 supported Triton, and :mod:`snip_ds.backend.cpu` draws the same stream. The seed is read from a one-element
 int64 tensor on the device, so a seed drawn from a CUDA generator never waits for the device.
+
+A layer step launches two independent amax passes, or two quantizations, as one launch (:mod:`.grouped`):
+pass 2's body is :func:`_quantize_tile`, which both kernels run.
 """
 from __future__ import annotations
 
@@ -39,9 +42,9 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from snip_ds.backend.base import check_kernel_arguments, check_kernel_input
 from snip_ds.backend.kernels import grid as g
-from snip_ds.backend.kernels.config import (BOTH_AXES, BOTH_SAME, FP8_CODES, MX, MX_KIND, NVFP4_2D, OUT_BF16,
-                                            OUT_FP8, PER_TENSOR, LaunchConfig, amax_programs, amax_tiles,
-                                            cached_launch_config, kind, launch_config, takes_amax_pass, tile)
+from snip_ds.backend.kernels.config import (BOTH_AXES, BOTH_SAME, FP8_CODES, MX_KIND, LaunchConfig,
+                                            amax_programs, amax_tiles, cached_launch_config, kind, launch_config,
+                                            takes_amax_pass, tile)
 from snip_ds.quant import QuantParts, Recipe, get_recipe
 
 # the public API, the configuration's kind and launch_config included (used through this module)
@@ -54,18 +57,6 @@ def _tile_index(pid, C, BC: tl.constexpr):
     """(row tile, column tile) of tile ``pid`` (int64) on the 1-D grid."""
     n_col_tiles = tl.cdiv(C, BC)
     return pid // n_col_tiles, pid % n_col_tiles
-
-
-@triton.jit
-def _draw(seed, idx):
-    """Uniform 32-bit draws (int32 bit patterns) for the int64 element indices ``idx``: Philox-4x32-10 with
-    key ``seed`` (uint64) and counter (low word of idx, high word of idx, 0, 0), its first output word --
-    ``tl.randint``'s stream for int64 offsets from Triton 3.4 on, independent of the Triton release."""
-    lo = (idx & 0xFFFFFFFF).to(tl.uint32)
-    hi = ((idx >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    zero = lo * 0
-    r, _, _, _ = tl.philox(seed.to(tl.uint64), lo, hi, zero, zero)
-    return r.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -99,90 +90,6 @@ def _amax_kernel(x_ptr, partials_ptr, R, C, stride_r, stride_c, IN_BF16: tl.cons
 
 
 @triton.jit
-def _reduce_amax(amax_ptr, n_amax, AMAX_BLOCK: tl.constexpr):
-    """Stage 2: the tensor amax (FP32) from the ``n_amax`` int32 bit patterns at ``amax_ptr`` (the partial
-    maxima of :func:`_amax_kernel`, or one given amax's bits)."""
-    offs = tl.arange(0, AMAX_BLOCK)
-    bits = tl.load(amax_ptr + offs, mask=offs < n_amax, other=0) & 0x7FFFFFFF  # a given -0 or -NaN: its magnitude
-    return tl.max(bits, axis=0).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _block_amax_bits(mag_bits, KIND: tl.constexpr, AXIS: tl.constexpr, BS: tl.constexpr,
-                     BR: tl.constexpr, BC: tl.constexpr):
-    """Each element's block amax, as int32 bits, broadcast back to the tile's shape [BR, BC]."""
-    if KIND == NVFP4_2D:
-        t = tl.reshape(mag_bits, [BR // BS, BS, BC // BS, BS])
-        m = tl.max(tl.max(t, axis=3), axis=1)  # [BR // BS, BC // BS]
-        full = tl.broadcast_to(m[:, None, :, None], [BR // BS, BS, BC // BS, BS])
-    elif AXIS == 1:
-        m = tl.max(tl.reshape(mag_bits, [BR, BC // BS, BS]), axis=2)
-        full = tl.broadcast_to(m[:, :, None], [BR, BC // BS, BS])
-    else:
-        m = tl.max(tl.reshape(mag_bits, [BR // BS, BS, BC]), axis=1)
-        full = tl.broadcast_to(m[:, None, :], [BR // BS, BS, BC])
-    return tl.reshape(full, [BR, BC])
-
-
-@triton.jit
-def _rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed_ptr, offset, KIND: tl.constexpr,
-             AXIS: tl.constexpr, BS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
-             MAXN: tl.constexpr, STOCHASTIC: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-             DEQUANT: tl.constexpr):
-    """The tile's values in blocks along ``AXIS`` (``scale``: the tensor scale), encoded as ``OUT``."""
-    if KIND == PER_TENSOR:
-        scaled = tl.div_rn(mag, tl.broadcast_to(scale, mag.shape))
-        value_mul = tl.full(mag.shape, 1.0, tl.float32)
-    elif KIND == MX:
-        amax_bits = _block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC)
-        exp = g.mx_exponent(amax_bits, EMAX)
-        finite = (amax_bits >> 23) < 255  # a NaN or Inf in the block poisons its scale
-        value_mul = tl.where(finite, g.pow2(exp), float("nan"))
-        scaled = mag * g.pow2(-exp)  # times an exact power of two: the correctly rounded quotient
-        scaled = tl.where(finite, scaled, float("nan"))
-    else:  # NVFP4, NVFP4_2D
-        amax_b = _block_amax_bits(mag_bits, KIND, AXIS, BS, BR, BC).to(tl.float32, bitcast=True)
-        value_mul = g.e4m3_rne(tl.div_rn(amax_b, tl.broadcast_to(scale * MAXN, amax_b.shape)))  # s_b; MAXN = 6
-        d = value_mul * scale
-        if DEQUANT:  # fake_quantize's order: fl(q * fl(s_b * S)), 0 where s_b * S is 0
-            value_mul = d
-        d = tl.where(d == 0, float("inf"), d)  # s_b rounded to 0: the block dequantizes to zeros
-        scaled = tl.div_rn(mag, d)
-
-    if STOCHASTIC:
-        idx = rows[:, None] * C + cols[None, :] + offset
-        q = g.round_stochastic(scaled, _draw(tl.load(seed_ptr), idx), MBITS, EMIN, MAXN)
-    else:
-        q = g.round_rne(scaled, MBITS, EMIN, MAXN)
-    if KIND != PER_TENSOR:
-        q = q * value_mul  # a grid value times a power of two or an E4M3 scale: exact (DEQUANT NVFP4: rounded)
-    elif DEQUANT:
-        q = q * tl.broadcast_to(scale, q.shape)  # fake_quantize: fl(q * s)
-    values = g.with_sign(q, sign_bits)
-    if OUT == OUT_BF16:
-        values = g.bf16_bits(values)
-    elif OUT == OUT_FP8:  # per-tensor recipes only: q is the element's grid value itself
-        values = g.fp8_code(values, MBITS, EMIN).to(tl.uint8)
-    return values
-
-
-@triton.jit
-def _amax_and_scale(amax_ptr, n_amax, KIND: tl.constexpr, TENSOR_DIVISOR: tl.constexpr,
-                    AMAX_BLOCK: tl.constexpr):
-    """The tensor amax (stage 2, :func:`_reduce_amax`; 0 for MX, which reads none) and the tensor scale made from
-    it (1 for MX): what a quantization's first program writes out, and what a grouped launch's other tensor
-    computes in-program where it multiplies this scale into a product (:mod:`.grouped`)."""
-    amax = tl.zeros([], tl.float32)
-    if KIND != MX:
-        amax = _reduce_amax(amax_ptr, n_amax, AMAX_BLOCK)
-    if KIND == MX:
-        scale = tl.full([], 1.0, tl.float32)
-    else:
-        scale = g.tensor_scale(amax, TENSOR_DIVISOR)  # (MAXN for per-tensor recipes)
-    return amax, scale
-
-
-@triton.jit
 def _quantize_tile(pid, x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C, stride_r,
                    stride_c, seed_ptr, seed2_ptr, offset, KIND: tl.constexpr, AXIS: tl.constexpr,
                    BS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
@@ -202,9 +109,9 @@ def _quantize_tile(pid, x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_pt
     sign_bits = bits ^ mag_bits
     mag = mag_bits.to(tl.float32, bitcast=True)
 
-    amax, scale = _amax_and_scale(amax_ptr, n_amax, KIND, TENSOR_DIVISOR, AMAX_BLOCK)
-    values = _rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed_ptr, offset, KIND, AXIS, BS, MBITS,
-                      EMIN, EMAX, MAXN, STOCHASTIC, OUT, BR, BC, DEQUANT)
+    amax, scale = g.amax_and_scale(amax_ptr, n_amax, KIND, TENSOR_DIVISOR, AMAX_BLOCK)
+    values = g.rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed_ptr, offset, KIND, AXIS, BS, MBITS,
+                       EMIN, EMAX, MAXN, STOCHASTIC, OUT, BR, BC, DEQUANT)
     if TRANSPOSE:
         tl.store(out_ptr + cols[None, :] * R + rows[:, None], values, mask=mask)
     else:
@@ -212,8 +119,8 @@ def _quantize_tile(pid, x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_pt
     if BOTH == BOTH_SAME:  # the same values in the other layout too: the transposed operand of a second GEMM
         tl.store(out2_ptr + cols[None, :] * R + rows[:, None], values, mask=mask)
     elif BOTH == BOTH_AXES:  # blocks along the other axis, transposed, with their own draws: a second GEMM's
-        values2 = _rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed2_ptr, offset, KIND, 1 - AXIS,
-                           BS, MBITS, EMIN, EMAX, MAXN, STOCHASTIC, OUT, BR, BC, DEQUANT)
+        values2 = g.rounded(mag, mag_bits, sign_bits, scale, rows, cols, C, seed2_ptr, offset, KIND, 1 - AXIS,
+                            BS, MBITS, EMIN, EMAX, MAXN, STOCHASTIC, OUT, BR, BC, DEQUANT)
         tl.store(out2_ptr + cols[None, :] * R + rows[:, None], values2, mask=mask)
     if pid == 0:
         tl.store(scale_out_ptr, scale)
@@ -261,7 +168,7 @@ def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, 
 
     With ``stochastic=False`` the result equals the reference bit for bit (``values`` converted to
     ``out_dtype`` and, with ``transpose``, transposed). Stochastic rounding draws Philox at index
-    ``offset + i * cols + j`` for element ``(i, j)`` (:func:`_draw`): reproducible from ``(seed, offset)``
+    ``offset + i * cols + j`` for element ``(i, j)`` (:func:`.grid.draw`): reproducible from ``(seed, offset)``
     whatever the tiling,
     so a tensor quantized slice by slice (rows ``r0:``, ``offset = r0 * cols``, the whole ``tensor_amax``)
     gets the draws it would get at once. It cannot match torch's generator.
