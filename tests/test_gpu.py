@@ -229,3 +229,19 @@ def test_collection_on_tf32_tensor_cores_agrees_with_ieee_fp32():
             for p, want in ieee[fqn][field].items():
                 got = tf32[fqn][field][p]
                 assert want > 0 and abs(got - want) <= 2 ** -4 * want, (fqn, field, p, got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_non_finite_guards_max_abs_propagates_nan_and_inf_on_cuda(dtype):
+    """The non-finite guard checks each gradient by its largest magnitude (one launch, snip_ds.engine.nonfinite.
+    max_abs): on CUDA that reduction must give NaN where any element is NaN, wherever it sits in the tensor (CUDA
+    reductions combine partial results across blocks and threads), and Inf where any is infinite."""
+    from snip_ds.engine.nonfinite import max_abs
+    for n in (1, 37, 4096, 1 << 20):
+        for at in sorted({0, n // 2, n - 1}):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                t = torch.randn(n, device="cuda").to(dtype)
+                t[at] = bad
+                got = float(max_abs(t))
+                assert (math.isnan(got) if math.isnan(bad) else got == float("inf")), (n, at, bad, got)
+        assert math.isfinite(float(max_abs(torch.randn(n, device="cuda").to(dtype))))
