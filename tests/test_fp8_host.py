@@ -46,24 +46,29 @@ def _step(layer, x, g):
 
 
 def test_every_launch_runs_a_configuration_the_plan_worked_out(scaled_mm, monkeypatch):
-    """Forward and backward launch with the launch configurations their shape's plan holds (X's, W's, W's again
-    for dgrad, G_Y's for the gradients wanted): a call works none out, nor looks one up."""
+    """Forward and backward launch with the launch configurations their shape's plan holds (X's and W's in one
+    launch, W's again for dgrad with G_Y's in one, G_Y's alone where dgrad does not run): a call works none out,
+    nor looks one up."""
     layer, x, g = _layer_and_data()
     _step(layer, x, g)  # the plan, decided once
     step = scaled_mm.decided_fp8_step(x, layer.weight, layer.gemm_precision, layer.quant_config)
     assert step is not None and step.scaled
     launched = []
-    launch = kq.launch
+    launch, launch_pair = kq.launch, kq.grouped.launch_pair
     monkeypatch.setattr(kq, "launch", lambda cfg, *a, **kw: launched.append(cfg) or launch(cfg, *a, **kw))
+    monkeypatch.setattr(kq.grouped, "launch_pair",
+                        lambda cfg, *a, **kw: launched.append(cfg) or launch_pair(cfg, *a, **kw))
     monkeypatch.setattr(kq, "launch_config", lambda *a, **kw: pytest.fail("a launch configuration worked out"))
     monkeypatch.setattr(kq, "cached_launch_config", lambda *a, **kw: pytest.fail("a launch configuration looked up"))
     _step(layer, x, g)
-    assert [id(c) for c in launched] == [id(c) for c in (step.w_cfg, step.x_cfg, step.g_cfgs[True, True, True],
-                                                         step.w_t_cfg)]
+    assert [id(c) for c in launched] == [id(c) for c in (step.xw_pair, step.wg_pairs[True, True])]
+    assert (step.xw_pair.first, step.xw_pair.second) == (step.x_cfg, step.w_cfg)
+    assert (step.wg_pairs[True, True].first, step.wg_pairs[True, True].second) == (step.w_t_cfg,
+                                                                                 step.g_cfgs[True, True, True])
     launched.clear()
     layer(x.detach()).backward(g)  # X needs no gradient: G_Y in the transposed layout alone, no W for dgrad
     layer.weight.grad = None
-    assert [id(c) for c in launched] == [id(c) for c in (step.w_cfg, step.x_cfg, step.g_cfgs[True, False, True])]
+    assert [id(c) for c in launched] == [id(c) for c in (step.xw_pair, step.g_cfgs[True, False, True])]
     assert step.g_cfgs[True, False, True].shape == (N, T) and not step.g_cfgs[True, False, True].both
 
 

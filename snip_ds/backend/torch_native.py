@@ -35,9 +35,10 @@ the same scale in each GEMM that reads it, whatever that GEMM's axis: so a layer
 FP8 quantizes X once, in both layouts, and keeps its E4M3 codes for wgrad (:meth:`TorchBackend.fprop_and_keep`;
 one byte per element kept instead of X's two or four), and one whose dgrad and wgrad are both FP8 quantizes G_Y
 once for both (:meth:`TorchBackend.prepare_grad`); a layer all of whose GEMMs are per-tensor FP8 runs a step
-decided once per shape (:mod:`.fp8_step`: nine launches, W quantized for dgrad from the forward's amax). A
+decided once per shape (:mod:`.fp8_step`: seven launches, W quantized for dgrad from the forward's amax). A
 layer all of whose GEMMs are one block recipe (MXFP8, NVFP4, MXFP4, without wgrad's Hadamard transform)
-runs :mod:`.block_step`: each operand's amax once, X's and G_Y's two block layouts from one launch each, and
+runs :mod:`.block_step`: each operand's amax once, X's and G_Y's two block layouts from one launch each (two
+independent quantizations of a step share a launch: :mod:`.kernels.grouped`), and
 its X's wgrad values kept instead of X. The GEMMs multiply the very same values as when each quantizes its
 own operands (``tests/test_torch_backend_kernels.py`` checks the layer bit for bit).
 """
