@@ -386,13 +386,19 @@ def _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, interp
 
 def _launchable(kernel):
     """``kernel`` as the launches here run it: through ``torch.library.wrap_triton`` while a trace is on
-    (:func:`_tracing`: so that dynamo, and inductor where it traces a ``triton_op``, see the launch), else the
-    kernel itself -- an eager launch through ``wrap_triton`` dispatches its higher-order operator, flattening
-    every argument, about 55-120 µs of host time a launch against Triton's own 6-19 µs (bench_layer_host's
-    ``triton_launch_us``); and under the interpreter as it is (``wrap_triton`` takes compiled kernels only)."""
-    if INTERPRETED or not isinstance(kernel, triton.runtime.JITFunction) or not _tracing():
+    (:func:`_tracing`: so that dynamo, and inductor where it traces a ``triton_op``, see the launch), else
+    :func:`snip_ds.backend.kernels.direct.launcher`'s direct launcher -- each class of arguments through the
+    JITFunction once, then through the kernel it compiled (about 0.5-1.5 µs of host time a launch against
+    ``JITFunction.run``'s 6-41 µs; the kernel itself where the Triton version is not one it supports). An eager
+    launch through ``wrap_triton`` would dispatch its higher-order operator, flattening every argument, 55-120 µs
+    a launch (bench_layer_host's ``triton_launch_us``). Under the interpreter: the kernel itself, as it is
+    (``wrap_triton`` takes compiled kernels only)."""
+    if INTERPRETED or not isinstance(kernel, triton.runtime.JITFunction):
         return kernel  # (not a JITFunction: a wrapper counting launches)
-    return torch.library.wrap_triton(kernel)
+    if _tracing():
+        return torch.library.wrap_triton(kernel)
+    from snip_ds.backend.kernels import direct  # (here: this function is all of this module that uses it)
+    return direct.launcher(kernel)
 
 
 def _tracing() -> bool:

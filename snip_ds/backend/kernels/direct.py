@@ -1,0 +1,286 @@
+"""Eager launches of compiled Triton kernels straight through the kernel Triton compiled for them, without
+Triton's per-call argument binding.
+
+``JITFunction.run`` (what ``kernel[grid](*args, **constexprs)`` calls) binds every argument, computes the
+specialization of each (dtype and 16-byte alignment of a tensor; of an int: equal to 1, divisible by 16, its
+width), builds the cache key and looks the compiled kernel up: about 6-41 µs of host time a launch for snip_ds's
+kernels (benchmarks/triton_launch_path.py), against 0.5-1.5 µs for the compiled kernel's own launcher
+(``CompiledKernel[grid](*args)``). :class:`DirectLauncher` keeps, per JITFunction, the compiled kernel Triton
+picked for each class of call, and launches later calls of the same class through it:
+
+- the class (:meth:`DirectLauncher.key`): the current device; the runtime knobs that enter Triton's key (the debug
+  flag, the instrumentation mode, 3.9's FP sanitizer casts); the constexpr keyword arguments (name, type, value:
+  ints, bools, strings, None, floats but zero and NaN); and per positional argument a class that is a superset of
+  what Triton specializes on: a tensor its dtype and whether ``data_ptr() % 16 == 0``; a bool its value; an int
+  whether it is 1, whether divisible by 16, whether it fits int32, whether it fits int64 (else uint64); a float
+  nothing (``fp32`` whatever its value); None itself. Anything else (a tensor descriptor, a tuple, a numpy int, a
+  float constexpr of 0 or NaN, a keyword that is not a constexpr parameter after the positional ones, a grid that
+  is not a tuple of 1-3 ints) launches through the JITFunction, every time.
+- why equal classes mean the same compiled kernel, on the Triton versions in :data:`SUPPORTED` (their
+  ``runtime/jit.py``, ``compiler/compiler.py`` and ``knobs.py`` read for this): Triton's cache key is
+  ``compute_cache_key(kernel_key_cache, specialization, options)`` in the device's ``device_caches``; the
+  specialization of a positional argument is ``native_specialize_impl(backend, arg, is_const, specialize,
+  align)``, whose result depends only on the argument's type, a tensor's dtype and ``data_ptr() % 16``, an int's
+  value being 1, its divisibility by 16 and its range (i32/i64/u64), a bool's type (``u1``) -- each a function of
+  the class above (checked against 3.9's implementation: tests/test_direct_launch.py); ``is_const``,
+  ``specialize`` and ``align`` are fixed per parameter; a constexpr's specialization is its value (the class holds
+  it, with its type: ``True == 1`` in a dict, not in Triton's key); ``options`` are the keyword arguments (here
+  constexprs only, else no direct path) plus ``debug`` (the kernel's own, fixed, or ``knobs.runtime.debug``),
+  ``knobs.compilation.instrumentation_mode`` and, in 3.9, ``knobs.compilation.fpsan_homomorphic_casts`` -- in the
+  class. ``knobs.runtime.add_stages_inspection_hook`` (3.9) adds to the key: set, no direct path. Pre-run hooks
+  (``kernel.pre_run_hooks``) run only in ``JITFunction.run``: any, no direct path.
+- what the launch hands the launcher: ``JITFunction.run`` calls ``kernel.run(grid_0, grid_1, grid_2, stream,
+  kernel.function, kernel.packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args.values())`` -- every
+  parameter's value in declaration order, constexprs included (the launcher drops them) -- and
+  ``CompiledKernel[grid](*args, stream=stream)`` calls ``self.run(grid[0], grid[1], grid[2], stream, self.function,
+  self.packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``: the same call when ``args`` are the
+  positional arguments followed by the constexprs' values in declaration order (:attr:`Entry.tail`: given, else
+  the parameter's default) and the grid is padded to three dimensions with ones, as ``JITFunction.run`` pads it.
+  ``launch_metadata`` is built from the grid as given; it differs only for a kernel with its own
+  ``launch_metadata`` function (none here: no direct path for such a kernel) while an enter hook is installed (any
+  hook installed: no direct path either). The check that the globals a kernel read have not changed since it was
+  compiled (``used_global_vals``) is made here too, before each direct launch.
+
+Triton 3.2 (which CI installs for interpreter runs, where nothing here engages) hands the launcher the
+non-constexpr values only and keeps its hooks on ``CompiledKernel``: not supported, its kernels launch through
+the JITFunction, as do those of any version not in :data:`SUPPORTED`.
+"""
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+import triton
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+try:  # (3.6 and later; older versions are not supported anyway)
+    from triton import knobs
+except ImportError:  # pragma: no cover
+    knobs = None
+
+SUPPORTED = ((3, 6), (3, 9))  # (major, minor) of the Triton versions whose sources the docstring's argument holds for
+
+
+def supported(version: str = triton.__version__) -> bool:
+    """Whether the direct path may engage under Triton ``version`` (``"3.9.0"``, ``"3.6.0+git..."``)."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) in SUPPORTED
+
+
+ENGAGED = supported() and knobs is not None
+_state = {"enabled": True}  # :func:`disabled` turns it off (benchmarks: Triton's own path, for comparison)
+_LAUNCHERS: Dict[JITFunction, "DirectLauncher"] = {}
+
+
+def launcher(kernel: JITFunction):
+    """``kernel``'s :class:`DirectLauncher` (made once), or ``kernel`` itself where the direct path does not
+    engage (a Triton not in :data:`SUPPORTED`, or inside :func:`disabled`). For eager launches only: under a
+    trace, ``torch.library.wrap_triton`` (see ``quantize._launchable``)."""
+    if not ENGAGED or not _state["enabled"]:
+        return kernel
+    found = _LAUNCHERS.get(kernel)
+    if found is None:
+        found = _LAUNCHERS[kernel] = DirectLauncher(kernel)
+    return found
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Every launch through Triton's own ``JITFunction.run`` inside the block (what the direct path is measured
+    against, and how every launch can be recorded there)."""
+    before = _state["enabled"]
+    _state["enabled"] = False
+    try:
+        yield
+    finally:
+        _state["enabled"] = before
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What one class of call launches: the kernel Triton compiled for it, and the values of the parameters
+    after the positional ones (constexprs, in declaration order), appended to each launch's arguments."""
+
+    compiled: object
+    tail: tuple
+
+
+def _int_class(value: int) -> tuple:
+    """An int's class: whether it is 1, whether divisible by 16, whether it fits int32, whether int64."""
+    return ("i", value == 1, value % 16 == 0, -2 ** 31 <= value < 2 ** 31, -2 ** 63 <= value < 2 ** 63)
+
+
+_SMALL_INTS = {value: _int_class(value) for value in range(-16, 8193)}  # (a dict look-up: faster than the above)
+_Tensor = torch.Tensor
+
+
+def _arg_class(arg):
+    """The class of one positional argument (see the module's docstring); ``_UNKNOWN`` where it has none."""
+    kind = type(arg)
+    if kind is bool:
+        return ("b", arg)
+    if kind is int:
+        return _int_class(arg)
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if kind is float:
+        return "f"
+    if arg is None:
+        return None
+    return _UNKNOWN
+
+
+def _arg_classes(args: tuple) -> tuple:
+    """:func:`_arg_class` of each positional argument, plain tensors and ints inline (the common case: this
+    runs on every launch)."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is _Tensor else
+                  _SMALL_INTS.get(a) or _int_class(a) if type(a) is int else _arg_class(a) for a in args])
+
+
+_UNKNOWN = object()
+_CONSTEXPR_TYPES = (int, bool, str, type(None))
+
+
+def _constexpr_ok(value) -> Optional[bool]:
+    """Whether equal values of this constexpr's type are one specialization: True for ints, bools, strings,
+    None and floats but zero and NaN; False for zero floats and other types (the class is kept, and always
+    launches through the JITFunction: ``0.0 == -0.0``); None for NaN (not kept: ``nan != nan`` would add a
+    class on every call)."""
+    kind = type(value)
+    if kind is float:
+        return None if value != value else value != 0
+    return kind in _CONSTEXPR_TYPES
+
+
+def _hook_quiet(hook) -> bool:
+    """Whether a launch hook knob calls nothing: None, or an empty ``HookChain``."""
+    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
+
+
+def _knob_state():
+    """The runtime knobs that enter Triton's cache key, or ``_UNKNOWN`` where a knob set changes the launch
+    (hooks installed, a stages inspection hook)."""
+    runtime, compilation = knobs.runtime, knobs.compilation
+    if not (_hook_quiet(runtime.launch_enter_hook) and _hook_quiet(runtime.launch_exit_hook)) or \
+            getattr(runtime, "add_stages_inspection_hook", None) is not None:
+        return _UNKNOWN
+    return (runtime.debug, compilation.instrumentation_mode,
+            getattr(compilation, "fpsan_homomorphic_casts", None))
+
+
+def _grid3(grid) -> Optional[Tuple[int, int, int]]:
+    """``grid`` padded to three dimensions as ``JITFunction.run`` pads it, or None (not a tuple of 1-3 ints)."""
+    if type(grid) is not tuple or not 1 <= len(grid) <= 3 or any(type(g) is not int for g in grid):
+        return None
+    return grid + (1,) * (3 - len(grid))
+
+
+class DirectLauncher:
+    """A JITFunction launched as ``launcher[grid](*args, **constexprs)``: the first call of each class of
+    arguments through the JITFunction (which compiles or finds the kernel, and launches it), later ones through
+    the compiled kernel it returned. ``jit_calls`` counts the calls that went through the JITFunction."""
+
+    def __init__(self, kernel: JITFunction) -> None:
+        self.kernel = kernel
+        self.entries: Dict[tuple, Optional[Entry]] = {}  # class -> entry (None: no direct path for it)
+        self.jit_calls = 0
+        self._own_metadata = getattr(kernel, "launch_metadata", None) is not None
+        self._globals_seen: list = []  # (globals, name, the object there when last checked)
+        self._globals_count = -1  # len(kernel.used_global_vals) when last checked
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            return self.launch(grid, args, constexprs)
+        return launch
+
+    @staticmethod
+    def key(device, args: tuple, constexprs: dict):
+        """The class of a call (the module's docstring), or ``_UNKNOWN``: the constexprs as (name, value) items
+        and their types (``True == 1``), checked when the class is first seen (:meth:`_through_jit`)."""
+        knob_state = _knob_state()
+        if knob_state is _UNKNOWN:
+            return _UNKNOWN
+        classes = _arg_classes(args)
+        if _UNKNOWN in classes:
+            return _UNKNOWN
+        return (device, knob_state, tuple(constexprs.items()), tuple(map(type, constexprs.values())), classes)
+
+    def launch(self, grid, args: tuple, constexprs: dict):
+        """One launch: direct where its class has an entry, else through the JITFunction."""
+        grid3 = _grid3(grid)
+        if grid3 is None or self.kernel.pre_run_hooks or self._own_metadata:
+            return self._through_jit(grid, args, constexprs, None)
+        device = driver.active.get_current_device()
+        key = self.key(device, args, constexprs)
+        if key is _UNKNOWN:
+            return self._through_jit(grid, args, constexprs, None)
+        try:
+            entry = self.entries.get(key, _UNKNOWN)
+        except TypeError:  # an unhashable constexpr
+            return self._through_jit(grid, args, constexprs, None)
+        if entry is _UNKNOWN:
+            return self._through_jit(grid, args, constexprs, key)
+        if entry is None:
+            return self._through_jit(grid, args, constexprs, None)
+        self._check_globals()
+        entry.compiled[grid3](*args, *entry.tail, stream=driver.active.get_current_stream(device))
+        return entry.compiled
+
+    def _through_jit(self, grid, args: tuple, constexprs: dict, key):
+        """Triton's own launch; where ``key`` is given (a class seen first), what later calls of it launch."""
+        self.jit_calls += 1
+        compiled = self.kernel[grid](*args, **constexprs)
+        if key is None:
+            return compiled
+        usable = [_constexpr_ok(value) for value in constexprs.values()]
+        if None in usable:
+            return compiled
+        tail = self.tail(len(args), constexprs) if all(usable) else None
+        ok = tail is not None and isinstance(compiled, triton.compiler.CompiledKernel)
+        self.entries[key] = Entry(compiled, tail) if ok else None
+        return compiled
+
+    def tail(self, positional: int, constexprs: dict) -> Optional[tuple]:
+        """The values of the parameters after the first ``positional`` ones, in declaration order: each a
+        constexpr given in ``constexprs`` or defaulted; None where one is not (or a keyword names no such
+        parameter)."""
+        rest = self.kernel.params[positional:]
+        if set(constexprs) - {p.name for p in rest}:
+            return None
+        values = []
+        for param in rest:
+            if not param.is_constexpr:
+                return None
+            if param.name in constexprs:
+                values.append(constexprs[param.name])
+            elif param.default is not inspect.Parameter.empty:
+                values.append(param.default)
+            else:
+                return None
+        return tuple(values)
+
+    def _check_globals(self) -> None:
+        """``JITFunction.run``'s check that the globals the kernel read have not changed since it compiled. Its
+        values are deep copies, which compare slowly (``tl.constexpr``'s ``!=`` builds a constexpr): once they
+        compared equal, the objects then in the globals are kept, and while each global is still that object
+        (and no specialization compiled since read more globals) nothing is compared again."""
+        for globals_dict, name, seen in self._globals_seen:
+            if globals_dict.get(name, _UNKNOWN) is not seen:
+                break
+        else:
+            if self._globals_count == len(self.kernel.used_global_vals):
+                return
+        seen = []
+        for (name, _), (value, globals_dict) in self.kernel.used_global_vals.items():
+            if (now := globals_dict.get(name, _UNKNOWN)) is not value and now != value:
+                raise RuntimeError(f"Global variable {name} has changed since we compiled this kernel, from "
+                                   f"{value} to {'(deleted)' if now is _UNKNOWN else now}")
+            seen.append((globals_dict, name, now))
+        self._globals_seen, self._globals_count = seen, len(seen)

@@ -1,0 +1,205 @@
+"""The direct launch path (snip_ds/backend/kernels/direct.py): a compiled kernel launched through the kernel
+Triton compiled for its class of arguments hands the driver exactly what Triton's own ``JITFunction.run`` hands it.
+
+In a subprocess where Triton is not interpreted, on benchmarks/triton_launch_path.py's sm_90 driver (the kernels
+compiled by Triton and ptxas, never run), whose utilities here give every loaded kernel a function handle of its
+own (one per ``load_binary`` call: one per compiled specialization, even where two compile to the same bytes) and
+record each launch's grid, function handle and arguments. Each launch of snip_ds's four kernels (quantize,
+amax, grouped amax, grouped quantize) in several configurations, with aligned and misaligned tensors (views at an
+odd element offset) and ints of each class Triton tells apart (1, 16, 17, 2**31), is captured as snip_ds makes
+it, then replayed with the same arguments: direct (first call of its class), through ``JITFunction.run``, and
+direct again -- the three must reach the driver alike; the second direct call must not enter
+``JITFunction.run`` nor compile. A misaligned tensor after an aligned one of the same configuration must go
+through ``JITFunction.run`` and launch a kernel of its own.
+"""
+import pytest
+
+from triton_mode import compile_check
+
+DIRECT = r"""
+import sys
+try:
+    import triton.backends.nvidia.driver  # noqa: F401
+except ImportError as err:
+    print("skip:", err)
+    sys.exit(0)
+sys.path.insert(0, "benchmarks")
+from contextlib import ExitStack
+import collections
+import itertools
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+import triton_launch_path as tlp
+from snip_ds.backend.kernels import direct, grouped as kg, quantize as kq
+
+assert not kq.INTERPRETED
+if not direct.ENGAGED:
+    print("skip: the direct path does not engage under Triton", triton.__version__)
+    sys.exit(0)
+
+
+class HandleUtils(tlp.NoGpuUtils):
+    # every loaded kernel its own function handle; every launch recorded: (grid, function, arguments)
+    handles = itertools.count(1)
+
+    def load_binary(self, name, kernel, shared, device):
+        return 1, next(self.handles), 32, 0, 1024
+
+    def launch(self, grid_x, grid_y, grid_z, stream, function, cooperative, pdl, kernel_metadata, launch_metadata,
+               enter_hook, exit_hook, *rest):
+        args = tuple(("t", a.data_ptr(), a.dtype) if isinstance(a, torch.Tensor) else a for a in rest[-1])
+        self.recorded.append(((grid_x, grid_y, grid_z), function, args, stream, cooperative, pdl, kernel_metadata,
+                              type(launch_metadata).__name__, id(enter_hook), id(exit_hook)))
+
+
+jit_runs = []
+real_run = JITFunction.run
+
+
+def counted_run(self, *args, **kwargs):
+    jit_runs.append(self.fn.__name__)
+    return real_run(self, *args, **kwargs)
+
+
+JITFunction.run = counted_run
+
+
+def capture(make):
+    # the launches make() makes, as (kernel, grid, args, kwargs), through Triton's own path
+    made = []
+
+    def spy(self, *args, grid, warmup, **kwargs):
+        made.append((self, grid, args, kwargs))
+        return counted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    with direct.disabled():
+        JITFunction.run = spy
+        try:
+            make()
+        finally:
+            JITFunction.run = counted_run
+    return made
+
+
+def launched(utils, call):
+    utils.recorded = []
+    runs, compiled = len(jit_runs), len(compiles)
+    call()
+    (record,) = utils.recorded
+    return record, len(jit_runs) - runs, len(compiles) - compiled
+
+
+def replay(utils, launch):
+    # the launch direct (first of its class or not), through JITFunction.run, direct again: alike at the driver
+    kernel, grid, args, kwargs = launch
+    first, first_runs, _ = launched(utils, lambda: direct.launcher(kernel)[grid](*args, **kwargs))
+    own, own_runs, own_compiles = launched(utils, lambda: kernel[grid](*args, **kwargs))
+    again, again_runs, again_compiles = launched(utils, lambda: direct.launcher(kernel)[grid](*args, **kwargs))
+    name = kernel.fn.__name__
+    assert own_runs == 1 and own_compiles == 0, (name, own_runs, own_compiles)
+    assert first == own, (name, "first direct call", first, own)
+    assert again == own, (name, "second direct call", again, own)
+    assert again_runs == 0 and again_compiles == 0, (name, "second direct call entered JITFunction.run")
+    return first, first_runs
+
+
+def tensor(shape, dtype=torch.float32, misaligned=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    n = shape[0] * shape[1]
+    flat = torch.randn(n + 1, generator=gen).to(dtype)
+    t = (flat[1:] if misaligned else flat[:n]).view(shape)
+    assert (t.data_ptr() % 16 == 0) != misaligned
+    return t
+
+
+def cfg(t, recipe, axis=1, **kw):
+    return kq.launch_config(*t.shape, recipe, axis, torch.float8_e4m3fn if "fp8" in recipe else torch.float32, False,
+                            t.dtype == torch.bfloat16, **kw)
+
+
+SEED = kq.seed_tensor(7, torch.device("cpu"))
+
+
+def quantize(shape, recipe="fp8_e4m3", dtype=torch.float32, misaligned=False, offset=0, seed=None):
+    x = tensor(shape, dtype, misaligned)
+    return lambda: kq.launch(cfg(x, recipe), x, None, seed, offset)
+
+
+def amax(shape, dtype=torch.float32, misaligned=False):
+    x = tensor(shape, dtype, misaligned)
+    return lambda: kq._amax(kq._bits(x), dtype == torch.bfloat16, 16, 32, 2)
+
+
+def pair(a_shape, b_shape, a_recipe="fp8_e4m3", b_recipe="fp8_e4m3", misaligned=False, grouped_amax=True):
+    a, b = tensor(a_shape, seed=1), tensor(b_shape, torch.bfloat16, misaligned, seed=2)
+    a_cfg, b_cfg = cfg(a, a_recipe, both=True), cfg(b, b_recipe, write_amax=True)
+
+    def make():
+        partials = (kg.grouped_amax_partials(kg.grouped_amax_config(a_cfg, b_cfg), a, b) if grouped_amax
+                    else (None, None))
+        kg.launch_pair(kg.quantize_pair_config(a_cfg, b_cfg), a, None, b, None, a_partials=partials[0],
+                       b_partials=partials[1])
+    return make
+
+
+with ExitStack() as stack:
+    drv, compiles = tlp.install(stack)
+    utils = drv.utils = HandleUtils()
+    utils.recorded = []
+    CASES = [("quantize", quantize((48, 64))), ("quantize", quantize((48, 64), misaligned=True)),
+             ("quantize", quantize((48, 64), offset=1, seed=SEED)),
+             ("quantize", quantize((48, 64), offset=16, seed=SEED)),
+             ("quantize", quantize((48, 64), offset=17, seed=SEED)),
+             ("quantize", quantize((48, 64), offset=2 ** 31, seed=SEED)),
+             ("quantize", quantize((1, 17), "nvfp4", torch.bfloat16)),
+             ("quantize", quantize((33, 64), "mxfp8", misaligned=True)),
+             ("amax", amax((40, 64))), ("amax", amax((40, 64), misaligned=True)),
+             ("amax", amax((1, 16), torch.bfloat16)), ("amax", amax((17, 33), torch.bfloat16, misaligned=True)),
+             ("pair", pair((32, 64), (64, 64))), ("pair", pair((32, 64), (64, 64), misaligned=True)),
+             ("pair", pair((1, 64), (16, 64), "nvfp4", "nvfp4")),
+             ("pair", pair((32, 64), (48, 64), "mxfp8", "fp8_e4m3", grouped_amax=False))]
+    seen, replayed = {}, collections.Counter()
+    for name, make in CASES:
+        for launch in capture(make):
+            record, runs = replay(utils, launch)
+            replayed[launch[0].fn.__name__] += 1
+            kernel = launch[0].fn.__name__
+            if record[1] not in seen.setdefault(kernel, set()):
+                assert runs == 1, (name, kernel, "a kernel not launched before, yet no JITFunction.run")
+            seen[kernel].add(record[1])
+    assert len(replayed) == 4, replayed  # the four kernels
+    print({kernel: (replayed[kernel], len(handles)) for kernel, handles in seen.items()})  # launches, kernels
+
+    # a new class after a known one: misaligned after aligned, same configuration -> its own kernel
+    for make_aligned, make_misaligned in ((quantize((24, 32)), quantize((24, 32), misaligned=True)),
+                                          (amax((24, 32)), amax((24, 32), misaligned=True)),
+                                          (pair((16, 32), (16, 32)), pair((16, 32), (16, 32), misaligned=True))):
+        for aligned, misaligned in zip(capture(make_aligned), capture(make_misaligned)):
+            handle_aligned = replay(utils, aligned)[0][1]
+            (_, handle, *_), runs = replay(utils, misaligned)
+            assert (handle != handle_aligned) == (runs == 1), (aligned[0].fn.__name__, handle, handle_aligned, runs)
+            if any(isinstance(a, torch.Tensor) and a.data_ptr() % 16 for a in misaligned[2]):
+                assert runs == 1 and handle != handle_aligned, (aligned[0].fn.__name__, "misaligned reused aligned")
+
+    # under a trace, or disabled: not the direct launcher
+    with direct.disabled():
+        assert direct.launcher(kq._amax_kernel) is kq._amax_kernel
+    assert isinstance(kq._launchable(kq._amax_kernel), direct.DirectLauncher)
+print("ok")
+"""
+
+
+def test_direct_launches_reach_the_driver_as_triton_launches_them():
+    """Every replayed launch reaches the driver alike, direct or through ``JITFunction.run``; later calls of a
+    class skip ``JITFunction.run`` and compile nothing; a misaligned tensor gets its own kernel."""
+    compile_check(DIRECT, timeout=600)  # (about 25 s here with Triton's kernel cache cold, 5 s warm)
+
+
+def test_supported_versions():
+    """The direct path engages only on the Triton versions whose launch code was read (3.6, 3.9)."""
+    from snip_ds.backend.kernels import direct
+
+    assert direct.supported("3.9.0") and direct.supported("3.6.0") and direct.supported("3.6.1+git1234")
+    assert not direct.supported("3.2.0") and not direct.supported("3.7.0") and not direct.supported("4.0.0")
+    assert not direct.supported("nightly")
