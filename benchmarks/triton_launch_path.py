@@ -16,10 +16,18 @@ arguments it was handed. The kernels never run: their outputs stay as allocated 
 timing does not read. Left out, and so not in the figures: the C launcher's own work, and the cost of a real
 ``torch.cuda.current_device``/current-stream query (stand-ins return device 0, stream 0).
 
+Eager launches of a compiled kernel go through snip_ds's direct launcher where the Triton version supports it
+(:mod:`snip_ds.backend.kernels.direct`: the first call of each class of arguments through ``JITFunction.run``,
+later ones through the kernel it compiled), else through ``JITFunction.run`` itself.
+
 Per step (``--rows scope:variant``, eager): ``triton_launch_us``, the median over paired steps of a step's CPU time
 with its launches through that path less the same step's with empty launches (the pair's order alternates);
-per launch (replayed alone, paired the same way): the kernel, its arguments, the µs of the path through
-``wrap_triton``, without it, and of the compiled kernel's own launcher alone (``CompiledKernel[grid]``). Compiles are counted (in warm-up, and in the timed steps: none expected).
+``jit_function_us``, the same with the direct launcher off (every launch through ``JITFunction.run``, as before
+it); ``jit_runs_per_step``, how many of a warm step's launches entered ``JITFunction.run`` (exact: 0 where every
+launch went direct); per launch (replayed alone, paired the same way): the kernel, its arguments, the µs of the
+path through ``wrap_triton``, without it (``JITFunction.run``), through the direct launcher (``direct_us``) and
+of the compiled kernel's own launcher alone (``CompiledKernel[grid]``). Compiles are counted (in warm-up, and in
+the timed steps: none expected).
 bench_layer_host runs this as a subprocess (:func:`measure_in_subprocess`); standalone::
 
     python benchmarks/triton_launch_path.py --rows layer:fp8_hybrid block:nvfp4 --steps 50 --output x.json
@@ -203,6 +211,11 @@ class Launch:
     def without_wrap_triton(self) -> None:
         self.kernel[self.grid](*self.args, **self.kwargs)
 
+    def direct(self) -> None:
+        """The launch through snip_ds's direct launcher (the kernel itself where it does not engage)."""
+        from snip_ds.backend.kernels import direct
+        direct.launcher(self.kernel)[self.grid](*self.args, **self.kwargs)
+
     def compiled_kernel(self) -> None:
         """The compiled kernel launched by Triton's own lowest entry (``CompiledKernel[grid](*args)``): no
         argument binding, specialization key or cache lookup -- what a launcher kept per configuration would
@@ -218,9 +231,12 @@ class Launch:
 
 def recorded_launches(step: Callable[[], None]) -> List[Launch]:
     """The kernel launches (``JITFunction.run``, whatever called it) that one call of ``step`` makes, in
-    order, each with what reached the driver's launch call (:class:`NoGpuUtils`); each is launched, too."""
+    order, each with what reached the driver's launch call (:class:`NoGpuUtils`); each is launched, too, through
+    ``JITFunction.run`` (the direct launcher off, so that every launch is seen there)."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
+
+    from snip_ds.backend.kernels import direct
 
     launches: List[Launch] = []
     run = JITFunction.run
@@ -234,7 +250,8 @@ def recorded_launches(step: Callable[[], None]) -> List[Launch]:
 
     JITFunction.run, utils.recorded = recording, []
     try:
-        step()
+        with direct.disabled():
+            step()
     finally:
         JITFunction.run, (recorded, utils.recorded) = run, (utils.recorded, None)
     if len(recorded) != len(launches):
@@ -265,14 +282,16 @@ def paired_us(through: Callable[[], None], empty: Callable[[], None], pairs: int
     return statistics.median(diffs)
 
 
-def _paired_steps(step: Callable[[], None], steps: int, wrap_triton: bool = True) -> float:
+def _paired_steps(step: Callable[[], None], steps: int, wrap_triton: bool = True, direct: bool = True) -> float:
     """:func:`paired_us` of whole steps: through Triton's launch path less with empty launches, each timed
     inside its patches (entering and leaving them is in neither time). ``wrap_triton=False``: the launches
     skip ``torch.library.wrap_triton``'s dispatch of a higher-order operator (``set_wrap_triton_enabled``,
-    what a ``triton_op`` called eagerly does): what launching the kernels directly would cost."""
+    what a ``triton_op`` called eagerly does). ``direct=False``: snip_ds's direct launcher off, every launch
+    through ``JITFunction.run``."""
     from torch._library.triton import set_wrap_triton_enabled
 
     from snip_ds.backend.dispatch_audit import patch_triton_launches
+    from snip_ds.backend.kernels import direct as direct_path
 
     diffs = []
     for i in range(steps):
@@ -283,6 +302,8 @@ def _paired_steps(step: Callable[[], None], steps: int, wrap_triton: bool = True
                     patch_triton_launches(stack, None, run=False)
                 elif not wrap_triton:
                     stack.enter_context(set_wrap_triton_enabled(False))
+                if not direct:
+                    stack.enter_context(direct_path.disabled())
                 times[through] = _cpu_us(step)
         diffs.append(times[True] - times[False])
     return statistics.median(diffs)
@@ -294,19 +315,40 @@ def _kernel_params(kernel) -> "tuple[int, int]":
     return len(params), sum(1 for p in params if p.is_constexpr)
 
 
+def _jit_runs(step: Callable[[], None]) -> int:
+    """How many launches of one call of ``step`` enter ``JITFunction.run``."""
+    from triton.runtime.jit import JITFunction
+
+    runs = [0]
+    run = JITFunction.run
+
+    def counting(self, *args, **kwargs):
+        runs[0] += 1
+        return run(self, *args, **kwargs)
+
+    JITFunction.run = counting
+    try:
+        step()
+    finally:
+        JITFunction.run = run
+    return runs[0]
+
+
 def measure_step(step: Callable[[], None], drv, compiles: List[Compile], steps: int, repeats: int) -> dict:
-    """``triton_launch_us`` of one step (:func:`_paired_steps`), each of its launches replayed alone
-    (:func:`paired_us`), how many reach the driver's launch in a step, and the compiles: in warm-up (one per
-    kernel specialization) and in the timed steps (none, if the kernel cache holds)."""
+    """``triton_launch_us`` of one step (:func:`_paired_steps`; ``jit_function_us`` with the direct launcher
+    off), each of its launches replayed alone (:func:`paired_us`), how many reach the driver's launch in a step
+    and how many of them ``JITFunction.run``, and the compiles: in warm-up (one per kernel specialization) and in
+    the timed steps (none, if the kernel cache holds)."""
     first = len(compiles)
-    step()  # compiles every kernel specialization the step launches
+    step()  # compiles every kernel specialization the step launches (and the direct launcher learns its classes)
     warmup = len(compiles) - first
     launches = recorded_launches(step)
     counted = drv.utils.launches
-    step()
+    jit_runs = _jit_runs(step)
     driver_launches = drv.utils.launches - counted
     row_us = _paired_steps(step, steps) if launches else 0.0
     direct_us = _paired_steps(step, steps, wrap_triton=False) if launches else 0.0
+    jit_us = _paired_steps(step, steps, direct=False) if launches else 0.0
     per_launch = []
     for launch in launches:
         params, constexprs = _kernel_params(launch.kernel)
@@ -314,9 +356,10 @@ def measure_step(step: Callable[[], None], drv, compiles: List[Compile], steps: 
                            "params": params, "constexprs": constexprs, "grid": list(launch.grid),
                            "us": paired_us(launch.through_triton, launch.empty, repeats),
                            "without_wrap_triton_us": paired_us(launch.without_wrap_triton, launch.empty, repeats),
+                           "direct_us": paired_us(launch.direct, launch.empty, repeats),
                            "compiled_kernel_us": paired_us(launch.compiled_kernel, launch.empty, repeats)})
-    return {"triton_launch_us": row_us, "without_wrap_triton_us": direct_us, "launches": len(launches),
-            "driver_launches": driver_launches,
+    return {"triton_launch_us": row_us, "without_wrap_triton_us": direct_us, "jit_function_us": jit_us,
+            "launches": len(launches), "driver_launches": driver_launches, "jit_runs_per_step": jit_runs,
             "per_launch": per_launch, "compiles_warmup": warmup,
             "compile_s_warmup": sum(c.seconds for c in compiles[first:first + warmup]),
             "compiles_timed": len(compiles) - first - warmup}
