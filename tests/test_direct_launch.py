@@ -182,6 +182,17 @@ with ExitStack() as stack:
             if any(isinstance(a, torch.Tensor) and a.data_ptr() % 16 for a in misaligned[2]):
                 assert runs == 1 and handle != handle_aligned, (aligned[0].fn.__name__, "misaligned reused aligned")
 
+    # a constexpr given positionally: its class does not hold its value (BR 16 and 32: one int class), so every
+    # such call goes through JITFunction.run
+    (amax_kernel, grid, args, kwargs), = capture(amax((32, 64)))
+    rest = {k: v for k, v in kwargs.items() if k not in ("IN_BF16", "BR")}
+    for br in (16, 32, 16, 32):
+        call = (args + (kwargs["IN_BF16"], br))
+        own, _, _ = launched(utils, lambda: amax_kernel[grid](*call, **rest))
+        for _ in range(2):
+            record, runs, _ = launched(utils, lambda: direct.launcher(amax_kernel)[grid](*call, **rest))
+            assert record == own and runs == 1, ("positional constexpr", br, runs)
+
     # under a trace, or disabled: not the direct launcher
     with direct.disabled():
         assert direct.launcher(kq._amax_kernel) is kq._amax_kernel

@@ -4,9 +4,11 @@ Triton's per-call argument binding.
 ``JITFunction.run`` (what ``kernel[grid](*args, **constexprs)`` calls) binds every argument, computes the
 specialization of each (dtype and 16-byte alignment of a tensor; of an int: equal to 1, divisible by 16, its
 width), builds the cache key and looks the compiled kernel up: about 6-41 µs of host time a launch for snip_ds's
-kernels (benchmarks/triton_launch_path.py), against 0.5-1.5 µs for the compiled kernel's own launcher
-(``CompiledKernel[grid](*args)``). :class:`DirectLauncher` keeps, per JITFunction, the compiled kernel Triton
-picked for each class of call, and launches later calls of the same class through it:
+kernels (benchmarks/triton_launch_path.py; more the more arguments). :class:`DirectLauncher` keeps, per
+JITFunction, the compiled kernel Triton picked for each class of call, and launches later calls of the same class
+through it (``CompiledKernel[grid]``): what is left is computing the class (about 0.2 µs an argument) and the
+compiled kernel's own launcher -- the 61-argument grouped quantization about 13-20 µs against 41-69 µs, the
+10-argument amax no faster (6 µs, measured on a CPU with Triton 3.9; noisy):
 
 - the class (:meth:`DirectLauncher.key`): the current device; the runtime knobs that enter Triton's key (the debug
   flag, the instrumentation mode, 3.9's FP sanitizer casts); the constexpr keyword arguments (name, type, value:
@@ -14,15 +16,17 @@ picked for each class of call, and launches later calls of the same class throug
   what Triton specializes on: a tensor its dtype and whether ``data_ptr() % 16 == 0``; a bool its value; an int
   whether it is 1, whether divisible by 16, whether it fits int32, whether it fits int64 (else uint64); a float
   nothing (``fp32`` whatever its value); None itself. Anything else (a tensor descriptor, a tuple, a numpy int, a
-  float constexpr of 0 or NaN, a keyword that is not a constexpr parameter after the positional ones, a grid that
-  is not a tuple of 1-3 ints) launches through the JITFunction, every time.
+  float constexpr of 0 or NaN, a keyword that is not a constexpr parameter after the positional ones, a constexpr
+  given positionally, a grid that is not a tuple of 1-3 ints) launches through the JITFunction, every time.
 - why equal classes mean the same compiled kernel, on the Triton versions in :data:`SUPPORTED` (their
   ``runtime/jit.py``, ``compiler/compiler.py`` and ``knobs.py`` read for this): Triton's cache key is
   ``compute_cache_key(kernel_key_cache, specialization, options)`` in the device's ``device_caches``; the
   specialization of a positional argument is ``native_specialize_impl(backend, arg, is_const, specialize,
   align)``, whose result depends only on the argument's type, a tensor's dtype and ``data_ptr() % 16``, an int's
-  value being 1, its divisibility by 16 and its range (i32/i64/u64), a bool's type (``u1``) -- each a function of
-  the class above (checked against 3.9's implementation: tests/test_direct_launch.py); ``is_const``,
+  value being 1, its divisibility by 16 and its range (i32/i64/u64), a bool's type (``u1``), a float's (``fp32``,
+  whatever its value) -- each a function of the class above (3.6's and 3.9's ``libtriton`` called on 1, 0, 16,
+  17, -16, 2**31 - 1, 2**31, 2**32, 2**63, -2**31, -2**31 - 1, bools, floats, None, aligned and misaligned
+  tensors of three dtypes: the same results; and end to end under 3.9, tests/test_direct_launch.py); ``is_const``,
   ``specialize`` and ``align`` are fixed per parameter; a constexpr's specialization is its value (the class holds
   it, with its type: ``True == 1`` in a dict, not in Triton's key); ``options`` are the keyword arguments (here
   constexprs only, else no direct path) plus ``debug`` (the kernel's own, fixed, or ``knobs.runtime.debug``),
@@ -36,10 +40,14 @@ picked for each class of call, and launches later calls of the same class throug
   self.packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``: the same call when ``args`` are the
   positional arguments followed by the constexprs' values in declaration order (:attr:`Entry.tail`: given, else
   the parameter's default) and the grid is padded to three dimensions with ones, as ``JITFunction.run`` pads it.
-  ``launch_metadata`` is built from the grid as given; it differs only for a kernel with its own
-  ``launch_metadata`` function (none here: no direct path for such a kernel) while an enter hook is installed (any
-  hook installed: no direct path either). The check that the globals a kernel read have not changed since it was
-  compiled (``used_global_vals``) is made here too, before each direct launch.
+  Both build ``launch_metadata`` with ``kernel.launch_metadata(grid, stream, *all values)``: with the enter hook
+  knob a ``HookChain`` (never None in 3.6 and 3.9), a dict of the kernel's name, function handle and stream, and
+  what a kernel's own ``launch_metadata`` function makes of the grid, which ``JITFunction.run`` passes as given and
+  the runner padded (no direct path for a kernel with such a function). A hook installed (a ``HookChain`` with
+  calls): no direct path. The check that the globals a kernel read have not changed since it was compiled
+  (``used_global_vals``) is made here too, before each direct launch (:meth:`DirectLauncher._check_globals`).
+- 3.6's ``JITFunction.run`` may hold a future where compiles are asynchronous (``kernel.result()``); it returns
+  the ``CompiledKernel``, which is all that is kept (anything else: no direct path for that class).
 
 Triton 3.2 (which CI installs for interpreter runs, where nothing here engages) hands the launcher the
 non-constexpr values only and keeps its hooks on ``CompiledKernel``: not supported, its kernels launch through
@@ -177,9 +185,15 @@ def _knob_state():
 
 def _grid3(grid) -> Optional[Tuple[int, int, int]]:
     """``grid`` padded to three dimensions as ``JITFunction.run`` pads it, or None (not a tuple of 1-3 ints)."""
-    if type(grid) is not tuple or not 1 <= len(grid) <= 3 or any(type(g) is not int for g in grid):
-        return None
-    return grid + (1,) * (3 - len(grid))
+    if type(grid) is tuple:
+        size = len(grid)
+        if size == 1 and type(grid[0]) is int:
+            return grid + (1, 1)
+        if size == 2 and type(grid[0]) is int and type(grid[1]) is int:
+            return grid + (1,)
+        if size == 3 and type(grid[0]) is int and type(grid[1]) is int and type(grid[2]) is int:
+            return grid
+    return None
 
 
 class DirectLauncher:
@@ -202,15 +216,16 @@ class DirectLauncher:
 
     @staticmethod
     def key(device, args: tuple, constexprs: dict):
-        """The class of a call (the module's docstring), or ``_UNKNOWN``: the constexprs as (name, value) items
-        and their types (``True == 1``), checked when the class is first seen (:meth:`_through_jit`)."""
+        """The class of a call (the module's docstring), or ``_UNKNOWN``: the constexprs as their names, values
+        and the values' types (``True == 1``), checked when the class is first seen (:meth:`_through_jit`)."""
         knob_state = _knob_state()
         if knob_state is _UNKNOWN:
             return _UNKNOWN
         classes = _arg_classes(args)
         if _UNKNOWN in classes:
             return _UNKNOWN
-        return (device, knob_state, tuple(constexprs.items()), tuple(map(type, constexprs.values())), classes)
+        values = tuple(constexprs.values())
+        return (device, knob_state, tuple(constexprs), values, tuple(map(type, values)), classes)
 
     def launch(self, grid, args: tuple, constexprs: dict):
         """One launch: direct where its class has an entry, else through the JITFunction."""
@@ -250,9 +265,10 @@ class DirectLauncher:
     def tail(self, positional: int, constexprs: dict) -> Optional[tuple]:
         """The values of the parameters after the first ``positional`` ones, in declaration order: each a
         constexpr given in ``constexprs`` or defaulted; None where one is not (or a keyword names no such
-        parameter)."""
-        rest = self.kernel.params[positional:]
-        if set(constexprs) - {p.name for p in rest}:
+        parameter, or a constexpr is given positionally: its class would not hold its value)."""
+        params = self.kernel.params
+        rest = params[positional:]
+        if set(constexprs) - {p.name for p in rest} or any(p.is_constexpr for p in params[:positional]):
             return None
         values = []
         for param in rest:

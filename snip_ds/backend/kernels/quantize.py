@@ -388,8 +388,8 @@ def _launchable(kernel):
     """``kernel`` as the launches here run it: through ``torch.library.wrap_triton`` while a trace is on
     (:func:`_tracing`: so that dynamo, and inductor where it traces a ``triton_op``, see the launch), else
     :func:`snip_ds.backend.kernels.direct.launcher`'s direct launcher -- each class of arguments through the
-    JITFunction once, then through the kernel it compiled (about 0.5-1.5 µs of host time a launch against
-    ``JITFunction.run``'s 6-41 µs; the kernel itself where the Triton version is not one it supports). An eager
+    JITFunction once, then through the kernel it compiled (host time a launch, this CPU: 6-20 µs against
+    ``JITFunction.run``'s 6-69 µs; the kernel itself where the Triton version is not one it supports). An eager
     launch through ``wrap_triton`` would dispatch its higher-order operator, flattening every argument, 55-120 µs
     a launch (bench_layer_host's ``triton_launch_us``). Under the interpreter: the kernel itself, as it is
     (``wrap_triton`` takes compiled kernels only)."""
