@@ -8,8 +8,6 @@ and AOTAutograd and inductor tracing a ``triton_op``'s body with fake and functi
 kernel itself would read a fake tensor's data pointer. In a subprocess, where Triton is not in interpreter mode
 (no GPU needed: nothing is launched).
 """
-import pytest
-
 from triton_mode import compile_check
 
 LAUNCH_PATH = r"""
@@ -24,11 +22,12 @@ import torch
 from torch._higher_order_ops.triton_kernel_wrap import TraceableTritonKernelWrapper
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from snip_ds.backend.kernels import quantize as kq
+from snip_ds.backend.kernels import direct, quantize as kq
 
 assert not kq.INTERPRETED
 kernel = kq._amax_kernel
-assert kq._launchable(kernel) is kernel, "eager: the kernel itself"
+assert kq._launchable(kernel) is direct.launcher(kernel), "eager: its direct launcher (the kernel, unsupported)"
+assert direct.launcher(kernel) is kernel or direct.launcher(kernel).kernel is kernel
 with FakeTensorMode():
     assert isinstance(kq._launchable(kernel), TraceableTritonKernelWrapper), "fake tensors: wrap_triton"
 with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
@@ -45,9 +44,8 @@ print("ok")
 """
 
 
-@pytest.mark.slow
 def test_eager_launches_skip_wrap_triton_and_traces_keep_it():
-    """Eager: ``_launchable`` hands back the kernel itself; under fake tensors and dynamo, ``wrap_triton``'s
-    wrapper; the ``snip_ds::triton_*`` ops trace under ``make_fx`` with fake tensors (a raw launch there would
-    fail on the fake tensors' data pointers)."""
+    """Eager: ``_launchable`` hands back the kernel's direct launcher (snip_ds.backend.kernels.direct); under
+    fake tensors and dynamo, ``wrap_triton``'s wrapper; the ``snip_ds::triton_*`` ops trace under ``make_fx``
+    with fake tensors (a raw launch there would fail on the fake tensors' data pointers)."""
     compile_check(LAUNCH_PATH, timeout=300)

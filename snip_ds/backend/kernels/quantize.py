@@ -41,7 +41,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from snip_ds.backend.base import check_kernel_arguments, check_kernel_input
-from snip_ds.backend.kernels import grid as g
+from snip_ds.backend.kernels import direct, grid as g
 from snip_ds.backend.kernels.config import (BOTH_AXES, BOTH_SAME, FP8_CODES, MX_KIND, LaunchConfig,
                                             amax_programs, amax_tiles, cached_launch_config, kind, launch_config,
                                             takes_amax_pass, tile)
@@ -397,7 +397,6 @@ def _launchable(kernel):
         return kernel  # (not a JITFunction: a wrapper counting launches)
     if _tracing():
         return torch.library.wrap_triton(kernel)
-    from snip_ds.backend.kernels import direct  # (here: this function is all of this module that uses it)
     return direct.launcher(kernel)
 
 
