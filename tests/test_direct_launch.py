@@ -12,7 +12,6 @@ direct again -- the three must reach the driver alike; the second direct call mu
 ``JITFunction.run`` nor compile. A misaligned tensor after an aligned one of the same configuration must go
 through ``JITFunction.run`` and launch a kernel of its own.
 """
-import pytest
 
 from triton_mode import compile_check
 
