@@ -13,6 +13,8 @@ direct again -- the three must reach the driver alike; the second direct call mu
 through ``JITFunction.run`` and launch a kernel of its own.
 """
 
+import pytest
+
 from triton_mode import compile_check
 
 DIRECT = r"""
@@ -213,3 +215,34 @@ def test_supported_versions():
     assert direct.supported("3.9.0") and direct.supported("3.6.0") and direct.supported("3.6.1+git1234")
     assert not direct.supported("3.2.0") and not direct.supported("3.7.0") and not direct.supported("4.0.0")
     assert not direct.supported("nightly")
+
+
+def test_the_environment_switch_turns_the_direct_path_off_and_a_bad_value_is_an_error():
+    """``SNIP_DS_TRITON_DIRECT=0`` sends every eager launch through Triton's own ``JITFunction.run`` (the way back
+    should the direct path misbehave on a GPU); unset or 1 keeps it; any other value is an error naming it."""
+    from snip_ds.backend.kernels import direct
+
+    assert direct.switched_on({}) and direct.switched_on({"SNIP_DS_TRITON_DIRECT": "1"})
+    assert not direct.switched_on({"SNIP_DS_TRITON_DIRECT": "0"})
+    with pytest.raises(ValueError, match="SNIP_DS_TRITON_DIRECT='yes'"):
+        direct.switched_on({"SNIP_DS_TRITON_DIRECT": "yes"})
+
+
+SWITCHED_OFF = r"""
+import sys
+try:
+    import triton.backends.nvidia.driver  # noqa: F401
+except ImportError as err:
+    print("skip:", err)
+    sys.exit(0)
+from snip_ds.backend.kernels import direct, quantize as kq
+assert not direct.ENGAGED and kq._launchable(kq._amax_kernel) is kq._amax_kernel
+print("ok")
+"""
+
+
+def test_switched_off_eager_launches_are_the_kernels_own(monkeypatch):
+    """With ``SNIP_DS_TRITON_DIRECT=0`` in the environment of a process (compiled kernels), an eager launch is the
+    JITFunction itself."""
+    monkeypatch.setenv("SNIP_DS_TRITON_DIRECT", "0")
+    compile_check(SWITCHED_OFF, timeout=300)
