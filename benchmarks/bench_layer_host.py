@@ -36,12 +36,15 @@ counted without one. Per row:
   these shapes. On CUDA ``step_us`` itself (the kernels run on the GPU).
 * ``triton_launch_us`` (CPU only): the host time of Triton's own launch path for the step's snip_ds launches,
   which ``step_us`` leaves out: in a process of its own (:mod:`triton_launch_path`) the kernels compiled for sm_90
-  by Triton's compiler and ptxas, launched through ``torch.library.wrap_triton``, ``JITFunction.run`` and
-  Triton's ``CudaLauncher`` by a driver whose C launch call does nothing (the kernels never run); the median over
+  by Triton's compiler and ptxas, launched as snip_ds launches them eagerly (its direct launcher,
+  ``snip_ds.backend.kernels.direct``) through Triton's ``CudaLauncher`` by a driver whose C launch call does nothing
+  (the kernels never run); the median over
   ``--steps`` paired steps of a step's time through that path less its time with empty launches. 0 where the
   step launches none; None, the reason in ``triton_launch_not_measured``, where it could not be measured
   (compiled rows that launch snip_ds kernels: inductor launches them its own way; Triton cannot compile here).
-  ``triton_launch`` holds each launch's kernel, arguments and µs (replayed alone) and the compiles.
+  ``triton_launch`` holds the step through ``JITFunction.run`` (``jit_function_us``), each launch's kernel,
+  arguments and µs replayed alone four ways (direct, ``JITFunction.run``, ``wrap_triton``'s operator, the compiled
+  kernel's launcher) and the compiles.
   ``host_with_triton_us``: ``host_us`` plus it.
 * ``syncs``: host reads of a tensor's value in a step (``HostReads``; compiled: the value-dependent operators in
   the profile).
@@ -508,8 +511,8 @@ def _triton_launches(row: dict) -> float:
 
 def add_triton_launch_path(res: dict, args, timeout_s: float) -> None:
     """Each row's ``triton_launch_us``: the host time of Triton's own launch path for its step's snip_ds launches
-    (:mod:`triton_launch_path`, in a process of its own: the kernels compiled for sm_90, launched through
-    ``wrap_triton``, ``JITFunction.run`` and ``CudaLauncher`` by a driver whose C launch does nothing), 0 where
+    (:mod:`triton_launch_path`, in a process of its own: the kernels compiled for sm_90, launched as snip_ds
+    launches them eagerly, through ``CudaLauncher`` by a driver whose C launch does nothing), 0 where
     the step launches none; None where not measured, why in ``triton_launch_not_measured``. And
     ``host_with_triton_us``, ``host_us`` plus it."""
     from triton_launch_path import measure_in_subprocess
@@ -651,8 +654,10 @@ def _triton_launch_section(res: dict) -> list:
     if "not_measured" in path:
         return lines + [f"Not measured: {path['not_measured']}."]
     lines += [f"Triton {path.get('triton', '?')}, the kernels compiled for {path.get('target', '?')} (ptxas) in a "
-              "process without Triton's interpreter and launched with CPU tensors through `torch.library."
-              "wrap_triton`, `JITFunction.run` and Triton's `CudaLauncher`, by a driver whose C launch "
+              "process without Triton's interpreter and launched with CPU tensors as snip_ds launches them eagerly "
+              "(its direct launcher, `snip_ds.backend.kernels.direct`: the first launch of each kind of call "
+              "through `JITFunction.run`, the later ones through the kernel it compiled) and Triton's "
+              "`CudaLauncher`, by a driver whose C launch "
               "(`utils.launch`: the arguments' pointers, `cuLaunchKernelEx`) does nothing; the kernels never run "
               "(their outputs stay uninitialised: host time only). Triton launch µs: the median over "
               f"{res['steps']} paired steps of a step's CPU time through that path less the same step's with "
@@ -665,31 +670,36 @@ def _triton_launch_section(res: dict) -> list:
     notes = sorted({r["triton_launch_not_measured"] for r in res["rows"] if r.get("triton_launch_not_measured")})
     lines += [f"n/m, not measured: {note}." for note in notes] + ([""] if notes else [])
     measured = [r for r in res["rows"] if r.get("triton_launch") and r["mode"] == "eager"]
-    lines += ["Per step: Triton launch µs as above, and the same step with `wrap_triton` not dispatching its "
-              "higher-order operator (`set_wrap_triton_enabled(False)`, as inside a `triton_op` called eagerly): "
-              "the launches straight through `kernel[grid]`.", "",
-              "| scope | variant | Triton launches | Triton launch µs | without wrap_triton µs | compiles in warm-up |",
-              "|---|---|---|---|---|---|"]
+    lines += ["Per step: Triton launch µs as above (the direct launcher), and the same step with every launch "
+              "through `JITFunction.run` (`direct.disabled()`, or `SNIP_DS_TRITON_DIRECT=0`).", "",
+              "| scope | variant | Triton launches | Triton launch µs (direct) | through JITFunction.run µs | "
+              "compiles in warm-up |", "|---|---|---|---|---|---|"]
     for r in measured:
         launch = r["triton_launch"]
         lines.append(f"| {r['scope']} | {r['variant']} | {launch['launches']} | {launch['triton_launch_us']:.0f} | "
-                     f"{launch['without_wrap_triton_us']:.0f} | {launch['compiles_warmup']} |")
+                     f"{_f(launch.get('jit_function_us'), '{:.0f}')} | {launch['compiles_warmup']} |")
     lines += ["", "Each launch replayed alone, by kernel (the median over a step's launches of the median of paired "
-              "replays, µs): through `wrap_triton` as snip_ds launches it eagerly, straight through "
-              "`kernel[grid]` (`JITFunction.run`), and the compiled kernel's launcher alone (`CompiledKernel[grid]`"
-              ": no binding, specialization key or cache lookup).", "",
-              "| scope | variant | kernel | launches | arguments (constexpr) | µs a launch | without wrap_triton µs | "
-              "CompiledKernel µs |", "|---|---|---|---|---|---|---|---|"]
+              "replays, µs): through the direct launcher as snip_ds launches it eagerly; through `JITFunction.run` "
+              "(`kernel[grid]`); through `torch.library.wrap_triton`'s higher-order operator, as every eager launch "
+              "went before the direct launcher; and the compiled kernel's launcher alone (`CompiledKernel[grid]`: "
+              "no binding, specialization key, cache lookup or class).", "",
+              "| scope | variant | kernel | launches | arguments (constexpr) | direct µs | JITFunction.run µs | "
+              "wrap_triton µs | CompiledKernel µs |", "|---|---|---|---|---|---|---|---|---|"]
     for r in measured:
         by_kernel = {}
         for one in r["triton_launch"]["per_launch"]:
             by_kernel.setdefault(one["kernel"], []).append(one)
         for name, ones in by_kernel.items():
             lines.append(f"| {r['scope']} | {r['variant']} | `{name}` | {len(ones)} | {ones[0]['args']} "
-                         f"({ones[0]['constexprs']}) | {statistics.median(o['us'] for o in ones):.1f} | "
-                         f"{statistics.median(o['without_wrap_triton_us'] for o in ones):.1f} | "
-                         f"{_f(statistics.median(o['compiled_kernel_us'] for o in ones), '{:.1f}')} |")
+                         f"({ones[0]['constexprs']}) | {_median(ones, 'direct_us')} | "
+                         f"{_median(ones, 'without_wrap_triton_us')} | {_median(ones, 'us')} | "
+                         f"{_median(ones, 'compiled_kernel_us')} |")
     return lines
+
+
+def _median(ones: list, key: str) -> str:
+    values = [o[key] for o in ones if o.get(key) is not None]
+    return f"{statistics.median(values):.1f}" if values else "n/m"
 
 
 def markdown(res: dict) -> str:
