@@ -1,5 +1,5 @@
 """Triton's own launch path for snip_ds's kernels, timed on a CPU: what a GPU's host does between snip_ds's
-``_launchable(kernel)[grid](...)`` and the CUDA driver's launch call, which bench_layer_host's CPU rows leave out
+``launchable(kernel)[grid](...)`` and the CUDA driver's launch call, which bench_layer_host's CPU rows leave out
 (their launches are empty: :func:`snip_ds.backend.dispatch_audit.patch_triton_launches` with ``run=False``).
 
 On a GPU every eager launch of a snip_ds kernel goes through ``torch.library.wrap_triton`` -- which outside a
@@ -194,7 +194,7 @@ def widen_snip_ds(stack: ExitStack) -> str:
 @dataclass
 class Launch:
     """One launch of a snip_ds kernel as a step makes it: ``kernel[grid](*args, **kwargs)``, reached through
-    ``torch.library.wrap_triton`` (what ``_launchable`` gives a compiled kernel)."""
+    ``torch.library.wrap_triton`` (what ``launchable`` gives a compiled kernel)."""
 
     name: str
     kernel: object

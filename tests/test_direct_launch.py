@@ -129,7 +129,7 @@ def quantize(shape, recipe="fp8_e4m3", dtype=torch.float32, misaligned=False, of
 
 def amax(shape, dtype=torch.float32, misaligned=False):
     x = tensor(shape, dtype, misaligned)
-    return lambda: kq._amax(kq._bits(x), dtype == torch.bfloat16, 16, 32, 2)
+    return lambda: kq._amax(kq.bit_view(x), dtype == torch.bfloat16, 16, 32, 2)
 
 
 def pair(a_shape, b_shape, a_recipe="fp8_e4m3", b_recipe="fp8_e4m3", misaligned=False, grouped_amax=True):
@@ -197,7 +197,7 @@ with ExitStack() as stack:
     # under a trace, or disabled: not the direct launcher
     with direct.disabled():
         assert direct.launcher(kq._amax_kernel) is kq._amax_kernel
-    assert isinstance(kq._launchable(kq._amax_kernel), direct.DirectLauncher)
+    assert isinstance(kq.launchable(kq._amax_kernel), direct.DirectLauncher)
 print("ok")
 """
 
@@ -236,7 +236,7 @@ except ImportError as err:
     print("skip:", err)
     sys.exit(0)
 from snip_ds.backend.kernels import direct, quantize as kq
-assert not direct.ENGAGED and kq._launchable(kq._amax_kernel) is kq._amax_kernel
+assert not direct.ENGAGED and kq.launchable(kq._amax_kernel) is kq._amax_kernel
 print("ok")
 """
 

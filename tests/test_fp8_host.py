@@ -15,7 +15,7 @@ from snip_ds.backend.dispatch_audit import LiveBytes, patch_triton_launches
 from snip_ds.linear import SnipLinear
 from snip_ds.quant_config import QuantConfig
 from quant_inputs import skip_without_cpu_scaled_mm
-from triton_mode import DEVICE, SKIP_REASON, interpreter_on, kq, through_kernels  # noqa: F401 (fixtures)
+from triton_mode import DEVICE, SKIP_REASON, interpreter_on, kg, kq, through_kernels  # noqa: F401 (fixtures)
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -54,9 +54,9 @@ def test_every_launch_runs_a_configuration_the_plan_worked_out(scaled_mm, monkey
     step = scaled_mm.decided_fp8_step(x, layer.weight, layer.gemm_precision, layer.quant_config)
     assert step is not None and step.scaled
     launched = []
-    launch, launch_pair = kq.launch, kq.grouped.launch_pair
+    launch, launch_pair = kq.launch, kg.launch_pair
     monkeypatch.setattr(kq, "launch", lambda cfg, *a, **kw: launched.append(cfg) or launch(cfg, *a, **kw))
-    monkeypatch.setattr(kq.grouped, "launch_pair",
+    monkeypatch.setattr(kg, "launch_pair",
                         lambda cfg, *a, **kw: launched.append(cfg) or launch_pair(cfg, *a, **kw))
     monkeypatch.setattr(kq, "launch_config", lambda *a, **kw: pytest.fail("a launch configuration worked out"))
     monkeypatch.setattr(kq, "cached_launch_config", lambda *a, **kw: pytest.fail("a launch configuration looked up"))

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from quant_inputs import wide_sample
-from triton_mode import DEVICE, SKIP_REASON, compile_check, interpreter_on, kq  # noqa: F401 (a fixture)
+from triton_mode import DEVICE, SKIP_REASON, compile_check, interpreter_on, kg, kq  # noqa: F401 (a fixture)
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
-kg = kq.grouped  # (imported with the kernels, in their mode)
 
 
 def _cfg(t: torch.Tensor, recipe: str = "nvfp4", amax_given: bool = False):

@@ -15,11 +15,10 @@ import torch
 
 from quant_inputs import wide_sample
 from snip_ds.quant import get_recipe
-from triton_mode import DEVICE, SKIP_REASON, compile_check, interpreter_on, kq  # noqa: F401 (a fixture)
+from triton_mode import DEVICE, SKIP_REASON, compile_check, interpreter_on, kg, kq  # noqa: F401 (a fixture)
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
-kg = kq.grouped  # (imported with the kernels, in their mode)
 
 VALUES = torch.bfloat16
 

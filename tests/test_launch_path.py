@@ -26,12 +26,12 @@ from snip_ds.backend.kernels import direct, quantize as kq
 
 assert not kq.INTERPRETED
 kernel = kq._amax_kernel
-assert kq._launchable(kernel) is direct.launcher(kernel), "eager: its direct launcher (the kernel, unsupported)"
+assert kq.launchable(kernel) is direct.launcher(kernel), "eager: its direct launcher (the kernel, unsupported)"
 assert direct.launcher(kernel) is kernel or direct.launcher(kernel).kernel is kernel
 with FakeTensorMode():
-    assert isinstance(kq._launchable(kernel), TraceableTritonKernelWrapper), "fake tensors: wrap_triton"
+    assert isinstance(kq.launchable(kernel), TraceableTritonKernelWrapper), "fake tensors: wrap_triton"
 with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
-    assert isinstance(kq._launchable(kernel), TraceableTritonKernelWrapper), "dynamo: wrap_triton"
+    assert isinstance(kq.launchable(kernel), TraceableTritonKernelWrapper), "dynamo: wrap_triton"
 
 # the triton_ops' bodies traced as AOTAutograd traces them: each launch is wrap_triton's operator in the graph
 x = torch.randn(40, 64)
@@ -45,7 +45,7 @@ print("ok")
 
 
 def test_eager_launches_skip_wrap_triton_and_traces_keep_it():
-    """Eager: ``_launchable`` hands back the kernel's direct launcher (snip_ds.backend.kernels.direct); under
+    """Eager: ``launchable`` hands back the kernel's direct launcher (snip_ds.backend.kernels.direct); under
     fake tensors and dynamo, ``wrap_triton``'s wrapper; the ``snip_ds::triton_*`` ops trace under ``make_fx``
     with fake tensors (a raw launch there would fail on the fake tensors' data pointers)."""
     compile_check(LAUNCH_PATH, timeout=300)

@@ -114,8 +114,8 @@ def test_no_kernel_variant_is_compiled_after_warm_up(scaled_mm, monkeypatch):
     """After one step at each precision a plan uses, more steps with other data and seeds, and re-plans
     between the precisions, launch no Triton kernel in a variant not seen before: nothing compiles late."""
     variants = _Variants()
-    launchable = kq._launchable
-    monkeypatch.setattr(kq, "_launchable", lambda kernel: variants.wrap(launchable(kernel)))
+    launchable = kq.launchable
+    monkeypatch.setattr(kq, "launchable", lambda kernel: variants.wrap(launchable(kernel)))
     layer = _layer("fp8", {}, bias=True)
     for precision in ("fp8", "fp4", {"fprop": "fp8", "dgrad": "fp4", "wgrad": "fp8"}):
         layer.precision = precision

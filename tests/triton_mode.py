@@ -34,6 +34,7 @@ try:
     from triton.language import random as triton_random
     from triton.runtime.interpreter import InterpretedFunction
     from snip_ds.backend.kernels import quantize as kq
+    from snip_ds.backend.kernels import grouped as kg  # (its kernels call kq's device functions: the same mode)
 finally:
     _set_interpret(_previous)
 SKIP_REASON = None

@@ -47,8 +47,8 @@ def _kernels():
     if not available():
         raise RuntimeError("triton kernels: need the triton package and a CUDA device "
                            "(or TRITON_INTERPRET=1 for CPU tensors)")
-    from snip_ds.backend.kernels import quantize
-    return quantize
+    from snip_ds.backend.kernels import grouped, quantize  # noqa: F401  (grouped's kernels call quantize's
+    return quantize  # device functions: defined in the same mode, compiled or interpreted, and loaded with them)
 
 
 def quantize_parts(*args, **kwargs):

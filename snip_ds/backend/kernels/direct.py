@@ -104,7 +104,7 @@ _LAUNCHERS: Dict[JITFunction, "DirectLauncher"] = {}
 def launcher(kernel: JITFunction):
     """``kernel``'s :class:`DirectLauncher` (made once), or ``kernel`` itself where the direct path does not
     engage (a Triton not in :data:`SUPPORTED`, or inside :func:`disabled`). For eager launches only: under a
-    trace, ``torch.library.wrap_triton`` (see ``quantize._launchable``)."""
+    trace, ``torch.library.wrap_triton`` (see ``quantize.launchable``)."""
     if not ENGAGED or not _state["enabled"]:
         return kernel
     found = _LAUNCHERS.get(kernel)

@@ -5,7 +5,7 @@
   int32 buffer of partial maxima.
 * :func:`launch_pair`: two quantizations (``_grouped_quantize_kernel``): programs ``0 .. PA - 1`` are the first
   quantization's tiles with its own compile-time arguments, the rest the second's -- each program runs
-  :func:`~snip_ds.backend.kernels.quantize._quantize_tile`, the code of the single quantization kernel, so
+  :func:`~snip_ds.backend.kernels.quantize.quantize_tile`, the code of the single quantization kernel, so
   the values, scales and amaxes are those of two launches bit for bit. Forward: X (both layouts) and W for
   fprop after their grouped amax pass; backward: W for dgrad (from the kept amax) and G_Y.
 
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from snip_ds.backend.kernels import grid as g, quantize as kq
 from snip_ds.backend.kernels.config import LaunchConfig, takes_amax_pass
-from snip_ds.backend.kernels.quantize import _bits, _partial_max, _quantize_tile, _write_products
+from snip_ds.backend.kernels.quantize import bit_view, partial_max, quantize_tile, write_products
 
 __all__ = ["GroupedAmaxConfig", "grouped_amax_config", "grouped_amax_partials", "QuantizePairConfig",
            "quantize_pair_config", "launch_pair"]
@@ -51,9 +51,9 @@ def _grouped_amax_kernel(a_ptr, b_ptr, partials_ptr, RA, CA, stride_ra, stride_c
     ``_amax_kernel``'s launch over that tensor alone."""
     pid = tl.program_id(0).to(tl.int64)
     if pid < PA:
-        best = _partial_max(a_ptr, RA, CA, stride_ra, stride_ca, pid, PA, A_BF16, BRA, BCA, TILES_A)
+        best = partial_max(a_ptr, RA, CA, stride_ra, stride_ca, pid, PA, A_BF16, BRA, BCA, TILES_A)
     else:
-        best = _partial_max(b_ptr, RB, CB, stride_rb, stride_cb, pid - PA, PB, B_BF16, BRB, BCB, TILES_B)
+        best = partial_max(b_ptr, RB, CB, stride_rb, stride_cb, pid - PA, PB, B_BF16, BRB, BCB, TILES_B)
     tl.store(partials_ptr + pid, best)
 
 
@@ -95,12 +95,12 @@ def grouped_amax_partials(cfg: GroupedAmaxConfig, a: torch.Tensor, b: torch.Tens
     each tensor's own amax pass writes, so the quantizations are bit for bit those with a pass each. ``a``'s are
     the buffer's first ``cfg.programs[0]`` slots, returned as the buffer itself (its quantization reads that
     many; a slice would cost the host a microsecond), ``b``'s a view of the slots after them."""
-    a_bits, b_bits = _bits(a), _bits(b)
+    a_bits, b_bits = bit_view(a), bit_view(b)
     programs_a, programs_b = cfg.programs
     partials = torch.empty(cfg.grid[0], dtype=torch.int32, device=a.device)
     (rows_a, cols_a), (rows_b, cols_b) = a_bits.shape, b_bits.shape
     (stride_ra, stride_ca), (stride_rb, stride_cb) = a_bits.stride(), b_bits.stride()
-    kq._launchable(_grouped_amax_kernel)[cfg.grid](a_bits, b_bits, partials, rows_a, cols_a, stride_ra, stride_ca,
+    kq.launchable(_grouped_amax_kernel)[cfg.grid](a_bits, b_bits, partials, rows_a, cols_a, stride_ra, stride_ca,
                                                    rows_b, cols_b, stride_rb, stride_cb, programs_a, programs_b,
                                                    **cfg.constants)
     return partials, partials[programs_a:]
@@ -125,19 +125,19 @@ def _grouped_quantize_kernel(
         BR_B: tl.constexpr, BC_B: tl.constexpr, BOTH_B: tl.constexpr, AMAX_BLOCK_B: tl.constexpr,
         WRITE_AMAX_B: tl.constexpr, PRODUCTS_B: tl.constexpr):
     """Two quantizations in one launch: programs ``0 .. PA - 1`` quantize ``a``'s tiles, the rest ``b``'s
-    (:func:`_quantize_tile`, each with its own arguments; both from element offset 0, neither dequantizing,
+    (:func:`quantize_tile`, each with its own arguments; both from element offset 0, neither dequantizing,
     ``a`` rounding to nearest: its seed slots are placeholders it reads not). ``b``'s first program also writes
     its ``PRODUCTS_B`` products of tensor scales: with ``a``'s scale, computed here from ``a``'s amax (not read:
     ``a``'s first program writes it in this same launch), and with the scale at ``partner2_ptr``. (Every argument
     costs the host's launch path time: none is passed that the pairs a layer step launches do not vary.)"""
     pid = tl.program_id(0).to(tl.int64)
     if pid < PA:
-        _quantize_tile(pid, a_ptr, a_out_ptr, a_out2_ptr, a_amax_ptr, n_amax_a, a_scale_out_ptr, a_amax_out_ptr,
+        quantize_tile(pid, a_ptr, a_out_ptr, a_out2_ptr, a_amax_ptr, n_amax_a, a_scale_out_ptr, a_amax_out_ptr,
                        RA, CA, stride_ra, stride_ca, a_scale_out_ptr, a_scale_out_ptr, 0, KIND_A, AXIS_A, BS_A,
                        MBITS_A, EMIN_A, EMAX_A, MAXN_A, TENSOR_DIVISOR_A, False, TRANSPOSE_A, IN_BF16_A, OUT_A,
                        BR_A, BC_A, False, BOTH_A, AMAX_BLOCK_A, WRITE_AMAX_A)
     else:
-        scale = _quantize_tile(pid - PA, b_ptr, b_out_ptr, b_out2_ptr, b_amax_ptr, n_amax_b, b_scale_out_ptr,
+        scale = quantize_tile(pid - PA, b_ptr, b_out_ptr, b_out2_ptr, b_amax_ptr, n_amax_b, b_scale_out_ptr,
                                b_amax_out_ptr, RB, CB, stride_rb, stride_cb, b_seed_ptr, b_seed2_ptr, 0, KIND_B,
                                AXIS_B, BS_B, MBITS_B, EMIN_B, EMAX_B, MAXN_B, TENSOR_DIVISOR_B, STOCHASTIC_B,
                                TRANSPOSE_B, IN_BF16_B, OUT_B, BR_B, BC_B, False, BOTH_B, AMAX_BLOCK_B,
@@ -145,7 +145,7 @@ def _grouped_quantize_kernel(
         if PRODUCTS_B >= 1:
             if pid == PA:
                 _, partner = g.amax_and_scale(a_amax_ptr, n_amax_a, KIND_A, TENSOR_DIVISOR_A, AMAX_BLOCK_A)
-                _write_products(products_ptr, scale, partner, partner2_ptr, PRODUCTS_B)
+                write_products(products_ptr, scale, partner, partner2_ptr, PRODUCTS_B)
 
 
 class QuantizePairConfig(NamedTuple):
@@ -217,7 +217,7 @@ def launch_pair(cfg: QuantizePairConfig, a: torch.Tensor, a_amax: Optional[torch
     a_args, *a_out = kq.operands(cfg.first, a, a_amax, a_partials)
     b_args, *b_out = kq.operands(cfg.second, b, b_amax, b_partials)
     placeholder = b_out[2]  # (b's scale: slots the kernel reads not)
-    kq._launchable(_grouped_quantize_kernel)[cfg.grid](
+    kq.launchable(_grouped_quantize_kernel)[cfg.grid](
         *a_args, *b_args, placeholder if b_seed is None else b_seed, placeholder if b_seed2 is None else b_seed2,
         placeholder if partner2 is None else partner2, placeholder if products is None else products,
         cfg.programs, STOCHASTIC_B=b_seed is not None, **cfg.constants)

@@ -29,7 +29,7 @@ supported Triton, and :mod:`snip_ds.backend.cpu` draws the same stream. The seed
 int64 tensor on the device, so a seed drawn from a CUDA generator never waits for the device.
 
 A layer step launches two independent amax passes, or two quantizations, as one launch (:mod:`.grouped`):
-pass 2's body is :func:`_quantize_tile`, which both kernels run.
+pass 2's body is :func:`quantize_tile`, which both kernels run.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _tile_index(pid, C, BC: tl.constexpr):
 
 
 @triton.jit
-def _partial_max(x_ptr, R, C, stride_r, stride_c, pid, n_programs, IN_BF16: tl.constexpr, BR: tl.constexpr,
+def partial_max(x_ptr, R, C, stride_r, stride_c, pid, n_programs, IN_BF16: tl.constexpr, BR: tl.constexpr,
                  BC: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr):
     """Program ``pid`` of ``n_programs``'s partial maximum (int32 bits) of ``|x|`` over tiles ``pid, pid + P,
     ..., pid + (TILES_PER_PROGRAM - 1) P`` (``P = n_programs``; those past the last tile read nothing)."""
@@ -79,18 +79,18 @@ def _partial_max(x_ptr, R, C, stride_r, stride_c, pid, n_programs, IN_BF16: tl.c
 @triton.jit
 def _amax_kernel(x_ptr, partials_ptr, R, C, stride_r, stride_c, IN_BF16: tl.constexpr, BR: tl.constexpr,
                  BC: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr):
-    """Stage 1 of the tensor amax: program ``p`` of ``P`` writes its partial maximum (:func:`_partial_max`)
+    """Stage 1 of the tensor amax: program ``p`` of ``P`` writes its partial maximum (:func:`partial_max`)
     to ``partials[p]`` -- every slot written, so the buffer needs no zero-fill launch. Stage 2 (the max of the
     ``P`` partials) is fused into the quantization kernel. The trip count is a power of two, a compile-time
     constant (1 for up to :data:`MAX_AMAX_PROGRAMS` tiles), so few shapes compile a variant of their own."""
     pid = tl.program_id(0).to(tl.int64)
     n_programs = tl.num_programs(0).to(tl.int64)
-    tl.store(partials_ptr + pid, _partial_max(x_ptr, R, C, stride_r, stride_c, pid, n_programs, IN_BF16, BR, BC,
+    tl.store(partials_ptr + pid, partial_max(x_ptr, R, C, stride_r, stride_c, pid, n_programs, IN_BF16, BR, BC,
                                               TILES_PER_PROGRAM))
 
 
 @triton.jit
-def _quantize_tile(pid, x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C, stride_r,
+def quantize_tile(pid, x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C, stride_r,
                    stride_c, seed_ptr, seed2_ptr, offset, KIND: tl.constexpr, AXIS: tl.constexpr,
                    BS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
                    MAXN: tl.constexpr, TENSOR_DIVISOR: tl.constexpr, STOCHASTIC: tl.constexpr,
@@ -130,7 +130,7 @@ def _quantize_tile(pid, x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_pt
 
 
 @triton.jit
-def _write_products(products_ptr, scale, partner, partner2_ptr, PRODUCTS: tl.constexpr):
+def write_products(products_ptr, scale, partner, partner2_ptr, PRODUCTS: tl.constexpr):
     """The GEMMs' products of tensor scales, fl(S * S_partner) as torch multiplies them: ``scale`` times
     ``partner`` (a 0-d FP32 value) and, where ``PRODUCTS`` is 2, times the scale at ``partner2_ptr``."""
     tl.store(products_ptr, scale * partner)
@@ -148,16 +148,16 @@ def _quantize_kernel(x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, 
                      OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr,
                      BOTH: tl.constexpr, AMAX_BLOCK: tl.constexpr, WRITE_AMAX: tl.constexpr,
                      PRODUCTS: tl.constexpr):
-    """One quantization, one program per tile (:func:`_quantize_tile`); the first program also writes the
+    """One quantization, one program per tile (:func:`quantize_tile`); the first program also writes the
     ``PRODUCTS`` products of the tensor scale with the partner scales at ``partner_ptr``, ``partner2_ptr``."""
     pid = tl.program_id(0).to(tl.int64)
-    scale = _quantize_tile(pid, x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C,
+    scale = quantize_tile(pid, x_ptr, out_ptr, out2_ptr, amax_ptr, n_amax, scale_out_ptr, amax_out_ptr, R, C,
                            stride_r, stride_c, seed_ptr, seed2_ptr, offset, KIND, AXIS, BS, MBITS, EMIN, EMAX,
                            MAXN, TENSOR_DIVISOR, STOCHASTIC, TRANSPOSE, IN_BF16, OUT, BR, BC, DEQUANT, BOTH,
                            AMAX_BLOCK, WRITE_AMAX)
     if PRODUCTS >= 1:
         if pid == 0:
-            _write_products(products_ptr, scale, tl.load(partner_ptr), partner2_ptr, PRODUCTS)
+            write_products(products_ptr, scale, tl.load(partner_ptr), partner2_ptr, PRODUCTS)
 
 
 def quantize_parts(x: torch.Tensor, recipe: Union[str, Recipe], axis: int = -1, *,
@@ -269,7 +269,7 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
         products_out = scale if products is None else products
     else:  # (rounding to nearest reads no seed; no partners: their slots are placeholders the kernel reads not)
         scales_in, products_out = (scale, scale), scale
-    _launchable(_quantize_kernel)[cfg.grid](*args, scale if seed is None else seed, scale if seed2 is None else seed2,
+    launchable(_quantize_kernel)[cfg.grid](*args, scale if seed is None else seed, scale if seed2 is None else seed2,
                                             offset, *scales_in, products_out, STOCHASTIC=seed is not None,
                                             **cfg.constants)
     return values, values2, scale, amax_out
@@ -278,7 +278,7 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
 def operands(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tensor],
              partials: Optional[torch.Tensor]
              ) -> Tuple[tuple, torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
-    """One quantization's runtime arguments of :func:`_quantize_tile` from ``x_ptr`` to ``stride_c`` (the seeds
+    """One quantization's runtime arguments of :func:`quantize_tile` from ``x_ptr`` to ``stride_c`` (the seeds
     and offset are the caller's), its amax pass launched where it takes one that did not run already, and its
     outputs allocated: ``(arguments, values, values2, scale, amax_out)``, the last four as :func:`launch`
     returns them. Shared by :func:`launch` and the grouped launch (:mod:`.grouped`); ``partials`` checked as
@@ -340,13 +340,13 @@ def _amax_partials(x_bits: torch.Tensor, cfg: LaunchConfig) -> torch.Tensor:
     partials = torch.empty(cfg.amax_programs, dtype=torch.int32, device=x_bits.device)
     rows, cols = x_bits.shape
     stride_r, stride_c = x_bits.stride()
-    _launchable(_amax_kernel)[(cfg.amax_programs,)](x_bits, partials, rows, cols, stride_r, stride_c,
+    launchable(_amax_kernel)[(cfg.amax_programs,)](x_bits, partials, rows, cols, stride_r, stride_c,
                                                     IN_BF16=cfg.in_bf16, BR=cfg.br, BC=cfg.bc,
                                                     TILES_PER_PROGRAM=cfg.amax_tiles)
     return partials
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
+def bit_view(x: torch.Tensor) -> torch.Tensor:
     """``x`` (FP32 or BF16) as the integers the kernels read it through."""
     return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
 
@@ -356,7 +356,7 @@ def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, programs: int) 
     written by its program: no zero-fill)."""
     rows, cols = x_bits.shape
     partials = torch.empty(programs, dtype=torch.int32, device=x_bits.device)
-    _launchable(_amax_kernel)[(programs,)](x_bits, partials, rows, cols, x_bits.stride(0), x_bits.stride(1),
+    launchable(_amax_kernel)[(programs,)](x_bits, partials, rows, cols, x_bits.stride(0), x_bits.stride(1),
                                            IN_BF16=in_bf16, BR=br, BC=bc,
                                            TILES_PER_PROGRAM=amax_tiles(rows, cols, br, bc, programs))
     return partials
@@ -384,7 +384,7 @@ def _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, interp
 # the launches as torch custom ops, for torch.compile
 # ------------------------------------------------------------------------------------------------------
 
-def _launchable(kernel):
+def launchable(kernel):
     """``kernel`` as the launches here run it: through ``torch.library.wrap_triton`` while a trace is on
     (:func:`_tracing`: so that dynamo, and inductor where it traces a ``triton_op``, see the launch), else
     :func:`snip_ds.backend.kernels.direct.launcher`'s direct launcher -- each class of arguments through the
@@ -441,7 +441,3 @@ def _triton_amax_fake(x):
 
 triton_quantize = _define("triton_quantize", _triton_quantize, _triton_quantize_fake)
 triton_amax = _define("triton_amax", _triton_amax, _triton_amax_fake)
-
-# the grouped launches (two jobs of a layer step in one launch): their kernels call this module's device functions,
-# so they are defined now, in the same mode (compiled or interpreted: TRITON_INTERPRET as read at this import)
-from snip_ds.backend.kernels import grouped  # noqa: E402,F401  (after every name it imports from here)
