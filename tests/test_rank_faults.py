@@ -100,6 +100,10 @@ def test_a_bad_timeout_or_pause_spec_is_one_error_line(tmp_path, capsys, monkeyp
     monkeypatch.setenv(faults.ENV, "save:one:1")
     assert main(["--deepspeed", str(cfg), "--no_progress"]) == 2
     assert capsys.readouterr().err.startswith("error: SNIP_DS_PAUSE_AT: STEP and RANK must be integers")
+    monkeypatch.delenv(faults.ENV)
+    monkeypatch.setenv("SNIP_DS_TRITON_DIRECT", "yes")
+    assert main(["--deepspeed", str(cfg), "--no_progress"]) == 2
+    assert capsys.readouterr().err.startswith("error: SNIP_DS_TRITON_DIRECT='yes': expected 0")
     assert not (tmp_path / "out").exists()
 
 

@@ -81,6 +81,7 @@ def train(args: argparse.Namespace) -> int:
     from snip_ds.run.model import build_model
     from snip_ds.engine.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET
     from snip_ds.swap import LayerInfo, layer_infos
+    from snip_ds.backend.kernels import direct_switched_on
 
     # Subnormal FP32 intermediates (squares of tiny gradient errors in the statistics) are ~100x slower on
     # CPUs and lie far below every FP8/FP4 grid step: flush them to zero for the whole (training) process.
@@ -91,6 +92,7 @@ def train(args: argparse.Namespace) -> int:
         raise UserError(f"--dist_timeout: must be a positive number of seconds, got {args.dist_timeout}")
     try:
         faults.spec()  # a malformed SNIP_DS_PAUSE_AT is an error before anything starts
+        direct_switched_on()  # as is a malformed SNIP_DS_TRITON_DIRECT (read where the Triton kernels load)
     except ValueError as err:
         raise UserError(str(err)) from None
     init_distributed(args.dist_timeout)

@@ -56,7 +56,6 @@ the JITFunction, as do those of any version not in :data:`SUPPORTED`.
 from __future__ import annotations
 
 import inspect
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Tuple
@@ -65,6 +64,8 @@ import torch
 import triton
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
+
+from snip_ds.backend.kernels import direct_switched_on
 
 try:  # (3.6 and later; older versions are not supported anyway)
     from triton import knobs
@@ -83,20 +84,7 @@ def supported(version: str = triton.__version__) -> bool:
     return (major, minor) in SUPPORTED
 
 
-SWITCH = "SNIP_DS_TRITON_DIRECT"  # "0": every eager launch through Triton's own JITFunction.run (a way back)
-
-
-def switched_on(environ=os.environ) -> bool:
-    """The environment's :data:`SWITCH`: unset or ``1`` on, ``0`` off; any other value a ValueError naming it (a
-    setting is never ignored)."""
-    value = environ.get(SWITCH, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{SWITCH}={value!r}: expected 0 (launch through Triton's JITFunction.run) or 1 (the "
-                         "direct launches, the default)")
-    return value == "1"
-
-
-ENGAGED = supported() and knobs is not None and switched_on()
+ENGAGED = supported() and knobs is not None and direct_switched_on()
 _state = {"enabled": True}  # :func:`disabled` turns it off (benchmarks: Triton's own path, for comparison)
 _LAUNCHERS: Dict[JITFunction, "DirectLauncher"] = {}
 
