@@ -220,7 +220,7 @@ def test_supported_versions():
 def test_the_environment_switch_turns_the_direct_path_off_and_a_bad_value_is_an_error():
     """``SNIP_DS_TRITON_DIRECT=0`` sends every eager launch through Triton's own ``JITFunction.run`` (the way back
     should the direct path misbehave on a GPU); unset or 1 keeps it; any other value is an error naming it."""
-    from snip_ds.backend.kernels import direct_switched_on
+    from snip_ds.backend.kernels.switches import direct_switched_on
 
     assert direct_switched_on({}) and direct_switched_on({"SNIP_DS_TRITON_DIRECT": "1"})
     assert not direct_switched_on({"SNIP_DS_TRITON_DIRECT": "0"})

@@ -81,7 +81,7 @@ def train(args: argparse.Namespace) -> int:
     from snip_ds.run.model import build_model
     from snip_ds.engine.state import MEASURE_SEED_OFFSET, STATS_SEED_OFFSET
     from snip_ds.swap import LayerInfo, layer_infos
-    from snip_ds.backend.kernels import direct_switched_on
+    from snip_ds.backend.kernels.switches import direct_switched_on
 
     # Subnormal FP32 intermediates (squares of tiny gradient errors in the statistics) are ~100x slower on
     # CPUs and lie far below every FP8/FP4 grid step: flush them to zero for the whole (training) process.

@@ -18,20 +18,6 @@ import sys
 import torch
 
 
-DIRECT_SWITCH = "SNIP_DS_TRITON_DIRECT"  # "0": every eager launch through Triton's own JITFunction.run
-
-
-def direct_switched_on(environ=os.environ) -> bool:
-    """The environment's :data:`DIRECT_SWITCH` (:mod:`.direct`'s launcher): unset or ``1`` on, ``0`` off; any
-    other value a ValueError naming it (a setting is never ignored). Needs no Triton: ``launch/train.py`` asks
-    it before anything starts."""
-    value = environ.get(DIRECT_SWITCH, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{DIRECT_SWITCH}={value!r}: expected 0 (launch through Triton's JITFunction.run) or 1 "
-                         "(the direct launches, the default)")
-    return value == "1"
-
-
 def interpreting() -> bool:
     """Whether Triton's interpreter runs the kernels, on CPU tensors: how they were defined once imported,
     else whether ``TRITON_INTERPRET=1`` is set (Triton reads it when the kernels are defined)."""

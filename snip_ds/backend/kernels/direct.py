@@ -65,7 +65,7 @@ import triton
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
-from snip_ds.backend.kernels import direct_switched_on
+from snip_ds.backend.kernels.switches import direct_switched_on
 
 try:  # (3.6 and later; older versions are not supported anyway)
     from triton import knobs
