@@ -101,11 +101,14 @@ class DecidedStepFn(torch.autograd.Function):
 
 def quantized_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], prec: GemmPrecision,
                      cfg: QuantConfig, generator: Optional[torch.Generator],
-                     amax_reduce: Optional[AmaxReduce] = None) -> torch.Tensor:
+                     amax_reduce: Optional[AmaxReduce] = None,
+                     memo: Optional[layer_step.StepMemo] = None) -> torch.Tensor:
     """``x Wᵀ + bias`` at ``prec`` in eager mode, ``[T, n]``: :class:`DecidedStepFn` where the layer's shape has
-    a decided step and no amax reduction is in force, else :class:`QuantizedLinearFn` (the same numbers)."""
+    a decided step and no amax reduction is in force, else :class:`QuantizedLinearFn` (the same numbers).
+    ``memo``: the calling layer's :class:`~snip_ds.backend.layer_step.StepMemo` (its step found once per
+    precision, config, shape, dtype and device, not asked of the backends per call)."""
     if amax_reduce is None and not amax_shared():
-        step = layer_step.decided_step(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w, prec, cfg)
+        step = layer_step.decided_step(x, w, prec, cfg, memo)
         if step is not None:
             return DecidedStepFn.apply(x, w, bias, step, generator)
     return QuantizedLinearFn.apply(x, w, bias, prec, cfg, generator, amax_reduce)
@@ -234,9 +237,11 @@ class SnipLinear(nn.Linear):
 
     def register_op_handle(self) -> None:
         """Gives this layer its own handle for the custom ops that ``torch.compile`` traces
-        (:func:`snip_ds.backend.custom_ops.register_layer`): set when the layer is built, copied or unpickled,
+        (:func:`snip_ds.backend.custom_ops.register_layer`) and its own empty memo of its eager step
+        (:class:`~snip_ds.backend.layer_step.StepMemo`): set when the layer is built, copied or unpickled,
         and by whatever turns another module into a SnipLinear by assigning its class."""
         self.op_handle = custom_ops.register_layer(self)
+        self.step_memo = layer_step.StepMemo()
 
     def __setstate__(self, state) -> None:  # copy.deepcopy and pickle: a new layer, a handle of its own
         super().__setstate__(state)
@@ -304,7 +309,7 @@ class SnipLinear(nn.Linear):
                 return fp8_traced.Fp8Linear.apply(x, w, bias)
             spec = custom_ops.op_spec(prec, self.quant_config, custom_ops.kept_operands(self, x))
             return custom_ops.quantized_linear(x, w, bias, spec, self.op_handle)[0]
-        y = quantized_linear(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce)
+        y = quantized_linear(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce, self.step_memo)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     @property

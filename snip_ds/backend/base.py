@@ -131,6 +131,13 @@ class GemmBackend(ABC):
         """Raises :class:`BackendError` if this backend cannot run ``precision`` under ``cfg`` on
         ``device``; the default runs everything everywhere."""
 
+    def step_settings(self) -> tuple:
+        """What, beside a layer's precision, config, operand shapes, dtypes and device, decides the step this
+        backend runs the layer with (its device lists, its kernels): a layer that remembers its step
+        (:class:`~snip_ds.backend.layer_step.StepMemo`) takes it again only while these compare equal. The
+        default: nothing."""
+        return ()
+
 
 class LazyBackend:
     """A registered backend built on first use, because building it imports something large or optional
@@ -145,6 +152,7 @@ class LazyBackend:
 
 _REGISTRY: Dict[str, Union[GemmBackend, LazyBackend]] = {}
 _LAYER_BACKENDS: Dict[tuple, Tuple[GemmBackend, GemmBackend, GemmBackend]] = {}
+_REGISTRATIONS = [0]  # how many times register() ran: what anything remembered of the registry is checked against
 
 
 def register(backend: Union[GemmBackend, LazyBackend]) -> Union[GemmBackend, LazyBackend]:
@@ -152,7 +160,14 @@ def register(backend: Union[GemmBackend, LazyBackend]) -> Union[GemmBackend, Laz
     same name."""
     _REGISTRY[backend.name] = backend
     _LAYER_BACKENDS.clear()
+    _REGISTRATIONS[0] += 1
     return backend
+
+
+def registrations() -> int:
+    """How many times :func:`register` ran: a decision taken from the registry (which backend runs a layer) holds
+    while this number is unchanged (:class:`~snip_ds.backend.layer_step.StepMemo` checks it)."""
+    return _REGISTRATIONS[0]
 
 
 def _entry(name: str) -> Union[GemmBackend, LazyBackend]:

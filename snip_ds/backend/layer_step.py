@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from snip_ds.backend.base import Kept, layer_backends
+from snip_ds.backend.base import GemmBackend, Kept, layer_backends, registrations
 from snip_ds.quant_config import QuantConfig
 from snip_ds.types import GemmPrecision
 
@@ -31,16 +31,55 @@ def forward(x_2d: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], p
     return fprop_be.fprop(x_2d, w, prec.fprop, cfg, bias=bias, out_dtype=out_dtype), x_2d, w
 
 
-def decided_step(x_2d: torch.Tensor, w: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig):
+class StepMemo:
+    """The answer of one layer's last :func:`decided_step` and what it was decided from, so that the layer's next
+    call with the same precision and config objects, operand shapes, dtypes and device, under an unchanged
+    backend registry and the same backend settings (:meth:`~snip_ds.backend.base.GemmBackend.step_settings`),
+    takes it without asking the backends again: a re-plan, a new config, another shape, dtype or device, a
+    backend registered or the kernels switched decide again. A copied or unpickled memo starts empty (its step
+    holds modules, which do not pickle, and belongs to the layer it was found for)."""
+
+    __slots__ = ("key", "backend", "settings", "step")
+
+    def __init__(self) -> None:
+        self.key = self.backend = self.settings = self.step = None
+
+    def __deepcopy__(self, memo) -> "StepMemo":
+        return StepMemo()
+
+    def __reduce__(self):
+        return StepMemo, ()
+
+    def holds(self, key: tuple) -> bool:
+        """Whether the step remembered was decided for ``key`` under the backend settings in force now."""
+        return (key == self.key and self.settings[0] == registrations()
+                and self.settings[1] == self.backend.step_settings())
+
+    def remember(self, key: tuple, backend: GemmBackend, step) -> None:
+        self.key, self.backend, self.step = key, backend, step
+        self.settings = (registrations(), backend.step_settings())
+
+
+def decided_step(x: torch.Tensor, w: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig,
+                 memo: Optional[StepMemo] = None):
     """The step decided for this layer's shape where one backend runs its three GEMMs as one decided step
     (the torch backend's per-tensor FP8 step, :mod:`.fp8_step`, or block-scaled step, :mod:`.block_step`: what
-    :func:`forward` would run), else None. Its ``forward(x_2d, w, bias, out_dtype)`` returns ``Y``, X's kept
-    :class:`~snip_ds.quant.QuantParts` and W's :class:`~snip_ds.backend.base.WithAmax`; its ``backward`` takes
-    them back. Outside a :func:`~snip_ds.backend.operands.shared_amax` reduction only (the caller checks)."""
-    fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x_2d.device)
-    if not (fprop_be is dgrad_be is wgrad_be) or not hasattr(fprop_be, "decided_fp8_step"):
-        return None
-    return fprop_be.decided_fp8_step(x_2d, w, prec, cfg) or fprop_be.decided_block_step(x_2d, w, prec, cfg)
+    :func:`forward` would run), else None. ``x``: ``[..., k]`` (decided for its 2-D view ``[T, k]``). Its
+    ``forward(x_2d, w, bias, out_dtype)`` returns ``Y``, X's kept :class:`~snip_ds.quant.QuantParts` and W's
+    :class:`~snip_ds.backend.base.WithAmax`; its ``backward`` takes them back. Outside a
+    :func:`~snip_ds.backend.operands.shared_amax` reduction only (the caller checks). ``memo``: the layer's
+    :class:`StepMemo`, which answers where it holds the answer, and is given it otherwise."""
+    key = (prec, cfg, x.shape, w.shape, x.dtype, w.dtype, x.device)
+    if memo is not None and memo.holds(key):
+        return memo.step
+    x_2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    fprop_be, dgrad_be, wgrad_be = layer_backends(prec, cfg, x.device)
+    step = None
+    if fprop_be is dgrad_be is wgrad_be and hasattr(fprop_be, "decided_fp8_step"):
+        step = fprop_be.decided_fp8_step(x_2d, w, prec, cfg) or fprop_be.decided_block_step(x_2d, w, prec, cfg)
+    if memo is not None:
+        memo.remember(key, fprop_be, step)
+    return step
 
 
 def kept_x_dtype(x_2d: torch.Tensor, prec: GemmPrecision, cfg: QuantConfig) -> Optional[torch.dtype]:

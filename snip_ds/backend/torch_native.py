@@ -217,6 +217,11 @@ class TorchBackend(GemmBackend):
             return block.backward(g, x_keep, w_keep, needs, generator, x_dtype, w_dtype)
         return super().backward_gemms(g, x_keep, w_keep, prec, cfg, generator, needs, x_dtype, w_dtype)
 
+    def step_settings(self) -> tuple:
+        """The device lists and the kernels module its decided steps depend on (tests and benchmarks widen the
+        lists to run the CUDA path on CPU tensors)."""
+        return KERNEL_DEVICES, SCALED_MM_DEVICES, kernels()
+
     def keeps_w_amax(self, x, w, prec, cfg) -> bool:
         return ((prec.uniform == "fp8" and cfg.fp8_recipe == "fp8_hybrid" and x.device.type in KERNEL_DEVICES
                  and kernels() is not None and x.numel() != 0 and w.numel() != 0)
