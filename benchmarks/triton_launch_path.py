@@ -25,8 +25,10 @@ with its launches through that path less the same step's with empty launches (th
 ``jit_function_us``, the same with the direct launcher off (every launch through ``JITFunction.run``, as before
 it); ``jit_runs_per_step``, how many of a warm step's launches entered ``JITFunction.run`` (exact: 0 where every
 launch went direct); per launch (replayed alone, paired the same way): the kernel, its arguments, the µs of the
-path through ``wrap_triton``, without it (``JITFunction.run``), through the direct launcher (``direct_us``) and
-of the compiled kernel's own launcher alone (``CompiledKernel[grid]``). Compiles are counted (in warm-up, and in
+path through ``wrap_triton``, without it (``JITFunction.run``), through the direct launcher (``direct_us``:
+``launcher(kernel)[grid](*args, **constexprs)``; ``bound_us``: ``direct.launch`` with the constexprs one read-only
+mapping made once, as snip_ds's call sites launch) and of the compiled kernel's own launcher alone
+(``CompiledKernel[grid]``). Compiles are counted (in warm-up, and in
 the timed steps: none expected).
 bench_layer_host runs this as a subprocess (:func:`measure_in_subprocess`); standalone::
 
@@ -46,6 +48,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Callable, List, Optional
 
 HERE = Path(__file__).resolve().parent
@@ -203,6 +206,7 @@ class Launch:
     kwargs: dict
     compiled: object = None  # the CompiledKernel JITFunction.run launched
     launched: tuple = ()  # (3-D grid, the arguments) its launcher handed the driver's launch call
+    constants: object = None  # ``kwargs`` as one read-only mapping, made once (as a launch configuration's)
 
     def through_triton(self) -> None:
         import torch
@@ -215,6 +219,12 @@ class Launch:
         """The launch through snip_ds's direct launcher (the kernel itself where it does not engage)."""
         from snip_ds.backend.kernels import direct
         direct.launcher(self.kernel)[self.grid](*self.args, **self.kwargs)
+
+    def bound(self) -> None:
+        """The launch as snip_ds's call sites make it (``quantize.run_kernel``): through the direct launcher's
+        ``Bound`` launches, whose constexprs' part of the class was worked out once for this mapping."""
+        from snip_ds.backend.kernels import direct
+        direct.launch(self.kernel, self.grid, self.args, self.constants)
 
     def compiled_kernel(self) -> None:
         """The compiled kernel launched by Triton's own lowest entry (``CompiledKernel[grid](*args)``): no
@@ -245,7 +255,8 @@ def recorded_launches(step: Callable[[], None]) -> List[Launch]:
     def recording(self, *args, grid, warmup, **kwargs):
         compiled = run(self, *args, grid=grid, warmup=warmup, **kwargs)
         if not warmup:
-            launches.append(Launch(self.fn.__name__.strip("_"), self, tuple(grid), args, kwargs, compiled))
+            launches.append(Launch(self.fn.__name__.strip("_"), self, tuple(grid), args, kwargs, compiled,
+                                   constants=MappingProxyType(dict(kwargs))))
         return compiled
 
     JITFunction.run, utils.recorded = recording, []
@@ -357,6 +368,7 @@ def measure_step(step: Callable[[], None], drv, compiles: List[Compile], steps: 
                            "us": paired_us(launch.through_triton, launch.empty, repeats),
                            "without_wrap_triton_us": paired_us(launch.without_wrap_triton, launch.empty, repeats),
                            "direct_us": paired_us(launch.direct, launch.empty, repeats),
+                           "bound_us": paired_us(launch.bound, launch.empty, repeats),
                            "compiled_kernel_us": paired_us(launch.compiled_kernel, launch.empty, repeats)})
     return {"triton_launch_us": row_us, "without_wrap_triton_us": direct_us, "jit_function_us": jit_us,
             "launches": len(launches), "driver_launches": driver_launches, "jit_runs_per_step": jit_runs,

@@ -28,6 +28,7 @@ sys.path.insert(0, "benchmarks")
 from contextlib import ExitStack
 import collections
 import itertools
+from types import MappingProxyType
 import torch
 import triton
 from triton.runtime.jit import JITFunction
@@ -92,7 +93,9 @@ def launched(utils, call):
 
 
 def replay(utils, launch):
-    # the launch direct (first of its class or not), through JITFunction.run, direct again: alike at the driver
+    # the launch direct (first of its class or not), through JITFunction.run, direct again: alike at the driver;
+    # then through a Bound (direct.launch, the constexprs a read-only mapping, as the call sites pass them):
+    # first of its class and again, alike too
     kernel, grid, args, kwargs = launch
     first, first_runs, _ = launched(utils, lambda: direct.launcher(kernel)[grid](*args, **kwargs))
     own, own_runs, own_compiles = launched(utils, lambda: kernel[grid](*args, **kwargs))
@@ -102,7 +105,35 @@ def replay(utils, launch):
     assert first == own, (name, "first direct call", first, own)
     assert again == own, (name, "second direct call", again, own)
     assert again_runs == 0 and again_compiles == 0, (name, "second direct call entered JITFunction.run")
+    constants = MappingProxyType(dict(kwargs))
+    for call in ("first", "again"):
+        bound, bound_runs, bound_compiles = launched(utils, lambda: direct.launch(kernel, grid, args, constants))
+        assert bound == own, (name, call, "bound call", bound, own)
+        assert bound_compiles == 0 and bound_runs == (call == "first"), (name, call, bound_runs, bound_compiles)
     return first, first_runs
+
+
+def normalised(records):
+    # a step's launches with each tensor as its dtype and address mod 16 (its outputs are new on every call)
+    return [(grid, function, tuple(("t", a[1] % 16, a[2]) if type(a) is tuple and a[:1] == ("t",) else a
+                                   for a in args), *rest) for grid, function, args, *rest in records]
+
+
+def step_alike(utils, make):
+    # make() as snip_ds launches it (the call sites' Bound launches) and through JITFunction.run: alike at the
+    # driver; a second call enters JITFunction.run nowhere and compiles nothing
+    utils.recorded = []
+    with direct.disabled():
+        make()
+    own, utils.recorded = normalised(utils.recorded), []
+    make()
+    first, utils.recorded = normalised(utils.recorded), []
+    runs, compiled = len(jit_runs), len(compiles)
+    make()
+    again, utils.recorded = normalised(utils.recorded), []
+    assert first == own and again == own, ("step", first, own, again)
+    assert (len(jit_runs), len(compiles)) == (runs, compiled), ("second step entered JITFunction.run", jit_runs[runs:])
+    return len(own)
 
 
 def tensor(shape, dtype=torch.float32, misaligned=False, seed=0):
@@ -170,6 +201,7 @@ with ExitStack() as stack:
                 assert runs == 1, (name, kernel, "a kernel not launched before, yet no JITFunction.run")
             seen[kernel].add(record[1])
     assert len(replayed) == 4, replayed  # the four kernels
+    assert sum(step_alike(utils, make) for _, make in CASES) == sum(replayed.values())
     print({kernel: (replayed[kernel], len(handles)) for kernel, handles in seen.items()})  # launches, kernels
 
     # a new class after a known one: misaligned after aligned, same configuration -> its own kernel
@@ -246,3 +278,76 @@ def test_switched_off_eager_launches_are_the_kernels_own(monkeypatch):
     JITFunction itself."""
     monkeypatch.setenv("SNIP_DS_TRITON_DIRECT", "0")
     compile_check(SWITCHED_OFF, timeout=300)
+
+
+class _Kernel:
+    """A stand-in kernel: ``kernel[grid](*args, **kwargs)`` records ``(grid, args, kwargs)``."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+def test_launch_off_the_direct_path_is_the_kernels_own_call():
+    """Inside ``disabled()`` (as with ``SNIP_DS_TRITON_DIRECT=0``, where nothing engages) ``direct.launch`` is
+    ``kernel[grid](*args, **extra, **constants)``, the extra constexprs and the constants both passed."""
+    from types import MappingProxyType
+
+    from snip_ds.backend.kernels import direct
+
+    kernel = _Kernel()
+    with direct.disabled():
+        direct.launch(kernel, (3,), (1, 2), MappingProxyType({"A": 1, "B": 2.5}), MappingProxyType({"S": True}))
+    assert kernel.calls == [((3,), (1, 2), {"S": True, "A": 1, "B": 2.5})]
+
+
+def test_bound_launches_are_kept_per_pair_of_read_only_mappings():
+    """One ``Bound`` per pair of ``MappingProxyType`` objects (kept by identity: equal mappings that are other
+    objects get their own); a plain dict's made for the call alone; a constexpr given twice is Python's error."""
+    from types import MappingProxyType
+
+    from snip_ds.backend.kernels import direct, quantize as kq
+
+    launcher = direct.DirectLauncher(kq._amax_kernel)
+    constants, extra = MappingProxyType({"BR": 16}), MappingProxyType({"IN_BF16": False})
+    kept = launcher.bound(constants, extra)
+    assert launcher.bound(constants, extra) is kept and kept.constexprs == {"IN_BF16": False, "BR": 16}
+    assert launcher.bound(MappingProxyType({"BR": 16}), extra) is not kept
+    assert launcher.bound({"BR": 16}, extra) is not launcher.bound({"BR": 16}, extra)
+    assert len(launcher.bounds) == 2
+    with pytest.raises(TypeError, match="multiple values"):
+        launcher.bound(constants, MappingProxyType({"BR": 32}))
+
+
+def test_int_codes_tell_apart_what_the_int_classes_tell_apart():
+    """``_int_code`` (the Bound's class of an int) is equal for two ints exactly where ``_int_class`` is, the
+    table of small ints agrees with it, and no code is 0 (the look-up's ``or`` falls through on 0)."""
+    from snip_ds.backend.kernels import direct
+
+    values = [1, 0, 16, 17, -16, -1, 2 ** 31 - 1, 2 ** 31, 2 ** 32, 2 ** 63, -2 ** 31, -2 ** 31 - 1, 8192, 8191, 48]
+    for a in values:
+        for b in values:
+            assert (direct._int_code(a) == direct._int_code(b)) == (direct._int_class(a) == direct._int_class(b))
+    assert all(direct._INT_CODES[v] == direct._int_code(v) != 0 for v in range(-16, 8193))
+
+
+def test_launch_configurations_constants_are_read_only():
+    """The constants of a launch configuration (and of a grouped one) are read-only mappings, one object per
+    configuration: what the direct launches key their kept work by."""
+    from types import MappingProxyType
+
+    import torch
+
+    from snip_ds.backend.kernels import grouped as kg, quantize as kq
+
+    a = kq.launch_config(32, 64, "fp8_e4m3", 1, torch.float8_e4m3fn, False, False, both=True)
+    b = kq.launch_config(64, 64, "fp8_e4m3", 1, torch.float8_e4m3fn, False, True, write_amax=True)
+    assert a is kq.launch_config(32, 64, "fp8_e4m3", 1, torch.float8_e4m3fn, False, False, both=True)
+    for mapping in (a.constants, a.amax_constants, kg.grouped_amax_config(a, b).constants,
+                    kg.quantize_pair_config(a, b).constants):
+        assert type(mapping) is MappingProxyType
+        with pytest.raises(TypeError):
+            mapping["BR"] = 1
+    assert dict(a.amax_constants) == dict(IN_BF16=False, BR=a.br, BC=a.bc, TILES_PER_PROGRAM=a.amax_tiles)

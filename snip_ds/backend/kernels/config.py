@@ -8,7 +8,8 @@ programs, and the views the kernels read and write through. Needs Triton (import
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, NamedTuple, Tuple
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple, Tuple
 
 import torch
 import triton
@@ -74,7 +75,7 @@ class LaunchConfig(NamedTuple):
     bc: int
     grid: Tuple[int]
     out_view: torch.dtype  # the integer (or FP32) view the kernel writes the values through
-    constants: Dict[str, Any]  # the quantization kernel's compile-time arguments but STOCHASTIC
+    constants: Mapping[str, Any]  # the quantization kernel's compile-time arguments but STOCHASTIC (read-only)
     shape: Tuple[int, int]  # the values' shape (transposed where the layout is)
     out_dtype: torch.dtype
     in_view: torch.dtype  # the integer view the kernels read the input through
@@ -84,6 +85,15 @@ class LaunchConfig(NamedTuple):
     amax_programs: int  # the amax pass's programs (partial maxima), where it runs
     products: int = 0  # products of the tensor scale with other operands' scales written out (0, 1 or 2)
     amax_tiles: int = 1  # tiles per program of the amax pass (a power of 2: a compile-time argument)
+    amax_constants: Mapping[str, Any] = MappingProxyType({})  # the amax pass's compile-time arguments (read-only)
+
+
+@functools.lru_cache(maxsize=1024)
+def amax_constants(in_bf16: bool, br: int, bc: int, tiles: int) -> Mapping[str, Any]:
+    """The amax kernel's compile-time arguments, read-only and one object per value (cached): the direct
+    launcher works out their part of a launch's class once per object (:func:`snip_ds.backend.kernels.direct.
+    launch`)."""
+    return MappingProxyType(dict(IN_BF16=in_bf16, BR=br, BC=bc, TILES_PER_PROGRAM=tiles))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -108,20 +118,21 @@ def cached_launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype
     programs = amax_programs(rows, cols, br, bc) if isinstance(rows, int) and isinstance(cols, int) else \
         MAX_AMAX_PROGRAMS
     tiles = amax_tiles(rows, cols, br, bc, programs) if isinstance(rows, int) and isinstance(cols, int) else 1
+    amax_mapping = amax_constants if isinstance(br, int) and isinstance(bc, int) else amax_constants.__wrapped__
     # stage 2 reads a fixed 512 slots (masked), whatever the shape: shapes that vary from step to step (an
     # expert's tokens) compile no new variant for it
-    constants = dict(KIND=k, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin,
-                     EMAX=element.emax, MAXN=element.max_normal,
-                     TENSOR_DIVISOR=NVFP4_TENSOR_DIVISOR if k in (NVFP4, NVFP4_2D) else element.max_normal,
-                     TRANSPOSE=transpose, IN_BF16=in_bf16, OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize),
-                     BOTH=int(BOTH_AXES if both_axes else BOTH_SAME if both else BOTH_NONE),
-                     AMAX_BLOCK=2 if amax_given else MAX_AMAX_PROGRAMS, WRITE_AMAX=bool(write_amax),
-                     PRODUCTS=int(products))
+    constants = MappingProxyType(dict(KIND=k, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin,
+                         EMAX=element.emax, MAXN=element.max_normal,
+                         TENSOR_DIVISOR=NVFP4_TENSOR_DIVISOR if k in (NVFP4, NVFP4_2D) else element.max_normal,
+                         TRANSPOSE=transpose, IN_BF16=in_bf16, OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize),
+                         BOTH=int(BOTH_AXES if both_axes else BOTH_SAME if both else BOTH_NONE),
+                         AMAX_BLOCK=2 if amax_given else MAX_AMAX_PROGRAMS, WRITE_AMAX=bool(write_amax),
+                         PRODUCTS=int(products)))  # (read-only: the direct launcher keeps its work by identity)
     return LaunchConfig(k, br, bc, (triton.cdiv(rows, br) * triton.cdiv(cols, bc),),
                         (torch.float32, torch.int16, torch.uint8)[out], constants,
                         (cols, rows) if transpose else (rows, cols), out_dtype,
                         torch.int16 if in_bf16 else torch.int32, in_bf16, both, write_amax, programs,
-                        int(products), tiles)
+                        int(products), tiles, amax_mapping(in_bf16, br, bc, tiles))
 
 
 def takes_amax_pass(cfg: LaunchConfig) -> bool:

@@ -49,6 +49,14 @@ compiled kernel's own launcher -- the 61-argument grouped quantization about 13-
 - 3.6's ``JITFunction.run`` may hold a future where compiles are asynchronous (``kernel.result()``); it returns
   the ``CompiledKernel``, which is all that is kept (anything else: no direct path for that class).
 
+snip_ds's call sites launch through :func:`launch` (``quantize.run_kernel``): the constexprs come as read-only
+mappings made once per launch configuration, so their part of the class (names, values, types; whether the
+tail can be made) is fixed per :class:`Bound` and a launch computes only the positional arguments' classes (in a
+form that hashes fast), reads the knobs, device and stream, and calls the compiled kernel's launcher as its
+``__getitem__``'s runner calls it (:func:`run_entry`): about 5-11 µs a launch against 6-16 µs through
+:class:`DirectLauncher` and 0.5-1 µs for ``CompiledKernel[grid]`` alone -- most of what is left is reading each
+tensor's dtype and data pointer (about 0.15 µs a tensor).
+
 Triton 3.2 (which CI installs for interpreter runs, where nothing here engages) hands the launcher the
 non-constexpr values only and keeps its hooks on ``CompiledKernel``: not supported, its kernels launch through
 the JITFunction, as do those of any version not in :data:`SUPPORTED`.
@@ -58,7 +66,8 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Tuple
+from types import MappingProxyType
+from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 import triton
@@ -86,7 +95,7 @@ def supported(version: str = triton.__version__) -> bool:
 
 ENGAGED = supported() and knobs is not None and direct_switched_on()
 _state = {"enabled": True}  # :func:`disabled` turns it off (benchmarks: Triton's own path, for comparison)
-_LAUNCHERS: Dict[JITFunction, "DirectLauncher"] = {}
+_LAUNCHERS: Dict[int, "DirectLauncher"] = {}  # by id (hashing a JITFunction takes its lock): each holds its kernel
 
 
 def launcher(kernel: JITFunction):
@@ -95,9 +104,9 @@ def launcher(kernel: JITFunction):
     trace, ``torch.library.wrap_triton`` (see ``quantize.launchable``)."""
     if not ENGAGED or not _state["enabled"]:
         return kernel
-    found = _LAUNCHERS.get(kernel)
+    found = _LAUNCHERS.get(id(kernel))
     if found is None:
-        found = _LAUNCHERS[kernel] = DirectLauncher(kernel)
+        found = _LAUNCHERS[id(kernel)] = DirectLauncher(kernel)
     return found
 
 
@@ -206,6 +215,7 @@ class DirectLauncher:
     def __init__(self, kernel: JITFunction) -> None:
         self.kernel = kernel
         self.entries: Dict[tuple, Optional[Entry]] = {}  # class -> entry (None: no direct path for it)
+        self.bounds: Dict[Tuple[int, int], Bound] = {}  # (id of the constants, id of the extra) -> Bound
         self.jit_calls = 0
         self._own_metadata = getattr(kernel, "launch_metadata", None) is not None
         self._globals_seen: list = []  # (globals, name, the object there when last checked)
@@ -247,11 +257,28 @@ class DirectLauncher:
         if entry is None:
             return self._through_jit(grid, args, constexprs, None)
         self._check_globals()
-        entry.compiled[grid3](*args, *entry.tail, stream=driver.active.get_current_stream(device))
+        runtime = knobs.runtime
+        run_entry(entry, grid3, driver.active.get_current_stream(device), runtime.launch_enter_hook,
+                  runtime.launch_exit_hook, args)
         return entry.compiled
 
-    def _through_jit(self, grid, args: tuple, constexprs: dict, key):
-        """Triton's own launch; where ``key`` is given (a class seen first), what later calls of it launch."""
+    def bound(self, constants: Mapping, extra: Mapping) -> "Bound":
+        """The :class:`Bound` launches of this kernel with the constexprs ``extra`` and ``constants``: made once
+        per pair of read-only mappings (``MappingProxyType``: the same objects, so the same values; kept by
+        identity), else made for this call alone."""
+        key = (id(constants), id(extra))  # (each kept Bound holds both objects: their ids are not reused)
+        found = self.bounds.get(key)
+        if found is None:
+            found = Bound(self, constants, extra)
+            if type(constants) is MappingProxyType and type(extra) is MappingProxyType:
+                if len(self.bounds) >= MAX_BOUND:  # (mappings made per call: not kept for ever)
+                    self.bounds.clear()
+                self.bounds[key] = found
+        return found
+
+    def _through_jit(self, grid, args: tuple, constexprs: Mapping, key, entries: Optional[dict] = None):
+        """Triton's own launch; where ``key`` is given (a class seen first), what later calls of it launch, kept
+        in ``entries`` (:attr:`entries` unless given)."""
         self.jit_calls += 1
         compiled = self.kernel[grid](*args, **constexprs)
         if key is None:
@@ -261,7 +288,7 @@ class DirectLauncher:
             return compiled
         tail = self.tail(len(args), constexprs) if all(usable) else None
         ok = tail is not None and isinstance(compiled, triton.compiler.CompiledKernel)
-        self.entries[key] = Entry(compiled, tail) if ok else None
+        (self.entries if entries is None else entries)[key] = Entry(compiled, tail) if ok else None
         return compiled
 
     def tail(self, positional: int, constexprs: dict) -> Optional[tuple]:
@@ -302,3 +329,110 @@ class DirectLauncher:
                                    f"{value} to {'(deleted)' if now is _UNKNOWN else now}")
             seen.append((globals_dict, name, now))
         self._globals_seen, self._globals_count = seen, len(seen)
+
+
+MAX_BOUND = 4096  # Bound objects kept per kernel (one per launch configuration a run uses)
+
+
+def run_entry(entry: Entry, grid3: Tuple[int, int, int], stream, enter_hook, exit_hook, args: tuple) -> None:
+    """``entry.compiled[grid3](*args, *entry.tail, stream=stream)`` without the runner's closure: what that
+    runner does (Triton 3.6 and 3.9's ``CompiledKernel.__getitem__``), with the hook knobs' values the caller
+    read in this launch (the runner reads them again; nothing runs in between that could set them). The launch
+    metadata takes no arguments: they are read only by a kernel's own ``launch_metadata`` function (no direct
+    path for such a kernel)."""
+    compiled = entry.compiled
+    compiled._init_handles()  # (__getitem__'s: returns at once once the kernel is loaded)
+    compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(grid3, stream), enter_hook, exit_hook, *args, *entry.tail)
+
+
+_HookChain = getattr(knobs, "HookChain", None)
+NO_EXTRA = MappingProxyType({})
+
+
+def launch(kernel: JITFunction, grid, args: tuple, constants: Mapping, extra: Mapping = NO_EXTRA) -> None:
+    """``kernel[grid](*args, **extra, **constants)``, eager (as :func:`launcher`): through its :class:`Bound`
+    launches where the direct path engages -- the constexprs' part of the class worked out once per pair of
+    mappings where both are read-only (``MappingProxyType``: a launch configuration's constants, a call
+    site's fixed extra constexprs), else per call."""
+    if not ENGAGED or not _state["enabled"]:
+        kernel[grid](*args, **extra, **constants)
+        return
+    found = _LAUNCHERS.get(id(kernel))
+    if found is None:
+        found = _LAUNCHERS[id(kernel)] = DirectLauncher(kernel)
+    found.bound(constants, extra).launch(grid, args)
+
+
+class Bound:
+    """A kernel's launches with one set of constexprs, ``extra`` and ``constants`` (keyword arguments, not
+    one given twice): their names, values and types fixed, so a launch's class is the current device, the
+    knob state and the positional arguments' classes alone, each an object that hashes fast (a tensor its
+    dtype where ``data_ptr() % 16 == 0``, else ``(dtype, 1)``; an int a code of its four facts, see
+    :func:`_int_code`; anything else :func:`_arg_class`). The same facts as :meth:`DirectLauncher.key`, so
+    the same argument holds: equal classes, the same compiled kernel."""
+
+    __slots__ = ("launcher", "constants", "extra", "constexprs", "entries")
+
+    def __init__(self, launcher: DirectLauncher, constants: Mapping, extra: Mapping) -> None:
+        twice = set(constants) & set(extra)
+        if twice:
+            raise TypeError(f"{launcher.kernel.fn.__name__}: got multiple values for the constexprs {sorted(twice)}")
+        self.launcher, self.constants, self.extra = launcher, constants, extra
+        self.constexprs = {**extra, **constants}  # (the order the keyword arguments of kernel[grid] bind in)
+        self.entries: Dict[tuple, Optional[Entry]] = {}
+
+    def launch(self, grid, args: tuple) -> None:
+        """One launch: direct where its class has an entry, else through the JITFunction (which, for a class
+        seen first, makes the entry)."""
+        launcher = self.launcher
+        runtime = knobs.runtime
+        enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
+        grid3 = _grid3(grid)
+        if grid3 is None or launcher.kernel.pre_run_hooks or launcher._own_metadata or \
+                not (enter_hook is None or type(enter_hook) is _HookChain and not enter_hook.calls) or \
+                not (exit_hook is None or type(exit_hook) is _HookChain and not exit_hook.calls) or \
+                getattr(runtime, "add_stages_inspection_hook", None) is not None:
+            launcher._through_jit(grid, args, self.constexprs, None)
+            return
+        compilation = knobs.compilation
+        device = driver.active.get_current_device()
+        try:
+            classes = tuple([(a.dtype if not a.data_ptr() & 15 else (a.dtype, 1)) if type(a) is _Tensor else
+                             _INT_CODES.get(a) or _int_code(a) if type(a) is int else _other_class(a) for a in args])
+        except _Unclassed:
+            launcher._through_jit(grid, args, self.constexprs, None)
+            return
+        key = (device, runtime.debug, compilation.instrumentation_mode,
+               getattr(compilation, "fpsan_homomorphic_casts", None), classes)
+        entry = self.entries.get(key, _UNKNOWN)
+        if entry is None or entry is _UNKNOWN:
+            launcher._through_jit(grid, args, self.constexprs, None if entry is None else key, self.entries)
+            return
+        launcher._check_globals()
+        run_entry(entry, grid3, driver.active.get_current_stream(device), enter_hook, exit_hook, args)
+
+
+def _int_code(value: int) -> int:
+    """An int's class (:func:`_int_class`) as a small int: 16 + its four facts as bits (never 0)."""
+    one, by16, i32, i64 = _int_class(value)[1:]
+    return 16 | one | by16 << 1 | i32 << 2 | i64 << 3
+
+
+_INT_CODES = {value: _int_code(value) for value in range(-16, 8193)}
+
+
+class _Unclassed(Exception):
+    """A positional argument with no class (see the module's docstring): the launch goes through Triton."""
+
+
+def _other_class(arg):
+    """The class of an argument that is neither a plain tensor nor an int, in :class:`Bound`'s form (a tensor
+    subclass as a plain tensor: ``(dtype, True)`` would equal a misaligned tensor's ``(dtype, 1)``); raises
+    :class:`_Unclassed` where it has none."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype if not arg.data_ptr() & 15 else (arg.dtype, 1)
+    found = _arg_class(arg)
+    if found is _UNKNOWN:
+        raise _Unclassed
+    return found

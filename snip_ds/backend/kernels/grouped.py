@@ -21,7 +21,8 @@ launch configurations (cached); a launch decides nothing.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -62,7 +63,7 @@ class GroupedAmaxConfig(NamedTuple):
 
     programs: Tuple[int, int]  # each tensor's programs (partial maxima): the first's slots first
     grid: Tuple[int]
-    constants: Dict[str, Any]  # the grouped amax kernel's compile-time arguments
+    constants: Mapping[str, Any]  # the grouped amax kernel's compile-time arguments (read-only)
 
 
 def grouped_amax_config(first: LaunchConfig, second: LaunchConfig) -> GroupedAmaxConfig:
@@ -83,8 +84,8 @@ def _cached_grouped_amax_config(programs_a: int, tiles_a: int, br_a: int, bc_a: 
                                 programs_b: int, tiles_b: int, br_b: int, bc_b: int, bf16_b: bool
                                 ) -> GroupedAmaxConfig:
     return GroupedAmaxConfig((programs_a, programs_b), (programs_a + programs_b,),
-                             dict(A_BF16=bf16_a, BRA=br_a, BCA=bc_a, TILES_A=tiles_a,
-                                  B_BF16=bf16_b, BRB=br_b, BCB=bc_b, TILES_B=tiles_b))
+                             MappingProxyType(dict(A_BF16=bf16_a, BRA=br_a, BCA=bc_a, TILES_A=tiles_a,
+                                                   B_BF16=bf16_b, BRB=br_b, BCB=bc_b, TILES_B=tiles_b)))
 
 
 def grouped_amax_partials(cfg: GroupedAmaxConfig, a: torch.Tensor, b: torch.Tensor
@@ -100,9 +101,9 @@ def grouped_amax_partials(cfg: GroupedAmaxConfig, a: torch.Tensor, b: torch.Tens
     partials = torch.empty(cfg.grid[0], dtype=torch.int32, device=a.device)
     (rows_a, cols_a), (rows_b, cols_b) = a_bits.shape, b_bits.shape
     (stride_ra, stride_ca), (stride_rb, stride_cb) = a_bits.stride(), b_bits.stride()
-    kq.launchable(_grouped_amax_kernel)[cfg.grid](a_bits, b_bits, partials, rows_a, cols_a, stride_ra, stride_ca,
-                                                   rows_b, cols_b, stride_rb, stride_cb, programs_a, programs_b,
-                                                   **cfg.constants)
+    kq.run_kernel(_grouped_amax_kernel, cfg.grid, (a_bits, b_bits, partials, rows_a, cols_a, stride_ra, stride_ca,
+                                                   rows_b, cols_b, stride_rb, stride_cb, programs_a, programs_b),
+                  cfg.constants)
     return partials, partials[programs_a:]
 
 
@@ -155,7 +156,7 @@ class QuantizePairConfig(NamedTuple):
     second: LaunchConfig
     programs: int  # the first's programs (tiles); the second's follow
     grid: Tuple[int]
-    constants: Dict[str, Any]  # the grouped kernel's compile-time arguments but STOCHASTIC_B
+    constants: Mapping[str, Any]  # the grouped kernel's compile-time arguments but STOCHASTIC_B (read-only)
 
 
 def quantize_pair_config(first: LaunchConfig, second: LaunchConfig) -> QuantizePairConfig:
@@ -180,7 +181,8 @@ class _Keyed:
     __slots__ = ("cfg", "key")
 
     def __init__(self, cfg: LaunchConfig) -> None:
-        self.cfg, self.key = cfg, tuple(cfg._replace(constants=tuple(cfg.constants.items())))
+        self.cfg, self.key = cfg, tuple(cfg._replace(constants=tuple(cfg.constants.items()),
+                                                     amax_constants=tuple(cfg.amax_constants.items())))
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -195,7 +197,11 @@ def _cached_pair(first: _Keyed, second: _Keyed) -> QuantizePairConfig:
     constants = {f"{name}_A": value for name, value in first.constants.items()
                  if name not in ("PRODUCTS", "DEQUANT")}
     constants.update({f"{name}_B": value for name, value in second.constants.items() if name != "DEQUANT"})
-    return QuantizePairConfig(first, second, first.grid[0], (first.grid[0] + second.grid[0],), constants)
+    return QuantizePairConfig(first, second, first.grid[0], (first.grid[0] + second.grid[0],),
+                              MappingProxyType(constants))  # (read-only: direct launches keep their work by identity)
+
+
+STOCHASTIC_B = (MappingProxyType({"STOCHASTIC_B": False}), MappingProxyType({"STOCHASTIC_B": True}))  # (rounding)
 
 
 def launch_pair(cfg: QuantizePairConfig, a: torch.Tensor, a_amax: Optional[torch.Tensor], b: torch.Tensor,
@@ -217,8 +223,8 @@ def launch_pair(cfg: QuantizePairConfig, a: torch.Tensor, a_amax: Optional[torch
     a_args, *a_out = kq.operands(cfg.first, a, a_amax, a_partials)
     b_args, *b_out = kq.operands(cfg.second, b, b_amax, b_partials)
     placeholder = b_out[2]  # (b's scale: slots the kernel reads not)
-    kq.launchable(_grouped_quantize_kernel)[cfg.grid](
+    kq.run_kernel(_grouped_quantize_kernel, cfg.grid, (
         *a_args, *b_args, placeholder if b_seed is None else b_seed, placeholder if b_seed2 is None else b_seed2,
         placeholder if partner2 is None else partner2, placeholder if products is None else products,
-        cfg.programs, STOCHASTIC_B=b_seed is not None, **cfg.constants)
+        cfg.programs), cfg.constants, STOCHASTIC_B[b_seed is not None])
     return a_out, b_out

@@ -33,7 +33,8 @@ pass 2's body is :func:`quantize_tile`, which both kernels run.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from types import MappingProxyType
+from typing import Mapping, Optional, Tuple, Union
 
 import torch
 import triton
@@ -43,8 +44,8 @@ from triton.runtime.interpreter import InterpretedFunction
 from snip_ds.backend.base import check_kernel_arguments, check_kernel_input
 from snip_ds.backend.kernels import direct, grid as g
 from snip_ds.backend.kernels.config import (BOTH_AXES, BOTH_SAME, FP8_CODES, MX_KIND, LaunchConfig,
-                                            amax_programs, amax_tiles, cached_launch_config, kind, launch_config,
-                                            takes_amax_pass, tile)
+                                            amax_constants, amax_programs, amax_tiles, cached_launch_config, kind,
+                                            launch_config, takes_amax_pass, tile)
 from snip_ds.quant import QuantParts, Recipe, get_recipe
 
 # the public API, the configuration's kind and launch_config included (used through this module)
@@ -269,9 +270,9 @@ def launch(cfg: LaunchConfig, x: torch.Tensor, tensor_amax: Optional[torch.Tenso
         products_out = scale if products is None else products
     else:  # (rounding to nearest reads no seed; no partners: their slots are placeholders the kernel reads not)
         scales_in, products_out = (scale, scale), scale
-    launchable(_quantize_kernel)[cfg.grid](*args, scale if seed is None else seed, scale if seed2 is None else seed2,
-                                            offset, *scales_in, products_out, STOCHASTIC=seed is not None,
-                                            **cfg.constants)
+    run_kernel(_quantize_kernel, cfg.grid, (*args, scale if seed is None else seed,
+                                            scale if seed2 is None else seed2, offset, *scales_in, products_out),
+               cfg.constants, STOCHASTIC[seed is not None])
     return values, values2, scale, amax_out
 
 
@@ -338,16 +339,12 @@ def _amax_partials(x_bits: torch.Tensor, cfg: LaunchConfig) -> torch.Tensor:
     """Stage 1 of the tensor amax of a quantization launched with ``cfg``, whose amax pass's tiles and programs
     it decided: ``cfg.amax_programs`` partial maxima of ``|x|`` as int32 bit patterns (see :func:`_amax`)."""
     partials = torch.empty(cfg.amax_programs, dtype=torch.int32, device=x_bits.device)
-    rows, cols = x_bits.shape
-    stride_r, stride_c = x_bits.stride()
-    launchable(_amax_kernel)[(cfg.amax_programs,)](x_bits, partials, rows, cols, stride_r, stride_c,
-                                                    IN_BF16=cfg.in_bf16, BR=cfg.br, BC=cfg.bc,
-                                                    TILES_PER_PROGRAM=cfg.amax_tiles)
+    run_kernel(_amax_kernel, (cfg.amax_programs,), (x_bits, partials, *x_bits.shape, *x_bits.stride()),
+               cfg.amax_constants)
     return partials
 
 
-def bit_view(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (FP32 or BF16) as the integers the kernels read it through."""
+def bit_view(x: torch.Tensor) -> torch.Tensor:  # (FP32 or BF16: as the integers the kernels read it through)
     return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
 
 
@@ -356,9 +353,8 @@ def _amax(x_bits: torch.Tensor, in_bf16: bool, br: int, bc: int, programs: int) 
     written by its program: no zero-fill)."""
     rows, cols = x_bits.shape
     partials = torch.empty(programs, dtype=torch.int32, device=x_bits.device)
-    launchable(_amax_kernel)[(programs,)](x_bits, partials, rows, cols, x_bits.stride(0), x_bits.stride(1),
-                                           IN_BF16=in_bf16, BR=br, BC=bc,
-                                           TILES_PER_PROGRAM=amax_tiles(rows, cols, br, bc, programs))
+    run_kernel(_amax_kernel, (programs,), (x_bits, partials, rows, cols, x_bits.stride(0), x_bits.stride(1)),
+               amax_constants(in_bf16, br, bc, amax_tiles(rows, cols, br, bc, programs)))
     return partials
 
 
@@ -387,17 +383,28 @@ def _check_args(x, axis, tensor_amax, seed, offset, out_dtype, transpose, interp
 def launchable(kernel):
     """``kernel`` as the launches here run it: through ``torch.library.wrap_triton`` while a trace is on
     (:func:`_tracing`: so that dynamo, and inductor where it traces a ``triton_op``, see the launch), else
-    :func:`snip_ds.backend.kernels.direct.launcher`'s direct launcher -- each class of arguments through the
-    JITFunction once, then through the kernel it compiled (host time a launch, this CPU: 6-20 µs against
-    ``JITFunction.run``'s 6-69 µs; the kernel itself where the Triton version is not one it supports). An eager
-    launch through ``wrap_triton`` would dispatch its higher-order operator, flattening every argument, 55-120 µs
-    a launch (bench_layer_host's ``triton_launch_us``). Under the interpreter: the kernel itself, as it is
-    (``wrap_triton`` takes compiled kernels only)."""
+    :func:`snip_ds.backend.kernels.direct.launcher`'s direct launcher (the kernel itself where the Triton version
+    is not one it supports). An eager launch through ``wrap_triton`` would dispatch its higher-order operator,
+    flattening every argument, 55-120 µs a launch (bench_layer_host's ``triton_launch_us``). Under the
+    interpreter, or not a JITFunction (a wrapper counting launches): the kernel itself."""
     if INTERPRETED or not isinstance(kernel, triton.runtime.JITFunction):
-        return kernel  # (not a JITFunction: a wrapper counting launches)
+        return kernel
     if _tracing():
         return torch.library.wrap_triton(kernel)
     return direct.launcher(kernel)
+
+
+STOCHASTIC = (MappingProxyType({"STOCHASTIC": False}), MappingProxyType({"STOCHASTIC": True}))  # (by rounding)
+
+
+def run_kernel(kernel, grid, args: tuple, constants: Mapping, extra: Mapping = direct.NO_EXTRA) -> None:
+    """``launchable(kernel)[grid](*args, **extra, **constants)``; eager launches of a compiled kernel through
+    :func:`snip_ds.backend.kernels.direct.launch` (``constants``: a launch configuration's, ``extra``: one of a
+    few fixed read-only mappings, e.g. :data:`STOCHASTIC`: the constexprs' part of the class worked out once)."""
+    if INTERPRETED or type(kernel) is not triton.runtime.JITFunction or _tracing():
+        launchable(kernel)[grid](*args, **extra, **constants)
+    else:
+        direct.launch(kernel, grid, args, constants, extra)
 
 
 def _tracing() -> bool:
