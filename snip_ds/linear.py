@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snip_ds.backend import custom_ops, fp8_step, fp8_traced, layer_step
+from snip_ds.backend import custom_ops, fp8_traced, layer_step
 from snip_ds.backend.base import Kept, WithAmax
 from snip_ds.backend.operands import AmaxReduce, amax_shared, shared_amax
 from snip_ds.quant import QuantParts
@@ -79,24 +79,21 @@ class DecidedStepFn(torch.autograd.Function):
         x_2d = x_hp if x_hp.dim() == 2 else x_hp.reshape(-1, x_hp.shape[-1])
         y_2d, x_keep, w_keep = step.forward(x_2d, w_hp, bias, x_hp.dtype)
         ctx.save_for_backward(x_keep.values, x_keep.tensor_scale, w_keep.tensor, w_keep.amax)
-        ctx.step, ctx.generator, ctx.has_bias = step, generator, bias is not None
+        ctx.step, ctx.generator = step, generator
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x_hp.shape, x_hp.dtype, w_hp.dtype
         return y_2d
 
     @staticmethod
     def backward(ctx, g_y: torch.Tensor):
-        x_values, x_scale, w, w_amax = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        flat = len(ctx.x_shape) == 2
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]  # (need_b: a bias was given and needs its gradient)
         g_x = g_w = None
         if need_x or need_w:
-            step, kept = ctx.step, (QuantParts(x_values, x_scale), WithAmax(w, w_amax), (need_x, need_w))
-            if isinstance(step, fp8_step.Fp8Step):
-                g_x, g_w = step.backward(g_y, *kept, ctx.x_dtype, ctx.w_dtype)
-            else:  # a block-scaled step: G_Y's stochastic rounding draws from the layer's generator
-                g_x, g_w = step.backward(g_y, *kept, ctx.generator, ctx.x_dtype, ctx.w_dtype)
-        g_b = g_y.sum(0) if ctx.has_bias and need_b else None
-        return (g_x if g_x is None or flat else g_x.reshape(ctx.x_shape)), g_w, g_b, None, None
+            x_values, x_scale, w, w_amax = ctx.saved_tensors
+            g_x, g_w = ctx.step.backward(g_y, QuantParts(x_values, x_scale), WithAmax(w, w_amax), (need_x, need_w),
+                                         ctx.generator, ctx.x_dtype, ctx.w_dtype)
+            if g_x is not None and len(ctx.x_shape) != 2:
+                g_x = g_x.reshape(ctx.x_shape)
+        return g_x, g_w, g_y.sum(0) if need_b else None, None, None
 
 
 def quantized_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], prec: GemmPrecision,

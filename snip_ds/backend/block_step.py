@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -57,6 +57,8 @@ class BlockStep(NamedTuple):
     amax_pair: Any  # X's and W's amax passes in one launch, where both take one here (NVFP4), else None
     kg: Any  # snip_ds.backend.kernels.grouped
     xw_pair: Any  # X's and W's quantizations in one launch (forward, X not shared)
+    wg_pairs: Dict[Tuple[bool, bool], Any]  # W for dgrad and G_Y in one launch, by (G_Y in BF16, wgrad runs)
+    g_cfgs: Dict[bool, Any]  # G_Y for wgrad alone (dgrad does not run), by G_Y in BF16
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype) -> Tuple[torch.Tensor, QuantParts, WithAmax]:
@@ -82,21 +84,20 @@ class BlockStep(NamedTuple):
         _LAST_X[0] = None  # (the forward's last X values: not read again)
         g = _kernel_input(g)
         need_x, need_w = needs
-        seeds = [self.kq.seed_tensor(kernel_seed(generator, g.device), g.device) if self.stochastic_g and need
-                 else None for need in needs]  # dgrad's, then wgrad's: the per-GEMM path's order
+        seed_x = seed_w = None
+        if self.stochastic_g:  # dgrad's, then wgrad's: the per-GEMM path's order
+            seed_x = self.kq.seed_tensor(kernel_seed(generator, g.device), g.device) if need_x else None
+            seed_w = self.kq.seed_tensor(kernel_seed(generator, g.device), g.device) if need_w else None
         g_bf16 = g.dtype == torch.bfloat16
         if need_x:  # W for dgrad (from the forward's amax) and G_Y in one launch; its products' first partner W's
-            w = _kernel_input(w_keep.tensor)
             products = self._products(1 + need_w)
-            pair = _wg_pair(*w.shape, w.dtype == torch.bfloat16, self.w, *g.shape, g_bf16, self.g, need_w,
-                            self.amax_given, 0 if products is None else 1 + need_w)
+            partner2 = x_keep.tensor_scale if need_w and products is not None else None
             (w_t, _, w_scale, _), (first, g_t, g_scale, _) = self.kg.launch_pair(
-                pair, w, w_keep.amax, g, self._amax(g, self.g), b_seed=seeds[0], b_seed2=seeds[1],
-                partner2=x_keep.tensor_scale if need_w and products is not None else None, products=products)
+                self.wg_pairs[g_bf16, need_w], _kernel_input(w_keep.tensor), w_keep.amax, g, self._amax(g, self.g),
+                b_seed=seed_x, b_seed2=seed_w, partner2=partner2, products=products)
         else:  # G_Y for wgrad alone, transposed
             products = self._products(1)
-            g_cfg = _g_config(*g.shape, g_bf16, self.g, False, True, self.amax_given, 0 if products is None else 1)
-            first, g_t, g_scale, _ = self.kq.launch(g_cfg, g, self._amax(g, self.g), seeds[1],
+            first, g_t, g_scale, _ = self.kq.launch(self.g_cfgs[g_bf16], g, self._amax(g, self.g), seed_w,
                                                     **self._partners((x_keep.tensor_scale,), products))
         g_x = g_w = None
         if need_x:
@@ -193,8 +194,15 @@ def plan(rows: int, k: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, 
     w_cfg = kq.launch_config(n, k, w, 1, VALUES, False, w_bf16, amax_given=amax_given, write_amax=True,
                              products=0 if unit else 1)
     pair = kg.grouped_amax_config(x_cfg, w_cfg) if kq.takes_amax_pass(x_cfg) and kq.takes_amax_pass(w_cfg) else None
+    # backward's launches, G_Y in FP32 or BF16, whichever its dtype turns out; products of tensor scales for dgrad
+    # and, where it runs, wgrad (none for MX recipes)
+    wg_pairs = {(g_bf16, need_w): _wg_pair(n, k, w_bf16, w, rows, n, g_bf16, g, need_w, amax_given,
+                                           0 if unit else 1 + need_w)
+                for g_bf16 in (False, True) for need_w in (False, True)}
+    g_cfgs = {g_bf16: _g_config(rows, n, g_bf16, g, False, True, amax_given, 0 if unit else 1)
+              for g_bf16 in (False, True)}
     return BlockStep(kq, x, w, g, stochastic_g, x_cfg, w_cfg, unit, amax_given, mm, device, pair, kg,
-                     kg.quantize_pair_config(x_cfg, w_cfg))
+                     kg.quantize_pair_config(x_cfg, w_cfg), wg_pairs, g_cfgs)
 
 
 def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:

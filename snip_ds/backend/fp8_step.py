@@ -75,7 +75,10 @@ class Fp8Step(NamedTuple):
         return y, QuantParts(x_t.t(), x_scale), WithAmax(w, w_amax)
 
     def backward(self, g: torch.Tensor, x_keep: QuantParts, w_keep: WithAmax, needs: Tuple[bool, bool],
-                 x_dtype: torch.dtype, w_dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 generator: Optional[torch.Generator], x_dtype: torch.dtype, w_dtype: torch.dtype
+                 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(G_X, G_W)`` (each None where ``needs`` says it is not wanted) from what :meth:`forward` kept;
+        ``generator`` is not drawn from (nothing rounds stochastically): the block step's signature."""
         _LAST_X[0] = None  # (the forward's last X codes: not read again)
         g = _kernel_input(g)
         need_x, need_w = needs
@@ -112,10 +115,10 @@ class Fp8Step(NamedTuple):
         """X's codes in both layouts and its scale, and W's quantization for fprop (:meth:`Fp8Step.forward`'s
         ``(values, _, scale, amax)``), in one launch after their amax passes in one (or with the amaxes
         given); X's recorded for the next layer under ``remember`` (:meth:`_shared_x`) where given."""
-        w_amax = self._amax(w)  # (under tensor parallelism W's reduction first, as before X's)
-        x_amax = self._amax(x)
-        x_partials = w_partials = None
-        if self.amax_pair is not None:
+        x_amax = w_amax = x_partials = w_partials = None
+        if self.amax_given:  # (under tensor parallelism W's reduction first, as before X's)
+            w_amax, x_amax = self._amax(w), self._amax(x)
+        else:  # both amax passes in one launch
             x_partials, w_partials = self.kg.grouped_amax_partials(self.amax_pair, x, w)
         (values, values_t, scale, _), w_parts = self.kg.launch_pair(self.xw_pair, x, x_amax, w, w_amax,
                                                                      a_partials=x_partials, b_partials=w_partials)

@@ -212,7 +212,7 @@ class TorchBackend(GemmBackend):
             x = x_keep.values
             step = self.decided_fp8_step(x, w_keep.tensor, prec, cfg, x_dtype=x_dtype)  # the forward's step,
             if step is not None:  # asked in the forward's order
-                return step.backward(g, x_keep, w_keep, needs, x_dtype, w_dtype)
+                return step.backward(g, x_keep, w_keep, needs, generator, x_dtype, w_dtype)
             block = self.decided_block_step(x, w_keep.tensor, prec, cfg, x_dtype=x_dtype)
             return block.backward(g, x_keep, w_keep, needs, generator, x_dtype, w_dtype)
         return super().backward_gemms(g, x_keep, w_keep, prec, cfg, generator, needs, x_dtype, w_dtype)
