@@ -226,6 +226,32 @@ with ExitStack() as stack:
             record, runs, _ = launched(utils, lambda: direct.launcher(amax_kernel)[grid](*call, **rest))
             assert record == own and runs == 1, ("positional constexpr", br, runs)
 
+    # a global the kernel read changed since it compiled: Triton's error, direct or not; restored: launches again
+    checked = set()
+    for kernel, grid, args, kwargs in capture(quantize((48, 64))) + capture(pair((32, 64), (64, 64))):
+        constants = MappingProxyType(dict(kwargs))
+        calls = (lambda: kernel[grid](*args, **kwargs), lambda: direct.launch(kernel, grid, args, constants),
+                 lambda: direct.launcher(kernel)[grid](*args, **kwargs))
+        for call in calls[1:]:
+            launched(utils, call)
+        checked.update(kernel.fn.__name__ for _ in kernel.used_global_vals)
+        for (name, _), (value, globals_dict) in kernel.used_global_vals.items():
+            before = globals_dict[name]
+            globals_dict[name] = triton.language.constexpr(12345)
+            try:
+                for call in calls:
+                    try:
+                        call()
+                    except RuntimeError as err:
+                        assert "has changed since" in str(err), err
+                    else:
+                        raise AssertionError((kernel.fn.__name__, name, "changed, yet launched"))
+            finally:
+                globals_dict[name] = before
+            for call in calls[1:]:
+                assert launched(utils, call)[1:] == (0, 0), (kernel.fn.__name__, name, "after the global's restored")
+    assert checked == {"_quantize_kernel", "_grouped_quantize_kernel"}, checked  # (the amax kernels read none)
+
     # under a trace, or disabled: not the direct launcher
     with direct.disabled():
         assert direct.launcher(kq._amax_kernel) is kq._amax_kernel
