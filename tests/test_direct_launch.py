@@ -293,15 +293,22 @@ try:
 except ImportError as err:
     print("skip:", err)
     sys.exit(0)
+from types import MappingProxyType
+from triton.runtime.jit import JITFunction
 from snip_ds.backend.kernels import direct, quantize as kq
 assert not direct.ENGAGED and kq.launchable(kq._amax_kernel) is kq._amax_kernel
+calls = []
+JITFunction.run = lambda self, *args, grid, warmup, **kwargs: calls.append((self, grid, args, kwargs))
+kq.run_kernel(kq._amax_kernel, (1,), (1, 2), MappingProxyType({"BR": 16}), kq.STOCHASTIC[True])
+assert calls == [(kq._amax_kernel, (1,), (1, 2), {"STOCHASTIC": True, "BR": 16})], calls
+assert not direct._LAUNCHERS
 print("ok")
 """
 
 
 def test_switched_off_eager_launches_are_the_kernels_own(monkeypatch):
     """With ``SNIP_DS_TRITON_DIRECT=0`` in the environment of a process (compiled kernels), an eager launch is the
-    JITFunction itself."""
+    JITFunction itself: ``launchable`` hands it back, and ``run_kernel``'s launches enter ``JITFunction.run``."""
     monkeypatch.setenv("SNIP_DS_TRITON_DIRECT", "0")
     compile_check(SWITCHED_OFF, timeout=300)
 
