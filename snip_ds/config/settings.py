@@ -32,6 +32,9 @@ from snip_ds.planner.costs import plan_study_fields
 from snip_ds.quant_config import QuantConfig
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's modes
+
+
 class ConfigError(ValueError):
     """A user's configuration is wrong; the message names the file and the field."""
 
@@ -66,6 +69,18 @@ class TrainSettings:
     """Checkpoints under ``<output_dir>/checkpoints``, TensorBoard under ``<output_dir>/tensorboard``."""
     max_corpus_bytes: int = 4_000_000
     """Cap on the embedded stdlib corpus (train + validation), to keep the default run short."""
+    torch_compile: bool = False
+    """Compile the model with ``torch.compile`` (DeepSpeed's ``engine.compile()``) before the first step."""
+    torch_compile_backend: Optional[str] = None
+    """``torch.compile``'s backend (None: inductor); set, it turns ``torch_compile`` on, as in the Trainer."""
+    torch_compile_mode: Optional[str] = None
+    """``torch.compile``'s mode, one of :data:`COMPILE_MODES` (None: its default); set, it turns
+    ``torch_compile`` on, as in the Trainer."""
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the run compiles the model (``torch_compile``, or a backend or mode named)."""
+        return self.torch_compile or self.torch_compile_backend is not None or self.torch_compile_mode is not None
 
 
 class _SnipSettingsMethods:
@@ -97,6 +112,12 @@ class _SnipSettingsMethods:
             raise ConfigError(f"snip.train.save_steps: must not be negative, got {t.save_steps}")
         if not 0 <= t.seed < 2 ** 63:  # the generators take 64-bit seeds, offset by a few thousand per stream
             raise ConfigError(f"snip.train.seed: must lie in [0, 2**63), got {t.seed}")
+        if t.torch_compile_mode is not None and t.torch_compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"snip.train.torch_compile_mode: must be one of {', '.join(COMPILE_MODES)}, got "
+                              f"{t.torch_compile_mode!r}")
+        if t.torch_compile_backend is not None and not t.torch_compile_backend.strip():
+            raise ConfigError(f"snip.train.torch_compile_backend: must name a torch.compile backend, got "
+                              f"{t.torch_compile_backend!r}")
         if t.model_name_or_path and t.model_config:
             raise ConfigError("snip.train: give model_name_or_path or model_config, not both")
 

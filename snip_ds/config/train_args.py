@@ -12,10 +12,12 @@ from typing import Any, Dict
 
 from snip_ds.config.deepspeed_config import AUTO_DEFAULTS
 from snip_ds.options import OPTIONS
-from snip_ds.config.settings import ConfigError, SnipSettings, TrainSettings, load_ds_config, with_overrides
+from snip_ds.config.settings import (COMPILE_MODES, ConfigError, SnipSettings, TrainSettings, load_ds_config,
+                                    with_overrides)
 
 TRAIN_FLAGS = ("model_name_or_path", "model_config", "dataset", "tokenizer_name_or_path", "block_size",
-               "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps", "seed", "output_dir")
+               "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps", "seed", "output_dir",
+               "torch_compile", "torch_compile_backend", "torch_compile_mode")
 
 
 class UserError(Exception):
@@ -92,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "micro-batches per optimizer step"))
     g.add_argument("--seed", type=int, help=_train("seed", "seeds the model init, the data order and the "
                    "stochastic rounding"))
+    g.add_argument("--torch_compile", action="store_true", default=None,
+                   help=_train("torch_compile", "compile the model with torch.compile (DeepSpeed's engine.compile)"))
+    g.add_argument("--torch_compile_backend", metavar="NAME", help=_train(
+        "torch_compile_backend", "torch.compile backend; turns --torch_compile on", "inductor"))
+    g.add_argument("--torch_compile_mode", choices=COMPILE_MODES, help=_train(
+        "torch_compile_mode", "torch.compile mode; turns --torch_compile on", "torch.compile's default"))
     g.add_argument("--resume_from_checkpoint", metavar="DIR",
                    help="a checkpoint directory (step_N), the checkpoints directory (its 'latest') or a run's output "
                         "directory (its last complete checkpoint); default: start afresh")

@@ -64,6 +64,29 @@ def _eval_batches(val_ds, micro_bs: int, n_batches: int, rank: int, world: int) 
     return [stream.next_batch() for _ in range(min(n_batches, stream.steps_per_epoch))]
 
 
+def _compile_backend(t, args: argparse.Namespace, ds_cfg: Dict[str, Any], tp: int) -> str:
+    """The ``torch.compile`` backend a compiling run uses (``inductor`` unless named); an unknown name, ZeRO-3
+    or tensor parallelism is a :class:`UserError` naming the flag or the JSON field that gave it."""
+    import torch._dynamo
+
+    flag = "--torch_compile" if args.torch_compile or args.torch_compile_backend or args.torch_compile_mode else \
+        f"{args.deepspeed}: snip.train.torch_compile"
+    if int((ds_cfg.get("zero_optimization") or {}).get("stage", 0)) == 3:
+        raise UserError(f"{flag}: not with ZeRO stage 3, whose parameter hooks break the graph at every module: "
+                        f"each layer would compile on its own and, past torch's recompile limit, run eagerly; "
+                        f"compile under ZeRO stage 0, 1 or 2 (ds_configs/zero1.json)")
+    if tp > 1:
+        raise UserError(f"{flag}: not with tensor parallelism (not tested: the shards reduce their amaxes across "
+                        f"ranks inside the forward)")
+    name = t.torch_compile_backend or "inductor"
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        where = "--torch_compile_backend" if args.torch_compile_backend else \
+            f"{args.deepspeed}: snip.train.torch_compile_backend"
+        raise UserError(f"{where}: unknown torch.compile backend {name!r}; known: {', '.join(sorted(known))}")
+    return name
+
+
 def train(args: argparse.Namespace) -> int:
     """Runs the whole job; returns the process exit code."""
     import torch
@@ -108,6 +131,7 @@ def train(args: argparse.Namespace) -> int:
     # data (and every batch-size or throughput figure) follows the data-parallel rank and size.
     tp = tensor_parallel_degree(ds_cfg, args.deepspeed, world)
     rank_d, world_d = data_parallel(rank, world, tp)
+    compile_backend = _compile_backend(t, args, ds_cfg, tp) if t.compiles else None  # errors before anything
     dtype = torch.bfloat16 if ds_cfg.get("bf16", {}).get("enabled") else torch.float32
 
     # ---------------- data and model: every user error surfaces here, before training ----------------
@@ -229,6 +253,13 @@ def train(args: argparse.Namespace) -> int:
                 f" (universal, saved by {ckpt_meta['world_size']} rank(s), resumed by {world})"
                 if is_universal(ckpt_meta) else ""), flush=True)
             print(schedule_line, flush=True)
+    if compile_backend is not None:  # the module compiled in place (its state dict's keys unchanged)
+        engine.ds.compile(backend=compile_backend,
+                          compile_kwargs={"mode": t.torch_compile_mode} if t.torch_compile_mode else {})
+        if rank == 0:
+            print(f"snip_ds: torch.compile, backend {compile_backend}"
+                  f"{f', mode {t.torch_compile_mode}' if t.torch_compile_mode else ''}: the first step compiles, "
+                  f"as does the first after a re-plan that changes a layer's precision", flush=True)
     if planner is None or planner.planned_at is not None:  # not adaptive's placeholder plan
         _write_artifacts(out_dir, engine.plan, planner.last_stats if planner else None)
 
