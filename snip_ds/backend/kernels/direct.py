@@ -53,9 +53,11 @@ snip_ds's call sites launch through :func:`launch` (``quantize.run_kernel``): th
 mappings made once per launch configuration, so their part of the class (names, values, types; whether the
 tail can be made) is fixed per :class:`Bound` and a launch computes only the positional arguments' classes (in a
 form that hashes fast), reads the knobs, device and stream, and calls the compiled kernel's launcher as its
-``__getitem__``'s runner calls it (:func:`run_entry`): about 5-11 µs a launch against 6-16 µs through
-:class:`DirectLauncher` and 0.5-1 µs for ``CompiledKernel[grid]`` alone -- most of what is left is reading each
-tensor's dtype and data pointer (about 0.15 µs a tensor).
+``__getitem__``'s runner calls it (:func:`run_entry`): 3.2-6 µs a launch (10 to 61 arguments; triton_launch_path's
+``bound_us``) against 4.9-11 µs through ``DirectLauncher[grid]`` (6-13 µs before :func:`run_entry`) and 0.5-1.1
+µs for ``CompiledKernel[grid]`` alone -- most of what is left is reading each tensor's dtype and data pointer
+(about 0.15 µs a tensor; the classes computed with ``map`` and ``operator``'s getters, or the globals checked
+per module with an ``itemgetter``, were slower).
 
 Triton 3.2 (which CI installs for interpreter runs, where nothing here engages) hands the launcher the
 non-constexpr values only and keeps its hooks on ``CompiledKernel``: not supported, its kernels launch through
