@@ -37,6 +37,8 @@ the medians of the collection and the solve, from which SNIP's share of training
 ``--output_dir`` writes elsewhere (gpu/run_device.sh does both to fit its time budget); ``--plans`` runs some of
 the plans (bf16 first: the ratios are against it). The results are rewritten after every plan's run, with
 ``"complete": false`` until the last, so a run cut short keeps the plans it finished.
+``--torch_compile`` runs the same plans compiled (``launch/train.py --torch_compile``, inductor), under ZeRO-1
+(ds_configs/zero1.json: launch/train.py compiles under ZeRO 0-2 only), into bench_train_cuda_compiled.{json,md}.
 Without CUDA, ``--device cuda`` is an error (exit 2); ``--plumbing`` runs the same code on a 2-block, 64-wide
 Llama on this machine's device and writes nothing (gpu/run_device.sh's dry run).
 """
@@ -70,6 +72,7 @@ ADAMW = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # ds_confi
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_CONFIG = REPO / "ds_configs" / "zero3.json"
+COMPILED_CONFIG = REPO / "ds_configs" / "zero1.json"  # --torch_compile: launch/train.py compiles under ZeRO 0-2 only
 GPU_PLANS = ("bf16", "fp8", "fp4", "adaptive")
 GPU_MODEL = {"model_type": "llama", "vocab_size": 264, "hidden_size": 2048, "intermediate_size": 5632,
              "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
@@ -172,10 +175,11 @@ def llama_parameters(cfg: dict) -> int:
 
 def gpu_run_config(plan: str, model_config: Path, out_dir: Path, steps: int = GPU_STEPS,
                    replan_every: int = GPU_REPLAN_EVERY, micro_batch: int = GPU_MICRO_BATCH,
-                   block: int = GPU_BLOCK) -> dict:
-    """The shipped ds_configs/zero3.json with the benchmark's model, batch, plan and run length (module
-    docstring); BF16 and ``backend: auto`` stated explicitly."""
-    cfg = json.loads(SHIPPED_CONFIG.read_text())
+                   block: int = GPU_BLOCK, compiled: bool = False) -> dict:
+    """The shipped ds_configs/zero3.json (``compiled``: zero1.json with ``snip.train.torch_compile``) with the
+    benchmark's model, batch, plan and run length (module docstring); BF16 and ``backend: auto`` stated
+    explicitly."""
+    cfg = json.loads((COMPILED_CONFIG if compiled else SHIPPED_CONFIG).read_text())
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg["gradient_accumulation_steps"] = 1
     cfg["bf16"] = {"enabled": True}
@@ -184,7 +188,8 @@ def gpu_run_config(plan: str, model_config: Path, out_dir: Path, steps: int = GP
     snip["replan_every"] = replan_every
     snip["quant"]["backend"] = "auto"
     snip["train"].update(model_config=str(model_config), block_size=block, max_steps=steps, eval_steps=steps,
-                         eval_batches=1, save_steps=0, logging_steps=1, output_dir=str(out_dir))
+                         eval_batches=1, save_steps=0, logging_steps=1, output_dir=str(out_dir),
+                         torch_compile=compiled)
     return cfg
 
 
@@ -232,7 +237,7 @@ def _read_series(tensorboard: Path) -> dict:
 
 
 def _write_run_config(tmp: Path, plan: str, steps: int, replan_every: int, model_cfg: Optional[dict],
-                      micro_batch: Optional[int], block: Optional[int]) -> Path:
+                      micro_batch: Optional[int], block: Optional[int], compiled: bool = False) -> Path:
     """The run's model and DeepSpeed configs in ``tmp`` (None: the GPU model, micro-batch and block)."""
     model_cfg = GPU_MODEL if model_cfg is None else model_cfg
     micro_batch = GPU_MICRO_BATCH if micro_batch is None else micro_batch
@@ -240,16 +245,17 @@ def _write_run_config(tmp: Path, plan: str, steps: int, replan_every: int, model
     model = tmp / "model.json"
     model.write_text(json.dumps(model_cfg))
     path = tmp / f"bench_{plan}.json"
-    path.write_text(json.dumps(gpu_run_config(plan, model, tmp / "out", steps, replan_every, micro_batch, block)))
+    path.write_text(json.dumps(gpu_run_config(plan, model, tmp / "out", steps, replan_every, micro_batch, block,
+                                              compiled)))
     return path
 
 
 def _launch_run(plan: str, steps: int, replan_every: int, model_cfg: Optional[dict] = None,
-                micro_batch: Optional[int] = None, block: Optional[int] = None) -> dict:
+                micro_batch: Optional[int] = None, block: Optional[int] = None, compiled: bool = False) -> dict:
     """One launch/train.py run on one GPU, a process of its own through the deepspeed launcher; its
     TensorBoard series."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = _write_run_config(Path(tmp), plan, steps, replan_every, model_cfg, micro_batch, block)
+        path = _write_run_config(Path(tmp), plan, steps, replan_every, model_cfg, micro_batch, block, compiled)
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", str(REPO / "launch" / "train.py"),
@@ -261,7 +267,7 @@ def _launch_run(plan: str, steps: int, replan_every: int, model_cfg: Optional[di
 
 
 def _in_process_run(plan: str, steps: int, replan_every: int, model_cfg: Optional[dict] = None,
-                    micro_batch: Optional[int] = None, block: Optional[int] = None) -> dict:
+                    micro_batch: Optional[int] = None, block: Optional[int] = None, compiled: bool = False) -> dict:
     """The same run as :func:`_launch_run`, but ``snip_ds.run.trainer.main`` called in this process (one rank; the
     first run makes the process group, the later ones reuse it): the interpreter, torch, CUDA and the JIT-built ops start
     once for every plan. Its TensorBoard series, and the GPU's peak memory over the run."""
@@ -270,7 +276,7 @@ def _in_process_run(plan: str, steps: int, replan_every: int, model_cfg: Optiona
     from snip_ds.run.trainer import main as train_main
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = _write_run_config(Path(tmp), plan, steps, replan_every, model_cfg, micro_batch, block)
+        path = _write_run_config(Path(tmp), plan, steps, replan_every, model_cfg, micro_batch, block, compiled)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         code = train_main(["--deepspeed", str(path), "--no_progress"], keep_process_group=True)
@@ -286,7 +292,7 @@ def _in_process_run(plan: str, steps: int, replan_every: int, model_cfg: Optiona
 
 
 def bench_cuda(steps: int, replan_every: int, plans=GPU_PLANS, on_row=None, in_process: bool = True,
-               plumbing: bool = False) -> dict:
+               plumbing: bool = False, compiled: bool = False) -> dict:
     """One run per plan (``bf16`` first: the others' ratios are against it), all in this process
     (``in_process``) or each through the deepspeed launcher; after each run, ``on_row(result so far)``, so that
     a run cut short still leaves the rows it finished. ``plumbing``: a 2-block, 64-wide Llama on whatever device
@@ -296,11 +302,13 @@ def bench_cuda(steps: int, replan_every: int, plans=GPU_PLANS, on_row=None, in_p
                                      else (GPU_MODEL, GPU_MICRO_BATCH, GPU_BLOCK))
     res = {"parameters": llama_parameters(model_cfg), "tokens_per_step": micro_batch * block,
            "replan_every_shipped": shipped["replan_every"], "plans": list(plans), "rows": {},
-           "runs": "in one process" if in_process else "one deepspeed-launcher process per plan"}
+           "runs": "in one process" if in_process else "one deepspeed-launcher process per plan",
+           "compiled": compiled}
     run = _in_process_run if in_process else _launch_run
     try:
         for plan in plans:
-            _one_plan(res, plan, run(plan, steps, replan_every, model_cfg, micro_batch, block), shipped, on_row)
+            _one_plan(res, plan, run(plan, steps, replan_every, model_cfg, micro_batch, block, compiled), shipped,
+                      on_row)
     finally:
         if in_process:
             from snip_ds.engine import destroy_distributed
@@ -327,9 +335,11 @@ def cuda_report(res: dict, steps: int, gpu: str) -> list:
     """The Markdown lines of a (possibly partial) ``bench_cuda`` result."""
     rows = res["rows"]
     missing = [p for p in res["plans"] if p not in rows]
-    lines = [f"# bench_train --device cuda: {res['parameters'] / 1e9:.2f}B-parameter Llama, ZeRO-3, BF16, one GPU",
+    setup = ("ZeRO-1, torch.compile", "ds_configs/zero1.json with --torch_compile (inductor)") if res.get("compiled") \
+        else ("ZeRO-3", "ds_configs/zero3.json")
+    lines = [f"# bench_train --device cuda: {res['parameters'] / 1e9:.2f}B-parameter Llama, {setup[0]}, BF16, one GPU",
              "", f"{gpu}, torch {torch.__version__}, micro-batch {GPU_MICRO_BATCH} x {GPU_BLOCK} tokens, "
-             f"{steps} steps per plan (launch/train.py, ds_configs/zero3.json, backend auto). tokens/s: median step "
+             f"{steps} steps per plan (launch/train.py, {setup[1]}, backend auto). tokens/s: median step "
              "time after two warm-up steps, the steps with the plan-divergence BF16 forward left out.", "",
              f"Runs: {res.get('runs', 'one deepspeed-launcher process per plan')}.", "",
              "| plan | step time (s) | tokens/s | vs bf16 | peak GPU memory | vs bf16 |", "|---|---|---|---|---|---|"]
@@ -349,7 +359,8 @@ def cuda_report(res: dict, steps: int, gpu: str) -> list:
 
 
 def main_cuda(quick: bool, steps: int | None = None, replan_every: int | None = None,
-              output_dir: Path = RESULTS, plans=GPU_PLANS, in_process: bool = True, plumbing: bool = False) -> int:
+              output_dir: Path = RESULTS, plans=GPU_PLANS, in_process: bool = True, plumbing: bool = False,
+              compiled: bool = False) -> int:
     steps = steps or (8 if quick or plumbing else GPU_STEPS)
     replan_every = replan_every or (4 if quick or plumbing else GPU_REPLAN_EVERY)
     quick = quick or plumbing  # a plumbing check writes nothing
@@ -364,13 +375,14 @@ def main_cuda(quick: bool, steps: int | None = None, replan_every: int | None = 
         meta = {"gpu": gpu, "torch": torch.__version__, "steps": steps, "replan_every": replan_every,
                 "micro_batch": GPU_MICRO_BATCH, "block_size": GPU_BLOCK, "model": GPU_MODEL,
                 "complete": len(res["rows"]) == len(res["plans"]), "wall_s": time.perf_counter() - start}
-        atomic_write_text(output_dir / "bench_train_cuda.json", json.dumps({"meta": meta, **res}, indent=2) + "\n")
-        atomic_write_text(output_dir / "bench_train_cuda.md", "\n".join(lines) + "\n")
+        atomic_write_text(output_dir / f"{name}.json", json.dumps({"meta": meta, **res}, indent=2) + "\n")
+        atomic_write_text(output_dir / f"{name}.md", "\n".join(lines) + "\n")
 
-    res = bench_cuda(steps, replan_every, plans, write, in_process, plumbing)
+    name = "bench_train_cuda_compiled" if compiled else "bench_train_cuda"
+    res = bench_cuda(steps, replan_every, plans, write, in_process, plumbing, compiled)
     print("\n".join(cuda_report(res, steps, gpu)) + f"\n({time.perf_counter() - start:.0f} s)")
     if not quick:
-        print(f"wrote {output_dir / 'bench_train_cuda.json'} and .md")
+        print(f"wrote {output_dir / name}.json and .md")
     return 0
 
 
@@ -399,6 +411,9 @@ def main(argv=None) -> int:
     p.add_argument("--plumbing", action="store_true",
                    help="the --device cuda code path (every plan, in one process) on a 2-block 64-wide Llama on this "
                         "machine's device, 8 steps: a check of the script, nothing written")
+    p.add_argument("--torch_compile", action="store_true",
+                   help="cuda: the runs compiled (launch/train.py --torch_compile, inductor) under ZeRO-1 "
+                        "(ds_configs/zero1.json), into bench_train_cuda_compiled.{json,md}")
     p.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.plans != list(GPU_PLANS) and (not (args.device == "cuda" or args.plumbing) or args.plans[0] != "bf16"
@@ -407,18 +422,20 @@ def main(argv=None) -> int:
     if args.steps is not None and args.steps < (5 if args.device == "cuda" else 1):
         p.error(f"--steps must be at least {5 if args.device == 'cuda' else 1} with --device {args.device}, "
                 f"got {args.steps}")
+    if args.torch_compile and not (args.device == "cuda" or args.plumbing):
+        p.error("--torch_compile: with --device cuda or --plumbing only")
     if args.replan_every is not None and (args.device != "cuda" or args.replan_every < 1):
         p.error(f"--replan_every: a positive number, with --device cuda only (got {args.replan_every})")
     if args.plumbing:
         return main_cuda(True, args.steps, args.replan_every, args.output_dir, tuple(args.plans),
-                         not args.separate_launches, plumbing=True)
+                         not args.separate_launches, plumbing=True, compiled=args.torch_compile)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("error: --device cuda: torch finds no CUDA device here (torch.cuda.is_available() is False); "
                   "run on a machine with a GPU, or without --device for the CPU benchmark", file=sys.stderr)
             return 2
         return main_cuda(args.quick, args.steps, args.replan_every, args.output_dir, tuple(args.plans),
-                         not args.separate_launches)
+                         not args.separate_launches, compiled=args.torch_compile)
     if args._memory:
         print(json.dumps(_memory_child(args._memory[0], int(args._memory[1]), int(args._memory[2]))))
         return 0

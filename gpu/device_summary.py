@@ -76,11 +76,13 @@ def bench_facts(work: Path) -> dict:
         prof = scale.get("collection_profile") or {}
         out["bench_scale"]["collection_profile"] = {k: prof.get(k) for k in ("step_us", "launches_per_step",
                                                                               "share")} if prof else None
-    train = _load(b / "bench_train_cuda.json")
-    if train:
-        out["bench_train"] = {p: {k: r.get(k) for k in ("step_time_s", "tokens_per_s", "tokens_per_s_ratio_vs_bf16",
-                                                       "collect_s", "snip_overhead_share")}
-                              for p, r in train.get("rows", {}).items()}
+    for key, name in (("bench_train", "bench_train_cuda.json"),
+                      ("bench_train_compiled", "bench_train_cuda_compiled.json")):
+        train = _load(b / name)
+        if train:
+            out[key] = {p: {k: r.get(k) for k in ("step_time_s", "tokens_per_s", "tokens_per_s_ratio_vs_bf16",
+                                                  "collect_s", "snip_overhead_share")}
+                        for p, r in train.get("rows", {}).items()}
     layer = _load(b / "bench_layer_gpu.json")
     if layer:
         out["bench_layer"] = {

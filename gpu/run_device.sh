@@ -46,6 +46,9 @@
 #                        GEMM / quantize / other shares, launches per step, the top kernels)
 #   bench_train          benchmarks/bench_train.py --device cuda --steps 8 --replan_every 4 (bf16/fp8/fp4/adaptive,
 #                        one after another in one process)
+#   bench_train_compiled (only when named in SNIP_DEVICE_STEPS) bench_train's runs compiled: launch/train.py
+#                        --torch_compile (inductor) under ds_configs/zero1.json, --plans as bench_train's; results in
+#                        bench/bench_train_cuda_compiled.{json,md}
 #   bench_scale          benchmarks/bench_scale.py (two Llama-70B-wide blocks, ZeRO-3, one collection; profiled, and
 #                        again with the CPU's 3 Mi-element statistics slices and with collect_tf32 off)
 #   plan_study           (only when named in SNIP_DEVICE_STEPS, e.g. SNIP_DEVICE_STEPS=plan_study) one piece of the
@@ -68,7 +71,7 @@ STEPS=${SNIP_DEVICE_STEPS:-$ALL_STEPS}
 DRY=${SNIP_DEVICE_DRY_RUN:-0}
 FACTOR=${SNIP_DEVICE_TIMEOUT_FACTOR:-1}
 SUMMARY_RESERVE_S=25  # kept back at the end for the summary and the archive
-OPTIONAL_STEPS="plan_study"  # run only when SNIP_DEVICE_STEPS names them
+OPTIONAL_STEPS="plan_study,bench_train_compiled"  # run only when SNIP_DEVICE_STEPS names them
 
 for s in ${STEPS//,/ }; do
     case ",$ALL_STEPS,$OPTIONAL_STEPS," in *",$s,"*) ;; *) echo "run_device: error: SNIP_DEVICE_STEPS names '$s'; steps are $ALL_STEPS (and, by name only, $OPTIONAL_STEPS)" >&2; exit 2;; esac
@@ -236,6 +239,7 @@ run_step profile_gemm 120 "" "'$PY' benchmarks/profile_gpu_gemm.py $PROFILE_ARGS
 # Four launch/train.py runs of a 1B model, about 130 s each on an H100 (two fitted in 264 s): run it alone, or
 # with SNIP_DEVICE_BENCH_TRAIN_PLANS (e.g. "bf16 fp4 adaptive"); its results are rewritten after every plan.
 run_step bench_train 520 "" "'$PY' $TRAIN_BENCH"
+run_step bench_train_compiled 520 "" "'$PY' $TRAIN_BENCH --torch_compile"
 run_step bench_scale 240 "" "'$PY' benchmarks/bench_scale.py $SCALE_ARGS --output '$WORK/bench'"
 # One model seed of the GPU plan study per loan, resumed from the committed cells (its warm-up checkpoints stay here).
 STUDY_SEEDS=${SNIP_DEVICE_STUDY_SEEDS:-$("$PY" gpu/next_study_seed.py benchmarks/results/plan_study/gpu 2>/dev/null || echo 0)}

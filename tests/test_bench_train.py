@@ -91,6 +91,37 @@ def test_gpu_run_config_is_the_shipped_zero3_with_the_benchmark_s_changes(tmp_pa
         assert {k: cfg["snip"][k] for k in untouched} == {k: shipped["snip"][k] for k in untouched}
 
 
+def test_a_compiled_gpu_run_is_zero1_with_torch_compile_into_its_own_files(monkeypatch, tmp_path, capsys):
+    """--torch_compile: each run is the shipped zero1.json, compiled by launch/train.py (which refuses ZeRO-3),
+    its results beside the eager runs' (not over them); and it is an error for the CPU benchmark."""
+    from snip_ds.config.settings import parse_snip_section
+
+    bench = _bench()
+    cfg = bench.gpu_run_config("fp8", tmp_path / "model.json", tmp_path / "out", steps=12, replan_every=4,
+                               compiled=True)
+    assert cfg["zero_optimization"] == json.loads((REPO / "ds_configs" / "zero1.json").read_text())[
+        "zero_optimization"] and parse_snip_section(cfg["snip"], "bench").train.compiles
+    assert not parse_snip_section(bench.gpu_run_config("fp8", tmp_path / "m", tmp_path / "o")["snip"],
+                                  "bench").train.compiles
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Test GPU")
+    seen = []
+
+    def run(plan, steps, replan_every, model_cfg, micro_batch, block, compiled):
+        seen.append(compiled)
+        return {"perf/step_time_s": {s: 0.5 for s in range(1, steps + 1)}}
+
+    monkeypatch.setattr(bench, "_in_process_run", run)
+    assert bench.main(["--device", "cuda", "--steps", "6", "--plans", "bf16", "--torch_compile",
+                       "--output_dir", str(tmp_path)]) == 0
+    assert seen == [True] and sorted(f.name for f in tmp_path.glob("bench_train_cuda*")) == [
+        "bench_train_cuda_compiled.json", "bench_train_cuda_compiled.md"]
+    assert "ZeRO-1, torch.compile" in (tmp_path / "bench_train_cuda_compiled.md").read_text()
+    with pytest.raises(SystemExit):
+        bench.main(["--torch_compile"])
+    assert "--torch_compile: with --device cuda or --plumbing only" in capsys.readouterr().err
+
+
 def test_summarize_run_reads_step_time_and_snip_overhead():
     bench = _bench()
     # steps 1..12: warm-up 1, 2 left out; steps 5 and 10 carry the BF16 measuring forward (+0.5 s)
