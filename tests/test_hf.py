@@ -272,6 +272,16 @@ def test_unknown_key_in_settings_argument(tmp_path):
         _trainer(tmp_path, callback=SnipCallback(settings={"plan": "adaptive", "quant": {"fp5": 1}}))
 
 
+def test_a_malformed_direct_launch_switch_is_an_error_before_the_trainer_starts(monkeypatch):
+    from snip_ds.hf import SnipCallback
+
+    monkeypatch.setenv("SNIP_DS_TRITON_DIRECT", "on")
+    with pytest.raises(ValueError, match=r"^SNIP_DS_TRITON_DIRECT='on': expected 0"):
+        SnipCallback(settings={"plan": "fp8"})
+    monkeypatch.setenv("SNIP_DS_TRITON_DIRECT", "0")
+    assert SnipCallback(settings={"plan": "fp8"}).trainer is None
+
+
 def _poisoned_run(tmp_path, nonfinite: str, steps: int = 5):
     """A plain-AdamW Trainer (no DeepSpeed) whose model.layers.1.mlp returns NaN in step 3 only (the user's
     own module overflowing); returns the Trainer, the callback and the float64 parameter sums before step 1 and

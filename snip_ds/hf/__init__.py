@@ -160,8 +160,9 @@ class SnipCallback(TrainerCallback):
             decide), except that ``TrainingArguments.seed`` replaces ``train.seed``.
 
     Errors found before training (an unknown or invalid key, a DeepSpeed batch size or accumulation that
-    disagrees with the ``TrainingArguments``, a plan file naming layers the model lacks, a model without
-    decoder linears or with MoE experts (:mod:`snip_ds.decoder`), an ``exclude`` glob matching no layer, CPU
+    disagrees with the ``TrainingArguments``, a malformed ``SNIP_DS_TRITON_DIRECT``, a plan file naming layers the
+    model lacks, a model without decoder linears or with MoE experts (:mod:`snip_ds.decoder`), an ``exclude`` glob
+    matching no layer, CPU
     ranks accelerate does not know of, a tensor-parallel degree that does not divide the ranks, heads or widths
     or comes with a ``train_batch_size`` other than "auto") are raised from ``Trainer(...)`` (a
     callback given there) or from :func:`add_snip` as :class:`~snip_ds.config.settings.ConfigError` or ``ValueError``
@@ -178,6 +179,9 @@ class SnipCallback(TrainerCallback):
     """
 
     def __init__(self, settings: Optional[Mapping[str, Any] | SnipSettings] = None) -> None:
+        from snip_ds.backend.kernels.switches import direct_switched_on
+
+        direct_switched_on()  # a malformed SNIP_DS_TRITON_DIRECT: an error now, not where the Triton kernels load
         self._given = settings
         self.checks: Optional[TrainerChecks] = None  # what hf_checks.check_trainer checked and resolved, once
         self._settings: Optional[SnipSettings] = None  # the resolved settings until the state takes them
