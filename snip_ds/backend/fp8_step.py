@@ -105,7 +105,7 @@ class Fp8Step(NamedTuple):
         if not _SHARE_X.get():
             return None, None
         source = x if x._base is None else x._base  # (a reshaped view is a new object at every call)
-        key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, self.x_cfg, self.amax_given)
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, self.x_cfg, self.amax_given)
         last = _LAST_X[0]
         if last is not None and last[0]() is source and last[1] == key and last[2] == source._version:
             return last[3], None
