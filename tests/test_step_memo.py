@@ -1,6 +1,6 @@
 """A layer finds its decided step once (snip_ds.backend.layer_step.StepMemo), not by asking the backends at every
 call, and decides again exactly when what the step was decided from changes: its precision, its config, the
-input's shape or dtype, the backend registry or the torch backend's device and kernel settings. A copied or
+input's shape, dtype or device, the backend registry or the torch backend's device and kernel settings. A copied or
 pickled layer starts without a memo's answer. Calls are counted, not timed."""
 import copy
 import pickle
@@ -95,6 +95,17 @@ def test_what_the_step_is_decided_from_decides_it_again(decisions, monkeypatch):
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # (the registry restored after the test)
     base.register(TorchBackend())  # a backend registered anew (the layer's backends resolved again)
     decided_again(x)
+
+
+def test_another_device_decides_again(decisions):
+    """The same shapes on another device are not answered from the memo: asked again, the torch backend refuses
+    a device it cannot run on (here ``meta``), where a memo keyed without the device would hand back the step."""
+    layer = _layer()
+    x = torch.randn(32, 64, device=DEVICE)
+    _step(layer, x)
+    with pytest.raises(base.BackendError):
+        layer_step.decided_step(x.to("meta"), layer.weight, layer.gemm_precision, layer.quant_config,
+                                layer.step_memo)
 
 
 def test_a_re_plan_to_bf16_and_back_runs_the_right_function(decisions):
