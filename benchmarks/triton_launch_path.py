@@ -21,15 +21,17 @@ Eager launches of a compiled kernel go through snip_ds's direct launcher where t
 later ones through the kernel it compiled), else through ``JITFunction.run`` itself.
 
 Per step (``--rows scope:variant``, eager): ``triton_launch_us``, the median over paired steps of a step's CPU time
-with its launches through that path less the same step's with empty launches (the pair's order alternates);
+with its launches through that path less the same step's with empty launches (the pair's order alternates; an
+empty launch is dispatch_audit's wrapper, reached as ``launchable(wrapper)[grid](*args, **constexprs)``: its own
+2-4 µs -- the constexprs merged into keyword arguments, a closure -- are in both steps, so the difference is what
+the real path costs beyond them, and ``host_us + triton_launch_us`` the step's whole host time);
 ``jit_function_us``, the same with the direct launcher off (every launch through ``JITFunction.run``, as before
 it); ``jit_runs_per_step``, how many of a warm step's launches entered ``JITFunction.run`` (exact: 0 where every
 launch went direct); per launch (replayed alone, paired the same way): the kernel, its arguments, the µs of the
 path through ``wrap_triton``, without it (``JITFunction.run``), through the direct launcher (``direct_us``:
 ``launcher(kernel)[grid](*args, **constexprs)``; ``bound_us``: ``direct.launch`` with the constexprs one read-only
 mapping made once, as snip_ds's call sites launch) and of the compiled kernel's own launcher alone
-(``CompiledKernel[grid]``). Compiles are counted (in warm-up, and in
-the timed steps: none expected).
+(``CompiledKernel[grid]``). Compiles are counted (in warm-up, and in the timed steps: none expected).
 bench_layer_host runs this as a subprocess (:func:`measure_in_subprocess`); standalone::
 
     python benchmarks/triton_launch_path.py --rows layer:fp8_hybrid block:nvfp4 --steps 50 --output x.json
