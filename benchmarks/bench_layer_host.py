@@ -655,13 +655,14 @@ def _triton_launch_section(res: dict) -> list:
         return lines + [f"Not measured: {path['not_measured']}."]
     lines += [f"Triton {path.get('triton', '?')}, the kernels compiled for {path.get('target', '?')} (ptxas) in a "
               "process without Triton's interpreter and launched with CPU tensors as snip_ds launches them eagerly "
-              "(its direct launcher, `snip_ds.backend.kernels.direct`: the first launch of each kind of call "
+              "(`snip_ds.backend.kernels.direct`: per launch configuration, the first launch of each kind of call "
               "through `JITFunction.run`, the later ones through the kernel it compiled) and Triton's "
               "`CudaLauncher`, by a driver whose C launch "
               "(`utils.launch`: the arguments' pointers, `cuLaunchKernelEx`) does nothing; the kernels never run "
               "(their outputs stay uninitialised: host time only). Triton launch µs: the median over "
               f"{res['steps']} paired steps of a step's CPU time through that path less the same step's with "
-              "empty launches (the host µs above); host + Triton µs: their sum, what a GPU's host does short of "
+              "empty launches (the host µs above), which cost 2-4 µs a launch themselves, about what the real path "
+              "now costs: near 0, below it by noise; host + Triton µs: their sum, what a GPU's host does short of "
               "the C launcher. Not timed: the C launcher itself, a real current-device and current-stream query. "
               f"Kernel specializations compiled: {len(path.get('compiles', []))} "
               f"({sum(c['s'] for c in path.get('compiles', [])):.1f} s), of which in the timed steps: "
@@ -670,28 +671,32 @@ def _triton_launch_section(res: dict) -> list:
     notes = sorted({r["triton_launch_not_measured"] for r in res["rows"] if r.get("triton_launch_not_measured")})
     lines += [f"n/m, not measured: {note}." for note in notes] + ([""] if notes else [])
     measured = [r for r in res["rows"] if r.get("triton_launch") and r["mode"] == "eager"]
-    lines += ["Per step: Triton launch µs as above (the direct launcher), and the same step with every launch "
+    lines += ["Per step: Triton launch µs as above (as snip_ds launches), and the same step with every launch "
               "through `JITFunction.run` (`direct.disabled()`, or `SNIP_DS_TRITON_DIRECT=0`).", "",
-              "| scope | variant | Triton launches | Triton launch µs (direct) | through JITFunction.run µs | "
+              "| scope | variant | Triton launches | Triton launch µs | through JITFunction.run µs | "
               "compiles in warm-up |", "|---|---|---|---|---|---|"]
     for r in measured:
         launch = r["triton_launch"]
         lines.append(f"| {r['scope']} | {r['variant']} | {launch['launches']} | {launch['triton_launch_us']:.0f} | "
                      f"{_f(launch.get('jit_function_us'), '{:.0f}')} | {launch['compiles_warmup']} |")
     lines += ["", "Each launch replayed alone, by kernel (the median over a step's launches of the median of paired "
-              "replays, µs): through the direct launcher as snip_ds launches it eagerly; through `JITFunction.run` "
+              "replays, µs): as snip_ds launches it eagerly (`direct.launch`, its launch configuration's constexprs "
+              "one read-only mapping: only the positional arguments' classes computed); through the direct "
+              "launcher's generic entry (`launcher(kernel)[grid](*args, **constexprs)`: the constexprs' class too); "
+              "through `JITFunction.run` "
               "(`kernel[grid]`); through `torch.library.wrap_triton`'s higher-order operator, as every eager launch "
               "went before the direct launcher; and the compiled kernel's launcher alone (`CompiledKernel[grid]`: "
               "no binding, specialization key, cache lookup or class).", "",
-              "| scope | variant | kernel | launches | arguments (constexpr) | direct µs | JITFunction.run µs | "
-              "wrap_triton µs | CompiledKernel µs |", "|---|---|---|---|---|---|---|---|---|"]
+              "| scope | variant | kernel | launches | arguments (constexpr) | snip_ds µs | direct[grid] µs | "
+              "JITFunction.run µs | "
+              "wrap_triton µs | CompiledKernel µs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in measured:
         by_kernel = {}
         for one in r["triton_launch"]["per_launch"]:
             by_kernel.setdefault(one["kernel"], []).append(one)
         for name, ones in by_kernel.items():
             lines.append(f"| {r['scope']} | {r['variant']} | `{name}` | {len(ones)} | {ones[0]['args']} "
-                         f"({ones[0]['constexprs']}) | {_median(ones, 'direct_us')} | "
+                         f"({ones[0]['constexprs']}) | {_median(ones, 'bound_us')} | {_median(ones, 'direct_us')} | "
                          f"{_median(ones, 'without_wrap_triton_us')} | {_median(ones, 'us')} | "
                          f"{_median(ones, 'compiled_kernel_us')} |")
     return lines
