@@ -121,13 +121,12 @@ def cached_launch_config(rows: int, cols: int, recipe: str, axis: int, out_dtype
     amax_mapping = amax_constants if isinstance(br, int) and isinstance(bc, int) else amax_constants.__wrapped__
     # stage 2 reads a fixed 512 slots (masked), whatever the shape: shapes that vary from step to step (an
     # expert's tokens) compile no new variant for it
-    constants = MappingProxyType(dict(KIND=k, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin,
-                         EMAX=element.emax, MAXN=element.max_normal,
-                         TENSOR_DIVISOR=NVFP4_TENSOR_DIVISOR if k in (NVFP4, NVFP4_2D) else element.max_normal,
-                         TRANSPOSE=transpose, IN_BF16=in_bf16, OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize),
-                         BOTH=int(BOTH_AXES if both_axes else BOTH_SAME if both else BOTH_NONE),
-                         AMAX_BLOCK=2 if amax_given else MAX_AMAX_PROGRAMS, WRITE_AMAX=bool(write_amax),
-                         PRODUCTS=int(products)))  # (read-only: the direct launcher keeps its work by identity)
+    constants = MappingProxyType(dict(  # (read-only: the direct launcher keeps its work by identity)
+        KIND=k, AXIS=axis, BS=max(bs, 1), MBITS=element.mbits, EMIN=element.emin, EMAX=element.emax,
+        MAXN=element.max_normal, TENSOR_DIVISOR=NVFP4_TENSOR_DIVISOR if k in (NVFP4, NVFP4_2D) else element.max_normal,
+        TRANSPOSE=transpose, IN_BF16=in_bf16, OUT=out, BR=br, BC=bc, DEQUANT=bool(dequantize),
+        BOTH=int(BOTH_AXES if both_axes else BOTH_SAME if both else BOTH_NONE),
+        AMAX_BLOCK=2 if amax_given else MAX_AMAX_PROGRAMS, WRITE_AMAX=bool(write_amax), PRODUCTS=int(products)))
     return LaunchConfig(k, br, bc, (triton.cdiv(rows, br) * triton.cdiv(cols, bc),),
                         (torch.float32, torch.int16, torch.uint8)[out], constants,
                         (cols, rows) if transpose else (rows, cols), out_dtype,
