@@ -7,12 +7,13 @@ trace dispatches the higher-order operator ``triton_kernel_wrapper_mutation`` (f
 ``set_wrap_triton_enabled(False)`` is in force, as it is inside a ``triton_op`` called eagerly -- and Triton's
 ``JITFunction.run`` (argument binding, the specialization key, the kernel-cache lookup, the grid, the launch
 metadata), then ``CudaLauncher.__call__`` (scratch buffers) and the C launcher ``utils.launch``. All but the last
-run here, in a process of their own (Triton must not be in interpreter mode there), with :class:`Sm90Driver`:
-Triton's CUDA driver for an sm_90 target (``GPUTarget("cuda", 90, 32)``) whose C module's pieces are stand-ins:
-the kernels are compiled for sm_90 by Triton's own compiler and ptxas (the first launch of each specialization),
-"loaded" without a GPU, and launched through Triton's real ``CudaLauncher``, whose final C call (``utils.launch``:
-reading the arguments' pointers and ``cuLaunchKernelEx``) does nothing but count -- and, when asked, record the
-arguments it was handed. The kernels never run: their outputs stay as allocated (uninitialised), which host
+run here, in a process of their own (Triton must not be in interpreter mode there), with :mod:`no_gpu_driver`'s
+``Sm90Driver``: Triton's CUDA driver for an sm_90 target (``GPUTarget("cuda", 90, 32)``) whose C module's pieces
+are stand-ins: the kernels are compiled for sm_90 by Triton's own compiler and ptxas (the first launch of each
+specialization), "loaded" without a GPU, and launched through Triton's real ``CudaLauncher`` (3.9; under 3.6,
+whose launcher is a C module built against libcuda, a Python stand-in for it that hands on the same arguments),
+whose final C call (``utils.launch``: reading the arguments' pointers and ``cuLaunchKernelEx``) does nothing but
+count -- and, when asked, record the arguments it was handed. The kernels never run: their outputs stay as allocated (uninitialised), which host
 timing does not read. Left out, and so not in the figures: the C launcher's own work, and the cost of a real
 ``torch.cuda.current_device``/current-stream query (stand-ins return device 0, stream 0).
 
@@ -39,7 +40,6 @@ bench_layer_host runs this as a subprocess (:func:`measure_in_subprocess`); stan
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics
@@ -51,124 +51,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable, List, Optional
+from typing import Callable, List
+
+from no_gpu_driver import TARGET, Compile, install
 
 HERE = Path(__file__).resolve().parent
-TARGET = ("cuda", 90, 32)  # backend, compute capability (sm_90: H100), warp size
-
-
-# ------------------------------------------------------------------------------------------------ the driver
-
-_KernelArg = collections.namedtuple("_KernelArg", "nested_tuple type")  # the C module's PyKernelArg, in Python
-
-
-class NoGpuUtils:
-    """What ``CudaUtils`` (Triton's C module for CUDA) gives the launch path, without a GPU: a module "loaded"
-    with no registers spilled, the device's shared memory, and a ``launch`` that only counts (``launches``) and,
-    while ``recorded`` is a list, appends ``(grid, kernel arguments)`` to it."""
-
-    SHARED_MEM = 232448  # an H100's opt-in shared memory per block, bytes
-
-    def __init__(self) -> None:
-        self.launches = 0
-        self.recorded: Optional[list] = None
-
-    def launch(self, grid_x, grid_y, grid_z, stream, function, cooperative, pdl, kernel_metadata, launch_metadata,
-               enter_hook, exit_hook, global_scratch, profile_scratch, arg_annotations, kernel_signature,
-               kernel_args) -> None:
-        self.launches += 1
-        if self.recorded is not None:
-            self.recorded.append(((grid_x, grid_y, grid_z), tuple(kernel_args)))
-
-    @staticmethod
-    def load_binary(name, kernel, shared, device):
-        return 1, 1, 32, 0, 1024  # module, function, registers, spills, max threads per block
-
-    def get_device_properties(self, device) -> dict:
-        return {"max_shared_mem": self.SHARED_MEM, "multiprocessor_count": 132, "max_num_regs": 65536,
-                "warpSize": 32, "sm_clock_rate": 1, "mem_clock_rate": 1, "mem_bus_width": 1}
-
-    @staticmethod
-    def build_signature_metadata(kernel_signature) -> tuple:
-        return tuple(kernel_signature)
-
-    @staticmethod
-    def unload_module(module) -> None:
-        return None
-
-
-def _device_zero() -> int:
-    return 0
-
-
-def _stream_zero(device=None) -> int:
-    return 0
-
-
-def _driver_class():
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.driver import CudaDriver, CudaLauncher
-
-    class Sm90Driver(CudaDriver):
-        """Triton's CUDA driver for an sm_90 target on a machine without a GPU (:class:`NoGpuUtils`)."""
-
-        def __init__(self) -> None:  # (CudaDriver's builds the C module, which needs libcuda)
-            self.utils = NoGpuUtils()
-            self.launcher_cls = CudaLauncher
-            self.get_current_device, self.get_current_stream = _device_zero, _stream_zero
-            self.set_current_device = lambda device: None
-            self.get_device_capability = lambda device: (TARGET[1] // 10, TARGET[1] % 10)
-
-        def get_current_target(self):
-            return GPUTarget(*TARGET)
-
-        def get_active_torch_device(self):
-            import torch
-            return torch.device("cpu")
-
-        @staticmethod
-        def is_active() -> bool:
-            return True
-
-    return Sm90Driver
-
-
-@dataclass
-class Compile:
-    """One kernel specialization compiled (or loaded from Triton's cache), and the seconds it took."""
-
-    kernel: str
-    seconds: float
-
-
-def install(stack: ExitStack) -> "tuple[object, List[Compile]]":
-    """Makes an ``Sm90Driver`` Triton's active driver until ``stack`` closes, the CUDA launcher's C argument
-    descriptors Python stand-ins; returns the driver and the list every compile is appended to. Must come
-    before the first launch of a kernel (Triton fixes a kernel's target at its first launch)."""
-    import triton.compiler
-    from triton.backends.nvidia import driver as nvidia
-    from triton.runtime.driver import driver as config
-
-    for name, value in (("PyKernelArg", _KernelArg), ("ARG_CONSTEXPR", "constexpr"), ("ARG_KERNEL", "kernel"),
-                        ("ARG_TUPLE", "tuple")):
-        stack.callback(setattr, nvidia, name, getattr(nvidia, name))
-        setattr(nvidia, name, value)
-    compiles: List[Compile] = []
-    real_compile = triton.compiler.compile
-
-    def counted_compile(src, *args, **kwargs):
-        begin = time.perf_counter()
-        try:
-            return real_compile(src, *args, **kwargs)
-        finally:
-            compiles.append(Compile(getattr(src, "name", str(src)), time.perf_counter() - begin))
-
-    stack.callback(setattr, triton.compiler, "compile", real_compile)
-    triton.compiler.compile = counted_compile  # (read by each JITFunction at its first launch)
-    drv = _driver_class()()
-    stack.callback(config.set_active, config._active)
-    config.set_active(drv)
-    return drv, compiles
 
 
 # ------------------------------------------------------------------------------------------------ snip_ds on it

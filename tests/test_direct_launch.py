@@ -32,16 +32,18 @@ from types import MappingProxyType
 import torch
 import triton
 from triton.runtime.jit import JITFunction
-import triton_launch_path as tlp
+import no_gpu_driver
 from snip_ds.backend.kernels import direct, grouped as kg, quantize as kq
+from snip_ds.backend.kernels.switches import direct_switched_on
 
 assert not kq.INTERPRETED
-if not direct.ENGAGED:
-    print("skip: the direct path does not engage under Triton", triton.__version__)
+if not direct.supported() or not direct_switched_on():
+    print("skip: the direct path does not engage under Triton", triton.__version__, "(or is switched off)")
     sys.exit(0)
+assert direct.ENGAGED, triton.__version__  # (a supported version, switched on: it must engage)
 
 
-class HandleUtils(tlp.NoGpuUtils):
+class HandleUtils(no_gpu_driver.NoGpuUtils):
     # every loaded kernel its own function handle; every launch recorded: (grid, function, arguments)
     handles = itertools.count(1)
 
@@ -176,7 +178,7 @@ def pair(a_shape, b_shape, a_recipe="fp8_e4m3", b_recipe="fp8_e4m3", misaligned=
 
 
 with ExitStack() as stack:
-    drv, compiles = tlp.install(stack)
+    drv, compiles = no_gpu_driver.install(stack)
     utils = drv.utils = HandleUtils()
     utils.recorded = []
     CASES = [("quantize", quantize((48, 64))), ("quantize", quantize((48, 64), misaligned=True)),
@@ -250,7 +252,10 @@ with ExitStack() as stack:
                 globals_dict[name] = before
             for call in calls[1:]:
                 assert launched(utils, call)[1:] == (0, 0), (kernel.fn.__name__, name, "after the global's restored")
-    assert checked == {"_quantize_kernel", "_grouped_quantize_kernel"}, checked  # (the amax kernels read none)
+    # (the amax kernels read none; which others Triton records the globals of differs: 3.9 both quantization
+    # kernels, 3.6 the grouped one here -- JITFunction.run and the direct path read the same record)
+    assert checked == ({"_quantize_kernel", "_grouped_quantize_kernel"} if triton.__version__.startswith("3.9")
+                       else {"_grouped_quantize_kernel"}), checked
 
     # under a trace, or disabled: not the direct launcher
     with direct.disabled():

@@ -26,7 +26,7 @@ compiled kernel's own launcher -- the 61-argument grouped quantization about 13-
   value being 1, its divisibility by 16 and its range (i32/i64/u64), a bool's type (``u1``), a float's (``fp32``,
   whatever its value) -- each a function of the class above (3.6's and 3.9's ``libtriton`` called on 1, 0, 16,
   17, -16, 2**31 - 1, 2**31, 2**32, 2**63, -2**31, -2**31 - 1, bools, floats, None, aligned and misaligned
-  tensors of three dtypes: the same results; and end to end under 3.9, tests/test_direct_launch.py); ``is_const``,
+  tensors of three dtypes: the same results; and end to end under both, tests/test_direct_launch.py); ``is_const``,
   ``specialize`` and ``align`` are fixed per parameter; a constexpr's specialization is its value (the class holds
   it, with its type: ``True == 1`` in a dict, not in Triton's key); ``options`` are the keyword arguments (here
   constexprs only, else no direct path) plus ``debug`` (the kernel's own, fixed, or ``knobs.runtime.debug``),
