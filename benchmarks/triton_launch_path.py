@@ -337,6 +337,10 @@ def main(argv=None) -> int:
         res = measure_rows(args.rows, args.tokens, args.k, args.n, args.steps, args.repeats)
     except Exception as err:  # Triton's CUDA backend cannot compile here (no ptxas, another Triton): why, in full
         res = {"not_measured": f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"}
+    import bench_layer_host as bench
+    import torch
+
+    res = {"commit": bench.commit(), "machine": bench.machine(), "torch": torch.__version__, **res}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(res, indent=1) + "\n")
     return 0
