@@ -95,6 +95,7 @@ SNIP = {  # name: (precision, config)
 }
 TORCHAO = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise"}
 VARIANTS = ("bf16", *SNIP, *TORCHAO)
+FLOOR = "fp8_gemms_only"  # fp8_hybrid's three GEMMs alone (gemms_only.py): a layer eager row beside fp8_hybrid's
 SCOPES = ("layer", "block")
 MODES = ("eager", "compiled")
 BLOCK = dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -185,6 +186,9 @@ def make_layer(variant: str, args, device: str):
         _torchao(module, TORCHAO[variant])
     x = torch.randn(args.tokens, args.k, device=device).bfloat16()
     g = (torch.randn(args.tokens, args.n, device=device) * 1e-3).bfloat16()
+    if variant == FLOOR:
+        from gemms_only import Fp8GemmsOnly
+        module = Fp8GemmsOnly(linear, x, g)
     return module, x, g, {}
 
 
@@ -582,7 +586,8 @@ def run(args) -> dict:
             for scope in args.scopes:
                 torch._dynamo.reset()
                 group = []
-                for variant in args.variants:
+                floor = [FLOOR] if (scope, mode) == ("layer", "eager") and "fp8_hybrid" in args.variants else []
+                for variant in args.variants + floor:
                     if time.perf_counter() - start > args.deadline_s:
                         res["not_reached"].append(f"{scope} {mode} {variant}")
                         continue
@@ -634,7 +639,7 @@ def _f(value, fmt="{:.2f}"):
 
 
 def _order(r: dict):
-    return SCOPES.index(r["scope"]), MODES.index(r["mode"]), VARIANTS.index(r["variant"])
+    return SCOPES.index(r["scope"]), MODES.index(r["mode"]), (VARIANTS + (FLOOR,)).index(r["variant"])
 
 
 def _triton_cell(r: dict, key: str, fmt: str) -> str:
@@ -733,7 +738,11 @@ def markdown(res: dict) -> str:
                   "issuing a step with the GPU idle before it (Triton's launcher included); peak B from "
                   "`torch.cuda.max_memory_allocated`.", ""]
     lines += [f"Median of {res['steps']} steps, the rows of a scope and mode taken in turn. Ratios against bf16 of "
-              "the same scope and mode.", "",
+              "the same scope and mode."
+              + (f" {FLOOR} (layer, eager): fp8_hybrid's three FP8 GEMMs alone, on operands quantized beforehand, in "
+                 "a Python autograd function keeping what fp8_hybrid keeps -- the floor under any eager FP8 linear "
+                 "written in Python; fp8_hybrid's host time above it is its quantizations' (benchmarks/gemms_only.py)."
+                 if any(r["variant"] == FLOOR for r in res["rows"]) else ""), "",
               "| scope | mode | variant | launches | host µs | host × bf16 | Triton launch µs | host + Triton µs | "
               "host + Triton × bf16 | step µs | step × bf16 | arith µs | syncs | saved B | saved × bf16 | peak B | "
               "peak × bf16 |",

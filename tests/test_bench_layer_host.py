@@ -33,7 +33,8 @@ def test_a_short_run_writes_every_row_with_its_fields(tmp_path):
     res = json.loads((tmp_path / "bench_layer_host.json").read_text())
     assert res["commit"] and res["cuda_path_gemms"]
     rows = {(r["scope"], r["variant"]): r for r in res["rows"]}
-    assert set(rows) == {(s, v) for s in ("layer", "block") for v in ("bf16", "fp8_hybrid")}
+    assert set(rows) == {(s, v) for s in ("layer", "block") for v in ("bf16", "fp8_hybrid")} | {
+        ("layer", "fp8_gemms_only")}  # (beside fp8_hybrid's eager layer row: its three GEMMs alone)
     for r in rows.values():
         assert "error" not in r, r
         assert all(field in r for field in FIELDS) and r["mode"] == "eager"
@@ -47,6 +48,10 @@ def test_a_short_run_writes_every_row_with_its_fields(tmp_path):
     # X's E4M3 codes (one byte an element) and two scales kept instead of X in BF16
     assert fp8["saved_bytes_ratio_vs_bf16"] < 0.6
     assert rows["block", "fp8_hybrid"]["by_op"]["aten::_scaled_mm"] == 21
+    # the floor: the same three FP8 GEMMs and the same bytes kept, nothing quantized in the step
+    floor = rows["layer", "fp8_gemms_only"]
+    assert floor["by_op"] == {"aten::_scaled_mm": 3} and floor["saved_bytes"] == fp8["saved_bytes"]
+    assert set(floor["arithmetic_by_op"]) == {"aten::_scaled_mm"} and floor["triton_launch_us"] == 0.0
     # the arithmetic subtracted from each step: its own GEMMs (and the block's attention), replayed after it
     assert set(rows["layer", "bf16"]["arithmetic_by_op"]) == {"aten::mm"}
     assert set(fp8["arithmetic_by_op"]) == {"aten::_scaled_mm"}
