@@ -274,7 +274,8 @@ def test_the_compiled_graph_names_what_the_forward_keeps(monkeypatch):
     assert custom_ops.parse_spec(specs[0]) == (layer.gemm_precision, layer.quant_config)
     monkeypatch.setattr(layer_step, "kept_x_dtype", lambda *a: torch.float8_e4m3fn)
     monkeypatch.setattr(layer_step, "keeps_w_amax", lambda *a: True)
-    assert custom_ops.kept_operands(layer, x) == "float8_e4m3fn,amax"
+    assert custom_ops.kept_operands(custom_ops.op_spec(layer.gemm_precision, layer.quant_config), x,
+                                    layer.matrix) == "float8_e4m3fn,amax"
     torch._dynamo.reset()
 
 

@@ -9,7 +9,7 @@ What is kept is read with ``saved_tensors_hooks`` around the compiled step, as t
 import pytest
 import torch
 
-from snip_ds.backend import fp8_traced, torch_native
+from snip_ds.backend import custom_ops, fp8_traced, torch_native
 from snip_ds.linear import SnipLinear
 from snip_ds.quant_config import QuantConfig
 from quant_inputs import skip_without_cpu_scaled_mm
@@ -95,7 +95,7 @@ def test_the_compiled_layer_equals_the_eager_step_bit_for_bit(dtype, bias):
     bias gradient is a sum over tokens that inductor adds in another order than eager: equal to FP32 rounding."""
     layer = _linear("fp8", dtype, bias)
     x, g = _data(dtype, (2, T // 2, K))
-    assert fp8_traced.applies(layer, x)
+    assert fp8_traced.applies(custom_ops.op_spec(layer.gemm_precision, layer.quant_config), False, x, layer.matrix)
     eager = _step(layer, layer, x, g)
     compiled = _step(torch.compile(layer, fullgraph=True), layer, x, g)
     assert len(eager) == len(compiled) == (4 if bias else 3)

@@ -76,18 +76,19 @@ def op_spec(prec: GemmPrecision, cfg: QuantConfig, kept: str = "") -> str:
 
 
 @torch.compiler.assume_constant_result
-def kept_operands(layer: Any, x: torch.Tensor) -> str:
-    """What the forward of ``layer`` (a :class:`~snip_ds.linear.SnipLinear`) on ``x`` keeps for backward, as the
-    spec's last part: X's quantized values' dtype or ``x`` (X itself), and ``amax`` or ``w`` (W with or without
-    its amax). The op's shape function decides the same from the backends' state in this process (which kernels
-    run on which devices); written into the graph, it makes a graph traced where X's values are kept another
-    graph than one traced where X is: the compile caches, which outlive the process and key on the graph, then
-    never give one state's graph to the other. Decided outside the traced graph, as
-    :func:`snip_ds.backend.fp8_traced.applies` is."""
+def kept_operands(spec: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    """What the forward of a layer of ``spec`` (:func:`op_spec`: its precisions and config) on ``x`` with matrix
+    ``w`` keeps for backward, as the spec's last part: X's quantized values' dtype or ``x`` (X itself), and
+    ``amax`` or ``w`` (W with or without its amax). The op's shape function decides the same from the backends'
+    state in this process (which kernels run on which devices); written into the graph, it makes a graph traced
+    where X's values are kept another graph than one traced where X is: the compile caches, which outlive the
+    process and key on the graph, then never give one state's graph to the other. Decided outside the traced
+    graph, as :func:`snip_ds.backend.fp8_traced.applies` is: its arguments a string and tensors, which every
+    supported torch's dynamo hands such a function (torch 2.11's takes no module or frozen dataclass)."""
+    prec, cfg = parse_spec(spec)
     x_2d = x.reshape(-1, x.shape[-1])
-    prec, cfg = layer.gemm_precision, layer.quant_config
     values = layer_step.kept_x_dtype(x_2d, prec, cfg)
-    amax = layer_step.keeps_w_amax(x_2d, layer.matrix, prec, cfg)
+    amax = layer_step.keeps_w_amax(x_2d, w, prec, cfg)
     return ("x" if values is None else str(values).replace("torch.", "")) + "," + ("amax" if amax else "w")
 
 

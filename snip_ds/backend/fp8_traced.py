@@ -89,19 +89,23 @@ class Fp8Linear(torch.autograd.Function):
 
 
 @torch.compiler.assume_constant_result
-def applies(layer, x: torch.Tensor) -> bool:
-    """Whether ``layer`` (a :class:`~snip_ds.linear.SnipLinear`) on input ``x`` would run the eager per-tensor
-    FP8 step with every GEMM on ``torch._scaled_mm``: then it runs :class:`Fp8Linear` under ``torch.compile``.
-    Decided outside the traced graph, from the layer's settings and ``x``'s device, shape and dtype (a change of
-    them recompiles, as a change of precision does)."""
+def applies(spec: str, shard: bool, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a layer of ``spec`` (:func:`snip_ds.backend.custom_ops.op_spec`: its precisions and config) on
+    input ``x`` with matrix ``w`` would run the eager per-tensor FP8 step with every GEMM on
+    ``torch._scaled_mm``: then it runs :class:`Fp8Linear` under ``torch.compile`` (``shard``: a tensor-parallel
+    shard, whose amaxes are the whole tensor's: not). Decided outside the traced graph, from the layer's settings
+    and ``x``'s device, shape and dtype (a change of them recompiles, as a change of precision does); its
+    arguments a string, a bool and tensors, which every supported torch's dynamo hands such a function (torch
+    2.11's takes no module or frozen dataclass)."""
     from snip_ds.backend.base import layer_backends
+    from snip_ds.backend.custom_ops import parse_spec
     from snip_ds.backend.torch_native import TorchBackend
 
-    prec, cfg = layer.gemm_precision, layer.quant_config
-    if prec.uniform != "fp8" or cfg.fp8_recipe != "fp8_hybrid" or layer.amax_reduce is not None:
+    prec, cfg = parse_spec(spec)
+    if prec.uniform != "fp8" or cfg.fp8_recipe != "fp8_hybrid" or shard:
         return False
     backends = layer_backends(prec, cfg, x.device)
     if not all(isinstance(b, TorchBackend) for b in backends):
         return False
-    step = backends[0].decided_fp8_step(x.reshape(-1, x.shape[-1]), layer.matrix, prec, cfg)
+    step = backends[0].decided_fp8_step(x.reshape(-1, x.shape[-1]), w, prec, cfg)
     return step is not None and step.scaled
