@@ -45,7 +45,7 @@ def _step(layer, x):
 
 
 def _node(layer, x) -> str:
-    return layer(x).grad_fn.name()
+    return type(layer(x).grad_fn).__name__  # (not grad_fn.name(): torch 2.11 has none for a Python function's node)
 
 
 @pytest.mark.parametrize("precision,fields,asked", [("fp8", {}, {"fp8": 1, "block": 0}),

@@ -344,11 +344,16 @@ _COMPOSITE: Dict[str, bool] = {}
 def _composite(name: str) -> bool:
     """Whether the operator ``name`` decomposes before it reaches a dispatch mode (a CompositeImplicitAutograd
     kernel in any overload: ``aten::contiguous``, ``aten::matmul``, ``aten::item``): a dispatch mode sees the
-    operators it calls, not it."""
+    operators it calls, not it. A profile's event names no overload; the named-tensor overloads (dimensions by
+    name: ``sum.dim_DimnameList``, composite where a torch still ships them, 2.11's) are left out, as no
+    training step calls them -- else ``aten::sum`` would count as composite, and its kernel's own ``fill_`` as
+    what ran."""
     if name not in _COMPOSITE:
         found = False
         packet = getattr(torch.ops.aten, name[len("aten::"):], None) if name.startswith("aten::") else None
         for overload in (packet.overloads() if packet is not None else []):
+            if "dimname" in overload.lower() or "names" in overload.lower():
+                continue
             full = name if overload == "default" else f"{name}.{overload}"
             try:
                 found = found or torch._C._dispatch_has_kernel_for_dispatch_key(full, "CompositeImplicitAutograd")
