@@ -138,10 +138,10 @@ def _block(recipe):
     config._attn_implementation = "sdpa"  # (what a model sets for its blocks)
     torch.manual_seed(0)
     block = llama.LlamaDecoderLayer(config, 0).to(DEVICE, torch.bfloat16)
-    precision, fields = RECIPES[recipe]
+    precision, fields = RECIPES.get(recipe, ("bf16", {}))  # ("bf16": the block as it is)
     linears = [(name, m) for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 7
-    for i, (name, linear) in enumerate(linears):
+    for i, (name, linear) in enumerate(linears if recipe in RECIPES else []):
         parent, child = name.rsplit(".", 1)
         layer = SnipLinear.from_linear(linear, precision, QuantConfig(backend="torch", **fields))
         layer.generator = torch.Generator(device=DEVICE).manual_seed(i)
@@ -171,17 +171,14 @@ def test_a_decoder_block_step_reads_nothing_on_the_host(scaled_mm, recipe):
     assert not audit.reads, "\n".join(map(str, audit.reads))
 
 
-@pytest.mark.slow  # (two compilations of a block: about a minute)
-def test_a_compiled_fp8_block_is_one_graph_of_ordinary_operators_equal_to_eager(scaled_mm):
+@pytest.mark.slow  # (a compilation of a block: about 20 s)
+def test_a_compiled_fp8_block_is_one_graph_of_ordinary_operators(scaled_mm):
     """A Llama decoder block with per-tensor FP8 linears compiled whole (``fullgraph``: no graph break, forward
-    and backward): its linears reach inductor as ordinary operators (no snip_ds custom operator in the graphs),
-    and the compiled step's output and every gradient equal the eager step's (the Triton kernels) bit for bit,
-    with inductor rounding BF16 intermediates as eager does (``emulate_precision_casts``)."""
+    and backward): its linears reach inductor as ordinary operators, no snip_ds custom operator in the graphs."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     block, step = _block("fp8_hybrid")
-    eager = step()
     targets = []
 
     def record(gm, inputs):  # the forward and backward graphs' operators, run as they are
@@ -190,16 +187,39 @@ def test_a_compiled_fp8_block_is_one_graph_of_ordinary_operators_equal_to_eager(
 
     torch._dynamo.reset()
     step(torch.compile(block, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record)))
+    torch._dynamo.reset()
     assert targets.count("aten._scaled_mm.default") == 21  # 7 linears x (fprop, dgrad, wgrad)
     assert not [t for t in targets if t.startswith("snip_ds.")]
+
+
+def _inductor_step(recipe):
+    """A block's eager step and its step compiled by inductor, rounding each BF16 intermediate where eager
+    rounds it (else its fused norm and attention keep FP32 intermediates: another computation than eager's,
+    for BF16 layers too)."""
+    block, step = _block(recipe)
+    eager = step()
     torch._dynamo.reset()
-    # inductor, rounding each BF16 intermediate where eager rounds it (else its fused norm and attention keep
-    # FP32 intermediates: another computation than eager's, for BF16 layers too)
     with torch._inductor.config.patch(emulate_precision_casts=True):
         compiled = step(torch.compile(block, fullgraph=True))
     torch._dynamo.reset()
-    for a, b in zip(eager, compiled):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    return eager, compiled
+
+
+def _equal(a, b) -> bool:
+    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.slow  # (two compilations of a block: about a minute)
+def test_a_compiled_fp8_block_equals_eager(scaled_mm):
+    """The FP8 block compiled by inductor gives the eager step's (the Triton kernels') output and every gradient
+    bit for bit -- where this torch's inductor gives a BF16 block's (no snip_ds layer in it) bit for bit: torch
+    2.13's does, 2.11's does not (its fused RMSNorm and attention round elsewhere than eager), and there
+    nothing can be asked of the FP8 block's."""
+    if not _equal(*_inductor_step("bf16")):
+        pytest.skip(f"torch {torch.__version__}'s inductor does not give a BF16 Llama block's eager results bit "
+                    f"for bit (emulate_precision_casts): an FP8 block's cannot be held to them either")
+    eager, compiled = _inductor_step("fp8_hybrid")
+    assert len(eager) == len(compiled) == 11 and _equal(eager, compiled)
 
 
 def _layers_reading_one_input(layers, x, keeps, reseed=lambda: None):

@@ -13,7 +13,8 @@ The operators compute :func:`snip_ds.quant.quantize_parts`'s per-tensor codes an
 ``s = max(amax / max_normal, 2**-149)``, 1 for a zero amax, NaN for a non-finite one; codes ``RNE(x / s)``
 saturated), so the compiled layer's results equal the eager layer's bit for bit where the division is IEEE
 round-to-nearest: in inductor's C++ code on a CPU (``tests/test_fp8_traced_memory.py``: a layer;
-``tests/test_step_costs.py``: a Llama block, with ``emulate_precision_casts``), and in its Triton code on
+``tests/test_step_costs.py``: a Llama block, with ``emulate_precision_casts``, torch 2.13's inductor; 2.11's
+rounds a plain BF16 block elsewhere than eager already), and in its Triton code on
 a GPU with ``torch._inductor.config.eager_numerics.division_rounding`` set (inductor's Triton division is
 otherwise the approximate one: codes may then differ by a rounding step in rare elements; not measured yet).
 """
