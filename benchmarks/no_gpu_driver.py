@@ -110,21 +110,23 @@ class NoGpuLauncher:
         self.profile_scratch_align = metadata.profile_scratch_align
         self.launch_cooperative_grid = metadata.launch_cooperative_grid
         self.launch_pdl = metadata.launch_pdl
-
-    def __call__(self, grid_x, grid_y, grid_z, stream, function, *args) -> None:
         from triton.runtime import _allocation
         from triton.runtime.driver import driver
 
-        def scratch(size, align, allocator):
-            if size > 0:
-                return allocator.get()(grid_x * grid_y * grid_z * self.num_ctas * size, align, stream)
-            return None
+        self._allocation, self._driver = _allocation, driver  # (imported once: launches are timed)
 
-        global_scratch = scratch(self.global_scratch_size, self.global_scratch_align, _allocation._allocator)
-        profile_scratch = scratch(self.profile_scratch_size, self.profile_scratch_align,
-                                  _allocation._profile_allocator)
+    def _scratch(self, size: int, align: int, allocator, grid: int, stream):
+        """A scratch buffer as 3.6's launcher allocates one (none where the kernel asks for none)."""
+        return allocator.get()(grid * self.num_ctas * size, align, stream) if size > 0 else None
+
+    def __call__(self, grid_x, grid_y, grid_z, stream, function, *args) -> None:
+        grid = grid_x * grid_y * grid_z
+        global_scratch = self._scratch(self.global_scratch_size, self.global_scratch_align,
+                                       self._allocation._allocator, grid, stream)
+        profile_scratch = self._scratch(self.profile_scratch_size, self.profile_scratch_align,
+                                        self._allocation._profile_allocator, grid, stream)
         kernel_metadata, launch_metadata, enter_hook, exit_hook = args[:4]
-        utils = driver.active.utils
+        utils = self._driver.active.utils
         if getattr(utils, "recorded", None) is not None:  # (checked where recorded, not in timed launches)
             self.check(args[4:])
         utils.launch(grid_x, grid_y, grid_z, stream, function, self.launch_cooperative_grid, self.launch_pdl,

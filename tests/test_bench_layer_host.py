@@ -157,3 +157,30 @@ def test_a_kernel_that_cannot_compile_is_not_measured_and_says_why(monkeypatch):
     res = triton_launch_path.measure_in_subprocess(["layer:fp8_hybrid"], 32, 64, 64, 1, 1, timeout_s=120)
     # no rows, no figures: why, and where it ran (commit, machine, torch)
     assert set(res) == {"not_measured", "commit", "machine", "torch"} and "ptxas" in res["not_measured"].lower(), res
+
+
+def test_the_stand_in_for_triton_3_6_s_launcher_refuses_what_its_c_parse_refuses():
+    """benchmarks/no_gpu_driver.NoGpuLauncher checks a recorded launch's arguments as 3.6's C module parses them:
+    one per parameter, constexprs included; a pointer None, an int or a tensor; an integer kind an int in range;
+    a float kind a number. Each wrong argument is a TypeError naming its position."""
+    from types import SimpleNamespace
+
+    import torch
+    from no_gpu_driver import NoGpuLauncher
+
+    pytest.importorskip("triton")
+    src = SimpleNamespace(signature={"x_ptr": "*fp32", "n": "i32", "scale": "fp32", "flag": "u1",
+                                     "BLOCK": "constexpr"})
+    metadata = SimpleNamespace(global_scratch_size=0, global_scratch_align=1, profile_scratch_size=0,
+                               profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=False)
+    launcher = NoGpuLauncher(src, metadata)
+    x = torch.zeros(4)
+    launcher.check((x, 2 ** 31 - 1, 0.5, True, object()))  # (a constexpr slot takes anything)
+    launcher.check((None, -2 ** 31, 1, 0, 64))
+    for index, wrong in ((0, "a string"), (1, 2 ** 31), (1, 1.0), (2, "1"), (3, -1)):
+        args = [x, 1, 0.5, True, 64]
+        args[index] = wrong
+        with pytest.raises(TypeError, match=f"argument {index} "):
+            launcher.check(tuple(args))
+    with pytest.raises(TypeError, match="4 kernel arguments for a signature of 5"):
+        launcher.check((x, 1, 0.5, True))
