@@ -305,8 +305,9 @@ class SnipLinear(nn.Linear):
             spec = custom_ops.op_spec(prec, self.quant_config)
             if x.numel() // x.shape[-1] % 16 == 0 and fp8_traced.applies(spec, self.amax_reduce is not None, x, w):
                 return fp8_traced.Fp8Linear.apply(x, w, bias)
-            spec = spec + ";" + custom_ops.kept_operands(spec, x, w)
-            return custom_ops.quantized_linear(x, w, bias, spec, self.op_handle)[0]
+            kept = custom_ops.kept_operands(spec, x, w)
+            return custom_ops.quantized_linear(x, w, bias, custom_ops.op_spec(prec, self.quant_config, kept),
+                                               self.op_handle)[0]
         y = quantized_linear(x, w, bias, prec, self.quant_config, self.generator, self.amax_reduce, self.step_memo)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
