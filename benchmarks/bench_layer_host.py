@@ -49,10 +49,16 @@ counted without one. Per row:
 * ``syncs``: host reads of a tensor's value in a step (``HostReads``; compiled: the value-dependent operators in
   the profile).
 * ``saved_bytes``: bytes autograd keeps between forward and backward (``saved_tensors_hooks``; each storage once,
-  parameters' storages not counted, a subclass by its inner tensors).
-* ``peak_bytes``: the peak of the bytes allocated during a step above what was allocated before it (the CPU
-  allocator's records in a memory profile; on CUDA ``max_memory_allocated``): parameters are not counted,
-  their gradients are.
+  parameters' storages not counted, a subclass by its inner tensors); eager, ``saved_linear_only_bytes``: those
+  only the linear layers keep (:func:`where_bytes.saved_by_owner`), the rest being what the recipe leaves alone.
+* ``peak_bytes``: the peak of the bytes allocated during a step above what was allocated before it, parameters
+  not counted, their gradients counted. Eager on a CPU: the live tensors' bytes (:class:`where_bytes.PeakLive`;
+  ``peak_op``, the operator whose outputs reached it; ``peak_held``, what was live then and what made it).
+  Compiled on a CPU: ``peak_alloc_bytes``, the CPU allocator's records in a memory profile, its kernels' scratch
+  included; ``peak_alloc_outliving_bytes`` the same without the bytes an ``aten::`` operator allocates and frees
+  inside its own call (:func:`where_bytes.allocator_peaks`; eager, it equals the live tensors' peak),
+  ``peak_alloc_scratch_bytes`` that scratch at the peak, ``peak_alloc_in`` the operators whose call reached it.
+  On CUDA: ``max_memory_allocated``.
 * ``*_ratio_vs_bf16``: over ``bf16``'s in the same scope and mode, the same run.
 """
 from __future__ import annotations
@@ -82,10 +88,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from snip_ds.backend import torch_native  # noqa: E402
 from snip_ds.runtime.fileio import atomic_write_text  # noqa: E402
-from snip_ds.backend.dispatch_audit import (HostReads, LiveBytes, OpCounter, OpCounts,  # noqa: E402
+from snip_ds.backend.dispatch_audit import (HostReads, OpCounter, OpCounts,  # noqa: E402
                                             patch_triton_launches, profiled_host_reads, profiled_kernels)
 from snip_ds.linear import SnipLinear  # noqa: E402
 from snip_ds.quant_config import QuantConfig  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from where_bytes import PeakLive, allocator_peaks, is_linear, saved_by_owner  # noqa: E402
+from where_bytes import markdown as where_bytes_markdown  # noqa: E402
 
 SNIP = {  # name: (precision, config)
     "fp8_hybrid": ("fp8", QuantConfig(backend="torch")),
@@ -244,62 +254,23 @@ class Step:
 
 # ------------------------------------------------------------------------------------------------ the figures
 
-def _inner(t: torch.Tensor):
-    """The plain tensors a tensor subclass holds (its ``__tensor_flatten__``), or the tensor itself."""
-    if type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__ or not hasattr(t, "__tensor_flatten__"):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    return [leaf for name in names for leaf in _inner(getattr(t, name))]
-
-
-def saved_bytes(step: Step) -> dict:
-    """Bytes of the storages autograd keeps for backward over one step's forward, each storage once, the
-    parameters' not; and what they are."""
-    params = {p.untyped_storage().data_ptr() for p in step.params}
-    seen, kept = set(), []
-
-    def pack(t):
-        for leaf in _inner(t):
-            ptr = leaf.untyped_storage().data_ptr()
-            if ptr in params or ptr in seen or leaf.numel() == 0:
-                continue
-            seen.add(ptr)
-            kept.append((tuple(leaf.shape), str(leaf.dtype).replace("torch.", ""), leaf.untyped_storage().nbytes()))
-        return t
-
-    step(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-    return {"bytes": sum(b for *_, b in kept), "tensors": sorted(kept, key=lambda e: -e[2])}
-
-
-def peak_tensor_bytes(step: Step) -> int:
-    """Peak bytes of the tensors one eager step allocates (:class:`LiveBytes`: what they hold, not the CPU
-    kernels' own scratch)."""
-    with LiveBytes() as mem:
-        step()
-    return mem.peak
-
-
-def peak_bytes(step: Step, device: str) -> int:
-    """Peak bytes allocated during one step above what was allocated before it: on CUDA the caching
-    allocator's, on a CPU the CPU allocator's records in a memory profile (its kernels' scratch included)."""
+def peak_bytes(step: Step, device: str) -> dict:
+    """Peak bytes allocated during one step above what was allocated before it (``peak_bytes``): on CUDA the
+    caching allocator's; on a CPU the CPU allocator's records in a memory profile (its kernels' scratch included),
+    with the peak of what outlives the operator calls that allocated it
+    (:func:`where_bytes.allocator_peaks`)."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         step()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
+        return {"peak_bytes": torch.cuda.max_memory_allocated() - before}
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    live = peak = 0
-    for _, nbytes in records:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return allocator_peaks(prof)
 
 
 def profiled(step: Step, device: str, steps: int) -> dict:
@@ -435,11 +406,21 @@ def measure(scope: str, variant: str, mode: str, args, device: str):
             row["sync_sites"] = sorted({str(r) for r in reads.reads})
         else:
             row["syncs"] = prof["syncs"]
-        kept = saved_bytes(step)
+        linears = [m for m in module.modules() if is_linear(m)] if mode == "eager" else []
+        kept = saved_by_owner(step, step.params, linears)  # (compiled: no hooks on the compiled modules)
         row["saved_bytes"], row["saved"] = kept["bytes"], kept["tensors"]
-        row["peak_alloc_bytes"] = peak_bytes(step, device)
+        if linears:
+            row["saved_linear_only_bytes"] = kept["linear_only_bytes"]
+        alloc = peak_bytes(step, device)
+        row["peak_alloc_bytes"] = alloc["peak_bytes"]
+        if "outliving_peak_bytes" in alloc:
+            row["peak_alloc_outliving_bytes"] = alloc["outliving_peak_bytes"]
+            row["peak_alloc_scratch_bytes"], row["peak_alloc_in"] = alloc["scratch_at_peak_bytes"], alloc["peak_in"]
         if device == "cpu" and mode == "eager":
-            row["peak_bytes"], row["peak_method"] = peak_tensor_bytes(step), "tensors"
+            with PeakLive() as mem:
+                step()
+            row["peak_bytes"], row["peak_method"] = mem.peak, "tensors"
+            row["peak_op"], row["peak_held"] = mem.peak_op, mem.at_peak
         else:
             row["peak_bytes"], row["peak_method"] = row["peak_alloc_bytes"], "allocator"
         if device == "cpu" and (scope, variant) not in _MATRIX_OPS:  # (recorded once: the same for both modes)
@@ -493,7 +474,8 @@ def add_ratios(rows: list) -> None:
         b = base.get((r["scope"], r["mode"]))
         if b is None or "error" in r:
             continue
-        for key in ("host_us", "step_us", "saved_bytes", "peak_bytes", "host_with_triton_us"):
+        for key in ("host_us", "step_us", "saved_bytes", "peak_bytes", "host_with_triton_us",
+                    "peak_alloc_outliving_bytes"):
             if key not in r:
                 continue
             name = key.replace("_us", "") + "_ratio_vs_bf16"
@@ -768,11 +750,14 @@ def markdown(res: dict) -> str:
             ops = ", ".join(f"`{op}` {c:g}" for op, c in r["by_op"].items())
             lines.append(f"| {r['scope']} | {r['mode']} | {r['variant']} | {ops} |")
     lines += ["", "## What autograd keeps for backward (eager)", "",
-              "| scope | variant | tensors kept (shape dtype bytes), parameters not counted |", "|---|---|---|"]
+              "| scope | variant | tensors kept (shape dtype bytes; (linear): kept only by the linears, (both): by them "
+              "and another operator), parameters not counted |", "|---|---|---|"]
     for r in res["rows"]:
         if "error" not in r and r["mode"] == "eager":
-            kept = ", ".join(f"{list(s)} {d} {b}" for s, d, b in r["saved"])
+            kept = ", ".join(f"{shape} {dtype} {nbytes}{'' if who == 'other' else f' ({who})'}"
+                             for nbytes, shape, dtype, who in r["saved"])
             lines.append(f"| {r['scope']} | {r['variant']} | {kept} |")
+    lines += where_bytes_markdown(res["rows"])
     tops = [r for r in res["rows"] if "python_top" in r]
     if tops:
         lines += ["", "## Python functions with the most own time (cProfile, µs per step, eager)", ""]

@@ -57,8 +57,18 @@ def test_a_short_run_writes_every_row_with_its_fields(tmp_path):
     assert set(fp8["arithmetic_by_op"]) == {"aten::_scaled_mm"}
     assert {"aten::_scaled_mm", "aten::_scaled_dot_product_flash_attention_for_cpu"} <= set(
         rows["block", "fp8_hybrid"]["arithmetic_by_op"])
+    # where the bytes are: the block's linears keep fewer under fp8_hybrid, and what the rest keeps is unchanged
+    block_bf16, block_fp8 = rows["block", "bf16"], rows["block", "fp8_hybrid"]
+    assert 0 < block_fp8["saved_linear_only_bytes"] < block_bf16["saved_linear_only_bytes"]
+    assert (block_fp8["saved_bytes"] - block_fp8["saved_linear_only_bytes"]
+            == block_bf16["saved_bytes"] - block_bf16["saved_linear_only_bytes"] > 0)
+    # two measures of an eager step's peak agree: the live tensors' bytes (dispatch), and the CPU allocator's
+    # bytes that outlive the operator call that allocated them
+    for r in rows.values():
+        assert r["peak_alloc_outliving_bytes"] == r["peak_bytes"] <= r["peak_alloc_bytes"]
+        assert r["peak_op"]["phase"] in ("forward", "backward") and sum(e[0] for e in r["peak_held"]) == r["peak_bytes"]
     text = (tmp_path / "bench_layer_host.md").read_text()
-    assert res["commit"] in text and "| block | eager | fp8_hybrid |" in text
+    assert res["commit"] in text and "| block | eager | fp8_hybrid |" in text and "## Where the bytes are" in text
     # Triton's own launch path: measured in a process of its own for the rows that launch snip_ds's kernels
     assert "not_measured" not in res["triton_launch_path"], res["triton_launch_path"]
     for r in rows.values():
