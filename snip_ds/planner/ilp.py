@@ -26,6 +26,7 @@ import mip
 
 from snip_ds.options import reads
 from snip_ds.plan import Plan
+from snip_ds.planner.crash_handlers import kept_crash_handlers
 from snip_ds.planner.greedy import greedy_plan
 from snip_ds.planner.problem import (Problem, Unit, build_problem, check_allowed, check_reachable, check_share,
                                      is_number)
@@ -42,8 +43,9 @@ LARGE_INSTANCE_GAP = 1e-3
 
 
 def _optimize(model: mip.Model, time_limit: float) -> mip.OptimizationStatus:
-    """Runs CBC (a seam so tests can force solver failures)."""
-    return model.optimize(max_seconds=time_limit)
+    """Runs CBC (a seam so tests can force solver failures), the process's crash handlers kept."""
+    with kept_crash_handlers():
+        return model.optimize(max_seconds=time_limit)
 
 
 def _reduced_choices(prob: Problem, u: Unit, compute_budget: float | None) -> tuple[str, ...]:
@@ -168,7 +170,9 @@ def _bound_the_gap(model: mip.Model, mip_gap: float, time_limit: float) -> float
     model's constant (the ``1 - x`` terms), which can be far larger than the regret, so the gap is set as an
     absolute one: ``mip_gap`` times the LP relaxation's optimum, a lower bound on the optimum."""
     start = time.perf_counter()
-    if model.optimize(relax=True, max_seconds=time_limit) == mip.OptimizationStatus.OPTIMAL:
+    with kept_crash_handlers():
+        status = model.optimize(relax=True, max_seconds=time_limit)
+    if status == mip.OptimizationStatus.OPTIMAL:
         model.max_mip_gap_abs = max(mip_gap * model.objective_value, 1e-12)
     model.max_mip_gap = EXACT_GAP
     return max(time_limit - (time.perf_counter() - start), 1e-3)
