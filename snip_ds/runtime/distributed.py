@@ -21,6 +21,21 @@ def world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
+# The tensors handed to this module's last collective, referenced until its next one. gloo's worker thread drops
+# its own references to a finished collective's tensors a moment after the caller's wait returns; a tensor whose
+# Python object the caller has freed by then is freed by that thread, which must take the GIL for it -- and
+# during the interpreter's exit it cannot: the process aborts (seen once, a one-rank run whose last call was
+# train_step's loss mean). Referenced here, they are freed by the next collective's caller, or by the interpreter
+# itself at exit, long after the worker let go.
+_LAST_HANDED: tuple = ()
+
+
+def _handed(*tensors: Any) -> None:
+    """Keeps the tensors (or lists of them) just handed to a collective referenced until the next one."""
+    global _LAST_HANDED
+    _LAST_HANDED = tensors
+
+
 def _device(group: Any = None) -> torch.device:
     """The device collectives must use: CUDA for NCCL, CPU otherwise."""
     if is_initialized() and dist.get_backend(group) == "nccl":
@@ -34,6 +49,7 @@ def dist_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
         return t.clone()
     buf = t.detach().to(_device(group), dtype=torch.float64 if t.is_floating_point() else t.dtype, copy=True)
     dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    _handed(buf)
     return buf.to(t.device, t.dtype)
 
 
@@ -48,6 +64,7 @@ def dist_max_flag(flag: bool, group: Any = None) -> bool:
         return flag
     buf = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_device(group))
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    _handed(buf)
     return bool(buf.item())
 
 
@@ -67,6 +84,7 @@ def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
     if rank(group) == src:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     dist.broadcast(buf, src=root, group=group)
+    _handed(size, buf)
     return json.loads(buf.cpu().numpy().tobytes().decode())
 
 
@@ -79,6 +97,7 @@ def agree(text: str, group: Any = None) -> bool:
     hi = lo.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    _handed(lo, hi)
     return bool(lo.item() == hi.item() == h)
 
 
@@ -90,13 +109,15 @@ def all_gather_json(obj: Any, group: Any = None) -> list:
     payload = json.dumps(obj, sort_keys=True).encode()
     n = world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64, device=device), group=group)
+    mine = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.all_gather(sizes, mine, group=group)
     longest = max(int(s.item()) for s in sizes)
     buf = torch.zeros(longest, dtype=torch.uint8, device=device)
     if payload:
         buf[:len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(n)]
     dist.all_gather(bufs, buf, group=group)
+    _handed(sizes, mine, bufs, buf)
     return [json.loads(b[:int(s.item())].cpu().numpy().tobytes().decode()) for b, s in zip(bufs, sizes)]
 
 
