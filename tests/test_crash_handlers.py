@@ -31,11 +31,13 @@ def _records():
 
 
 def test_a_solve_leaves_the_crash_handlers_as_they_were(monkeypatch):
+    before = saved_handlers()  # (whatever earlier tests left: a test's own unguarded CBC call installs CBC's)
     was_enabled = faulthandler.is_enabled()
-    faulthandler.enable()  # handlers of Python's own on the fatal signals
-    before = saved_handlers()
+    faulthandler.disable()
+    faulthandler.enable()  # Python's own handlers on the fatal signals, installed anew
     try:
-        assert set(before) == {int(s) for s in FATAL_SIGNALS}
+        saved = saved_handlers()
+        assert set(saved) == {int(s) for s in FATAL_SIGNALS}
         expected = _records()
         plan = _solve()
         assert _records() == expected
@@ -44,11 +46,11 @@ def test_a_solve_leaves_the_crash_handlers_as_they_were(monkeypatch):
         monkeypatch.setattr(ilp, "kept_crash_handlers", contextlib.nullcontext)
         _solve()
         assert _records() != expected
+        restore_handlers(saved)
     finally:
-        restore_handlers(before)
         if not was_enabled:
             faulthandler.disable()
-    assert _records() == expected
+        restore_handlers(before)
 
 
 def test_a_crash_after_a_solve_is_reported_as_itself(tmp_path):

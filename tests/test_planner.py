@@ -9,6 +9,7 @@ import mip
 import pytest
 
 import snip_ds.planner.ilp as ilp
+from snip_ds.planner.crash_handlers import kept_crash_handlers
 from snip_ds.plan import fp4_share
 from snip_ds.planner import (GEMM_COST, METHODS, CostSettings, SolverSettings, costs_from_stats, quant_err_costs,
                              solve_baseline, solve_plan)
@@ -315,7 +316,8 @@ def test_time_limit_keeps_feasible_solution(monkeypatch):
     costs, flops = _instance(12, 10)
 
     def stopped(model, t):
-        model.optimize(max_seconds=t)
+        with kept_crash_handlers():  # (as the real seam: CBC's handlers do not outlive the solve)
+            model.optimize(max_seconds=t)
         return mip.OptimizationStatus.FEASIBLE  # what CBC reports when it stops with an incumbent
 
     monkeypatch.setattr(ilp, "_optimize", stopped)
