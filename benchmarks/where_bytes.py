@@ -88,8 +88,8 @@ def _in_backward() -> bool:
 class PeakLive(LiveBytes):
     """:class:`LiveBytes` that keeps what was live at the peak: ``at_peak``, ``[bytes, phase, operator, shape,
     dtype]`` per live storage (phase: ``backward`` where autograd's engine ran the operator that allocated it,
-    else ``forward``), and ``peak_op``:
-    the operator whose outputs brought the peak, with its phase and its place among the step's operators."""
+    else ``forward``), and ``peak_op``, the operator whose outputs brought the peak, with its phase and its
+    place among the step's operators."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -120,8 +120,8 @@ class PeakLive(LiveBytes):
 def held_difference(held: List[list], reference: List[list]) -> List[list]:
     """What one peak's live list (:attr:`PeakLive.at_peak`) holds beyond another's, and lacks of it: tensors
     matched by phase, shape, dtype and bytes (whatever operator made them: a GEMM's output is one in either);
-    ``[bytes (negative: lacking), count, phase, operators that made the unmatched ones, shape, dtype]``, the
-    largest first."""
+    ``[bytes (negative: lacking), count, phase, the operators that made that side's tensors of this kind, shape,
+    dtype]``, the largest first."""
     def tally(entries):
         made: Dict[tuple, List[str]] = {}
         for nbytes, phase, op, shape, dtype in entries:
