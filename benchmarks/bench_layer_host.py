@@ -93,7 +93,6 @@ from snip_ds.backend.dispatch_audit import (HostReads, OpCounter, OpCounts,  # n
 from snip_ds.linear import SnipLinear  # noqa: E402
 from snip_ds.quant_config import QuantConfig  # noqa: E402
 
-sys.path.insert(0, str(REPO / "benchmarks"))
 from where_bytes import PeakLive, allocator_peaks, is_linear, saved_by_owner  # noqa: E402
 from where_bytes import markdown as where_bytes_markdown  # noqa: E402
 

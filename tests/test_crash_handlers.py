@@ -6,12 +6,14 @@ import faulthandler
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 import snip_ds.planner.ilp as ilp
 from snip_ds.planner import SolverSettings, solve_plan
 from snip_ds.planner.crash_handlers import FATAL_SIGNALS, restore_handlers, saved_handlers
+from train_utils import REPO, env
 
 pytestmark = pytest.mark.skipif(saved_handlers() is None, reason="no sigaction in this C library")
 
@@ -53,17 +55,16 @@ def test_a_solve_leaves_the_crash_handlers_as_they_were(monkeypatch):
         restore_handlers(before)
 
 
-def test_a_crash_after_a_solve_is_reported_as_itself(tmp_path):
+def test_a_crash_after_a_solve_is_reported_as_itself():
     script = textwrap.dedent(f"""
         import os, sys
-        sys.path.insert(0, {str(tmp_path)!r})
-        from solve import solve
-        solve()
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_crash_handlers import _solve
+        _solve()
         sys.stderr.write("solved\\n"); sys.stderr.flush()
         os.abort()
     """)
-    (tmp_path / "solve.py").write_text("import test_crash_handlers\nsolve = test_crash_handlers._solve\n")
     proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": ":".join(sys.path)})
+                          timeout=120, env=env(), cwd=REPO)
     assert proc.returncode != 0 and "solved" in proc.stderr, proc.stderr[-2000:]
     assert "Fatal Python error: Aborted" in proc.stderr and "Cbc" not in proc.stderr, proc.stderr[-2000:]
